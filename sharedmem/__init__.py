@@ -1,0 +1,34 @@
+"""sharedmem: one owner for GPU memory shared by CuPy (SIMT) and cuTile (Tile) kernels.
+
+Typed buffers and Tile tensors share allocation tokens; zero-copy moves
+(``Tensor.from_buffer`` / ``into_buffer`` / ``as_buffer``) reject live aliases;
+every launch holds leases on its memory until the device is done. This module
+only re-exports; each concept lives in its own module. Importing it imports no
+GPU library.
+"""
+
+from .access import get_access_policy, set_access_policy
+from .allocation import Allocation, lookup_allocation
+from .buffer import Buffer, DeviceBox
+from .device import Device, default_device
+from .errors import (AccessConflictError, AliasError, BackendUnavailableError,
+                     CompletionUnknownError, DeviceMismatchError, KernelError, LayoutError,
+                     LeakWarning, MovedError, ReleasedError, SharedMemError, SharedMemWarning)
+from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,
+                     register_kernel_adapter)
+from .runtime.future import DeviceFuture, HostFuture
+from .stats import Stats, stats, synchronize
+from .stream import Event, Stream
+from .tensor import Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
+    "Buffer", "CompletionUnknownError", "Device", "DeviceBox", "DeviceFuture",
+    "DeviceMismatchError", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
+    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
+    "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
+    "get_access_policy", "host_kernel", "launch", "lookup_allocation", "register_kernel_adapter",
+    "set_access_policy", "stats", "synchronize", "__version__",
+]

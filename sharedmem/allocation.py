@@ -1,0 +1,406 @@
+"""Allocations, view tokens and the process-wide allocation registry.
+
+An :class:`Allocation` is the identity of a range of device memory. Every
+user-visible handle on it (a :class:`~sharedmem.Buffer`, a slice, a
+:class:`~sharedmem.Tensor`, a borrow, a DLPack export, a CuPy array made by
+``as_cupy``) holds one :class:`ViewToken`. The live tokens are what a zero-copy
+move checks for aliases; completion leases (see :mod:`sharedmem.access`) are
+kept apart and never count as aliases.
+
+What keeps memory valid:
+
+* An allocation made by sharedmem **owns** its memory (``Allocation.owner``, a
+  pool block); the memory returns to the pool when the last reference to the
+  allocation is gone. Views hold the allocation; so does every submission
+  until the GPU has finished it. Hence: holding a view means its bytes stay
+  valid, and a lease keeps its allocation until its completion is known.
+* A foreign allocation (memory imported from CuPy, DLPack, CAI, NumPy)
+  **borrows** its memory: each view and each lease keeps the producer object
+  alive through its ``keep`` reference; the allocation itself is only the
+  identity used to see aliases across wrappers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import sys
+import threading
+import weakref
+
+from ._sync import core_lock, locked, run_or_stage
+from .access import AccessTracker
+from .errors import AliasError, MovedError, ReleasedError
+
+__all__ = ["Allocation", "ViewToken", "lookup_allocation", "TRACK_ORIGINS"]
+
+#: Record the ``file:line`` that created each view, for AliasError messages.
+#: Read from ``SHAREDMEM_TRACK_ORIGINS`` at import; tests may set it directly.
+TRACK_ORIGINS = os.environ.get("SHAREDMEM_TRACK_ORIGINS", "") not in ("", "0")
+
+_PACKAGE_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p))
+    for p in (__file__, os.path.join(os.path.dirname(__file__), "..", "interop", "x"))
+)
+
+
+def _origin() -> str | None:
+    """``file:line`` of the innermost frame outside sharedmem and interop."""
+    if not TRACK_ORIGINS:
+        return None
+    f = sys._getframe(1)
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if not fn.startswith(_PACKAGE_DIRS):
+            return f"{os.path.relpath(fn) if not fn.startswith('..') else fn}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+_ids = itertools.count(1)  # next() on a count is atomic under the GIL
+
+# Global counter of live view tokens. guarded by core_lock
+_live_views = 0
+
+
+def live_view_count() -> int:
+    with locked():
+        return _live_views
+
+
+class ViewToken:
+    """One live view of bytes ``[start, stop)`` of an allocation.
+
+    Owns nothing but its place in ``allocation._views``; it keeps the
+    allocation (and, through ``keep``, a foreign producer) alive.
+    Released exactly once: by ``release()``, by the handle's destructor, or by
+    a consumer's DLPack deleter. Moves re-label it instead of releasing it.
+    """
+
+    __slots__ = ("allocation", "kind", "start", "stop", "writable", "origin", "keep", "live")
+
+    def __init__(self, allocation, kind, start, stop, writable, keep, origin=None):
+        self.allocation = allocation
+        self.kind = kind  # guarded by core_lock (re-labelled by moves)
+        self.start = start
+        self.stop = stop
+        self.writable = writable
+        self.keep = keep
+        self.origin = origin
+        self.live = False  # guarded by core_lock
+
+    def describe(self) -> str:
+        where = f" (created at {self.origin})" if self.origin else ""
+        ro = "" if self.writable or "read-only" in self.kind else "read-only "
+        return (f"{ro}{self.kind}, bytes [{self.start}, {self.stop}) of allocation "
+                f"#{self.allocation.id}{where}")
+
+    def release(self) -> None:
+        """Release this token; idempotent, never blocks (see ``_sync``)."""
+        if self.live:
+            run_or_stage(_release_locked, self)
+
+
+def _release_locked(tok: ViewToken) -> None:
+    global _live_views
+    if tok.live:
+        tok.live = False
+        del tok.allocation._views[id(tok)]
+        _live_views -= 1
+        tok.keep = None
+
+
+def _add_locked(tok: ViewToken) -> ViewToken:
+    global _live_views
+    tok.live = True
+    tok.allocation._views[id(tok)] = tok
+    _live_views += 1
+    return tok
+
+
+class Allocation:
+    """The identity of one range of device memory.
+
+    Attributes: ``id`` (unique in the process), ``device``, ``ptr``,
+    ``nbytes``, ``owner`` (the pool block this allocation owns, or ``None``
+    when the memory is foreign and kept alive by its views' producers),
+    ``source`` (a short word: ``"sharedmem"``, ``"cupy"``, ``"dlpack"``...),
+    ``tracker`` (the :class:`~sharedmem.access.AccessTracker` of its leases).
+    """
+
+    __slots__ = ("id", "device", "ptr", "nbytes", "owner", "source", "tracker",
+                 "_views", "_retainers", "__weakref__")
+
+    def __init__(self, device, ptr: int, nbytes: int, owner=None, source="sharedmem"):
+        self.id = next(_ids)
+        self.device = device
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.owner = owner
+        self.source = source
+        self.tracker = AccessTracker()
+        self._views: dict[int, ViewToken] = {}  # guarded by core_lock
+        # Objects (graphs) that may touch this memory again; each counts as an
+        # alias for moves. weakref.WeakSet; guarded by core_lock.
+        self._retainers = None
+        _registry.register(self)
+
+    def __repr__(self) -> str:
+        return (f"<Allocation #{self.id} {self.source} on {self.device} ptr=0x{self.ptr:x} "
+                f"nbytes={self.nbytes} live_views={self.live_views}>")
+
+    @property
+    def live_views(self) -> int:
+        """Number of live view tokens (not counting completion leases)."""
+        with locked():
+            return len(self._views)
+
+    def views(self) -> list[str]:
+        """A description of every live view, in creation order."""
+        with locked():
+            return [t.describe() for t in self._views.values()]
+
+    # -- tokens ---------------------------------------------------------
+    def new_token(self, kind: str, start: int, stop: int, writable: bool, keep) -> ViewToken:
+        tok = ViewToken(self, kind, start, stop, writable, keep, _origin())
+        with locked():
+            return _add_locked(tok)
+
+    def retain_for(self, retainer) -> None:
+        """Count ``retainer`` (an object with a ``describe()``) as a live alias
+        of the whole allocation while it lives. Used by graphs."""
+        with locked():
+            if self._retainers is None:
+                self._retainers = weakref.WeakSet()
+            self._retainers.add(retainer)
+
+    def conflicts_locked(self, start: int, stop: int, writable: bool, exclude) -> list[str]:
+        """Descriptions of live views that alias bytes ``[start, stop)`` for a
+        move that leaves the moved range ``writable`` (or read-only).
+        Caller holds core_lock. Empty ranges conflict with nothing; read-only
+        views do not conflict with a read-only move."""
+        out = []
+        if start >= stop:
+            return out
+        for tok in self._views.values():
+            if tok is exclude or tok.start >= tok.stop:
+                continue
+            if tok.start < stop and start < tok.stop and (writable or tok.writable):
+                out.append(tok.describe())
+        if self._retainers:
+            out.extend(r.describe() for r in list(self._retainers))
+        return out
+
+
+# -- the registry -------------------------------------------------------------
+class _Registry:
+    """Maps live device address ranges to allocations (weakly).
+
+    Ranges may nest: a foreign allocation over a whole driver allocation (a
+    CuPy pool arena) can contain allocations of ours. A lookup returns the
+    innermost live allocation that contains the range.
+
+    Its lock is a leaf: nothing else is called while it is held, so it may be
+    taken under core_lock. Entries of dead allocations are dropped lazily.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # device key -> [sorted list of (start, id), {(start, id): weakref}, max nbytes]
+        self._maps: dict = {}  # guarded by self._lock
+        self._adds = 0  # guarded by self._lock
+
+    def register(self, alloc: Allocation) -> None:
+        key = (alloc.ptr, alloc.id)
+        with self._lock:
+            entry = self._maps.get(alloc.device.key)
+            if entry is None:
+                entry = self._maps[alloc.device.key] = [[], {}, 0]
+            bisect.insort(entry[0], key)
+            entry[1][key] = weakref.ref(alloc)
+            entry[2] = max(entry[2], alloc.nbytes)
+            self._adds += 1
+            if self._adds % 4096 == 0:
+                self._purge_locked()
+
+    def _purge_locked(self) -> None:
+        for entry in self._maps.values():
+            refs = entry[1]
+            dead = [k for k, r in refs.items() if r() is None]
+            for k in dead:
+                del refs[k]
+            if dead:
+                entry[0][:] = sorted(refs)
+
+    def lookup(self, device, ptr: int, nbytes: int) -> Allocation | None:
+        """The innermost live allocation containing ``[ptr, ptr + nbytes)``."""
+        with self._lock:
+            entry = self._maps.get(device.key)
+            if entry is None:
+                return None
+            keys, refs, max_len = entry
+            i = bisect.bisect_right(keys, (ptr, float("inf"))) - 1
+            best = None
+            while i >= 0 and keys[i][0] + max_len >= ptr:
+                a = refs[keys[i]]()
+                if a is not None and a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                    if best is None or a.nbytes < best.nbytes:
+                        best = a
+                i -= 1
+            return best
+
+    def lookup_or_create(self, device, ptr: int, nbytes: int, factory) -> Allocation:
+        """Find the allocation containing the range or create one with
+        ``factory()``; atomic with respect to other callers."""
+        with _create_lock:
+            a = self.lookup(device, ptr, nbytes)
+            if a is None:
+                a = factory()
+            return a
+
+    def live_count(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._maps.values() for r in e[1].values() if r() is not None)
+
+
+_registry = _Registry()
+_create_lock = threading.Lock()  # serializes lookup_or_create; a leaf above _registry._lock
+
+
+def lookup_allocation(device, ptr: int, nbytes: int = 1) -> Allocation | None:
+    """The live allocation (ours or foreign) containing ``[ptr, ptr+nbytes)``
+    on ``device``, or ``None``."""
+    return _registry.lookup(device, ptr, nbytes)
+
+
+def import_allocation(device, ptr: int, nbytes: int, source: str, region=None) -> Allocation:
+    """The allocation for foreign memory ``[ptr, ptr+nbytes)``: an existing one
+    that contains it (so one range imported twice is one allocation), else a
+    new foreign allocation over ``region`` (``(start, size)`` of the enclosing
+    driver allocation when known) or over the range itself."""
+    start, size = region if region is not None else (ptr, nbytes)
+    return _registry.lookup_or_create(
+        device, ptr, nbytes, lambda: Allocation(device, start, size, None, source))
+
+
+def live_allocation_count() -> int:
+    return _registry.live_count()
+
+
+# -- the handle base -----------------------------------------------------------
+_LIVE, _RELEASED, _MOVED = 0, 1, 2
+
+
+class View:
+    """Base of user-visible handles: one view token on an allocation.
+
+    A handle *borrows* its bytes from its allocation and keeps them valid while
+    it lives. ``release()`` (or leaving ``with``) gives the token back at once;
+    garbage collection does the same later. Any use after that raises
+    :class:`~sharedmem.errors.ReleasedError`, or :class:`MovedError` when the
+    storage was moved to another handle.
+    """
+
+    __slots__ = ("_token", "_state", "_moved_to", "__weakref__")
+
+    _kind = "view"
+
+    def _init_view(self, token: ViewToken) -> None:
+        self._token = token
+        self._state = _LIVE
+        self._moved_to = None
+
+    # -- state --------------------------------------------------------------
+    def _live_token(self) -> ViewToken:
+        tok = self._token
+        if self._state != _LIVE:
+            self._raise_dead()
+        return tok
+
+    def _raise_dead(self):
+        name = type(self).__name__
+        if self._state == _MOVED:
+            raise MovedError(
+                f"this {name} was moved into a {self._moved_to} and can no longer be used; "
+                f"use the {self._moved_to} the move returned")
+        raise ReleasedError(
+            f"this {name} was released and can no longer be used; keep a live view "
+            f"(or make a new one) instead")
+
+    @property
+    def is_live(self) -> bool:
+        """False once released or moved."""
+        return self._state == _LIVE
+
+    @property
+    def allocation(self) -> Allocation:
+        """The :class:`Allocation` these bytes belong to."""
+        return self._live_token().allocation
+
+    @property
+    def device(self):
+        return self._live_token().allocation.device
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the first byte."""
+        tok = self._live_token()
+        return tok.allocation.ptr + tok.start
+
+    @property
+    def readonly(self) -> bool:
+        return not self._live_token().writable
+
+    def release(self) -> None:
+        """Give this view's token back now. Idempotent; never waits for the
+        GPU (work in flight keeps the memory through its own leases)."""
+        if self._state == _LIVE:
+            self._state = _RELEASED
+            self._token.release()
+
+    def __enter__(self):
+        self._live_token()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        # Never blocks, never waits for the GPU; nothing to do at interpreter exit.
+        try:
+            if self._state == _LIVE and not sys.is_finalizing():
+                self._token.release()
+        except AttributeError:  # half-constructed
+            pass
+
+    # -- moves --------------------------------------------------------------
+    def _move_token(self, target_kind: str, target_name: str, start=None, stop=None) -> ViewToken:
+        """Check that no other live view aliases this handle's bytes and hand
+        its token over (re-labelled ``target_kind``). On failure nothing
+        changes and :class:`AliasError` lists the aliases."""
+        tok = self._live_token()
+        with locked():
+            if self._state != _LIVE:
+                self._raise_dead()
+            others = tok.allocation.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
+            if others:
+                name = type(self).__name__
+                lines = "\n".join(f"  - {d}" for d in others)
+                hint = "" if TRACK_ORIGINS else (
+                    "\n(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
+                raise AliasError(
+                    f"cannot move {self._describe_short()} into a {target_name}: "
+                    f"{len(others)} other live view{'s' if len(others) != 1 else ''} "
+                    f"of its bytes exist{'s' if len(others) == 1 else ''}:\n{lines}\n"
+                    f"Release them (call .release(), leave their `with` block, or drop every "
+                    f"reference) and try again, or copy instead of moving.{hint}",
+                    tuple(others))
+            tok.kind = target_kind
+            self._state = _MOVED
+            self._moved_to = target_name
+        return tok
+
+    def _describe_short(self) -> str:  # overridden
+        tok = self._token
+        return f"{type(self).__name__} (bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id})"

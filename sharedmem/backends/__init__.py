@@ -1,0 +1,1 @@
+"""Backends: ``host`` (no GPU needed) and ``cuda`` (cuda.bindings + CuPy's pool)."""

@@ -1,0 +1,281 @@
+"""The host backend: "device" memory in host RAM, every stream a worker thread.
+
+It runs the same ownership core as the CUDA backend, with real asynchrony, so
+every ownership, lease and retirement rule is exercised on machines without a
+GPU. Pointers are real host addresses, so NumPy can consume exports by DLPack.
+
+* Memory comes from :class:`HostPool`, which -- like CuPy's pool -- hands a
+  freed block out again at once to the next request of the same size class.
+  Freeing early would therefore corrupt results, which is what the tests
+  would notice.
+* A stream is a FIFO of tasks run by one daemon thread. A task that raises
+  *faults* the stream, like a sticky CUDA error: that task and every later
+  one on the stream have unknown completion (their markers say so), and the
+  stream runs nothing more.
+* Markers (:class:`HostMarker`) are set by the worker when a task has run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import sys
+import threading
+
+import numpy as np
+
+from ..errors import CompletionUnknownError
+
+__all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
+
+PENDING, DONE, UNKNOWN = 0, 1, 2
+_ALIGN = 256
+
+
+def host_array(ptr: int, nbytes: int) -> np.ndarray:
+    """A writable ``uint8`` NumPy array over host memory ``[ptr, ptr+nbytes)``.
+    Keeps nothing alive: the caller must keep the memory valid."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.frombuffer((ctypes.c_ubyte * nbytes).from_address(ptr), dtype=np.uint8)
+
+
+class HostBlock:
+    """A block of the host pool. Owns its memory: when the block is garbage
+    collected it goes back to the pool (never at interpreter exit)."""
+
+    __slots__ = ("ptr", "nbytes", "_raw", "_pool", "_size_class")
+
+    def __init__(self, raw: np.ndarray, ptr: int, nbytes: int, pool, size_class: int):
+        self._raw = raw
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self._pool = pool
+        self._size_class = size_class
+
+    def __del__(self):
+        if self._raw is not None and not sys.is_finalizing():
+            self._pool._give_back(self._size_class, self._raw)
+            self._raw = None
+
+
+class HostPool:
+    """A size-class pool of 256-byte-aligned host blocks with immediate reuse.
+
+    ``_free`` maps size class -> list of raw arrays; guarded by ``_lock`` (a
+    leaf lock; ``_give_back`` is called from destructors, and only appends).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: dict[int, list] = {}  # guarded by self._lock
+        self.bytes_in_use = 0  # guarded by self._lock
+
+    @staticmethod
+    def _size_class(nbytes: int) -> int:
+        n = max(nbytes, 1)
+        return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+    def allocate(self, nbytes: int) -> HostBlock:
+        sc = self._size_class(nbytes)
+        with self._lock:
+            lst = self._free.get(sc)
+            raw = lst.pop() if lst else None
+            self.bytes_in_use += sc
+        if raw is None:
+            raw = np.empty(sc + _ALIGN, np.uint8)
+        base = raw.ctypes.data
+        ptr = (base + _ALIGN - 1) // _ALIGN * _ALIGN
+        return HostBlock(raw, ptr, nbytes, self, sc)
+
+    def _give_back(self, size_class: int, raw) -> None:
+        with self._lock:
+            self._free.setdefault(size_class, []).append(raw)
+            self.bytes_in_use -= size_class
+
+    def free_all_blocks(self) -> None:
+        """Drop every cached free block (like ``cupy``'s ``free_all_blocks``)."""
+        with self._lock:
+            self._free.clear()
+
+
+class HostMarker:
+    """Completion marker of one task on a host stream.
+
+    ``query()`` returns 0 (pending), 1 (done) or 2 (unknown: the task, or an
+    earlier one on its stream, raised; ``error`` holds why)."""
+
+    __slots__ = ("_event", "error")
+
+    def __init__(self):
+        self._event = threading.Event()
+        self.error = None
+
+    def query(self) -> int:
+        if not self._event.is_set():
+            return PENDING
+        return UNKNOWN if self.error is not None else DONE
+
+    @property
+    def unknown(self) -> bool:
+        return self.error is not None
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the task ran (or failed); False on timeout."""
+        return self._event.wait(timeout)
+
+    def recycle(self) -> None:
+        pass
+
+
+class _Fault(Exception):
+    pass
+
+
+class HostStreamImpl:
+    """A FIFO of tasks run by one daemon thread (``sharedmem-host-stream-N``).
+
+    The worker holds only the queue and its state, never the Stream object,
+    so dropping the Stream is never blocked by its work.
+    """
+
+    _count = 0
+
+    def __init__(self, backend: "HostBackend", name: str | None = None):
+        HostStreamImpl._count += 1
+        self.name = name or f"sharedmem-host-stream-{HostStreamImpl._count}"
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._state = {"fault": None}
+        self._backend = backend
+        t = threading.Thread(target=_worker, args=(self._q, self._state, backend), name=self.name,
+                             daemon=True)
+        t.start()
+
+    @property
+    def handle(self) -> int:
+        return id(self)
+
+    @property
+    def fault(self):
+        """The exception that faulted this stream, or None."""
+        return self._state["fault"]
+
+    def submit(self, fn) -> HostMarker:
+        """Enqueue ``fn()``; returns its marker. Never blocks."""
+        m = HostMarker()
+        self._q.put((fn, m))
+        return m
+
+    def wait_marker(self, marker: HostMarker) -> None:
+        """Make later tasks wait for ``marker`` (a failed marker faults this
+        stream too: what it waited for is unknown)."""
+        def _wait():
+            marker.wait()
+            if marker.error is not None:
+                raise CompletionUnknownError(
+                    f"this stream waited for work whose completion is unknown: {marker.error!r}")
+        self._q.put((_wait, None))
+
+    def synchronize(self) -> None:
+        m = self.submit(_noop)
+        m.wait()
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    def __del__(self):
+        try:
+            self._q.put(None)
+        except Exception:
+            pass
+
+
+def _noop():
+    pass
+
+
+def _worker(q, state, backend) -> None:
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        fn, marker = item
+        item = None
+        if state["fault"] is not None:
+            if marker is not None:
+                marker.error = state["fault"]
+                marker._event.set()
+            continue
+        try:
+            fn()
+        except BaseException as e:  # the kernel faulted: sticky, like a CUDA error
+            state["fault"] = e
+            if marker is not None:
+                marker.error = e
+        fn = None
+        if marker is not None:
+            marker._event.set()
+            marker = None
+            hook = backend.on_progress
+            if hook is not None:
+                hook()
+
+
+class HostBackend:
+    """Memory, streams and copies for :meth:`sharedmem.Device.host`."""
+
+    kind = "host"
+    needs_polling = False  # workers wake the retirer themselves
+
+    def __init__(self):
+        self.pool = HostPool()
+        self.on_progress = None  # set by the runtime: wakes the retirer
+
+    def allocate(self, nbytes: int, stream_impl=None) -> HostBlock:
+        return self.pool.allocate(nbytes)
+
+    def create_stream(self, name=None) -> HostStreamImpl:
+        return HostStreamImpl(self, name)
+
+    def default_stream(self) -> HostStreamImpl:
+        return HostStreamImpl(self, "sharedmem-host-default-stream")
+
+    # Copies run as tasks on a stream; each returns the task's marker.
+    def copy_htod(self, impl: HostStreamImpl, dst_ptr: int, src: np.ndarray) -> HostMarker:
+        data = np.array(src, copy=True, order="C").view(np.uint8).reshape(-1)
+        def _copy():
+            host_array(dst_ptr, data.nbytes)[:] = data
+        return impl.submit(_copy)
+
+    def copy_dtoh(self, impl: HostStreamImpl, dst: np.ndarray, src_ptr: int) -> HostMarker:
+        def _copy():
+            dst.view(np.uint8).reshape(-1)[:] = host_array(src_ptr, dst.nbytes)
+        return impl.submit(_copy)
+
+    def copy_dtod(self, impl: HostStreamImpl, dst_ptr: int, src_ptr: int, nbytes: int) -> HostMarker:
+        def _copy():
+            host_array(dst_ptr, nbytes)[:] = host_array(src_ptr, nbytes)
+        return impl.submit(_copy)
+
+    def memset(self, impl: HostStreamImpl, dst_ptr: int, byte: int, nbytes: int) -> HostMarker:
+        def _set():
+            host_array(dst_ptr, nbytes)[:] = byte
+        return impl.submit(_set)
+
+    def mem_info(self) -> tuple[int, int]:
+        """(bytes in use by the pool, 0): host memory has no fixed total."""
+        return self.pool.bytes_in_use, 0
+
+
+def ndarray_of(view, writable: bool) -> np.ndarray:
+    """A NumPy array over a host-device view's bytes (shape, strides, dtype of
+    the view), read-only unless ``writable``. Keeps nothing alive."""
+    tok = view._live_token()
+    start = tok.allocation.ptr + tok.start
+    base = host_array(start, tok.stop - tok.start)
+    dt = view.dtype
+    strides = getattr(view, "byte_strides", (dt.itemsize,))
+    arr = np.ndarray(view.shape, dt, buffer=base, offset=view.ptr - start, strides=strides)
+    if not writable:
+        arr.flags.writeable = False
+    return arr

@@ -1,0 +1,265 @@
+"""Buffer: a typed, contiguous, 1-D view of device memory; DeviceBox: one scalar."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .allocation import Allocation, View
+from .device import Device, default_device
+from .errors import LayoutError
+from .runtime.future import DeviceFuture
+from .runtime.submission import submit
+from .stream import resolve_stream
+
+__all__ = ["Buffer", "DeviceBox", "as_dtype"]
+
+
+def as_dtype(dtype) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{dtype!r} is not a dtype NumPy understands") from e
+    if dt.hasobject or dt.kind in "OUSVMm" or dt.fields is not None:
+        raise TypeError(f"dtype {dt} cannot live in device memory; use a numeric or bool dtype")
+    return dt
+
+
+def _device(device) -> Device:
+    if device is None:
+        return default_device()
+    if isinstance(device, Device):
+        return device
+    if device == "host":
+        return Device.host()
+    return Device(device)
+
+
+def allocate(device: Device, nbytes: int, stream=None) -> Allocation:
+    """A new allocation of ``nbytes`` owned by sharedmem (pool memory)."""
+    impl = stream._impl if stream is not None else None
+    block = device.backend.allocate(nbytes, impl)
+    return Allocation(device, block.ptr, nbytes, owner=block, source="sharedmem")
+
+
+class Buffer(View):
+    """A typed, contiguous, 1-D view of device memory.
+
+    Holds one view token on its allocation: while the Buffer lives, its bytes
+    stay valid. ``buf[a:b]`` is another view of the same allocation with a
+    token of its own. ``Tensor.from_buffer(buf, shape)`` moves it (zero-copy).
+    Release with ``buf.release()`` or ``with buf: ...``; work in flight keeps
+    the memory anyway, through its leases.
+    """
+
+    __slots__ = ("_dtype", "_length")
+    _kind = "buffer"
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Buffer cannot be constructed directly; use Buffer.empty(n, dtype), "
+                        "Buffer.zeros, Buffer.from_host(array) or tensor.into_buffer()")
+
+    @classmethod
+    def _wrap(cls, token, dtype: np.dtype, length: int) -> "Buffer":
+        self = object.__new__(cls)
+        self._init_view(token)
+        self._dtype = dtype
+        self._length = length
+        return self
+
+    # -- construction -------------------------------------------------------
+    @classmethod
+    def empty(cls, n: int, dtype="float32", device=None, stream=None) -> "Buffer":
+        """An uninitialized buffer of ``n`` elements of ``dtype`` on ``device``
+        (default: :func:`~sharedmem.default_device`)."""
+        dt = as_dtype(dtype)
+        n = _length(n)
+        dev = _device(device)
+        s = resolve_stream(stream, dev) if stream is not None else None
+        alloc = allocate(dev, n * dt.itemsize, s)
+        tok = alloc.new_token("buffer", 0, n * dt.itemsize, True, alloc)
+        return cls._wrap(tok, dt, n)
+
+    @classmethod
+    def zeros(cls, n: int, dtype="float32", device=None, stream=None) -> "Buffer":
+        """A buffer of ``n`` zeros, written asynchronously on ``stream``."""
+        buf = cls.empty(n, dtype, device, stream)
+        buf.fill_zero(stream)
+        return buf
+
+    @classmethod
+    def from_host(cls, array, device=None, stream=None) -> "Buffer":
+        """A new buffer holding a copy of ``array`` (flattened, C order). The
+        copy runs on ``stream``; ``array`` may be reused at once."""
+        a = np.asarray(array)
+        dt = as_dtype(a.dtype)
+        buf = cls.empty(a.size, dt, device, stream)
+        buf.copy_from(a, stream)
+        return buf
+
+    # -- properties -----------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self._dtype.itemsize
+
+    def __len__(self) -> int:
+        self._live_token()
+        return self._length
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self._dtype.itemsize
+
+    def __repr__(self) -> str:
+        if not self.is_live:
+            return f"<Buffer ({'moved' if self._state == 2 else 'released'})>"
+        tok = self._token
+        ro = " read-only" if not tok.writable else ""
+        return (f"<Buffer{ro} {self._dtype} x {self._length} on {tok.allocation.device}, "
+                f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}>")
+
+    def _describe_short(self) -> str:
+        tok = self._token
+        return (f"Buffer({self._dtype} x {self._length}, bytes [{tok.start}, {tok.stop}) of "
+                f"allocation #{tok.allocation.id})")
+
+    # -- views ----------------------------------------------------------------
+    def __getitem__(self, key) -> "Buffer":
+        """``buf[a:b]``: a view of elements ``a..b`` (same allocation, own token)."""
+        if not isinstance(key, slice):
+            raise TypeError(f"Buffer indexing takes a slice (buf[a:b]), got {type(key).__name__}; "
+                            f"use to_host() to read elements")
+        tok = self._live_token()
+        start, stop, step = key.indices(self._length)
+        if step != 1:
+            raise LayoutError(f"Buffer slices must be contiguous (step 1), got step {step}")
+        stop = max(stop, start)
+        isz = self._dtype.itemsize
+        t = tok.allocation.new_token("slice", tok.start + start * isz, tok.start + stop * isz,
+                                     tok.writable, tok.keep)
+        return Buffer._wrap(t, self._dtype, stop - start)
+
+    def as_readonly(self) -> "Buffer":
+        """A read-only view of the same bytes (it never blocks readers)."""
+        tok = self._live_token()
+        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep)
+        return Buffer._wrap(t, self._dtype, self._length)
+
+    # -- data movement ----------------------------------------------------------
+    def to_host(self, stream=None) -> np.ndarray:
+        """A NumPy copy of the contents, taken after all pending writes to
+        these bytes (on any stream; always ordered, whatever the policy)."""
+        tok = self._live_token()
+        dev = tok.allocation.device
+        s = resolve_stream(stream, dev)
+        out = np.empty(self._length, self._dtype)
+        ptr = tok.allocation.ptr + tok.start
+        backend, impl = dev.backend, s._impl
+        sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(impl, out, ptr), keep=(out,),
+                     policy="order", label="to_host")
+        DeviceFuture(sub).result()
+        return out
+
+    def copy_from(self, src, stream=None) -> DeviceFuture:
+        """Copy ``src`` (a NumPy array of the same size, or a Buffer of the
+        same byte size) into this buffer, asynchronously on ``stream``."""
+        tok = self._live_token()
+        if not tok.writable:
+            raise LayoutError(f"cannot copy into read-only {self!r}")
+        dev = tok.allocation.device
+        s = resolve_stream(stream, dev)
+        backend, impl = dev.backend, s._impl
+        ptr = tok.allocation.ptr + tok.start
+        if isinstance(src, View):
+            stok = src._live_token()
+            if stok.allocation.device is not dev:
+                from .errors import DeviceMismatchError
+                raise DeviceMismatchError(f"cannot copy from {src!r} on {stok.allocation.device} "
+                                          f"into {self!r}")
+            if stok.stop - stok.start != tok.stop - tok.start:
+                raise LayoutError(f"copy_from needs the same byte size: {src!r} has "
+                                  f"{stok.stop - stok.start}, {self!r} has {tok.stop - tok.start}")
+            sptr = stok.allocation.ptr + stok.start
+            n = tok.stop - tok.start
+            sub = submit(s, [(stok, False), (tok, True)],
+                         lambda: backend.copy_dtod(impl, ptr, sptr, n), label="copy_from")
+            return DeviceFuture(sub)
+        a = np.ascontiguousarray(src, dtype=self._dtype)
+        if a.size != self._length:
+            raise LayoutError(f"copy_from needs {self._length} elements, got an array of {a.size}")
+        sub = submit(s, [(tok, True)], lambda: backend.copy_htod(impl, ptr, a), keep=(a,),
+                     label="copy_from")
+        return DeviceFuture(sub)
+
+    def fill_zero(self, stream=None) -> DeviceFuture:
+        """Set every byte to zero, asynchronously on ``stream``."""
+        tok = self._live_token()
+        dev = tok.allocation.device
+        s = resolve_stream(stream, dev)
+        backend, impl = dev.backend, s._impl
+        ptr = tok.allocation.ptr + tok.start
+        n = tok.stop - tok.start
+        sub = submit(s, [(tok, True)], lambda: backend.memset(impl, ptr, 0, n), label="fill_zero")
+        return DeviceFuture(sub)
+
+
+def _length(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"a buffer length must be an int >= 0, got {n!r}")
+    return int(n)
+
+
+class DeviceBox:
+    """One typed scalar in device memory (a 1-element :class:`Buffer`).
+
+    Pass it to a launch like a buffer (``Out(box)``); read it with ``get()``
+    (after pending writes), write it with ``set(value)``.
+    """
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, value=0, dtype="float64", device=None, stream=None):
+        self.buffer = Buffer.from_host(np.array([value], dtype=as_dtype(dtype)), device, stream)
+
+    def get(self, stream=None):
+        """The value, as a Python scalar, after all pending writes."""
+        return self.buffer.to_host(stream)[0].item()
+
+    def set(self, value, stream=None) -> DeviceFuture:
+        """Write ``value`` asynchronously on ``stream``."""
+        return self.buffer.copy_from(np.array([value], dtype=self.buffer.dtype), stream)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.buffer.dtype
+
+    @property
+    def ptr(self) -> int:
+        return self.buffer.ptr
+
+    @property
+    def device(self):
+        return self.buffer.device
+
+    def release(self) -> None:
+        self.buffer.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<DeviceBox {self.buffer.dtype} on {self.buffer.device}>"

@@ -1,0 +1,138 @@
+"""Devices: a physical CUDA GPU, or the host device (memory in host RAM).
+
+``Device(i)`` is CUDA device ``i`` and ``Device.host()`` the host device; each
+is a process-wide singleton. A CUDA device *borrows* the primary context of
+its GPU (it never destroys it). ``default_device()`` picks CUDA device 0 when
+it is usable and the host device otherwise; ``SHAREDMEM_BACKEND=host|cuda``
+forces the choice.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .errors import BackendUnavailableError
+
+__all__ = ["Device", "default_device"]
+
+_lock = threading.Lock()
+_devices: dict = {}  # key -> Device; guarded by _lock
+
+
+class Device:
+    """A device that memory lives on and streams run on.
+
+    Attributes: ``kind`` (``"cuda"`` or ``"host"``), ``ordinal`` (CUDA ordinal,
+    ``-1`` for the host), ``name``, ``key`` (a hashable identity),
+    ``default_stream``; for CUDA also ``uuid`` and ``compute_capability``.
+    """
+
+    __slots__ = ("kind", "ordinal", "name", "key", "backend", "_default_stream", "__weakref__")
+
+    def __new__(cls, ordinal: int = 0):
+        if isinstance(ordinal, Device):
+            return ordinal
+        if not isinstance(ordinal, int) or isinstance(ordinal, bool) or ordinal < 0:
+            raise ValueError(f"Device(ordinal) takes a CUDA device number >= 0, got {ordinal!r}; "
+                             f"use Device.host() for the host device")
+        key = ("cuda", ordinal)
+        with _lock:
+            dev = _devices.get(key)
+            if dev is None:
+                from .backends.cuda import CudaBackend  # imports cuda.bindings lazily
+                backend = CudaBackend(ordinal)
+                dev = object.__new__(cls)
+                dev._setup("cuda", ordinal, backend.name, key, backend)
+                _devices[key] = dev
+        return dev
+
+    @classmethod
+    def host(cls) -> "Device":
+        """The host device: memory in host RAM, streams are worker threads."""
+        key = ("host", -1)
+        with _lock:
+            dev = _devices.get(key)
+            if dev is None:
+                from .backends.host import HostBackend
+                dev = object.__new__(cls)
+                dev._setup("host", -1, "host", key, HostBackend())
+                _devices[key] = dev
+        return dev
+
+    def _setup(self, kind, ordinal, name, key, backend):
+        self.kind = kind
+        self.ordinal = ordinal
+        self.name = name
+        self.key = key
+        self.backend = backend
+        self._default_stream = None
+        from .runtime.retirer import attach_backend
+        attach_backend(backend)
+
+    def __repr__(self) -> str:
+        return "<Device host>" if self.kind == "host" else f"<Device cuda:{self.ordinal} {self.name}>"
+
+    def __reduce__(self):
+        return (Device.host, ()) if self.kind == "host" else (Device, (self.ordinal,))
+
+    @property
+    def uuid(self) -> str | None:
+        return getattr(self.backend, "uuid", None)
+
+    @property
+    def compute_capability(self) -> tuple[int, int] | None:
+        return getattr(self.backend, "compute_capability", None)
+
+    @property
+    def default_stream(self):
+        """The device's default stream (for CUDA, the legacy default stream;
+        for the host, one long-lived worker). Borrowed: never destroyed."""
+        s = self._default_stream
+        if s is None:
+            from .stream import Stream
+            with _lock:
+                if self._default_stream is None:
+                    self._default_stream = Stream._create(self, self.backend.default_stream(),
+                                                          owned=False, name="default")
+                s = self._default_stream
+        return s
+
+    def create_stream(self, name: str | None = None):
+        """A new stream owned by the returned :class:`~sharedmem.Stream`."""
+        from .stream import Stream
+        return Stream._create(self, self.backend.create_stream(name), owned=True, name=name)
+
+    def synchronize(self) -> None:
+        """Wait for all work sharedmem submitted on this device, then retire it."""
+        from .runtime.submission import synchronize_device
+        synchronize_device(self)
+
+
+_default = None
+
+
+def default_device() -> Device:
+    """CUDA device 0 when usable, else the host device.
+
+    ``SHAREDMEM_BACKEND=host`` or ``=cuda`` forces the choice (``cuda`` raises
+    :class:`~sharedmem.errors.BackendUnavailableError` when CUDA is unusable).
+    """
+    global _default
+    if _default is not None:
+        return _default
+    choice = os.environ.get("SHAREDMEM_BACKEND", "").strip().lower()
+    if choice not in ("", "host", "cuda"):
+        raise BackendUnavailableError(
+            f"SHAREDMEM_BACKEND={choice!r} is not a backend; use 'host' or 'cuda' (or unset it)")
+    if choice == "host":
+        dev = Device.host()
+    elif choice == "cuda":
+        dev = Device(0)
+    else:
+        try:
+            dev = Device(0)
+        except BackendUnavailableError:
+            dev = Device.host()
+    _default = dev
+    return dev

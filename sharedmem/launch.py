@@ -1,0 +1,294 @@
+"""The one launch API, argument intents, and the kernel-adapter registry.
+
+``launch(kernel, grid, block, *args, stream=None, shared_mem=0, policy=None)``
+launches any kernel an adapter is registered for -- host kernels
+(:func:`host_kernel`), CuPy ``RawKernel`` / ``RawModule`` functions
+(``interop.cupy``), cuTile kernels (``interop.cutile``) -- and returns a
+:class:`~sharedmem.DeviceFuture`.
+
+Arguments state intent: ``In(x)`` (read), ``Out(x)`` / ``InOut(x)`` (write),
+``Atomic(x)`` (tracked as a write); a bare buffer or tensor is ``InOut``.
+Anything that is not an array is passed through as a scalar. All validation
+happens before any lease is taken, so a launch that fails takes none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+from . import access as _access
+from .access import ATOMIC, READ, WRITE
+from .allocation import View
+from .errors import DeviceMismatchError, KernelError
+from .runtime.future import DeviceFuture
+from .runtime.submission import submit
+from .stream import Stream
+
+__all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
+           "register_kernel_adapter", "KernelAdapter", "LaunchArg"]
+
+
+class Intent:
+    """Wraps a launch argument to state how the kernel uses it."""
+
+    __slots__ = ("obj",)
+    mode = WRITE
+
+    def __init__(self, obj):
+        if isinstance(obj, Intent):
+            raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.obj!r})"
+
+
+class In(Intent):
+    """The kernel only reads this argument (a read lease)."""
+    __slots__ = ()
+    mode = READ
+
+
+class Out(Intent):
+    """The kernel writes this argument (a write lease)."""
+    __slots__ = ()
+    mode = WRITE
+
+
+class InOut(Intent):
+    """The kernel reads and writes this argument (a write lease); the default."""
+    __slots__ = ()
+    mode = WRITE
+
+
+class Atomic(Intent):
+    """The kernel updates this argument with atomics (tracked as a write)."""
+    __slots__ = ()
+    mode = ATOMIC
+
+
+class LaunchArg:
+    """One array argument of a launch, resolved: the view, its token, its mode
+    (``"read"``, ``"write"`` or ``"atomic"``) and the Intent class written."""
+
+    __slots__ = ("view", "token", "mode", "intent")
+
+    def __init__(self, view, token, mode, intent):
+        self.view = view
+        self.token = token
+        self.mode = mode
+        self.intent = intent
+
+    @property
+    def writes(self) -> bool:
+        return self.mode != READ
+
+
+class KernelAdapter:
+    """How one kind of kernel is launched. Interop modules register these.
+
+    ``coerce(obj)`` may turn a foreign array (a CuPy array...) into a sharedmem
+    view for the duration of the launch, or return None. ``prepare`` validates
+    and packs arguments without side effects and returns ``(enqueue, keep)``:
+    ``enqueue()`` puts the kernel on the stream and returns its completion
+    marker; ``keep`` is a tuple of objects the work needs alive.
+    """
+
+    name = "kernel"
+    device_kinds: tuple = ()
+
+    def coerce(self, obj, device):
+        return None
+
+    def label(self, kernel) -> str:
+        """How the kernel is named in messages."""
+        return f"{self.name} {getattr(kernel, '__name__', '')}".strip()
+
+    def prepare(self, kernel, grid, block, args, shared_mem, stream):  # pragma: no cover
+        raise NotImplementedError
+
+
+_adapters: dict = {}  # type -> KernelAdapter; written under _reg_lock, read lock-free
+_reg_lock = threading.Lock()
+# Modules that register adapters, imported on first sight of a kernel whose
+# type lives in the keyed package.
+_LAZY = {"cupy": "interop.cupy", "cupy_backends": "interop.cupy", "cuda": "interop.cutile"}
+
+
+def register_kernel_adapter(kernel_type: type, adapter: KernelAdapter) -> None:
+    """Make ``launch`` accept kernels of ``kernel_type`` through ``adapter``."""
+    with _reg_lock:
+        _adapters[kernel_type] = adapter
+
+
+def _adapter_for(kernel) -> KernelAdapter:
+    t = type(kernel)
+    a = _adapters.get(t)
+    if a is not None:
+        return a
+    for base in t.__mro__[1:]:
+        a = _adapters.get(base)
+        if a is not None:
+            register_kernel_adapter(t, a)
+            return a
+    mod = _LAZY.get((t.__module__ or "").split(".")[0])
+    if mod is not None:
+        importlib.import_module(mod)
+        for base in t.__mro__:
+            a = _adapters.get(base)
+            if a is not None:
+                register_kernel_adapter(t, a)
+                return a
+    known = ", ".join(sorted({ad.name for ad in _adapters.values()})) or "none"
+    raise KernelError(
+        f"launch() does not know how to launch a {t.__module__}.{t.__qualname__}; it takes "
+        f"{known} (CuPy RawKernels and cuTile kernels register themselves when their "
+        f"library is installed). Wrap host Python functions with @sharedmem.host_kernel.")
+
+
+def _check_dims(value, what: str, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    dims = (value,) if isinstance(value, int) else value
+    ok = isinstance(dims, tuple) and 1 <= len(dims) <= 3 and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
+    if not ok:
+        raise KernelError(f"{what} must be a positive int or a tuple of 1 to 3 positive ints, "
+                          f"got {value!r}")
+    return dims
+
+
+def _as_view(obj):
+    if isinstance(obj, View):
+        return obj
+    box = getattr(obj, "buffer", None)  # DeviceBox
+    if isinstance(box, View) and type(obj).__name__ == "DeviceBox":
+        return box
+    return None
+
+
+def resolve_args(adapter, args, device):
+    """Split launch arguments into LaunchArgs and scalars; returns
+    ``(resolved, uses, device)``. Raises before anything is leased."""
+    resolved = []
+    uses = []
+    for i, a in enumerate(args):
+        if isinstance(a, Intent):
+            obj, mode, intent = a.obj, a.mode, type(a)
+        else:
+            obj, mode, intent = a, None, None
+        view = _as_view(obj)
+        if view is None:
+            view = adapter.coerce(obj, device)
+        if view is None:
+            if intent is not None:
+                raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
+                                  f"DeviceBox or array, got {type(obj).__name__}")
+            resolved.append(a)
+            continue
+        tok = view._live_token()
+        adev = tok.allocation.device
+        if device is None:
+            device = adev
+        elif adev is not device:
+            raise DeviceMismatchError(f"argument {i} ({view!r}) is on {adev}, but the launch runs "
+                                      f"on {device}; copy it there first")
+        if mode is None:
+            mode, intent = WRITE, InOut
+        if mode != READ and not tok.writable:
+            raise KernelError(f"argument {i}: {intent.__name__}({view!r}) would write through a "
+                              f"read-only view; pass it as In(...) or copy it first")
+        resolved.append(LaunchArg(view, tok, mode, intent))
+        uses.append((tok, mode != READ))
+    return resolved, uses, device
+
+
+def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=None) -> DeviceFuture:
+    """Launch ``kernel`` on ``stream`` with leases on every array argument.
+
+    ``grid`` and ``block``: an int or a tuple of up to three ints (``block``
+    may be None for cuTile). ``stream``: a :class:`Stream`, a foreign stream,
+    or None for the default stream of the arguments' device. ``policy``:
+    ``"order"`` or ``"reject"``, overriding :func:`set_access_policy`.
+
+    Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
+    the device has finished, whatever the caller drops meanwhile.
+    """
+    adapter = _adapter_for(kernel)
+    if policy is not None:
+        _access.check_policy(policy)
+    if stream is not None and not isinstance(stream, Stream):
+        stream = Stream.from_external(stream)
+    device = stream.device if stream is not None else None
+    resolved, uses, device = resolve_args(adapter, args, device)
+    if device is None:
+        from .device import default_device
+        device = default_device()
+    if device.kind not in adapter.device_kinds:
+        raise DeviceMismatchError(f"a {adapter.name} cannot run on {device}; it runs on "
+                                  f"{' or '.join(adapter.device_kinds)} devices")
+    if stream is None:
+        stream = device.default_stream
+    if not isinstance(shared_mem, int) or shared_mem < 0:
+        raise KernelError(f"shared_mem must be an int >= 0, got {shared_mem!r}")
+    enqueue, keep = adapter.prepare(kernel, grid, block, resolved, shared_mem, stream)
+    sub = submit(stream, uses, enqueue, keep, policy, adapter.label(kernel))
+    return DeviceFuture(sub)
+
+
+# -- host kernels ---------------------------------------------------------------------
+class HostKernel:
+    """A Python function launched by :func:`launch` on the host backend.
+
+    It is called on the stream's worker thread with NumPy views of the array
+    arguments -- writable for Out / InOut / Atomic, read-only for In -- and
+    the scalars as given. ``grid`` and ``block`` are validated, not passed.
+    Calling the HostKernel directly calls the function.
+    """
+
+    __slots__ = ("fn", "__name__", "__qualname__", "__wrapped__")
+
+    def __init__(self, fn):
+        if not callable(fn):
+            raise TypeError(f"host_kernel needs a callable, got {fn!r}")
+        self.fn = fn
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", "host_kernel")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<host_kernel {self.__qualname__}>"
+
+
+def host_kernel(fn) -> HostKernel:
+    """Decorator: make ``fn`` launchable with :func:`launch` on the host device."""
+    return HostKernel(fn)
+
+
+class _HostAdapter(KernelAdapter):
+    name = "host kernel"
+    device_kinds = ("host",)
+
+    def label(self, kernel) -> str:
+        return f"host kernel {kernel.__qualname__}"
+
+    def prepare(self, kernel, grid, block, args, shared_mem, stream):
+        from .backends.host import ndarray_of
+        _check_dims(grid, "grid")
+        _check_dims(block, "block", allow_none=True)
+        call_args = [ndarray_of(a.view, a.mode != READ) if isinstance(a, LaunchArg) else a
+                     for a in args]
+        fn = kernel.fn
+        impl = stream._impl
+
+        def enqueue():
+            return impl.submit(lambda: fn(*call_args))
+
+        return enqueue, (kernel,)
+
+
+register_kernel_adapter(HostKernel, _HostAdapter())

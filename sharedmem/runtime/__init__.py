@@ -1,0 +1,1 @@
+"""Submissions, futures and the retirer: work in flight keeps what it uses."""

@@ -1,0 +1,152 @@
+"""Futures: ``DeviceFuture`` for submitted work, ``HostFuture`` for what follows it.
+
+A future is only a window on its submission: dropping it changes nothing about
+when the work's memory is released (the submission keeps that until the
+device has finished). ``then(fn)`` and ``add_done_callback(fn)`` run ``fn``
+in whichever thread retires the work (the retirer, a host stream's worker, or
+a thread blocked in ``result()``); keep them short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from ..errors import CompletionUnknownError
+from . import submission as _sub
+
+__all__ = ["DeviceFuture", "HostFuture"]
+
+
+class _FutureBase:
+    __slots__ = ()
+
+    def then(self, fn) -> "HostFuture":
+        """A :class:`HostFuture` of ``fn(result)``, called once this future
+        completes (on the host, in the retiring thread). If this future fails,
+        the returned one fails with the same exception and ``fn`` is not called."""
+        out = HostFuture()
+
+        def _cb():
+            try:
+                value = self.result(0)
+            except BaseException as e:
+                out._set(None, e)
+                return
+            try:
+                out._set(fn(value), None)
+            except BaseException as e:
+                out._set(None, e)
+
+        self.add_done_callback(lambda _f=None: _cb())
+        return out
+
+    def exception(self, timeout=None):
+        """The exception the work ended with, or None."""
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            return e
+        return None
+
+    def __await__(self):
+        if not self.done():
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+
+            def _wake(_f=None):
+                def _set():
+                    if not fut.done():
+                        fut.set_result(None)
+                loop.call_soon_threadsafe(_set)
+
+            self.add_done_callback(_wake)
+            yield from fut.__await__()
+        return self.result(0)
+
+
+class DeviceFuture(_FutureBase):
+    """The outcome of work submitted to a stream (a launch, a copy).
+
+    ``done()`` never blocks; ``result(timeout=None)`` blocks until the device
+    has finished, then returns the value (``None`` for a launch) or raises
+    :class:`~sharedmem.errors.CompletionUnknownError` if completion cannot be
+    known. ``await fut`` works in asyncio. Dropping the future is safe.
+    """
+
+    __slots__ = ("_s",)
+
+    def __init__(self, submission):
+        self._s = submission
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "completion unknown")[self._s.state]
+        return f"<DeviceFuture {self._s.label} on {self._s.stream}: {state}>"
+
+    @property
+    def stream(self):
+        """The stream the work was submitted on."""
+        return self._s.stream
+
+    def done(self) -> bool:
+        """True once the work finished (or its completion is known to be unknown)."""
+        s = self._s
+        if s.state == _sub.PENDING:
+            _sub.sweep(s.stream)
+        return s.state != _sub.PENDING
+
+    def result(self, timeout: float | None = None):
+        """Block until the work has finished; see the class docstring."""
+        s = self._s
+        if not _sub.wait(s, timeout):
+            raise TimeoutError(f"{s.label} on {s.stream} did not finish within {timeout} s")
+        _sub.raise_deferred()
+        if s.state == _sub.UNKNOWN:
+            raise CompletionUnknownError(
+                f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}. Its "
+                f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
+        return s.value
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` once the work has finished (at once if it has)."""
+        _sub.add_callback(self._s, lambda: fn(self))
+
+
+class HostFuture(_FutureBase):
+    """The outcome of a host function run after device work (``then``)."""
+
+    __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock")
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._value = None
+        self._error = None
+        self._callbacks = []  # guarded by self._lock
+        self._lock = threading.Lock()
+
+    def _set(self, value, error) -> None:
+        self._value, self._error = value, error
+        with self._lock:
+            self._event.set()
+            cbs, self._callbacks = self._callbacks, None
+        for cb in cbs:
+            cb(self)
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None):
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"the host function did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def add_done_callback(self, fn) -> None:
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)

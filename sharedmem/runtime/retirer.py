@@ -1,0 +1,79 @@
+"""The retirer: one daemon thread that retires finished work.
+
+Retirement also happens on every submission (the front of that stream's FIFO
+is swept) and whenever a future is asked; the thread covers work nobody asks
+about -- the fire-and-forget launch whose future was dropped. It runs while
+work on a backend that must be polled (CUDA) is pending, sweeping every
+``POLL_INTERVAL`` seconds, and otherwise sleeps on an event that backends set
+when they know work completed (host streams do, after every task).
+
+In the trio manner: one named daemon thread; its intervals are module
+constants tests can patch; it drops references at once; it does nothing while
+the interpreter finalizes; a failure inside it is re-raised at the next API
+call (``submission.raise_deferred``) rather than printed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from .._sync import locked
+from . import submission as _sub
+
+#: Seconds between sweeps while work is pending.
+POLL_INTERVAL = 0.0002
+#: Seconds the thread sleeps when nothing is pending (it is woken earlier).
+IDLE_INTERVAL = 0.5
+
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+_wake = threading.Event()
+
+
+def wake() -> None:
+    """Make the retirer sweep now (lock-free; safe from any thread)."""
+    _wake.set()
+
+
+def ensure() -> None:
+    """Start the retirer thread if it is not running."""
+    global _thread
+    t = _thread
+    if t is not None and t.is_alive():
+        return
+    with _start_lock:
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_run, name="sharedmem-retirer", daemon=True)
+            _thread.start()
+
+
+def _run() -> None:
+    active = _sub._active
+    while not sys.is_finalizing():
+        _wake.clear()
+        try:
+            poll = False
+            with locked():
+                done = []
+                for s in list(active):
+                    done.extend(_sub._sweep_locked(s))
+                for s in active:
+                    if s.device.backend.needs_polling:
+                        poll = True
+                        break
+            if done:
+                _sub.finish(done)
+                done = None
+        except BaseException as e:  # re-raised in a user thread
+            _sub._deferred_errors.append(e)
+        _wake.wait(POLL_INTERVAL if poll else IDLE_INTERVAL)
+
+
+def attach_backend(backend) -> None:
+    """Let a backend wake the retirer when it knows work completed."""
+    if hasattr(backend, "on_progress"):
+        backend.on_progress = wake
+
+
+_sub._install_retirer(ensure)

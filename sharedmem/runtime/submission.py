@@ -1,0 +1,284 @@
+"""Submissions: one enqueued piece of GPU work and everything it keeps.
+
+A :class:`Submission` holds, until the device has finished the work:
+
+* ``keep``: the objects that keep its memory valid (allocations we own, and
+  producers of foreign memory) and anything else the work needs alive
+  (kernel objects, packed argument buffers, DLPack capsules);
+* its leases: entries in the access trackers of the allocations it touches,
+  tagged with ``(stream, seq)``.
+
+Each stream keeps its unretired submissions in a FIFO (``Stream._pending``).
+Retirement pops a FIFO from the front while the front's completion marker says
+*done*, releases leases and drops ``keep`` -- the only way memory used by GPU
+work is given back. If the marker says *unknown* (a faulted kernel, a sticky
+CUDA error, a failed query), the submission and every later one on that
+stream are moved to ``_leaked`` and kept forever: leaked on purpose, warned
+once per stream, counted by :func:`sharedmem.stats`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+
+from .. import _sync
+from .._sync import locked
+from ..access import check_policy
+from .. import access as _access
+from ..errors import (AccessConflictError, CompletionUnknownError, LeakWarning, ReleasedError)
+
+PENDING, RETIRED, UNKNOWN = 0, 1, 2
+_M_PENDING, _M_DONE, _M_UNKNOWN = 0, 1, 2
+
+# guarded by core_lock:
+_active: set = set()  # streams whose FIFO is non-empty
+_leaked: list = []  # submissions whose completion is unknown, kept forever
+_counters = {"in_flight": 0, "submitted": 0, "retired": 0, "leaked_bytes": 0}
+
+# Lock-free (deque.append is atomic): warnings and callback errors produced in
+# whatever thread retired something, surfaced in the next user-thread API call.
+_pending_warnings: collections.deque = collections.deque()
+_deferred_errors: collections.deque = collections.deque()
+
+
+class Submission:
+    """One piece of enqueued work; see the module docstring for what it keeps."""
+
+    __slots__ = ("stream", "seq", "marker", "keep", "trackers", "state", "callbacks", "value",
+                 "label", "nbytes")
+
+    def __init__(self, stream, seq, marker, keep, trackers, label, nbytes):
+        self.stream = stream
+        self.seq = seq
+        self.marker = marker
+        self.keep = keep
+        self.trackers = trackers
+        self.state = PENDING  # written under core_lock
+        self.callbacks = None  # list of callables; guarded by core_lock
+        self.value = None
+        self.label = label
+        self.nbytes = nbytes
+
+
+def _describe_stream(s) -> str:
+    return repr(s)
+
+
+def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
+    """Enqueue work on ``stream`` under the ownership rules; return its
+    :class:`Submission`.
+
+    ``uses`` lists ``(token, writes)`` pairs: the views the work touches (the
+    caller validated devices and intents). ``enqueue()`` puts the work on the
+    stream and returns its completion marker. Under the core lock, in order:
+    every token is checked live and every conflict with unfinished work of
+    other streams is found (policy ``reject`` raises here, having changed
+    nothing); the stream is made to wait for the conflicting work; the work is
+    enqueued; the leases are recorded. If anything raises, no lease is taken.
+    """
+    raise_deferred()
+    policy = _access._policy if policy is None else check_policy(policy)
+    impl = stream._impl
+    retired = ()
+    with locked():
+        fault = getattr(impl, "fault", None)
+        if fault is not None:
+            raise CompletionUnknownError(
+                f"{stream} faulted earlier ({fault!r}); the completion of its work is unknown, "
+                f"so nothing more can run on it. Create a new stream.")
+        waits = {}
+        for tok, writes in uses:
+            if not tok.live:
+                raise ReleasedError(f"a {tok.kind} passed to {label} was released before the launch")
+            tracker = tok.allocation.tracker
+            if not tracker:
+                continue
+            for other, marker, seq, other_writes in tracker.conflicts_locked(
+                    stream, writes, tok.start, tok.stop):
+                if marker.unknown:
+                    raise CompletionUnknownError(
+                        f"{label} on {stream} would {'write' if writes else 'read'} bytes "
+                        f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}, which work of "
+                        f"unknown completion on {other} {'writes' if other_writes else 'reads'}; "
+                        f"that memory is kept but its contents cannot be trusted")
+                if policy == "reject":
+                    raise AccessConflictError(
+                        f"{label} on {stream} would {'write' if writes else 'read'} bytes "
+                        f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} while "
+                        f"unfinished work on {other} {'writes' if other_writes else 'reads'} them "
+                        f"(policy 'reject'). Wait for that work (future.result() or "
+                        f"stream.synchronize()), use one stream for both, or use policy 'order' "
+                        f"to order them on the device.")
+                w = waits.get(other)
+                if w is None or seq > w[0]:
+                    waits[other] = (seq, marker)
+        for _, marker in waits.values():
+            impl.wait_marker(marker)
+        marker = enqueue()
+        seq = stream._seq + 1
+        stream._seq = seq
+        trackers = []
+        keeps = list(keep)
+        nbytes = 0
+        for tok, writes in uses:
+            tracker = tok.allocation.tracker
+            tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
+            trackers.append(tracker)
+            keeps.append(tok.keep)
+            nbytes += tok.stop - tok.start
+        sub = Submission(stream, seq, marker, tuple(keeps), trackers, label, nbytes)
+        pending = stream._pending
+        pending.append(sub)
+        _active.add(stream)
+        c = _counters
+        c["in_flight"] += 1
+        c["submitted"] += 1
+        if len(pending) > 1:
+            retired = _sweep_locked(stream)
+    if retired:
+        finish(retired)
+    _retirer_ensure()
+    return sub
+
+
+def _sweep_locked(stream) -> list:
+    """Retire the finished front of ``stream``'s FIFO. Caller holds core_lock.
+    Returns the submissions that changed state (for :func:`finish`)."""
+    pending = stream._pending
+    out = []
+    while pending:
+        sub = pending[0]
+        st = sub.marker.query()
+        if st == _M_PENDING:
+            break
+        pending.popleft()
+        if st == _M_DONE:
+            sub.state = RETIRED
+            for tr in sub.trackers:
+                tr.retire_locked(stream, sub.seq)
+            _counters["retired"] += 1
+        else:
+            sub.state = UNKNOWN
+            _leaked.append(sub)
+            _counters["leaked_bytes"] += sub.nbytes
+            if not stream._leak_warned:
+                stream._leak_warned = True
+                _pending_warnings.append(
+                    f"completion of work on {stream} is unknown ({sub.marker.error!r}); its memory "
+                    f"and leases are kept, never freed (see sharedmem.stats().leaked). Create a new "
+                    f"stream for further work.")
+        _counters["in_flight"] -= 1
+        out.append(sub)
+    if not pending:
+        _active.discard(stream)
+    return out
+
+
+def finish(subs) -> None:
+    """Outside the lock: drop what retired work kept, run its callbacks."""
+    for sub in subs:
+        if sub.state == RETIRED:
+            sub.keep = None
+            sub.trackers = None
+            sub.marker.recycle()
+        cbs = sub.callbacks
+        if cbs:
+            sub.callbacks = None
+            for cb in cbs:
+                try:
+                    cb()
+                except BaseException as e:  # surfaced at the next API call
+                    _deferred_errors.append(e)
+
+
+def sweep(stream) -> None:
+    """Retire what has finished on ``stream`` (never blocks on the device)."""
+    with locked():
+        done = _sweep_locked(stream)
+    if done:
+        finish(done)
+
+
+def sweep_all() -> None:
+    with locked():
+        done = []
+        for s in list(_active):
+            done.extend(_sweep_locked(s))
+    if done:
+        finish(done)
+
+
+def add_callback(sub, cb) -> None:
+    """Run ``cb()`` once ``sub`` has retired (or is known unknown); at once if it has."""
+    with locked():
+        if sub.state == PENDING:
+            if sub.callbacks is None:
+                sub.callbacks = [cb]
+            else:
+                sub.callbacks.append(cb)
+            return
+    cb()
+
+
+def wait(sub, timeout=None) -> bool:
+    """Block until ``sub`` finished (True) or ``timeout`` passed (False)."""
+    if sub.state == PENDING:
+        if not sub.marker.wait(timeout):
+            return False
+        sweep(sub.stream)
+    return True
+
+
+def synchronize_stream(stream) -> None:
+    with locked():
+        last = stream._pending[-1] if stream._pending else None
+    if last is not None:
+        last.marker.wait(None)
+    sweep(stream)
+    raise_deferred()
+
+
+def synchronize_device(device) -> None:
+    with locked():
+        streams = [s for s in _active if s.device is device]
+    for s in streams:
+        synchronize_stream(s)
+
+
+def synchronize_all() -> None:
+    with locked():
+        streams = list(_active)
+    for s in streams:
+        synchronize_stream(s)
+
+
+def raise_deferred() -> None:
+    """Emit pending leak warnings and re-raise a deferred failure, in the
+    calling (user) thread."""
+    while _pending_warnings:
+        try:
+            msg = _pending_warnings.popleft()
+        except IndexError:
+            break
+        warnings.warn(msg, LeakWarning, stacklevel=3)
+    if _deferred_errors:
+        try:
+            e = _deferred_errors.popleft()
+        except IndexError:
+            return
+        raise e
+
+
+def counters_locked() -> dict:
+    return dict(_counters, leaked=len(_leaked))
+
+
+def _retirer_ensure():  # replaced by retirer.ensure on import of retirer
+    pass
+
+
+def _install_retirer(fn) -> None:
+    global _retirer_ensure
+    _retirer_ensure = fn

@@ -1,0 +1,139 @@
+"""Streams and events.
+
+A :class:`Stream` runs work in order on one device. It is *owned* (created by
+``Device.create_stream``; the underlying stream is destroyed once the Stream
+object and all work on it are gone), or *borrowed* (``Stream.from_external``,
+the default stream: the caller's object is kept alive and never destroyed).
+Dropping a Stream never waits for its work: submissions keep the Stream alive
+until the GPU has finished them.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from .errors import CompletionUnknownError, DeviceMismatchError
+
+__all__ = ["Stream", "Event"]
+
+
+class Stream:
+    """An in-order queue of work on one device.
+
+    Fields used by the runtime: ``_pending`` (FIFO of unretired submissions)
+    and ``_seq`` (sequence number of the newest submission) are guarded by
+    ``sharedmem._sync.core_lock``.
+    """
+
+    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_leak_warned",
+                 "_external", "__weakref__")
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
+                        "device.default_stream or Stream.from_external(obj)")
+
+    @classmethod
+    def _create(cls, device, impl, owned: bool, name=None, external=None) -> "Stream":
+        self = object.__new__(cls)
+        self.device = device
+        self._impl = impl
+        self.owned = owned
+        self.name = name or getattr(impl, "name", None)
+        self._pending = collections.deque()  # guarded by core_lock
+        self._seq = 0  # guarded by core_lock
+        self._leak_warned = False  # guarded by core_lock
+        self._external = external  # the borrowed foreign stream object, kept alive
+        return self
+
+    @classmethod
+    def from_external(cls, obj, device=None) -> "Stream":
+        """Borrow a foreign stream: a CuPy, torch or cuda.core stream, any
+        object with ``__cuda_stream__``, or a raw ``CUstream`` handle (int).
+        The object is kept alive by the returned Stream and never destroyed."""
+        from .device import Device, default_device
+        if isinstance(obj, Stream):
+            return obj
+        dev = Device(device) if isinstance(device, int) else (device or default_device())
+        if dev.kind != "cuda":
+            raise DeviceMismatchError(
+                f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams")
+        impl = dev.backend.borrow_stream(obj)
+        return cls._create(dev, impl, owned=False, external=obj)
+
+    def __repr__(self) -> str:
+        kind = "owned" if self.owned else "borrowed"
+        return f"<Stream {self.name or hex(self.handle)} on {self.device} ({kind})>"
+
+    @property
+    def handle(self) -> int:
+        """The raw stream handle (``CUstream`` as an int; an id on the host)."""
+        return self._impl.handle
+
+    def __cuda_stream__(self):
+        if self.device.kind != "cuda":
+            raise AttributeError("host streams have no __cuda_stream__")
+        return (0, self._impl.handle)
+
+    def synchronize(self) -> None:
+        """Block until all work on this stream has finished, then retire it."""
+        from .runtime.submission import synchronize_stream
+        synchronize_stream(self)
+
+    def record(self) -> "Event":
+        """An :class:`Event` marking the work submitted so far on this stream."""
+        return Event(self, self._impl.submit(_noop) if self.device.kind == "host"
+                     else self.device.backend.record_marker(self._impl))
+
+    def wait(self, event_or_stream) -> None:
+        """Make later work on this stream wait (on the device, without blocking
+        the host) for an :class:`Event` or for all current work of a stream."""
+        ev = event_or_stream.record() if isinstance(event_or_stream, Stream) else event_or_stream
+        if not isinstance(ev, Event):
+            raise TypeError(f"Stream.wait takes an Event or a Stream, got {type(ev).__name__}")
+        if ev.stream.device is not self.device:
+            raise DeviceMismatchError(f"cannot make {self} wait for an event on {ev.stream.device}")
+        self._impl.wait_marker(ev._marker)
+
+    @property
+    def pending(self) -> int:
+        """Number of this stream's submissions not yet retired."""
+        from ._sync import locked
+        with locked():
+            return len(self._pending)
+
+
+def _noop():
+    pass
+
+
+class Event:
+    """A point in a stream's work. ``query()`` says whether it was reached,
+    ``synchronize()`` blocks until it is."""
+
+    __slots__ = ("stream", "_marker")
+
+    def __init__(self, stream: Stream, marker):
+        self.stream = stream
+        self._marker = marker
+
+    def query(self) -> bool:
+        state = self._marker.query()
+        if state == 2:
+            raise CompletionUnknownError(f"completion of work before this event on {self.stream} is "
+                                 f"unknown: {self._marker.error!r}")
+        return state == 1
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        return self._marker.wait(timeout)
+
+
+def resolve_stream(stream, device) -> Stream:
+    """``stream`` as a :class:`Stream` on ``device``: None means the device's
+    default stream; foreign streams are borrowed."""
+    if stream is None:
+        return device.default_stream
+    if not isinstance(stream, Stream):
+        stream = Stream.from_external(stream, device)
+    if stream.device is not device:
+        raise DeviceMismatchError(f"{stream} is on {stream.device}, but the memory is on {device}")
+    return stream

@@ -1,0 +1,275 @@
+"""Tensor: the Tile tensor -- a shaped, strided view of device memory.
+
+Zero-copy ownership transfers between the two views of memory:
+
+* ``Tensor.from_buffer(buf, shape)`` *moves* a buffer into a tensor,
+* ``tensor.into_buffer()`` *moves* it back,
+* ``tensor.as_buffer()`` *borrows* a buffer view; the tensor cannot be moved
+  while the borrow lives.
+
+A move succeeds only when no other live view of the moved bytes exists; else
+it raises :class:`~sharedmem.errors.AliasError` listing each one and changes
+nothing. The source of a successful move raises
+:class:`~sharedmem.errors.MovedError` on every later use. Strides are in
+elements (as in DLPack), ``byte_strides`` in bytes (as in NumPy).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .allocation import View
+from .buffer import Buffer, _device, allocate, as_dtype
+from .errors import LayoutError
+from .runtime.future import DeviceFuture
+from .runtime.submission import submit
+from .stream import resolve_stream
+
+__all__ = ["Tensor", "c_strides", "extent"]
+
+
+def c_strides(shape) -> tuple[int, ...]:
+    """Row-major (C order) strides in elements."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def extent(shape, strides) -> tuple[int, int]:
+    """Element offsets ``[lo, hi)`` relative to element 0 that the layout touches."""
+    if any(n == 0 for n in shape):
+        return 0, 0
+    lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return lo, hi + 1
+
+
+def _shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        shape = tuple(int(n) for n in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if any(n < 0 for n in shape):
+        raise LayoutError(f"shape must not have negative sizes, got {shape}")
+    return shape
+
+
+class Tensor(View):
+    """A shaped, strided view of device memory; the argument type of Tile
+    kernels. Holds one view token (like a Buffer): its bytes stay valid while
+    it lives. Attributes: ``shape``, ``strides`` (elements), ``dtype``,
+    ``ptr`` (address of element 0), ``ndim``, ``size``, ``nbytes``.
+    """
+
+    __slots__ = ("_dtype", "_shape", "_strides", "_offset")
+    _kind = "tensor"
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Tensor cannot be constructed directly; use Tensor.from_buffer(buf, shape), "
+                        "Tensor.empty(shape, dtype), Tensor.from_host(array) or sharedmem.from_dlpack")
+
+    @classmethod
+    def _wrap(cls, token, dtype, shape, strides, offset) -> "Tensor":
+        """``offset``: byte offset of element 0 from the allocation's start."""
+        self = object.__new__(cls)
+        self._init_view(token)
+        self._dtype = dtype
+        self._shape = shape
+        self._strides = strides
+        self._offset = offset
+        return self
+
+    # -- construction ---------------------------------------------------------
+    @classmethod
+    def from_buffer(cls, buf: Buffer, shape, strides=None) -> "Tensor":
+        """Move ``buf`` into a tensor of ``shape`` (C order unless ``strides``,
+        in elements, non-negative, is given) without copying.
+
+        Raises AliasError (nothing changed) if another live view of the
+        buffer's bytes exists; afterwards ``buf`` raises MovedError."""
+        if not isinstance(buf, Buffer):
+            raise TypeError(f"Tensor.from_buffer takes a sharedmem.Buffer, got {type(buf).__name__}")
+        tok = buf._live_token()
+        shape = _shape(shape)
+        n = len(buf)
+        if strides is None:
+            strides = c_strides(shape)
+            if math.prod(shape) != n:
+                raise LayoutError(f"shape {shape} holds {math.prod(shape)} elements but {buf!r} "
+                                  f"has {n}; pass a slice of the buffer or a matching shape")
+        else:
+            strides = tuple(int(s) for s in strides)
+            if len(strides) != len(shape):
+                raise LayoutError(f"strides {strides} do not match shape {shape}")
+            if any(s < 0 for s in strides):
+                raise LayoutError(f"strides must be non-negative for from_buffer, got {strides}")
+            if extent(shape, strides)[1] > n:
+                raise LayoutError(f"shape {shape} with strides {strides} reaches element "
+                                  f"{extent(shape, strides)[1] - 1}, beyond {buf!r}")
+        dtype = buf._dtype
+        tok = buf._move_token("tensor", "Tensor")
+        return cls._wrap(tok, dtype, shape, strides, tok.start)
+
+    @classmethod
+    def empty(cls, shape, dtype="float32", device=None, stream=None) -> "Tensor":
+        """An uninitialized C-order tensor."""
+        shape = _shape(shape)
+        dt = as_dtype(dtype)
+        dev = _device(device)
+        s = resolve_stream(stream, dev) if stream is not None else None
+        nbytes = math.prod(shape) * dt.itemsize
+        alloc = allocate(dev, nbytes, s)
+        tok = alloc.new_token("tensor", 0, nbytes, True, alloc)
+        return cls._wrap(tok, dt, shape, c_strides(shape), 0)
+
+    @classmethod
+    def zeros(cls, shape, dtype="float32", device=None, stream=None) -> "Tensor":
+        t = cls.empty(shape, dtype, device, stream)
+        with t.as_buffer() as b:
+            b.fill_zero(stream)
+        return t
+
+    @classmethod
+    def from_host(cls, array, device=None, stream=None) -> "Tensor":
+        """A new C-order tensor holding a copy of ``array``."""
+        a = np.ascontiguousarray(array)
+        t = cls.empty(a.shape, a.dtype, device, stream)
+        with t.as_buffer() as b:
+            b.copy_from(a, stream)
+        return t
+
+    @classmethod
+    def from_dlpack(cls, obj, *, stream=None, device=None) -> "Tensor":
+        """Import any DLPack producer zero-copy (see :func:`sharedmem.from_dlpack`)."""
+        from interop.dlpack import from_dlpack
+        return from_dlpack(obj, stream=stream, device=device)
+
+    # -- properties -------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        self._live_token()
+        return self._shape
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements."""
+        self._live_token()
+        return self._strides
+
+    @property
+    def byte_strides(self) -> tuple[int, ...]:
+        return tuple(s * self._dtype.itemsize for s in self.strides)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self._dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self._dtype.itemsize
+
+    @property
+    def ptr(self) -> int:
+        """Device address of element 0."""
+        return self._live_token().allocation.ptr + self._offset
+
+    def is_contiguous(self) -> bool:
+        """True for a C-order dense layout (sizes-1 dimensions ignored)."""
+        self._live_token()
+        expect = c_strides(self._shape)
+        return all(n <= 1 or s == e for n, s, e in zip(self._shape, self._strides, expect))
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._shape[0]
+
+    def __repr__(self) -> str:
+        if not self.is_live:
+            return f"<Tensor ({'moved' if self._state == 2 else 'released'})>"
+        tok = self._token
+        ro = " read-only" if not tok.writable else ""
+        return (f"<Tensor{ro} {self._dtype} shape={self._shape} strides={self._strides} on "
+                f"{tok.allocation.device}, allocation #{tok.allocation.id}>")
+
+    def _describe_short(self) -> str:
+        tok = self._token
+        return (f"Tensor({self._dtype}, shape {self._shape}, bytes [{tok.start}, {tok.stop}) of "
+                f"allocation #{tok.allocation.id})")
+
+    # -- ownership transfers ------------------------------------------------------
+    def _dense_range(self, what: str) -> tuple[int, int]:
+        tok = self._live_token()
+        if not self.is_contiguous():
+            raise LayoutError(f"{what} needs a C-contiguous tensor; {self!r} is not. "
+                              f"Copy it into a contiguous tensor first")
+        start = self._offset
+        stop = start + self.nbytes
+        if (start, stop) != (tok.start, tok.stop) and self.nbytes:
+            raise LayoutError(f"{what}: {self!r} covers bytes [{start}, {stop}) but its view "
+                              f"holds [{tok.start}, {tok.stop})")
+        return start, stop
+
+    def into_buffer(self) -> Buffer:
+        """Move this tensor's storage into a 1-D Buffer, zero-copy.
+
+        Raises AliasError (nothing changed) if another live view of its bytes
+        exists, LayoutError if it is not C-contiguous; afterwards this tensor
+        raises MovedError."""
+        self._dense_range("into_buffer")
+        n = self.size
+        dtype = self._dtype
+        tok = self._move_token("buffer", "Buffer")
+        return Buffer._wrap(tok, dtype, n)
+
+    def as_buffer(self) -> Buffer:
+        """Borrow a Buffer view of this (C-contiguous) tensor's bytes.
+
+        Use as ``with t.as_buffer() as b: ...`` (or release ``b`` yourself).
+        While the borrow lives, moving the tensor raises AliasError naming it."""
+        start, stop = self._dense_range("as_buffer")
+        tok = self._token
+        t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep)
+        return Buffer._wrap(t, self._dtype, self.size)
+
+    def as_readonly(self) -> "Tensor":
+        """A read-only view of the same bytes (it never blocks readers)."""
+        tok = self._live_token()
+        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep)
+        return Tensor._wrap(t, self._dtype, self._shape, self._strides, self._offset)
+
+    # -- data movement ---------------------------------------------------------------
+    def to_host(self, stream=None) -> np.ndarray:
+        """A NumPy copy (C order) taken after all pending writes to these bytes."""
+        tok = self._live_token()
+        dev = tok.allocation.device
+        s = resolve_stream(stream, dev)
+        raw = np.empty(tok.stop - tok.start, np.uint8)
+        src = tok.allocation.ptr + tok.start
+        backend, impl = dev.backend, s._impl
+        sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(impl, raw, src), keep=(raw,),
+                     policy="order", label="to_host")
+        DeviceFuture(sub).result()
+        if self.size == 0:
+            return np.empty(self._shape, self._dtype)
+        view = np.ndarray(self._shape, self._dtype, buffer=raw, offset=self._offset - tok.start,
+                          strides=self.byte_strides)
+        return np.array(view, order="C")

@@ -1,0 +1,58 @@
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+
+def gc_collect_harder():
+    # As trio does: several passes so finalizers that free more garbage run too.
+    for _ in range(4):
+        gc.collect()
+
+
+def cuda_device():
+    """CUDA device 0, or None when no GPU is usable here."""
+    try:
+        return sm.Device(0)
+    except sm.BackendUnavailableError:
+        return None
+
+
+@pytest.fixture
+def host():
+    return sm.Device.host()
+
+
+@pytest.fixture(params=["host", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Both backends, where the behaviour is meant to be the same."""
+    if request.param == "host":
+        return sm.Device.host()
+    dev = cuda_device()
+    if dev is None:
+        pytest.skip("no usable CUDA GPU")
+    return dev
+
+
+@pytest.fixture(autouse=True)
+def _clean_policy():
+    sm.set_access_policy("order")
+    yield
+    sm.set_access_policy("order")
+
+
+@pytest.fixture
+def settled():
+    """Assert the test left nothing in flight (beyond what was leaked before)."""
+    yield
+    sm.synchronize()
+    gc_collect_harder()
+    assert sm.stats().in_flight == 0
+
+
+def arange(n, dtype="float32"):
+    return np.arange(n, dtype=dtype)

@@ -1,0 +1,213 @@
+"""Moves, borrows and aliases: from_buffer / into_buffer / as_buffer."""
+
+import re
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from sharedmem import allocation as _allocation
+
+from conftest import gc_collect_harder
+
+
+@pytest.fixture
+def buf(device):
+    b = sm.Buffer.from_host(np.arange(12, dtype=np.float32), device=device)
+    return b
+
+
+def test_from_buffer_into_buffer_zero_copy(buf):
+    ptr, alloc = buf.ptr, buf.allocation
+    assert alloc.live_views == 1
+    t = sm.Tensor.from_buffer(buf, (3, 4))
+    assert t.ptr == ptr and t.allocation is alloc
+    assert (t.shape, t.strides, t.dtype) == ((3, 4), (4, 1), np.dtype(np.float32))
+    assert alloc.live_views == 1  # the token moved, it was not duplicated
+    b2 = t.into_buffer()
+    assert b2.ptr == ptr and len(b2) == 12 and b2.allocation is alloc
+    assert alloc.live_views == 1
+    np.testing.assert_array_equal(b2.to_host(), np.arange(12, dtype=np.float32))
+
+
+def test_moved_source_raises_on_every_use(buf):
+    t = sm.Tensor.from_buffer(buf, (12,))
+    msg = r"^this Buffer was moved into a Tensor and can no longer be used; use the Tensor the move returned$"
+    for use in (lambda: buf.ptr, lambda: len(buf), lambda: buf[0:2], lambda: buf.to_host(),
+                lambda: buf.allocation, lambda: sm.Tensor.from_buffer(buf, (12,)),
+                lambda: sm.launch(sm.host_kernel(lambda x: None), 1, 1, buf)):
+        with pytest.raises(sm.MovedError, match=msg):
+            use()
+    assert isinstance(sm.MovedError("x"), sm.ReleasedError)
+    b = t.into_buffer()
+    with pytest.raises(sm.MovedError, match=r"^this Tensor was moved into a Buffer"):
+        t.shape
+    b.release()
+    with pytest.raises(sm.ReleasedError, match=r"^this Buffer was released"):
+        b.ptr
+
+
+def test_alias_error_lists_each_live_view(buf):
+    alloc = buf.allocation
+    s1 = buf[0:4]
+    s2 = buf[6:12].as_readonly()
+    ptr = buf.ptr
+    with pytest.raises(sm.AliasError) as ei:
+        sm.Tensor.from_buffer(buf, (3, 4))
+    msg = str(ei.value)
+    # the temporary slice buf[6:12] died at once (refcounting): two views remain
+    assert msg == (
+        f"cannot move Buffer(float32 x 12, bytes [0, 48) of allocation #{alloc.id}) into a Tensor: "
+        f"2 other live views of its bytes exist:\n"
+        f"  - slice, bytes [0, 16) of allocation #{alloc.id}\n"
+        f"  - read-only view, bytes [24, 48) of allocation #{alloc.id}\n"
+        f"Release them (call .release(), leave their `with` block, or drop every reference) and "
+        f"try again, or copy instead of moving.\n"
+        f"(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
+    assert len(ei.value.views) == 2
+    # a failed move leaves the source fully usable
+    assert buf.ptr == ptr and len(buf) == 12
+    np.testing.assert_array_equal(buf.to_host(), np.arange(12, dtype=np.float32))
+    s1.release()
+    del s2
+    gc_collect_harder()
+    t = sm.Tensor.from_buffer(buf, (3, 4))
+    assert t.ptr == ptr
+
+
+def test_alias_released_by_gc(buf):
+    s = buf[2:3]
+    with pytest.raises(sm.AliasError):
+        sm.Tensor.from_buffer(buf, (12,))
+    del s
+    gc_collect_harder()
+    assert sm.Tensor.from_buffer(buf, (12,)).shape == (12,)
+
+
+def test_only_overlapping_bytes_conflict(device):
+    whole = sm.Buffer.zeros(16, "int32", device=device)
+    left, right = whole[0:8], whole[8:16]
+    whole.release()
+    # left and right do not overlap: each can be moved while the other lives
+    tl = sm.Tensor.from_buffer(left, (2, 4))
+    tr = sm.Tensor.from_buffer(right, (8,))
+    assert tr.ptr - tl.ptr == 32
+    assert tl.allocation is tr.allocation and tl.allocation.live_views == 2
+
+
+def test_borrow_blocks_moves_until_released(device):
+    t = sm.Tensor.from_host(np.ones((4, 4), np.float64), device=device)
+    with t.as_buffer() as b:
+        assert b.ptr == t.ptr and len(b) == 16
+        with pytest.raises(sm.AliasError, match=r"  - borrow, bytes \[0, 128\)"):
+            t.into_buffer()
+        with pytest.raises(sm.AliasError, match=r"  - tensor, bytes \[0, 128\)"):
+            sm.Tensor.from_buffer(b, (16,))  # the tensor aliases the borrow
+        assert t.allocation.live_views == 2
+    with pytest.raises(sm.ReleasedError):
+        len(b)
+    assert t.allocation.live_views == 1
+    ptr = t.ptr
+    assert t.into_buffer().ptr == ptr
+
+
+def test_completion_leases_never_count_as_aliases(host):
+    import threading
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def wait_then_read(x):
+        gate.wait(5)
+
+    s = host.create_stream()
+    b = sm.Buffer.zeros(8, device=host, stream=s)
+    fut = sm.launch(wait_then_read, 1, 1, sm.In(b), stream=s)
+    assert not fut.done()
+    # work in flight on b: still unique, the move succeeds
+    t = sm.Tensor.from_buffer(b, (8,))
+    assert t.allocation.live_views == 1
+    gate.set()
+    fut.result(5)
+
+
+def test_read_only_and_empty_views_do_not_block_readers(device):
+    b = sm.Buffer.from_host(np.arange(8, dtype=np.int64), device=device)
+    ro = b.as_readonly()
+    # moving the writable buffer is blocked by the read-only view ...
+    with pytest.raises(sm.AliasError, match=r"  - read-only view, bytes \[0, 64\)"):
+        sm.Tensor.from_buffer(b, (8,))
+    # ... and a read-only move is blocked by the writable buffer ...
+    ro2 = ro.as_readonly()
+    with pytest.raises(sm.AliasError, match=r"^cannot move Buffer\(int64 x 8.*\n  - buffer, bytes \[0, 64\)"):
+        sm.Tensor.from_buffer(ro2, (2, 4))
+    # ... but not by other readers: with only read-only views left it succeeds
+    b.release()
+    t = sm.Tensor.from_buffer(ro2, (2, 4))
+    assert t.readonly and t.ptr == ro.ptr
+    np.testing.assert_array_equal(t.to_host(), np.arange(8).reshape(2, 4))
+    # empty views conflict with nothing
+    empty = t.allocation.new_token("slice", 24, 24, True, t.allocation)
+    t3 = sm.Tensor.from_buffer(ro.as_readonly(), (8,))
+    assert t3.allocation.live_views == 4 and empty.live
+    # and a writable move is blocked by no empty view either
+    w = sm.Buffer.empty(4, device=device)
+    e = w[2:2]
+    assert len(e) == 0
+    assert sm.Tensor.from_buffer(w, (4,)).ptr == e.ptr - 8
+
+
+def test_track_origins(monkeypatch, device):
+    monkeypatch.setattr(_allocation, "TRACK_ORIGINS", True)
+    b = sm.Buffer.empty(4, device=device)
+    s = b[1:2]; line = __import__("inspect").currentframe().f_lineno  # noqa: E702
+    with pytest.raises(sm.AliasError) as ei:
+        sm.Tensor.from_buffer(b, (4,))
+    assert re.search(rf"slice, bytes \[4, 8\) of allocation #\d+ \(created at [^)]*test_moves.py:{line}\)",
+                     str(ei.value)), str(ei.value)
+    assert "SHAREDMEM_TRACK_ORIGINS" not in str(ei.value)
+    s.release()
+
+
+def test_layout_errors_leave_source_usable(device):
+    b = sm.Buffer.empty(10, "float32", device=device)
+    with pytest.raises(sm.LayoutError, match=r"^shape \(3, 4\) holds 12 elements but <Buffer float32 x 10"):
+        sm.Tensor.from_buffer(b, (3, 4))
+    with pytest.raises(sm.LayoutError, match="negative"):
+        sm.Tensor.from_buffer(b, (2, 5), strides=(-5, 1))
+    assert len(b) == 10 and b.is_live
+    t = sm.Tensor.from_buffer(b, (5, 2), strides=(1, 5))  # column-major view of all 10
+    assert not t.is_contiguous()
+    with pytest.raises(sm.LayoutError, match="needs a C-contiguous tensor"):
+        t.into_buffer()
+    with pytest.raises(sm.LayoutError, match="needs a C-contiguous tensor"):
+        t.as_buffer()
+    assert t.is_live
+
+
+def test_slices_and_views_share_allocation(device):
+    b = sm.Buffer.from_host(np.arange(10, dtype=np.int32), device=device)
+    s = b[2:7]
+    assert s.allocation is b.allocation and s.ptr == b.ptr + 8 and len(s) == 5
+    np.testing.assert_array_equal(s.to_host(), np.arange(2, 7))
+    assert b.allocation.live_views == 2
+    with pytest.raises(sm.LayoutError, match="step 1"):
+        b[::2]
+    with pytest.raises(TypeError, match="takes a slice"):
+        b[3]
+    with s:
+        pass
+    assert b.allocation.live_views == 1
+
+
+def test_device_box(device):
+    box = sm.DeviceBox(3.5, "float64", device=device)
+    assert box.get() == 3.5
+    box.set(1.0)
+    assert box.get() == 1.0
+
+    if device.kind == "host":
+        @sm.host_kernel
+        def incr(x):
+            x[0] += 2
+        sm.launch(incr, 1, 1, sm.InOut(box)).result()
+        assert box.get() == 3.0
