@@ -366,10 +366,10 @@ class View:
     def __exit__(self, *exc) -> None:
         self.release()
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
         # Never blocks, never waits for the GPU; nothing to do at interpreter exit.
         try:
-            if self._state == _LIVE and not sys.is_finalizing():
+            if self._state == _LIVE and not _finalizing():
                 self._token.release()
         except AttributeError:  # half-constructed
             pass

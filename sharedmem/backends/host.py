@@ -53,8 +53,8 @@ class HostBlock:
         self._pool = pool
         self._size_class = size_class
 
-    def __del__(self):
-        if self._raw is not None and not sys.is_finalizing():
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if self._raw is not None and not _finalizing():
             self._pool._give_back(self._size_class, self._raw)
             self._raw = None
 

@@ -1,0 +1,158 @@
+"""sm.launch on the host backend: intents, validation, futures."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+
+@sm.host_kernel
+def saxpy(a, x, y, out):
+    out[:] = a * x + y
+
+
+@sm.host_kernel
+def record_flags(x, y, seen):
+    seen.append((x.flags.writeable, y.flags.writeable, type(x), x.shape, y.shape))
+
+
+def test_launch_exact_result(host):
+    s = host.create_stream()
+    x = sm.Buffer.from_host(np.arange(100, dtype=np.float32), device=host, stream=s)
+    y = sm.Buffer.from_host(np.ones(100, np.float32), device=host, stream=s)
+    out = sm.Buffer.empty(100, "float32", device=host)
+    fut = sm.launch(saxpy, 1, 1, np.float32(2), sm.In(x), sm.In(y), sm.Out(out), stream=s)
+    assert isinstance(fut, sm.DeviceFuture) and fut.stream is s
+    assert fut.result(timeout=5) is None and fut.done()
+    np.testing.assert_array_equal(out.to_host(), 2 * np.arange(100, dtype=np.float32) + 1)
+
+
+def test_in_views_are_read_only_and_tensors_keep_shape(host):
+    seen = []
+    t = sm.Tensor.from_host(np.zeros((2, 3), np.int16), device=host)
+    b = sm.Buffer.empty(5, "int16", device=host)
+    sm.launch(record_flags, 1, 1, sm.In(t), b, seen).result(5)
+    assert seen == [(False, True, np.ndarray, (2, 3), (5,))]
+
+
+def test_validation_failures_take_no_leases(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    s.synchronize()
+    before = sm.stats()
+    ro = b.as_readonly()
+    with pytest.raises(sm.KernelError, match=r"^argument 1: Out\(<Buffer read-only float32 x 4 .*\) would write through a read-only view; pass it as In\(\.\.\.\) or copy it first$"):
+        sm.launch(saxpy, 1, 1, 1.0, sm.Out(ro), b, b, stream=s)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: Atomic\(.*\) would write through a read-only view"):
+        sm.launch(saxpy, 1, 1, sm.Atomic(ro), stream=s)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: In\(\) takes a Buffer, Tensor, DeviceBox or array, got int$"):
+        sm.launch(saxpy, 1, 1, sm.In(3), stream=s)
+    with pytest.raises(sm.KernelError, match=r"^grid must be a positive int or a tuple of 1 to 3 positive ints, got \(0,\)$"):
+        sm.launch(saxpy, (0,), 1, b, stream=s)
+    with pytest.raises(sm.KernelError, match=r"^launch\(\) does not know how to launch a builtins.function"):
+        sm.launch(lambda: None, 1, 1, b, stream=s)
+    with pytest.raises(sm.SharedMemError, match=r"^unknown access policy 'fifo'; expected one of 'order', 'reject'$"):
+        sm.launch(saxpy, 1, 1, b, stream=s, policy="fifo")
+    with pytest.raises(sm.KernelError, match="shared_mem must be an int >= 0"):
+        sm.launch(saxpy, 1, 1, b, stream=s, shared_mem=-1)
+    released = b[0:1]
+    released.release()
+    with pytest.raises(sm.ReleasedError):
+        sm.launch(saxpy, 1, 1, released, stream=s)
+    after = sm.stats()
+    assert after.submitted == before.submitted and after.in_flight == 0
+    assert b.allocation.tracker.streams_locked() == []
+
+
+def test_device_mismatch():
+    class FakeDev:  # a second device only needs an identity for this check
+        pass
+    host = sm.Device.host()
+    b = sm.Buffer.empty(4, device=host)
+    other_alloc = sm.Allocation.__new__(sm.Allocation)
+    # a view whose allocation claims another device
+    fake = sm.Buffer.empty(4, device=host)
+    fake._token.allocation.device = FakeDev()
+    try:
+        with pytest.raises(sm.DeviceMismatchError, match=r"^argument 1 \(.*\) is on .*FakeDev.*, but the launch runs on <Device host>; copy it there first$"):
+            sm.launch(saxpy, 1, 1, b, fake)
+    finally:
+        fake._token.allocation.device = host
+
+
+def test_atomic_is_tracked_as_write(host):
+    a, b = host.create_stream(), host.create_stream()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def slow_atomic(x):
+        gate.wait(5)
+        x[0] += 1
+
+    buf = sm.Buffer.zeros(2, "int64", device=host, stream=a)
+    fa = sm.launch(slow_atomic, 1, 1, sm.Atomic(buf), stream=a)
+    # a reader on another stream conflicts with an atomic as with a write
+    with pytest.raises(sm.AccessConflictError, match=r"while unfinished work on <Stream .*> writes them"):
+        sm.launch(saxpy, 1, 1, sm.In(buf), stream=b, policy="reject")
+    gate.set()
+    fa.result(5)
+    assert buf.to_host()[0] == 1
+
+
+def test_future_then_and_callbacks(host):
+    s = host.create_stream()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def slow(x):
+        gate.wait(5)
+        x[:] = 7
+
+    b = sm.Buffer.empty(3, "int32", device=host)
+    fut = sm.launch(slow, 1, 1, sm.Out(b), stream=s)
+    called = []
+    fut.add_done_callback(lambda f: called.append(f is fut))
+    chained = fut.then(lambda v: ("done", v))
+    assert not fut.done() and not chained.done() and called == []
+    with pytest.raises(TimeoutError, match="did not finish within 0.01 s"):
+        fut.result(timeout=0.01)
+    gate.set()
+    assert chained.result(5) == ("done", None)
+    assert called == [True]
+    assert chained.then(lambda v: v[0] + "!").result(5) == "done!"
+    failing = fut.then(lambda v: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(5)
+    assert isinstance(failing.exception(5), ZeroDivisionError)
+
+
+def test_await_future(host):
+    s = host.create_stream()
+
+    @sm.host_kernel
+    def fill(x):
+        x[:] = 3
+
+    b = sm.Buffer.empty(4, "int32", device=host)
+
+    async def main():
+        fut = sm.launch(fill, 1, 1, sm.Out(b), stream=s)
+        return await fut
+
+    assert asyncio.run(main()) is None
+    np.testing.assert_array_equal(b.to_host(), [3, 3, 3, 3])
+
+
+def test_scalars_and_foreign_objects_pass_through(host):
+    got = []
+
+    @sm.host_kernel
+    def k(*args):
+        got.append(args)
+
+    obj = object()
+    sm.launch(k, 1, 1, 1, 2.5, "s", obj).result(5)
+    assert got == [(1, 2.5, "s", obj)]

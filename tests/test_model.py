@@ -1,0 +1,213 @@
+"""A hypothesis state machine: create / slice / move / borrow / launch / drop /
+complete, checked against a simple reference model of views and leases.
+
+Every allocation is filled with its own tag value and kernels only ever write
+that tag back, so a kernel that reads anything else proves memory was freed
+and reused early. The machine runs under policy "reject", each launch on a
+stream of its own, so the model also predicts every AccessConflictError.
+"""
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import sharedmem as sm
+
+HOST = sm.Device.host()
+
+
+class Handle:
+    def __init__(self, obj, alloc_key, start, stop, writable, kind):
+        self.obj, self.alloc_key = obj, alloc_key
+        self.start, self.stop, self.writable, self.kind = start, stop, writable, kind
+        self.state = "live"
+
+
+class Lease:
+    def __init__(self, fut, gate, alloc_key, start, stop, writes):
+        self.fut, self.gate = fut, gate
+        self.alloc_key, self.start, self.stop, self.writes = alloc_key, start, stop, writes
+
+
+def overlap(a0, a1, b0, b1):
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
+
+
+class OwnershipMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.handles: list[Handle] = []
+        self.leases: list[Lease] = []
+        self.allocs: dict[int, weakref.ref] = {}
+        self.tags: dict[int, int] = {}
+        self.corrupt: list = []
+        self.next_tag = 1
+
+    # -- helpers ------------------------------------------------------------
+    def live(self):
+        return [h for h in self.handles if h.state == "live"]
+
+    def pick(self, i, kind=None):
+        cands = [h for h in self.live() if kind is None or h.kind == kind]
+        return cands[i % len(cands)] if cands else None
+
+    def move_conflicts(self, h):
+        return [o for o in self.live() if o is not h and o.alloc_key == h.alloc_key
+                and overlap(h.start, h.stop, o.start, o.stop) and (h.writable or o.writable)]
+
+    # -- rules --------------------------------------------------------------
+    @rule(n=st.integers(0, 64))
+    def create(self, n):
+        tag = self.next_tag
+        self.next_tag += 1
+        b = sm.Buffer.from_host(np.full(n, tag, np.int32), device=HOST)
+        HOST.default_stream.synchronize()
+        key = b.allocation.id
+        self.allocs[key] = weakref.ref(b.allocation)
+        self.tags[key] = tag
+        self.handles.append(Handle(b, key, 0, 4 * n, True, "buffer"))
+
+    @precondition(lambda self: any(h.kind == "buffer" for h in self.live()))
+    @rule(i=st.integers(0, 99), a=st.integers(0, 64), b=st.integers(0, 64))
+    def slice(self, i, a, b):
+        h = self.pick(i, "buffer")
+        n = (h.stop - h.start) // 4
+        a, b = min(a, n), min(max(a, b), n)
+        s = h.obj[a:b]
+        assert s.ptr == h.obj.ptr + 4 * a and len(s) == b - a
+        self.handles.append(Handle(s, h.alloc_key, h.start + 4 * a, h.start + 4 * b, h.writable, "buffer"))
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(i=st.integers(0, 99))
+    def readonly(self, i):
+        h = self.pick(i)
+        r = h.obj.as_readonly()
+        kind = h.kind
+        self.handles.append(Handle(r, h.alloc_key, h.start, h.stop, False, kind))
+
+    @precondition(lambda self: any(h.kind == "buffer" for h in self.live()))
+    @rule(i=st.integers(0, 99))
+    def move_to_tensor(self, i):
+        h = self.pick(i, "buffer")
+        expected = self.move_conflicts(h)
+        ptr = h.obj.ptr
+        try:
+            t = sm.Tensor.from_buffer(h.obj, ((h.stop - h.start) // 4,))
+        except sm.AliasError as e:
+            assert len(e.views) == len(expected), (e, len(expected))
+            assert h.obj.ptr == ptr  # source still usable
+            return
+        assert not expected, f"missed aliases: {len(expected)}"
+        assert t.ptr == ptr
+        h.state = "moved"
+        with pytest.raises(sm.MovedError):
+            h.obj.ptr
+        self.handles.append(Handle(t, h.alloc_key, h.start, h.stop, h.writable, "tensor"))
+
+    @precondition(lambda self: any(h.kind == "tensor" for h in self.live()))
+    @rule(i=st.integers(0, 99))
+    def move_to_buffer(self, i):
+        h = self.pick(i, "tensor")
+        expected = self.move_conflicts(h)
+        ptr = h.obj.ptr
+        try:
+            b = h.obj.into_buffer()
+        except sm.AliasError as e:
+            assert len(e.views) == len(expected)
+            assert h.obj.ptr == ptr
+            return
+        assert not expected
+        assert b.ptr == ptr
+        h.state = "moved"
+        self.handles.append(Handle(b, h.alloc_key, h.start, h.stop, h.writable, "buffer"))
+
+    @precondition(lambda self: any(h.kind == "tensor" for h in self.live()))
+    @rule(i=st.integers(0, 99))
+    def borrow(self, i):
+        h = self.pick(i, "tensor")
+        b = h.obj.as_buffer()
+        assert b.ptr == h.obj.ptr
+        self.handles.append(Handle(b, h.alloc_key, h.start, h.stop, h.writable, "buffer"))
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(i=st.integers(0, 99), explicit=st.booleans())
+    def drop(self, i, explicit):
+        h = self.pick(i)
+        if explicit:
+            h.obj.release()
+            with pytest.raises(sm.ReleasedError):
+                h.obj.ptr
+        h.state = "released"
+        h.obj = None
+        gc.collect()
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(i=st.integers(0, 99), mode=st.sampled_from(["in", "out", "atomic"]))
+    def launch(self, i, mode):
+        h = self.pick(i)
+        writes = mode != "in"
+        if writes and not h.writable:
+            with pytest.raises(sm.KernelError):
+                sm.launch(_checker, 1, 1, sm.Out(h.obj), 0, self.corrupt, threading.Event())
+            return
+        expect_conflict = any(
+            l.alloc_key == h.alloc_key and overlap(l.start, l.stop, h.start, h.stop)
+            and (writes or l.writes) for l in self.leases)
+        gate = threading.Event()
+        intent = {"in": sm.In, "out": sm.Out, "atomic": sm.Atomic}[mode]
+        stream = HOST.create_stream()
+        try:
+            fut = sm.launch(_checker, 1, 1, intent(h.obj), self.tags[h.alloc_key], self.corrupt,
+                            gate, stream=stream, policy="reject")
+        except sm.AccessConflictError:
+            assert expect_conflict
+            return
+        assert not expect_conflict
+        self.leases.append(Lease(fut, gate, h.alloc_key, h.start, h.stop, writes))
+
+    @precondition(lambda self: bool(self.leases))
+    @rule(i=st.integers(0, 99))
+    def complete(self, i):
+        lease = self.leases.pop(i % len(self.leases))
+        lease.gate.set()
+        lease.fut.result(10)
+
+    # -- invariants ----------------------------------------------------------
+    @invariant()
+    def views_and_leases_match_the_model(self):
+        assert not self.corrupt, self.corrupt
+        for key, ref in self.allocs.items():
+            handles = [h for h in self.live() if h.alloc_key == key]
+            leases = [l for l in self.leases if l.alloc_key == key]
+            alloc = ref()
+            if alloc is None:
+                assert not handles and not leases, "allocation freed while in use"
+                continue
+            assert alloc.live_views == len(handles)
+            assert bool(alloc.tracker) == any(l.start < l.stop for l in leases)  # empty: no lease
+
+    def teardown(self):
+        for lease in self.leases:
+            lease.gate.set()
+        sm.synchronize()
+        assert not self.corrupt, self.corrupt
+
+
+@sm.host_kernel
+def _checker(x, tag, corrupt, gate):
+    gate.wait(10)
+    if x.size and not (x == tag).all():
+        corrupt.append((tag, np.unique(x)[:5].tolist()))
+    if x.flags.writeable:
+        x[:] = tag
+
+
+TestOwnershipModel = OwnershipMachine.TestCase
+TestOwnershipModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                       suppress_health_check=[HealthCheck.too_slow])

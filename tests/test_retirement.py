@@ -1,0 +1,156 @@
+"""Submissions keep what they use until the work is done; faults leak on purpose."""
+
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from conftest import gc_collect_harder
+
+
+def test_dropped_inputs_survive_until_the_slow_kernel_ran(host):
+    """The use-after-free pattern: drop everything right after launch, write new memory."""
+    s = host.create_stream()
+    gate = threading.Event()
+    results = []
+
+    @sm.host_kernel
+    def slow_sum(x, y, out):
+        gate.wait(5)
+        out[:] = x + y
+        results.append(out.copy())
+
+    n = 4096
+    x = sm.Buffer.from_host(np.full(n, 1.0, np.float32), device=host, stream=s)
+    y = sm.Buffer.from_host(np.full(n, 2.0, np.float32), device=host, stream=s)
+    out = sm.Buffer.empty(n, "float32", device=host)
+    xptr, yptr = x.ptr, y.ptr
+    fut = sm.launch(slow_sum, 1, 1, sm.In(x), sm.In(y), sm.Out(out), stream=s)
+    del x, y, out, fut
+    gc_collect_harder()
+    # new allocations of the same size, written at once on other streams: the host
+    # pool hands freed blocks out again immediately, so an early free would show here
+    other = host.create_stream()
+    fresh = [sm.Buffer.from_host(np.full(n, -99.0, np.float32), device=host, stream=other)
+             for _ in range(8)]
+    other.synchronize()
+    assert xptr not in {b.ptr for b in fresh} and yptr not in {b.ptr for b in fresh}
+    assert sm.stats().in_flight >= 1
+    gate.set()
+    sm.synchronize()
+    np.testing.assert_array_equal(results[0], np.full(n, 3.0, np.float32))
+    # once retired, the memory really is returned and reused
+    del fresh
+    gc_collect_harder()
+    again = [sm.Buffer.empty(n, "float32", device=host) for _ in range(12)]
+    assert xptr in {b.ptr for b in again}
+
+
+def test_destructors_never_wait(host):
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def blocked(x):
+        gate.wait(10)
+
+    s = host.create_stream()
+    b = sm.Buffer.zeros(16, device=host, stream=s)
+    fut = sm.launch(blocked, 1, 1, b, stream=s)
+    t0 = time.monotonic()
+    del b, fut, s  # buffer, future and stream all dropped while the work is blocked
+    gc_collect_harder()
+    assert time.monotonic() - t0 < 2.0  # would be >= 10 s if a destructor waited
+    assert sm.stats().in_flight >= 1
+    gate.set()
+    sm.synchronize()
+    assert sm.stats().in_flight == 0
+
+
+def test_stream_dropped_with_work_pending_still_retires(host):
+    gate = threading.Event()
+    out_host = []
+
+    @sm.host_kernel
+    def k(x):
+        gate.wait(5)
+        out_host.append(int(x.sum()))
+
+    s = host.create_stream()
+    b = sm.Buffer.from_host(np.arange(10, dtype=np.int64), device=host, stream=s)
+    sm.launch(k, 1, 1, sm.In(b), stream=s)
+    alloc = b.allocation
+    del s, b
+    gc_collect_harder()
+    assert alloc.live_views == 0 and alloc.tracker  # no views, but a lease
+    gate.set()
+    sm.synchronize()
+    assert out_host == [45]
+    assert not alloc.tracker
+
+
+def test_kernel_fault_means_completion_unknown(host):
+    s, other = host.create_stream(), host.create_stream()
+
+    @sm.host_kernel
+    def faulting(x):
+        raise RuntimeError("illegal address (simulated)")
+
+    @sm.host_kernel
+    def fill(x):
+        x[:] = 5
+
+    before = sm.stats()
+    b = sm.Buffer.zeros(32, "int32", device=host, stream=s)
+    alloc_ref = b.allocation
+    fut = sm.launch(faulting, 1, 1, b, stream=s)
+    del b
+    with pytest.warns(sm.LeakWarning, match=r"^completion of work on <Stream .*> is unknown \(RuntimeError\('illegal address \(simulated\)'\)\); its memory and leases are kept, never freed"):
+        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of host kernel .*faulting on <Stream .*> is unknown: RuntimeError") as ei:
+            fut.result(5)
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    st = sm.stats()
+    assert st.leaked == before.leaked + 1 and st.leaked_bytes == before.leaked_bytes + 128
+    gc_collect_harder()
+    assert alloc_ref.tracker  # kept: its lease is never released
+    # the faulted stream refuses more work, without taking leases
+    c = sm.Buffer.zeros(4, "int32", device=host, stream=other)
+    with pytest.raises(sm.CompletionUnknownError, match=r"faulted earlier .* Create a new stream"):
+        sm.launch(fill, 1, 1, c, stream=s)
+    # other streams keep working
+    sm.launch(fill, 1, 1, c, stream=other).result(5)
+    np.testing.assert_array_equal(c.to_host(), [5, 5, 5, 5])
+    # reported once: a second faulted submission on the same stream adds no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sm.LeakWarning)
+        sm.stats()
+
+
+def test_work_conflicting_with_unknown_completion_is_refused(host):
+    s, other = host.create_stream(), host.create_stream()
+
+    @sm.host_kernel
+    def faulting(x):
+        raise RuntimeError("boom")
+
+    b = sm.Buffer.zeros(8, "int32", device=host, stream=s)
+    with pytest.warns(sm.LeakWarning):
+        with pytest.raises(sm.CompletionUnknownError):
+            sm.launch(faulting, 1, 1, b, stream=s).result(5)
+    with pytest.raises(sm.CompletionUnknownError, match=r"which work of unknown completion on <Stream .*> writes; that memory is kept but its contents cannot be trusted"):
+        b.to_host(stream=other)
+
+
+def test_stats_fields():
+    st = sm.stats()
+    assert isinstance(st, sm.Stats)
+    assert st["in_flight"] == st.in_flight
+    with pytest.raises(KeyError):
+        st["nope"]
+    with pytest.raises(Exception):
+        st.in_flight = 3
+    assert set(st.as_dict()) == {"in_flight", "live_allocations", "live_views", "leaked",
+                                 "leaked_bytes", "submitted", "retired"}

@@ -1,0 +1,131 @@
+"""Cross-stream rules: read+read overlaps, conflicts are ordered or refused."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+
+@sm.host_kernel
+def slow_write(x, value, delay):
+    time.sleep(delay)
+    x[:] = value
+
+
+@sm.host_kernel
+def copy(src, dst):
+    dst[:] = src
+
+
+def test_read_read_runs_concurrently(host):
+    a, b = host.create_stream(), host.create_stream()
+    buf = sm.Buffer.from_host(np.arange(8, dtype=np.int32), device=host, stream=a)
+    a.synchronize()
+    barrier = threading.Barrier(2, timeout=5)
+
+    @sm.host_kernel
+    def reader(x):
+        barrier.wait()  # both readers must be running at once, or this times out
+
+    fa = sm.launch(reader, 1, 1, sm.In(buf), stream=a, policy="reject")
+    fb = sm.launch(reader, 1, 1, sm.In(buf), stream=b, policy="reject")
+    fa.result(10)
+    fb.result(10)
+    assert not barrier.broken
+
+
+@pytest.mark.parametrize("writer_first", [True, False])
+def test_order_policy_orders_conflicts(host, writer_first):
+    a, b = host.create_stream(), host.create_stream()
+    n = 1000
+    buf = sm.Buffer.zeros(n, "float64", device=host, stream=a)
+    out = sm.Buffer.zeros(n, "float64", device=host, stream=b)
+    if writer_first:  # reader on b must wait for the slow writer on a
+        sm.launch(slow_write, 1, 1, sm.Out(buf), 42.0, 0.2, stream=a)
+        sm.launch(copy, 1, 1, sm.In(buf), sm.Out(out), stream=b).result(10)
+        np.testing.assert_array_equal(out.to_host(), np.full(n, 42.0))
+    else:  # writer on b must wait for the slow reader on a
+        gate = threading.Event()
+
+        @sm.host_kernel
+        def slow_copy(src, dst):
+            gate.wait(0.2)
+            dst[:] = src
+
+        sm.launch(slow_copy, 1, 1, sm.In(buf), sm.Out(out), stream=a)
+        sm.launch(slow_write, 1, 1, sm.Out(buf), 7.0, 0.0, stream=b).result(10)
+        np.testing.assert_array_equal(out.to_host(), np.zeros(n))
+        np.testing.assert_array_equal(buf.to_host(), np.full(n, 7.0))
+
+
+def test_reject_policy_names_the_other_stream(host):
+    a, b = host.create_stream("writer-stream"), host.create_stream("reader-stream")
+    buf = sm.Buffer.zeros(64, "float32", device=host, stream=a)
+    out = sm.Buffer.zeros(64, "float32", device=host, stream=b)
+    b.synchronize()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def gated_write(x):
+        gate.wait(5)
+        x[:] = 1
+
+    fa = sm.launch(gated_write, 1, 1, sm.Out(buf), stream=a)
+    sm.set_access_policy("reject")
+    before = sm.stats().submitted
+    with pytest.raises(sm.AccessConflictError, match=(
+            r"^host kernel .*copy on <Stream reader-stream on <Device host> \(owned\)> would read "
+            r"bytes \[0, 256\) of allocation #\d+ while unfinished work on <Stream writer-stream on "
+            r"<Device host> \(owned\)> writes them \(policy 'reject'\)\. Wait for that work")):
+        sm.launch(copy, 1, 1, sm.In(buf), sm.Out(out), stream=b)
+    assert sm.stats().submitted == before  # refused: nothing submitted, no lease taken
+    assert b not in buf.allocation.tracker.streams_locked()
+    assert out.allocation.tracker.streams_locked() == []
+    # same stream needs no ordering and is never refused
+    sm.launch(copy, 1, 1, sm.In(buf), sm.Out(out), stream=a)
+    # disjoint byte ranges do not conflict
+    other_half = buf[32:64]
+    gate.set()
+    fa.result(5)
+    sm.synchronize()
+    fw = sm.launch(slow_write, 1, 1, sm.Out(buf[0:32]), 2.0, 0.1, stream=a)
+    sm.launch(copy, 1, 1, sm.In(other_half), sm.Out(out[0:32]), stream=b).result(5)
+    fw.result(5)
+    np.testing.assert_array_equal(out.to_host()[:32], np.ones(32))
+    assert sm.get_access_policy() == "reject"
+
+
+def test_to_host_always_waits_for_pending_writes(host):
+    a = host.create_stream()
+    buf = sm.Buffer.zeros(16, "int32", device=host, stream=a)
+    sm.launch(slow_write, 1, 1, sm.Out(buf), 9, 0.1, stream=a)
+    sm.set_access_policy("reject")
+    np.testing.assert_array_equal(buf.to_host(), np.full(16, 9))  # default stream, ordered
+
+
+def test_many_launches_keep_tracker_small(host):
+    s = host.create_stream()
+    buf = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+
+    @sm.host_kernel
+    def inc(x):
+        x += 1
+
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def hold(x):
+        gate.wait(5)
+
+    sm.launch(hold, 1, 1, sm.In(buf), stream=s)
+    for _ in range(500):
+        sm.launch(inc, 1, 1, buf, stream=s)
+    use = buf.allocation.tracker._uses[s]
+    assert len(use.writes) == 1 and len(use.reads) == 1  # coalesced, not 500 entries
+    gate.set()
+    s.synchronize()
+    np.testing.assert_array_equal(buf.to_host(), np.full(4, 500))
+    assert not buf.allocation.tracker
