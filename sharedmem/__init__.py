@@ -9,10 +9,11 @@ GPU library.
 
 from .access import get_access_policy, set_access_policy
 from .allocation import Allocation, lookup_allocation
+from .bridges import from_cuda_array_interface, from_dlpack
 from .buffer import Buffer, DeviceBox
 from .device import Device, default_device
 from .errors import (AccessConflictError, AliasError, BackendUnavailableError,
-                     CompletionUnknownError, DeviceMismatchError, KernelError, LayoutError,
+                     CompletionUnknownError, CudaError, DeviceMismatchError, KernelError, LayoutError,
                      LeakWarning, MovedError, ReleasedError, SharedMemError, SharedMemWarning)
 from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,
                      register_kernel_adapter)
@@ -25,10 +26,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
-    "Buffer", "CompletionUnknownError", "Device", "DeviceBox", "DeviceFuture",
+    "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
     "DeviceMismatchError", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
+    "from_cuda_array_interface", "from_dlpack",
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "register_kernel_adapter",
     "set_access_policy", "stats", "synchronize", "__version__",
 ]

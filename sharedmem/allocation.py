@@ -357,7 +357,8 @@ class View:
         GPU (work in flight keeps the memory through its own leases)."""
         if self._state == _LIVE:
             self._state = _RELEASED
-            self._token.release()
+            tok, self._token = self._token, None
+            tok.release()
 
     def __enter__(self):
         self._live_token()
@@ -373,6 +374,28 @@ class View:
                 self._token.release()
         except AttributeError:  # half-constructed
             pass
+
+    # -- protocols -----------------------------------------------------------
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """Export as a DLPack capsule (see :mod:`interop.dlpack` for the stream
+        rules). The capsule holds a view token until the consumer deletes it."""
+        from interop.dlpack import export
+        return export(self, stream=stream, max_version=max_version, dl_device=dl_device,
+                      copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""
+        from interop.dlpack import dlpack_device
+        return dlpack_device(self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CUDA Array Interface v3 (CUDA devices only; AttributeError on the host)."""
+        tok = self._live_token()
+        if tok.allocation.device.kind != "cuda":
+            raise AttributeError("__cuda_array_interface__: this view is on the host device")
+        from interop.cai import export_cai
+        return export_cai(self)
 
     # -- moves --------------------------------------------------------------
     def _move_token(self, target_kind: str, target_name: str, start=None, stop=None) -> ViewToken:
@@ -399,6 +422,7 @@ class View:
             tok.kind = target_kind
             self._state = _MOVED
             self._moved_to = target_name
+            self._token = None  # a moved-from handle keeps nothing alive
         return tok
 
     def _describe_short(self) -> str:  # overridden

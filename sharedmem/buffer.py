@@ -118,6 +118,15 @@ class Buffer(View):
         return (len(self),)
 
     @property
+    def strides(self) -> tuple[int]:
+        """``(1,)``: strides in elements, as for a Tensor."""
+        return (1,)
+
+    @property
+    def byte_strides(self) -> tuple[int]:
+        return (self._dtype.itemsize,)
+
+    @property
     def nbytes(self) -> int:
         return len(self) * self._dtype.itemsize
 

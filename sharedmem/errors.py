@@ -16,6 +16,7 @@ __all__ = [
     "CompletionUnknownError",
     "BackendUnavailableError",
     "KernelError",
+    "CudaError",
     "LayoutError",
     "SharedMemWarning",
     "LeakWarning",
@@ -87,6 +88,18 @@ class LayoutError(SharedMemError, ValueError):
 class KernelError(SharedMemError, TypeError):
     """A kernel or its arguments cannot be launched: an unknown kernel type, a
     wrong number or type of arguments, an intent the view does not allow."""
+
+
+class CudaError(SharedMemError, RuntimeError):
+    """A CUDA driver call failed; ``code`` is the ``CUresult`` value and the
+    message names the call and the error."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message, code)
+        self.code = code
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class SharedMemWarning(UserWarning):

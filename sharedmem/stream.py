@@ -81,8 +81,7 @@ class Stream:
 
     def record(self) -> "Event":
         """An :class:`Event` marking the work submitted so far on this stream."""
-        return Event(self, self._impl.submit(_noop) if self.device.kind == "host"
-                     else self.device.backend.record_marker(self._impl))
+        return Event(self, self.device.backend.record_marker(self._impl))
 
     def wait(self, event_or_stream) -> None:
         """Make later work on this stream wait (on the device, without blocking
@@ -100,10 +99,6 @@ class Stream:
         from ._sync import locked
         with locked():
             return len(self._pending)
-
-
-def _noop():
-    pass
 
 
 class Event:

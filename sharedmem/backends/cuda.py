@@ -1,8 +1,326 @@
-"""The CUDA backend (placeholder until the driver-API backend lands)."""
+"""The CUDA backend: streams, events, copies and foreign-pointer queries through
+``cuda.bindings`` (the driver API); memory from CuPy's pool.
 
-from ..errors import BackendUnavailableError
+Imported only when a CUDA device is asked for; raises
+:class:`~sharedmem.errors.BackendUnavailableError` with an install hint when
+``cuda-bindings`` or CuPy is missing or no GPU is usable.
+
+* Context: the device *borrows* its GPU's primary context (retained once,
+  never destroyed). Every thread that calls the driver makes it current first
+  (``_ensure_context``, a thread-local check).
+* Memory: ``cupy.cuda.alloc`` -- shared with the user's CuPy code. A block
+  goes back to CuPy's pool when its owning allocation dies, which happens only
+  after every submission that leased it has retired (see runtime/submission).
+  That is what closes the reuse hazard of cupy/cupy#8068 for our memory.
+* Completion: one pooled event per submission (``cuEventRecord``, about half
+  a microsecond), queried by the retirer; no host callbacks per launch.
+  A query that fails with anything but ``CUDA_ERROR_NOT_READY`` (a sticky
+  error after a fault) means *completion unknown*: the work's memory is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ..errors import BackendUnavailableError, CudaError
+
+PENDING, DONE, UNKNOWN = 0, 1, 2
+
+try:  # imported lazily by Device(i); never by `import sharedmem`
+    from cuda.bindings import driver as cu
+except ImportError:  # pragma: no cover - depends on the machine
+    try:
+        from cuda import cuda as cu  # cuda-python < 12.6 layout
+    except ImportError:
+        cu = None
+
+_SUCCESS = cu.CUresult.CUDA_SUCCESS if cu is not None else None
+_NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY if cu is not None else None
+
+
+def _name(err) -> str:
+    try:
+        e, s = cu.cuGetErrorName(err)
+        return s.decode() if e == _SUCCESS else str(err)
+    except Exception:  # pragma: no cover
+        return str(err)
+
+
+def check(result, what: str):
+    """Unpack a cuda.bindings result tuple, raising CudaError on failure."""
+    err = result[0]
+    if err != _SUCCESS:
+        raise CudaError(f"{what} failed: {_name(err)} ({int(err)})", int(err))
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+class CudaMarker:
+    """Completion marker: an event recorded after a submission's work.
+
+    ``query()`` -> 0 pending, 1 done, 2 unknown (``error`` says why).
+    Pooled markers return their event to the pool on ``recycle()``, which the
+    runtime calls only once the submission has retired.
+    """
+
+    __slots__ = ("event", "error", "_backend", "_pooled")
+
+    def __init__(self, event, backend, pooled: bool):
+        self.event = event
+        self.error = None
+        self._backend = backend
+        self._pooled = pooled
+
+    @property
+    def unknown(self) -> bool:
+        return self.error is not None
+
+    def query(self) -> int:
+        if self.error is not None:
+            return UNKNOWN
+        self._backend.ensure_context()
+        err = cu.cuEventQuery(self.event)[0]
+        if err == _SUCCESS:
+            return DONE
+        if err == _NOT_READY:
+            return PENDING
+        self.error = CudaError(f"cuEventQuery failed: {_name(err)} ({int(err)})", int(err))
+        return UNKNOWN
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the work finished (or its completion became unknown);
+        False on timeout. Polls with short sleeps when a timeout is given."""
+        if timeout is None:
+            if self.error is None:
+                self._backend.ensure_context()
+                err = cu.cuEventSynchronize(self.event)[0]
+                if err != _SUCCESS:
+                    self.error = CudaError(f"cuEventSynchronize failed: {_name(err)} ({int(err)})",
+                                           int(err))
+            return True
+        deadline = time.monotonic() + timeout
+        delay = 20e-6
+        while self.query() == PENDING:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        return True
+
+    def recycle(self) -> None:
+        if self._pooled and self.error is None:
+            ev, self.event = self.event, None
+            self._backend._events.append(ev)
+
+
+class CudaStreamImpl:
+    """A CUDA stream handle; owned streams are destroyed when dropped (the
+    driver defers destruction until their work is done: this never blocks)."""
+
+    __slots__ = ("handle", "cu_stream", "owned", "name", "_backend", "external", "__weakref__")
+
+    def __init__(self, backend, handle: int, owned: bool, name=None, external=None):
+        self._backend = backend
+        self.handle = handle
+        self.cu_stream = cu.CUstream(handle)
+        self.owned = owned
+        self.name = name
+        self.external = external  # a borrowed foreign stream object, kept alive
+
+    fault = None  # a CUDA stream has no per-stream fault; sticky errors surface in queries
+
+    def wait_marker(self, marker: CudaMarker) -> None:
+        check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")
+
+    def synchronize(self) -> None:
+        self._backend.ensure_context()
+        check(cu.cuStreamSynchronize(self.cu_stream), "cuStreamSynchronize")
+
+    def __del__(self):
+        if self.owned and self.handle and cu is not None:
+            try:
+                cu.cuStreamDestroy(self.cu_stream)
+            except Exception:
+                pass
 
 
 class CudaBackend:
+    """Memory, streams, events and copies for one CUDA device."""
+
+    kind = "cuda"
+    needs_polling = True  # the retirer polls event queries while work is pending
+
     def __init__(self, ordinal: int):
-        raise BackendUnavailableError("the CUDA backend is not available yet")
+        if cu is None:
+            raise BackendUnavailableError(
+                "the CUDA backend needs cuda-bindings (cuda-python) and CuPy: "
+                "pip install 'sharedmem[cuda13]' (or '[cuda12]' for CUDA 12 drivers)")
+        try:
+            import cupy
+        except ImportError:
+            raise BackendUnavailableError(
+                "the CUDA backend takes its memory from CuPy's pool, and CuPy is not installed: "
+                "pip install 'sharedmem[cuda13]' (or '[cuda12]')") from None
+        self._cupy = cupy
+        err = cu.cuInit(0)[0]
+        if err != _SUCCESS:
+            raise BackendUnavailableError(f"no usable CUDA driver or GPU here (cuInit: {_name(err)})")
+        count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if ordinal >= count:
+            raise BackendUnavailableError(
+                f"CUDA device {ordinal} does not exist; this machine has {count} device(s)")
+        self.ordinal = ordinal
+        self.cu_device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        self.name = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName") \
+            .split(b"\0")[0].decode()
+        uuid = check(cu.cuDeviceGetUuid(self.cu_device), "cuDeviceGetUuid")
+        b = bytes(uuid.bytes) if not isinstance(uuid.bytes, bytes) else uuid.bytes
+        h = b.hex()
+        self.uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+        A = cu.CUdevice_attribute
+        self.compute_capability = (
+            check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+                                          self.cu_device), "cuDeviceGetAttribute"),
+            check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+                                          self.cu_device), "cuDeviceGetAttribute"))
+        # Borrowed: the primary context is retained once and never released.
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
+        self._tls = threading.local()
+        self.ensure_context()
+        # Pooled events. list.append / list.pop are atomic under the GIL.
+        self._events: list = []
+        self._cupy_device = cupy.cuda.Device(ordinal)
+        self.on_progress = None
+
+    # -- context ------------------------------------------------------------
+    def ensure_context(self) -> None:
+        """Make the primary context current in this thread (once per thread)."""
+        tls = self._tls
+        if not getattr(tls, "ok", False):
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+            tls.ok = True
+
+    # -- memory ---------------------------------------------------------------
+    def allocate(self, nbytes: int, stream_impl=None):
+        """A block of CuPy's pool (a ``cupy.cuda.MemoryPointer``, ``.ptr``)."""
+        with self._cupy_device:
+            if stream_impl is not None:
+                with self._cupy.cuda.ExternalStream(stream_impl.handle):
+                    return self._cupy.cuda.alloc(max(nbytes, 1))
+            return self._cupy.cuda.alloc(max(nbytes, 1))
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory (``cuMemGetInfo``)."""
+        self.ensure_context()
+        free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def pointer_info(self, ptr: int):
+        """``(range_start, range_size, device_ordinal)`` of device memory at
+        ``ptr`` (the driver allocation containing it), or None if the pointer
+        is not device memory the driver knows."""
+        self.ensure_context()
+        P = cu.CUpointer_attribute
+        attrs = [P.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, P.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                 P.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, P.CU_POINTER_ATTRIBUTE_MEMORY_TYPE]
+        res = cu.cuPointerGetAttributes(len(attrs), attrs, ptr)
+        if res[0] != _SUCCESS:
+            return None
+        start, size, ordinal, memtype = res[1]
+        if not memtype or int(memtype) != int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE):
+            return None
+        return int(start), int(size), int(ordinal)
+
+    # -- streams and events -------------------------------------------------------
+    def create_stream(self, name=None) -> CudaStreamImpl:
+        self.ensure_context()
+        h = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        return CudaStreamImpl(self, int(h), True, name)
+
+    def default_stream(self) -> CudaStreamImpl:
+        """The legacy default stream (handle 0), as CuPy's default stream."""
+        return CudaStreamImpl(self, 0, False, "default")
+
+    def borrow_stream(self, obj) -> CudaStreamImpl:
+        """A CudaStreamImpl over a foreign stream (kept alive, never destroyed)."""
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            handle = obj
+        elif hasattr(obj, "__cuda_stream__"):
+            v = obj.__cuda_stream__()
+            handle = v[1] if isinstance(v, tuple) else int(v)
+        elif hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
+            handle = obj.cuda_stream
+        elif hasattr(obj, "ptr"):  # cupy.cuda.Stream
+            handle = obj.ptr
+        elif hasattr(obj, "getPtr"):  # cuda.bindings CUstream
+            handle = int(obj)
+        else:
+            raise TypeError(f"cannot use {obj!r} as a CUDA stream: give a sharedmem.Stream, a CuPy, "
+                            f"torch or cuda.core stream, an object with __cuda_stream__, or an int")
+        return CudaStreamImpl(self, int(handle), False, None, external=obj)
+
+    def _event(self):
+        try:
+            return self._events.pop()
+        except IndexError:
+            self.ensure_context()
+            return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def record_marker(self, impl: CudaStreamImpl, pooled: bool = False) -> CudaMarker:
+        ev = self._event() if pooled else check(
+            cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        check(cu.cuEventRecord(ev, impl.cu_stream), "cuEventRecord")
+        return CudaMarker(ev, self, pooled)
+
+    def submit_marker(self, impl: CudaStreamImpl) -> CudaMarker:
+        """A pooled completion marker recorded now on ``impl`` (after the work
+        just enqueued there)."""
+        ev = self._event()
+        err = cu.cuEventRecord(ev, impl.cu_stream)[0]
+        if err != _SUCCESS:
+            self._events.append(ev)
+            raise CudaError(f"cuEventRecord failed: {_name(err)} ({int(err)})", int(err))
+        return CudaMarker(ev, self, True)
+
+    def wait_on_handle(self, stream_handle: int, marker: CudaMarker) -> None:
+        """Make a foreign stream (raw handle) wait for ``marker``."""
+        check(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0), "cuStreamWaitEvent")
+
+    def marker_on_handle(self, stream_handle: int) -> CudaMarker:
+        """A marker recorded now on a foreign stream (raw handle)."""
+        self.ensure_context()
+        ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        check(cu.cuEventRecord(ev, cu.CUstream(stream_handle)), "cuEventRecord")
+        return CudaMarker(ev, self, False)
+
+    # -- copies: enqueue, then record the submission's marker -------------------------
+    def copy_htod(self, impl, dst_ptr: int, src) -> CudaMarker:
+        self.ensure_context()
+        check(cu.cuMemcpyHtoDAsync(dst_ptr, src.ctypes.data, src.nbytes, impl.cu_stream),
+              "cuMemcpyHtoDAsync")
+        return self.submit_marker(impl)
+
+    def copy_dtoh(self, impl, dst, src_ptr: int) -> CudaMarker:
+        self.ensure_context()
+        check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src_ptr, dst.nbytes, impl.cu_stream),
+              "cuMemcpyDtoHAsync")
+        return self.submit_marker(impl)
+
+    def copy_dtod(self, impl, dst_ptr: int, src_ptr: int, nbytes: int) -> CudaMarker:
+        self.ensure_context()
+        check(cu.cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, impl.cu_stream), "cuMemcpyDtoDAsync")
+        return self.submit_marker(impl)
+
+    def memset(self, impl, dst_ptr: int, byte: int, nbytes: int) -> CudaMarker:
+        self.ensure_context()
+        check(cu.cuMemsetD8Async(dst_ptr, byte, nbytes, impl.cu_stream), "cuMemsetD8Async")
+        return self.submit_marker(impl)
+
+    def free_pool(self) -> None:
+        """Return CuPy's cached free blocks to the driver (for memory checks)."""
+        self._cupy.get_default_memory_pool().free_all_blocks()
+
+
+__all__ = ["CudaBackend", "CudaMarker", "CudaStreamImpl", "check"]

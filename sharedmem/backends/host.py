@@ -240,6 +240,10 @@ class HostBackend:
     def default_stream(self) -> HostStreamImpl:
         return HostStreamImpl(self, "sharedmem-host-default-stream")
 
+    def record_marker(self, impl: HostStreamImpl, pooled: bool = False) -> HostMarker:
+        """A marker reached once everything enqueued so far on ``impl`` ran."""
+        return impl.submit(_noop)
+
     # Copies run as tasks on a stream; each returns the task's marker.
     def copy_htod(self, impl: HostStreamImpl, dst_ptr: int, src: np.ndarray) -> HostMarker:
         data = np.array(src, copy=True, order="C").view(np.uint8).reshape(-1)

@@ -282,3 +282,25 @@ def _retirer_ensure():  # replaced by retirer.ensure on import of retirer
 def _install_retirer(fn) -> None:
     global _retirer_ensure
     _retirer_ensure = fn
+
+
+def order_consumer(tok, wait) -> int:
+    """Order a consumer outside sharedmem after our unfinished work on the
+    bytes of ``tok``: ``wait(marker)`` is called for the newest conflicting
+    submission of every stream -- pending writes, and also pending reads when
+    the view is writable (the consumer may write through it). Returns how
+    many waits were made. Used by DLPack / CAI export and ``as_cupy``."""
+    n = 0
+    with locked():
+        tracker = tok.allocation.tracker
+        if not tracker:
+            return 0
+        for _other, marker, _seq, _w in tracker.conflicts_locked(None, tok.writable, tok.start,
+                                                                   tok.stop):
+            if marker.unknown:
+                raise CompletionUnknownError(
+                    f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
+                    f"touched by work of unknown completion on {_other}; they cannot be exported")
+            wait(marker)
+            n += 1
+    return n

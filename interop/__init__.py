@@ -1,0 +1,10 @@
+"""Bridges between sharedmem and the ecosystem.
+
+Each module imports its library lazily, so importing any of them never fails
+and never pulls in a GPU library:
+
+* :mod:`interop.dlpack` -- DLPack export and import (versioned and legacy)
+* :mod:`interop.cai` -- CUDA Array Interface v3 export and import
+* :mod:`interop.cupy` -- CuPy arrays and RawKernel / RawModule launches
+* :mod:`interop.cutile` -- cuTile (``cuda.tile``) kernel launches
+"""

@@ -1,0 +1,122 @@
+"""CUDA Array Interface v3, both ways.
+
+Export (``view.__cuda_array_interface__``, CUDA devices only): ``data`` is
+``(ptr, read_only)``; ``strides`` is None for C-contiguous views, else byte
+strides; ``stream`` names a stream on which all our pending writes to these
+bytes (and pending reads, for a writable view) are complete -- a per-device
+export stream made to wait on them on the device -- or is None when nothing is
+pending. CAI has no lifetime protocol: the consumer keeps the view object
+alive, and with it the view token.
+
+Import (``from_cuda_array_interface(obj, *, stream=None)``): zero-copy; ``obj``
+is kept alive as the producer; a producer ``stream`` is honoured with a wait
+on the device (an event recorded on it), never a host synchronize.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import sharedmem as sm
+from sharedmem.allocation import import_allocation
+from sharedmem.runtime.submission import order_consumer
+
+__all__ = ["export_cai", "from_cuda_array_interface"]
+
+_export_streams: dict = {}  # device key -> CudaStreamImpl; guarded by _lock
+_lock = threading.Lock()
+
+
+def _export_stream(dev):
+    with _lock:
+        impl = _export_streams.get(dev.key)
+        if impl is None:
+            impl = _export_streams[dev.key] = dev.backend.create_stream("sharedmem-cai-export")
+        return impl
+
+
+def export_cai(view) -> dict:
+    tok = view._live_token()
+    dev = tok.allocation.device
+    impl = _export_stream(dev)
+    n = order_consumer(tok, impl.wait_marker)
+    contiguous = view.is_contiguous() if hasattr(view, "is_contiguous") else True
+    return {
+        "shape": tuple(view.shape),
+        "typestr": view.dtype.str,
+        "descr": [("", view.dtype.str)],
+        "data": (view.ptr, not tok.writable),
+        "strides": None if contiguous else tuple(view.byte_strides),
+        "version": 3,
+        "stream": impl.handle if n else None,
+    }
+
+
+def from_cuda_array_interface(obj, *, stream=None):
+    """Import an object exposing ``__cuda_array_interface__`` (v0-v3) as a
+    :class:`~sharedmem.Tensor`, zero-copy, keeping ``obj`` alive.
+
+    ``stream``: the sharedmem Stream the memory will be used on first (default:
+    the device's default stream); if the producer names a stream, ours waits
+    for it on the device."""
+    try:
+        desc = obj.__cuda_array_interface__
+    except AttributeError:
+        raise TypeError(f"{type(obj).__name__} has no __cuda_array_interface__") from None
+    if not isinstance(desc, dict):
+        raise TypeError("__cuda_array_interface__ must be a dict")
+    version = desc.get("version", 0)
+    if not isinstance(version, int) or not 0 <= version <= 3:
+        raise ValueError(f"CUDA Array Interface version {version!r} is not supported (0 to 3)")
+    if desc.get("mask") is not None:
+        raise ValueError("masked CUDA Array Interface arrays are not supported")
+    try:
+        shape = tuple(int(n) for n in desc["shape"])
+        dtype = np.dtype(desc["typestr"])
+        ptr, readonly = desc["data"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed __cuda_array_interface__: {e}") from None
+    if dtype.hasobject or dtype.fields is not None:
+        raise TypeError(f"dtype {dtype} is not supported")
+    isz = dtype.itemsize
+    raw = desc.get("strides")
+    if raw is None:
+        strides = sm.tensor.c_strides(shape)
+    else:
+        raw = tuple(int(s) for s in raw)
+        if len(raw) != len(shape):
+            raise ValueError(f"strides {raw} do not match shape {shape}")
+        if any(s < 0 for s in raw):
+            raise ValueError(f"negative strides {raw} are not supported")
+        if any(s % isz for s in raw):
+            raise ValueError(f"strides {raw} are not multiples of the item size {isz}")
+        strides = tuple(s // isz for s in raw)
+    lo, hi = sm.tensor.extent(shape, strides)
+    nbytes = (hi - lo) * isz
+    ptr = int(ptr or 0)
+    if nbytes and ptr:
+        probe = sm.Device(0)
+        info = probe.backend.pointer_info(ptr)
+        if info is None:
+            raise ValueError(f"0x{ptr:x} is not CUDA device memory")
+        dev = sm.Device(info[2])
+        region = (info[0], info[1])
+    else:
+        dev, region = sm.Device(0), None
+    s = sm.stream.resolve_stream(stream, dev)
+    producer = desc.get("stream")
+    if producer is not None and version >= 3:
+        if producer == 0 or isinstance(producer, bool) or not isinstance(producer, int):
+            raise ValueError(f"__cuda_array_interface__ stream {producer!r} is not valid (0 is "
+                             f"disallowed by the protocol)")
+        s._impl.wait_marker(dev.backend.marker_on_handle(producer))
+    alloc = import_allocation(dev, ptr, nbytes, "cai", region=region)
+    tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes, not readonly,
+                          (alloc, obj))
+    t = sm.Tensor._wrap(tok, dtype, shape, strides, ptr - alloc.ptr)
+    if nbytes:
+        from interop.dlpack import _record_arrival
+        _record_arrival(t, tok, s)
+    return t

@@ -1,0 +1,394 @@
+"""CuPy interop: CuPy arrays as sharedmem views, our memory as CuPy arrays, and
+CuPy ``RawKernel`` / ``RawModule`` kernels launched through ``sharedmem.launch``.
+
+``import interop.cupy`` never imports CuPy; each call does, and raises
+:class:`~sharedmem.errors.BackendUnavailableError` when it is missing.
+
+* ``wrap(arr)``: a Tensor sharing a CuPy array's memory (zero-copy). The CuPy
+  array stays a live alias of those bytes -- a move raises AliasError naming
+  it -- until it (and every view of it) is garbage collected.
+* ``adopt(arr)``: a Tensor that takes over the array's memory; refused while
+  other references to the array (names, containers, views) exist.
+* ``as_cupy(x)``: a ``cupy.ndarray`` over a view's memory. It holds a view
+  token of its own until CuPy drops the memory (when the array and all its
+  views are gone). CuPy has no read-only arrays: the array of a read-only view
+  is refused as ``Out`` / ``InOut`` / ``Atomic`` by ``sharedmem.launch``.
+* Launch: the kernel runs through ``cuLaunchKernel`` with the argument layout
+  the driver reports (``cuFuncGetParamInfo``), cached per kernel: scalars are
+  typed as the kernel expects (a Python float for a ``float`` parameter is
+  packed as float32), a Buffer passed where the kernel takes a pointer and a
+  length marshals as those two scalars.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import sys
+import threading
+
+import numpy as np
+
+import sharedmem as sm
+from sharedmem.allocation import import_allocation, lookup_allocation
+from sharedmem.errors import AliasError, BackendUnavailableError, KernelError
+from sharedmem.launch import KernelAdapter, LaunchArg, _check_dims, register_kernel_adapter
+from sharedmem.runtime.submission import order_consumer
+from sharedmem.tensor import Tensor
+
+__all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise BackendUnavailableError(
+            "interop.cupy needs CuPy: pip install 'sharedmem[cuda13]' (or '[cuda12]')") from None
+    return cupy
+
+
+# -- arrays -> views ------------------------------------------------------------------
+class _ExportOwner:
+    """Owner of the memory of an ``as_cupy`` array: holds the export's view
+    token and releases it when CuPy drops the memory."""
+
+    __slots__ = ("token", "__weakref__")
+
+    def __init__(self, token):
+        self.token = token
+
+    def __del__(self):
+        self.token.release()
+
+
+def _export_token(arr):
+    """The view token behind an array made by as_cupy, or None."""
+    mem = arr.data.mem
+    owner = getattr(mem, "_owner", None)
+    return owner.token if isinstance(owner, _ExportOwner) else None
+
+
+def _extent(arr) -> tuple[int, int]:
+    """Byte offsets [lo, hi) of the array's elements relative to arr.data.ptr."""
+    if arr.size == 0:
+        return 0, 0
+    lo = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s > 0)
+    return lo, hi + arr.itemsize
+
+
+def _allocation_of(arr, dev):
+    """The allocation holding the array's bytes (ours, or foreign over CuPy's
+    own memory unit), and the array's byte range in it."""
+    lo, hi = _extent(arr)
+    start = arr.data.ptr + lo
+    nbytes = hi - lo
+    mem = arr.data.mem
+    alloc = import_allocation(dev, start, max(nbytes, 1) if arr.size else 0, "cupy",
+                              region=(mem.ptr, max(mem.size, 1)))
+    return alloc, start - alloc.ptr, start - alloc.ptr + nbytes
+
+
+def _root(arr):
+    while arr.base is not None:
+        arr = arr.base
+    return arr
+
+
+def _tensor_view(arr, kind: str, writable=True):
+    cp = _cupy()
+    if not isinstance(arr, cp.ndarray):
+        raise TypeError(f"expected a cupy.ndarray, got {type(arr).__name__}")
+    dev = sm.Device(arr.device.id)
+    export = _export_token(arr)
+    if export is not None:
+        writable = writable and export.writable
+    alloc, lo, hi = _allocation_of(arr, dev)
+    isz = arr.itemsize
+    if any(s % isz for s in arr.strides):
+        raise sm.LayoutError(f"a CuPy array with strides {arr.strides} (not multiples of the "
+                             f"item size {isz}) cannot be a Tensor")
+    tok = alloc.new_token(kind, lo, hi, writable, (alloc, arr.data))
+    offset = arr.data.ptr - alloc.ptr
+    return Tensor._wrap(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
+                        offset)
+
+
+def wrap(arr) -> Tensor:
+    """A Tensor over the memory of CuPy array ``arr`` (zero-copy, same pointer).
+
+    The CuPy array stays a live alias: moving that memory raises AliasError
+    naming it until the array and every view of it are garbage collected."""
+    t = _tensor_view(arr, "tensor")
+    root = _root(arr)
+    alloc = t.allocation
+    if _export_token(arr) is None:
+        lo, hi = _extent(root)
+        start = root.data.ptr + lo - alloc.ptr
+        desc = f"CuPy array (shape {tuple(root.shape)}, {root.dtype})"
+        alias = alloc.new_token(desc, start, start + hi - lo, True, None)
+        import weakref
+        weakref.finalize(root, alias.release)
+    return t
+
+
+_probe_refs = None
+
+
+def _probe(x):
+    return sys.getrefcount(x)
+
+
+def adopt(arr) -> Tensor:
+    """A Tensor that takes over CuPy array ``arr``'s memory (zero-copy).
+
+    Refused with AliasError while other references to the array exist --
+    further names or containers, or views of it -- or when ``arr`` is itself a
+    view. Do not use ``arr`` afterwards."""
+    global _probe_refs
+    cp = _cupy()
+    if not isinstance(arr, cp.ndarray):
+        raise TypeError(f"adopt takes a cupy.ndarray, got {type(arr).__name__}")
+    if _probe_refs is None:
+        one = cp.empty(1)
+        _probe_refs = _probe(one)  # refcount seen with exactly one outside name
+    if arr.base is not None:
+        raise AliasError(
+            f"cannot adopt a view of another CuPy array (shape {tuple(arr.base.shape)}): the base "
+            f"still owns the memory. Adopt the base array, or copy.", ("CuPy base array",))
+    extra = sys.getrefcount(arr) - 1 - _probe_refs
+    if extra > 0:
+        raise AliasError(
+            f"cannot adopt CuPy array (shape {tuple(arr.shape)}, {arr.dtype}): {extra} other "
+            f"reference{'s' if extra > 1 else ''} to it (names, containers or views) "
+            f"exist{'s' if extra == 1 else ''}. Drop them first, or use wrap() to share instead.",
+            ("CuPy array reference",) * extra)
+    if _export_token(arr) is not None:
+        raise AliasError("cannot adopt an array made by as_cupy: its memory already belongs to "
+                         "sharedmem; use the view it was made from", ("as_cupy export",))
+    t = _tensor_view(arr, "tensor")
+    t._token.allocation.source = "cupy (adopted)"
+    return t
+
+
+# -- views -> arrays --------------------------------------------------------------------
+def as_cupy(x, stream=None):
+    """A ``cupy.ndarray`` over view ``x``'s memory, zero-copy.
+
+    ``stream`` (a sharedmem or CuPy stream; default CuPy's current stream) is
+    made to wait on the device for our pending writes to these bytes (and
+    pending reads, for a writable view) before the array is returned."""
+    cp = _cupy()
+    if isinstance(x, sm.DeviceBox):
+        x = x.buffer
+    tok = x._live_token()
+    dev = tok.allocation.device
+    if dev.kind != "cuda":
+        raise sm.DeviceMismatchError(f"as_cupy needs memory on a CUDA device; {x!r} is on {dev}")
+    handle = _stream_handle(stream, dev)
+    backend = dev.backend
+    order_consumer(tok, lambda m: backend.wait_on_handle(handle, m))
+    export = tok.allocation.new_token("CuPy array (as_cupy)", tok.start, tok.stop, tok.writable,
+                                      tok.keep)
+    base = tok.allocation.ptr + tok.start
+    mem = cp.cuda.UnownedMemory(base, max(tok.stop - tok.start, 1), _ExportOwner(export),
+                                dev.ordinal)
+    memptr = cp.cuda.MemoryPointer(mem, x.ptr - base)
+    strides = getattr(x, "byte_strides", (x.dtype.itemsize,))
+    return cp.ndarray(tuple(x.shape), x.dtype, memptr, strides=strides)
+
+
+def _stream_handle(stream, dev) -> int:
+    if stream is None:
+        return _cupy().cuda.get_current_stream().ptr
+    if isinstance(stream, sm.Stream):
+        return stream.handle
+    return dev.backend.borrow_stream(stream).handle
+
+
+# -- launches ----------------------------------------------------------------------------
+_SCALAR_FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}
+
+
+class _Signature:
+    """A kernel's parameter layout on one device: CUfunction, parameter sizes,
+    and a packing buffer (8-byte-aligned slots plus the ``void**`` array)."""
+
+    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets")
+
+    def __init__(self, func: int, sizes):
+        self.func = func
+        self.sizes = sizes
+        self.offsets = []
+        off = 0
+        for sz in sizes:
+            self.offsets.append(off)
+            off += (sz + 7) // 8 * 8
+        self.slots = (ctypes.c_uint8 * max(off, 8))()
+        base = ctypes.addressof(self.slots)
+        self.ptrs = (ctypes.c_void_p * max(len(sizes), 1))(*[base + o for o in self.offsets])
+        self.ptrs_addr = ctypes.addressof(self.ptrs)
+
+
+_sig_cache: dict = {}  # (id(kernel), ordinal) -> (kernel, _Signature); guarded by _sig_lock
+_sig_lock = threading.Lock()
+
+
+def _param_sizes(func: int):
+    from sharedmem.backends.cuda import cu
+    get = getattr(cu, "cuFuncGetParamInfo", None)
+    if get is None:
+        return None
+    sizes = []
+    while True:
+        res = get(func, len(sizes))
+        if res[0] != cu.CUresult.CUDA_SUCCESS:
+            break
+        sizes.append(int(res[2]))
+        if len(sizes) > 4096:  # pragma: no cover
+            break
+    return sizes
+
+
+def _signature(kernel, dev):
+    key = (id(kernel), dev.ordinal)
+    hit = _sig_cache.get(key)
+    if hit is not None and hit[0] is kernel:
+        return hit[1]
+    cp = _cupy()
+    with cp.cuda.Device(dev.ordinal):
+        fn = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel or Function
+        func = int(fn.ptr)
+    sizes = _param_sizes(func)
+    if sizes is None:
+        raise BackendUnavailableError(
+            "launching CuPy kernels through sharedmem needs cuFuncGetParamInfo (CUDA 12.4+ "
+            "driver and cuda-bindings)")
+    sig = _Signature(func, sizes)
+    with _sig_lock:
+        _sig_cache[key] = (kernel, sig)
+    return sig
+
+
+def _scalar_piece(i, value, size):
+    """(format, value) packing a scalar argument for a ``size``-byte parameter."""
+    if isinstance(value, np.generic):
+        if value.dtype.itemsize != size:
+            raise KernelError(f"argument {i}: a {value.dtype} scalar ({value.dtype.itemsize} bytes) "
+                              f"for a {size}-byte kernel parameter; pass a matching NumPy type")
+        return f"{size}s", value.tobytes()
+    if isinstance(value, bool):
+        return _SCALAR_FMT.get(size, "B"), int(value)
+    if isinstance(value, int):
+        if size not in (1, 2, 4, 8):
+            raise KernelError(f"argument {i}: an int for a {size}-byte kernel parameter")
+        lim = 1 << (8 * size)
+        if not -(lim >> 1) <= value < lim:
+            raise KernelError(f"argument {i}: {value} does not fit the {size}-byte kernel parameter")
+        return _SCALAR_FMT[size], value % lim
+    if isinstance(value, float):
+        if size == 4:
+            return "f", value
+        if size == 8:
+            return "d", value
+        raise KernelError(f"argument {i}: a float for a {size}-byte kernel parameter")
+    if value is None:
+        return "Q", 0
+    raise KernelError(f"argument {i}: cannot pass {type(value).__name__} to a CuPy kernel; pass "
+                      f"a Buffer, Tensor, CuPy array, NumPy scalar or Python number")
+
+
+def _plan(sig, args):
+    """Expand launch args into one value per kernel parameter."""
+    nparams, nargs = len(sig.sizes), len(args)
+    nbuf = sum(1 for a in args if isinstance(a, LaunchArg) and isinstance(a.view, sm.Buffer))
+    if nparams == nargs:
+        expand = False
+    elif nbuf and nparams == nargs + nbuf:
+        expand = True  # every Buffer marshals as (pointer, length)
+    else:
+        raise KernelError(f"the kernel takes {nparams} parameters but was given {nargs} arguments"
+                          + (f" ({nbuf} Buffers, each may expand to pointer + length)" if nbuf else ""))
+    fmt = ["<"]
+    values = []
+    p = 0
+
+    def put(f, v, size):
+        fmt.append(f)
+        pad = (size + 7) // 8 * 8 - size
+        if pad:
+            fmt.append(f"{pad}x")
+        values.append(v)
+
+    for i, a in enumerate(args):
+        size = sig.sizes[p]
+        if isinstance(a, LaunchArg):
+            if size != 8:
+                raise KernelError(f"argument {i}: a pointer for a {size}-byte kernel parameter")
+            put("Q", a.view.ptr, 8)
+            p += 1
+            if expand and isinstance(a.view, sm.Buffer):
+                size = sig.sizes[p]
+                put(*_scalar_piece(i, len(a.view), size), size)
+                p += 1
+            continue
+        put(*_scalar_piece(i, a, size), size)
+        p += 1
+    return "".join(fmt), values
+
+
+def _dims3(d):
+    return tuple(d) + (1,) * (3 - len(d))
+
+
+class RawKernelAdapter(KernelAdapter):
+    """Launches ``cupy.RawKernel`` (and ``RawModule.get_function`` kernels)."""
+
+    name = "CuPy RawKernel"
+    device_kinds = ("cuda",)
+
+    def label(self, kernel) -> str:
+        return f"CuPy kernel {getattr(kernel, 'name', '?')}"
+
+    def coerce(self, obj, device):
+        cp = sys.modules.get("cupy")
+        if cp is not None and isinstance(obj, cp.ndarray):
+            return _tensor_view(obj, "CuPy array argument")
+        return None
+
+    def prepare(self, kernel, grid, block, args, shared_mem, stream):
+        from sharedmem.backends.cuda import check, cu
+        g = _dims3(_check_dims(grid, "grid"))
+        b = _dims3(_check_dims(block, "block"))
+        sig = _signature(kernel, stream.device)
+        fmt, values = _plan(sig, args)
+        impl = stream._impl
+        backend = stream.device.backend
+        launch = cu.cuLaunchKernel
+        pack = struct.pack_into
+        slots, ptrs_addr, func = sig.slots, sig.ptrs_addr, sig.func
+        cu_stream = impl.cu_stream
+
+        def enqueue():
+            # Runs under the core lock: launches are serialized, so the shared
+            # packing buffer is safe; the driver copies parameters at launch.
+            pack(fmt, slots, 0, *values)
+            backend.ensure_context()
+            check(launch(func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, cu_stream,
+                         ptrs_addr, 0), "cuLaunchKernel")
+            return backend.submit_marker(impl)
+
+        return enqueue, (kernel,)
+
+
+def _register():
+    try:
+        import cupy
+    except ImportError:
+        return
+    adapter = RawKernelAdapter()
+    register_kernel_adapter(cupy.RawKernel, adapter)
+
+
+_register()

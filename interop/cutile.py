@@ -1,0 +1,1 @@
+"""cuTile (``cuda.tile``) kernels launched through ``sharedmem.launch`` (next)."""

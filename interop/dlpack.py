@@ -1,0 +1,395 @@
+"""DLPack, both ways, done by hand with ctypes (no dependency on any package).
+
+Export -- ``__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None)``:
+
+* ``max_version >= (1, 0)`` gets a versioned capsule (``"dltensor_versioned"``,
+  DLPack 1.0, with ``READ_ONLY`` / ``IS_COPIED`` flags); otherwise a legacy
+  ``"dltensor"`` capsule. A read-only view cannot be exported as a legacy
+  capsule (it has no way to say read-only): ``BufferError``.
+* The capsule holds a *view token* from creation until the consumer calls the
+  deleter (or the unused capsule is destroyed): moving the memory meanwhile
+  raises AliasError naming the "DLPack export".
+* ``stream`` (CUDA): the consumer's stream is made to wait on the device for
+  our pending writes to these bytes (and pending reads, for a writable view:
+  the consumer may write). ``None`` means the legacy default stream, ``1`` the
+  legacy default stream, ``2`` the per-thread default stream, ``-1`` no
+  synchronization; ``0`` is ambiguous and refused (``ValueError``). On the
+  host device only ``None`` is valid.
+* ``dl_device`` other than ours: ``BufferError`` unless ``copy=True`` (then a
+  copy on that device, flagged ``IS_COPIED``). ``copy=True`` always copies,
+  ``copy=False`` never does.
+
+Import -- ``from_dlpack(obj, *, stream=None, device=None)``: zero-copy; the
+producer's managed tensor is owned by the returned view (and by every lease
+on it) and its deleter runs when the last of them is gone. The memory is
+looked up in the allocation registry, so one range imported twice (or our own
+export imported back) is one allocation. ``READ_ONLY`` is honoured.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+import sharedmem as sm
+from sharedmem.allocation import import_allocation
+from sharedmem.runtime.submission import order_consumer, submit
+
+__all__ = ["export", "dlpack_device", "from_dlpack", "DLPACK_VERSION", "kDLCPU", "kDLCUDA"]
+
+kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
+kDLInt, kDLUInt, kDLFloat, kDLOpaqueHandle, kDLBfloat, kDLComplex, kDLBool = 0, 1, 2, 3, 4, 5, 6
+FLAG_READ_ONLY, FLAG_IS_COPIED = 1, 2
+DLPACK_VERSION = (1, 0)
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", _DELETER), ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor)]
+
+
+_LEGACY, _USED_LEGACY = b"dltensor", b"used_dltensor"
+_VERSIONED, _USED_VERSIONED = b"dltensor_versioned", b"used_dltensor_versioned"
+
+_api = ctypes.pythonapi
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                                 _CAPSULE_DESTRUCTOR)(("PyCapsule_New", _api))
+# raw PyObject* versions, for the destructor (the capsule is being freed: no refcounting)
+_raw_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api))
+_raw_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api))
+_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api))
+_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api))
+_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_SetName", _api))
+_get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", _api))
+
+
+# -- dtypes ------------------------------------------------------------------------------
+def _dl_dtype(dt: np.dtype) -> DLDataType:
+    kind = dt.kind
+    code = {"b": kDLBool, "i": kDLInt, "u": kDLUInt, "f": kDLFloat, "c": kDLComplex}.get(kind)
+    if dt.name == "bfloat16":
+        code = kDLBfloat
+    if code is None or dt.fields is not None:
+        raise BufferError(f"dtype {dt} has no DLPack equivalent; use a bool, int, uint, float or "
+                          f"complex dtype")
+    return DLDataType(code, dt.itemsize * 8, 1)
+
+
+def _np_dtype(t: DLDataType) -> np.dtype:
+    code, bits, lanes = t.code, t.bits, t.lanes
+    if lanes != 1:
+        raise BufferError(f"DLPack dtype with {lanes} lanes (vector types) is not supported")
+    if code == kDLBfloat and bits == 16:
+        try:
+            import ml_dtypes
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            raise BufferError("bfloat16 tensors need the ml_dtypes package") from None
+    kind = {kDLBool: "b", kDLInt: "i", kDLUInt: "u", kDLFloat: "f", kDLComplex: "c"}.get(code)
+    if kind is None or bits % 8:
+        raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported")
+    try:
+        return np.dtype(f"{kind}{bits // 8}") if kind != "b" else np.dtype(bool)
+    except TypeError:
+        raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported") from None
+
+
+# -- export --------------------------------------------------------------------------------
+class _Export:
+    """Keeps an exported managed tensor alive and holds its view token until
+    the consumer's deleter (or the unused capsule's destructor) runs."""
+
+    __slots__ = ("managed", "shape", "strides", "token")
+
+
+_exports: dict = {}  # address of the managed struct -> _Export; guarded by _exports_lock
+_exports_lock = threading.Lock()
+
+
+def _delete(addr) -> None:
+    with _exports_lock:
+        ex = _exports.pop(addr, None)
+    if ex is not None:
+        ex.token.release()
+
+
+_deleter = _DELETER(_delete)  # lives as long as the module: consumers call it
+
+
+def _capsule_destructor(capsule_ptr) -> None:
+    # An unconsumed capsule still carries its original name: run the deleter.
+    try:
+        for name in (_VERSIONED, _LEGACY):
+            if _raw_is_valid(capsule_ptr, name):
+                _delete(_raw_get_pointer(capsule_ptr, name))
+                return
+    except Exception:  # never raise from a destructor (interpreter shutdown)
+        pass
+
+
+_capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
+
+
+def dlpack_device(view) -> tuple[int, int]:
+    dev = view.device
+    return (kDLCPU, 0) if dev.kind == "host" else (kDLCUDA, dev.ordinal)
+
+
+def _consumer_wait(view, tok, stream):
+    """Order the consumer's stream after our pending work (see module docstring)."""
+    dev = tok.allocation.device
+    if dev.kind == "host":
+        if stream is not None:
+            raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
+        return
+    if stream is None:
+        stream = 1
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
+    if stream == 0:
+        raise ValueError("stream=0 is ambiguous in DLPack and not allowed; use 1 for the legacy "
+                         "default stream, 2 for the per-thread default stream, -1 for no "
+                         "synchronization, or a stream handle")
+    if stream == -1:
+        return
+    if stream < -1:
+        raise ValueError(f"stream={stream} is not a valid stream handle")
+    # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles
+    backend = dev.backend
+    order_consumer(tok, lambda m: backend.wait_on_handle(stream, m))
+
+
+def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
+    """A DLPack capsule for ``view`` (see the module docstring)."""
+    tok = view._live_token()
+    ours = dlpack_device(view)
+    if dl_device is not None:
+        dl_device = (int(dl_device[0]), int(dl_device[1]))
+    if copy is True or (dl_device is not None and dl_device != ours):
+        if dl_device is not None and dl_device != ours and copy is not True:
+            raise BufferError(f"cannot export {view!r} to device {dl_device} without a copy "
+                              f"(it lives on {ours}); pass copy=True")
+        return _export_copy(view, stream, max_version, dl_device or ours)
+    versioned = max_version is not None and tuple(max_version)[0] >= 1
+    if not versioned and not tok.writable:
+        raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "
+                          f"say read-only); the consumer must ask for max_version >= (1, 0)")
+    _consumer_wait(view, tok, stream)
+    return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY)
+
+
+def _make_capsule(view, tok, versioned: bool, flags: int):
+    alloc = tok.allocation
+    ndim = len(view.shape)
+    shape = (ctypes.c_int64 * max(ndim, 1))(*view.shape)
+    strides = (ctypes.c_int64 * max(ndim, 1))(*view.strides)
+    dev = dlpack_device(view)
+    dlt = DLTensor(ctypes.c_void_p(view.ptr or None), DLDevice(*dev), ndim, _dl_dtype(view.dtype),
+                   ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
+                   ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
+    if versioned:
+        managed = DLManagedTensorVersioned(DLPackVersion(*DLPACK_VERSION), None, _deleter, flags, dlt)
+    else:
+        managed = DLManagedTensor(dlt, None, _deleter)
+    ex = _Export()
+    ex.managed, ex.shape, ex.strides = managed, shape, strides
+    ex.token = alloc.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep)
+    addr = ctypes.addressof(managed)
+    with _exports_lock:
+        _exports[addr] = ex
+    try:
+        return _capsule_new(addr, _VERSIONED if versioned else _LEGACY, _capsule_destructor_c)
+    except BaseException:
+        _delete(addr)
+        raise
+
+
+def _export_copy(view, stream, max_version, target):
+    if target[0] == kDLCPU:
+        data = view.to_host()
+        src = sm.Tensor.from_host(data, device=sm.Device.host())
+        sm.Device.host().default_stream.synchronize()
+    elif target[0] == kDLCUDA:
+        dev = sm.Device(target[1])
+        if view.device is not dev and view.device.kind == "cuda":
+            raise BufferError(f"copies between CUDA devices are not supported ({view.device} -> {dev})")
+        src = sm.Tensor.from_host(view.to_host(), device=dev)
+        dev.default_stream.synchronize()
+    else:
+        raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
+    versioned = max_version is not None and tuple(max_version)[0] >= 1
+    capsule = _make_capsule(src, src._live_token(), versioned, FLAG_IS_COPIED if versioned else 0)
+    src.release()  # the capsule's own token keeps the copy alive
+    return capsule
+
+
+# -- import ----------------------------------------------------------------------------------
+class _Imported:
+    """Owns a consumed managed tensor: calls the producer's deleter when the
+    last view or lease using it is gone."""
+
+    __slots__ = ("addr", "versioned", "__weakref__")
+
+    def __init__(self, addr: int, versioned: bool):
+        self.addr = addr
+        self.versioned = versioned
+
+    def __del__(self):
+        if self.addr:
+            cls = DLManagedTensorVersioned if self.versioned else DLManagedTensor
+            m = cls.from_address(self.addr)
+            addr, self.addr = self.addr, 0
+            if m.deleter:
+                m.deleter(addr)
+
+
+def _device_of(dl: DLDevice):
+    t, i = dl.device_type, dl.device_id
+    if t in (kDLCPU, kDLCUDAHost):
+        return sm.Device.host()
+    if t in (kDLCUDA, kDLCUDAManaged):
+        return sm.Device(i)
+    raise BufferError(f"DLPack device type {t} (id {i}) is not supported; sharedmem imports CPU "
+                      f"and CUDA memory")
+
+
+def _capsule_of(obj, stream, device):
+    """Call the producer's ``__dlpack__`` with the right stream; returns a capsule."""
+    if type(obj).__name__ == "PyCapsule":
+        return obj
+    if not hasattr(obj, "__dlpack__"):
+        raise TypeError(f"{type(obj).__name__} does not support DLPack (no __dlpack__)")
+    dev_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
+    kwargs = {}
+    if dev_type in (kDLCUDA, kDLCUDAManaged):
+        kwargs["stream"] = stream
+    try:
+        return obj.__dlpack__(max_version=DLPACK_VERSION, **kwargs)
+    except TypeError:
+        return obj.__dlpack__(**kwargs)  # a producer from before DLPack 1.0
+
+
+def from_dlpack(obj, *, stream=None, device=None):
+    """Import ``obj`` (anything with ``__dlpack__``, or a DLPack capsule) as a
+    :class:`~sharedmem.Tensor`, zero-copy.
+
+    ``stream``: the sharedmem Stream (or foreign stream) the memory will be
+    used on first; the producer is asked to order its pending work before it
+    (default: the device's default stream). The import is recorded as a write
+    on that stream, so later use on any other stream is ordered after it too.
+    ``device``: must be the producer's device (no copies on import)."""
+    s = stream
+    handle_arg = None
+    if s is not None and not isinstance(s, sm.Stream):
+        s = sm.Stream.from_external(s)
+    if s is not None and s.device.kind == "cuda":
+        handle_arg = s.handle or 1
+    elif s is None and hasattr(obj, "__dlpack_device__") and \
+            obj.__dlpack_device__()[0] in (kDLCUDA, kDLCUDAManaged):
+        handle_arg = 1
+    capsule = _capsule_of(obj, handle_arg, device)
+    if _is_valid(capsule, _VERSIONED):
+        versioned, name, used = True, _VERSIONED, _USED_VERSIONED
+    elif _is_valid(capsule, _LEGACY):
+        versioned, name, used = False, _LEGACY, _USED_LEGACY
+    else:
+        try:
+            got = _get_name(capsule)
+        except Exception:
+            got = None
+        if got in (_USED_LEGACY, _USED_VERSIONED):
+            raise BufferError("this DLPack capsule was already consumed; a capsule can be "
+                              "imported once -- ask the producer for a new one")
+        raise BufferError(f"not a DLPack capsule (capsule name {got!r})")
+    addr = _get_pointer(capsule, name)
+    if versioned:
+        m = DLManagedTensorVersioned.from_address(addr)
+        if m.version.major != 1:
+            raise BufferError(f"DLPack major version {m.version.major} is not supported (this "
+                              f"consumer knows 1.x)")
+        dlt, flags = m.dl_tensor, m.flags
+    else:
+        dlt, flags = DLManagedTensor.from_address(addr).dl_tensor, 0
+    dev = _device_of(dlt.device)
+    if device is not None:
+        want = device if isinstance(device, sm.Device) else (
+            sm.Device.host() if device == "host" else sm.Device(device))
+        if want is not dev:
+            raise BufferError(f"the producer's memory is on {dev}, not on {want}; sharedmem does "
+                              f"not copy on import")
+    dtype = _np_dtype(dlt.dtype)
+    ndim = dlt.ndim
+    if ndim < 0:
+        raise BufferError(f"DLPack tensor with ndim={ndim}")
+    shape = tuple(int(dlt.shape[i]) for i in range(ndim))
+    if dlt.strides:
+        strides = tuple(int(dlt.strides[i]) for i in range(ndim))
+    else:
+        strides = sm.tensor.c_strides(shape)
+    if any(n < 0 for n in shape):
+        raise BufferError(f"DLPack tensor with negative shape {shape}")
+    if any(st < 0 for st, n in zip(strides, shape) if n > 1):
+        raise BufferError(f"DLPack tensor with negative strides {strides} is not supported; "
+                          f"make it contiguous first")
+    ptr = (dlt.data or 0) + dlt.byte_offset
+    lo, hi = sm.tensor.extent(shape, strides)
+    nbytes = (hi - lo) * dtype.itemsize
+    # consume: from here on we own the managed tensor and must call its deleter
+    _set_name(capsule, used)
+    owner = _Imported(addr, versioned)
+    region = None
+    if dev.kind == "cuda" and nbytes:
+        info = dev.backend.pointer_info(ptr)
+        if info is not None:
+            region = (info[0], info[1])
+    alloc = import_allocation(dev, ptr, nbytes, "dlpack", region=region)
+    writable = not (flags & FLAG_READ_ONLY)
+    tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes, writable,
+                          (alloc, owner))
+    t = sm.Tensor._wrap(tok, dtype, shape, strides, ptr - alloc.ptr)
+    if dev.kind == "cuda" and nbytes:
+        _record_arrival(t, tok, s)
+    return t
+
+
+def _record_arrival(view, tok, stream) -> None:
+    """Record the import as a write on ``stream`` (a marker, no work), so that
+    later use on any other stream is ordered after the producer's work."""
+    dev = tok.allocation.device
+    s = stream if stream is not None else dev.default_stream
+    backend, impl = dev.backend, s._impl
+    submit(s, [(tok, True)], lambda: backend.submit_marker(impl), policy="order",
+           label="import")

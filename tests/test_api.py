@@ -1,0 +1,96 @@
+"""The public surface: exported names, the error hierarchy, imports."""
+
+import pickle
+import subprocess
+import sys
+import weakref
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from conftest import gc_collect_harder
+
+EXPORTED = {
+    "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
+    "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
+    "DeviceMismatchError", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
+    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
+    "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
+    "from_cuda_array_interface", "from_dlpack", "get_access_policy", "host_kernel", "launch",
+    "lookup_allocation", "register_kernel_adapter", "set_access_policy", "stats", "synchronize",
+    "__version__",
+}
+
+
+def test_exported_names():
+    assert set(sm.__all__) == EXPORTED
+    for name in sm.__all__:
+        obj = getattr(sm, name)
+        if callable(obj) and not name.startswith("__"):
+            assert obj.__doc__, f"{name} has no docstring"
+
+
+def test_error_hierarchy_and_pickling():
+    for name in ["AccessConflictError", "AliasError", "BackendUnavailableError", "CudaError",
+                 "CompletionUnknownError", "DeviceMismatchError", "KernelError", "LayoutError",
+                 "MovedError", "ReleasedError"]:
+        cls = getattr(sm, name)
+        assert issubclass(cls, sm.SharedMemError)
+        assert cls.__module__ == "sharedmem.errors"
+        e = cls("what was wrong") if cls is not sm.AliasError else cls("msg", ("a view",))
+        e2 = pickle.loads(pickle.dumps(e))
+        assert type(e2) is cls and str(e2) == str(e)
+    assert pickle.loads(pickle.dumps(sm.AliasError("m", ("v1", "v2")))).views == ("v1", "v2")
+    assert issubclass(sm.LeakWarning, sm.SharedMemWarning)
+
+
+def test_import_pulls_in_no_gpu_library():
+    code = ("import sys, sharedmem, interop, interop.cupy, interop.cutile, interop.dlpack, interop.cai; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('cupy', 'torch', 'jax') "
+            "or m.startswith('cuda.')]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_direct_construction_points_to_the_factory():
+    with pytest.raises(TypeError, match=r"^Buffer cannot be constructed directly; use Buffer.empty"):
+        sm.Buffer(3)
+    with pytest.raises(TypeError, match=r"^Tensor cannot be constructed directly"):
+        sm.Tensor()
+    with pytest.raises(TypeError, match=r"^Stream cannot be constructed directly"):
+        sm.Stream()
+
+
+def test_backend_selection(monkeypatch):
+    import sharedmem.device as d
+    monkeypatch.setattr(d, "_default", None)
+    monkeypatch.setenv("SHAREDMEM_BACKEND", "host")
+    assert sm.default_device() is sm.Device.host()
+    monkeypatch.setattr(d, "_default", None)
+    monkeypatch.setenv("SHAREDMEM_BACKEND", "tpu")
+    with pytest.raises(sm.BackendUnavailableError, match=r"^SHAREDMEM_BACKEND='tpu' is not a backend"):
+        sm.default_device()
+    monkeypatch.setattr(d, "_default", None)
+    with pytest.raises(ValueError, match="Device.host"):
+        sm.Device(-1)
+
+
+def test_moved_and_released_handles_keep_nothing_alive(host):
+    b = sm.Buffer.from_host(np.arange(4), device=host)
+    ref = weakref.ref(b.allocation)
+    t = sm.Tensor.from_buffer(b, (4,))
+    b2 = t.into_buffer()
+    b2.release()
+    gc_collect_harder()
+    assert ref() is None  # b and t (moved) and b2 (released) hold no reference
+    assert not b.is_live and not t.is_live
+
+
+def test_dtype_and_length_errors(host):
+    with pytest.raises(TypeError, match="cannot live in device memory"):
+        sm.Buffer.empty(3, object, device=host)
+    with pytest.raises(ValueError, match=r"^a buffer length must be an int >= 0, got -1$"):
+        sm.Buffer.empty(-1, device=host)
+    with pytest.raises(sm.LayoutError, match="copy_from needs 3 elements, got an array of 2"):
+        sm.Buffer.empty(3, device=host).copy_from(np.zeros(2))

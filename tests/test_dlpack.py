@@ -1,0 +1,145 @@
+"""DLPack on the host backend, checked against NumPy's own implementation."""
+
+import ctypes
+import gc
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from interop import dlpack as dl
+
+from conftest import gc_collect_harder
+
+
+def test_numpy_consumes_our_tensor_zero_copy(host):
+    t = sm.Tensor.from_host(np.arange(12, dtype=np.float32).reshape(3, 4), device=host)
+    alloc = t.allocation
+    assert t.__dlpack_device__() == (dl.kDLCPU, 0)
+    a = np.from_dlpack(t)
+    assert a.ctypes.data == t.ptr and a.shape == (3, 4) and a.dtype == np.float32
+    np.testing.assert_array_equal(a, np.arange(12).reshape(3, 4))
+    assert alloc.live_views == 2  # the tensor and the export
+    with pytest.raises(sm.AliasError, match=r"  - DLPack export, bytes \[0, 48\)"):
+        t.into_buffer()
+    a[0, 0] = 42  # writes through: same memory
+    assert t.to_host()[0, 0] == 42
+    del a
+    gc_collect_harder()
+    assert alloc.live_views == 1
+    assert t.into_buffer().ptr == alloc.ptr  # the consumer is gone: the move succeeds
+
+
+def test_read_only_export(host):
+    t = sm.Tensor.from_host(np.ones(4, np.int16), device=host).as_readonly()
+    a = np.from_dlpack(t)  # NumPy asks for a versioned capsule
+    assert not a.flags.writeable
+    with pytest.raises(BufferError, match=r"^cannot export read-only <Tensor read-only int16 .* as a legacy DLPack capsule"):
+        t.__dlpack__()
+
+
+def test_versioned_and_legacy_capsules(host):
+    t = sm.Tensor.from_host(np.arange(3, dtype=np.int64), device=host)
+    for kwargs, name in [({}, b"dltensor"), ({"max_version": (0, 8)}, b"dltensor"),
+                         ({"max_version": (1, 0)}, b"dltensor_versioned"),
+                         ({"max_version": (1, 3)}, b"dltensor_versioned")]:
+        cap = t.__dlpack__(**kwargs)
+        assert dl._get_name(cap) == name
+        assert t.allocation.live_views == 2
+        del cap  # an unused capsule releases its token
+        gc.collect()
+        assert t.allocation.live_views == 1
+    cap = t.__dlpack__(max_version=(1, 0))
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    assert (m.version.major, m.version.minor) == (1, 0) and m.flags == 0
+    assert m.dl_tensor.ndim == 1 and m.dl_tensor.shape[0] == 3 and m.dl_tensor.strides[0] == 1
+    assert (m.dl_tensor.dtype.code, m.dl_tensor.dtype.bits) == (dl.kDLInt, 64)
+    assert m.dl_tensor.data == t.ptr
+
+
+def test_stream_and_device_arguments_on_host(host):
+    t = sm.Tensor.from_host(np.zeros(2), device=host)
+    with pytest.raises(BufferError, match=r"^stream=1 is not valid for a host-device export; only None$"):
+        t.__dlpack__(stream=1)
+    with pytest.raises(BufferError, match=r"^cannot export <Tensor float64 .* to device \(2, 0\) without a copy"):
+        t.__dlpack__(dl_device=(dl.kDLCUDA, 0))
+    assert t.allocation.live_views == 1  # failed exports take no token
+
+
+def test_copy_true_copies_and_says_so(host):
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host)
+    a = np.from_dlpack(t, copy=True)
+    assert a.ctypes.data != t.ptr
+    np.testing.assert_array_equal(a, np.arange(4))
+    cap = t.__dlpack__(max_version=(1, 0), copy=True)
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    assert m.flags & dl.FLAG_IS_COPIED and m.dl_tensor.data != t.ptr
+
+
+def test_import_numpy_zero_copy(host):
+    a = np.arange(20, dtype=np.float64).reshape(4, 5)
+    t = sm.from_dlpack(a)
+    assert t.ptr == a.ctypes.data and t.shape == (4, 5) and t.strides == (5, 1)
+    assert t.device is host and t.allocation.source == "dlpack"
+    np.testing.assert_array_equal(t.to_host(), a)
+    # the same bytes imported twice are one allocation
+    t2 = sm.Tensor.from_dlpack(a[1:3])
+    assert t2.allocation is t.allocation and t2.ptr == a.ctypes.data + 40
+    assert t.allocation.live_views == 2
+    with pytest.raises(sm.AliasError):
+        t.into_buffer()
+    del t2
+    gc_collect_harder()
+    b = t.into_buffer()
+    assert b.ptr == a.ctypes.data
+
+
+def test_import_keeps_producer_alive(host):
+    a = np.arange(1000, dtype=np.int32)
+    t = sm.from_dlpack(a)
+    del a
+    gc_collect_harder()
+    np.testing.assert_array_equal(t.to_host(), np.arange(1000))
+
+
+def test_import_readonly_is_honoured(host):
+    a = np.arange(4, dtype=np.int32)
+    a.flags.writeable = False
+    t = sm.from_dlpack(a)
+    assert t.readonly
+    with pytest.raises(sm.KernelError, match="would write through a read-only view"):
+        sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.Out(t))
+
+
+def test_our_export_imported_back_is_the_same_allocation(host):
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.uint8), device=host)
+    back = sm.from_dlpack(t)
+    assert back.allocation is t.allocation and back.ptr == t.ptr
+    assert t.allocation.live_views == 3  # t, the capsule's export token, back
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match=r"^int does not support DLPack \(no __dlpack__\)$"):
+        sm.from_dlpack(3)
+    a = np.arange(3.0)
+    cap = a.__dlpack__()
+    sm.from_dlpack(cap)
+    with pytest.raises(BufferError, match=r"^this DLPack capsule was already consumed"):
+        sm.from_dlpack(cap)
+    with pytest.raises(BufferError, match=r"^dtype \[\('a', '<i4'\)\] has no DLPack equivalent"):
+        dl._dl_dtype(np.dtype([("a", "i4")]))
+    with pytest.raises(BufferError, match=r"negative strides"):
+        sm.from_dlpack(np.arange(6.0)[::-1])
+
+
+def test_unknown_major_version_is_refused():
+    t = sm.Tensor.from_host(np.arange(3.0), device=sm.Device.host())
+    cap = t.__dlpack__(max_version=(1, 0))
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    m.version.major = 2
+    with pytest.raises(BufferError, match=r"^DLPack major version 2 is not supported"):
+        sm.from_dlpack(cap)
+    assert dl._is_valid(cap, b"dltensor_versioned")  # not consumed: its deleter still runs
+    del cap
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
