@@ -24,7 +24,46 @@ ROWS, COLS = 256, 1024
 N = ROWS * COLS
 
 
+CUDA_SOURCE = r"""
+extern "C" {
+__global__ void saxpy(float a, const float* x, float* y, float b, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + b;
+}
+__global__ void center_rows(float* t, int rows, int cols) {     // one block per row
+    __shared__ double s[256];
+    float* row = t + (size_t)blockIdx.x * cols;
+    double acc = 0.0;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) acc += row[j];
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+        __syncthreads();
+    }
+    float mean = (float)(s[0] / cols);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) row[j] -= mean;
+}
+__global__ void total(const float* y, double* out, int n) {     // sum of squares
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(out, (double)y[i] * (double)y[i]);
+}
+}
+"""
+
+
+def cuda_stages():
+    """The three stages as CuPy RawKernels, with their launch shapes."""
+    import cupy
+    mod = cupy.RawModule(code=CUDA_SOURCE)
+    blocks = (N + 255) // 256
+    return {"saxpy": (mod.get_function("saxpy"), blocks, 256),
+            "center_rows": (mod.get_function("center_rows"), ROWS, 256),
+            "total": (mod.get_function("total"), blocks, 256)}
+
+
 def host_stages():
+    """The same three stages as host kernels (NumPy, on the stream's worker)."""
     @sm.host_kernel
     def saxpy(a, x, y, b, n):
         time.sleep(0.05)  # slow enough that the later stages really overlap with it
@@ -32,24 +71,19 @@ def host_stages():
 
     @sm.host_kernel
     def center_rows(t, rows, cols):
-        t -= t.mean(axis=1, keepdims=True)
+        t -= t.mean(axis=1, keepdims=True, dtype=np.float64).astype(np.float32)
 
     @sm.host_kernel
     def total(y, out, n):
         out[0] += np.square(y.astype(np.float64)).sum()
 
-    return saxpy, center_rows, total, (1,), (1,)
-
-
-def cuda_stages():
-    from interop.cupy import compile_kernels
-    return compile_kernels()
+    return {"saxpy": (saxpy, 1, 1), "center_rows": (center_rows, 1, 1), "total": (total, 1, 1)}
 
 
 def main() -> int:
     dev = sm.default_device()
     print(f"sharedmem {sm.__version__} on {dev}")
-    saxpy, center_rows, total, grid, block = cuda_stages() if dev.kind == "cuda" else host_stages()
+    stages = cuda_stages() if dev.kind == "cuda" else host_stages()
     a_stream, b_stream = dev.create_stream("A"), dev.create_stream("B")
     rng = np.random.default_rng(0)
     x_host = rng.standard_normal(N).astype(np.float32)
@@ -60,7 +94,8 @@ def main() -> int:
     y_ptr = y.ptr
 
     # stage 1 on stream A
-    sm.launch(saxpy, grid, block, np.float32(2.0), sm.In(x), sm.Out(y), np.float32(1.0),
+    kernel, grid, block = stages["saxpy"]
+    sm.launch(kernel, grid, block, np.float32(2.0), sm.In(x), sm.Out(y), np.float32(1.0),
               np.int32(N), stream=a_stream)
 
     # a stale view of y is still alive: the move is refused, and says why
@@ -80,13 +115,14 @@ def main() -> int:
         print(f"using y after the move: MovedError: {e}")
 
     # stage 2 on stream B: reads what stream A is still writing -> ordered on the device
-    sm.launch(center_rows, (ROWS,) if dev.kind == "cuda" else grid, block, sm.InOut(t),
-              np.int32(ROWS), np.int32(COLS), stream=b_stream)
+    kernel, grid, block = stages["center_rows"]
+    sm.launch(kernel, grid, block, sm.InOut(t), np.int32(ROWS), np.int32(COLS), stream=b_stream)
 
     # move back and reduce on stream A (ordered after stage 2 on B)
     y2 = t.into_buffer()
     assert y2.ptr == y_ptr, "into_buffer copied"
-    sm.launch(total, grid, block, sm.In(y2), sm.Atomic(box.buffer), np.int32(N), stream=a_stream)
+    kernel, grid, block = stages["total"]
+    sm.launch(kernel, grid, block, sm.In(y2), sm.Atomic(box), np.int32(N), stream=a_stream)
 
     # drop everything mid-flight: buffers, tensor, streams, futures (never held)
     in_flight = sm.stats().in_flight

@@ -2,6 +2,9 @@ import gc
 import os
 import threading
 
+# JAX would otherwise take most of the GPU's memory at its first use.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import numpy as np
 import pytest
 

@@ -1,0 +1,203 @@
+"""The CUDA backend and CuPy RawKernel launches, on a real GPU (marked gpu)."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from conftest import cuda_device, gc_collect_harder
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    dev = cuda_device()
+    if dev is None:
+        pytest.skip("no usable CUDA GPU")
+    return dev
+
+
+@pytest.fixture(scope="module")
+def K(gpu):
+    import gpu_kernels
+    return gpu_kernels
+
+
+def test_device_identity(gpu):
+    assert sm.Device(0) is gpu and gpu.kind == "cuda" and gpu.ordinal == 0
+    assert gpu.uuid.startswith("GPU-") and len(gpu.uuid) == 40
+    cc = gpu.compute_capability
+    assert isinstance(cc, tuple) and cc >= (7, 0)
+    assert sm.default_device() is gpu or os.environ.get("SHAREDMEM_BACKEND") == "host"
+
+
+def test_use_after_free_prevented_across_streams(gpu, K):
+    """Stream B reads a buffer allocated on A; the user drops it and the future at
+    once; new allocations on A are written at once; B's result is exact."""
+    import cupy
+    n = 1 << 20
+    a, b = gpu.create_stream("A"), gpu.create_stream("B")
+    bad = 0
+    for trial in range(5):
+        src = sm.Buffer.from_host(np.arange(n, dtype=np.float32), device=gpu, stream=a)
+        a.synchronize()
+        out = sm.Buffer.empty(n, "float32", device=gpu, stream=b)
+        src_ptr = src.ptr
+        fut = sm.launch(K.kernel("slow_copy"), 256, 256, sm.In(src), sm.Out(out), np.int32(n),
+                        np.int64(K.cycles(20)), stream=b)
+        del src, fut
+        gc.collect()
+        fresh = [sm.Buffer.empty(n, "float32", device=gpu, stream=a) for _ in range(4)]
+        for f in fresh:
+            sm.launch(K.kernel("fill"), 256, 256, sm.Out(f), np.int32(n), np.float32(-1), stream=a)
+        assert src_ptr not in [f.ptr for f in fresh]  # the pool did not hand it out again
+        got = out.to_host(stream=b)
+        bad += int(not np.array_equal(got, np.arange(n, dtype=np.float32)))
+        del fresh, out
+    assert bad == 0
+    sm.synchronize()
+    # once retired, the block is free again: CuPy's pool reuses it on stream A
+    src = sm.Buffer.empty(n, "float32", device=gpu, stream=a)
+    ptr = src.ptr
+    del src
+    gc_collect_harder()
+    again = sm.Buffer.empty(n, "float32", device=gpu, stream=a)
+    assert again.ptr == ptr
+
+
+def test_cross_stream_order_and_reject(gpu, K):
+    n = 1 << 16
+    a, b = gpu.create_stream("writer"), gpu.create_stream("reader")
+    x = sm.Buffer.zeros(n, "float32", device=gpu, stream=a)
+    out = sm.Buffer.zeros(n, "float32", device=gpu, stream=b)
+    gpu.synchronize()
+    # order: the reader on b waits on the device for the slow writer on a
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(x), np.int32(n), np.float32(7.0),
+              np.int64(K.cycles(30)), stream=a)
+    sm.launch(K.kernel("slow_copy"), 64, 256, sm.In(x), sm.Out(out), np.int32(n), np.int64(0),
+              stream=b)
+    np.testing.assert_array_equal(out.to_host(stream=b), np.full(n, 7.0, np.float32))
+    # reject: refused, naming the other stream; no lease taken
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(x), np.int32(n), np.float32(8.0),
+              np.int64(K.cycles(30)), stream=a)
+    before = sm.stats().submitted
+    with pytest.raises(sm.AccessConflictError, match=r"on <Stream reader on <Device cuda:0 .*> would read bytes \[0, 262144\) of allocation #\d+ while unfinished work on <Stream writer on"):
+        sm.launch(K.kernel("slow_copy"), 64, 256, sm.In(x), sm.Out(out), np.int32(n),
+                  np.int64(0), stream=b, policy="reject")
+    assert sm.stats().submitted == before
+    a.synchronize()
+    np.testing.assert_array_equal(x.to_host(), np.full(n, 8.0, np.float32))
+
+
+def test_read_read_overlaps_on_the_device(gpu, K):
+    """Two readers of one buffer on two streams run at the same time: the first
+    spins until the second sets a flag (bounded); if sharedmem had ordered them,
+    the first would time out and report 0."""
+    import cupy
+    a, b = gpu.create_stream(), gpu.create_stream()
+    x = sm.Buffer.zeros(1024, "float32", device=gpu, stream=a)
+    flag = cupy.zeros(1, cupy.int32)
+    seen = sm.Buffer.zeros(1, "int32", device=gpu, stream=a)
+    gpu.synchronize()
+    cupy.cuda.Device(0).synchronize()
+    sm.launch(K.kernel("wait_flag"), 1, 1, sm.In(x), np.uint64(flag.data.ptr), sm.Out(seen),
+              np.int64(K.cycles(2000)), stream=a, policy="reject")
+    sm.launch(K.kernel("set_flag"), 1, 1, sm.In(x), np.uint64(flag.data.ptr), stream=b,
+              policy="reject")
+    assert seen.to_host()[0] == 1
+
+
+def test_scalars_typed_as_the_kernel_expects(gpu, K):
+    n = 1000
+    x = sm.Buffer.from_host(np.arange(n, dtype=np.float32), device=gpu)
+    y = sm.Buffer.from_host(np.ones(n, np.float32), device=gpu)
+    out = sm.Buffer.empty(n, "float32", device=gpu)
+    # Python float -> float32 parameter, Python int -> int parameter
+    sm.launch(K.kernel("saxpy"), (n + 255) // 256, 256, 2.5, sm.In(x), sm.In(y), sm.Out(out), n)
+    np.testing.assert_array_equal(out.to_host(), 2.5 * np.arange(n, dtype=np.float32) + 1)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: a float64 scalar \(8 bytes\) for a 4-byte kernel parameter"):
+        sm.launch(K.kernel("saxpy"), 1, 1, np.float64(2.5), sm.In(x), sm.In(y), sm.Out(out), n)
+    with pytest.raises(sm.KernelError, match=r"^the kernel takes 5 parameters but was given 4 arguments"):
+        sm.launch(K.kernel("saxpy"), 1, 1, 2.5, sm.In(x), sm.In(y), sm.Out(out))
+    assert sm.stats().in_flight >= 0
+
+
+def test_buffer_slice_marshals_as_pointer_and_length(gpu, K):
+    b = sm.Buffer.from_host(np.ones(100, np.float32), device=gpu)
+    part = b[10:30]
+    sm.launch(K.kernel("scale_len"), 1, 128, part, 3.0)  # (float* x, long long n, double factor)
+    got = b.to_host()
+    assert got[:10].tolist() == [1.0] * 10 and got[10:30].tolist() == [3.0] * 20
+    assert got[30:].tolist() == [1.0] * 70
+
+
+def test_atomic_intent(gpu, K):
+    n = 4096
+    x = sm.Buffer.from_host(np.ones(n, np.float32), device=gpu)
+    box = sm.DeviceBox(0.0, "float32", device=gpu)
+    sm.launch(K.kernel("sum_atomic"), n // 256, 256, sm.In(x), n, sm.Atomic(box))
+    assert box.get() == float(n)
+
+
+def test_vram_returns_to_baseline(gpu, K):
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    n = 1 << 16
+    s = gpu.create_stream()
+    sm.synchronize()
+    gc_collect_harder()
+    pool.free_all_blocks()
+    used0 = pool.used_bytes()
+    free0, _ = gpu.backend.mem_info()
+    for i in range(10_000):
+        b = sm.Buffer.empty(n, "float32", device=gpu, stream=s)
+        sm.launch(K.kernel("fill"), 64, 256, sm.Out(b), np.int32(n), np.float32(i), stream=s)
+        del b  # the future is dropped unwaited
+    assert sm.stats().in_flight < 10_000  # retired while running
+    sm.synchronize()
+    gc_collect_harder()
+    assert sm.stats().in_flight == 0
+    assert pool.used_bytes() == used0
+    pool.free_all_blocks()
+    free1, _ = gpu.backend.mem_info()
+    assert free1 >= free0 - (2 << 20), (free0, free1)
+
+
+def test_trap_means_completion_unknown_and_memory_kept(gpu):
+    script = textwrap.dedent("""
+        import gc, os, sys, weakref, warnings
+        import numpy as np
+        import sharedmem as sm
+        import gpu_kernels as K
+        warnings.simplefilter("always")
+        dev = sm.Device(0)
+        s = dev.create_stream()
+        b = sm.Buffer.from_host(np.ones(1024, np.float32), device=dev, stream=s)
+        ref = weakref.ref(b.allocation)
+        fut = sm.launch(K.kernel("trap"), 1, 1, b, stream=s)
+        del b
+        gc.collect()
+        try:
+            fut.result()
+        except sm.CompletionUnknownError as e:
+            print("unknown:", type(e.__cause__).__name__, str(e.__cause__)[:60])
+        st = sm.stats()
+        print("leaked", st.leaked, "bytes", st.leaked_bytes, "kept", ref() is not None)
+        sys.stdout.flush()
+        os._exit(0)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.getcwd(),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert "unknown: CudaError cuEventSynchronize failed: CUDA_ERROR_" in r.stdout, r.stdout + r.stderr
+    assert "leaked 1 bytes 4096 kept True" in r.stdout, r.stdout + r.stderr
+    assert "LeakWarning" in r.stderr and "is unknown" in r.stderr

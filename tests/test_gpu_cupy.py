@@ -1,0 +1,120 @@
+"""interop.cupy on a real GPU: wrap, adopt, as_cupy, identity across moves."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from conftest import cuda_device, gc_collect_harder
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    if cuda_device() is None:
+        pytest.skip("no usable CUDA GPU")
+    import cupy
+    return cupy
+
+
+@pytest.fixture(scope="module")
+def ic():
+    import interop.cupy as ic
+    return ic
+
+
+def test_zero_copy_identity_through_every_handoff(cp, ic):
+    arr = cp.arange(64, dtype=cp.float32)
+    ptr = arr.data.ptr
+    t = ic.wrap(arr)
+    assert t.ptr == ptr and t.shape == (64,) and t.dtype == np.float32
+    with pytest.raises(sm.AliasError, match=r"  - CuPy array \(shape \(64,\), float32\), bytes \[\d+, \d+\)"):
+        t.into_buffer()
+    del arr
+    gc_collect_harder()
+    b = t.into_buffer()
+    assert b.ptr == ptr
+    t2 = sm.Tensor.from_buffer(b, (8, 8))
+    assert t2.ptr == ptr
+    view = ic.as_cupy(t2)
+    assert view.data.ptr == ptr and view.shape == (8, 8)
+    np.testing.assert_array_equal(cp.asnumpy(view).ravel(), np.arange(64))
+    with pytest.raises(sm.AliasError, match=r"  - CuPy array \(as_cupy\), bytes"):
+        t2.into_buffer()
+    view2 = view[2:4]  # a CuPy view of the export keeps the token too
+    del view
+    gc_collect_harder()
+    with pytest.raises(sm.AliasError):
+        t2.into_buffer()
+    del view2
+    gc_collect_harder()
+    assert t2.into_buffer().ptr == ptr
+
+
+def test_wrap_twice_is_one_allocation(cp, ic):
+    arr = cp.ones((4, 4), cp.float64)
+    t1, t2 = ic.wrap(arr), ic.wrap(arr[1:])
+    assert t1.allocation is t2.allocation
+    assert t2.ptr == arr.data.ptr + 32 and t2.strides == (4, 1)
+    assert t1.allocation.source == "cupy"
+
+
+def test_adopt(cp, ic):
+    t = ic.adopt(cp.full(10, 3, cp.int32))  # a temporary: nobody else holds it
+    assert t.to_host().tolist() == [3] * 10
+    b = t.into_buffer()  # no alias: the array was adopted, not shared
+    arr = cp.zeros(5)
+    other = arr
+    with pytest.raises(sm.AliasError, match=r"^cannot adopt CuPy array \(shape \(5,\), float64\): 1 other reference"):
+        ic.adopt(arr)
+    del other
+    t2 = ic.adopt(arr)
+    assert t2.ptr == arr.data.ptr
+    base = cp.zeros(8)
+    with pytest.raises(sm.AliasError, match="cannot adopt a view of another CuPy array"):
+        ic.adopt(base[2:])
+    assert b.is_live
+
+
+def test_as_cupy_read_only_refused_for_out(cp, ic):
+    import gpu_kernels as K
+    t = sm.Tensor.from_host(np.ones(16, np.float32), device=cuda_device()).as_readonly()
+    arr = ic.as_cupy(t)
+    with pytest.raises(sm.KernelError, match="would write through a read-only view"):
+        sm.launch(K.kernel("fill"), 1, 16, sm.Out(arr), 16, 2.0)
+    out = cp.zeros(16, cp.float32)
+    sm.launch(K.kernel("slow_copy"), 1, 16, sm.In(arr), out, 16, np.int64(0)).result()
+    assert cp.asnumpy(out).tolist() == [1.0] * 16
+
+
+def test_cupy_arrays_as_launch_arguments_get_leases(cp, ic):
+    import gpu_kernels as K
+    dev = cuda_device()
+    a, b = dev.create_stream(), dev.create_stream()
+    x = cp.zeros(1 << 16, cp.float32)
+    out = cp.empty_like(x)
+    cp.cuda.Device(0).synchronize()
+    sm.launch(K.kernel("slow_fill"), 64, 256, x, x.size, 5.0, np.int64(K.cycles(20)), stream=a)
+    # x is a plain CuPy array: wrapped on the fly, leased, and the reader on b is ordered
+    sm.launch(K.kernel("slow_copy"), 64, 256, sm.In(x), sm.Out(out), x.size, np.int64(0),
+              stream=b).result()
+    assert float(out.min()) == 5.0 and float(out.max()) == 5.0
+    alloc = sm.lookup_allocation(dev, x.data.ptr, x.nbytes)
+    assert alloc is None or alloc.live_views == 0  # no alias lingers after the launch
+
+
+def test_as_cupy_orders_the_consumer_stream(cp, ic):
+    import gpu_kernels as K
+    dev = cuda_device()
+    s = dev.create_stream()
+    n = 1 << 18
+    t = sm.Buffer.zeros(n, "float32", device=dev, stream=s)
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(t), n, 4.0, np.int64(K.cycles(30)), stream=s)
+    consumer = cp.cuda.Stream(non_blocking=True)
+    with consumer:
+        arr = ic.as_cupy(t, stream=consumer)
+        total = float(arr.sum())  # runs on the consumer stream right away
+    assert total == 4.0 * n
