@@ -152,12 +152,13 @@ def adopt(arr) -> Tensor:
         raise TypeError(f"adopt takes a cupy.ndarray, got {type(arr).__name__}")
     if _probe_refs is None:
         one = cp.empty(1)
-        _probe_refs = _probe(one)  # refcount seen with exactly one outside name
+        # what getrefcount reports inside a callee when the caller holds exactly one name
+        _probe_refs = _probe(one)
     if arr.base is not None:
         raise AliasError(
             f"cannot adopt a view of another CuPy array (shape {tuple(arr.base.shape)}): the base "
             f"still owns the memory. Adopt the base array, or copy.", ("CuPy base array",))
-    extra = sys.getrefcount(arr) - 1 - _probe_refs
+    extra = sys.getrefcount(arr) - _probe_refs
     if extra > 0:
         raise AliasError(
             f"cannot adopt CuPy array (shape {tuple(arr.shape)}, {arr.dtype}): {extra} other "
