@@ -100,6 +100,12 @@ def test_read_read_overlaps_on_the_device(gpu, K):
     x = sm.Buffer.zeros(1024, "float32", device=gpu, stream=a)
     flag = cupy.zeros(1, cupy.int32)
     seen = sm.Buffer.zeros(1, "int32", device=gpu, stream=a)
+    # CUDA loads kernels lazily at their first launch, and loading waits for running
+    # kernels: launch both once before the real test so neither is loaded mid-spin.
+    dummy = cupy.ones(1, cupy.int32)
+    sm.launch(K.kernel("wait_flag"), 1, 1, sm.In(x), np.uint64(dummy.data.ptr), sm.Out(seen),
+              np.int64(1), stream=a)
+    sm.launch(K.kernel("set_flag"), 1, 1, sm.In(x), np.uint64(dummy.data.ptr), stream=b)
     gpu.synchronize()
     cupy.cuda.Device(0).synchronize()
     sm.launch(K.kernel("wait_flag"), 1, 1, sm.In(x), np.uint64(flag.data.ptr), sm.Out(seen),

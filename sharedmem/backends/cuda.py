@@ -204,11 +204,13 @@ class CudaBackend:
 
     # -- memory ---------------------------------------------------------------
     def allocate(self, nbytes: int, stream_impl=None):
-        """A block of CuPy's pool (a ``cupy.cuda.MemoryPointer``, ``.ptr``)."""
+        """A block of CuPy's pool (a ``cupy.cuda.MemoryPointer``, ``.ptr``).
+
+        Taken from the pool's arena of CuPy's current stream whatever stream
+        the memory will be used on: the block returns to the pool only once
+        every submission that leased it has finished, so no arena can hand it
+        out while our work may still touch it."""
         with self._cupy_device:
-            if stream_impl is not None:
-                with self._cupy.cuda.ExternalStream(stream_impl.handle):
-                    return self._cupy.cuda.alloc(max(nbytes, 1))
             return self._cupy.cuda.alloc(max(nbytes, 1))
 
     def mem_info(self) -> tuple[int, int]:
