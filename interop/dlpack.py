@@ -11,7 +11,8 @@ Export -- ``__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=No
   raises AliasError naming the "DLPack export".
 * ``stream`` (CUDA): the consumer's stream is made to wait on the device for
   our pending writes to these bytes (and pending reads, for a writable view:
-  the consumer may write). ``None`` means the legacy default stream, ``1`` the
+  the consumer may write). On the host device the consumer is the CPU, so the
+  export itself waits for that work before returning the capsule. ``None`` means the legacy default stream, ``1`` the
   legacy default stream, ``2`` the per-thread default stream, ``-1`` no
   synchronization; ``0`` is ambiguous and refused (``ValueError``). On the
   host device only ``None`` is valid.
@@ -174,6 +175,8 @@ def _consumer_wait(view, tok, stream):
     if dev.kind == "host":
         if stream is not None:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
+        # the consumer is the CPU itself and reads at once: wait for our work here
+        order_consumer(tok, lambda m: m.wait(), blocking=True)
         return
     if stream is None:
         stream = 1

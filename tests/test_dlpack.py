@@ -30,6 +30,23 @@ def test_numpy_consumes_our_tensor_zero_copy(host):
     assert t.into_buffer().ptr == alloc.ptr  # the consumer is gone: the move succeeds
 
 
+def test_export_waits_for_pending_host_writes(host):
+    import threading
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def slow_fill(x):
+        gate.wait(5)
+        x[:] = 7
+
+    s = host.create_stream()
+    t = sm.Tensor.from_host(np.zeros(8, np.int32), device=host, stream=s)
+    sm.launch(slow_fill, 1, 1, sm.Out(t), stream=s)
+    threading.Timer(0.2, gate.set).start()
+    a = np.from_dlpack(t)  # must not return before the slow write ran
+    assert a.tolist() == [7] * 8
+
+
 def test_read_only_export(host):
     t = sm.Tensor.from_host(np.ones(4, np.int16), device=host).as_readonly()
     a = np.from_dlpack(t)  # NumPy asks for a versioned capsule

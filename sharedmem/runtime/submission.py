@@ -284,23 +284,32 @@ def _install_retirer(fn) -> None:
     _retirer_ensure = fn
 
 
-def order_consumer(tok, wait) -> int:
+def order_consumer(tok, wait, blocking: bool = False) -> int:
     """Order a consumer outside sharedmem after our unfinished work on the
     bytes of ``tok``: ``wait(marker)`` is called for the newest conflicting
     submission of every stream -- pending writes, and also pending reads when
     the view is writable (the consumer may write through it). Returns how
-    many waits were made. Used by DLPack / CAI export and ``as_cupy``."""
-    n = 0
+    many waits were made. Used by DLPack / CAI export and ``as_cupy``.
+
+    ``wait`` only enqueues (a device-side wait) unless ``blocking``: then it
+    may block the host, and is called after the core lock is released."""
+    markers = []
     with locked():
         tracker = tok.allocation.tracker
-        if not tracker:
-            return 0
-        for _other, marker, _seq, _w in tracker.conflicts_locked(None, tok.writable, tok.start,
-                                                                   tok.stop):
-            if marker.unknown:
-                raise CompletionUnknownError(
-                    f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
-                    f"touched by work of unknown completion on {_other}; they cannot be exported")
-            wait(marker)
-            n += 1
-    return n
+        if tracker:
+            for other, marker, _seq, _w in tracker.conflicts_locked(None, tok.writable, tok.start,
+                                                                     tok.stop):
+                if marker.unknown:
+                    raise CompletionUnknownError(
+                        f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
+                        f"touched by work of unknown completion on {other}; they cannot be "
+                        f"exported")
+                if blocking:
+                    markers.append(marker)
+                else:
+                    wait(marker)
+                    markers.append(None)
+    if blocking:
+        for m in markers:
+            wait(m)
+    return len(markers)
