@@ -19,6 +19,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(VPY) examples/pipeline.py
+	$(VPY) examples/mixed_pipeline.py
 
 stress: $(STAMP)
 	SHAREDMEM_STRESS_FULL=1 $(VPY) -m pytest -q tests/test_stress.py -p no:randomly -s
@@ -33,6 +34,7 @@ gpu-test:
 
 gpu-demo:
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) examples/pipeline.py
+	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) examples/mixed_pipeline.py
 
 gpu-bench:
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) benchmarks/run.py

@@ -74,9 +74,10 @@ class CompletionUnknownError(SharedMemError):
     counted in ``sharedmem.stats().leaked``."""
 
 
-class BackendUnavailableError(SharedMemError, RuntimeError):
+class BackendUnavailableError(SharedMemError, ImportError):
     """The requested backend (CUDA, CuPy, cuTile) cannot be used here; the
-    message says what is missing and how to install it."""
+    message says what is missing and how to install it. An ImportError, so
+    code with optional GPU paths can catch it as one."""
 
 
 class LayoutError(SharedMemError, ValueError):

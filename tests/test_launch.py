@@ -156,3 +156,12 @@ def test_scalars_and_foreign_objects_pass_through(host):
     obj = object()
     sm.launch(k, 1, 1, 1, 2.5, "s", obj).result(5)
     assert got == [(1, 2.5, "s", obj)]
+
+
+def test_missing_cutile_says_how_to_install(monkeypatch):
+    import sys
+    import interop.cutile as icut
+    monkeypatch.setitem(sys.modules, "cuda.tile", None)  # import cuda.tile now fails
+    with pytest.raises(sm.BackendUnavailableError, match=r"^cuTile is not installed: pip install 'cuda-tile\[tileiras\]'.*Hopper GPUs \(sm_90\) need the CUDA 13.3\+"):
+        icut._cutile()
+    assert issubclass(sm.BackendUnavailableError, ImportError)

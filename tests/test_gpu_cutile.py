@@ -1,0 +1,114 @@
+"""cuTile kernels through sharedmem.launch (marked gpu and cutile; skipped without cuda.tile)."""
+
+import gc
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from conftest import cuda_device, gc_collect_harder
+
+pytestmark = [pytest.mark.gpu, pytest.mark.cutile]
+TILE = 256
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    dev = cuda_device()
+    if dev is None:
+        pytest.skip("no usable CUDA GPU")
+    if importlib.util.find_spec("cuda.tile") is None:
+        pytest.skip("cuda.tile is not installed")
+    return dev
+
+
+@pytest.fixture(scope="module")
+def vadd(gpu):
+    import cuda.tile as ct
+
+    @ct.kernel
+    def vec_add(a, b, c, T: ct.Constant[int]):
+        i = ct.bid(0)
+        ct.store(c, index=(i,), tile=ct.load(a, index=(i,), shape=(T,)) + ct.load(b, index=(i,), shape=(T,)))
+
+    return vec_add
+
+
+def test_cutile_88_pattern_is_safe(gpu, vadd):
+    """Slow work ahead of a cuTile kernel; every argument and the future dropped at
+    once; new memory allocated and written at once: the result is exact."""
+    import gpu_kernels as K
+    n = TILE * 4096
+    s, other = gpu.create_stream("tile"), gpu.create_stream("other")
+    for trial in range(3):
+        a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=gpu, stream=s)
+        b = sm.Tensor.from_host(np.full(n, 0.5, np.float32), device=gpu, stream=s)
+        c = sm.Tensor.empty((n,), "float32", device=gpu)
+        hold = sm.Buffer.empty(1, "float32", device=gpu)
+        sm.launch(K.kernel("slow_fill"), 1, 1, sm.Out(hold), 1, 0.0, np.int64(K.cycles(20)), stream=s)
+        fut = sm.launch(vadd, (n // TILE,), None, sm.In(a), sm.In(b), sm.Out(c), TILE, stream=s)
+        ptrs = {a.ptr, b.ptr}
+        del a, b, fut
+        gc.collect()
+        fresh = [sm.Buffer.empty(n, "float32", device=gpu) for _ in range(4)]
+        for f in fresh:
+            sm.launch(K.kernel("fill"), 256, 256, sm.Out(f), n, -7.0, stream=other)
+        assert not ptrs & {f.ptr for f in fresh}
+        np.testing.assert_array_equal(c.to_host(stream=s), np.arange(n, dtype=np.float32) + 0.5)
+        del fresh
+
+
+def test_simt_writer_and_tile_reader_on_two_streams(gpu, vadd):
+    import gpu_kernels as K
+    n = TILE * 256
+    a_s, b_s = gpu.create_stream("simt-writer"), gpu.create_stream("tile-reader")
+    x = sm.Tensor.zeros((n,), "float32", device=gpu, stream=a_s)
+    zero = sm.Tensor.zeros((n,), "float32", device=gpu, stream=b_s)
+    out = sm.Tensor.empty((n,), "float32", device=gpu)
+    gpu.synchronize()
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(x), n, 3.0, np.int64(K.cycles(30)), stream=a_s)
+    sm.launch(vadd, (n // TILE,), None, sm.In(x), sm.In(zero), sm.Out(out), TILE, stream=b_s)
+    np.testing.assert_array_equal(out.to_host(), np.full(n, 3.0, np.float32))
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(x), n, 4.0, np.int64(K.cycles(30)), stream=a_s)
+    with pytest.raises(sm.AccessConflictError, match=r"^cuTile kernel vec_add on <Stream tile-reader .* while unfinished work on <Stream simt-writer"):
+        sm.launch(vadd, (n // TILE,), None, sm.In(x), sm.In(zero), sm.Out(out), TILE, stream=b_s,
+                  policy="reject")
+
+
+def test_refused_before_launch(gpu, vadd):
+    import cupy as cp
+    import interop.cupy as ic
+    n = TILE * 4
+    a = sm.Tensor.from_host(np.ones(n, np.float32), device=gpu)
+    before = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^arguments 0 and 2 overlap \(bytes \[0, 4096\) of allocation #\d+\) and one of them is written; cuTile assumes"):
+        sm.launch(vadd, (4,), None, sm.In(a), sm.In(a), sm.Out(a), TILE)
+    rev = ic.wrap(cp.arange(n, dtype=cp.float32)[::-1])
+    with pytest.raises(sm.KernelError, match=r"^argument 0: .* has negative strides; cuTile assumes strides >= 0"):
+        sm.launch(vadd, (4,), None, sm.In(rev), sm.In(a), sm.Out(sm.Tensor.empty((n,), device=gpu)), TILE)
+    with pytest.raises(sm.KernelError, match=r"^cuTile kernels choose their own block shape"):
+        sm.launch(vadd, (4,), 128, sm.In(a), sm.In(a), sm.Out(sm.Tensor.empty((n,), device=gpu)), TILE)
+    assert sm.stats().submitted == before
+
+
+def test_read_read_alias_is_allowed(gpu, vadd):
+    n = TILE * 4
+    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=gpu)
+    out = sm.Tensor.empty((n,), "float32", device=gpu)
+    sm.launch(vadd, (4,), None, sm.In(a), sm.In(a), sm.Out(out), TILE)
+    np.testing.assert_array_equal(out.to_host(), 2 * np.arange(n, dtype=np.float32))
+
+
+def test_mixed_pipeline_example(gpu):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "mixed_pipeline.py")],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cuTile + CuPy" in r.stdout and "OK" in r.stdout and "clean" in r.stdout
+    assert "CuPy array (as_cupy)" in r.stdout
