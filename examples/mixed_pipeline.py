@@ -14,8 +14,7 @@ without cuTile) the same file runs the stages as ``sm.host_kernel`` functions.
 Run: ``PYTHONPATH=. python3 examples/mixed_pipeline.py``
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: cuTile evaluates kernel annotations.
 import gc
 import sys
 

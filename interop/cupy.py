@@ -383,13 +383,5 @@ class RawKernelAdapter(KernelAdapter):
         return enqueue, (kernel,)
 
 
-def _register():
-    try:
-        import cupy
-    except ImportError:
-        return
-    adapter = RawKernelAdapter()
-    register_kernel_adapter(cupy.RawKernel, adapter)
-
-
-_register()
+# By name: importing this module must not import CuPy.
+register_kernel_adapter("cupy._core.raw.RawKernel", RawKernelAdapter())

@@ -124,12 +124,5 @@ class TileKernelAdapter(KernelAdapter):
         return enqueue, (kernel,)
 
 
-def _register():
-    try:
-        import cuda.tile as ct
-    except ImportError:
-        return
-    register_kernel_adapter(ct.kernel, TileKernelAdapter())
-
-
-_register()
+# By name: importing this module must not import cuda.tile.
+register_kernel_adapter("cuda.tile._execution.kernel", TileKernelAdapter())

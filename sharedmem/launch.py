@@ -110,16 +110,30 @@ class KernelAdapter:
 
 
 _adapters: dict = {}  # type -> KernelAdapter; written under _reg_lock, read lock-free
+# "module.QualName" -> KernelAdapter: lets interop modules register a library's kernel
+# type without importing that library. Written under _reg_lock.
+_adapters_by_name: dict = {}
 _reg_lock = threading.Lock()
 # Modules that register adapters, imported on first sight of a kernel whose
 # type lives in the keyed package.
-_LAZY = {"cupy": "interop.cupy", "cupy_backends": "interop.cupy", "cuda": "interop.cutile"}
+_LAZY = {"cupy": "interop.cupy", "cuda": "interop.cutile"}
 
 
-def register_kernel_adapter(kernel_type: type, adapter: KernelAdapter) -> None:
-    """Make ``launch`` accept kernels of ``kernel_type`` through ``adapter``."""
+def register_kernel_adapter(kernel_type, adapter: KernelAdapter) -> None:
+    """Make ``launch`` accept kernels of ``kernel_type`` (a type, or its
+    ``"module.QualName"`` so the library need not be imported) through ``adapter``."""
     with _reg_lock:
-        _adapters[kernel_type] = adapter
+        if isinstance(kernel_type, str):
+            _adapters_by_name[kernel_type] = adapter
+        else:
+            _adapters[kernel_type] = adapter
+
+
+def _registered(t):
+    a = _adapters.get(t)
+    if a is None and _adapters_by_name:
+        a = _adapters_by_name.get(f"{t.__module__}.{t.__qualname__}")
+    return a
 
 
 def _adapter_for(kernel) -> KernelAdapter:
@@ -127,19 +141,16 @@ def _adapter_for(kernel) -> KernelAdapter:
     a = _adapters.get(t)
     if a is not None:
         return a
-    for base in t.__mro__[1:]:
-        a = _adapters.get(base)
-        if a is not None:
-            register_kernel_adapter(t, a)
-            return a
-    mod = _LAZY.get((t.__module__ or "").split(".")[0])
-    if mod is not None:
-        importlib.import_module(mod)
+    for attempt in (0, 1):
         for base in t.__mro__:
-            a = _adapters.get(base)
+            a = _registered(base)
             if a is not None:
-                register_kernel_adapter(t, a)
+                register_kernel_adapter(t, a)  # cache by type for the next launch
                 return a
+        mod = _LAZY.get((t.__module__ or "").split(".")[0])
+        if attempt or mod is None:
+            break
+        importlib.import_module(mod)
     known = ", ".join(sorted({ad.name for ad in _adapters.values()})) or "none"
     raise KernelError(
         f"launch() does not know how to launch a {t.__module__}.{t.__qualname__}; it takes "
@@ -222,9 +233,11 @@ def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=
         stream = Stream.from_external(stream)
     device = stream.device if stream is not None else None
     resolved, uses, device = resolve_args(adapter, args, device)
-    if device is None:
-        from .device import default_device
+    if device is None:  # no arrays and no stream: a device this kind of kernel runs on
+        from .device import Device, default_device
         device = default_device()
+        if device.kind not in adapter.device_kinds and "host" in adapter.device_kinds:
+            device = Device.host()
     if device.kind not in adapter.device_kinds:
         raise DeviceMismatchError(f"a {adapter.name} cannot run on {device}; it runs on "
                                   f"{' or '.join(adapter.device_kinds)} devices")

@@ -1,0 +1,281 @@
+"""The price of safety: sharedmem against the raw libraries, measured in one process.
+
+Each row is a ratio against the raw library measured in the same run (median
+of several repetitions, raw times beside it), so machine noise cancels.
+On a GPU: launch (vs CuPy RawKernel and the cuLaunchKernel floor), cuTile (vs
+ct.launch), moves, DLPack (vs cupy.from_dlpack), retirement. On the host
+backend: moves, launch and retirement of host kernels (absolute numbers).
+
+Run: ``make bench`` (host) or ``make gpu-bench`` on the GPU machine.
+Options: --quick (fewer iterations), --launches N (retirement row).
+"""
+
+# No `from __future__ import annotations`: cuTile evaluates kernel annotations.
+import argparse
+import ctypes
+import gc
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import sharedmem as sm
+from sharedmem.runtime import submission as _sub
+
+ROWS: list[tuple[str, str, str, str]] = []
+
+
+def per_call_us(fn, n, reps, sync=None):
+    """Median over ``reps`` of the mean time of one call, in microseconds."""
+    times = []
+    for _ in range(reps):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if sync:
+            sync()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def row(name, ours, raw=None, raw_name="", note=""):
+    if raw:
+        ROWS.append((name, f"{ours:8.2f} us", f"{raw:8.2f} us {raw_name}", f"{ours / raw:5.2f}x"))
+    else:
+        ROWS.append((name, f"{ours:8.2f} us", raw_name or "-", note or "-"))
+    print(f"  {name}: {ROWS[-1][1]} | {ROWS[-1][2]} | {ROWS[-1][3]}", flush=True)
+
+
+# -- moves ---------------------------------------------------------------------------------
+def bench_moves(dev, quick):
+    n = 2000 if quick else 20000
+    for label, nbytes in (("1 KiB", 1 << 10), ("1 GiB", 1 << 30)):
+        if dev.kind == "host" and nbytes > (1 << 28):
+            nbytes, label = 1 << 28, "256 MiB"
+        b = sm.Buffer.empty(nbytes // 4, "float32", device=dev)
+        box = [b]
+
+        def move():
+            t = sm.Tensor.from_buffer(box[0], (nbytes // 4,))
+            box[0] = t.into_buffer()
+
+        def borrow():
+            t = sm.Tensor.from_buffer(box[0], (nbytes // 4,))
+            with t.as_buffer():
+                pass
+            box[0] = t.into_buffer()
+
+        us = per_call_us(move, n, 5)
+        row(f"move from_buffer+into_buffer, {label}", us, note="zero-copy: size-independent")
+        us2 = per_call_us(borrow, n, 5)
+        row(f"move+as_buffer borrow+move back, {label}", us2)
+        del box, b
+        gc.collect()
+
+
+# -- launches -----------------------------------------------------------------------------------
+LAUNCH_SRC = r"""
+extern "C" __global__ void k4(const float* a, const float* b, float* c, float* d, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { c[i] = a[i] + b[i]; d[i] = a[i] - b[i]; }
+}
+"""
+
+
+def bench_launch_gpu(dev, quick):
+    import cupy as cp
+    from cuda.bindings import driver as cu
+    n_launch = 5000 if quick else 20000
+    k = cp.RawKernel(LAUNCH_SRC, "k4")
+    s = dev.create_stream("bench")
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    cps = from_external(s) if from_external else cp.cuda.ExternalStream(s.handle)
+    n = 32
+    A, B, C, D = (sm.Buffer.from_host(np.ones(n, np.float32), device=dev) for _ in range(4))
+    ca, cb, cc, cd = (cp.ones(n, cp.float32) for _ in range(4))
+    sync = s.synchronize
+    nn = np.int32(n)
+
+    def raw():
+        k((1,), (32,), (ca, cb, cc, cd, nn), stream=cps)
+
+    def ours():
+        sm.launch(k, 1, 32, sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), nn, stream=s)
+
+    # the floor: cuLaunchKernel through cuda.bindings with a pre-packed void**
+    with cp.cuda.Device(dev.ordinal):
+        func = int(k.kernel.ptr)
+    vals = (ctypes.c_uint64 * 5)(ca.data.ptr, cb.data.ptr, cc.data.ptr, cd.data.ptr, n)
+    ptrs = (ctypes.c_void_p * 5)(*[ctypes.addressof(vals) + 8 * i for i in range(5)])
+    addr = ctypes.addressof(ptrs)
+    cus = cu.CUstream(s.handle)
+    launch = cu.cuLaunchKernel
+
+    def floor():
+        launch(func, 1, 1, 1, 32, 1, 1, 0, cus, addr, 0)
+
+    for fn in (raw, ours, floor):  # warm up
+        for _ in range(200):
+            fn()
+    sync()
+    reps = 7
+    t_raw = per_call_us(raw, n_launch, reps, sync)
+    t_ours = per_call_us(ours, n_launch, reps, sync)
+    t_floor = per_call_us(floor, n_launch, reps, sync)
+    sm.synchronize()
+    row("launch, 4 buffers + scalar, vs CuPy RawKernel call", t_ours, t_raw, "CuPy")
+    row("launch, same, vs cuLaunchKernel floor", t_ours, t_floor, "cuLaunchKernel")
+    return t_ours
+
+
+def bench_cutile(dev, quick):
+    try:
+        import cuda.tile as ct
+    except ImportError:
+        ROWS.append(("cuTile launch vs ct.launch", "n/a", "cuda.tile not installed", "-"))
+        return
+    import cupy as cp
+    T = 256
+    n = T * 64
+
+    @ct.kernel
+    def vadd(a, b, c, TT: ct.Constant[int]):
+        i = ct.bid(0)
+        ct.store(c, index=(i,), tile=ct.load(a, index=(i,), shape=(TT,)) + ct.load(b, index=(i,), shape=(TT,)))
+
+    s = dev.create_stream("bench-tile")
+    a, b, c = (sm.Tensor.from_host(np.ones(n, np.float32), device=dev) for _ in range(3))
+    ca, cb, cc = (cp.ones(n, cp.float32) for _ in range(3))
+    h = s.handle
+    grid = (n // T, 1, 1)
+
+    def raw():
+        ct.launch(h, grid, vadd, (ca, cb, cc, T))
+
+    def ours():
+        sm.launch(vadd, (n // T,), None, sm.In(a), sm.In(b), sm.Out(c), T, stream=s)
+
+    for fn in (raw, ours):
+        for _ in range(100):
+            fn()
+    s.synchronize()
+    nl = 2000 if quick else 10000
+    t_raw = per_call_us(raw, nl, 5, s.synchronize)
+    t_ours = per_call_us(ours, nl, 5, s.synchronize)
+    row("cuTile launch, 3 arrays, vs raw ct.launch", t_ours, t_raw, "ct.launch")
+
+
+def bench_dlpack(dev, quick):
+    import cupy as cp
+    t = sm.Tensor.from_host(np.ones((64, 64), np.float32), device=dev)
+    c = cp.ones((64, 64), cp.float32)
+    n = 2000 if quick else 20000
+    cp.from_dlpack(t)
+    t_raw = per_call_us(lambda: cp.from_dlpack(c), n, 5)
+    t_ours = per_call_us(lambda: cp.from_dlpack(t), n, 5)
+    row("DLPack export consumed by cupy.from_dlpack", t_ours, t_raw, "CuPy->CuPy")
+
+
+def bench_host_launch(dev, quick):
+    @sm.host_kernel
+    def nop(a, b, c, d, n):
+        pass
+
+    s = dev.create_stream("bench")
+    A, B, C, D = (sm.Buffer.zeros(32, device=dev) for _ in range(4))
+    n = 2000 if quick else 10000
+    us = per_call_us(lambda: sm.launch(nop, 1, 1, sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), 32,
+                                       stream=s), n, 5, s.synchronize)
+    row("host-kernel launch, 4 buffers + scalar", us, note="host backend: no raw library")
+
+
+# -- retirement -----------------------------------------------------------------------------------
+def bench_retirement(dev, total, quick):
+    if dev.kind == "cuda":
+        import cupy as cp
+        k = cp.RawKernel(LAUNCH_SRC, "k4")
+        pool = cp.get_default_memory_pool()
+        used = pool.used_bytes
+        args = lambda A, B, C, D: (sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), np.int32(32))  # noqa
+        grid, block = 1, 32
+    else:
+        k = sm.host_kernel(lambda a, b, c, d, n: None)
+        used = lambda: dev.backend.pool.bytes_in_use  # noqa: E731
+        args = lambda A, B, C, D: (sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), 32)  # noqa
+        grid, block = 1, 1
+    s = dev.create_stream("retire")
+    sm.synchronize()
+    gc.collect()
+    base_used = used()
+    counters = _sub._counters
+    peak = 0
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    for i in range(total):
+        A, B, C, D = (sm.Buffer.empty(32, "float32", device=dev) for _ in range(4)) if i % 1000 == 0 \
+            else (A, B, C, D)
+        sm.launch(k, grid, block, *args(A, B, C, D), stream=s)  # future dropped
+        if i % 1000 == 0:
+            peak = max(peak, counters["in_flight"])
+    elapsed = time.perf_counter() - t0
+    del A, B, C, D
+    sm.synchronize()
+    gc.collect()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    back = used() == base_used
+    ROWS.append((f"retirement: {total:,} fire-and-forget launches", f"{elapsed / total * 1e6:8.2f} us",
+                 f"peak unretired {peak}, peak RSS +{(rss1 - rss0) / 1024:.0f} MiB",
+                 f"memory back to baseline: {back}"))
+    print("  " + " | ".join(ROWS[-1]), flush=True)
+    # release delay: completion observed by polling the marker here vs retirement callback
+    delays = []
+    bufs = [sm.Buffer.empty(32, "float32", device=dev) for _ in range(4)]
+    for _ in range(300 if quick else 2000):
+        fut = sm.launch(k, grid, block, *args(*bufs), stream=s)
+        sub = fut._s
+        got = []
+        fut.add_done_callback(lambda f, got=got: got.append(time.perf_counter()))
+        while sub.marker.query() == 0:  # observe completion ourselves, without retiring
+            pass
+        t_done = time.perf_counter()
+        while not got:
+            time.sleep(0)
+        delays.append(max(0.0, got[0] - t_done) * 1e6)
+    delays.sort()
+    med, p99 = delays[len(delays) // 2], delays[int(len(delays) * 0.99)]
+    ROWS.append(("retirement: completion -> release delay", f"{med:8.1f} us median",
+                 f"p99 {p99:.1f} us", "target p99 < 1000 us"))
+    print("  " + " | ".join(ROWS[-1]), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--launches", type=int, default=None)
+    opts = ap.parse_args()
+    dev = sm.default_device()
+    print(f"sharedmem {sm.__version__} benchmarks on {dev}", flush=True)
+    bench_moves(dev, opts.quick)
+    if dev.kind == "cuda":
+        bench_launch_gpu(dev, opts.quick)
+        bench_cutile(dev, opts.quick)
+        bench_dlpack(dev, opts.quick)
+        total = opts.launches or (100_000 if opts.quick else 1_000_000)
+    else:
+        bench_host_launch(dev, opts.quick)
+        total = opts.launches or (10_000 if opts.quick else 100_000)
+    bench_retirement(dev, total, opts.quick)
+    ROWS.append(("CUDA graph replay", "n/a", "graphs not implemented yet", "-"))
+    w = max(len(r[0]) for r in ROWS)
+    print("\n" + "row".ljust(w) + " | sharedmem | raw | ratio / note")
+    for r in ROWS:
+        print(f"{r[0].ljust(w)} | {r[1]} | {r[2]} | {r[3]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
