@@ -216,7 +216,7 @@ class _Signature:
     """A kernel's parameter layout on one device: CUfunction, parameter sizes,
     and a packing buffer (8-byte-aligned slots plus the ``void**`` array)."""
 
-    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets")
+    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets", "plans")
 
     def __init__(self, func: int, sizes):
         self.func = func
@@ -230,6 +230,9 @@ class _Signature:
         base = ctypes.addressof(self.slots)
         self.ptrs = (ctypes.c_void_p * max(len(sizes), 1))(*[base + o for o in self.offsets])
         self.ptrs_addr = ctypes.addressof(self.ptrs)
+        # argument-type signature -> (struct format, per-argument converters);
+        # lock-free: plans are immutable and a racing writer stores an equal one
+        self.plans = {}
 
 
 _sig_cache: dict = {}  # (id(kernel), ordinal) -> (kernel, _Signature); guarded by _sig_lock
@@ -301,7 +304,28 @@ def _scalar_piece(i, value, size):
 
 
 def _plan(sig, args):
-    """Expand launch args into one value per kernel parameter."""
+    """The packing plan for these argument types: ``(format, converters)``;
+    each converter appends its argument's value(s) to a list. Cached per
+    signature, so a launch runs only the converters."""
+    key = tuple(a.view.__class__ if type(a) is LaunchArg else type(a) for a in args)
+    plan = sig.plans.get(key)
+    if plan is None:
+        plan = _make_plan(sig, args)
+        if len(sig.plans) < 256:
+            sig.plans[key] = plan
+    return plan
+
+
+def _ptr(a, out):
+    out.append(a.view.ptr)
+
+
+def _ptr_len(a, out):
+    out.append(a.view.ptr)
+    out.append(len(a.view))
+
+
+def _make_plan(sig, args):
     nparams, nargs = len(sig.sizes), len(args)
     nbuf = sum(1 for a in args if isinstance(a, LaunchArg) and isinstance(a.view, sm.Buffer))
     if nparams == nargs:
@@ -312,35 +336,58 @@ def _plan(sig, args):
         raise KernelError(f"the kernel takes {nparams} parameters but was given {nargs} arguments"
                           + (f" ({nbuf} Buffers, each may expand to pointer + length)" if nbuf else ""))
     fmt = ["<"]
-    values = []
+    convs = []
     p = 0
 
-    def put(f, v, size):
+    def field(f, size):
         fmt.append(f)
         pad = (size + 7) // 8 * 8 - size
         if pad:
             fmt.append(f"{pad}x")
-        values.append(v)
 
     for i, a in enumerate(args):
         size = sig.sizes[p]
         if isinstance(a, LaunchArg):
             if size != 8:
                 raise KernelError(f"argument {i}: a pointer for a {size}-byte kernel parameter")
-            put("Q", a.view.ptr, 8)
+            field("Q", 8)
             p += 1
             if expand and isinstance(a.view, sm.Buffer):
-                size = sig.sizes[p]
-                put(*_scalar_piece(i, len(a.view), size), size)
+                lsize = sig.sizes[p]
+                field(_scalar_piece(i, len(a.view), lsize)[0], lsize)
                 p += 1
+                convs.append(_ptr_len)
+            else:
+                convs.append(_ptr)
             continue
-        put(*_scalar_piece(i, a, size), size)
+        f, _ = _scalar_piece(i, a, size)  # validates the type against the parameter size
+        field(f, size)
+        convs.append(_scalar_converter(i, a, size))
         p += 1
-    return "".join(fmt), values
+    return "".join(fmt), tuple(convs)
+
+
+def _scalar_converter(i, example, size):
+    if isinstance(example, np.generic):
+        return lambda a, out: out.append(a.tobytes())
+    if isinstance(example, bool):
+        return lambda a, out: out.append(int(a))
+    if isinstance(example, int):
+        lim = 1 << (8 * size)
+        lo = -(lim >> 1)
+
+        def conv(a, out):
+            if not lo <= a < lim:
+                raise KernelError(f"argument {i}: {a} does not fit the {size}-byte kernel parameter")
+            out.append(a % lim)
+        return conv
+    if example is None:
+        return lambda a, out: out.append(0)
+    return lambda a, out: out.append(a)  # float
 
 
 def _dims3(d):
-    return tuple(d) + (1,) * (3 - len(d))
+    return d if len(d) == 3 else tuple(d) + (1,) * (3 - len(d))
 
 
 class RawKernelAdapter(KernelAdapter):
@@ -359,11 +406,14 @@ class RawKernelAdapter(KernelAdapter):
         return None
 
     def prepare(self, kernel, grid, block, args, shared_mem, stream):
-        from sharedmem.backends.cuda import check, cu
+        from sharedmem.backends.cuda import _SUCCESS, check, cu
         g = _dims3(_check_dims(grid, "grid"))
         b = _dims3(_check_dims(block, "block"))
         sig = _signature(kernel, stream.device)
-        fmt, values = _plan(sig, args)
+        fmt, convs = _plan(sig, args)
+        values = []
+        for conv, a in zip(convs, args):
+            conv(a, values)
         impl = stream._impl
         backend = stream.device.backend
         launch = cu.cuLaunchKernel
@@ -376,8 +426,10 @@ class RawKernelAdapter(KernelAdapter):
             # packing buffer is safe; the driver copies parameters at launch.
             pack(fmt, slots, 0, *values)
             backend.ensure_context()
-            check(launch(func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, cu_stream,
-                         ptrs_addr, 0), "cuLaunchKernel")
+            err = launch(func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, cu_stream,
+                         ptrs_addr, 0)[0]
+            if err != _SUCCESS:
+                check((err,), "cuLaunchKernel")
             return backend.submit_marker(impl)
 
         return enqueue, (kernel,)

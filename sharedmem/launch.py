@@ -158,15 +158,27 @@ def _adapter_for(kernel) -> KernelAdapter:
         f"library is installed). Wrap host Python functions with @sharedmem.host_kernel.")
 
 
+_dims_cache: dict = {}  # (value, what) -> normalized tuple; lock-free (idempotent writes)
+
+
 def _check_dims(value, what: str, allow_none: bool = False):
+    """``value`` as a tuple of 1 to 3 positive ints (cached per value)."""
     if value is None and allow_none:
         return None
+    try:
+        hit = _dims_cache.get((value, what))
+    except TypeError:  # unhashable: validated below, and refused
+        hit = None
+    if hit is not None:
+        return hit
     dims = (value,) if isinstance(value, int) else value
     ok = isinstance(dims, tuple) and 1 <= len(dims) <= 3 and all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
     if not ok:
         raise KernelError(f"{what} must be a positive int or a tuple of 1 to 3 positive ints, "
                           f"got {value!r}")
+    if len(_dims_cache) < 4096:
+        _dims_cache[(value, what)] = dims
     return dims
 
 
@@ -179,26 +191,35 @@ def _as_view(obj):
     return None
 
 
+_INTENT_MODES = {In: READ, Out: WRITE, InOut: WRITE, Atomic: ATOMIC}
+
+
 def resolve_args(adapter, args, device):
     """Split launch arguments into LaunchArgs and scalars; returns
     ``(resolved, uses, device)``. Raises before anything is leased."""
     resolved = []
     uses = []
     for i, a in enumerate(args):
-        if isinstance(a, Intent):
-            obj, mode, intent = a.obj, a.mode, type(a)
+        cls = type(a)
+        mode = _INTENT_MODES.get(cls)
+        if mode is not None:
+            obj, intent = a.obj, cls
+        elif isinstance(a, Intent):  # a subclass of an intent
+            obj, mode, intent = a.obj, a.mode, cls
         else:
-            obj, mode, intent = a, None, None
-        view = _as_view(obj)
+            obj, intent = a, None
+        view = obj if isinstance(obj, View) else _as_view(obj)
         if view is None:
             view = adapter.coerce(obj, device)
-        if view is None:
-            if intent is not None:
-                raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
-                                  f"DeviceBox or array, got {type(obj).__name__}")
-            resolved.append(a)
-            continue
-        tok = view._live_token()
+            if view is None:
+                if intent is not None:
+                    raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
+                                      f"DeviceBox or array, got {type(obj).__name__}")
+                resolved.append(a)
+                continue
+        if view._state:
+            view._raise_dead()
+        tok = view._token
         adev = tok.allocation.device
         if device is None:
             device = adev
@@ -207,11 +228,11 @@ def resolve_args(adapter, args, device):
                                       f"on {device}; copy it there first")
         if mode is None:
             mode, intent = WRITE, InOut
-        if mode != READ and not tok.writable:
+        if mode is not READ and not tok.writable:
             raise KernelError(f"argument {i}: {intent.__name__}({view!r}) would write through a "
                               f"read-only view; pass it as In(...) or copy it first")
         resolved.append(LaunchArg(view, tok, mode, intent))
-        uses.append((tok, mode != READ))
+        uses.append((tok, mode is not READ))
     return resolved, uses, device
 
 
@@ -226,10 +247,10 @@ def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=
     Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
     the device has finished, whatever the caller drops meanwhile.
     """
-    adapter = _adapter_for(kernel)
+    adapter = _adapters.get(type(kernel)) or _adapter_for(kernel)
     if policy is not None:
         _access.check_policy(policy)
-    if stream is not None and not isinstance(stream, Stream):
+    if stream is not None and type(stream) is not Stream:
         stream = Stream.from_external(stream)
     device = stream.device if stream is not None else None
     resolved, uses, device = resolve_args(adapter, args, device)
@@ -243,10 +264,10 @@ def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=
                                   f"{' or '.join(adapter.device_kinds)} devices")
     if stream is None:
         stream = device.default_stream
-    if not isinstance(shared_mem, int) or shared_mem < 0:
+    if shared_mem and (not isinstance(shared_mem, int) or shared_mem < 0):
         raise KernelError(f"shared_mem must be an int >= 0, got {shared_mem!r}")
     enqueue, keep = adapter.prepare(kernel, grid, block, resolved, shared_mem, stream)
-    sub = submit(stream, uses, enqueue, keep, policy, adapter.label(kernel))
+    sub = submit(stream, uses, enqueue, keep, policy, (adapter, kernel))
     return DeviceFuture(sub)
 
 

@@ -46,6 +46,7 @@ def ensure() -> None:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_run, name="sharedmem-retirer", daemon=True)
             _thread.start()
+            _sub._retirer_running[0] = True
 
 
 def _run() -> None:

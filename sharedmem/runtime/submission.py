@@ -47,7 +47,7 @@ class Submission:
     """One piece of enqueued work; see the module docstring for what it keeps."""
 
     __slots__ = ("stream", "seq", "marker", "keep", "trackers", "state", "callbacks", "value",
-                 "label", "nbytes")
+                 "_label", "nbytes")
 
     def __init__(self, stream, seq, marker, keep, trackers, label, nbytes):
         self.stream = stream
@@ -58,12 +58,23 @@ class Submission:
         self.state = PENDING  # written under core_lock
         self.callbacks = None  # list of callables; guarded by core_lock
         self.value = None
-        self.label = label
+        self._label = label
         self.nbytes = nbytes
+
+    @property
+    def label(self) -> str:
+        """What the work is, for messages (computed only when needed)."""
+        lab = self._label
+        return lab if isinstance(lab, str) else lab[0].label(lab[1])
 
 
 def _describe_stream(s) -> str:
     return repr(s)
+
+
+#: Sweep the front of a stream's FIFO on every SWEEP_EVERY-th submission to it
+#: (the retirer does the rest): keeps FIFOs short without a query per launch.
+SWEEP_EVERY = 32
 
 
 def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
@@ -78,23 +89,35 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     nothing); the stream is made to wait for the conflicting work; the work is
     enqueued; the leases are recorded. If anything raises, no lease is taken.
     """
-    raise_deferred()
-    policy = _access._policy if policy is None else check_policy(policy)
+    if _pending_warnings or _deferred_errors:
+        raise_deferred()
+    if not isinstance(label, str):  # (adapter, kernel): formatted only for messages
+        labeler = label
+        label = _LazyLabel(labeler)
+    if policy is None:
+        policy = _access._policy
+    elif policy not in ("order", "reject"):
+        check_policy(policy)
     impl = stream._impl
-    retired = ()
-    with locked():
-        fault = getattr(impl, "fault", None)
+    retired = None
+    lock = _sync.core_lock
+    lock.acquire()
+    try:
+        if _sync._staged:
+            _sync.drain_staged()
+        fault = impl.fault
         if fault is not None:
             raise CompletionUnknownError(
                 f"{stream} faulted earlier ({fault!r}); the completion of its work is unknown, "
                 f"so nothing more can run on it. Create a new stream.")
-        waits = {}
+        waits = None
         for tok, writes in uses:
             if not tok.live:
                 raise ReleasedError(f"a {tok.kind} passed to {label} was released before the launch")
             tracker = tok.allocation.tracker
-            if not tracker:
-                continue
+            held = tracker._uses
+            if not held or (len(held) == 1 and stream in held):
+                continue  # nothing in flight on another stream
             for other, marker, seq, other_writes in tracker.conflicts_locked(
                     stream, writes, tok.start, tok.stop):
                 if marker.unknown:
@@ -111,11 +134,14 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
                         f"(policy 'reject'). Wait for that work (future.result() or "
                         f"stream.synchronize()), use one stream for both, or use policy 'order' "
                         f"to order them on the device.")
+                if waits is None:
+                    waits = {}
                 w = waits.get(other)
                 if w is None or seq > w[0]:
                     waits[other] = (seq, marker)
-        for _, marker in waits.values():
-            impl.wait_marker(marker)
+        if waits:
+            for _, marker in waits.values():
+                impl.wait_marker(marker)
         marker = enqueue()
         seq = stream._seq + 1
         stream._seq = seq
@@ -128,19 +154,42 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
             trackers.append(tracker)
             keeps.append(tok.keep)
             nbytes += tok.stop - tok.start
-        sub = Submission(stream, seq, marker, tuple(keeps), trackers, label, nbytes)
+        sub = Submission(stream, seq, marker, keeps, trackers,
+                         label._labeler if type(label) is _LazyLabel else label, nbytes)
         pending = stream._pending
         pending.append(sub)
-        _active.add(stream)
+        if len(pending) == 1:
+            _active.add(stream)
         c = _counters
         c["in_flight"] += 1
         c["submitted"] += 1
-        if len(pending) > 1:
+        if seq % SWEEP_EVERY == 0:
             retired = _sweep_locked(stream)
+    finally:
+        lock.release()
     if retired:
         finish(retired)
-    _retirer_ensure()
+    if not _retirer_running[0]:
+        _retirer_ensure()
     return sub
+
+
+class _LazyLabel:
+    """Formats ``adapter.label(kernel)`` only when a message needs it."""
+
+    __slots__ = ("_labeler",)
+
+    def __init__(self, labeler):
+        self._labeler = labeler
+
+    def __format__(self, spec):
+        return format(self._labeler[0].label(self._labeler[1]), spec)
+
+    __str__ = lambda self: self._labeler[0].label(self._labeler[1])  # noqa: E731
+
+
+# [True] once the retirer thread runs (it never exits before interpreter shutdown)
+_retirer_running = [False]
 
 
 def _sweep_locked(stream) -> list:
@@ -148,6 +197,7 @@ def _sweep_locked(stream) -> list:
     Returns the submissions that changed state (for :func:`finish`)."""
     pending = stream._pending
     out = []
+    last_done = 0
     while pending:
         sub = pending[0]
         st = sub.marker.query()
@@ -156,8 +206,7 @@ def _sweep_locked(stream) -> list:
         pending.popleft()
         if st == _M_DONE:
             sub.state = RETIRED
-            for tr in sub.trackers:
-                tr.retire_locked(stream, sub.seq)
+            last_done = sub.seq
             _counters["retired"] += 1
         else:
             sub.state = UNKNOWN
@@ -171,6 +220,16 @@ def _sweep_locked(stream) -> list:
                     f"stream for further work.")
         _counters["in_flight"] -= 1
         out.append(sub)
+    if last_done:
+        # the stream runs in order: one retire per tracker covers every submission up to
+        # last_done (trackers of leaked submissions are never retired: their seq is later)
+        seen = set()
+        for sub in out:
+            if sub.state == RETIRED:
+                for tr in sub.trackers:
+                    if id(tr) not in seen:
+                        seen.add(id(tr))
+                        tr.retire_locked(stream, last_done)
     if not pending:
         _active.discard(stream)
     return out
