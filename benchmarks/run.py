@@ -234,7 +234,7 @@ def bench_retirement(dev, total, quick):
     # release delay: completion observed by polling the marker here vs retirement callback
     delays = []
     bufs = [sm.Buffer.empty(32, "float32", device=dev) for _ in range(4)]
-    for _ in range(300 if quick else 2000):
+    for _ in range(300 if quick else 1000):
         fut = sm.launch(k, grid, block, *args(*bufs), stream=s)
         sub = fut._s
         got = []

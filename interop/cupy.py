@@ -416,20 +416,24 @@ class RawKernelAdapter(KernelAdapter):
             conv(a, values)
         impl = stream._impl
         backend = stream.device.backend
-        launch = cu.cuLaunchKernel
+        hot = backend.hot
+        launch = hot.launch if hot is not None else cu.cuLaunchKernel
         pack = struct.pack_into
         slots, ptrs_addr, func = sig.slots, sig.ptrs_addr, sig.func
-        cu_stream = impl.cu_stream
+        stream_arg = impl.handle if hot is not None else impl.cu_stream
+        extra = None if hot is not None else 0
 
         def enqueue():
             # Runs under the core lock: launches are serialized, so the shared
             # packing buffer is safe; the driver copies parameters at launch.
             pack(fmt, slots, 0, *values)
             backend.ensure_context()
-            err = launch(func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, cu_stream,
-                         ptrs_addr, 0)[0]
-            if err != _SUCCESS:
-                check((err,), "cuLaunchKernel")
+            err = launch(func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream_arg,
+                         ptrs_addr, extra)
+            if not isinstance(err, int):
+                err = int(err[0])
+            if err:
+                check((cu.CUresult(err),), "cuLaunchKernel")
             return backend.submit_marker(impl)
 
         return enqueue, (kernel,)

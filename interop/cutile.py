@@ -10,7 +10,7 @@ drops.
 
 Arrays reach cuTile as small CUDA Array Interface descriptors of our views:
 zero-copy, no DLPack capsule, no token churn. Constants and scalars pass
-through. Refused before launch, with a KernelError, because cuTile compiles
+through (NumPy scalars as the equivalent Python scalars, which cuTile takes). Refused before launch, with a KernelError, because cuTile compiles
 under these assumptions: negative strides (it assumes strides >= 0), and two
 array arguments whose bytes overlap when either one is written (it assumes
 distinct arrays do not alias).
@@ -23,6 +23,8 @@ to install it.
 from __future__ import annotations
 
 import sys
+
+import numpy as np
 
 import sharedmem as sm
 from sharedmem.errors import BackendUnavailableError, KernelError
@@ -109,8 +111,9 @@ class TileKernelAdapter(KernelAdapter):
         g = _check_dims(grid, "grid")
         g = tuple(g) + (1,) * (3 - len(g))
         _check_no_aliasing(args)
-        call_args = tuple(_ArrayDescriptor(a.view, a.writes) if isinstance(a, LaunchArg) else a
-                          for a in args)
+        # arrays as CAI descriptors; NumPy scalars as Python scalars (cuTile takes those)
+        call_args = tuple(_ArrayDescriptor(a.view, a.writes) if isinstance(a, LaunchArg) else
+                          (a.item() if isinstance(a, np.generic) else a) for a in args)
         impl = stream._impl
         backend = stream.device.backend
         handle = impl.handle

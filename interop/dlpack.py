@@ -30,6 +30,7 @@ export imported back) is one allocation. ``READ_ONLY`` is honoured.
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 import numpy as np
@@ -214,23 +215,43 @@ def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
     return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY)
 
 
+# Byte layouts of the structs above (x86-64 / aarch64 LP64), packed in one call:
+# DLManagedTensorVersioned = version (2 x u32), manager_ctx, deleter, flags (u64), DLTensor;
+# DLManagedTensor = DLTensor, manager_ctx, deleter. DLTensor = data, device (2 x i32),
+# ndim (i32), dtype (u8, u8, u16), shape, strides, byte_offset.
+_DLTENSOR = "QiiiBBHQQQ"
+_VERSIONED_FMT = struct.Struct("<IIQQQ" + _DLTENSOR)
+_LEGACY_FMT = struct.Struct("<" + _DLTENSOR + "QQ")
+assert _VERSIONED_FMT.size == ctypes.sizeof(DLManagedTensorVersioned)
+assert _LEGACY_FMT.size == ctypes.sizeof(DLManagedTensor)
+_DELETER_ADDR = ctypes.cast(_deleter, ctypes.c_void_p).value
+_dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent writes)
+
+
 def _make_capsule(view, tok, versioned: bool, flags: int):
-    alloc = tok.allocation
-    ndim = len(view.shape)
-    shape = (ctypes.c_int64 * max(ndim, 1))(*view.shape)
-    strides = (ctypes.c_int64 * max(ndim, 1))(*view.strides)
-    dev = dlpack_device(view)
-    dlt = DLTensor(ctypes.c_void_p(view.ptr or None), DLDevice(*dev), ndim, _dl_dtype(view.dtype),
-                   ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)),
-                   ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)), 0)
+    dt = view.dtype
+    code_bits = _dtype_cache.get(dt)
+    if code_bits is None:
+        d = _dl_dtype(dt)
+        code_bits = _dtype_cache[dt] = (d.code, d.bits)
+    shape, strides = view.shape, view.strides
+    ndim = len(shape)
+    head = _VERSIONED_FMT if versioned else _LEGACY_FMT
+    raw = ctypes.create_string_buffer(head.size + 16 * ndim)
+    addr = ctypes.addressof(raw)
+    shape_addr = addr + head.size
+    strides_addr = shape_addr + 8 * ndim
+    dev_type, dev_id = dlpack_device(view)
+    dl = (view.ptr, dev_type, dev_id, ndim, code_bits[0], code_bits[1], 1,
+          shape_addr, strides_addr, 0)
     if versioned:
-        managed = DLManagedTensorVersioned(DLPackVersion(*DLPACK_VERSION), None, _deleter, flags, dlt)
+        head.pack_into(raw, 0, DLPACK_VERSION[0], DLPACK_VERSION[1], 0, _DELETER_ADDR, flags, *dl)
     else:
-        managed = DLManagedTensor(dlt, None, _deleter)
+        head.pack_into(raw, 0, *dl, 0, _DELETER_ADDR)
+    struct.pack_into(f"<{2 * ndim}q", raw, head.size, *shape, *strides)
     ex = _Export()
-    ex.managed, ex.shape, ex.strides = managed, shape, strides
-    ex.token = alloc.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep)
-    addr = ctypes.addressof(managed)
+    ex.managed, ex.shape, ex.strides = raw, None, None
+    ex.token = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep)
     with _exports_lock:
         _exports[addr] = ex
     try:

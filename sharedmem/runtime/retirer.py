@@ -77,4 +77,4 @@ def attach_backend(backend) -> None:
         backend.on_progress = wake
 
 
-_sub._install_retirer(ensure)
+_sub._install_retirer(ensure, wake)

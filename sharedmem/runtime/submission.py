@@ -160,6 +160,9 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
         pending.append(sub)
         if len(pending) == 1:
             _active.add(stream)
+            became_active = True
+        else:
+            became_active = False
         c = _counters
         c["in_flight"] += 1
         c["submitted"] += 1
@@ -171,6 +174,8 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
         finish(retired)
     if not _retirer_running[0]:
         _retirer_ensure()
+    elif became_active:
+        _retirer_wake()  # it may be sleeping its idle interval
     return sub
 
 
@@ -338,9 +343,13 @@ def _retirer_ensure():  # replaced by retirer.ensure on import of retirer
     pass
 
 
-def _install_retirer(fn) -> None:
-    global _retirer_ensure
-    _retirer_ensure = fn
+def _retirer_wake():  # replaced by retirer.wake on import of retirer
+    pass
+
+
+def _install_retirer(ensure, wake) -> None:
+    global _retirer_ensure, _retirer_wake
+    _retirer_ensure, _retirer_wake = ensure, wake
 
 
 def order_consumer(tok, wait, blocking: bool = False) -> int:
