@@ -56,6 +56,7 @@ def test_use_after_free_prevented_across_streams(gpu, K):
                         np.int64(K.cycles(20)), stream=b)
         del src, fut
         gc.collect()
+        assert out.allocation.tracker, "the slow kernel already finished: the pattern is not live"
         fresh = [sm.Buffer.empty(n, "float32", device=gpu, stream=a) for _ in range(4)]
         for f in fresh:
             sm.launch(K.kernel("fill"), 256, 256, sm.Out(f), np.int32(n), np.float32(-1), stream=a)

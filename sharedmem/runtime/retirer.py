@@ -25,6 +25,9 @@ from . import submission as _sub
 POLL_INTERVAL = 0.0002
 #: Seconds the thread sleeps when nothing is pending (it is woken earlier).
 IDLE_INTERVAL = 0.5
+#: Seconds the thread keeps polling after it last saw pending device work, so
+#: a burst of launches never has to wake it (a wake costs a GIL handoff).
+LINGER = 0.02
 
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
@@ -50,7 +53,10 @@ def ensure() -> None:
 
 
 def _run() -> None:
+    import time
     active = _sub._active
+    idle = _sub._retirer_idle
+    last_busy = 0.0
     while not sys.is_finalizing():
         _wake.clear()
         try:
@@ -68,7 +74,15 @@ def _run() -> None:
                 done = None
         except BaseException as e:  # re-raised in a user thread
             _sub._deferred_errors.append(e)
-        _wake.wait(POLL_INTERVAL if poll else IDLE_INTERVAL)
+        now = time.monotonic()
+        if poll:
+            last_busy = now
+        if poll or now - last_busy < LINGER:
+            _wake.wait(POLL_INTERVAL)
+        else:
+            idle[0] = True  # submit() wakes us only while this is set
+            _wake.wait(IDLE_INTERVAL)
+            idle[0] = False
 
 
 def attach_backend(backend) -> None:

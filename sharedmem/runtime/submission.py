@@ -174,8 +174,8 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
         finish(retired)
     if not _retirer_running[0]:
         _retirer_ensure()
-    elif became_active:
-        _retirer_wake()  # it may be sleeping its idle interval
+    elif became_active and _retirer_idle[0]:
+        _retirer_wake()  # it is sleeping its idle interval
     return sub
 
 
@@ -195,6 +195,8 @@ class _LazyLabel:
 
 # [True] once the retirer thread runs (it never exits before interpreter shutdown)
 _retirer_running = [False]
+# [True] while the retirer sleeps its idle interval (written by the retirer only)
+_retirer_idle = [False]
 
 
 def _sweep_locked(stream) -> list:
