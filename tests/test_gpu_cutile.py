@@ -53,15 +53,15 @@ def test_cutile_88_pattern_is_safe(gpu, vadd):
         b = sm.Tensor.from_host(np.full(n, 0.5, np.float32), device=gpu, stream=s)
         c = sm.Tensor.empty((n,), "float32", device=gpu)
         hold = sm.Buffer.empty(1, "float32", device=gpu)
-        sm.launch(K.kernel("slow_fill"), 1, 1, sm.Out(hold), 1, 0.0, np.int64(K.cycles(20)), stream=s)
+        sm.launch(K.kernel("slow_fill"), 1, 1, sm.Out(hold), 1, 0.0, np.int64(K.cycles(200)), stream=s)
         fut = sm.launch(vadd, (n // TILE,), None, sm.In(a), sm.In(b), sm.Out(c), TILE, stream=s)
         ptrs = {a.ptr, b.ptr}
         del a, b, fut
         gc.collect()
-        assert c.allocation.tracker  # the cuTile kernel has not finished: the pattern is live
         fresh = [sm.Buffer.empty(n, "float32", device=gpu) for _ in range(4)]
         for f in fresh:
             sm.launch(K.kernel("fill"), 256, 256, sm.Out(f), n, -7.0, stream=other)
+        assert c.allocation.tracker  # the cuTile kernel has not run yet: the pattern is live
         assert not ptrs & {f.ptr for f in fresh}
         np.testing.assert_array_equal(c.to_host(stream=s), np.arange(n, dtype=np.float32) + 0.5)
         del fresh
