@@ -28,6 +28,10 @@ IDLE_INTERVAL = 0.5
 #: Seconds the thread keeps polling after it last saw pending device work, so
 #: a burst of launches never has to wake it (a wake costs a GIL handoff).
 LINGER = 0.02
+#: Seconds between sweeps while threads submit fast enough to sweep for
+#: themselves (submit() sweeps every SWEEP_EVERY-th submission to a stream):
+#: polling then would only steal the GIL from them.
+BUSY_INTERVAL = 0.005
 
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
@@ -56,7 +60,9 @@ def _run() -> None:
     import time
     active = _sub._active
     idle = _sub._retirer_idle
+    counters = _sub._counters
     last_busy = 0.0
+    last_submitted = 0
     while not sys.is_finalizing():
         _wake.clear()
         try:
@@ -75,9 +81,14 @@ def _run() -> None:
         except BaseException as e:  # re-raised in a user thread
             _sub._deferred_errors.append(e)
         now = time.monotonic()
+        submitted = counters["submitted"]
+        burst = submitted - last_submitted >= _sub.SWEEP_EVERY
+        last_submitted = submitted
         if poll:
             last_busy = now
-        if poll or now - last_busy < LINGER:
+        if burst:
+            _wake.wait(BUSY_INTERVAL)
+        elif poll or now - last_busy < LINGER:
             _wake.wait(POLL_INTERVAL)
         else:
             idle[0] = True  # submit() wakes us only while this is set
