@@ -56,8 +56,7 @@ def bench_moves(dev, quick):
     for label, nbytes in (("1 KiB", 1 << 10), ("1 GiB", 1 << 30)):
         if dev.kind == "host" and nbytes > (1 << 28):
             nbytes, label = 1 << 28, "256 MiB"
-        b = sm.Buffer.empty(nbytes // 4, "float32", device=dev)
-        box = [b]
+        box = [sm.Buffer.empty(nbytes // 4, "float32", device=dev)]
 
         def move():
             t = sm.Tensor.from_buffer(box[0], (nbytes // 4,))
@@ -73,7 +72,7 @@ def bench_moves(dev, quick):
         row(f"move from_buffer+into_buffer, {label}", us, note="zero-copy: size-independent")
         us2 = per_call_us(borrow, n, 5)
         row(f"move+as_buffer borrow+move back, {label}", us2)
-        del box, b
+        box.clear()
         gc.collect()
 
 
@@ -215,14 +214,15 @@ def bench_retirement(dev, total, quick):
     peak = 0
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
+    bufs = None
     for i in range(total):
-        A, B, C, D = (sm.Buffer.empty(32, "float32", device=dev) for _ in range(4)) if i % 1000 == 0 \
-            else (A, B, C, D)
-        sm.launch(k, grid, block, *args(A, B, C, D), stream=s)  # future dropped
+        if i % 1000 == 0:  # fresh buffers now and then, the old ones dropped while in flight
+            bufs = [sm.Buffer.empty(32, "float32", device=dev) for _ in range(4)]
+        sm.launch(k, grid, block, *args(*bufs), stream=s)  # future dropped
         if i % 1000 == 0:
             peak = max(peak, counters["in_flight"])
     elapsed = time.perf_counter() - t0
-    del A, B, C, D
+    bufs = None
     sm.synchronize()
     gc.collect()
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -30,7 +30,7 @@ import threading
 import numpy as np
 
 import sharedmem as sm
-from sharedmem.allocation import import_allocation, lookup_allocation
+from sharedmem.allocation import import_allocation
 from sharedmem.errors import AliasError, BackendUnavailableError, KernelError
 from sharedmem.launch import KernelAdapter, LaunchArg, _check_dims, register_kernel_adapter
 from sharedmem.runtime.submission import order_consumer
@@ -406,7 +406,7 @@ class RawKernelAdapter(KernelAdapter):
         return None
 
     def prepare(self, kernel, grid, block, args, shared_mem, stream):
-        from sharedmem.backends.cuda import _SUCCESS, check, cu
+        from sharedmem.backends.cuda import check, cu
         g = _dims3(_check_dims(grid, "grid"))
         b = _dims3(_check_dims(block, "block"))
         sig = _signature(kernel, stream.device)

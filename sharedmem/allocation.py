@@ -29,7 +29,7 @@ import sys
 import threading
 import weakref
 
-from ._sync import core_lock, locked, run_or_stage
+from ._sync import locked, run_or_stage
 from .access import AccessTracker
 from .errors import AliasError, MovedError, ReleasedError
 
@@ -375,6 +375,25 @@ class View:
         except AttributeError:  # half-constructed
             pass
 
+    def _read_bytes(self, stream):
+        """This view's token range copied to a new host ``uint8`` array, after
+        every pending write to those bytes (ordered whatever the policy)."""
+        import numpy as np
+
+        from .runtime.future import DeviceFuture
+        from .runtime.submission import submit
+        from .stream import resolve_stream
+        tok = self._live_token()
+        dev = tok.allocation.device
+        s = resolve_stream(stream, dev)
+        raw = np.empty(tok.stop - tok.start, np.uint8)
+        src = tok.allocation.ptr + tok.start
+        backend, impl = dev.backend, s._impl
+        sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(impl, raw, src), keep=(raw,),
+                     policy="order", label="to_host")
+        DeviceFuture(sub).result()
+        return raw
+
     # -- protocols -----------------------------------------------------------
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """Export as a DLPack capsule (see :mod:`interop.dlpack` for the stream
@@ -408,7 +427,6 @@ class View:
                 self._raise_dead()
             others = tok.allocation.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
             if others:
-                name = type(self).__name__
                 lines = "\n".join(f"  - {d}" for d in others)
                 hint = "" if TRACK_ORIGINS else (
                     "\n(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")

@@ -169,16 +169,7 @@ class Buffer(View):
     def to_host(self, stream=None) -> np.ndarray:
         """A NumPy copy of the contents, taken after all pending writes to
         these bytes (on any stream; always ordered, whatever the policy)."""
-        tok = self._live_token()
-        dev = tok.allocation.device
-        s = resolve_stream(stream, dev)
-        out = np.empty(self._length, self._dtype)
-        ptr = tok.allocation.ptr + tok.start
-        backend, impl = dev.backend, s._impl
-        sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(impl, out, ptr), keep=(out,),
-                     policy="order", label="to_host")
-        DeviceFuture(sub).result()
-        return out
+        return self._read_bytes(stream).view(self._dtype)
 
     def copy_from(self, src, stream=None) -> DeviceFuture:
         """Copy ``src`` (a NumPy array of the same size, or a Buffer of the

@@ -23,8 +23,6 @@ import numpy as np
 from .allocation import View
 from .buffer import Buffer, _device, allocate, as_dtype
 from .errors import LayoutError
-from .runtime.future import DeviceFuture
-from .runtime.submission import submit
 from .stream import resolve_stream
 
 __all__ = ["Tensor", "c_strides", "extent"]
@@ -259,17 +257,9 @@ class Tensor(View):
     # -- data movement ---------------------------------------------------------------
     def to_host(self, stream=None) -> np.ndarray:
         """A NumPy copy (C order) taken after all pending writes to these bytes."""
-        tok = self._live_token()
-        dev = tok.allocation.device
-        s = resolve_stream(stream, dev)
-        raw = np.empty(tok.stop - tok.start, np.uint8)
-        src = tok.allocation.ptr + tok.start
-        backend, impl = dev.backend, s._impl
-        sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(impl, raw, src), keep=(raw,),
-                     policy="order", label="to_host")
-        DeviceFuture(sub).result()
+        raw = self._read_bytes(stream)
         if self.size == 0:
             return np.empty(self._shape, self._dtype)
-        view = np.ndarray(self._shape, self._dtype, buffer=raw, offset=self._offset - tok.start,
-                          strides=self.byte_strides)
+        view = np.ndarray(self._shape, self._dtype, buffer=raw,
+                          offset=self._offset - self._token.start, strides=self.byte_strides)
         return np.array(view, order="C")

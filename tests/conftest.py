@@ -1,6 +1,5 @@
 import gc
 import os
-import threading
 
 # JAX would otherwise take most of the GPU's memory at its first use.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -23,6 +22,15 @@ def cuda_device():
         return sm.Device(0)
     except sm.BackendUnavailableError:
         return None
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """CUDA device 0; the test is skipped when no GPU is usable."""
+    dev = cuda_device()
+    if dev is None:
+        pytest.skip("no usable CUDA GPU")
+    return dev
 
 
 @pytest.fixture

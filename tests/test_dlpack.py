@@ -1,6 +1,5 @@
 """DLPack on the host backend, checked against NumPy's own implementation."""
 
-import ctypes
 import gc
 
 import numpy as np

@@ -6,24 +6,15 @@ import re
 import subprocess
 import sys
 import textwrap
-import weakref
 
 import numpy as np
 import pytest
 
 import sharedmem as sm
 
-from conftest import cuda_device, gc_collect_harder
+from conftest import gc_collect_harder
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    dev = cuda_device()
-    if dev is None:
-        pytest.skip("no usable CUDA GPU")
-    return dev
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +34,6 @@ def test_device_identity(gpu):
 def test_use_after_free_prevented_across_streams(gpu, K):
     """Stream B reads a buffer allocated on A; the user drops it and the future at
     once; new allocations on A are written at once; B's result is exact."""
-    import cupy
     n = 1 << 20
     a, b = gpu.create_stream("A"), gpu.create_stream("B")
     bad = 0

@@ -1,6 +1,5 @@
 """interop.cupy on a real GPU: wrap, adopt, as_cupy, identity across moves."""
 
-import gc
 
 import numpy as np
 import pytest

@@ -11,24 +11,15 @@ import pytest
 
 import sharedmem as sm
 
-from conftest import cuda_device, gc_collect_harder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cutile]
 TILE = 256
 
 
 @pytest.fixture(scope="module")
-def gpu():
-    dev = cuda_device()
-    if dev is None:
-        pytest.skip("no usable CUDA GPU")
+def vadd(gpu):
     if importlib.util.find_spec("cuda.tile") is None:
         pytest.skip("cuda.tile is not installed")
-    return dev
-
-
-@pytest.fixture(scope="module")
-def vadd(gpu):
     import cuda.tile as ct
 
     @ct.kernel
@@ -108,7 +99,7 @@ def test_read_read_alias_is_allowed(gpu, vadd):
     np.testing.assert_array_equal(out.to_host(), 2 * np.arange(n, dtype=np.float32))
 
 
-def test_mixed_pipeline_example(gpu):
+def test_mixed_pipeline_example(gpu, vadd):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, os.path.join(root, "examples", "mixed_pipeline.py")],
                        capture_output=True, text=True, timeout=300,

@@ -1,24 +1,15 @@
 """DLPack and CUDA Array Interface against real consumers and producers (gpu)."""
 
-import gc
 
 import numpy as np
 import pytest
 
 import sharedmem as sm
 
-from conftest import cuda_device, gc_collect_harder
+from conftest import gc_collect_harder
 
 pytestmark = pytest.mark.gpu
 N = 1 << 18
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    dev = cuda_device()
-    if dev is None:
-        pytest.skip("no usable CUDA GPU")
-    return dev
 
 
 def slow_written(gpu, value, ms=30):
@@ -78,8 +69,7 @@ def test_torch_from_dlpack(gpu):
 
 
 def test_jax_from_dlpack(gpu):
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
+    jnp = pytest.importorskip("jax.numpy")
     t = slow_written(gpu, 6.0)
     x = jnp.from_dlpack(t)
     assert float(x.sum()) == 6.0 * N

@@ -72,7 +72,6 @@ def test_device_mismatch():
         pass
     host = sm.Device.host()
     b = sm.Buffer.empty(4, device=host)
-    other_alloc = sm.Allocation.__new__(sm.Allocation)
     # a view whose allocation claims another device
     fake = sm.Buffer.empty(4, device=host)
     fake._token.allocation.device = FakeDev()

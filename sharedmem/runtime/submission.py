@@ -20,7 +20,6 @@ once per stream, counted by :func:`sharedmem.stats`.
 from __future__ import annotations
 
 import collections
-import threading
 import warnings
 
 from .. import _sync
