@@ -17,6 +17,7 @@ from .errors import (AccessConflictError, AliasError, BackendUnavailableError,
                      LeakWarning, MovedError, ReleasedError, SharedMemError, SharedMemWarning)
 from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,
                      register_kernel_adapter)
+from .ops import DeviceOp, op, zip
 from .runtime.future import DeviceFuture, HostFuture
 from .stats import Stats, stats, synchronize
 from .stream import Event, Stream
@@ -27,10 +28,10 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
-    "DeviceMismatchError", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
+    "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "from_cuda_array_interface", "from_dlpack",
-    "get_access_policy", "host_kernel", "launch", "lookup_allocation", "register_kernel_adapter",
-    "set_access_policy", "stats", "synchronize", "__version__",
+    "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",
+    "set_access_policy", "stats", "synchronize", "zip", "__version__",
 ]

@@ -14,12 +14,12 @@ from conftest import gc_collect_harder
 EXPORTED = {
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
-    "DeviceMismatchError", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
+    "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "from_cuda_array_interface", "from_dlpack", "get_access_policy", "host_kernel", "launch",
-    "lookup_allocation", "register_kernel_adapter", "set_access_policy", "stats", "synchronize",
-    "__version__",
+    "lookup_allocation", "op", "register_kernel_adapter", "set_access_policy", "stats",
+    "synchronize", "zip", "__version__",
 }
 
 

@@ -107,3 +107,17 @@ def test_mixed_pipeline_example(gpu, vadd):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cuTile + CuPy" in r.stdout and "OK" in r.stdout and "clean" in r.stdout
     assert "CuPy array (as_cupy)" in r.stdout
+
+
+def test_cupy_op_and_cutile_op_compose(gpu, vadd):
+    import gpu_kernels as K
+    n = TILE * 64
+    x = sm.Tensor.empty((n,), "float32", device=gpu)
+    y = sm.Tensor.empty((n,), "float32", device=gpu)
+    out = sm.Tensor.empty((n,), "float32", device=gpu)
+    chain = (sm.op(K.kernel("slow_fill"), 64, 256, sm.Out(x), n, 1.25, np.int64(K.cycles(20)))
+             .and_then(sm.op(K.kernel("fill"), 64, 256, sm.Out(y), n, 2.0))
+             .and_then(sm.op(vadd, (n // TILE,), None, sm.In(x), sm.In(y), sm.Out(out), TILE))
+             .apply(lambda _: "done"))
+    assert chain.submit().result() == "done"
+    np.testing.assert_array_equal(out.to_host(), np.full(n, 3.25, np.float32))

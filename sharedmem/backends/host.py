@@ -244,6 +244,8 @@ class HostBackend:
         """A marker reached once everything enqueued so far on ``impl`` ran."""
         return impl.submit(_noop)
 
+    submit_marker = record_marker  # a submission's completion marker (the CUDA name)
+
     # Copies run as tasks on a stream; each returns the task's marker.
     def copy_htod(self, impl: HostStreamImpl, dst_ptr: int, src: np.ndarray) -> HostMarker:
         data = np.array(src, copy=True, order="C").view(np.uint8).reshape(-1)

@@ -1,0 +1,241 @@
+"""Device operations: launches described once, composed, then submitted.
+
+``op(kernel, grid, block, *args)`` describes a launch without submitting it.
+Ops compose:
+
+* ``a.and_then(b)`` -- ``b`` after ``a``, on the same stream;
+* ``zip(a, b, ...)`` -- independent: the first runs on the submission stream,
+  the others on streams of a per-device pool; the submission stream then waits
+  for them on the device, so whatever follows the zip runs after all of them;
+  its value is the tuple of their values;
+* ``a.apply(fn)`` -- ``fn(value of a)`` on the host once ``a`` completed.
+
+``op.submit(stream=None)`` returns the same :class:`~sharedmem.DeviceFuture`
+as :func:`~sharedmem.launch` (``op(k, g, b, *args).submit(s)`` does exactly
+``launch(k, g, b, *args, stream=s)``); with ``stream=None`` a stream of the
+device's pool is used. A CuPy RawKernel op and a cuTile op compose in one
+chain like any two launches: every launch takes its own leases.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .launch import Intent, _adapter_for, _as_view, launch as _launch_now
+from .errors import CompletionUnknownError, KernelError
+from .runtime import submission as _sub
+from .runtime.future import DeviceFuture
+from .stream import Stream
+
+__all__ = ["DeviceOp", "op", "zip"]
+
+POOL_SIZE = 4
+_pools: dict = {}  # device key -> list of Streams; guarded by _pool_lock
+_pool_next: dict = {}  # device key -> next index; guarded by _pool_lock
+_pool_lock = threading.Lock()
+
+
+def pool_stream(device, avoid=None) -> Stream:
+    """A stream of ``device``'s pool (round robin), other than ``avoid``."""
+    with _pool_lock:
+        pool = _pools.get(device.key)
+        if pool is None:
+            pool = _pools[device.key] = [device.create_stream(f"sharedmem-pool-{i}")
+                                         for i in range(POOL_SIZE)]
+            _pool_next[device.key] = 0
+        for _ in range(POOL_SIZE):
+            i = _pool_next[device.key]
+            _pool_next[device.key] = (i + 1) % POOL_SIZE
+            if pool[i] is not avoid:
+                return pool[i]
+    return pool[0]  # pragma: no cover - POOL_SIZE > 1
+
+
+class DeviceOp:
+    """Device work described, not yet submitted (immutable; submit it any
+    number of times). Build one with :func:`op`, :func:`zip`, ``and_then``
+    and ``apply``."""
+
+    __slots__ = ()
+
+    def and_then(self, other: "DeviceOp") -> "DeviceOp":
+        """``other`` after this op, on the same stream."""
+        if not isinstance(other, DeviceOp):
+            raise TypeError(f"and_then takes a DeviceOp, got {type(other).__name__}")
+        return _Then(self, other)
+
+    def apply(self, fn) -> "DeviceOp":
+        """An op whose value is ``fn(value of this op)``, computed on the host
+        once this op's work completed."""
+        if not callable(fn):
+            raise TypeError(f"apply takes a callable, got {fn!r}")
+        return _Apply(self, fn)
+
+    def submit(self, stream=None) -> DeviceFuture:
+        """Submit the work; returns a DeviceFuture (as :func:`launch` does).
+        ``stream=None``: a stream of the pool of the op's device."""
+        if stream is None:
+            from .device import default_device
+            stream = pool_stream(self._device() or default_device())
+        elif not isinstance(stream, Stream):
+            stream = Stream.from_external(stream)
+        return self._submit_on(stream)
+
+    # -- implemented by the node types --------------------------------------
+    def _submit_on(self, stream) -> DeviceFuture:  # pragma: no cover
+        raise NotImplementedError
+
+    def _device(self):  # pragma: no cover
+        raise NotImplementedError
+
+
+class _LaunchOp(DeviceOp):
+    __slots__ = ("kernel", "grid", "block", "args", "shared_mem", "policy")
+
+    def __init__(self, kernel, grid, block, args, shared_mem, policy):
+        self.kernel, self.grid, self.block, self.args = kernel, grid, block, args
+        self.shared_mem, self.policy = shared_mem, policy
+
+    def __repr__(self) -> str:
+        return f"<op {_adapter_for(self.kernel).label(self.kernel)}>"
+
+    def _submit_on(self, stream):
+        return _launch_now(self.kernel, self.grid, self.block, *self.args, stream=stream,
+                              shared_mem=self.shared_mem, policy=self.policy)
+
+    def _device(self):
+        for a in self.args:
+            obj = a.obj if isinstance(a, Intent) else a
+            view = _as_view(obj)
+            if view is not None and view.is_live:
+                return view.device
+        return None
+
+
+class _Then(DeviceOp):
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __repr__(self) -> str:
+        return f"{self.first!r}.and_then({self.second!r})"
+
+    def _submit_on(self, stream):
+        self.first._submit_on(stream)
+        return self.second._submit_on(stream)
+
+    def _device(self):
+        return self.first._device() or self.second._device()
+
+
+class _Apply(DeviceOp):
+    __slots__ = ("inner", "fn")
+
+    def __init__(self, inner, fn):
+        self.inner, self.fn = inner, fn
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r}.apply({getattr(self.fn, '__name__', self.fn)!r})"
+
+    def _submit_on(self, stream):
+        inner = self.inner._submit_on(stream)
+        fn = self.fn
+        return ComputedFuture(inner._s, lambda: fn(value_when_done(inner)))
+
+    def _device(self):
+        return self.inner._device()
+
+
+class _Zip(DeviceOp):
+    __slots__ = ("ops",)
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __repr__(self) -> str:
+        return f"zip({', '.join(map(repr, self.ops))})"
+
+    def _submit_on(self, stream):
+        futures = [self.ops[0]._submit_on(stream)]
+        for o in self.ops[1:]:
+            futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))
+        for f in futures[1:]:
+            stream.wait(f.stream)  # the join, on the device: no host block
+        backend, impl = stream.device.backend, stream._impl
+        join = _sub.submit(stream, [], lambda: backend.submit_marker(impl), label="zip join")
+        return ComputedFuture(join, lambda: tuple(value_when_done(f) for f in futures))
+
+    def _device(self):
+        for o in self.ops:
+            d = o._device()
+            if d is not None:
+                return d
+        return None
+
+
+def op(kernel, grid, block, *args, shared_mem: int = 0, policy=None) -> DeviceOp:
+    """Describe ``launch(kernel, grid, block, *args, ...)`` without submitting
+    it. The kernel type is checked now; the arguments when it is submitted."""
+    _adapter_for(kernel)
+    if policy is not None:
+        from .access import check_policy
+        check_policy(policy)
+    return _LaunchOp(kernel, grid, block, args, shared_mem, policy)
+
+
+def zip(*ops: DeviceOp) -> DeviceOp:  # noqa: A001 - the name the API asks for
+    """Independent ops that may run on several streams, joined afterwards."""
+    if not ops:
+        raise KernelError("zip() needs at least one op")
+    for o in ops:
+        if not isinstance(o, DeviceOp):
+            raise TypeError(f"zip takes DeviceOps, got {type(o).__name__}")
+    return _Zip(tuple(ops))
+
+
+# -- values computed once after completion -----------------------------------------------
+def value_when_done(fut) -> object:
+    """The value of a future whose work completed (never emits deferred
+    warnings: safe from the retiring thread)."""
+    if isinstance(fut, ComputedFuture):
+        return fut._value()
+    s = fut._s
+    _sub.wait(s, None)
+    if s.state == _sub.UNKNOWN:
+        raise CompletionUnknownError(f"completion of {s.label} on {s.stream} is unknown: "
+                                     f"{s.marker.error!r}") from s.marker.error
+    return s.value
+
+
+class ComputedFuture(DeviceFuture):
+    """A DeviceFuture whose value is computed on the host, exactly once, after
+    its submission completed: eagerly in the retiring thread, or at the first
+    ``result()``, whichever comes first."""
+
+    __slots__ = ("_fn", "_lock", "_state", "_val")
+
+    def __init__(self, submission, fn):
+        super().__init__(submission)
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._state = 0  # 0 not computed, 1 value, 2 error; guarded by self._lock
+        self._val = None
+        self.add_done_callback(lambda f: f._value(swallow=True))
+
+    def _value(self, swallow=False):
+        with self._lock:
+            if self._state == 0:
+                try:
+                    self._val, self._state = self._fn(), 1
+                except BaseException as e:
+                    self._val, self._state = e, 2
+                self._fn = None
+        if self._state == 2 and not swallow:
+            raise self._val
+        return self._val
+
+    def result(self, timeout: float | None = None):
+        DeviceFuture.result(self, timeout)  # waits; raises if completion is unknown
+        return self._value()
+

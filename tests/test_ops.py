@@ -1,0 +1,112 @@
+"""Device operations: op / and_then / zip / apply / submit (host backend)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+
+@sm.host_kernel
+def fill(x, v):
+    x[:] = v
+
+
+@sm.host_kernel
+def add(x, y, out):
+    out[:] = x + y
+
+
+@sm.host_kernel
+def total(x, box):
+    box[0] = x.sum()
+
+
+def test_op_submit_is_launch(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(8, "int64", device=host, stream=s)
+    o = sm.op(fill, 1, 1, sm.Out(b), 5)
+    assert isinstance(o, sm.DeviceOp)
+    fut = o.submit(s)
+    assert isinstance(fut, sm.DeviceFuture) and fut.stream is s and fut.result(5) is None
+    np.testing.assert_array_equal(b.to_host(), np.full(8, 5))
+    o.submit(s).result(5)  # an op can be submitted again
+
+
+def test_and_then_orders_on_one_stream(host):
+    a = sm.Buffer.zeros(100, "float64", device=host)
+    b = sm.Buffer.zeros(100, "float64", device=host)
+    out = sm.Buffer.zeros(100, "float64", device=host)
+    box = sm.DeviceBox(0.0, device=host)
+    chain = (sm.op(fill, 1, 1, sm.Out(a), 1.5)
+             .and_then(sm.op(fill, 1, 1, sm.Out(b), 2.5))
+             .and_then(sm.op(add, 1, 1, sm.In(a), sm.In(b), sm.Out(out)))
+             .and_then(sm.op(total, 1, 1, sm.In(out), sm.Out(box))))
+    fut = chain.submit()  # a stream of the device's pool
+    fut.result(5)
+    assert box.get() == 400.0
+    assert fut.stream.name.startswith("sharedmem-pool-")
+
+
+def test_zip_runs_branches_on_two_streams_and_joins(host):
+    barrier = threading.Barrier(2, timeout=5)
+
+    @sm.host_kernel
+    def meet(x, v):
+        barrier.wait()  # both branches must run at once, or this times out
+        x[:] = v
+
+    a = sm.Buffer.zeros(10, "int32", device=host)
+    b = sm.Buffer.zeros(10, "int32", device=host)
+    out = sm.Buffer.zeros(10, "int32", device=host)
+    s = host.create_stream("main")
+    z = sm.zip(sm.op(meet, 1, 1, sm.Out(a), 3), sm.op(meet, 1, 1, sm.Out(b), 4))
+    fut = z.and_then(sm.op(add, 1, 1, sm.In(a), sm.In(b), sm.Out(out))).submit(s)
+    fut.result(10)
+    np.testing.assert_array_equal(out.to_host(), np.full(10, 7))
+    assert not barrier.broken
+
+
+def test_apply_and_zip_values(host):
+    a = sm.Buffer.zeros(4, "int32", device=host)
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    calls = []
+
+    def summarize(_):
+        calls.append(1)
+        return int(a.to_host().sum())
+
+    o = sm.op(fill, 1, 1, sm.Out(a), 2).apply(summarize)
+    fut = o.submit()
+    assert fut.result(5) == 8 and fut.result(5) == 8
+    assert calls == [1]  # computed exactly once
+    z = sm.zip(sm.op(fill, 1, 1, sm.Out(a), 1).apply(lambda _: "a"),
+               sm.op(fill, 1, 1, sm.Out(b), 1).apply(lambda _: "b")).apply(lambda ab: ab[0] + ab[1])
+    assert z.submit(host.create_stream()).result(5) == "ab"
+    bad = sm.op(fill, 1, 1, sm.Out(a), 0).apply(lambda _: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bad.submit().result(5)
+
+
+def test_apply_sees_unknown_completion(host):
+    @sm.host_kernel
+    def boom(x):
+        raise RuntimeError("fault")
+
+    x = sm.Buffer.zeros(2, device=host)
+    fut = sm.op(boom, 1, 1, x).apply(lambda v: "never").submit(host.create_stream())
+    with pytest.warns(sm.LeakWarning):
+        with pytest.raises(sm.CompletionUnknownError):
+            fut.result(5)
+
+
+def test_op_validation():
+    with pytest.raises(sm.KernelError, match="does not know how to launch"):
+        sm.op(lambda: None, 1, 1)
+    with pytest.raises(sm.KernelError, match=r"^zip\(\) needs at least one op$"):
+        sm.zip()
+    with pytest.raises(TypeError, match="and_then takes a DeviceOp"):
+        sm.op(fill, 1, 1).and_then(3)
+    with pytest.raises(sm.SharedMemError, match="unknown access policy"):
+        sm.op(fill, 1, 1, policy="maybe")
