@@ -129,3 +129,43 @@ def test_many_launches_keep_tracker_small(host):
     s.synchronize()
     np.testing.assert_array_equal(buf.to_host(), np.full(4, 500))
     assert not buf.allocation.tracker
+
+
+def test_events_and_stream_waits(host):
+    a, b = host.create_stream(), host.create_stream()
+    gate = threading.Event()
+    order = []
+
+    @sm.host_kernel
+    def first(x):
+        gate.wait(5)
+        order.append("a")
+
+    @sm.host_kernel
+    def second(x):
+        order.append("b")
+
+    x = sm.Buffer.zeros(2, device=host)
+    y = sm.Buffer.zeros(2, device=host)
+    sm.launch(first, 1, 1, x, stream=a)
+    ev = a.record()
+    assert ev.query() is False
+    b.wait(ev)  # device-side wait: b runs nothing until a reached the event
+    fut = sm.launch(second, 1, 1, y, stream=b)  # y: no lease conflict, only the event orders it
+    assert not fut.done()
+    gate.set()
+    fut.result(5)
+    assert order == ["a", "b"] and ev.synchronize(1) and ev.query() is True
+    with pytest.raises(TypeError, match=r"^Stream.wait takes an Event or a Stream, got int$"):
+        b.wait(3)
+
+
+def test_foreign_streams_need_cuda(host):
+    if sm.default_device().kind == "cuda":
+        pytest.skip("this checks the message on machines without CUDA")
+    with pytest.raises(sm.DeviceMismatchError, match=r"^Stream.from_external\(5\) needs a CUDA device; <Device host> has no foreign streams$"):
+        sm.Stream.from_external(5)
+    with pytest.raises(AttributeError, match="host streams have no __cuda_stream__"):
+        host.create_stream().__cuda_stream__()
+    with pytest.raises(AttributeError):
+        sm.Buffer.empty(2, device=host).__cuda_array_interface__
