@@ -11,6 +11,8 @@ until the GPU has finished them.
 from __future__ import annotations
 
 import collections
+import threading
+import weakref
 
 from .errors import CompletionUnknownError, DeviceMismatchError
 
@@ -49,7 +51,9 @@ class Stream:
     def from_external(cls, obj, device=None) -> "Stream":
         """Borrow a foreign stream: a CuPy, torch or cuda.core stream, any
         object with ``__cuda_stream__``, or a raw ``CUstream`` handle (int).
-        The object is kept alive by the returned Stream and never destroyed."""
+        The object is kept alive by the returned Stream and never destroyed.
+        The same CUDA stream always gives the same Stream while one is alive
+        (handle 0 gives the device's default stream)."""
         from .device import Device, default_device
         if isinstance(obj, Stream):
             return obj
@@ -58,7 +62,17 @@ class Stream:
             raise DeviceMismatchError(
                 f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams")
         impl = dev.backend.borrow_stream(obj)
-        return cls._create(dev, impl, owned=False, external=obj)
+        if impl.handle == 0:
+            return dev.default_stream
+        # One Stream per CUDA stream: leases compare streams by identity, so two
+        # wrappers of one stream would look like two streams to each other.
+        key = (dev.key, impl.handle)
+        with _borrowed_lock:
+            st = _borrowed.get(key)
+            if st is None:
+                st = cls._create(dev, impl, owned=False, external=obj)
+                _borrowed[key] = st
+        return st
 
     def __repr__(self) -> str:
         kind = "owned" if self.owned else "borrowed"
@@ -120,6 +134,11 @@ class Event:
 
     def synchronize(self, timeout: float | None = None) -> bool:
         return self._marker.wait(timeout)
+
+
+# (device key, handle) -> borrowed Stream; weak, so a Stream lives only while used
+_borrowed: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # guarded by _borrowed_lock
+_borrowed_lock = threading.Lock()
 
 
 def resolve_stream(stream, device) -> Stream:
