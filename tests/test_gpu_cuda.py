@@ -196,3 +196,17 @@ def test_trap_means_completion_unknown_and_memory_kept(gpu):
         r.stdout + r.stderr
     assert "leaked 1 bytes 4096 kept True" in r.stdout, r.stdout + r.stderr
     assert "LeakWarning" in r.stderr and "is unknown" in r.stderr
+
+
+def test_foreign_streams_are_one_stream(gpu, K):
+    import cupy as cp
+    cs = cp.cuda.Stream(non_blocking=True)
+    s1 = sm.Stream.from_external(cs)
+    assert sm.Stream.from_external(cs.ptr) is s1 and s1.handle == cs.ptr and not s1.owned
+    assert sm.Stream.from_external(0) is gpu.default_stream
+    x = sm.Buffer.zeros(1 << 16, "float32", device=gpu)
+    gpu.synchronize()
+    # two launches through two wrappers of one CUDA stream: same stream, no conflict
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(x), 1 << 16, 2.0, np.int64(K.cycles(10)), stream=cs)
+    sm.launch(K.kernel("fill"), 64, 256, sm.Out(x), 1 << 16, 3.0, stream=cs.ptr, policy="reject")
+    np.testing.assert_array_equal(x.to_host(), np.full(1 << 16, 3.0, np.float32))
