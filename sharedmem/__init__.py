@@ -12,13 +12,14 @@ from .allocation import Allocation, lookup_allocation
 from .bridges import from_cuda_array_interface, from_dlpack
 from .buffer import Buffer, DeviceBox
 from .device import Device, default_device
-from .errors import (AccessConflictError, AliasError, BackendUnavailableError,
+from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,
                      CompletionUnknownError, CudaError, DeviceMismatchError, KernelError, LayoutError,
                      LeakWarning, MovedError, ReleasedError, SharedMemError, SharedMemWarning)
 from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,
                      register_kernel_adapter)
 from .ops import DeviceOp, op, zip
 from .runtime.future import DeviceFuture, HostFuture
+from .runtime.graph import Graph, capture, graph
 from .stats import Stats, stats, synchronize
 from .stream import Event, Stream
 from .tensor import Tensor
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
+    "CaptureError", "Graph", "capture", "graph",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",

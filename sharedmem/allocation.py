@@ -386,6 +386,10 @@ class View:
         tok = self._live_token()
         dev = tok.allocation.device
         s = resolve_stream(stream, dev)
+        if s._capture is not None:
+            from .errors import CaptureError
+            raise CaptureError(f"to_host() on {s} cannot be captured: it reads on the host now, "
+                               f"while captured work only runs at replay")
         raw = np.empty(tok.stop - tok.start, np.uint8)
         src = tok.allocation.ptr + tok.start
         backend, impl = dev.backend, s._impl

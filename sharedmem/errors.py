@@ -17,6 +17,7 @@ __all__ = [
     "BackendUnavailableError",
     "KernelError",
     "CudaError",
+    "CaptureError",
     "LayoutError",
     "SharedMemWarning",
     "LeakWarning",
@@ -89,6 +90,12 @@ class LayoutError(SharedMemError, ValueError):
 class KernelError(SharedMemError, TypeError):
     """A kernel or its arguments cannot be launched: an unknown kernel type, a
     wrong number or type of arguments, an intent the view does not allow."""
+
+
+class CaptureError(SharedMemError, RuntimeError):
+    """A graph capture was misused: work that cannot be captured (a host
+    read, a zip across streams), a stream already capturing, a capture that
+    failed and left no graph, or waiting on a stream that is capturing."""
 
 
 class CudaError(SharedMemError, RuntimeError):

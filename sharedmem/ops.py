@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 
 from .launch import Intent, _adapter_for, _as_view, launch as _launch_now
-from .errors import CompletionUnknownError, KernelError
+from .errors import CaptureError, CompletionUnknownError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
 from .stream import Stream
@@ -139,6 +139,9 @@ class _Apply(DeviceOp):
         return f"{self.inner!r}.apply({getattr(self.fn, '__name__', self.fn)!r})"
 
     def _submit_on(self, stream):
+        if stream._capture is not None:
+            raise CaptureError("apply() cannot be captured into a graph: its host function would "
+                               "run once at capture, not at each replay")
         inner = self.inner._submit_on(stream)
         fn = self.fn
         return ComputedFuture(inner._s, lambda: fn(value_when_done(inner)))
@@ -157,6 +160,9 @@ class _Zip(DeviceOp):
         return f"zip({', '.join(map(repr, self.ops))})"
 
     def _submit_on(self, stream):
+        if stream._capture is not None:
+            raise CaptureError("zip() cannot be captured into a graph yet: its branches run on "
+                               "other streams; capture a chain of and_then() instead")
         futures = [self.ops[0]._submit_on(stream)]
         for o in self.ops[1:]:
             futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))

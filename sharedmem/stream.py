@@ -28,7 +28,7 @@ class Stream:
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_leak_warned",
-                 "_external", "__weakref__")
+                 "_external", "_capture", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
@@ -45,6 +45,7 @@ class Stream:
         self._seq = 0  # guarded by core_lock
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
+        self._capture = None  # the Graph being captured on this stream; guarded by core_lock
         return self
 
     @classmethod

@@ -13,6 +13,7 @@ from conftest import gc_collect_harder
 
 EXPORTED = {
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
+    "CaptureError", "Graph", "capture", "graph",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
@@ -33,6 +34,7 @@ def test_exported_names():
 
 def test_error_hierarchy_and_pickling():
     for name in ["AccessConflictError", "AliasError", "BackendUnavailableError", "CudaError",
+                 "CaptureError",
                  "CompletionUnknownError", "DeviceMismatchError", "KernelError", "LayoutError",
                  "MovedError", "ReleasedError"]:
         cls = getattr(sm, name)

@@ -360,6 +360,39 @@ class CudaBackend:
         check(cu.cuMemsetD8Async(dst_ptr, byte, nbytes, impl.cu_stream), "cuMemsetD8Async")
         return self.submit_marker(impl)
 
+    # -- graphs: stream capture into a CUDA graph --------------------------------
+    def begin_capture(self, impl: CudaStreamImpl) -> CudaStreamImpl:
+        from ..errors import CaptureError
+        if impl.handle in (0, 1, 2):
+            raise CaptureError("the default stream cannot be captured; capture on a stream made "
+                               "by device.create_stream()")
+        self.ensure_context()
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(impl.cu_stream, mode), "cuStreamBeginCapture")
+        return impl
+
+    def end_capture(self, impl: CudaStreamImpl):
+        """``(CUgraph, CUgraphExec)`` of the capture on ``impl``."""
+        self.ensure_context()
+        graph = check(cu.cuStreamEndCapture(impl.cu_stream), "cuStreamEndCapture")
+        try:
+            exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        except Exception:
+            cu.cuGraphDestroy(graph)
+            raise
+        return graph, exec_
+
+    def launch_graph(self, graph_exec, impl: CudaStreamImpl) -> CudaMarker:
+        self.ensure_context()
+        check(cu.cuGraphLaunch(graph_exec[1], impl.cu_stream), "cuGraphLaunch")
+        return self.submit_marker(impl)
+
+    def destroy_graph(self, graph_exec) -> None:
+        """Destroy a graph; never called while a replay of it is in flight
+        (replays keep their Graph alive until they retire)."""
+        cu.cuGraphExecDestroy(graph_exec[1])
+        cu.cuGraphDestroy(graph_exec[0])
+
     def free_pool(self) -> None:
         """Return CuPy's cached free blocks to the driver (for memory checks)."""
         self._cupy.get_default_memory_pool().free_all_blocks()

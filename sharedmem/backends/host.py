@@ -221,6 +221,56 @@ def _worker(q, state, backend) -> None:
                 hook()
 
 
+class _Recorded:
+    """The marker of a recorded (not run) task."""
+
+    __slots__ = ()
+    error = None
+    unknown = False
+
+    def query(self) -> int:
+        return DONE
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def recycle(self) -> None:
+        pass
+
+
+class _CapturingImpl:
+    """Stands in for a host stream while it captures: tasks are recorded."""
+
+    __slots__ = ("_rec", "handle", "name")
+    fault = None
+
+    def __init__(self, rec, real):
+        self._rec = rec
+        self.handle = real.handle
+        self.name = real.name
+
+    def submit(self, fn) -> _Recorded:
+        self._rec.tasks.append(fn)
+        return _Recorded()
+
+    def wait_marker(self, marker) -> None:  # pragma: no cover - captures make no waits
+        from ..errors import CaptureError
+        raise CaptureError("a capturing stream cannot wait for work outside the capture")
+
+    def synchronize(self) -> None:
+        from ..errors import CaptureError
+        raise CaptureError("a capturing stream cannot be synchronized")
+
+
+class _HostRecorder:
+    __slots__ = ("real", "impl", "tasks")
+
+    def __init__(self, real):
+        self.real = real
+        self.tasks = []
+        self.impl = _CapturingImpl(self, real)
+
+
 class HostBackend:
     """Memory, streams and copies for :meth:`sharedmem.Device.host`."""
 
@@ -267,6 +317,22 @@ class HostBackend:
         def _set():
             host_array(dst_ptr, nbytes)[:] = byte
         return impl.submit(_set)
+
+    # Graphs: a capture records the tasks submitted to the stream; a replay
+    # submits them again, in order, to the replaying stream.
+    def begin_capture(self, impl: HostStreamImpl) -> "_HostRecorder":
+        return _HostRecorder(impl)
+
+    def end_capture(self, recorder: "_HostRecorder") -> tuple:
+        return tuple(recorder.tasks)
+
+    def launch_graph(self, tasks: tuple, impl: HostStreamImpl) -> HostMarker:
+        for fn in tasks:
+            impl.submit(fn)
+        return impl.submit(_noop)
+
+    def destroy_graph(self, tasks) -> None:
+        pass
 
     def mem_info(self) -> tuple[int, int]:
         """(bytes in use by the pool, 0): host memory has no fixed total."""

@@ -104,6 +104,9 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     try:
         if _sync._staged:
             _sync.drain_staged()
+        graph = stream._capture
+        if graph is not None:  # recorded into a graph: no leases, no waits (see runtime/graph)
+            return graph._record_locked(uses, enqueue, keep, label)
         fault = impl.fault
         if fault is not None:
             raise CompletionUnknownError(
@@ -298,6 +301,10 @@ def wait(sub, timeout=None) -> bool:
 
 def synchronize_stream(stream) -> None:
     with locked():
+        if stream._capture is not None:
+            from ..errors import CaptureError
+            raise CaptureError(f"{stream} is capturing a graph: its work has not run and cannot "
+                               f"be waited for; end the capture first")
         last = stream._pending[-1] if stream._pending else None
     if last is not None:
         last.marker.wait(None)

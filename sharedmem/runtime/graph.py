@@ -1,0 +1,235 @@
+"""Graphs that own what they captured.
+
+``with sm.capture(stream) as g:`` records the launches and copies submitted
+to ``stream`` into a graph instead of running them (CUDA: stream capture into
+a CUDA graph; host backend: the recorded tasks). ``g.replay(stream=None)``
+runs the whole graph and returns a :class:`~sharedmem.DeviceFuture`.
+
+What a graph owns and keeps alive, for its whole lifetime:
+
+* its backend graph (CUDA: the ``CUgraph`` and its ``CUgraphExec``), and
+* one view token, of kind ``"graph #N"``, per byte range its captured work
+  touches. The tokens keep those allocations alive -- so a replay after the
+  user dropped every captured buffer still reads valid memory -- and count as
+  aliases: moving captured memory raises AliasError naming the graph until
+  the graph is released or collected.
+
+While capturing, submissions take no leases and make no cross-stream waits
+(nothing runs; a capture cannot depend on work outside it); launches return
+futures that are already done. Each replay is one ordinary submission with
+fresh leases over every captured range, so a replay that conflicts with other
+work is ordered or refused like any launch, and the graph stays alive until
+its last replay has finished. Leaving the ``with`` block ends the capture on
+every path; a capture left by an exception gives no graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+
+from .._sync import locked
+from ..allocation import ViewToken, _add_locked
+from ..errors import CaptureError, ReleasedError
+from . import submission as _sub
+from .future import DeviceFuture
+
+__all__ = ["Graph", "capture", "graph"]
+
+_ids = itertools.count(1)
+
+
+class _CapturedMarker:
+    """The marker of a captured (not run) submission: complete at once."""
+
+    __slots__ = ()
+    error = None
+    unknown = False
+
+    def query(self) -> int:
+        return 1
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def recycle(self) -> None:
+        pass
+
+
+_CAPTURED = _CapturedMarker()
+
+
+class Graph:
+    """Work captured once, replayed many times; see the module docstring for
+    what it owns. Release it with ``release()`` (or ``with g:``); garbage
+    collection does the same once no replay is in flight."""
+
+    __slots__ = ("id", "device", "_uses", "_keep", "_recorder", "_exec", "_state", "launches",
+                 "_lock", "__weakref__")
+
+    def __init__(self, device):
+        self.id = next(_ids)
+        self.device = device
+        # (allocation id, start, stop) -> [token, writes]; guarded by core_lock
+        self._uses: dict = {}
+        self._keep: list = []  # kernels and other objects the captured work needs
+        self._recorder = None
+        self._exec = None
+        self._state = "capturing"  # -> "ready" | "failed" | "released"; guarded by self._lock
+        self._lock = threading.Lock()
+        self.launches = 0  # submissions captured
+
+    def __repr__(self) -> str:
+        return (f"<Graph #{self.id} on {self.device}: {self.launches} captured, "
+                f"{len(self._uses)} ranges, {self._state}>")
+
+    # -- capture (called by submission.submit with core_lock held) ---------------
+    def _record_locked(self, uses, enqueue, keep, label):
+        for tok, _ in uses:
+            if not tok.live:
+                raise ReleasedError(f"a {tok.kind} passed to {label} was released before the launch")
+        marker = enqueue()  # recorded by the backend, not run
+        if marker is not None:
+            marker.recycle()
+        kind = f"graph #{self.id}"
+        for tok, writes in uses:
+            key = (tok.allocation.id, tok.start, tok.stop)
+            entry = self._uses.get(key)
+            if entry is None:
+                own = _add_locked(ViewToken(tok.allocation, kind, tok.start, tok.stop,
+                                            tok.writable, tok.keep))
+                self._uses[key] = [own, writes]
+            elif writes:
+                entry[1] = True
+        self._keep.extend(keep)
+        self.launches += 1
+        sub = _sub.Submission(None, 0, _CAPTURED, None, None,
+                              f"{label} (captured into graph #{self.id})", 0)
+        sub.state = _sub.RETIRED
+        return sub
+
+    # -- replay ----------------------------------------------------------------
+    def replay(self, stream=None, policy=None) -> DeviceFuture:
+        """Run the graph on ``stream`` (default: the device's default stream
+        on the host; a CUDA graph needs a created stream or the legacy default
+        stream) with fresh leases on everything it touches."""
+        from ..stream import resolve_stream
+        with self._lock:
+            if self._state != "ready":
+                raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
+                                   f"can be replayed")
+            exec_ = self._exec
+        s = resolve_stream(stream, self.device)
+        if s._capture is not None:
+            raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
+        with locked():
+            uses = [(tok, writes) for tok, writes in self._uses.values()]
+        backend, impl = self.device.backend, s._impl
+        sub = _sub.submit(s, uses, lambda: backend.launch_graph(exec_, impl), keep=(self,),
+                          policy=policy, label=f"replay of graph #{self.id}")
+        return DeviceFuture(sub)
+
+    def describe(self) -> str:
+        return f"graph #{self.id}"
+
+    # -- lifetime ----------------------------------------------------------------
+    def release(self) -> None:
+        """Give back the graph's view tokens now: captured memory can be moved
+        again. Replays in flight keep their own leases; the backend graph is
+        destroyed once none is left. Idempotent."""
+        with self._lock:
+            if self._state == "released":
+                return
+            if self._state != "failed":  # a failed capture keeps saying so
+                self._state = "released"
+        with locked():
+            toks = [e[0] for e in self._uses.values()]
+        for t in toks:
+            t.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __del__(self, _finalizing=sys.is_finalizing):
+        try:
+            if _finalizing():
+                return
+            for entry in self._uses.values():
+                entry[0].release()
+            if self._exec is not None:
+                self.device.backend.destroy_graph(self._exec)
+                self._exec = None
+        except Exception:  # never raise from a destructor
+            pass
+
+
+class capture:
+    """``with sm.capture(stream) as g:`` -- record what is submitted to
+    ``stream`` into the Graph ``g`` instead of running it."""
+
+    __slots__ = ("stream", "graph")
+
+    def __init__(self, stream):
+        from ..stream import Stream
+        if not isinstance(stream, Stream):
+            stream = Stream.from_external(stream)
+        self.stream = stream
+        self.graph = None
+
+    def __enter__(self) -> Graph:
+        s = self.stream
+        g = Graph(s.device)
+        with locked():
+            if s._capture is not None:
+                raise CaptureError(f"{s} is already capturing graph #{s._capture.id}")
+            g._recorder = s.device.backend.begin_capture(s._impl)
+            s._capture = g
+            swap = getattr(g._recorder, "impl", None)
+            if swap is not None:  # host backend: the stream records instead of running
+                s._impl = swap
+        self.graph = g
+        return g
+
+    def __exit__(self, exc_type, exc, tb):
+        s, g = self.stream, self.graph
+        with locked():
+            s._capture = None
+            real = getattr(g._recorder, "real", None)
+            if real is not None:
+                s._impl = real
+        recorder, g._recorder = g._recorder, None
+        try:
+            exec_ = s.device.backend.end_capture(recorder)
+        except Exception as e:
+            with g._lock:
+                g._state = "failed"
+            g.release()
+            if exc_type is None:
+                raise CaptureError(f"capture of graph #{g.id} on {s} failed: {e}") from e
+            return False
+        if exc_type is not None:
+            with g._lock:
+                g._state = "failed"
+            s.device.backend.destroy_graph(exec_)
+            g.release()
+            return False
+        g._exec = exec_
+        with g._lock:
+            g._state = "ready"
+        return False
+
+
+def graph(op, stream=None) -> Graph:
+    """Capture an op chain (``sm.op(...).and_then(...)``) into a Graph.
+    ``stream``: the capturing stream (default: one of the device's pool)."""
+    from ..device import default_device
+    from ..ops import pool_stream
+    s = stream if stream is not None else pool_stream(op._device() or default_device())
+    with capture(s) as g:
+        op._submit_on(s)
+    return g
+

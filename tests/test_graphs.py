@@ -1,0 +1,192 @@
+"""Graphs that own what they captured (host backend; the same rules as CUDA graphs)."""
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from conftest import gc_collect_harder
+
+
+@sm.host_kernel
+def fill(x, v):
+    x[:] = v
+
+
+@sm.host_kernel
+def add(x, y, out):
+    out[:] = x + y
+
+
+@sm.host_kernel
+def inc(x):
+    x += 1
+
+
+def test_replay_after_every_captured_buffer_was_dropped(host):
+    s = host.create_stream("capture")
+    a = sm.Buffer.zeros(64, "float64", device=host, stream=s)
+    b = sm.Buffer.zeros(64, "float64", device=host, stream=s)
+    out = sm.Buffer.zeros(64, "float64", device=host, stream=s)
+    s.synchronize()
+    with sm.capture(s) as g:
+        f = sm.launch(fill, 1, 1, sm.Out(a), 1.5, stream=s)
+        sm.launch(fill, 1, 1, sm.Out(b), 2.0, stream=s)
+        sm.launch(add, 1, 1, sm.In(a), sm.In(b), sm.Out(out), stream=s)
+        assert f.done() and "captured into graph" in repr(f)  # nothing ran
+    np.testing.assert_array_equal(out.to_host(), np.zeros(64))  # capture ran nothing
+    assert g.launches == 3
+    out_ptr = out.ptr
+    del a, b, out, f
+    gc_collect_harder()
+    # the graph keeps its allocations: new memory does not land on them
+    fresh = [sm.Buffer.from_host(np.full(64, -9.0), device=host) for _ in range(6)]
+    host.default_stream.synchronize()
+    r = host.create_stream("replay")
+    g.replay(r).result(5)
+    g.replay(r).result(5)
+    # read the output through the allocation the graph holds
+    alloc = sm.lookup_allocation(host, out_ptr, 64 * 8)
+    assert alloc is not None and alloc.live_views == 1  # the graph's own token
+    assert "graph #" in alloc.views()[0]
+    tok = next(iter(alloc._views.values()))
+    view = sm.Buffer._wrap(alloc.new_token("slice", tok.start, tok.stop, False, tok.keep),
+                           np.dtype(np.float64), 64)
+    np.testing.assert_array_equal(view.to_host(), np.full(64, 3.5))
+    del fresh
+
+
+def test_each_replay_takes_fresh_leases(host):
+    s = host.create_stream()
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    s.synchronize()
+    with sm.capture(s) as g:
+        sm.launch(inc, 1, 1, x, stream=s)
+    assert not x.allocation.tracker  # capturing took no lease
+    for _ in range(5):
+        g.replay(s)
+    s.synchronize()
+    np.testing.assert_array_equal(x.to_host(), np.full(4, 5))
+    before = sm.stats().submitted
+    g.replay(s).result(5)
+    assert sm.stats().submitted == before + 1  # one submission per replay
+
+
+def test_replay_conflicting_with_another_stream_is_ordered_or_refused(host):
+    cap, writer, rep = (host.create_stream(n) for n in ("cap", "writer", "replay"))
+    x = sm.Buffer.zeros(16, "float64", device=host, stream=cap)
+    out = sm.Buffer.zeros(16, "float64", device=host, stream=cap)
+    cap.synchronize()
+
+    @sm.host_kernel
+    def copy(src, dst):
+        dst[:] = src
+
+    with sm.capture(cap) as g:
+        sm.launch(copy, 1, 1, sm.In(x), sm.Out(out), stream=cap)
+
+    @sm.host_kernel
+    def slow_fill(v, value):
+        time.sleep(0.2)
+        v[:] = value
+
+    sm.launch(slow_fill, 1, 1, sm.Out(x), 7.0, stream=writer)
+    g.replay(rep).result(5)  # order: waits for the slow writer
+    np.testing.assert_array_equal(out.to_host(), np.full(16, 7.0))
+    sm.launch(slow_fill, 1, 1, sm.Out(x), 8.0, stream=writer)
+    with pytest.raises(sm.AccessConflictError, match=r"^replay of graph #\d+ on <Stream replay .*> would read bytes \[0, 128\) of allocation #\d+ while unfinished work on <Stream writer"):
+        g.replay(rep, policy="reject")
+    writer.synchronize()
+
+
+def test_captured_buffer_is_an_alias_until_the_graph_is_dropped(host):
+    s = host.create_stream()
+    x = sm.Buffer.zeros(8, "int32", device=host, stream=s)
+    s.synchronize()
+    with sm.capture(s) as g:
+        sm.launch(inc, 1, 1, x, stream=s)
+    with pytest.raises(sm.AliasError, match=rf"  - graph #{g.id}, bytes \[0, 32\) of allocation #\d+"):
+        sm.Tensor.from_buffer(x, (8,))
+    assert x.is_live
+    g.release()
+    with pytest.raises(sm.CaptureError, match=rf"^graph #{g.id} is released"):
+        g.replay(s)
+    t = sm.Tensor.from_buffer(x, (8,))
+    # and dropping (not releasing) a graph does the same
+    with sm.capture(s) as g2:
+        sm.launch(inc, 1, 1, t, stream=s)
+    with pytest.raises(sm.AliasError, match=rf"graph #{g2.id}"):
+        t.into_buffer()
+    del g2
+    gc_collect_harder()
+    t.into_buffer()
+
+
+def test_graph_stays_alive_while_a_replay_is_in_flight(host):
+    s = host.create_stream()
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def gated(v):
+        gate.wait(5)
+        v += 10
+
+    s.synchronize()
+    with sm.capture(s) as g:
+        sm.launch(gated, 1, 1, x, stream=s)
+    alloc = x.allocation
+    fut = g.replay(s)
+    g.release()
+    del x, g
+    gc_collect_harder()
+    assert alloc.tracker  # the replay's lease still holds the memory
+    gate.set()
+    fut.result(5)
+
+
+def test_capture_errors_end_the_capture(host):
+    s = host.create_stream()
+    x = sm.Buffer.zeros(4, device=host, stream=s)
+    s.synchronize()
+    with pytest.raises(ZeroDivisionError):
+        with sm.capture(s) as g:
+            sm.launch(inc, 1, 1, x, stream=s)
+            1 / 0
+    assert s._capture is None
+    with pytest.raises(sm.CaptureError, match=r"is failed; only a finished capture can be replayed"):
+        g.replay(s)
+    assert x.allocation.live_views == 1  # the failed graph kept nothing
+    sm.launch(inc, 1, 1, x, stream=s).result(5)  # the stream works normally again
+    with sm.capture(s):
+        with pytest.raises(sm.CaptureError, match=r"is already capturing graph"):
+            sm.capture(s).__enter__()
+        with pytest.raises(sm.CaptureError, match=r"is capturing a graph: its work has not run"):
+            s.synchronize()
+        with pytest.raises(sm.CaptureError, match=r"^to_host\(\) on .* cannot be captured"):
+            x.to_host(stream=s)
+        with pytest.raises(sm.CaptureError, match=r"^zip\(\) cannot be captured"):
+            sm.zip(sm.op(inc, 1, 1, x)).submit(s)
+        with pytest.raises(sm.CaptureError, match=r"^apply\(\) cannot be captured"):
+            sm.op(inc, 1, 1, x).apply(print).submit(s)
+    assert s._capture is None
+
+
+def test_graph_of_an_op_chain(host):
+    a = sm.Buffer.zeros(10, "float32", device=host)
+    b = sm.Buffer.zeros(10, "float32", device=host)
+    out = sm.Buffer.zeros(10, "float32", device=host)
+    host.default_stream.synchronize()
+    chain = (sm.op(fill, 1, 1, sm.Out(a), 1.0).and_then(sm.op(fill, 1, 1, sm.Out(b), 2.0))
+             .and_then(sm.op(add, 1, 1, sm.In(a), sm.In(b), sm.Out(out))))
+    g = sm.graph(chain)
+    assert isinstance(g, sm.Graph) and g.launches == 3
+    np.testing.assert_array_equal(out.to_host(), np.zeros(10))
+    g.replay().result(5)
+    np.testing.assert_array_equal(out.to_host(), np.full(10, 3.0))
+    g.release()
+    gc.collect()
