@@ -64,11 +64,6 @@ _ids = itertools.count(1)  # next() on a count is atomic under the GIL
 _live_views = 0
 
 
-def live_view_count() -> int:
-    with locked():
-        return _live_views
-
-
 class ViewToken:
     """One live view of bytes ``[start, stop)`` of an allocation.
 
@@ -130,7 +125,7 @@ class Allocation:
     """
 
     __slots__ = ("id", "device", "ptr", "nbytes", "owner", "source", "tracker",
-                 "_views", "_retainers", "__weakref__")
+                 "_views", "__weakref__")
 
     def __init__(self, device, ptr: int, nbytes: int, owner=None, source="sharedmem"):
         self.id = next(_ids)
@@ -141,9 +136,6 @@ class Allocation:
         self.source = source
         self.tracker = AccessTracker()
         self._views: dict[int, ViewToken] = {}  # guarded by core_lock
-        # Objects (graphs) that may touch this memory again; each counts as an
-        # alias for moves. weakref.WeakSet; guarded by core_lock.
-        self._retainers = None
         _registry.register(self)
 
     def __repr__(self) -> str:
@@ -167,14 +159,6 @@ class Allocation:
         with locked():
             return _add_locked(tok)
 
-    def retain_for(self, retainer) -> None:
-        """Count ``retainer`` (an object with a ``describe()``) as a live alias
-        of the whole allocation while it lives. Used by graphs."""
-        with locked():
-            if self._retainers is None:
-                self._retainers = weakref.WeakSet()
-            self._retainers.add(retainer)
-
     def conflicts_locked(self, start: int, stop: int, writable: bool, exclude) -> list[str]:
         """Descriptions of live views that alias bytes ``[start, stop)`` for a
         move that leaves the moved range ``writable`` (or read-only).
@@ -188,8 +172,6 @@ class Allocation:
                 continue
             if tok.start < stop and start < tok.stop and (writable or tok.writable):
                 out.append(tok.describe())
-        if self._retainers:
-            out.extend(r.describe() for r in list(self._retainers))
         return out
 
 

@@ -393,9 +393,6 @@ class CudaBackend:
         cu.cuGraphExecDestroy(graph_exec[1])
         cu.cuGraphDestroy(graph_exec[0])
 
-    def free_pool(self) -> None:
-        """Return CuPy's cached free blocks to the driver (for memory checks)."""
-        self._cupy.get_default_memory_pool().free_all_blocks()
 
 
 __all__ = ["CudaBackend", "CudaMarker", "CudaStreamImpl", "check"]

@@ -128,10 +128,6 @@ class HostMarker:
         pass
 
 
-class _Fault(Exception):
-    pass
-
-
 class HostStreamImpl:
     """A FIFO of tasks run by one daemon thread (``sharedmem-host-stream-N``).
 

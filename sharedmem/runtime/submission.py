@@ -67,10 +67,6 @@ class Submission:
         return lab if isinstance(lab, str) else lab[0].label(lab[1])
 
 
-def _describe_stream(s) -> str:
-    return repr(s)
-
-
 #: Sweep the front of a stream's FIFO on every SWEEP_EVERY-th submission to it
 #: (the retirer does the rest): keeps FIFOs short without a query per launch.
 SWEEP_EVERY = 32
