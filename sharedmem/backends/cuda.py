@@ -149,6 +149,15 @@ class CudaMarker:
             ev, self.event = self.event, None
             self._backend._events.append(ev)
 
+    def __del__(self):
+        # A marker of its own (a user Event, a stream-to-stream wait) owns its event.
+        # cuEventDestroy never blocks: waits already enqueued on it still complete.
+        if not self._pooled and self.event is not None and cu is not None:
+            try:
+                cu.cuEventDestroy(self.event)
+            except Exception:
+                pass
+
 
 class CudaStreamImpl:
     """A CUDA stream handle; owned streams are destroyed when dropped (the
