@@ -390,6 +390,36 @@ def _dims3(d):
     return d if len(d) == 3 else tuple(d) + (1,) * (3 - len(d))
 
 
+_dims3_cache: dict = {}  # grid or block value -> 3-tuple; lock-free (idempotent writes)
+
+
+def _dims3_of(value, what):
+    """``value`` (grid or block) as a validated 3-tuple, cached per value."""
+    try:
+        return _dims3_cache[value]
+    except (KeyError, TypeError):  # new, or unhashable (validated, not cached)
+        pass
+    d = _dims3(_check_dims(value, what))
+    try:
+        if len(_dims3_cache) < 4096:
+            _dims3_cache[value] = d
+    except TypeError:
+        pass
+    return d
+
+
+_cu = None
+
+
+def _driver_module():
+    """cuda.bindings' driver module (imported once, on the first launch)."""
+    global _cu
+    if _cu is None:
+        from sharedmem.backends.cuda import cu
+        _cu = cu
+    return _cu
+
+
 class RawKernelAdapter(KernelAdapter):
     """Launches ``cupy.RawKernel`` (and ``RawModule.get_function`` kernels)."""
 
@@ -406,9 +436,9 @@ class RawKernelAdapter(KernelAdapter):
         return None
 
     def prepare(self, kernel, grid, block, args, shared_mem, stream):
-        from sharedmem.backends.cuda import check, cu
-        g = _dims3(_check_dims(grid, "grid"))
-        b = _dims3(_check_dims(block, "block"))
+        cu = _driver_module()
+        g = _dims3_of(grid, "grid")
+        b = _dims3_of(block, "block")
         sig = _signature(kernel, stream.device)
         fmt, convs = _plan(sig, args)
         values = []
@@ -433,6 +463,7 @@ class RawKernelAdapter(KernelAdapter):
             if not isinstance(err, int):
                 err = int(err[0])
             if err:
+                from sharedmem.backends.cuda import check
                 check((cu.CUresult(err),), "cuLaunchKernel")
             return backend.submit_marker(impl)
 
