@@ -8,23 +8,9 @@ import numpy as np
 import pytest
 
 import sharedmem as sm
+from host_kernels import fill, add, inc
 
 from conftest import gc_collect_harder
-
-
-@sm.host_kernel
-def fill(x, v):
-    x[:] = v
-
-
-@sm.host_kernel
-def add(x, y, out):
-    out[:] = x + y
-
-
-@sm.host_kernel
-def inc(x):
-    x += 1
 
 
 def test_replay_after_every_captured_buffer_was_dropped(host):
