@@ -217,31 +217,50 @@ def value_when_done(fut) -> object:
 class ComputedFuture(DeviceFuture):
     """A DeviceFuture whose value is computed on the host, exactly once, after
     its submission completed: eagerly in the retiring thread, or at the first
-    ``result()``, whichever comes first."""
+    ``result()``, whichever comes first.
 
-    __slots__ = ("_fn", "_lock", "_state", "_val")
+    The function runs outside the lock: computing it may wait for other work,
+    and that wait may retire this very submission and run its eager callback
+    in the same thread -- which then finds the computation under way and
+    returns (other threads wait for it)."""
+
+    __slots__ = ("_fn", "_lock", "_state", "_val", "_ready")
+
+    _PENDING, _VALUE, _ERROR, _COMPUTING = 0, 1, 2, 3
 
     def __init__(self, submission, fn):
         super().__init__(submission)
         self._fn = fn
         self._lock = threading.Lock()
-        self._state = 0  # 0 not computed, 1 value, 2 error; guarded by self._lock
-        self._val = None
-        self.add_done_callback(lambda f: f._value(swallow=True))
+        self._state = self._PENDING  # guarded by self._lock
+        self._val = None  # written once, before _ready is set
+        self._ready = threading.Event()
+        self.add_done_callback(lambda f: f._value(eager=True))
 
-    def _value(self, swallow=False):
+    def _value(self, eager=False):
         with self._lock:
-            if self._state == 0:
-                try:
-                    self._val, self._state = self._fn(), 1
-                except BaseException as e:
-                    self._val, self._state = e, 2
-                self._fn = None
-        if self._state == 2 and not swallow:
+            state = self._state
+            if state == self._PENDING:
+                self._state = self._COMPUTING
+        if state == self._PENDING:
+            fn, self._fn = self._fn, None
+            try:
+                val, state = fn(), self._VALUE
+            except BaseException as e:
+                val, state = e, self._ERROR
+            self._val = val
+            with self._lock:
+                self._state = state
+            self._ready.set()
+        elif state == self._COMPUTING:
+            if eager:
+                return None  # someone (maybe this very thread, further up) computes it
+            self._ready.wait()
+            state = self._state
+        if state == self._ERROR and not eager:
             raise self._val
         return self._val
 
     def result(self, timeout: float | None = None):
         DeviceFuture.result(self, timeout)  # waits; raises if completion is unknown
         return self._value()
-
