@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 
 from .launch import Intent, _adapter_for, _as_view, launch as _launch_now
-from .errors import CaptureError, CompletionUnknownError, KernelError
+from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
 from .stream import Stream
@@ -202,16 +202,8 @@ def zip(*ops: DeviceOp) -> DeviceOp:  # noqa: A001 - the name the API asks for
 
 # -- values computed once after completion -----------------------------------------------
 def value_when_done(fut) -> object:
-    """The value of a future whose work completed (never emits deferred
-    warnings: safe from the retiring thread)."""
-    if isinstance(fut, ComputedFuture):
-        return fut._value()
-    s = fut._s
-    _sub.wait(s, None)
-    if s.state == _sub.UNKNOWN:
-        raise CompletionUnknownError(f"completion of {s.label} on {s.stream} is unknown: "
-                                     f"{s.marker.error!r}") from s.marker.error
-    return s.value
+    """The value of a future whose work completed (safe in the retiring thread)."""
+    return fut._peek()
 
 
 class ComputedFuture(DeviceFuture):
@@ -263,4 +255,8 @@ class ComputedFuture(DeviceFuture):
 
     def result(self, timeout: float | None = None):
         DeviceFuture.result(self, timeout)  # waits; raises if completion is unknown
+        return self._value()
+
+    def _peek(self):
+        DeviceFuture._peek(self)
         return self._value()

@@ -164,3 +164,22 @@ def test_missing_cutile_says_how_to_install(monkeypatch):
     with pytest.raises(sm.BackendUnavailableError, match=r"^cuTile is not installed: pip install 'cuda-tile\[tileiras\]'.*Hopper GPUs \(sm_90\) need the CUDA 13.3\+"):
         icut._cutile()
     assert issubclass(sm.BackendUnavailableError, ImportError)
+
+
+def test_callback_errors_surface_at_the_next_call_not_in_other_futures(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def gated(x):
+        gate.wait(5)
+
+    f1 = sm.launch(gated, 1, 1, b, stream=s)
+    f1.add_done_callback(lambda f: 1 / 0)  # raises in whichever thread retires f1
+    chained = sm.launch(gated, 1, 1, b, stream=s).then(lambda v: "ok")
+    gate.set()
+    assert chained.result(5) == "ok"  # the other future is not poisoned
+    with pytest.raises(ZeroDivisionError):
+        sm.stats()  # the callback's error, re-raised in the user thread
+    sm.stats()  # reported once

@@ -29,7 +29,7 @@ class _FutureBase:
 
         def _cb():
             try:
-                value = self.result(0)
+                value = self._peek()  # no deferred warnings or errors: any thread may run this
             except BaseException as e:
                 out._set(None, e)
                 return
@@ -113,6 +113,18 @@ class DeviceFuture(_FutureBase):
         """Call ``fn(self)`` once the work has finished (at once if it has)."""
         _sub.add_callback(self._s, lambda: fn(self))
 
+    def _peek(self):
+        """The value of completed work, or its own error; waits for the device
+        if needed but never surfaces other work's deferred warnings or errors
+        (safe in the retiring thread)."""
+        s = self._s
+        _sub.wait(s, None)
+        if s.state == _sub.UNKNOWN:
+            raise CompletionUnknownError(
+                f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}") \
+                from s.marker.error
+        return s.value
+
 
 class HostFuture(_FutureBase):
     """The outcome of a host function run after device work (``then``)."""
@@ -150,3 +162,6 @@ class HostFuture(_FutureBase):
                 self._callbacks.append(fn)
                 return
         fn(self)
+
+    def _peek(self):
+        return self.result(0)
