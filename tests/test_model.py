@@ -1,5 +1,6 @@
 """A hypothesis state machine: create / slice / move / borrow / launch / drop /
-complete, checked against a simple reference model of views and leases.
+complete / capture / replay / drop a graph, checked against a simple reference
+model of views and leases (a graph's token is a view; a replay is a lease).
 
 Every allocation is filled with its own tag value and kernels only ever write
 that tag back, so a kernel that reads anything else proves memory was freed
@@ -35,6 +36,11 @@ class Lease:
         self.alloc_key, self.start, self.stop, self.writes = alloc_key, start, stop, writes
 
 
+class GraphEntry:
+    def __init__(self, graph, gate, handle, writes):
+        self.graph, self.gate, self.handle, self.writes = graph, gate, handle, writes
+
+
 def overlap(a0, a1, b0, b1):
     return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
@@ -44,6 +50,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         super().__init__()
         self.handles: list[Handle] = []
         self.leases: list[Lease] = []
+        self.graphs: list[GraphEntry] = []
         self.allocs: dict[int, weakref.ref] = {}
         self.tags: dict[int, int] = {}
         self.corrupt: list = []
@@ -54,8 +61,11 @@ class OwnershipMachine(RuleBasedStateMachine):
         return [h for h in self.handles if h.state == "live"]
 
     def pick(self, i, kind=None):
-        cands = [h for h in self.live() if kind is None or h.kind == kind]
+        cands = [h for h in self.live() if h.kind != "graph" and (kind is None or h.kind == kind)]
         return cands[i % len(cands)] if cands else None
+
+    def views(self):
+        return [h for h in self.live() if h.kind != "graph"]
 
     def move_conflicts(self, h):
         return [o for o in self.live() if o is not h and o.alloc_key == h.alloc_key
@@ -83,7 +93,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         assert s.ptr == h.obj.ptr + 4 * a and len(s) == b - a
         self.handles.append(Handle(s, h.alloc_key, h.start + 4 * a, h.start + 4 * b, h.writable, "buffer"))
 
-    @precondition(lambda self: bool(self.live()))
+    @precondition(lambda self: bool(self.views()))
     @rule(i=st.integers(0, 99))
     def readonly(self, i):
         h = self.pick(i)
@@ -135,7 +145,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         assert b.ptr == h.obj.ptr
         self.handles.append(Handle(b, h.alloc_key, h.start, h.stop, h.writable, "buffer"))
 
-    @precondition(lambda self: bool(self.live()))
+    @precondition(lambda self: bool(self.views()))
     @rule(i=st.integers(0, 99), explicit=st.booleans())
     def drop(self, i, explicit):
         h = self.pick(i)
@@ -147,7 +157,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         h.obj = None
         gc.collect()
 
-    @precondition(lambda self: bool(self.live()))
+    @precondition(lambda self: bool(self.views()))
     @rule(i=st.integers(0, 99), mode=st.sampled_from(["in", "out", "atomic"]))
     def launch(self, i, mode):
         h = self.pick(i)
@@ -174,9 +184,60 @@ class OwnershipMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.leases))
     @rule(i=st.integers(0, 99))
     def complete(self, i):
-        lease = self.leases.pop(i % len(self.leases))
-        lease.gate.set()
-        lease.fut.result(10)
+        gate = self.leases[i % len(self.leases)].gate
+        gate.set()  # replays of one graph share its gate: they all finish
+        for lease in [l for l in self.leases if l.gate is gate]:
+            self.leases.remove(lease)
+            lease.fut.result(10)
+
+    @precondition(lambda self: bool(self.views()))
+    @rule(i=st.integers(0, 99), mode=st.sampled_from(["in", "out"]))
+    def capture(self, i, mode):
+        h = self.pick(i)
+        writes = mode != "in"
+        if writes and not h.writable:
+            return
+        gate = threading.Event()
+        s = HOST.create_stream()
+        with sm.capture(s) as g:
+            f = sm.launch(_checker, 1, 1, (sm.Out if writes else sm.In)(h.obj),
+                          self.tags[h.alloc_key], self.corrupt, gate, stream=s)
+            assert f.done()  # captured, not run
+        gh = Handle(g, h.alloc_key, h.start, h.stop, h.writable, "graph")
+        self.handles.append(gh)
+        self.graphs.append(GraphEntry(g, gate, gh, writes))
+
+    @precondition(lambda self: any(e.handle.state == "live" for e in self.graphs))
+    @rule(i=st.integers(0, 99))
+    def replay(self, i):
+        live = [e for e in self.graphs if e.handle.state == "live"]
+        e = live[i % len(live)]
+        h = e.handle
+        expect_conflict = any(
+            l.alloc_key == h.alloc_key and overlap(l.start, l.stop, h.start, h.stop)
+            and (e.writes or l.writes) for l in self.leases)
+        try:
+            fut = e.graph.replay(HOST.create_stream(), policy="reject")
+        except sm.AccessConflictError:
+            assert expect_conflict
+            return
+        assert not expect_conflict
+        if e.gate.is_set():  # this graph's gate was opened before: the replay just runs
+            fut.result(10)
+        else:
+            self.leases.append(Lease(fut, e.gate, h.alloc_key, h.start, h.stop, e.writes))
+
+    @precondition(lambda self: any(e.handle.state == "live" for e in self.graphs))
+    @rule(i=st.integers(0, 99), explicit=st.booleans())
+    def drop_graph(self, i, explicit):
+        live = [e for e in self.graphs if e.handle.state == "live"]
+        e = live[i % len(live)]
+        if explicit:
+            e.graph.release()
+        e.handle.state = "released"
+        e.handle.obj = None
+        e.graph = None  # in-flight replays keep it alive by themselves
+        gc.collect()
 
     # -- invariants ----------------------------------------------------------
     @invariant()
@@ -195,6 +256,8 @@ class OwnershipMachine(RuleBasedStateMachine):
     def teardown(self):
         for lease in self.leases:
             lease.gate.set()
+        for e in self.graphs:
+            e.gate.set()
         sm.synchronize()
         assert not self.corrupt, self.corrupt
 

@@ -19,8 +19,11 @@ While capturing, submissions take no leases and make no cross-stream waits
 futures that are already done. Each replay is one ordinary submission with
 fresh leases over every captured range, so a replay that conflicts with other
 work is ordered or refused like any launch, and the graph stays alive until
-its last replay has finished. Leaving the ``with`` block ends the capture on
-every path; a capture left by an exception gives no graph.
+the backend graph stays alive until its last replay has finished. Replays keep
+the executable and the memory, not the Graph: once the user drops (or
+releases) the Graph, it is no alias any more, even while a replay runs -- the
+replay's leases protect that memory. Leaving the ``with`` block ends the
+capture on every path; a capture left by an exception gives no graph.
 """
 
 from __future__ import annotations
@@ -58,6 +61,25 @@ class _CapturedMarker:
 
 
 _CAPTURED = _CapturedMarker()
+
+
+class _Executable:
+    """Owns a backend graph (CUDA: ``CUgraph`` + ``CUgraphExec``; host: the
+    recorded tasks) and destroys it when collected: after the Graph is gone
+    and every replay that keeps it has retired."""
+
+    __slots__ = ("backend", "handle")
+
+    def __init__(self, backend, handle):
+        self.backend = backend
+        self.handle = handle
+
+    def __del__(self, _finalizing=sys.is_finalizing):
+        try:
+            if not _finalizing():
+                self.backend.destroy_graph(self.handle)
+        except Exception:  # never raise from a destructor
+            pass
 
 
 class Graph:
@@ -126,8 +148,11 @@ class Graph:
         with locked():
             uses = [(tok, writes) for tok, writes in self._uses.values()]
         backend, impl = self.device.backend, s._impl
-        sub = _sub.submit(s, uses, lambda: backend.launch_graph(exec_, impl), keep=(self,),
-                          policy=policy, label=f"replay of graph #{self.id}")
+        handle = exec_.handle
+        # keeps the executable and (through the uses) the memory -- not this Graph
+        sub = _sub.submit(s, uses, lambda: backend.launch_graph(handle, impl),
+                          keep=(exec_,) + tuple(self._keep), policy=policy,
+                          label=f"replay of graph #{self.id}")
         return DeviceFuture(sub)
 
     def describe(self) -> str:
@@ -155,14 +180,10 @@ class Graph:
         self.release()
 
     def __del__(self, _finalizing=sys.is_finalizing):
-        try:
-            if _finalizing():
-                return
-            for entry in self._uses.values():
-                entry[0].release()
-            if self._exec is not None:
-                self.device.backend.destroy_graph(self._exec)
-                self._exec = None
+        try:  # the executable goes with the last replay that keeps it
+            if not _finalizing():
+                for entry in self._uses.values():
+                    entry[0].release()
         except Exception:  # never raise from a destructor
             pass
 
@@ -217,7 +238,7 @@ class capture:
             s.device.backend.destroy_graph(exec_)
             g.release()
             return False
-        g._exec = exec_
+        g._exec = _Executable(s.device.backend, exec_)
         with g._lock:
             g._state = "ready"
         return False
