@@ -20,6 +20,7 @@ Imported only when a CUDA device is asked for; raises
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -149,23 +150,46 @@ class CudaMarker:
             ev, self.event = self.event, None
             self._backend._events.append(ev)
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
         # A marker of its own (a user Event, a stream-to-stream wait) owns its event.
         # cuEventDestroy never blocks: waits already enqueued on it still complete.
-        if not self._pooled and self.event is not None and cu is not None:
+        if not self._pooled and self.event is not None and cu is not None and not _finalizing():
             try:
                 cu.cuEventDestroy(self.event)
             except Exception:
                 pass
 
 
+class _NotRun:
+    """The marker of work captured into a graph: nothing to wait for."""
+
+    __slots__ = ()
+    error = None
+    unknown = False
+    handle = 0
+
+    def query(self) -> int:
+        return DONE
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def recycle(self) -> None:
+        pass
+
+
+_NOT_RUN = _NotRun()
+
+
 class CudaStreamImpl:
     """A CUDA stream handle; owned streams are destroyed when dropped (the
     driver defers destruction until their work is done: this never blocks)."""
 
-    __slots__ = ("handle", "cu_stream", "owned", "name", "_backend", "external", "__weakref__")
+    __slots__ = ("handle", "cu_stream", "owned", "name", "_backend", "external", "capturing",
+                 "__weakref__")
 
     def __init__(self, backend, handle: int, owned: bool, name=None, external=None):
+        self.capturing = False  # set by begin_capture / end_capture
         self._backend = backend
         self.handle = handle
         self.cu_stream = cu.CUstream(handle)
@@ -323,7 +347,10 @@ class CudaBackend:
 
     def submit_marker(self, impl: CudaStreamImpl) -> CudaMarker:
         """A pooled completion marker recorded now on ``impl`` (after the work
-        just enqueued there)."""
+        just enqueued there). Nothing is recorded on a capturing stream: the
+        work was captured, not run."""
+        if impl.capturing:
+            return _NOT_RUN
         ev = self._event()
         m = CudaMarker(ev, self, True)
         hot = self.hot
@@ -378,11 +405,13 @@ class CudaBackend:
         self.ensure_context()
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(impl.cu_stream, mode), "cuStreamBeginCapture")
+        impl.capturing = True
         return impl
 
     def end_capture(self, impl: CudaStreamImpl):
         """``(CUgraph, CUgraphExec)`` of the capture on ``impl``."""
         self.ensure_context()
+        impl.capturing = False
         graph = check(cu.cuStreamEndCapture(impl.cu_stream), "cuStreamEndCapture")
         try:
             exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
