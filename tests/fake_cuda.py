@@ -1,0 +1,221 @@
+"""A fake CUDA driver (the cuda.bindings names sharedmem uses) and a fake CuPy pool.
+
+It lets the real CudaBackend code run on machines without a GPU: "device"
+memory is host RAM, every stream executes its operations at once (so events
+are complete when recorded), and stream capture records the operations for a
+graph launch to run later. It checks the glue -- names, argument order, result
+unpacking, capture bookkeeping -- not the driver's semantics.
+"""
+
+import ctypes
+import enum
+import itertools
+import types
+
+import numpy as np
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_INVALID_HANDLE = 400
+    CUDA_ERROR_NOT_READY = 600
+
+
+class _Handle(int):
+    def __new__(cls, value=0):
+        return super().__new__(cls, int(value))
+
+
+class CUstream(_Handle):
+    pass
+
+
+class CUevent(_Handle):
+    pass
+
+
+class CUgraph(_Handle):
+    pass
+
+
+class CUgraphExec(_Handle):
+    pass
+
+
+OK = CUresult.CUDA_SUCCESS
+
+
+class FakeDriver:
+    """The subset of ``cuda.bindings.driver`` that sharedmem calls."""
+
+    CUresult = CUresult
+    CUstream = CUstream
+    CUevent = CUevent
+    CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
+    CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
+    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
+    CUdevice_attribute = types.SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
+                                               CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76)
+    CUpointer_attribute = types.SimpleNamespace(
+        CU_POINTER_ATTRIBUTE_RANGE_START_ADDR=11, CU_POINTER_ATTRIBUTE_RANGE_SIZE=12,
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9, CU_POINTER_ATTRIBUTE_MEMORY_TYPE=2)
+    CUmemorytype = types.SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
+
+    def __init__(self):
+        self._ids = itertools.count(0x1000)
+        self.capturing = {}  # stream handle -> list of recorded operations
+        self.graphs = {}  # graph handle -> operations
+        self.execs = {}  # exec handle -> operations
+        self.events = set()
+        self.destroyed_events = 0
+        self.calls = []
+
+    # -- helpers -------------------------------------------------------------
+    def _run(self, stream, op):
+        rec = self.capturing.get(int(stream))
+        if rec is not None:
+            rec.append(op)
+        else:
+            op()
+
+    # -- device and context ----------------------------------------------------
+    def cuInit(self, flags):
+        return (OK,)
+
+    def cuDeviceGetCount(self):
+        return (OK, 1)
+
+    def cuDeviceGet(self, ordinal):
+        return (OK, ordinal)
+
+    def cuDeviceGetName(self, n, dev):
+        return (OK, b"Fake GPU\0\0")
+
+    def cuDeviceGetUuid(self, dev):
+        return (OK, types.SimpleNamespace(bytes=bytes(range(16))))
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        return (OK, 9 if attr == 75 else 0)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return (OK, 0xC0)
+
+    def cuCtxSetCurrent(self, ctx):
+        return (OK,)
+
+    def cuGetErrorName(self, err):
+        return (OK, CUresult(int(err)).name.encode())
+
+    def cuMemGetInfo(self):
+        return (OK, 1 << 30, 1 << 31)
+
+    def cuPointerGetAttributes(self, n, attrs, ptr):
+        return (OK, [0, 0, 0, 0])
+
+    # -- streams and events --------------------------------------------------------
+    def cuStreamCreate(self, flags):
+        return (OK, CUstream(next(self._ids)))
+
+    def cuStreamDestroy(self, stream):
+        return (OK,)
+
+    def cuStreamSynchronize(self, stream):
+        return (OK,)
+
+    def cuEventCreate(self, flags):
+        ev = CUevent(next(self._ids))
+        self.events.add(int(ev))
+        return (OK, ev)
+
+    def cuEventDestroy(self, ev):
+        self.destroyed_events += 1
+        return (OK,)
+
+    def cuEventRecord(self, ev, stream):
+        self.calls.append(("record", int(ev), int(stream)))
+        return (OK,)
+
+    def cuEventQuery(self, ev):
+        return (OK,) if int(ev) in self.events else (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+
+    def cuEventSynchronize(self, ev):
+        return (OK,)
+
+    def cuStreamWaitEvent(self, stream, ev, flags):
+        self.calls.append(("wait", int(stream), int(ev)))
+        return (OK,)
+
+    # -- copies ------------------------------------------------------------------------
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        return (OK,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, n, stream):
+        self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        return (OK,)
+
+    def cuMemcpyDtoDAsync(self, dst, src, n, stream):
+        self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        return (OK,)
+
+    def cuMemsetD8Async(self, dst, byte, n, stream):
+        self._run(stream, lambda: ctypes.memset(int(dst), byte, n))
+        return (OK,)
+
+    # -- capture and graphs ------------------------------------------------------------
+    def cuStreamBeginCapture(self, stream, mode):
+        if int(stream) in self.capturing:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        self.capturing[int(stream)] = []
+        return (OK,)
+
+    def cuStreamEndCapture(self, stream):
+        ops = self.capturing.pop(int(stream), None)
+        if ops is None:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        g = CUgraph(next(self._ids))
+        self.graphs[int(g)] = ops
+        return (OK, g)
+
+    def cuGraphInstantiate(self, graph, flags):
+        e = CUgraphExec(next(self._ids))
+        self.execs[int(e)] = list(self.graphs[int(graph)])
+        return (OK, e)
+
+    def cuGraphLaunch(self, exec_, stream):
+        for op in self.execs[int(exec_)]:
+            self._run(stream, op)
+        return (OK,)
+
+    def cuGraphExecDestroy(self, exec_):
+        del self.execs[int(exec_)]
+        return (OK,)
+
+    def cuGraphDestroy(self, graph):
+        del self.graphs[int(graph)]
+        return (OK,)
+
+
+class _FakeBlock:
+    def __init__(self, n):
+        self._raw = np.empty(n + 256, np.uint8)
+        self.ptr = (self._raw.ctypes.data + 255) // 256 * 256
+
+
+class _Ctx:
+    def __init__(self, *a):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def fake_cupy():
+    """A module standing in for CuPy: ``cuda.Device`` and ``cuda.alloc`` only."""
+    m = types.ModuleType("cupy")
+    m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock)
+    return m

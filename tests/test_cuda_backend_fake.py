@@ -1,0 +1,136 @@
+"""The CUDA backend's code, run against a fake driver (tests/fake_cuda.py) in CI.
+
+Checks the glue that otherwise only runs on a GPU: result unpacking, marker
+ownership, stream identity, capture bookkeeping. The driver's semantics are
+checked by the gpu-marked tests on a real device.
+"""
+
+import gc
+import itertools
+import sys
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from conftest import gc_collect_harder
+
+_keys = itertools.count()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult, FakeDriver, fake_cupy
+    drv = FakeDriver()
+    monkeypatch.setattr(bc, "cu", drv)
+    monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
+    monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
+    monkeypatch.setattr(bc, "_hot_driver", lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    backend = bc.CudaBackend(0)
+    dev = object.__new__(sm.Device)
+    dev._setup("cuda", 0, backend.name, ("fake-cuda", next(_keys)), backend)
+    yield dev, drv
+    sm.synchronize()
+
+
+def test_identity_copies_and_markers(fake):
+    dev, drv = fake
+    assert dev.kind == "cuda" and dev.name == "Fake GPU" and dev.compute_capability == (9, 0)
+    assert dev.uuid == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    s = dev.create_stream("s")
+    b = sm.Buffer.from_host(np.arange(16, dtype=np.float32), device=dev, stream=s)
+    np.testing.assert_array_equal(b.to_host(), np.arange(16))
+    c = sm.Buffer.empty(16, "float32", device=dev)
+    c.copy_from(b, stream=s)
+    b.fill_zero(stream=s)
+    np.testing.assert_array_equal(c.to_host(), np.arange(16))
+    np.testing.assert_array_equal(b.to_host(), np.zeros(16))
+    sm.synchronize()
+    assert sm.stats().in_flight == 0
+
+
+def test_events_own_their_cuevent(fake):
+    dev, drv = fake
+    a, b = dev.create_stream(), dev.create_stream()
+    ev = a.record()
+    assert ev.query() is True and ev.synchronize() is True
+    b.wait(ev)
+    assert ("wait", b.handle, ev._marker.handle) in drv.calls
+    before = drv.destroyed_events
+    del ev
+    gc_collect_harder()
+    assert drv.destroyed_events == before + 1  # a pooled submission marker is never destroyed
+
+
+def test_foreign_streams_are_one_stream(fake):
+    dev, drv = fake
+    s1 = sm.Stream.from_external(0x77, device=dev)
+    assert sm.Stream.from_external(0x77, device=dev) is s1 and not s1.owned
+    assert sm.Stream.from_external(0, device=dev) is dev.default_stream
+    assert s1.__cuda_stream__() == (0, 0x77)
+
+
+def test_graph_capture_and_replay(fake):
+    dev, drv = fake
+    s = dev.create_stream("capture")
+    b = sm.Buffer.zeros(8, "float64", device=dev, stream=s)
+    s.synchronize()
+    n_calls = len(drv.calls)
+    with sm.capture(s) as g:
+        fut = b.copy_from(np.full(8, 3.0), stream=s)
+        assert fut.done()
+    # nothing ran, and no event was recorded on the capturing stream
+    assert not [c for c in drv.calls[n_calls:] if c[0] == "record" and c[2] == s.handle]
+    np.testing.assert_array_equal(b.to_host(), np.zeros(8))
+    assert len(drv.execs) == 1
+    r = dev.create_stream("replay")
+    g.replay(r).result()
+    np.testing.assert_array_equal(b.to_host(), np.full(8, 3.0))
+    with pytest.raises(sm.AliasError, match=rf"graph #{g.id}"):
+        sm.Tensor.from_buffer(b, (8,))
+    fut = g.replay(r)
+    del g
+    gc_collect_harder()
+    sm.Tensor.from_buffer(b, (8,))  # the dropped graph is no alias
+    fut.result()
+    del fut
+    sm.synchronize()
+    gc_collect_harder()
+    assert drv.execs == {} and drv.graphs == {}  # destroyed after its last replay
+    with pytest.raises(sm.CaptureError, match="the default stream cannot be captured"):
+        with sm.capture(dev.default_stream):
+            pass
+
+
+def test_failed_capture_leaves_no_graph(fake):
+    dev, drv = fake
+    s = dev.create_stream()
+    b = sm.Buffer.zeros(4, device=dev, stream=s)
+    s.synchronize()
+    with pytest.raises(KeyError):
+        with sm.capture(s) as g:
+            b.fill_zero(stream=s)
+            raise KeyError("boom")
+    assert s._capture is None and drv.capturing == {}
+    assert drv.execs == {} and drv.graphs == {}
+    with pytest.raises(sm.CaptureError, match="is failed"):
+        g.replay(s)
+
+
+def test_dlpack_export_stream_rules(fake):
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.ones((2, 3), np.float32), device=dev)
+    sm.synchronize()
+    assert t.__dlpack_device__() == (2, 0)
+    with pytest.raises(ValueError, match="stream=0 is ambiguous"):
+        t.__dlpack__(stream=0)
+    cap = t.__dlpack__(stream=-1, max_version=(1, 0))
+    assert t.allocation.live_views == 2
+    del cap
+    gc.collect()
+    assert t.allocation.live_views == 1
+    cai = t.__cuda_array_interface__
+    assert cai["data"] == (t.ptr, False) and cai["shape"] == (2, 3) and cai["version"] == 3
