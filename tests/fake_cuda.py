@@ -163,6 +163,34 @@ class FakeDriver:
         self._run(stream, lambda: ctypes.memset(int(dst), byte, n))
         return (OK,)
 
+    # -- kernels: Python stand-ins launched with the driver's calling convention ------
+    def register_kernel(self, formats, fn):
+        """A fake CUfunction whose parameters have these struct formats; a launch
+        unpacks them from the ``void**`` array and calls ``fn(*values)``."""
+        h = next(self._ids)
+        self.kernels = getattr(self, "kernels", {})
+        self.kernels[h] = (list(formats), fn)
+        return h
+
+    def cuFuncGetParamInfo(self, func, index):
+        formats = self.kernels[int(func)][0]
+        if index >= len(formats):
+            return (CUresult.CUDA_ERROR_INVALID_VALUE, 0, 0)
+        import struct
+        offset = sum(struct.calcsize(f) for f in formats[:index])
+        return (OK, offset, struct.calcsize(formats[index]))
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        import struct
+        formats, fn = self.kernels[int(func)]
+        values = []
+        for i, f in enumerate(formats):  # read now: the driver copies parameters at launch
+            ptr = ctypes.c_void_p.from_address(int(params) + 8 * i).value
+            raw = ctypes.string_at(ptr, struct.calcsize(f))
+            values.append(struct.unpack("<" + f, raw)[0])
+        self._run(stream, lambda: fn(*values))
+        return (OK,)
+
     # -- capture and graphs ------------------------------------------------------------
     def cuStreamBeginCapture(self, stream, mode):
         if int(stream) in self.capturing:
@@ -214,8 +242,26 @@ class _Ctx:
         return False
 
 
+class RawKernel:
+    """Stands in for ``cupy.RawKernel`` (registered with sharedmem by this name)."""
+
+    def __init__(self, driver, name, formats, fn):
+        self.name = name
+        self.kernel = types.SimpleNamespace(ptr=driver.register_kernel(formats, fn))
+
+
+RawKernel.__module__ = "cupy._core.raw"
+
+
+def array_at(ptr, n, dtype):
+    """A NumPy array over ``n`` elements at address ``ptr`` (fake device memory)."""
+    dt = np.dtype(dtype)
+    return np.frombuffer((ctypes.c_ubyte * (n * dt.itemsize)).from_address(ptr), dtype=dt)
+
+
 def fake_cupy():
     """A module standing in for CuPy: ``cuda.Device`` and ``cuda.alloc`` only."""
     m = types.ModuleType("cupy")
     m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock)
+    m.ndarray = type("ndarray", (), {})  # no fake arrays: nothing is one
     return m

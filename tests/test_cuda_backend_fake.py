@@ -134,3 +134,59 @@ def test_dlpack_export_stream_rules(fake):
     assert t.allocation.live_views == 1
     cai = t.__cuda_array_interface__
     assert cai["data"] == (t.ptr, False) and cai["shape"] == (2, 3) and cai["version"] == 3
+
+
+@pytest.fixture
+def kernels(fake, monkeypatch):
+    import interop.cupy as ic
+    from fake_cuda import RawKernel, array_at
+    dev, drv = fake
+    monkeypatch.setattr(ic, "_cu", None)  # the driver module is cached on first use
+
+    def saxpy(a, x, y, out, n):  # float a, const float* x, const float* y, float* out, int n
+        array_at(out, n, np.float32)[:] = a * array_at(x, n, np.float32) + array_at(y, n, np.float32)
+
+    def scale_len(x, n, factor):  # float* x, long long n, double factor
+        v = array_at(x, n, np.float32)
+        v[:] = v * factor
+
+    return (RawKernel(drv, "saxpy", ["f", "Q", "Q", "Q", "i"], saxpy),
+            RawKernel(drv, "scale_len", ["Q", "q", "d"], scale_len))
+
+
+def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
+    dev, drv = fake
+    saxpy, scale_len = kernels
+    n = 100
+    x = sm.Buffer.from_host(np.arange(n, dtype=np.float32), device=dev)
+    y = sm.Buffer.from_host(np.ones(n, np.float32), device=dev)
+    out = sm.Buffer.empty(n, "float32", device=dev)
+    # a Python float for a float parameter is float32, a Python int for an int is int32
+    sm.launch(saxpy, 1, 128, 2.5, sm.In(x), sm.In(y), sm.Out(out), n).result()
+    np.testing.assert_array_equal(out.to_host(), 2.5 * np.arange(n, dtype=np.float32) + 1)
+    sm.launch(saxpy, 1, 128, np.float32(-1), sm.In(x), sm.In(y), sm.Out(out), np.int32(n)).result()
+    np.testing.assert_array_equal(out.to_host(), 1 - np.arange(n, dtype=np.float32))
+    with pytest.raises(sm.KernelError, match=r"^argument 0: a float64 scalar \(8 bytes\) for a 4-byte kernel parameter"):
+        sm.launch(saxpy, 1, 128, np.float64(2.5), sm.In(x), sm.In(y), sm.Out(out), n)
+    with pytest.raises(sm.KernelError, match=r"^argument 4: 4294967296 does not fit the 4-byte kernel parameter$"):
+        sm.launch(saxpy, 1, 128, 1.0, sm.In(x), sm.In(y), sm.Out(out), 1 << 32)
+    # a Buffer slice where the kernel takes a pointer and a length
+    part = out[10:30]
+    sm.launch(scale_len, 1, 32, part, 2.0).result()
+    got = out.to_host()
+    np.testing.assert_array_equal(got[10:30], 2 * (1 - np.arange(10, 30, dtype=np.float32)))
+    np.testing.assert_array_equal(got[:10], 1 - np.arange(10, dtype=np.float32))
+
+
+def test_captured_cupy_launches_replay(fake, kernels):
+    dev, drv = fake
+    saxpy, _ = kernels
+    s = dev.create_stream("capture")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev, stream=s)
+    out = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    s.synchronize()
+    g = sm.graph(sm.op(saxpy, 1, 8, 3.0, sm.In(x), sm.In(x), sm.Out(out), 8)
+                 .and_then(sm.op(saxpy, 1, 8, 1.0, sm.In(out), sm.In(x), sm.Out(out), 8)), stream=s)
+    np.testing.assert_array_equal(out.to_host(), np.zeros(8))
+    g.replay().result()
+    np.testing.assert_array_equal(out.to_host(), np.full(8, 5.0))
