@@ -190,6 +190,11 @@ class Buffer(View):
             if stok.stop - stok.start != tok.stop - tok.start:
                 raise LayoutError(f"copy_from needs the same byte size: {src!r} has "
                                   f"{stok.stop - stok.start}, {self!r} has {tok.stop - tok.start}")
+            if stok.allocation is tok.allocation and stok.start < tok.stop and tok.start < stok.stop:
+                raise LayoutError(f"copy_from between overlapping bytes of allocation "
+                                  f"#{tok.allocation.id} ([{stok.start}, {stok.stop}) into "
+                                  f"[{tok.start}, {tok.stop})) is undefined; copy through a "
+                                  f"temporary buffer")
             sptr = stok.allocation.ptr + stok.start
             n = tok.stop - tok.start
             sub = submit(s, [(stok, False), (tok, True)],

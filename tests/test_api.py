@@ -96,3 +96,7 @@ def test_dtype_and_length_errors(host):
         sm.Buffer.empty(-1, device=host)
     with pytest.raises(sm.LayoutError, match="copy_from needs 3 elements, got an array of 2"):
         sm.Buffer.empty(3, device=host).copy_from(np.zeros(2))
+    b = sm.Buffer.zeros(8, device=host)
+    with pytest.raises(sm.LayoutError, match=r"^copy_from between overlapping bytes of allocation #\d+ \(\[0, 16\) into \[8, 24\)\) is undefined"):
+        b[2:6].copy_from(b[0:4])
+    b[4:8].copy_from(b[0:4]).result(5)  # disjoint ranges of one allocation are fine
