@@ -25,6 +25,7 @@ import threading
 import time
 
 from ..errors import BackendUnavailableError, CudaError
+from . import COMPLETE
 
 PENDING, DONE, UNKNOWN = 0, 1, 2
 
@@ -158,27 +159,6 @@ class CudaMarker:
                 cu.cuEventDestroy(self.event)
             except Exception:
                 pass
-
-
-class _NotRun:
-    """The marker of work captured into a graph: nothing to wait for."""
-
-    __slots__ = ()
-    error = None
-    unknown = False
-    handle = 0
-
-    def query(self) -> int:
-        return DONE
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def recycle(self) -> None:
-        pass
-
-
-_NOT_RUN = _NotRun()
 
 
 class CudaStreamImpl:
@@ -350,7 +330,7 @@ class CudaBackend:
         just enqueued there). Nothing is recorded on a capturing stream: the
         work was captured, not run."""
         if impl.capturing:
-            return _NOT_RUN
+            return COMPLETE
         ev = self._event()
         m = CudaMarker(ev, self, True)
         hot = self.hot

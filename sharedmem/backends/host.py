@@ -25,6 +25,7 @@ import threading
 import numpy as np
 
 from ..errors import CompletionUnknownError
+from . import COMPLETE
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
 
@@ -217,23 +218,6 @@ def _worker(q, state, backend) -> None:
                 hook()
 
 
-class _Recorded:
-    """The marker of a recorded (not run) task."""
-
-    __slots__ = ()
-    error = None
-    unknown = False
-
-    def query(self) -> int:
-        return DONE
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def recycle(self) -> None:
-        pass
-
-
 class _CapturingImpl:
     """Stands in for a host stream while it captures: tasks are recorded."""
 
@@ -245,9 +229,9 @@ class _CapturingImpl:
         self.handle = real.handle
         self.name = real.name
 
-    def submit(self, fn) -> _Recorded:
+    def submit(self, fn):
         self._rec.tasks.append(fn)
-        return _Recorded()
+        return COMPLETE
 
     def wait_marker(self, marker) -> None:  # pragma: no cover - captures make no waits
         from ..errors import CaptureError

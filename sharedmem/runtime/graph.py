@@ -34,6 +34,7 @@ import threading
 
 from .._sync import locked
 from ..allocation import ViewToken, _add_locked
+from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError
 from . import submission as _sub
 from .future import DeviceFuture
@@ -41,26 +42,6 @@ from .future import DeviceFuture
 __all__ = ["Graph", "capture", "graph"]
 
 _ids = itertools.count(1)
-
-
-class _CapturedMarker:
-    """The marker of a captured (not run) submission: complete at once."""
-
-    __slots__ = ()
-    error = None
-    unknown = False
-
-    def query(self) -> int:
-        return 1
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def recycle(self) -> None:
-        pass
-
-
-_CAPTURED = _CapturedMarker()
 
 
 class _Executable:
@@ -126,7 +107,7 @@ class Graph:
                 entry[1] = True
         self._keep.extend(keep)
         self.launches += 1
-        sub = _sub.Submission(None, 0, _CAPTURED, None, None,
+        sub = _sub.Submission(None, 0, COMPLETE, None, None,
                               f"{label} (captured into graph #{self.id})", 0)
         sub.state = _sub.RETIRED
         return sub
