@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine with only Python:
 #   make demo   -- sets itself up, runs examples/pipeline.py (GPU if present, else host backend)
 #   make test   -- sets itself up, runs the test suite
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo stress bench gpu-test gpu-demo gpu-bench clean
+.PHONY: test demo stress bench gpu-test gpu-demo gpu-bench gpu-all clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +39,20 @@ gpu-demo:
 
 gpu-bench:
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) benchmarks/run.py
+
+# Everything a GPU session checks, in one device call (logs under $$OUT when set), summary last.
+gpu-all:
+	@out=$${OUT:-/tmp}; \
+	if [ -f .gpu-bundle/activate.sh ]; then . .gpu-bundle/activate.sh; fi; \
+	export PYTHONPATH=.:$$PYTHONPATH PYTHONUNBUFFERED=1; \
+	$(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/ > $$out/gpu_tests.log 2>&1; t=$$?; \
+	$(PYTHON) examples/pipeline.py > $$out/gpu_demo.log 2>&1 && \
+	$(PYTHON) examples/mixed_pipeline.py >> $$out/gpu_demo.log 2>&1; d=$$?; \
+	$(PYTHON) benchmarks/use_after_free.py 50 > $$out/gpu_uaf.log 2>&1; u=$$?; \
+	$(PYTHON) benchmarks/run.py > $$out/gpu_bench.log 2>&1; b=$$?; \
+	echo "== summary"; tail -1 $$out/gpu_tests.log; grep -E "OK|MISMATCH|FAIL|clean" $$out/gpu_demo.log; \
+	tail -1 $$out/gpu_uaf.log; sed -n '/^row /,$$p' $$out/gpu_bench.log; \
+	echo "exit codes: tests=$$t demos=$$d uaf=$$u bench=$$b"; test $$t -eq 0 -a $$d -eq 0 -a $$u -eq 0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
