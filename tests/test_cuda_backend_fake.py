@@ -34,6 +34,8 @@ def fake(monkeypatch):
     dev._setup("cuda", 0, backend.name, ("fake-cuda", next(_keys)), backend)
     yield dev, drv
     sm.synchronize()
+    del dev
+    gc_collect_harder()  # fake handles die while the fake driver is still the driver
 
 
 def test_identity_copies_and_markers(fake):

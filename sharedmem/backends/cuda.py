@@ -154,9 +154,11 @@ class CudaMarker:
     def __del__(self, _finalizing=sys.is_finalizing):
         # A marker of its own (a user Event, a stream-to-stream wait) owns its event.
         # cuEventDestroy never blocks: waits already enqueued on it still complete.
-        if not self._pooled and self.event is not None and cu is not None and not _finalizing():
+        # Through the driver module the backend was built with, not the global:
+        # a destructor may run long after (tests swap the module for a fake).
+        if not self._pooled and self.event is not None and not _finalizing():
             try:
-                cu.cuEventDestroy(self.event)
+                self._backend.cu.cuEventDestroy(self.event)
             except Exception:
                 pass
 
@@ -187,9 +189,9 @@ class CudaStreamImpl:
         check(cu.cuStreamSynchronize(self.cu_stream), "cuStreamSynchronize")
 
     def __del__(self):
-        if self.owned and self.handle and cu is not None:
+        if self.owned and self.handle:
             try:
-                cu.cuStreamDestroy(self.cu_stream)
+                self._backend.cu.cuStreamDestroy(self.cu_stream)
             except Exception:
                 pass
 
@@ -212,6 +214,7 @@ class CudaBackend:
                 "the CUDA backend takes its memory from CuPy's pool, and CuPy is not installed: "
                 "pip install 'sharedmem[cuda13]' (or '[cuda12]')") from None
         self._cupy = cupy
+        self.cu = cu  # the driver module, for destructors that run late
         err = cu.cuInit(0)[0]
         if err != _SUCCESS:
             raise BackendUnavailableError(f"no usable CUDA driver or GPU here (cuInit: {_name(err)})")
@@ -408,8 +411,8 @@ class CudaBackend:
     def destroy_graph(self, graph_exec) -> None:
         """Destroy a graph; never called while a replay of it is in flight
         (replays keep their Graph alive until they retire)."""
-        cu.cuGraphExecDestroy(graph_exec[1])
-        cu.cuGraphDestroy(graph_exec[0])
+        self.cu.cuGraphExecDestroy(graph_exec[1])
+        self.cu.cuGraphDestroy(graph_exec[0])
 
 
 
