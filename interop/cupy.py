@@ -303,26 +303,20 @@ def _scalar_piece(i, value, size):
                       f"a Buffer, Tensor, CuPy array, NumPy scalar or Python number")
 
 
+# How each argument becomes packed values (the plan's per-argument codes).
+_PTR, _PTR_LEN, _INT, _AS_IS, _BYTES, _NULL = range(6)
+
+
 def _plan(sig, args):
-    """The packing plan for these argument types: ``(format, converters)``;
-    each converter appends its argument's value(s) to a list. Cached per
-    signature, so a launch runs only the converters."""
-    key = tuple(a.view.__class__ if type(a) is LaunchArg else type(a) for a in args)
+    """The packing plan for these argument types: ``(format, codes, int_limits)``.
+    Cached per signature, so a launch only converts values."""
+    key = tuple([a.view.__class__ if type(a) is LaunchArg else type(a) for a in args])
     plan = sig.plans.get(key)
     if plan is None:
         plan = _make_plan(sig, args)
         if len(sig.plans) < 256:
             sig.plans[key] = plan
     return plan
-
-
-def _ptr(a, out):
-    out.append(a.view.ptr)
-
-
-def _ptr_len(a, out):
-    out.append(a.view.ptr)
-    out.append(len(a.view))
 
 
 def _make_plan(sig, args):
@@ -336,7 +330,8 @@ def _make_plan(sig, args):
         raise KernelError(f"the kernel takes {nparams} parameters but was given {nargs} arguments"
                           + (f" ({nbuf} Buffers, each may expand to pointer + length)" if nbuf else ""))
     fmt = ["<"]
-    convs = []
+    codes = []
+    limits = []  # per argument: (lo, hi) for an int parameter, else None
     p = 0
 
     def field(f, size):
@@ -347,6 +342,7 @@ def _make_plan(sig, args):
 
     for i, a in enumerate(args):
         size = sig.sizes[p]
+        limit = None
         if isinstance(a, LaunchArg):
             if size != 8:
                 raise KernelError(f"argument {i}: a pointer for a {size}-byte kernel parameter")
@@ -356,34 +352,53 @@ def _make_plan(sig, args):
                 lsize = sig.sizes[p]
                 field(_scalar_piece(i, len(a.view), lsize)[0], lsize)
                 p += 1
-                convs.append(_ptr_len)
+                code = _PTR_LEN
             else:
-                convs.append(_ptr)
-            continue
-        f, _ = _scalar_piece(i, a, size)  # validates the type against the parameter size
-        field(f, size)
-        convs.append(_scalar_converter(i, a, size))
-        p += 1
-    return "".join(fmt), tuple(convs)
+                code = _PTR
+        else:
+            f, _ = _scalar_piece(i, a, size)  # validates the type against the parameter size
+            field(f, size)
+            p += 1
+            if isinstance(a, np.generic):
+                code = _BYTES
+            elif a is None:
+                code = _NULL
+            elif isinstance(a, int) and not isinstance(a, bool):
+                code = _INT
+                lim = 1 << (8 * size)
+                limit = (-(lim >> 1), lim)
+            else:
+                code = _AS_IS  # float, bool
+        codes.append(code)
+        limits.append(limit)
+    return "".join(fmt), tuple(codes), tuple(limits)
 
 
-def _scalar_converter(i, example, size):
-    if isinstance(example, np.generic):
-        return lambda a, out: out.append(a.tobytes())
-    if isinstance(example, bool):
-        return lambda a, out: out.append(int(a))
-    if isinstance(example, int):
-        lim = 1 << (8 * size)
-        lo = -(lim >> 1)
-
-        def conv(a, out):
-            if not lo <= a < lim:
-                raise KernelError(f"argument {i}: {a} does not fit the {size}-byte kernel parameter")
-            out.append(a % lim)
-        return conv
-    if example is None:
-        return lambda a, out: out.append(0)
-    return lambda a, out: out.append(a)  # float
+def _pack_values(codes, limits, args) -> list:
+    """The values to pack for one launch (one pass, no call per argument)."""
+    values = []
+    append = values.append
+    i = 0
+    for code, a in zip(codes, args):
+        if code == _PTR:
+            append(a.view.ptr)
+        elif code == _INT:
+            lo, hi = limits[i]
+            if not lo <= a < hi:
+                raise KernelError(f"argument {i}: {a} does not fit the "
+                                  f"{(hi.bit_length() - 1) // 8}-byte kernel parameter")
+            append(a % hi)
+        elif code == _AS_IS:
+            append(a)
+        elif code == _PTR_LEN:
+            append(a.view.ptr)
+            append(len(a.view))
+        elif code == _BYTES:
+            append(a.tobytes())
+        else:
+            append(0)
+        i += 1
+    return values
 
 
 def _dims3(d):
@@ -440,10 +455,8 @@ class RawKernelAdapter(KernelAdapter):
         g = _dims3_of(grid, "grid")
         b = _dims3_of(block, "block")
         sig = _signature(kernel, stream.device)
-        fmt, convs = _plan(sig, args)
-        values = []
-        for conv, a in zip(convs, args):
-            conv(a, values)
+        fmt, codes, limits = _plan(sig, args)
+        values = _pack_values(codes, limits, args)
         impl = stream._impl
         backend = stream.device.backend
         hot = backend.hot

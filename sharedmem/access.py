@@ -112,6 +112,12 @@ class AccessTracker:
     def __bool__(self) -> bool:
         return bool(self._uses)
 
+    def elsewhere_locked(self, stream) -> bool:
+        """Whether streams other than ``stream`` have unfinished accesses (the
+        launch path's test: usually there are none, and no range is looked at)."""
+        held = self._uses
+        return bool(held) and (len(held) > 1 or stream not in held)
+
     def conflicts_locked(self, stream, writes: bool, lo: int, hi: int) -> list:
         """For each *other* stream with unfinished work that conflicts with an
         access ``[lo, hi)`` (a write when ``writes``) on ``stream``: the tuple

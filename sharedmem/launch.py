@@ -192,15 +192,22 @@ def _as_view(obj):
 
 
 _INTENT_MODES = {In: READ, Out: WRITE, InOut: WRITE, Atomic: ATOMIC}
+# Arguments that are scalars whatever the adapter: passed through without a lookup.
+_PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def resolve_args(adapter, args, device):
     """Split launch arguments into LaunchArgs and scalars; returns
-    ``(resolved, uses, device)``. Raises before anything is leased."""
+    ``(resolved, uses, device, coerced)``. Raises before anything is leased.
+    ``coerced``: an adapter made a view for a foreign array, for this launch only."""
     resolved = []
     uses = []
+    coerced = False
     for i, a in enumerate(args):
         cls = type(a)
+        if cls in _PLAIN_SCALARS:
+            resolved.append(a)
+            continue
         mode = _INTENT_MODES.get(cls)
         if mode is not None:
             obj, intent = a.obj, cls
@@ -217,6 +224,7 @@ def resolve_args(adapter, args, device):
                                       f"DeviceBox or array, got {type(obj).__name__}")
                 resolved.append(a)
                 continue
+            coerced = True
         if view._state:
             view._raise_dead()
         tok = view._token
@@ -233,27 +241,27 @@ def resolve_args(adapter, args, device):
                               f"read-only view; pass it as In(...) or copy it first")
         resolved.append(LaunchArg(view, tok, mode, intent))
         uses.append((tok, mode is not READ))
-    return resolved, uses, device
+    return resolved, uses, device, coerced
 
 
-def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=None) -> DeviceFuture:
-    """Launch ``kernel`` on ``stream`` with leases on every array argument.
+def prepare_launch(kernel, grid, block, args, stream, shared_mem, policy):
+    """Everything :func:`launch` does before it takes leases: validation,
+    argument resolution and packing. Raises with nothing leased. Returns
+    ``(stream, uses, enqueue, keep, label, resolved, coerced)`` for
+    :func:`~sharedmem.runtime.submission.submit`.
 
-    ``grid`` and ``block``: an int or a tuple of up to three ints (``block``
-    may be None for cuTile). ``stream``: a :class:`Stream`, a foreign stream,
-    or None for the default stream of the arguments' device. ``policy``:
-    ``"order"`` or ``"reject"``, overriding :func:`set_access_policy`.
-
-    Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
-    the device has finished, whatever the caller drops meanwhile.
-    """
+    ``enqueue`` may be called again (ops submit a prepared launch many times)
+    while every view in ``resolved`` is still live: a view's token never
+    changes while it lives, so the leases and packed pointers stay right --
+    unless ``coerced``: an adapter then made views of foreign arrays for this
+    launch only."""
     adapter = _adapters.get(type(kernel)) or _adapter_for(kernel)
     if policy is not None:
         _access.check_policy(policy)
     if stream is not None and type(stream) is not Stream:
         stream = Stream.from_external(stream)
     device = stream.device if stream is not None else None
-    resolved, uses, device = resolve_args(adapter, args, device)
+    resolved, uses, device, coerced = resolve_args(adapter, args, device)
     if device is None:  # no arrays and no stream: a device this kind of kernel runs on
         from .device import Device, default_device
         device = default_device()
@@ -267,8 +275,23 @@ def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=
     if shared_mem and (not isinstance(shared_mem, int) or shared_mem < 0):
         raise KernelError(f"shared_mem must be an int >= 0, got {shared_mem!r}")
     enqueue, keep = adapter.prepare(kernel, grid, block, resolved, shared_mem, stream)
-    sub = submit(stream, uses, enqueue, keep, policy, (adapter, kernel))
-    return DeviceFuture(sub)
+    return stream, uses, enqueue, keep, (adapter, kernel), resolved, coerced
+
+
+def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=None) -> DeviceFuture:
+    """Launch ``kernel`` on ``stream`` with leases on every array argument.
+
+    ``grid`` and ``block``: an int or a tuple of up to three ints (``block``
+    may be None for cuTile). ``stream``: a :class:`Stream`, a foreign stream,
+    or None for the default stream of the arguments' device. ``policy``:
+    ``"order"`` or ``"reject"``, overriding :func:`set_access_policy`.
+
+    Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
+    the device has finished, whatever the caller drops meanwhile.
+    """
+    stream, uses, enqueue, keep, label, _, _ = prepare_launch(kernel, grid, block, args, stream,
+                                                              shared_mem, policy)
+    return DeviceFuture(submit(stream, uses, enqueue, keep, policy, label))
 
 
 # -- host kernels ---------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 
-from .launch import Intent, _adapter_for, _as_view, launch as _launch_now
+from .launch import Intent, LaunchArg, _adapter_for, _as_view, prepare_launch
 from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
@@ -89,19 +89,42 @@ class DeviceOp:
         raise NotImplementedError
 
 
+class _Prepared:
+    """A launch op prepared for one stream (see launch.prepare_launch): the
+    next submission to that stream reuses it while its views live."""
+
+    __slots__ = ("stream", "uses", "enqueue", "keep", "label", "views")
+
+    def __init__(self, stream, uses, enqueue, keep, label, resolved):
+        self.stream, self.uses, self.enqueue, self.keep, self.label = \
+            stream, uses, enqueue, keep, label
+        self.views = tuple([a.view for a in resolved if type(a) is LaunchArg])
+
+
 class _LaunchOp(DeviceOp):
-    __slots__ = ("kernel", "grid", "block", "args", "shared_mem", "policy")
+    __slots__ = ("kernel", "grid", "block", "args", "shared_mem", "policy", "_prepared")
 
     def __init__(self, kernel, grid, block, args, shared_mem, policy):
         self.kernel, self.grid, self.block, self.args = kernel, grid, block, args
         self.shared_mem, self.policy = shared_mem, policy
+        # The last preparation (argument resolution and packing), reused by the next
+        # submission to the same stream while every view it resolved is live: an op
+        # submitted in a loop pays for leases and the driver call only.
+        self._prepared = None
 
     def __repr__(self) -> str:
         return f"<op {_adapter_for(self.kernel).label(self.kernel)}>"
 
     def _submit_on(self, stream):
-        return _launch_now(self.kernel, self.grid, self.block, *self.args, stream=stream,
-                              shared_mem=self.shared_mem, policy=self.policy)
+        p = self._prepared
+        if p is None or p.stream is not stream or any(v._state for v in p.views):
+            stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(
+                self.kernel, self.grid, self.block, self.args, stream, self.shared_mem,
+                self.policy)
+            p = _Prepared(stream, uses, enqueue, keep, label, resolved)
+            # views an adapter made of foreign arrays live for one launch only
+            self._prepared = None if coerced else p
+        return DeviceFuture(_sub.submit(stream, p.uses, p.enqueue, p.keep, self.policy, p.label))
 
     def _device(self):
         for a in self.args:

@@ -1,12 +1,13 @@
 """Device operations: op / and_then / zip / apply / submit (host backend)."""
 
+import importlib
 import threading
 
 import numpy as np
 import pytest
 
 import sharedmem as sm
-from host_kernels import fill, add, total
+from host_kernels import fill, add, inc, total
 
 
 def test_op_submit_is_launch(host):
@@ -96,3 +97,66 @@ def test_op_validation():
         sm.op(fill, 1, 1).and_then(3)
     with pytest.raises(sm.SharedMemError, match="unknown access policy"):
         sm.op(fill, 1, 1, policy="maybe")
+
+
+def test_an_op_submitted_again_reuses_its_preparation(host, monkeypatch):
+    """Resolution and packing happen once per stream; every submission still
+    takes its own leases and sees moved or released views."""
+    L = importlib.import_module("sharedmem.launch")
+    adapter = L._adapter_for(fill)
+    calls = []
+    real = type(adapter).prepare
+    monkeypatch.setattr(type(adapter), "prepare",
+                        lambda self, *a: (calls.append(1), real(self, *a))[1])
+    s, t = host.create_stream("s"), host.create_stream("t")
+    b = sm.Buffer.zeros(8, "int64", device=host, stream=s)
+    o = sm.op(inc, 1, 1, sm.InOut(b))
+    futs = [o.submit(s) for _ in range(10)]
+    assert len(calls) == 1
+    o.submit(t).result(5)  # another stream: prepared again (ordered after s's writes)
+    o.submit(s).result(5)
+    assert len(calls) == 3
+    for f in futs:
+        f.result(5)
+    np.testing.assert_array_equal(b.to_host(), np.full(8, 12))
+    tens = sm.Tensor.from_buffer(b, (2, 4))
+    with pytest.raises(sm.MovedError, match="^this Buffer was moved into a Tensor"):
+        o.submit(s)
+    assert tens.allocation.live_views == 1 and sm.stats().in_flight == 0
+
+
+def test_an_op_over_foreign_arrays_is_prepared_each_time(host, monkeypatch):
+    """Views an adapter makes of foreign arrays live for one launch: they are
+    never kept by the op (they would count as aliases)."""
+    L = importlib.import_module("sharedmem.launch")
+
+    class Foreign:
+        def __init__(self, buf):
+            self.buf = buf
+
+    class Kernel:
+        __name__ = "foreign_kernel"
+
+    made = []
+
+    class Adapter(L.KernelAdapter):
+        name = "foreign kernel"
+        device_kinds = ("host",)
+
+        def coerce(self, obj, device):
+            if isinstance(obj, Foreign):
+                v = obj.buf[:]
+                made.append(v)
+                return v
+            return None
+
+        def prepare(self, kernel, grid, block, args, shared_mem, stream):
+            return (lambda: stream.device.backend.submit_marker(stream._impl)), ()
+
+    L.register_kernel_adapter(Kernel, Adapter())
+    b = sm.Buffer.zeros(8, "int64", device=host)
+    o = sm.op(Kernel(), 1, 1, sm.In(Foreign(b)))
+    s = host.create_stream()
+    o.submit(s).result(5)
+    o.submit(s).result(5)
+    assert len(made) == 2 and o._prepared is None

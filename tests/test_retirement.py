@@ -154,3 +154,48 @@ def test_stats_fields():
         st.in_flight = 3
     assert set(st.as_dict()) == {"in_flight", "live_allocations", "live_views", "leaked",
                                  "leaked_bytes", "submitted", "retired"}
+
+
+class _CountingMarker:
+    """A marker whose completion the test sets, counting the queries."""
+
+    def __init__(self, log):
+        self.state, self.error, self.log = 0, None, log
+
+    def query(self):
+        self.log.append(self)
+        return self.state
+
+
+class _Sub:
+    def __init__(self, marker):
+        self.marker = marker
+
+
+@pytest.mark.parametrize("n, done", [(1, 0), (1, 1), (64, 0), (64, 1), (64, 17), (64, 63),
+                                     (64, 64), (1000, 999)])
+def test_retirement_finds_the_finished_prefix_in_few_queries(n, done):
+    """A stream finishes in order, so retiring n submissions costs at most
+    2 + log2(n) event queries, not one per submission."""
+    import collections
+    import math
+    from sharedmem.runtime.submission import _done_prefix_locked
+    log = []
+    subs = collections.deque(_Sub(_CountingMarker(log)) for _ in range(n))
+    for s in list(subs)[:done]:
+        s.marker.state = 1
+    assert _done_prefix_locked(subs) == done
+    assert len(log) <= 2 + math.ceil(math.log2(n))
+    if done in (0, n):
+        assert len(log) <= 2  # a drained or an untouched FIFO: the newest, then the oldest
+
+
+def test_retirement_walks_one_by_one_after_an_unknown_query():
+    import collections
+    from sharedmem.runtime.submission import _done_prefix_locked
+    log = []
+    subs = collections.deque(_Sub(_CountingMarker(log)) for _ in range(8))
+    for s in list(subs)[:3]:
+        s.marker.state = 1
+    subs[-1].marker.state = 2  # the newest query failed: the caller must walk the FIFO
+    assert _done_prefix_locked(subs) == -1

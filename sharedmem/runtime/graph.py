@@ -91,7 +91,8 @@ class Graph:
     def _record_locked(self, uses, enqueue, keep, label):
         for tok, _ in uses:
             if not tok.live:
-                raise ReleasedError(f"a {tok.kind} passed to {label} was released before the launch")
+                raise ReleasedError(f"a {tok.kind} passed to {_sub.label_text(label)} was "
+                                    f"released before the launch")
         marker = enqueue()  # recorded by the backend, not run
         if marker is not None:
             marker.recycle()
@@ -108,7 +109,7 @@ class Graph:
         self._keep.extend(keep)
         self.launches += 1
         sub = _sub.Submission(None, 0, COMPLETE, None, None,
-                              f"{label} (captured into graph #{self.id})", 0)
+                              f"{_sub.label_text(label)} (captured into graph #{self.id})")
         sub.state = _sub.RETIRED
         return sub
 

@@ -45,26 +45,35 @@ _deferred_errors: collections.deque = collections.deque()
 class Submission:
     """One piece of enqueued work; see the module docstring for what it keeps."""
 
-    __slots__ = ("stream", "seq", "marker", "keep", "trackers", "state", "callbacks", "value",
-                 "_label", "nbytes")
+    __slots__ = ("stream", "seq", "marker", "keep", "uses", "state", "callbacks", "value",
+                 "_label")
 
-    def __init__(self, stream, seq, marker, keep, trackers, label, nbytes):
+    def __init__(self, stream, seq, marker, keep, uses, label):
         self.stream = stream
         self.seq = seq
         self.marker = marker
         self.keep = keep
-        self.trackers = trackers
+        self.uses = uses  # the (token, writes) pairs it leased; never mutated
         self.state = PENDING  # written under core_lock
         self.callbacks = None  # list of callables; guarded by core_lock
         self.value = None
         self._label = label
-        self.nbytes = nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes leased (counted again for each lease of the same bytes)."""
+        return sum(tok.stop - tok.start for tok, _ in self.uses or ())
 
     @property
     def label(self) -> str:
         """What the work is, for messages (computed only when needed)."""
-        lab = self._label
-        return lab if isinstance(lab, str) else lab[0].label(lab[1])
+        return label_text(self._label)
+
+
+def label_text(label) -> str:
+    """A submission label as text: a string, or ``(adapter, kernel)``, which is
+    formatted only when a message needs it (never on the launch path)."""
+    return label if isinstance(label, str) else label[0].label(label[1])
 
 
 #: Sweep the front of a stream's FIFO on every SWEEP_EVERY-th submission to it
@@ -86,9 +95,6 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     """
     if _pending_warnings or _deferred_errors:
         raise_deferred()
-    if not isinstance(label, str):  # (adapter, kernel): formatted only for messages
-        labeler = label
-        label = _LazyLabel(labeler)
     if policy is None:
         policy = _access._policy
     elif policy not in ("order", "reject"):
@@ -111,22 +117,22 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
         waits = None
         for tok, writes in uses:
             if not tok.live:
-                raise ReleasedError(f"a {tok.kind} passed to {label} was released before the launch")
+                raise ReleasedError(f"a {tok.kind} passed to {label_text(label)} was released "
+                                    f"before the launch")
             tracker = tok.allocation.tracker
-            held = tracker._uses
-            if not held or (len(held) == 1 and stream in held):
+            if not tracker.elsewhere_locked(stream):
                 continue  # nothing in flight on another stream
             for other, marker, seq, other_writes in tracker.conflicts_locked(
                     stream, writes, tok.start, tok.stop):
                 if marker.unknown:
                     raise CompletionUnknownError(
-                        f"{label} on {stream} would {'write' if writes else 'read'} bytes "
+                        f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
                         f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}, which work of "
                         f"unknown completion on {other} {'writes' if other_writes else 'reads'}; "
                         f"that memory is kept but its contents cannot be trusted")
                 if policy == "reject":
                     raise AccessConflictError(
-                        f"{label} on {stream} would {'write' if writes else 'read'} bytes "
+                        f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
                         f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} while "
                         f"unfinished work on {other} {'writes' if other_writes else 'reads'} them "
                         f"(policy 'reject'). Wait for that work (future.result() or "
@@ -143,17 +149,11 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
         marker = enqueue()
         seq = stream._seq + 1
         stream._seq = seq
-        trackers = []
         keeps = list(keep)
-        nbytes = 0
         for tok, writes in uses:
-            tracker = tok.allocation.tracker
-            tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
-            trackers.append(tracker)
+            tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
             keeps.append(tok.keep)
-            nbytes += tok.stop - tok.start
-        sub = Submission(stream, seq, marker, keeps, trackers,
-                         label._labeler if type(label) is _LazyLabel else label, nbytes)
+        sub = Submission(stream, seq, marker, keeps, uses, label)
         pending = stream._pending
         pending.append(sub)
         if len(pending) == 1:
@@ -177,61 +177,96 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     return sub
 
 
-class _LazyLabel:
-    """Formats ``adapter.label(kernel)`` only when a message needs it."""
-
-    __slots__ = ("_labeler",)
-
-    def __init__(self, labeler):
-        self._labeler = labeler
-
-    def __format__(self, spec):
-        return format(self._labeler[0].label(self._labeler[1]), spec)
-
-    __str__ = lambda self: self._labeler[0].label(self._labeler[1])  # noqa: E731
-
-
 # [True] once the retirer thread runs (it never exits before interpreter shutdown)
 _retirer_running = [False]
 # [True] while the retirer sleeps its idle interval (written by the retirer only)
 _retirer_idle = [False]
 
 
+def _done_prefix_locked(pending) -> int:
+    """How many submissions at the front of ``pending`` have finished, in
+    fewer queries than one per submission: a stream runs its work in order,
+    so the finished ones are a prefix. The newest is asked first (one query
+    retires a whole FIFO that has drained), then the oldest (one query when
+    nothing has), then a bisection between them. Returns -1 when a query
+    said *unknown*: the caller then walks the FIFO one by one."""
+    n = len(pending)
+    st = pending[-1].marker.query()
+    if st == _M_DONE:
+        return n
+    if st == _M_UNKNOWN:
+        return -1
+    if n == 1:
+        return 0
+    st = pending[0].marker.query()
+    if st == _M_PENDING:
+        return 0
+    if st == _M_UNKNOWN:
+        return -1
+    lo, hi = 0, n - 1  # pending[lo] is done, pending[hi] is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        st = pending[mid].marker.query()
+        if st == _M_DONE:
+            lo = mid
+        elif st == _M_PENDING:
+            hi = mid
+        else:
+            return -1
+    return hi
+
+
 def _sweep_locked(stream) -> list:
     """Retire the finished front of ``stream``'s FIFO. Caller holds core_lock.
     Returns the submissions that changed state (for :func:`finish`)."""
     pending = stream._pending
+    if not pending:
+        _active.discard(stream)
+        return []
     out = []
     last_done = 0
-    while pending:
-        sub = pending[0]
-        st = sub.marker.query()
-        if st == _M_PENDING:
-            break
-        pending.popleft()
-        if st == _M_DONE:
+    k = _done_prefix_locked(pending)
+    if k > 0:
+        popleft, append = pending.popleft, out.append
+        for _ in range(k):
+            sub = popleft()
             sub.state = RETIRED
-            last_done = sub.seq
-            _counters["retired"] += 1
-        else:
-            sub.state = UNKNOWN
-            _leaked.append(sub)
-            _counters["leaked_bytes"] += sub.nbytes
-            if not stream._leak_warned:
-                stream._leak_warned = True
-                _pending_warnings.append(
-                    f"completion of work on {stream} is unknown ({sub.marker.error!r}); its memory "
-                    f"and leases are kept, never freed (see sharedmem.stats().leaked). Create a new "
-                    f"stream for further work.")
-        _counters["in_flight"] -= 1
-        out.append(sub)
+            append(sub)
+        last_done = sub.seq
+        c = _counters
+        c["retired"] += k
+        c["in_flight"] -= k
+    elif k < 0:  # a failed query: retire what finished, leak from the first unknown on
+        while pending:
+            sub = pending[0]
+            st = sub.marker.query()
+            if st == _M_PENDING:
+                break
+            pending.popleft()
+            if st == _M_DONE:
+                sub.state = RETIRED
+                last_done = sub.seq
+                _counters["retired"] += 1
+            else:
+                sub.state = UNKNOWN
+                _leaked.append(sub)
+                _counters["leaked_bytes"] += sub.nbytes
+                if not stream._leak_warned:
+                    stream._leak_warned = True
+                    _pending_warnings.append(
+                        f"completion of work on {stream} is unknown ({sub.marker.error!r}); its "
+                        f"memory and leases are kept, never freed (see sharedmem.stats().leaked). "
+                        f"Create a new stream for further work.")
+            _counters["in_flight"] -= 1
+            out.append(sub)
     if last_done:
         # the stream runs in order: one retire per tracker covers every submission up to
         # last_done (trackers of leaked submissions are never retired: their seq is later)
         seen = set()
         for sub in out:
             if sub.state == RETIRED:
-                for tr in sub.trackers:
+                for tok, _ in sub.uses:
+                    tr = tok.allocation.tracker
                     if id(tr) not in seen:
                         seen.add(id(tr))
                         tr.retire_locked(stream, last_done)
@@ -245,7 +280,7 @@ def finish(subs) -> None:
     for sub in subs:
         if sub.state == RETIRED:
             sub.keep = None
-            sub.trackers = None
+            sub.uses = None
             sub.marker.recycle()
         cbs = sub.callbacks
         if cbs:
