@@ -105,6 +105,11 @@ def bench_launch_gpu(dev, quick):
     def ours():
         sm.launch(k, 1, 32, sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), nn, stream=s)
 
+    prepared = sm.op(k, 1, 32, sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), nn)
+
+    def ours_op():  # described once, submitted in a loop: resolution and packing reused
+        prepared.submit(s)
+
     # the floor: cuLaunchKernel through cuda.bindings with a pre-packed void**
     with cp.cuda.Device(dev.ordinal):
         func = int(k.kernel.ptr)
@@ -117,17 +122,19 @@ def bench_launch_gpu(dev, quick):
     def floor():
         launch(func, 1, 1, 1, 32, 1, 1, 0, cus, addr, 0)
 
-    for fn in (raw, ours, floor):  # warm up
+    for fn in (raw, ours, ours_op, floor):  # warm up
         for _ in range(200):
             fn()
     sync()
     reps = 7
     t_raw = per_call_us(raw, n_launch, reps, sync)
     t_ours = per_call_us(ours, n_launch, reps, sync)
+    t_op = per_call_us(ours_op, n_launch, reps, sync)
     t_floor = per_call_us(floor, n_launch, reps, sync)
     sm.synchronize()
     row("launch, 4 buffers + scalar, vs CuPy RawKernel call", t_ours, t_raw, "CuPy")
     row("launch, same, vs cuLaunchKernel floor", t_ours, t_floor, "cuLaunchKernel")
+    row("op.submit of that launch (prepared once) vs CuPy", t_op, t_raw, "CuPy")
     return t_ours
 
 
@@ -189,6 +196,21 @@ def bench_graph(dev, quick):
     t_raw = per_call_us(lambda: raw_graph.launch(cs), nrep, 5, cs.synchronize)
     t_ours = per_call_us(lambda: g.replay(s), nrep, 5, s.synchronize)
     row("graph replay, 32 launches, vs raw CUDA graph launch", t_ours, t_raw, "cuGraphLaunch")
+    # The rows above are bound by the GPU (32 kernels a replay). The host's own cost of a
+    # replay call: 40 calls timed without waiting (the device queue never fills), then a sync.
+    def host_cost(fn, sync):
+        times = []
+        for _ in range(15):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(40):
+                fn()
+            times.append((time.perf_counter() - t0) / 40 * 1e6)
+            sync()
+        return statistics.median(times)
+    h_raw = host_cost(lambda: raw_graph.launch(cs), cs.synchronize)
+    h_ours = host_cost(lambda: g.replay(s), s.synchronize)
+    row("graph replay call, host time only", h_ours, h_raw, "cuGraphLaunch")
 
 
 def bench_dlpack(dev, quick):
