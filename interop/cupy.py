@@ -216,7 +216,7 @@ class _Signature:
     """A kernel's parameter layout on one device: CUfunction, parameter sizes,
     and a packing buffer (8-byte-aligned slots plus the ``void**`` array)."""
 
-    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets", "plans")
+    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets", "plans", "packed")
 
     def __init__(self, func: int, sizes):
         self.func = func
@@ -233,6 +233,9 @@ class _Signature:
         # argument-type signature -> (struct format, per-argument converters);
         # lock-free: plans are immutable and a racing writer stores an equal one
         self.plans = {}
+        # the values list last packed into `slots` (an op submitted again skips packing);
+        # guarded by core_lock, like the slots
+        self.packed = None
 
 
 _sig_cache: dict = {}  # (id(kernel), ordinal) -> (kernel, _Signature); guarded by _sig_lock
@@ -465,14 +468,17 @@ class RawKernelAdapter(KernelAdapter):
         slots, ptrs_addr, func = sig.slots, sig.ptrs_addr, sig.func
         stream_arg = impl.handle if hot is not None else impl.cu_stream
         extra = None if hot is not None else 0
+        gx, gy, gz = g
+        bx, by, bz = b
 
         def enqueue():
             # Runs under the core lock: launches are serialized, so the shared
             # packing buffer is safe; the driver copies parameters at launch.
-            pack(fmt, slots, 0, *values)
+            if sig.packed is not values:
+                pack(fmt, slots, 0, *values)
+                sig.packed = values
             backend.ensure_context()
-            err = launch(func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream_arg,
-                         ptrs_addr, extra)
+            err = launch(func, gx, gy, gz, bx, by, bz, shared_mem, stream_arg, ptrs_addr, extra)
             if not isinstance(err, int):
                 err = int(err[0])
             if err:

@@ -42,7 +42,7 @@ _NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY if cu is not None else None
 
 
 class _HotDriver:
-    """The three driver calls on the per-launch path, called through ctypes on
+    """The driver calls on the per-launch path, called through ctypes on
     libcuda itself: cuda.bindings' Python wrappers cost several microseconds a
     call (measured: ``cuLaunchKernel`` through them 4.6 us against a whole CuPy
     launch of 5.8 us on an H200). Handles and pointers are plain ints. The
@@ -63,6 +63,9 @@ class _HotDriver:
         self.query = lib.cuEventQuery
         self.query.argtypes = [vp]
         self.query.restype = ctypes.c_int
+        self.graph_launch = lib.cuGraphLaunch
+        self.graph_launch.argtypes = [vp, vp]
+        self.graph_launch.restype = ctypes.c_int
 
 
 def _hot_driver():
@@ -392,7 +395,7 @@ class CudaBackend:
         return impl
 
     def end_capture(self, impl: CudaStreamImpl):
-        """``(CUgraph, CUgraphExec)`` of the capture on ``impl``."""
+        """``(CUgraph, CUgraphExec, native exec handle)`` of the capture on ``impl``."""
         self.ensure_context()
         impl.capturing = False
         graph = check(cu.cuStreamEndCapture(impl.cu_stream), "cuStreamEndCapture")
@@ -401,11 +404,17 @@ class CudaBackend:
         except Exception:
             cu.cuGraphDestroy(graph)
             raise
-        return graph, exec_
+        return graph, exec_, int(exec_)
 
     def launch_graph(self, graph_exec, impl: CudaStreamImpl) -> CudaMarker:
         self.ensure_context()
-        check(cu.cuGraphLaunch(graph_exec[1], impl.cu_stream), "cuGraphLaunch")
+        hot = self.hot
+        if hot is not None:
+            err = hot.graph_launch(graph_exec[2], impl.handle)
+            if err:
+                check((cu.CUresult(err),), "cuGraphLaunch")
+        else:
+            check(cu.cuGraphLaunch(graph_exec[1], impl.cu_stream), "cuGraphLaunch")
         return self.submit_marker(impl)
 
     def destroy_graph(self, graph_exec) -> None:

@@ -69,7 +69,7 @@ class Graph:
     collection does the same once no replay is in flight."""
 
     __slots__ = ("id", "device", "_uses", "_keep", "_recorder", "_exec", "_state", "launches",
-                 "_lock", "__weakref__")
+                 "_lock", "_replay", "__weakref__")
 
     def __init__(self, device):
         self.id = next(_ids)
@@ -82,6 +82,9 @@ class Graph:
         self._state = "capturing"  # -> "ready" | "failed" | "released"; guarded by self._lock
         self._lock = threading.Lock()
         self.launches = 0  # submissions captured
+        # (uses, keep, label) of every replay, fixed when the capture ends: replays then
+        # build nothing. The uses hold the graph's own tokens, dead once it is released.
+        self._replay = None
 
     def __repr__(self) -> str:
         return (f"<Graph #{self.id} on {self.device}: {self.launches} captured, "
@@ -127,14 +130,11 @@ class Graph:
         s = resolve_stream(stream, self.device)
         if s._capture is not None:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
-        with locked():
-            uses = [(tok, writes) for tok, writes in self._uses.values()]
+        uses, keep, label = self._replay
         backend, impl = self.device.backend, s._impl
         handle = exec_.handle
         # keeps the executable and (through the uses) the memory -- not this Graph
-        sub = _sub.submit(s, uses, lambda: backend.launch_graph(handle, impl),
-                          keep=(exec_,) + tuple(self._keep), policy=policy,
-                          label=f"replay of graph #{self.id}")
+        sub = _sub.submit(s, uses, lambda: backend.launch_graph(handle, impl), keep, policy, label)
         return DeviceFuture(sub)
 
     def describe(self) -> str:
@@ -221,6 +221,9 @@ class capture:
             g.release()
             return False
         g._exec = _Executable(s.device.backend, exec_)
+        with locked():
+            uses = [(tok, writes) for tok, writes in g._uses.values()]
+        g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}")
         with g._lock:
             g._state = "ready"
         return False
