@@ -101,6 +101,50 @@ def main():
     add("sm.launch, as it runs",
         lambda: sm.launch(k, 1, 32, sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), nn, stream=s))
     sm.synchronize()
+    cutile(dev, s, add)
+
+
+def cutile(dev, s, add):
+    try:
+        import cuda.tile as ct
+    except ImportError:
+        print("cuda.tile not installed: no cuTile lines")
+        return
+    import cupy as cp
+    from interop.cutile import _ArrayDescriptor
+    T = 256
+    n = T * 64
+    h = s.handle
+    grid = (n // T, 1, 1)
+    ca, cb, cc = (cp.ones(n, cp.float32) for _ in range(3))
+    a, b, c = (sm.Tensor.from_host(np.ones(n, np.float32), device=dev) for _ in range(3))
+    da, db, dc = _ArrayDescriptor(a, False), _ArrayDescriptor(b, False), _ArrayDescriptor(c, True)
+    o = sm.op(_vadd(ct), (n // T,), None, sm.In(a), sm.In(b), sm.Out(c), T)
+    k = _vadd(ct)
+    add("ct.launch, CuPy arrays", lambda: ct.launch(h, grid, k, (ca, cb, cc, T)), n=5000)
+    add("ct.launch, our CAI descriptors (made once)", lambda: ct.launch(h, grid, k, (da, db, dc, T)),
+        n=5000)
+    add("ct.launch, CAI descriptors made per call",
+        lambda: ct.launch(h, grid, k, (_ArrayDescriptor(a, False), _ArrayDescriptor(b, False),
+                                       _ArrayDescriptor(c, True), T)), n=5000)
+    add("cuTile op.submit", lambda: o.submit(s), n=5000)
+    add("cuTile sm.launch",
+        lambda: sm.launch(k, (n // T,), None, sm.In(a), sm.In(b), sm.Out(c), T, stream=s), n=5000)
+    sm.synchronize()
+
+
+_kernel = []
+
+
+def _vadd(ct):
+    if not _kernel:
+        @ct.kernel
+        def vadd(a, b, c, TT: ct.Constant[int]):
+            i = ct.bid(0)
+            ct.store(c, index=(i,), tile=ct.load(a, index=(i,), shape=(TT,)) +
+                     ct.load(b, index=(i,), shape=(TT,)))
+        _kernel.append(vadd)
+    return _kernel[0]
 
 
 if __name__ == "__main__":
