@@ -63,6 +63,17 @@ class _ArrayDescriptor:
         }
 
 
+_RW, _RO = "cutile-descriptor-rw", "cutile-descriptor-ro"
+
+
+def _writable_descriptor(view):
+    return _ArrayDescriptor(view, True)
+
+
+def _readonly_descriptor(view):
+    return _ArrayDescriptor(view, False)
+
+
 def _check_no_aliasing(args) -> None:
     arrays = [(i, a) for i, a in enumerate(args) if isinstance(a, LaunchArg)]
     for i, a in arrays:
@@ -112,8 +123,11 @@ class TileKernelAdapter(KernelAdapter):
         g = tuple(g) + (1,) * (3 - len(g))
         _check_no_aliasing(args)
         # arrays as CAI descriptors; NumPy scalars as Python scalars (cuTile takes those)
-        call_args = tuple(_ArrayDescriptor(a.view, a.writes) if isinstance(a, LaunchArg) else
-                          (a.item() if isinstance(a, np.generic) else a) for a in args)
+        # (descriptors are made once per view: its layout never changes while it lives)
+        call_args = tuple(
+            (a.view._derived_value(_RW, _writable_descriptor) if a.writes else
+             a.view._derived_value(_RO, _readonly_descriptor)) if isinstance(a, LaunchArg) else
+            (a.item() if isinstance(a, np.generic) else a) for a in args)
         impl = stream._impl
         backend = stream.device.backend
         handle = impl.handle

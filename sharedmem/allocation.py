@@ -284,7 +284,7 @@ class View:
     storage was moved to another handle.
     """
 
-    __slots__ = ("_token", "_state", "_moved_to", "__weakref__")
+    __slots__ = ("_token", "_state", "_moved_to", "_derived", "__weakref__")
 
     _kind = "view"
 
@@ -292,6 +292,21 @@ class View:
         self._token = token
         self._state = _LIVE
         self._moved_to = None
+        self._derived = None  # see _derived_value
+
+    def _derived_value(self, key, make):
+        """``make(self)``, computed once per view and key. For facts that cannot
+        change while the view lives -- its address, shape, strides and dtype do
+        not -- such as the array descriptors interop modules hand to other
+        libraries on every launch. Lock-free: a racing thread computes an equal value."""
+        d = self._derived
+        if d is None:
+            d = self._derived = {}
+        v = d.get(key)
+        if v is None:
+            self._live_token()
+            v = d[key] = make(self)
+        return v
 
     # -- state --------------------------------------------------------------
     def _live_token(self) -> ViewToken:

@@ -211,3 +211,22 @@ def test_device_box(device):
             x[0] += 2
         sm.launch(incr, 1, 1, sm.InOut(box)).result()
         assert box.get() == 3.0
+
+
+def test_derived_values_are_computed_once_per_live_view(host):
+    """What interop modules cache per view (array descriptors) is computed once,
+    never for a dead view, and never shared with the view a move returns."""
+    b = sm.Buffer.zeros(8, "float32", device=host)
+    calls = []
+
+    def make(v):
+        calls.append(v)
+        return (v.ptr, len(v))
+
+    assert b._derived_value("k", make) == (b.ptr, 8)
+    assert b._derived_value("k", make) == (b.ptr, 8) and len(calls) == 1
+    t = sm.Tensor.from_buffer(b, (2, 4))
+    with pytest.raises(sm.MovedError):
+        b._derived_value("other", make)
+    assert t._derived_value("k", lambda v: ("tensor", v.shape)) == ("tensor", (2, 4))
+    assert len(calls) == 1
