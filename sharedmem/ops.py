@@ -7,7 +7,8 @@ Ops compose:
 * ``zip(a, b, ...)`` -- independent: the first runs on the submission stream,
   the others on streams of a per-device pool; the submission stream then waits
   for them on the device, so whatever follows the zip runs after all of them;
-  its value is the tuple of their values;
+  its value is the tuple of their values. Captured into a graph, the branches
+  are recorded one after another on the capturing stream;
 * ``a.apply(fn)`` -- ``fn(value of a)`` on the host once ``a`` completed.
 
 ``op.submit(stream=None)`` returns the same :class:`~sharedmem.DeviceFuture`
@@ -184,8 +185,11 @@ class _Zip(DeviceOp):
 
     def _submit_on(self, stream):
         if stream._capture is not None:
-            raise CaptureError("zip() cannot be captured into a graph yet: its branches run on "
-                               "other streams; capture a chain of and_then() instead")
+            # Captured: the branches are recorded one after another on the capturing
+            # stream (independent work may run in any order, so this is a valid
+            # schedule); the graph then replays them in that order.
+            futures = [o._submit_on(stream) for o in self.ops]
+            return ComputedFuture(futures[-1]._s, lambda: tuple(value_when_done(f) for f in futures))
         futures = [self.ops[0]._submit_on(stream)]
         for o in self.ops[1:]:
             futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))

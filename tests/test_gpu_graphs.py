@@ -69,3 +69,24 @@ def test_default_stream_cannot_capture(gpu):
     with pytest.raises(sm.CaptureError, match="the default stream cannot be captured"):
         with sm.capture(gpu.default_stream):
             pass
+
+
+def test_cuda_graph_of_a_zip_and_a_chain(gpu, K):
+    """zip branches captured one after another, then a dependent launch; the
+    graph replays exactly, twice, on another stream."""
+    n = 1 << 14
+    s = gpu.create_stream("capture-zip")
+    a = sm.Buffer.zeros(n, "float32", device=gpu, stream=s)
+    b = sm.Buffer.zeros(n, "float32", device=gpu, stream=s)
+    out = sm.Buffer.zeros(n, "float32", device=gpu, stream=s)
+    s.synchronize()
+    fill, saxpy = K.kernel("fill"), K.kernel("saxpy")
+    z = sm.zip(sm.op(fill, 16, 256, sm.Out(a), n, 1.5), sm.op(fill, 16, 256, sm.Out(b), n, 0.25))
+    g = sm.graph(z.and_then(sm.op(saxpy, n // 256, 256, 2.0, sm.In(a), sm.In(b), sm.Out(out), n)),
+                 stream=s)
+    assert g.launches == 3
+    np.testing.assert_array_equal(out.to_host(), np.zeros(n, np.float32))
+    r = gpu.create_stream("replay-zip")
+    g.replay(r).result()
+    g.replay(r).result()
+    np.testing.assert_array_equal(out.to_host(), np.full(n, 3.25, np.float32))

@@ -154,8 +154,6 @@ def test_capture_errors_end_the_capture(host):
             s.synchronize()
         with pytest.raises(sm.CaptureError, match=r"^to_host\(\) on .* cannot be captured"):
             x.to_host(stream=s)
-        with pytest.raises(sm.CaptureError, match=r"^zip\(\) cannot be captured"):
-            sm.zip(sm.op(inc, 1, 1, x)).submit(s)
         with pytest.raises(sm.CaptureError, match=r"^apply\(\) cannot be captured"):
             sm.op(inc, 1, 1, x).apply(print).submit(s)
     assert s._capture is None
@@ -175,3 +173,20 @@ def test_graph_of_an_op_chain(host):
     np.testing.assert_array_equal(out.to_host(), np.full(10, 3.0))
     g.release()
     gc.collect()
+
+
+def test_graph_of_a_zip(host):
+    """A captured zip records its branches in order on the capturing stream;
+    each replay runs all of them, then what follows the zip."""
+    a = sm.Buffer.zeros(10, "float32", device=host)
+    b = sm.Buffer.zeros(10, "float32", device=host)
+    out = sm.Buffer.zeros(10, "float32", device=host)
+    host.default_stream.synchronize()
+    z = sm.zip(sm.op(inc, 1, 1, a), sm.op(inc, 1, 1, b), sm.op(inc, 1, 1, b))
+    g = sm.graph(z.and_then(sm.op(add, 1, 1, sm.In(a), sm.In(b), sm.Out(out))))
+    assert g.launches == 4
+    np.testing.assert_array_equal(out.to_host(), np.zeros(10))
+    g.replay().result(5)
+    g.replay().result(5)
+    np.testing.assert_array_equal(a.to_host(), np.full(10, 2.0))
+    np.testing.assert_array_equal(out.to_host(), np.full(10, 6.0))
