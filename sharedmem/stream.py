@@ -28,7 +28,7 @@ class Stream:
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_leak_warned",
-                 "_external", "_capture", "__weakref__")
+                 "_external", "_capture", "launch_cache", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
@@ -46,6 +46,10 @@ class Stream:
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock
+        # For kernel adapters: what is constant about launching a kernel on this stream
+        # (interop.cupy keeps its launchers here), so it lives and dies with the stream.
+        # Lock-free: entries are immutable and a racing writer stores an equivalent one.
+        self.launch_cache = {}
         return self
 
     @classmethod
