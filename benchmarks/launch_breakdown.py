@@ -7,7 +7,6 @@ off, then with retirement as it runs normally. The differences are the
 price of each piece. Run on a GPU: PYTHONPATH=. python3 benchmarks/launch_breakdown.py
 """
 import ctypes
-import statistics
 import sys
 import time
 
@@ -17,21 +16,11 @@ import sharedmem as sm
 from sharedmem.runtime import submission as _sub
 
 sys.path.insert(0, "benchmarks")
-from run import LAUNCH_SRC  # noqa: E402
+from run import LAUNCH_SRC, per_call_us  # noqa: E402
 
 
 def per_call(fn, n=20000, reps=7, sync=None):
-    times = []
-    for _ in range(reps):
-        if sync:
-            sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t0) / n * 1e6)  # the calls only: the GPU keeps up
-        if sync:
-            sync()
-    return statistics.median(times)
+    return per_call_us(fn, n, reps, sync, timed_sync=False)  # the calls only: the GPU keeps up
 
 
 def main():

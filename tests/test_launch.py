@@ -188,29 +188,7 @@ def test_callback_errors_surface_at_the_next_call_not_in_other_futures(host):
 def test_views_an_adapter_makes_of_foreign_arrays_live_through_the_launch(host):
     """An adapter's coerced view (a CuPy array argument, say) is referenced by
     nothing but the launch: it must stay live until the leases are taken."""
-    import importlib
-    L = importlib.import_module("sharedmem.launch")
-
-    class Foreign:
-        def __init__(self, buf):
-            self.buf = buf
-
-    class ForeignKernel:
-        __name__ = "foreign_fill"
-
-    class Adapter(L.KernelAdapter):
-        name = "foreign kernel"
-        device_kinds = ("host",)
-
-        def coerce(self, obj, device):
-            return obj.buf[:] if isinstance(obj, Foreign) else None  # referenced nowhere else
-
-        def prepare(self, kernel, grid, block, args, shared_mem, stream):
-            from sharedmem.backends.host import ndarray_of
-            arr = ndarray_of(args[0].view, True)
-            return (lambda: stream._impl.submit(lambda: arr.fill(7))), ()
-
-    L.register_kernel_adapter(ForeignKernel, Adapter())
+    from host_kernels import Foreign, ForeignKernel
     b = sm.Buffer.zeros(4, "int32", device=host)
     sm.launch(ForeignKernel(), 1, 1, sm.Out(Foreign(b))).result(5)
     np.testing.assert_array_equal(b.to_host(), np.full(4, 7))
