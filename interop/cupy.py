@@ -514,7 +514,7 @@ def _launcher(sig, stream, g, b, shared_mem) -> _Launcher:
     cache = stream.launch_cache  # lives and dies with the stream
     key = (sig, g, b, shared_mem)
     hit = cache.get(key)
-    if hit is None:
+    if hit is None or hit.impl is not stream._impl:  # (an impl is swapped only by host captures)
         if len(cache) >= 256:  # bounded: many kernels or launch shapes on one stream
             cache.clear()
         hit = cache[key] = _Launcher(sig, stream, g, b, shared_mem)

@@ -92,14 +92,24 @@ class DeviceOp:
 
 class _Prepared:
     """A launch op prepared for one stream (see launch.prepare_launch): the
-    next submission to that stream reuses it while its views live."""
+    next submission to that stream reuses it while its views live and the
+    stream has the same implementation (a host stream swaps in a recorder
+    while it captures a graph; adapters bind their enqueue to the one they saw)."""
 
-    __slots__ = ("stream", "uses", "enqueue", "keep", "label", "views")
+    __slots__ = ("stream", "impl", "uses", "enqueue", "keep", "label", "views")
 
     def __init__(self, stream, uses, enqueue, keep, label, resolved):
-        self.stream, self.uses, self.enqueue, self.keep, self.label = \
-            stream, uses, enqueue, keep, label
+        self.stream, self.impl = stream, stream._impl
+        self.uses, self.enqueue, self.keep, self.label = uses, enqueue, keep, label
         self.views = tuple([a.view for a in resolved if type(a) is LaunchArg])
+
+    def fits(self, stream) -> bool:
+        if self.stream is not stream or self.impl is not stream._impl:
+            return False
+        for v in self.views:
+            if v._state:
+                return False
+        return True
 
 
 class _LaunchOp(DeviceOp):
@@ -118,7 +128,7 @@ class _LaunchOp(DeviceOp):
 
     def _submit_on(self, stream):
         p = self._prepared
-        if p is None or p.stream is not stream or any(v._state for v in p.views):
+        if p is None or not p.fits(stream):
             stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(
                 self.kernel, self.grid, self.block, self.args, stream, self.shared_mem,
                 self.policy)

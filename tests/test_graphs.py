@@ -190,3 +190,21 @@ def test_graph_of_a_zip(host):
     g.replay().result(5)
     np.testing.assert_array_equal(a.to_host(), np.full(10, 2.0))
     np.testing.assert_array_equal(out.to_host(), np.full(10, 6.0))
+
+
+def test_an_op_submitted_before_and_inside_a_capture(host):
+    """An op prepared on a stream and then submitted inside a capture on that
+    stream is recorded, not run (the host stream records while capturing)."""
+    s = host.create_stream("s")
+    x = sm.Buffer.zeros(4, "float32", device=host, stream=s)
+    o = sm.op(inc, 1, 1, x)
+    o.submit(s).result(5)
+    np.testing.assert_array_equal(x.to_host(), np.ones(4))
+    with sm.capture(s) as g:
+        o.submit(s)
+        o.submit(s)
+    np.testing.assert_array_equal(x.to_host(), np.ones(4))
+    g.replay(s).result(5)
+    np.testing.assert_array_equal(x.to_host(), np.full(4, 3.0))
+    o.submit(s).result(5)  # after the capture: runs again
+    np.testing.assert_array_equal(x.to_host(), np.full(4, 4.0))
