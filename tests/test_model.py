@@ -31,9 +31,16 @@ class Handle:
 
 
 class Lease:
-    def __init__(self, fut, gate, alloc_key, start, stop, writes):
-        self.fut, self.gate = fut, gate
+    def __init__(self, fut, gate, alloc_key, start, stop, writes, stream=None):
+        self.fut, self.gate, self.stream = fut, gate, stream
         self.alloc_key, self.start, self.stop, self.writes = alloc_key, start, stop, writes
+
+
+class OpEntry:
+    """An op over one handle, submitted again and again to one stream."""
+
+    def __init__(self, op, gate, handle, writes, stream):
+        self.op, self.gate, self.handle, self.writes, self.stream = op, gate, handle, writes, stream
 
 
 class GraphEntry:
@@ -51,6 +58,7 @@ class OwnershipMachine(RuleBasedStateMachine):
         self.handles: list[Handle] = []
         self.leases: list[Lease] = []
         self.graphs: list[GraphEntry] = []
+        self.ops: list[OpEntry] = []
         self.allocs: dict[int, weakref.ref] = {}
         self.tags: dict[int, int] = {}
         self.corrupt: list = []
@@ -149,6 +157,8 @@ class OwnershipMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99), explicit=st.booleans())
     def drop(self, i, explicit):
         h = self.pick(i)
+        if any(e.handle is h for e in self.ops):
+            explicit = True  # an op references the view: only release() ends it
         if explicit:
             h.obj.release()
             with pytest.raises(sm.ReleasedError):
@@ -180,6 +190,45 @@ class OwnershipMachine(RuleBasedStateMachine):
             return
         assert not expect_conflict
         self.leases.append(Lease(fut, gate, h.alloc_key, h.start, h.stop, writes))
+
+    def _conflicts(self, h, writes, stream=None):
+        return any(l.alloc_key == h.alloc_key and overlap(l.start, l.stop, h.start, h.stop)
+                   and (writes or l.writes) and (stream is None or l.stream is not stream)
+                   for l in self.leases)
+
+    @precondition(lambda self: bool(self.views()))
+    @rule(i=st.integers(0, 99), mode=st.sampled_from(["in", "out"]))
+    def make_op(self, i, mode):
+        h = self.pick(i)
+        writes = mode != "in"
+        if writes and not h.writable:
+            return
+        gate = threading.Event()
+        o = sm.op(_checker, 1, 1, (sm.Out if writes else sm.In)(h.obj), self.tags[h.alloc_key],
+                  self.corrupt, gate, policy="reject")
+        self.ops.append(OpEntry(o, gate, h, writes, HOST.create_stream()))
+
+    @precondition(lambda self: bool(self.ops))
+    @rule(i=st.integers(0, 99))
+    def submit_op(self, i):
+        """Submitted again, an op reuses its preparation while its view lives."""
+        e = self.ops[i % len(self.ops)]
+        h = e.handle
+        if h.state != "live":
+            with pytest.raises((sm.MovedError, sm.ReleasedError)):
+                e.op.submit(e.stream)
+            return
+        expect_conflict = self._conflicts(h, e.writes, e.stream)
+        try:
+            fut = e.op.submit(e.stream)
+        except sm.AccessConflictError:
+            assert expect_conflict
+            return
+        assert not expect_conflict
+        if e.gate.is_set():  # completed before: this submission just runs
+            fut.result(10)
+        else:
+            self.leases.append(Lease(fut, e.gate, h.alloc_key, h.start, h.stop, e.writes, e.stream))
 
     @precondition(lambda self: bool(self.leases))
     @rule(i=st.integers(0, 99))
@@ -257,6 +306,8 @@ class OwnershipMachine(RuleBasedStateMachine):
         for lease in self.leases:
             lease.gate.set()
         for e in self.graphs:
+            e.gate.set()
+        for e in self.ops:
             e.gate.set()
         sm.synchronize()
         assert not self.corrupt, self.corrupt
