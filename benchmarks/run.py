@@ -56,11 +56,17 @@ def row(name, ours, raw=None, raw_name="", note=""):
 
 # -- moves ---------------------------------------------------------------------------------
 def bench_moves(dev, quick):
+    """Moves at 1 KiB and at 1 GiB, warmed up and measured in alternating
+    rounds (so a warm-up or a clock change cannot favour one size)."""
     n = 2000 if quick else 20000
-    for label, nbytes in (("1 KiB", 1 << 10), ("1 GiB", 1 << 30)):
-        if dev.kind == "host" and nbytes > (1 << 28):
-            nbytes, label = 1 << 28, "256 MiB"
-        box = [sm.Buffer.empty(nbytes // 4, "float32", device=dev)]
+    big, big_label = (1 << 30), "1 GiB"
+    if dev.kind == "host":
+        big, big_label = 1 << 28, "256 MiB"
+    sizes = (("1 KiB", 1 << 10), (big_label, big))
+    boxes = {label: [sm.Buffer.empty(nbytes // 4, "float32", device=dev)] for label, nbytes in sizes}
+
+    def mover(label, nbytes):
+        box = boxes[label]
 
         def move():
             t = sm.Tensor.from_buffer(box[0], (nbytes // 4,))
@@ -71,13 +77,28 @@ def bench_moves(dev, quick):
             with t.as_buffer():
                 pass
             box[0] = t.into_buffer()
+        return move, borrow
 
-        us = per_call_us(move, n, 5)
-        row(f"move from_buffer+into_buffer, {label}", us, note="zero-copy: size-independent")
-        us2 = per_call_us(borrow, n, 5)
-        row(f"move+as_buffer borrow+move back, {label}", us2)
-        box.clear()
-        gc.collect()
+    fns = {label: mover(label, nbytes) for label, nbytes in sizes}
+    for move, borrow in fns.values():  # warm up
+        per_call_us(move, n // 10, 1)
+        per_call_us(borrow, n // 10, 1)
+    times = {label: ([], []) for label, _ in sizes}
+    for _ in range(5):
+        for label, _ in sizes:
+            move, borrow = fns[label]
+            times[label][0].append(per_call_us(move, n, 1))
+            times[label][1].append(per_call_us(borrow, n, 1))
+    med = {label: (statistics.median(a), statistics.median(b)) for label, (a, b) in times.items()}
+    small = med["1 KiB"]
+    for label, _ in sizes:
+        m, b = med[label]
+        note = "zero-copy" if label == "1 KiB" else f"{m / small[0]:.2f}x the 1 KiB move"
+        row(f"move from_buffer+into_buffer, {label}", m, note=note)
+        note = "-" if label == "1 KiB" else f"{b / small[1]:.2f}x the 1 KiB borrow"
+        row(f"move+as_buffer borrow+move back, {label}", b, note=note)
+    boxes.clear()
+    gc.collect()
 
 
 # -- launches -----------------------------------------------------------------------------------
