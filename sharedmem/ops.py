@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 
+from .access import READ
 from .launch import Intent, LaunchArg, _adapter_for, _as_view, prepare_launch
 from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
@@ -94,22 +95,30 @@ class _Prepared:
     """A launch op prepared for one stream (see launch.prepare_launch): the
     next submission to that stream reuses it while its views live and the
     stream has the same implementation (a host stream swaps in a recorder
-    while it captures a graph; adapters bind their enqueue to the one they saw)."""
+    while it captures a graph; adapters bind their enqueue to the one they saw).
 
-    __slots__ = ("stream", "impl", "uses", "enqueue", "keep", "label", "views")
+    Holds the views (the op holds them anyway) but not their tokens: a token
+    keeps its allocation, and a view the user released must not keep memory
+    alive through an op that is merely kept around."""
+
+    __slots__ = ("stream", "impl", "enqueue", "keep", "label", "views")
 
     def __init__(self, stream, uses, enqueue, keep, label, resolved):
         self.stream, self.impl = stream, stream._impl
-        self.uses, self.enqueue, self.keep, self.label = uses, enqueue, keep, label
-        self.views = tuple([a.view for a in resolved if type(a) is LaunchArg])
+        self.enqueue, self.keep, self.label = enqueue, keep, label
+        self.views = tuple([(a.view, a.mode != READ) for a in resolved if type(a) is LaunchArg])
 
-    def fits(self, stream) -> bool:
+    def uses_on(self, stream):
+        """The leases to take for a submission to ``stream``, or None when the
+        preparation does not fit it any more."""
         if self.stream is not stream or self.impl is not stream._impl:
-            return False
-        for v in self.views:
+            return None
+        uses = []
+        for v, writes in self.views:
             if v._state:
-                return False
-        return True
+                return None
+            uses.append((v._token, writes))  # a live view's token never changes
+        return uses
 
 
 class _LaunchOp(DeviceOp):
@@ -128,14 +137,18 @@ class _LaunchOp(DeviceOp):
 
     def _submit_on(self, stream):
         p = self._prepared
-        if p is None or not p.fits(stream):
+        uses = p.uses_on(stream) if p is not None else None
+        if uses is None:
             stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(
                 self.kernel, self.grid, self.block, self.args, stream, self.shared_mem,
                 self.policy)
             p = _Prepared(stream, uses, enqueue, keep, label, resolved)
             # views an adapter made of foreign arrays live for one launch only
             self._prepared = None if coerced else p
-        return DeviceFuture(_sub.submit(stream, p.uses, p.enqueue, p.keep, self.policy, p.label))
+            fut = DeviceFuture(_sub.submit(stream, uses, enqueue, keep, self.policy, label))
+            del resolved  # (kept referenced until the leases were taken, as launch does)
+            return fut
+        return DeviceFuture(_sub.submit(stream, uses, p.enqueue, p.keep, self.policy, p.label))
 
     def _device(self):
         for a in self.args:

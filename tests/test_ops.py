@@ -138,3 +138,21 @@ def test_an_op_over_foreign_arrays_is_prepared_each_time(host):
     assert len(_ForeignAdapter.made) == before + 2 and o._prepared is None
     np.testing.assert_array_equal(b.to_host(), np.full(8, 7))
     assert b.allocation.live_views == 1
+
+
+def test_an_op_kept_around_does_not_keep_released_memory(host):
+    """Its preparation holds no view tokens: once the user releases the view
+    and the work is done, the allocation goes, though the op lives on."""
+    import weakref
+    from conftest import gc_collect_harder
+    s = host.create_stream()
+    b = sm.Buffer.zeros(8, "int64", device=host, stream=s)
+    o = sm.op(inc, 1, 1, b)
+    o.submit(s).result(5)
+    alloc = weakref.ref(b.allocation)
+    b.release()
+    s.synchronize()
+    gc_collect_harder()
+    assert alloc() is None
+    with pytest.raises(sm.ReleasedError):
+        o.submit(s)
