@@ -208,3 +208,25 @@ def test_an_op_submitted_before_and_inside_a_capture(host):
     np.testing.assert_array_equal(x.to_host(), np.full(4, 3.0))
     o.submit(s).result(5)  # after the capture: runs again
     np.testing.assert_array_equal(x.to_host(), np.full(4, 4.0))
+
+
+def test_a_released_graph_keeps_no_memory(host):
+    """Released, a graph gives its tokens back and drops them: memory whose
+    every handle is gone is freed though the Graph object lives on."""
+    import weakref
+    from conftest import gc_collect_harder
+    s = host.create_stream()
+    x = sm.Buffer.zeros(4, "float32", device=host, stream=s)
+    s.synchronize()
+    with sm.capture(s) as g:
+        sm.launch(inc, 1, 1, x, stream=s)
+    g.replay(s).result(5)
+    alloc = weakref.ref(x.allocation)
+    del x
+    gc_collect_harder()
+    assert alloc() is not None and alloc().live_views == 1  # the graph's own token
+    g.release()
+    gc_collect_harder()
+    assert alloc() is None
+    with pytest.raises(sm.CaptureError, match=r"is released; only a finished capture"):
+        g.replay(s)

@@ -127,10 +127,10 @@ class Graph:
                 raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
                                    f"can be replayed")
             exec_ = self._exec
+            uses, keep, label = self._replay  # (release() drops it: read under the lock)
         s = resolve_stream(stream, self.device)
         if s._capture is not None:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
-        uses, keep, label = self._replay
         backend, impl = self.device.backend, s._impl
         handle = exec_.handle
         # keeps the executable and (through the uses) the memory -- not this Graph
@@ -152,6 +152,13 @@ class Graph:
                 self._state = "released"
         with locked():
             toks = [e[0] for e in self._uses.values()]
+            self._uses = {}
+        # Drop everything the captured work needed: a released graph is never replayed
+        # again, and its dead tokens would keep their allocations' memory. Replays in
+        # flight hold what they need (executable, memory) by themselves.
+        self._replay = None
+        self._exec = None
+        self._keep = []
         for t in toks:
             t.release()
 
