@@ -38,6 +38,9 @@ def _export_stream(dev):
 
 
 def export_cai(view) -> dict:
+    """The CUDA Array Interface v3 dict of a CUDA view (see the module
+    docstring: ``stream`` names a stream made to wait for our pending work on
+    these bytes, or is None when none is pending)."""
     tok = view._live_token()
     dev = tok.allocation.device
     impl = _export_stream(dev)

@@ -166,6 +166,8 @@ _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 
 
 def dlpack_device(view) -> tuple[int, int]:
+    """The DLPack ``(device_type, device_id)`` of a view: ``(kDLCPU, 0)`` or ``(kDLCUDA,
+    ordinal)``."""
     dev = view.device
     return (kDLCPU, 0) if dev.kind == "host" else (kDLCUDA, dev.ordinal)
 

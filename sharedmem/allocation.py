@@ -155,6 +155,8 @@ class Allocation:
 
     # -- tokens ---------------------------------------------------------
     def new_token(self, kind: str, start: int, stop: int, writable: bool, keep) -> ViewToken:
+        """A new live view token of bytes ``[start, stop)`` of this allocation (its ``kind`` names
+        it in AliasError messages; ``keep`` is what it keeps alive)."""
         tok = ViewToken(self, kind, start, stop, writable, keep, _origin())
         with locked():
             return _add_locked(tok)
@@ -337,6 +339,7 @@ class View:
 
     @property
     def device(self):
+        """The Device these bytes are on."""
         return self._live_token().allocation.device
 
     @property

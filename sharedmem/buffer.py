@@ -99,10 +99,12 @@ class Buffer(View):
     # -- properties -----------------------------------------------------------
     @property
     def dtype(self) -> np.dtype:
+        """The element type (a NumPy dtype)."""
         return self._dtype
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self._dtype.itemsize
 
     def __len__(self) -> int:
@@ -111,10 +113,12 @@ class Buffer(View):
 
     @property
     def size(self) -> int:
+        """Number of elements."""
         return len(self)
 
     @property
     def shape(self) -> tuple[int]:
+        """``(size,)``: a Buffer is 1-D."""
         return (len(self),)
 
     @property
@@ -124,10 +128,12 @@ class Buffer(View):
 
     @property
     def byte_strides(self) -> tuple[int]:
+        """``(itemsize,)``: a Buffer is contiguous."""
         return (self._dtype.itemsize,)
 
     @property
     def nbytes(self) -> int:
+        """Size in bytes."""
         return len(self) * self._dtype.itemsize
 
     def __repr__(self) -> str:
@@ -247,17 +253,21 @@ class DeviceBox:
 
     @property
     def dtype(self) -> np.dtype:
+        """The element type of the boxed scalar."""
         return self.buffer.dtype
 
     @property
     def ptr(self) -> int:
+        """Device address of the boxed scalar."""
         return self.buffer.ptr
 
     @property
     def device(self):
+        """The Device the box is on."""
         return self.buffer.device
 
     def release(self) -> None:
+        """Release the box's buffer now (see View.release)."""
         self.buffer.release()
 
     def __enter__(self):

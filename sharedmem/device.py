@@ -78,10 +78,12 @@ class Device:
 
     @property
     def uuid(self) -> str | None:
+        """The GPU's UUID (``GPU-...``), or None for the host device."""
         return getattr(self.backend, "uuid", None)
 
     @property
     def compute_capability(self) -> tuple[int, int] | None:
+        """``(major, minor)`` of a CUDA device, or None for the host device."""
         return getattr(self.backend, "compute_capability", None)
 
     @property

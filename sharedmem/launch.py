@@ -99,6 +99,8 @@ class KernelAdapter:
     device_kinds: tuple = ()
 
     def coerce(self, obj, device):
+        """A view for a foreign array argument this adapter understands (made for this launch
+        only), or None: the argument is then passed as a scalar."""
         return None
 
     def label(self, kernel) -> str:
@@ -106,6 +108,10 @@ class KernelAdapter:
         return f"{self.name} {getattr(kernel, '__name__', '')}".strip()
 
     def prepare(self, kernel, grid, block, args, shared_mem, stream):  # pragma: no cover
+        """Validate and pack, with no side effects; return ``(enqueue, keep)``.
+        ``enqueue()`` runs under the core lock, puts the work on ``stream`` and
+        returns its completion marker; it may be called again while the views
+        in ``args`` live (ops reuse it). ``keep``: what the work needs alive."""
         raise NotImplementedError
 
 

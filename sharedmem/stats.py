@@ -37,6 +37,7 @@ class Stats:
             raise KeyError(key) from None
 
     def as_dict(self) -> dict:
+        """The counters as a plain dict."""
         return asdict(self)
 
 

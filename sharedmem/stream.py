@@ -131,6 +131,7 @@ class Event:
         self._marker = marker
 
     def query(self) -> bool:
+        """True once the work recorded before this event has finished (never blocks)."""
         state = self._marker.query()
         if state == 2:
             raise CompletionUnknownError(f"completion of work before this event on {self.stream} is "
@@ -138,6 +139,7 @@ class Event:
         return state == 1
 
     def synchronize(self, timeout: float | None = None) -> bool:
+        """Block until that work finished; False if ``timeout`` passed first."""
         return self._marker.wait(timeout)
 
 

@@ -151,6 +151,7 @@ class Tensor(View):
     # -- properties -------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape (a tuple of ints)."""
         self._live_token()
         return self._shape
 
@@ -162,26 +163,32 @@ class Tensor(View):
 
     @property
     def byte_strides(self) -> tuple[int, ...]:
+        """Strides in bytes (``strides`` times the item size)."""
         return tuple(s * self._dtype.itemsize for s in self.strides)
 
     @property
     def dtype(self) -> np.dtype:
+        """The element type (a NumPy dtype)."""
         return self._dtype
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self._dtype.itemsize
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return len(self._shape)
 
     @property
     def size(self) -> int:
+        """Number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes spanned by the elements (``size * itemsize``)."""
         return self.size * self._dtype.itemsize
 
     @property

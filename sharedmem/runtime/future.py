@@ -147,9 +147,12 @@ class HostFuture(_FutureBase):
             cb(self)
 
     def done(self) -> bool:
+        """True once the value (or the error) is set; never blocks."""
         return self._event.is_set()
 
     def result(self, timeout: float | None = None):
+        """The value once set (blocking up to ``timeout``); raises the error it failed with, or
+        TimeoutError."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"the host function did not finish within {timeout} s")
         if self._error is not None:
@@ -157,6 +160,7 @@ class HostFuture(_FutureBase):
         return self._value
 
     def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` once the value or error is set (at once if it is)."""
         with self._lock:
             if self._callbacks is not None:
                 self._callbacks.append(fn)

@@ -138,6 +138,7 @@ class Graph:
         return DeviceFuture(sub)
 
     def describe(self) -> str:
+        """How the graph is named in messages (``graph #N``)."""
         return f"graph #{self.id}"
 
     # -- lifetime ----------------------------------------------------------------
