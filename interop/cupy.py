@@ -466,7 +466,7 @@ class _Launcher:
     """Everything constant about launching one kernel signature on one stream
     with one grid, block and shared-memory size (cached on the stream), so a
     launch allocates one small object, not a closure with a cell per constant
-    (fewer objects for the garbage collector to walk: measured ~2 us a launch)."""
+    (measured with the driver stubbed: ``prepare`` 2.55 -> 2.1 us)."""
 
     __slots__ = ("sig", "args", "backend", "impl", "launch", "cu")
 
