@@ -169,3 +169,47 @@ def test_foreign_streams_need_cuda(host):
         host.create_stream().__cuda_stream__()
     with pytest.raises(AttributeError):
         sm.Buffer.empty(2, device=host).__cuda_array_interface__
+
+
+def test_a_full_host_stream_makes_submitters_wait(host, monkeypatch):
+    """A host stream queues at most MAX_QUEUED tasks; a submission beyond that
+    waits (holding no lock) until the worker catches up, as CUDA launches do.
+    A task that submits to its own stream never waits for itself."""
+    import sharedmem.backends.host as H
+    monkeypatch.setattr(H, "MAX_QUEUED", 8)
+    s = host.create_stream("bounded")
+    gate = threading.Event()
+    x = sm.Buffer.zeros(1, "int64", device=host, stream=s)
+    s.synchronize()
+
+    @sm.host_kernel
+    def blocked(v):
+        gate.wait(10)
+        v += 1
+
+    submitted = []
+
+    def submitter():
+        for _ in range(20):
+            sm.launch(blocked, 1, 1, x, stream=s)
+            submitted.append(1)
+
+    t = threading.Thread(target=submitter)
+    t.start()
+    time.sleep(0.3)
+    assert 8 <= len(submitted) <= 10 and t.is_alive()  # waiting for room
+    sm.stats()  # other sharedmem calls go on meanwhile: no lock is held
+    gate.set()
+    t.join(10)
+    assert not t.is_alive() and len(submitted) == 20
+    s.synchronize()
+    assert x.to_host()[0] == 20
+
+    @sm.host_kernel
+    def fan_out(v, stream):
+        for _ in range(12):  # more than MAX_QUEUED, from the stream's own worker
+            sm.launch(blocked, 1, 1, v, stream=stream)
+
+    sm.launch(fan_out, 1, 1, x, s, stream=s).result(10)
+    s.synchronize()
+    assert x.to_host()[0] == 32

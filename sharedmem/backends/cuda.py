@@ -183,6 +183,7 @@ class CudaStreamImpl:
         self.external = external  # a borrowed foreign stream object, kept alive
 
     fault = None  # a CUDA stream has no per-stream fault; sticky errors surface in queries
+    throttle = None  # the driver's launch queue waits for room by itself
 
     def wait_marker(self, marker: CudaMarker) -> None:
         check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")

@@ -13,6 +13,10 @@ GPU. Pointers are real host addresses, so NumPy can consume exports by DLPack.
   one on the stream have unknown completion (their markers say so), and the
   stream runs nothing more.
 * Markers (:class:`HostMarker`) are set by the worker when a task has run.
+* A stream queues at most ``MAX_QUEUED`` tasks: a submission beyond that
+  waits (before taking any lock) for the worker to catch up, as a CUDA launch
+  waits for room in the device's queue -- so fire-and-forget loops faster than
+  their kernels cannot grow memory without bound.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ctypes
 import queue
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -31,6 +36,8 @@ __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_arra
 
 PENDING, DONE, UNKNOWN = 0, 1, 2
 _ALIGN = 256
+#: Tasks a host stream queues before a submission waits for room (see throttle()).
+MAX_QUEUED = 1024
 
 
 def host_array(ptr: int, nbytes: int) -> np.ndarray:
@@ -144,9 +151,23 @@ class HostStreamImpl:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._state = {"fault": None}
         self._backend = backend
+        self._closed = False
         t = threading.Thread(target=_worker, args=(self._q, self._state, backend), name=self.name,
                              daemon=True)
         t.start()
+        self._worker_ident = t.ident
+
+    def throttle(self) -> None:
+        """Wait while ``MAX_QUEUED`` tasks are queued on this stream (called by
+        the runtime before it takes any lock). Never in the stream's own worker:
+        a task that submits to its own stream must not wait for itself."""
+        q = self._q
+        if q.qsize() < MAX_QUEUED or threading.get_ident() == self._worker_ident:
+            return
+        delay = 50e-6
+        while q.qsize() >= MAX_QUEUED and not self._closed:
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
 
     @property
     def handle(self) -> int:
@@ -178,6 +199,7 @@ class HostStreamImpl:
         m.wait()
 
     def close(self) -> None:
+        self._closed = True
         self._q.put(None)
 
     def __del__(self):
@@ -223,6 +245,7 @@ class _CapturingImpl:
 
     __slots__ = ("_rec", "handle", "name")
     fault = None
+    throttle = None  # recording queues nothing
 
     def __init__(self, rec, real):
         self._rec = rec

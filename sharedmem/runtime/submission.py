@@ -100,6 +100,9 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     elif policy not in ("order", "reject"):
         check_policy(policy)
     impl = stream._impl
+    throttle = impl.throttle
+    if throttle is not None:  # a bounded queue with no room waits here, holding no lock
+        throttle()
     retired = None
     lock = _sync.core_lock
     lock.acquire()
