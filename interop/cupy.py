@@ -239,6 +239,7 @@ class _Signature:
 
 
 _sig_cache: dict = {}  # (id(kernel), ordinal) -> (kernel, _Signature); guarded by _sig_lock
+_SIG_CACHE_MAX = 1024  # kernels remembered (each entry keeps its kernel alive)
 _sig_lock = threading.Lock()
 
 
@@ -274,6 +275,8 @@ def _signature(kernel, dev):
             "driver and cuda-bindings)")
     sig = _Signature(func, sizes)
     with _sig_lock:
+        if len(_sig_cache) >= _SIG_CACHE_MAX:  # bounded: programs that make many kernels
+            _sig_cache.clear()
         _sig_cache[key] = (kernel, sig)
     return sig
 

@@ -192,3 +192,21 @@ def test_captured_cupy_launches_replay(fake, kernels):
     np.testing.assert_array_equal(out.to_host(), np.zeros(8))
     g.replay().result()
     np.testing.assert_array_equal(out.to_host(), np.full(8, 5.0))
+
+
+def test_the_kernel_signature_cache_is_bounded(fake, kernels, monkeypatch):
+    import interop.cupy as ic
+    from fake_cuda import RawKernel, array_at
+    dev, drv = fake
+    monkeypatch.setattr(ic, "_sig_cache", {})
+    monkeypatch.setattr(ic, "_SIG_CACHE_MAX", 2)
+
+    def fill(x, v):
+        array_at(x, 4, np.float32)[:] = v
+
+    out = sm.Buffer.zeros(4, "float32", device=dev)
+    for n in (1, 2, 3, 4):  # four kernels through a cache of two
+        k = RawKernel(drv, f"fill{n}", ["Q", "i"], fill)
+        sm.launch(k, 1, 4, sm.Out(out), n).result()
+        assert len(ic._sig_cache) <= 2
+        np.testing.assert_array_equal(out.to_host(), np.full(4, n, np.float32))
