@@ -23,7 +23,7 @@ import sharedmem as sm
 from sharedmem.allocation import import_allocation
 from sharedmem.runtime.submission import order_consumer
 
-__all__ = ["export_cai", "from_cuda_array_interface"]
+__all__ = ["cai_layout", "export_cai", "from_cuda_array_interface"]
 
 _export_streams: dict = {}  # device key -> CudaStreamImpl; guarded by _lock
 _lock = threading.Lock()
@@ -37,6 +37,20 @@ def _export_stream(dev):
         return impl
 
 
+def cai_layout(view, read_only: bool) -> dict:
+    """The layout keys of a CAI v3 dict for ``view``: ``shape``, ``typestr``,
+    ``data`` (pointer, read-only flag), ``strides`` (None when C-contiguous),
+    ``version``. No ordering, no stream: callers add what they promise."""
+    contiguous = view.is_contiguous() if hasattr(view, "is_contiguous") else True
+    return {
+        "shape": tuple(view.shape),
+        "typestr": view.dtype.str,
+        "data": (view.ptr, read_only),
+        "strides": None if contiguous else tuple(view.byte_strides),
+        "version": 3,
+    }
+
+
 def export_cai(view) -> dict:
     """The CUDA Array Interface v3 dict of a CUDA view (see the module
     docstring: ``stream`` names a stream made to wait for our pending work on
@@ -45,16 +59,10 @@ def export_cai(view) -> dict:
     dev = tok.allocation.device
     impl = _export_stream(dev)
     n = order_consumer(tok, impl.wait_marker)
-    contiguous = view.is_contiguous() if hasattr(view, "is_contiguous") else True
-    return {
-        "shape": tuple(view.shape),
-        "typestr": view.dtype.str,
-        "descr": [("", view.dtype.str)],
-        "data": (view.ptr, not tok.writable),
-        "strides": None if contiguous else tuple(view.byte_strides),
-        "version": 3,
-        "stream": impl.handle if n else None,
-    }
+    cai = cai_layout(view, not tok.writable)
+    cai["descr"] = [("", cai["typestr"])]
+    cai["stream"] = impl.handle if n else None
+    return cai
 
 
 def from_cuda_array_interface(obj, *, stream=None):

@@ -281,36 +281,38 @@ def _signature(kernel, dev):
     return sig
 
 
+# How each argument becomes packed values (the plan's per-argument codes).
+_PTR, _PTR_LEN, _INT, _AS_IS, _BYTES, _NULL = range(6)
+
+
 def _scalar_piece(i, value, size):
-    """(format, value) packing a scalar argument for a ``size``-byte parameter."""
+    """``(format, code, limit)`` packing a scalar like ``value`` for a
+    ``size``-byte parameter (``limit``: the ``(lo, hi)`` range of an int);
+    raises KernelError when the type does not fit the parameter."""
     if isinstance(value, np.generic):
         if value.dtype.itemsize != size:
             raise KernelError(f"argument {i}: a {value.dtype} scalar ({value.dtype.itemsize} bytes) "
                               f"for a {size}-byte kernel parameter; pass a matching NumPy type")
-        return f"{size}s", value.tobytes()
+        return f"{size}s", _BYTES, None
     if isinstance(value, bool):
-        return _SCALAR_FMT.get(size, "B"), int(value)
+        return _SCALAR_FMT.get(size, "B"), _AS_IS, None
     if isinstance(value, int):
         if size not in (1, 2, 4, 8):
             raise KernelError(f"argument {i}: an int for a {size}-byte kernel parameter")
         lim = 1 << (8 * size)
         if not -(lim >> 1) <= value < lim:
             raise KernelError(f"argument {i}: {value} does not fit the {size}-byte kernel parameter")
-        return _SCALAR_FMT[size], value % lim
+        return _SCALAR_FMT[size], _INT, (-(lim >> 1), lim)
     if isinstance(value, float):
         if size == 4:
-            return "f", value
+            return "f", _AS_IS, None
         if size == 8:
-            return "d", value
+            return "d", _AS_IS, None
         raise KernelError(f"argument {i}: a float for a {size}-byte kernel parameter")
     if value is None:
-        return "Q", 0
+        return "Q", _NULL, None
     raise KernelError(f"argument {i}: cannot pass {type(value).__name__} to a CuPy kernel; pass "
                       f"a Buffer, Tensor, CuPy array, NumPy scalar or Python number")
-
-
-# How each argument becomes packed values (the plan's per-argument codes).
-_PTR, _PTR_LEN, _INT, _AS_IS, _BYTES, _NULL = range(6)
 
 
 def _plan(sig, args):
@@ -348,7 +350,7 @@ def _make_plan(sig, args):
 
     for i, a in enumerate(args):
         size = sig.sizes[p]
-        limit = None
+        limit = None  # (an int parameter's range, checked at every launch)
         if isinstance(a, LaunchArg):
             if size != 8:
                 raise KernelError(f"argument {i}: a pointer for a {size}-byte kernel parameter")
@@ -356,25 +358,15 @@ def _make_plan(sig, args):
             p += 1
             if expand and isinstance(a.view, sm.Buffer):
                 lsize = sig.sizes[p]
-                field(_scalar_piece(i, len(a.view), lsize)[0], lsize)
+                field(_scalar_piece(i, len(a.view), lsize)[0], lsize)  # the length
                 p += 1
                 code = _PTR_LEN
             else:
                 code = _PTR
         else:
-            f, _ = _scalar_piece(i, a, size)  # validates the type against the parameter size
+            f, code, limit = _scalar_piece(i, a, size)
             field(f, size)
             p += 1
-            if isinstance(a, np.generic):
-                code = _BYTES
-            elif a is None:
-                code = _NULL
-            elif isinstance(a, int) and not isinstance(a, bool):
-                code = _INT
-                lim = 1 << (8 * size)
-                limit = (-(lim >> 1), lim)
-            else:
-                code = _AS_IS  # float, bool
         codes.append(code)
         limits.append(limit)
     return "".join(fmt), tuple(codes), tuple(limits)

@@ -52,15 +52,8 @@ class _ArrayDescriptor:
     __slots__ = ("__cuda_array_interface__",)
 
     def __init__(self, view, writable: bool):
-        dt = view.dtype
-        contiguous = view.is_contiguous() if hasattr(view, "is_contiguous") else True
-        self.__cuda_array_interface__ = {
-            "shape": tuple(view.shape),
-            "typestr": dt.str,
-            "data": (view.ptr, not writable),
-            "strides": None if contiguous else tuple(view.byte_strides),
-            "version": 3,
-        }
+        from interop.cai import cai_layout
+        self.__cuda_array_interface__ = cai_layout(view, not writable)
 
 
 _RW, _RO = "cutile-descriptor-rw", "cutile-descriptor-ro"
