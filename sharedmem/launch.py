@@ -295,13 +295,11 @@ def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=
     Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
     the device has finished, whatever the caller drops meanwhile.
     """
-    stream, uses, enqueue, keep, label, resolved, _ = prepare_launch(
+    # `resolved` is named (not `_`) so it stays referenced until the leases are taken:
+    # views an adapter made of foreign arrays (CuPy arrays) live only as long as it does.
+    stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(
         kernel, grid, block, args, stream, shared_mem, policy)
-    # `resolved` stays referenced until the leases are taken: views an adapter made
-    # of foreign arrays (CuPy arrays) live only as long as it does.
-    fut = DeviceFuture(submit(stream, uses, enqueue, keep, policy, label))
-    del resolved
-    return fut
+    return DeviceFuture(submit(stream, uses, enqueue, keep, policy, label))
 
 
 # -- host kernels ---------------------------------------------------------------------

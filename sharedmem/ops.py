@@ -103,7 +103,7 @@ class _Prepared:
 
     __slots__ = ("stream", "impl", "enqueue", "keep", "label", "views")
 
-    def __init__(self, stream, uses, enqueue, keep, label, resolved):
+    def __init__(self, stream, enqueue, keep, label, resolved):
         self.stream, self.impl = stream, stream._impl
         self.enqueue, self.keep, self.label = enqueue, keep, label
         self.views = tuple([(a.view, a.mode != READ) for a in resolved if type(a) is LaunchArg])
@@ -142,12 +142,10 @@ class _LaunchOp(DeviceOp):
             stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(
                 self.kernel, self.grid, self.block, self.args, stream, self.shared_mem,
                 self.policy)
-            p = _Prepared(stream, uses, enqueue, keep, label, resolved)
-            # views an adapter made of foreign arrays live for one launch only
-            self._prepared = None if coerced else p
-            fut = DeviceFuture(_sub.submit(stream, uses, enqueue, keep, self.policy, label))
-            del resolved  # (kept referenced until the leases were taken, as launch does)
-            return fut
+            # views an adapter made of foreign arrays live for one launch only (the
+            # local `resolved` keeps them until the leases are taken, as in launch)
+            self._prepared = None if coerced else _Prepared(stream, enqueue, keep, label, resolved)
+            return DeviceFuture(_sub.submit(stream, uses, enqueue, keep, self.policy, label))
         return DeviceFuture(_sub.submit(stream, uses, p.enqueue, p.keep, self.policy, p.label))
 
     def _device(self):
