@@ -70,6 +70,13 @@ class FakeDriver:
         self.events = set()
         self.destroyed_events = 0
         self.calls = []
+        # While `holding`, recorded events stay pending (work "in flight") until
+        # finish_held() or a cuEventSynchronize on them.
+        self.holding = False
+        self.held = set()
+
+    def finish_held(self):
+        self.held.clear()
 
     # -- helpers -------------------------------------------------------------
     def _run(self, stream, op):
@@ -134,12 +141,19 @@ class FakeDriver:
 
     def cuEventRecord(self, ev, stream):
         self.calls.append(("record", int(ev), int(stream)))
+        if self.holding:
+            self.held.add(int(ev))
+        else:
+            self.held.discard(int(ev))
         return (OK,)
 
     def cuEventQuery(self, ev):
+        if int(ev) in self.held:
+            return (CUresult.CUDA_ERROR_NOT_READY,)
         return (OK,) if int(ev) in self.events else (CUresult.CUDA_ERROR_INVALID_HANDLE,)
 
     def cuEventSynchronize(self, ev):
+        self.held.discard(int(ev))
         return (OK,)
 
     def cuStreamWaitEvent(self, stream, ev, flags):
@@ -188,6 +202,7 @@ class FakeDriver:
             ptr = ctypes.c_void_p.from_address(int(params) + 8 * i).value
             raw = ctypes.string_at(ptr, struct.calcsize(f))
             values.append(struct.unpack("<" + f, raw)[0])
+        self.calls.append(("launch", int(func), int(stream)))
         self._run(stream, lambda: fn(*values))
         return (OK,)
 

@@ -210,3 +210,62 @@ def test_the_kernel_signature_cache_is_bounded(fake, kernels, monkeypatch):
         sm.launch(k, 1, 4, sm.Out(out), n).result()
         assert len(ic._sig_cache) <= 2
         np.testing.assert_array_equal(out.to_host(), np.full(4, n, np.float32))
+
+
+def test_submissions_share_a_lazily_recorded_marker(fake):
+    import sharedmem.backends.cuda as bc
+    from sharedmem._sync import locked
+    dev, drv = fake
+    backend = dev.backend
+    s = dev.create_stream("batch")
+    impl = s._impl
+
+    def records():
+        return sum(1 for c in drv.calls if c[0] == "record" and c[2] == s.handle)
+
+    n0 = records()
+    with locked():
+        first = [backend.submit_marker(impl) for _ in range(bc.MARKER_BATCH - 1)]
+        assert all(m is first[0] for m in first) and records() == n0  # joined, nothing recorded
+        last = backend.submit_marker(impl)  # the MARKER_BATCH-th joiner records it
+        assert last is first[0] and records() == n0 + 1 and last.handle != 0
+        fresh = backend.submit_marker(impl)
+        assert fresh is not last and records() == n0 + 1
+        assert fresh.query() == bc.DONE and records() == n0 + 2  # a query records it first
+        assert backend.submit_marker(impl) is not fresh  # and closes it to later joiners
+        impl.open_marker.close_locked()
+        assert records() == n0 + 3
+    ev = last.event
+    first[0].recycle()
+    first[0].recycle()  # every submission sharing it recycles it: the event goes back once
+    assert last.event is None and backend._events.count(ev) == 1
+
+
+def test_an_open_marker_is_recorded_after_all_the_work_that_joined_it(fake, kernels):
+    dev, drv = fake
+    saxpy, _ = kernels
+    s, other = dev.create_stream("writer"), dev.create_stream("reader")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev, stream=s)
+    out = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    s.synchronize()
+    drv.holding = True  # events recorded from now on stay pending
+    try:
+        futs = [sm.launch(saxpy, 1, 8, float(i), sm.In(x), sm.In(x), sm.Out(out), 8, stream=s)
+                for i in range(3)]
+        assert not futs[-1].done()
+        mark = len(drv.calls)
+        # `out` is written by pending work on s: the reader waits for an event of s recorded
+        # after the last launch on s that wrote it
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(out), sm.In(x), sm.Out(x), 8, stream=other)
+        waits = [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == other.handle]
+        assert len(waits) == 1
+        rec = max(i for i, c in enumerate(drv.calls) if c[0] == "record" and c[1] == waits[0][2])
+        last_launch = max(i for i, c in enumerate(drv.calls) if c[0] == "launch" and c[2] == s.handle)
+        assert rec > last_launch and drv.calls[rec][2] == s.handle
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    for f in futs:
+        f.result()
+    sm.synchronize()
+    assert sm.stats().in_flight == 0

@@ -12,8 +12,15 @@ Imported only when a CUDA device is asked for; raises
   goes back to CuPy's pool when its owning allocation dies, which happens only
   after every submission that leased it has retired (see runtime/submission).
   That is what closes the reuse hazard of cupy/cupy#8068 for our memory.
-* Completion: one pooled event per submission (``cuEventRecord``, about half
-  a microsecond), queried by the retirer; no host callbacks per launch.
+* Completion: pooled events, recorded *lazily* and shared by consecutive
+  submissions of a stream. A submission joins its stream's open marker; the
+  marker's event is recorded (``cuEventRecord``, about half a microsecond)
+  when someone needs it -- a retirement sweep's query, a wait, a cross-stream
+  order -- or when MARKER_BATCH submissions have joined. Recording later than
+  the work is always safe: an event marks everything enqueued before it, so
+  completion is only ever reported late, never early. Joining and recording
+  both happen under core_lock, so no work joins a marker after its event was
+  recorded. The retirer queries; there are no host callbacks per launch.
   A query that fails with anything but ``CUDA_ERROR_NOT_READY`` (a sticky
   error after a fault) means *completion unknown*: the work's memory is kept.
 """
@@ -93,28 +100,66 @@ def check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
+#: Submissions of one stream that share one completion event at most (see the
+#: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop.
+MARKER_BATCH = 16
+
+
 class CudaMarker:
     """Completion marker: an event recorded after a submission's work.
 
     ``query()`` -> 0 pending, 1 done, 2 unknown (``error`` says why).
     Pooled markers return their event to the pool on ``recycle()``, which the
-    runtime calls only once the submission has retired.
+    runtime calls once the submissions sharing it have retired.
+
+    A marker from :meth:`CudaBackend.submit_marker` starts *open*: ``_open_on``
+    is the stream impl whose later submissions may still join it, and no event
+    is recorded yet. :meth:`close_locked` records it; ``query`` and
+    ``wait_marker`` (called under core_lock) and ``wait`` close it first.
     """
 
-    __slots__ = ("event", "handle", "error", "_backend", "_pooled")
+    __slots__ = ("event", "handle", "error", "_backend", "_pooled", "_open_on")
 
     def __init__(self, event, backend, pooled: bool):
         self.event = event
-        self.handle = int(event)
+        self.handle = int(event) if event is not None else 0
         self.error = None
         self._backend = backend
         self._pooled = pooled
+        self._open_on = None  # guarded by core_lock
 
     @property
     def unknown(self) -> bool:
         return self.error is not None
 
+    def close_locked(self) -> None:
+        """Record the event of an open marker now (after everything enqueued on
+        its stream so far: every submission that joined it). Caller holds
+        core_lock. A failed record makes the marker *unknown*."""
+        impl = self._open_on
+        if impl is None:
+            return
+        self._open_on = None
+        if impl.open_marker is self:
+            impl.open_marker = None
+        backend = self._backend
+        try:
+            ev = backend._event()
+        except Exception as e:
+            self.error = e
+            return
+        self.event, self.handle = ev, int(ev)
+        hot = backend.hot
+        err = hot.record(self.handle, impl.handle) if hot is not None else \
+            int(backend.cu.cuEventRecord(ev, impl.cu_stream)[0])
+        if err:
+            err = cu.CUresult(err)
+            self.error = CudaError(f"cuEventRecord failed: {_name(err)} ({int(err)})", int(err))
+
     def query(self) -> int:
+        """Caller holds core_lock when the marker may be open (sweeps do)."""
+        if self._open_on is not None:
+            self.close_locked()
         if self.error is not None:
             return UNKNOWN
         backend = self._backend
@@ -131,7 +176,12 @@ class CudaMarker:
 
     def wait(self, timeout=None) -> bool:
         """Block until the work finished (or its completion became unknown);
-        False on timeout. Polls with short sleeps when a timeout is given."""
+        False on timeout. Polls with short sleeps when a timeout is given.
+        Never called with core_lock held."""
+        if self._open_on is not None:
+            from .._sync import locked
+            with locked():
+                self.close_locked()
         if timeout is None:
             if self.error is None:
                 self._backend.ensure_context()
@@ -142,15 +192,21 @@ class CudaMarker:
             return True
         deadline = time.monotonic() + timeout
         delay = 20e-6
-        while self.query() == PENDING:
+        while True:
+            from .._sync import locked
+            with locked():  # query() may need the lock; it is short
+                st = self.query()
+            if st != PENDING:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
-        return True
 
     def recycle(self) -> None:
-        if self._pooled and self.error is None:
+        """Give a pooled event back (idempotent: the submissions sharing a
+        marker each recycle it when they retire, all in the same sweep)."""
+        if self._pooled and self.error is None and self.event is not None:
             ev, self.event = self.event, None
             self._backend._events.append(ev)
 
@@ -171,10 +227,14 @@ class CudaStreamImpl:
     driver defers destruction until their work is done: this never blocks)."""
 
     __slots__ = ("handle", "cu_stream", "owned", "name", "_backend", "external", "capturing",
-                 "__weakref__")
+                 "open_marker", "open_count", "__weakref__")
 
     def __init__(self, backend, handle: int, owned: bool, name=None, external=None):
         self.capturing = False  # set by begin_capture / end_capture
+        # The marker later submissions join, and how many have (see CudaMarker); guarded by
+        # core_lock
+        self.open_marker = None
+        self.open_count = 0
         self._backend = backend
         self.handle = handle
         self.cu_stream = cu.CUstream(handle)
@@ -186,6 +246,9 @@ class CudaStreamImpl:
     throttle = None  # the driver's launch queue waits for room by itself
 
     def wait_marker(self, marker: CudaMarker) -> None:
+        """Make this stream wait for ``marker`` (caller holds core_lock when it may be open)."""
+        if marker._open_on is not None:
+            marker.close_locked()
         check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")
 
     def synchronize(self) -> None:
@@ -333,24 +396,32 @@ class CudaBackend:
         return CudaMarker(ev, self, pooled)
 
     def submit_marker(self, impl: CudaStreamImpl) -> CudaMarker:
-        """A pooled completion marker recorded now on ``impl`` (after the work
-        just enqueued there). Nothing is recorded on a capturing stream: the
-        work was captured, not run."""
+        """The completion marker of work just enqueued on ``impl``: the stream's
+        open marker, joined (see CudaMarker). Every MARKER_BATCH-th joiner
+        records it. Caller holds core_lock. Nothing is recorded on a capturing
+        stream: the work was captured, not run."""
         if impl.capturing:
             return COMPLETE
-        ev = self._event()
-        m = CudaMarker(ev, self, True)
-        hot = self.hot
-        err = hot.record(m.handle, impl.handle) if hot is not None else \
-            int(cu.cuEventRecord(ev, impl.cu_stream)[0])
-        if err:
-            self._events.append(ev)
-            err = cu.CUresult(err)
-            raise CudaError(f"cuEventRecord failed: {_name(err)} ({int(err)})", int(err))
+        m = impl.open_marker
+        if m is None:
+            m = CudaMarker(None, self, True)
+            m._open_on = impl
+            impl.open_marker = m
+            impl.open_count = 1
+            return m
+        n = impl.open_count + 1
+        impl.open_count = n
+        if n >= MARKER_BATCH:
+            m.close_locked()
+            if m.error is not None:
+                raise m.error
         return m
 
     def wait_on_handle(self, stream_handle: int, marker: CudaMarker) -> None:
-        """Make a foreign stream (raw handle) wait for ``marker``."""
+        """Make a foreign stream (raw handle) wait for ``marker`` (caller holds
+        core_lock when it may be open)."""
+        if marker._open_on is not None:
+            marker.close_locked()
         check(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0), "cuStreamWaitEvent")
 
     def marker_on_handle(self, stream_handle: int) -> CudaMarker:
@@ -390,6 +461,8 @@ class CudaBackend:
             raise CaptureError("the default stream cannot be captured; capture on a stream made "
                                "by device.create_stream()")
         self.ensure_context()
+        if impl.open_marker is not None:  # never record an event into the capture
+            impl.open_marker.close_locked()
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(impl.cu_stream, mode), "cuStreamBeginCapture")
         impl.capturing = True
