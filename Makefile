@@ -7,7 +7,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo stress bench gpu-test gpu-demo gpu-bench gpu-all clean
+.PHONY: test demo stress bench speedups gpu-test gpu-demo gpu-bench gpu-all clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -28,20 +28,28 @@ stress: $(STAMP)
 bench: $(STAMP)
 	$(VPY) benchmarks/run.py
 
+# The compiled launch path, built in place (optional: without a C compiler sharedmem runs
+# its Python path). setup.py when setuptools is there, else the compiler directly.
+speedups:
+	@$(PYTHON) setup.py -q build_ext --inplace >/dev/null 2>&1 || \
+	cc -O2 -shared -fPIC $$($(PYTHON) -c "import sysconfig as s; print('-I' + s.get_paths()['include'])") \
+	  sharedmem/_speedups.c -o sharedmem/_speedups$$($(PYTHON) -c "import sysconfig as s; print(s.get_config_var('EXT_SUFFIX'))") \
+	  || echo "speedups: not built (no C compiler); the Python path runs"
+
 # On the GPU machine: no install step (no network there); the image's python3 has
 # cupy, cuda-bindings, torch and jax. Runs the whole suite in place, GPU tests included.
-gpu-test:
+gpu-test: speedups
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) -m pytest -q -rs
 
-gpu-demo:
+gpu-demo: speedups
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) examples/pipeline.py
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) examples/mixed_pipeline.py
 
-gpu-bench:
+gpu-bench: speedups
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) benchmarks/run.py
 
 # Everything a GPU session checks, in one device call (logs under $$OUT when set), summary last.
-gpu-all:
+gpu-all: speedups
 	@out=$${OUT:-/tmp}; \
 	if [ -f .gpu-bundle/activate.sh ]; then . .gpu-bundle/activate.sh; fi; \
 	export PYTHONPATH=.:$$PYTHONPATH PYTHONUNBUFFERED=1; \
@@ -50,9 +58,10 @@ gpu-all:
 	$(PYTHON) examples/mixed_pipeline.py >> $$out/gpu_demo.log 2>&1; d=$$?; \
 	$(PYTHON) benchmarks/use_after_free.py 50 > $$out/gpu_uaf.log 2>&1; u=$$?; \
 	$(PYTHON) benchmarks/run.py > $$out/gpu_bench.log 2>&1; b=$$?; \
-	echo "== summary"; tail -1 $$out/gpu_tests.log; grep -E "OK|MISMATCH|FAIL|clean" $$out/gpu_demo.log; \
+	echo "== summary"; $(PYTHON) -c "import sharedmem._accel as a; print('compiled launch path:', a.speedups is not None)"; \
+	tail -1 $$out/gpu_tests.log; grep -E "OK|MISMATCH|FAIL|clean" $$out/gpu_demo.log; \
 	tail -1 $$out/gpu_uaf.log; sed -n '/^row /,$$p' $$out/gpu_bench.log; \
 	echo "exit codes: tests=$$t demos=$$d uaf=$$u bench=$$b"; test $$t -eq 0 -a $$d -eq 0 -a $$u -eq 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info sharedmem/*.so

@@ -147,7 +147,17 @@ def bench_launch_gpu(dev, quick):
     def floor():
         launch(func, 1, 1, 1, 32, 1, 1, 0, cus, addr, 0)
 
-    for fn in (raw, ours, ours_op, floor):  # warm up
+    from sharedmem._accel import fast_launch
+    from sharedmem.launch import install_fast_launch
+
+    def ours_python():  # the same launch with the compiled path switched off
+        install_fast_launch(None)
+        try:
+            ours()
+        finally:
+            install_fast_launch(fast_launch)
+
+    for fn in (raw, ours, ours_op, floor, ours_python):  # warm up
         for _ in range(200):
             fn()
     sync()
@@ -156,9 +166,13 @@ def bench_launch_gpu(dev, quick):
     t_ours = per_call_us(ours, n_launch, reps, sync)
     t_op = per_call_us(ours_op, n_launch, reps, sync)
     t_floor = per_call_us(floor, n_launch, reps, sync)
+    t_py = per_call_us(ours_python, n_launch, reps, sync) if fast_launch is not None else None
     sm.synchronize()
-    row("launch, 4 buffers + scalar, vs CuPy RawKernel call", t_ours, t_raw, "CuPy")
+    path = "compiled path" if fast_launch is not None else "Python path: not built"
+    row(f"launch, 4 buffers + scalar, vs CuPy RawKernel call ({path})", t_ours, t_raw, "CuPy")
     row("launch, same, vs cuLaunchKernel floor", t_ours, t_floor, "cuLaunchKernel")
+    if t_py is not None:
+        row("launch, same, Python path (compiled path off)", t_py, t_raw, "CuPy")
     row("op.submit of that launch (prepared once) vs CuPy", t_op, t_raw, "CuPy")
     return t_ours
 

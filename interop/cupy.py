@@ -216,7 +216,8 @@ class _Signature:
     """A kernel's parameter layout on one device: CUfunction, parameter sizes,
     and a packing buffer (8-byte-aligned slots plus the ``void**`` array)."""
 
-    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets", "plans", "packed")
+    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets", "plans", "packed",
+                 "compiled")
 
     def __init__(self, func: int, sizes):
         self.func = func
@@ -236,6 +237,9 @@ class _Signature:
         # the values list last packed into `slots` (an op submitted again skips packing);
         # guarded by core_lock, like the slots
         self.packed = None
+        # argument-type signature -> LaunchPlan of the compiled path (see _compiled_plan);
+        # lock-free like `plans`
+        self.compiled = {}
 
 
 _sig_cache: dict = {}  # (id(kernel), ordinal) -> (kernel, _Signature); guarded by _sig_lock
@@ -318,13 +322,17 @@ def _scalar_piece(i, value, size):
 def _plan(sig, args):
     """The packing plan for these argument types: ``(format, codes, int_limits)``.
     Cached per signature, so a launch only converts values."""
+    return _plan_and_key(sig, args)[0]
+
+
+def _plan_and_key(sig, args):
     key = tuple([a.view.__class__ if type(a) is LaunchArg else type(a) for a in args])
     plan = sig.plans.get(key)
     if plan is None:
         plan = _make_plan(sig, args)
         if len(sig.plans) < 256:
             sig.plans[key] = plan
-    return plan
+    return plan, key
 
 
 def _make_plan(sig, args):
@@ -452,8 +460,11 @@ class RawKernelAdapter(KernelAdapter):
         g = _dims3_of(grid, "grid")
         b = _dims3_of(block, "block")
         sig = _signature(kernel, stream.device)
-        fmt, codes, limits = _plan(sig, args)
+        plan, key = _plan_and_key(sig, args)
+        fmt, codes, limits = plan
         values = _pack_values(codes, limits, args)
+        if _speedups is not None:
+            _compiled_plan(self, kernel, sig, key, codes, args, stream)
         return _Enqueue(_launcher(sig, stream, g, b, shared_mem), fmt, values), (kernel,)
 
 
@@ -514,6 +525,65 @@ def _launcher(sig, stream, g, b, shared_mem) -> _Launcher:
             cache.clear()
         hit = cache[key] = _Launcher(sig, stream, g, b, shared_mem)
     return hit
+
+
+# -- the compiled launch path -------------------------------------------------------------
+from sharedmem._accel import speedups as _speedups  # noqa: E402  (None: pure Python)
+
+# Python plan code -> the compiled path's argument code (sharedmem/_speedups.c)
+_C_PTR, _C_PTR_LEN, _C_INT, _C_BOOL, _C_F32, _C_F64, _C_NULL, _C_BYTES = range(8)
+
+
+def _compiled_plan(adapter, kernel, sig, key, codes, args, stream) -> None:
+    """Hand this kernel's launch plan for these argument types to the compiled
+    path, which then launches the kernel by itself while the types stay the same
+    (a Python launch with other types hands over its own plan). Devices without
+    a ctypes-reachable driver, and CuPy-array arguments (made into views per
+    launch), stay on the Python path."""
+    backend = stream.device.backend
+    hot = backend.hot
+    addresses = getattr(hot, "addresses", None)
+    if not addresses:
+        return
+    lp = sig.compiled.get(key)
+    if lp is None:
+        specs = []
+        p = 0
+        for code, a in zip(codes, args):
+            if code == _PTR or code == _PTR_LEN:
+                if code == _PTR_LEN:
+                    specs.append((key[len(specs)], _C_PTR_LEN, sig.sizes[p + 1], p, p + 1))
+                    p += 2
+                else:
+                    specs.append((key[len(specs)], _C_PTR, 8, p, -1))
+                    p += 1
+                continue
+            size = sig.sizes[p]
+            if code == _INT:
+                c = _C_INT
+            elif code == _AS_IS:
+                c = _C_BOOL if type(a) is bool else (_C_F32 if size == 4 else _C_F64)
+            elif code == _NULL:
+                c = _C_NULL
+            elif code == _BYTES:  # a NumPy scalar of the parameter's size
+                c = _C_BYTES
+            else:  # pragma: no cover - every code is mapped
+                return
+            specs.append((key[len(specs)], c, size, p, -1))
+            p += 1
+        from sharedmem.backends.cuda import MARKER_BATCH
+        dev = stream.device
+        lp = _speedups.LaunchPlan(
+            kernel, dev, dev.default_stream, type(stream._impl), backend, backend.submit_marker,
+            (adapter, kernel), sig.func, int(backend.context), addresses["cuLaunchKernel"],
+            addresses["cuCtxGetCurrent"], MARKER_BATCH, tuple(sig.sizes), tuple(specs))
+        if len(sig.compiled) < 256:
+            sig.compiled[key] = lp
+    if _speedups.lookup(kernel) is not lp:
+        try:
+            _speedups.remember(kernel, lp)
+        except TypeError:  # an unhashable kernel object
+            pass
 
 
 # By name: importing this module must not import CuPy.

@@ -37,3 +37,9 @@ __all__ = [
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",
     "set_access_policy", "stats", "synchronize", "zip", "__version__",
 ]
+
+from . import _accel as _accel  # noqa: E402  (reads the modules above)
+from .launch import install_fast_launch as _install  # noqa: E402
+
+_install(_accel.fast_launch)
+del _install

@@ -280,3 +280,39 @@ def fake_cupy():
     m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock)
     m.ndarray = type("ndarray", (), {})  # no fake arrays: nothing is one
     return m
+
+
+class FakeHot:
+    """``backend.hot`` over the fake driver: the per-launch entry points as
+    Python callables, and for the compiled launch path (sharedmem/_speedups.c)
+    C function pointers -- ctypes callbacks into the fake driver."""
+
+    def __init__(self, drv):
+        c = ctypes
+        self._drv = drv
+        LAUNCH = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_uint, c.c_uint, c.c_uint, c.c_uint, c.c_uint,
+                             c.c_uint, c.c_uint, c.c_void_p, c.c_void_p, c.c_void_p)
+        CTX_GET = c.CFUNCTYPE(c.c_int, c.POINTER(c.c_void_p))
+
+        def ctx_get(out):
+            out[0] = 0xC0  # the fake primary context
+            return 0
+
+        self._callbacks = (LAUNCH(self.launch), CTX_GET(ctx_get))
+        self.addresses = {
+            "cuLaunchKernel": c.cast(self._callbacks[0], c.c_void_p).value,
+            "cuCtxGetCurrent": c.cast(self._callbacks[1], c.c_void_p).value,
+        }
+
+    def launch(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        return int(self._drv.cuLaunchKernel(func or 0, gx, gy, gz, bx, by, bz, shared,
+                                            CUstream(stream or 0), params or 0, extra)[0])
+
+    def record(self, ev, stream):
+        return int(self._drv.cuEventRecord(CUevent(ev), CUstream(stream))[0])
+
+    def query(self, ev):
+        return int(self._drv.cuEventQuery(CUevent(ev))[0])
+
+    def graph_launch(self, exec_, stream):
+        return int(self._drv.cuGraphLaunch(CUgraphExec(exec_), CUstream(stream))[0])

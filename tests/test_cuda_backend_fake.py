@@ -19,15 +19,19 @@ from conftest import gc_collect_harder
 _keys = itertools.count()
 
 
-@pytest.fixture
-def fake(monkeypatch):
+@pytest.fixture(params=["bindings", "hot"])
+def fake(monkeypatch, request):
+    """A CUDA device over the fake driver; "bindings": every call through the
+    driver module; "hot": the per-launch calls through ``backend.hot`` -- and
+    so CuPy launches through the compiled path, when it is built."""
     import sharedmem.backends.cuda as bc
-    from fake_cuda import CUresult, FakeDriver, fake_cupy
+    from fake_cuda import CUresult, FakeDriver, FakeHot, fake_cupy
     drv = FakeDriver()
     monkeypatch.setattr(bc, "cu", drv)
     monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
     monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
-    monkeypatch.setattr(bc, "_hot_driver", lambda: None)
+    monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if request.param == "hot"
+                        else (lambda: None))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     backend = bc.CudaBackend(0)
     dev = object.__new__(sm.Device)
@@ -269,3 +273,82 @@ def test_an_open_marker_is_recorded_after_all_the_work_that_joined_it(fake, kern
         f.result()
     sm.synchronize()
     assert sm.stats().in_flight == 0
+
+
+def test_cupy_launches_take_the_compiled_path_with_the_same_rules(fake, kernels, monkeypatch):
+    import weakref
+
+    import interop.cupy as ic
+    from sharedmem._accel import speedups
+    dev, drv = fake
+    saxpy, scale_len = kernels
+    compiled = speedups is not None and dev.backend.hot is not None
+    python_launches = []
+    real = ic.RawKernelAdapter.prepare
+
+    def counting(self, *a):
+        python_launches.append(a[0])
+        return real(self, *a)
+
+    monkeypatch.setattr(ic.RawKernelAdapter, "prepare", counting)
+    n = 64
+    x = sm.Buffer.from_host(np.arange(n, dtype=np.float32), device=dev)
+    y = sm.Buffer.from_host(np.ones(n, np.float32), device=dev)
+    out = sm.Buffer.empty(n, "float32", device=dev)
+    s = dev.create_stream("compiled")
+    sm.synchronize()  # (while the copies above are unretired, the Python path orders after them)
+    futs = [sm.launch(saxpy, 1, 64, float(i), sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+            for i in range(40)]
+    assert len(python_launches) == (1 if compiled else 40)  # the first one hands over its plan
+    futs[-1].result()
+    np.testing.assert_array_equal(out.to_host(), 39.0 * np.arange(n, dtype=np.float32) + 1)
+    before = len(python_launches)
+    for v in (-1, 3):  # NumPy scalars: their bytes, as the kernel's parameter
+        sm.launch(saxpy, 1, 64, np.float32(v), sm.In(x), sm.In(y), sm.Out(out), np.int32(n),
+                  stream=s)
+    assert len(python_launches) == before + (1 if compiled else 2)
+    np.testing.assert_array_equal(out.to_host(), 3.0 * np.arange(n, dtype=np.float32) + 1)
+    futs = [sm.launch(saxpy, 1, 64, 39.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)]
+    part = out[8:24]  # a Buffer where the kernel takes a pointer and a length
+    for _ in range(3):
+        sm.launch(scale_len, (1,), (16, 1), part, 0.5, stream=s)
+    s.synchronize()
+    got = out.to_host()
+    np.testing.assert_array_equal(got[8:24], (39.0 * np.arange(8, 24, dtype=np.float32) + 1) / 8)
+    np.testing.assert_array_equal(got[:8], 39.0 * np.arange(8, dtype=np.float32) + 1)
+    assert sm.stats().in_flight == 0 and s.pending == 0
+
+    # what the compiled path does not take, the Python path reports, exactly as before
+    before = len(python_launches)
+    with pytest.raises(sm.KernelError, match=r"^argument 4: 4294967296 does not fit the 4-byte "):
+        sm.launch(saxpy, 1, 64, 1.0, sm.In(x), sm.In(y), sm.Out(out), 1 << 32, stream=s)
+    gone = sm.Buffer.empty(n, "float32", device=dev)
+    gone.release()
+    with pytest.raises(sm.ReleasedError, match="this Buffer was released"):
+        sm.launch(saxpy, 1, 64, 1.0, sm.In(x), sm.In(y), sm.Out(gone), n, stream=s)
+    with pytest.raises(sm.KernelError, match=r"would write through a read-only view"):
+        sm.launch(saxpy, 1, 64, 1.0, sm.In(x), sm.In(y), sm.Out(out.as_readonly()), n, stream=s)
+    assert len(python_launches) == before + 1  # (the other two fail before prepare)
+
+    # leases: work in flight keeps its memory after every handle is dropped
+    drv.holding = True
+    try:
+        sm.launch(saxpy, 1, 64, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+        other = dev.create_stream("other")
+        mark = len(drv.calls)
+        # another stream reading `out`: ordered after the pending write (the Python path's job)
+        sm.launch(saxpy, 1, 64, 1.0, sm.In(out), sm.In(y), sm.Out(x), n, stream=other)
+        assert [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == other.handle]
+        with pytest.raises(sm.AccessConflictError, match=r"policy 'reject'"):
+            sm.launch(saxpy, 1, 64, 1.0, sm.In(y), sm.In(y), sm.Out(out), n, stream=other,
+                      policy="reject")
+        alloc = weakref.ref(out.allocation)
+        del out, part, futs
+        gc_collect_harder()
+        assert alloc() is not None  # still leased by the pending launches
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+    gc_collect_harder()
+    assert alloc() is None and sm.stats().in_flight == 0

@@ -73,6 +73,9 @@ class _HotDriver:
         self.graph_launch = lib.cuGraphLaunch
         self.graph_launch.argtypes = [vp, vp]
         self.graph_launch.restype = ctypes.c_int
+        # for the compiled launch path (sharedmem/_speedups.c): the C entry points themselves
+        self.addresses = {name: ctypes.cast(getattr(lib, name), vp).value
+                          for name in ("cuLaunchKernel", "cuCtxGetCurrent")}
 
 
 def _hot_driver():

@@ -1,0 +1,51 @@
+"""The optional compiled launch path: ``sharedmem._speedups`` (``_speedups.c``).
+
+``fast_launch`` is None when the extension was not built (no C compiler at
+install time) or when ``SHAREDMEM_PURE_PYTHON=1`` is set; sharedmem then runs
+its Python path everywhere, with the same behaviour. When present, it handles
+only the common case of :func:`sharedmem.launch` for kernels whose adapter made
+a launch plan (``interop.cupy``) and returns None for everything else, having
+done nothing -- see the comment at the top of ``_speedups.c`` for which Python
+functions it mirrors.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["speedups", "fast_launch"]
+
+
+def _load():
+    if os.environ.get("SHAREDMEM_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from . import _speedups
+    except ImportError:
+        return None
+    from . import _sync, access, allocation
+    from .buffer import Buffer
+    from .launch import Atomic, In, InOut, Out
+    from .runtime import future, submission
+    from .stream import Stream
+    _speedups.configure({
+        "core_lock": _sync.core_lock, "staged": _sync._staged,
+        "pending_warnings": submission._pending_warnings,
+        "deferred_errors": submission._deferred_errors,
+        "active": submission._active, "counters": submission._counters,
+        "retirer_running": submission._retirer_running,
+        "retirer_idle": submission._retirer_idle,
+        "submission_globals": vars(submission), "sweep_every": submission.SWEEP_EVERY,
+        "Submission": submission.Submission, "DeviceFuture": future.DeviceFuture,
+        "Stream": Stream, "ViewToken": allocation.ViewToken, "Allocation": allocation.Allocation,
+        "AccessTracker": access.AccessTracker, "StreamUse": access._StreamUse,
+        "View": allocation.View, "Buffer": Buffer,
+        "In": In, "Out": Out, "InOut": InOut, "Atomic": Atomic,
+    })
+    return _speedups
+
+
+#: The extension module, configured; or None (pure Python).
+speedups = _load()
+#: ``fast_launch(kernel, grid, block, args, stream, shared_mem)``, or None.
+fast_launch = speedups.fast_launch if speedups is not None else None

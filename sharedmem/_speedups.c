@@ -1,0 +1,872 @@
+/* sharedmem._speedups: the compiled launch path (optional).
+ *
+ * One function, fast_launch(kernel, grid, block, args, stream, shared_mem),
+ * does what sharedmem.launch does for the common case of a CUDA kernel whose
+ * packing plan Python already made (interop.cupy registers a LaunchPlan per
+ * kernel) -- and nothing else: whenever anything is uncommon (an unknown
+ * kernel or argument type, a dead view, another device, a capturing or
+ * faulted stream, work of another stream on the same memory, staged releases,
+ * deferred warnings, a driver error) it returns None *before any side effect*
+ * and sharedmem.launch runs its Python path, which handles (and reports) it.
+ *
+ * What it does is, step for step, the common path of
+ * sharedmem.launch.resolve_args and sharedmem.runtime.submission.submit:
+ *   resolve and validate every argument; take core_lock; check every token
+ *   live and no other stream's unfinished access (AccessTracker.elsewhere_locked);
+ *   cuLaunchKernel; join the stream's open completion marker; bump the
+ *   stream's sequence number; record each lease (AccessTracker.record_locked's
+ *   same-range fast path, else the Python method); append the Submission to
+ *   the stream's FIFO; count; sweep every SWEEP_EVERY-th submission; release
+ *   the lock; wake the retirer as submit() does. A change to those Python
+ *   functions must be mirrored here (tests run both paths: SHAREDMEM_PURE_PYTHON=1).
+ *
+ * Object fields are read through the __slots__ offsets of the exact Python
+ * classes (checked by type identity before use); the GIL is held throughout,
+ * except while core_lock.acquire() blocks.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_PARAMS 64
+#define MAX_ARGS 64
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                         unsigned, void *, void **, void **);
+typedef int (*ctx_get_fn)(void **);
+
+/* ---- configuration (set once by configure()) ------------------------------------ */
+static int configured = 0;
+static PyObject *lock_acquire, *lock_release;          /* core_lock's bound methods */
+static PyObject *staged, *pending_warnings, *deferred_errors;  /* deques */
+static PyObject *active_set, *counters, *retirer_running, *retirer_idle;
+static PyObject *submission_globals;                   /* module dict of runtime.submission */
+static PyTypeObject *SubmissionType, *FutureType, *StreamType, *TokenType, *AllocationType;
+static PyTypeObject *TrackerType, *StreamUseType;
+static PyTypeObject *InType, *OutType, *InOutType, *AtomicType;
+static long sweep_every;
+static PyObject *str_append, *str_record_locked, *str_in_flight, *str_submitted;
+static PyObject *str_sweep_locked, *str_finish, *str_retirer_ensure, *str_retirer_wake;
+
+static Py_ssize_t off_intent_obj, off_view_token, off_view_state, off_buffer_length;
+static Py_ssize_t off_tok_alloc, off_tok_start, off_tok_stop, off_tok_writable, off_tok_keep,
+    off_tok_live;
+static Py_ssize_t off_alloc_device, off_alloc_ptr, off_alloc_tracker, off_tracker_uses;
+static Py_ssize_t off_use_reads, off_use_writes;
+static Py_ssize_t off_stream_device, off_stream_impl, off_stream_pending, off_stream_seq,
+    off_stream_capture;
+static Py_ssize_t off_sub_stream, off_sub_seq, off_sub_marker, off_sub_keep, off_sub_uses,
+    off_sub_state, off_sub_callbacks, off_sub_value, off_sub_label, off_future_s;
+
+static PyObject *plans;  /* kernel -> LaunchPlan */
+static PyObject *one;
+#define MAX_PLANS 1024
+
+static Py_ssize_t
+slot_offset(PyObject *type, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString(type, name);
+    if (d == NULL)
+        return -1;
+    if (Py_TYPE(d) != &PyMemberDescr_Type) {
+        PyErr_Format(PyExc_TypeError, "%R.%s is not a __slots__ member", type, name);
+        Py_DECREF(d);
+        return -1;
+    }
+    PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+    Py_ssize_t off = (m->type == T_OBJECT_EX || m->type == T_OBJECT) ? m->offset : -1;
+    Py_DECREF(d);
+    if (off < 0)
+        PyErr_Format(PyExc_TypeError, "%R.%s is not an object slot", type, name);
+    return off;
+}
+
+static void
+slot_set(PyObject *o, Py_ssize_t off, PyObject *v)  /* steals nothing */
+{
+    PyObject *old = SLOT(o, off);
+    Py_XINCREF(v);
+    SLOT(o, off) = v;
+    Py_XDECREF(old);
+}
+
+/* ---- LaunchPlan: what is constant about launching one kernel with one set of
+ *      argument types on one device ------------------------------------------------- */
+enum { C_PTR = 0, C_PTR_LEN = 1, C_INT = 2, C_BOOL = 3, C_F32 = 4, C_F64 = 5, C_NULL = 6,
+       C_BYTES = 7 /* a NumPy scalar: its bytes, through the buffer protocol */ };
+
+typedef struct {
+    PyTypeObject *type;  /* exact type of the argument (view class or scalar type) */
+    int code;
+    int size;            /* parameter size (for C_PTR_LEN: of the length parameter) */
+    int offset;          /* byte offset of the parameter's slot */
+    int offset2;         /* C_PTR_LEN: the length's slot */
+} ArgSpec;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *kernel, *device, *default_stream, *impl_type, *submit_marker, *label, *backend;
+    void *func, *ctx;
+    launch_fn launch;
+    ctx_get_fn ctx_get;
+    Py_ssize_t off_impl_handle, off_impl_capturing, off_impl_open, off_impl_count;
+    long marker_batch;
+    int nargs, nparams, slots_bytes;
+    int param_offsets[MAX_PARAMS];
+    ArgSpec specs[MAX_ARGS];
+} LaunchPlan;
+
+static int
+plan_traverse(LaunchPlan *p, visitproc visit, void *arg)
+{
+    Py_VISIT(p->kernel); Py_VISIT(p->device); Py_VISIT(p->default_stream);
+    Py_VISIT(p->impl_type); Py_VISIT(p->submit_marker); Py_VISIT(p->label); Py_VISIT(p->backend);
+    for (int i = 0; i < p->nargs; i++)
+        Py_VISIT((PyObject *)p->specs[i].type);
+    return 0;
+}
+
+static int
+plan_clear(LaunchPlan *p)
+{
+    Py_CLEAR(p->kernel); Py_CLEAR(p->device); Py_CLEAR(p->default_stream);
+    Py_CLEAR(p->impl_type); Py_CLEAR(p->submit_marker); Py_CLEAR(p->label); Py_CLEAR(p->backend);
+    for (int i = 0; i < p->nargs; i++)
+        Py_CLEAR(p->specs[i].type);
+    p->nargs = 0;
+    return 0;
+}
+
+static void
+plan_dealloc(LaunchPlan *p)
+{
+    PyObject_GC_UnTrack(p);
+    plan_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static void *
+as_address(PyObject *o)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    return (void *)(uintptr_t)v;
+}
+
+/* LaunchPlan(kernel, device, default_stream, impl_type, backend, submit_marker, label,
+ *            func, ctx, launch_addr, ctx_get_addr, marker_batch, param_sizes, specs)
+ * specs: one (type, code, size, param_index, length_param_index_or_-1) per argument. */
+static PyObject *
+plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    PyObject *kernel, *device, *dstream, *impl_type, *backend, *submit_marker, *label;
+    PyObject *func, *ctx, *launch_addr, *ctx_get_addr, *sizes, *specs;
+    long batch;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOlO!O!", &kernel, &device, &dstream, &impl_type,
+                          &backend, &submit_marker, &label, &func, &ctx, &launch_addr,
+                          &ctx_get_addr, &batch, &PyTuple_Type, &sizes, &PyTuple_Type, &specs))
+        return NULL;
+    Py_ssize_t np = PyTuple_GET_SIZE(sizes), na = PyTuple_GET_SIZE(specs);
+    if (np > MAX_PARAMS || na > MAX_ARGS) {
+        PyErr_SetString(PyExc_ValueError, "too many kernel parameters for the compiled path");
+        return NULL;
+    }
+    LaunchPlan *p = (LaunchPlan *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    p->func = as_address(func);
+    p->ctx = as_address(ctx);
+    p->launch = (launch_fn)as_address(launch_addr);
+    p->ctx_get = (ctx_get_fn)as_address(ctx_get_addr);
+    if (PyErr_Occurred())
+        goto fail;
+    p->marker_batch = batch;
+    int off = 0;
+    for (Py_ssize_t i = 0; i < np; i++) {
+        long sz = PyLong_AsLong(PyTuple_GET_ITEM(sizes, i));
+        if (sz <= 0 || sz > 4096) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "bad parameter size");
+            goto fail;
+        }
+        p->param_offsets[i] = off;
+        off += (int)((sz + 7) / 8 * 8);
+    }
+    p->nparams = (int)np;
+    p->slots_bytes = off;
+    for (Py_ssize_t i = 0; i < na; i++) {
+        PyObject *t, *code, *size, *pi, *li;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "O!OOOO", &PyType_Type, &t, &code,
+                              &size, &pi, &li))
+            goto fail;
+        ArgSpec *s = &p->specs[i];
+        s->code = (int)PyLong_AsLong(code);
+        s->size = (int)PyLong_AsLong(size);
+        long ip = PyLong_AsLong(pi), il = PyLong_AsLong(li);
+        if (PyErr_Occurred())
+            goto fail;
+        if (ip < 0 || ip >= np || il >= np || s->code < C_PTR || s->code > C_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "bad argument spec");
+            goto fail;
+        }
+        s->offset = p->param_offsets[ip];
+        s->offset2 = il >= 0 ? p->param_offsets[il] : -1;
+        if (s->code == C_PTR_LEN && il < 0) {
+            PyErr_SetString(PyExc_ValueError, "a pointer+length argument needs two parameters");
+            goto fail;
+        }
+        Py_INCREF(t);
+        s->type = (PyTypeObject *)t;
+        p->nargs = (int)(i + 1);
+    }
+    p->nargs = (int)na;
+    if ((p->off_impl_handle = slot_offset(impl_type, "handle")) < 0 ||
+        (p->off_impl_capturing = slot_offset(impl_type, "capturing")) < 0 ||
+        (p->off_impl_open = slot_offset(impl_type, "open_marker")) < 0 ||
+        (p->off_impl_count = slot_offset(impl_type, "open_count")) < 0)
+        goto fail;
+    Py_INCREF(kernel); p->kernel = kernel;
+    Py_INCREF(device); p->device = device;
+    Py_INCREF(dstream); p->default_stream = dstream;
+    Py_INCREF(impl_type); p->impl_type = impl_type;
+    Py_INCREF(backend); p->backend = backend;
+    Py_INCREF(submit_marker); p->submit_marker = submit_marker;
+    Py_INCREF(label); p->label = label;
+    return (PyObject *)p;
+fail:
+    Py_DECREF(p);
+    return NULL;
+}
+
+static PyTypeObject LaunchPlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "sharedmem._speedups.LaunchPlan",
+    .tp_doc = "What is constant about launching one kernel with one set of argument types on "
+              "one device (made by interop.cupy, used by fast_launch).",
+    .tp_basicsize = sizeof(LaunchPlan),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = plan_new,
+    .tp_dealloc = (destructor)plan_dealloc,
+    .tp_traverse = (traverseproc)plan_traverse,
+    .tp_clear = (inquiry)plan_clear,
+};
+
+/* ---- helpers -------------------------------------------------------------------------- */
+static int
+dims3(PyObject *v, unsigned out[3])  /* 1 ok, 0 not the common case */
+{
+    out[0] = out[1] = out[2] = 1;
+    if (PyLong_CheckExact(v)) {
+        long x = PyLong_AsLong(v);
+        if (x < 1 || x > 0x7fffffffL) { PyErr_Clear(); return 0; }
+        out[0] = (unsigned)x;
+        return 1;
+    }
+    if (!PyTuple_CheckExact(v))
+        return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(v);
+    if (n < 1 || n > 3)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(v, i);
+        if (!PyLong_CheckExact(d))
+            return 0;
+        long x = PyLong_AsLong(d);
+        if (x < 1 || x > 0x7fffffffL) { PyErr_Clear(); return 0; }
+        out[i] = (unsigned)x;
+    }
+    return 1;
+}
+
+static int
+pack_int(char *slot, PyObject *v, int size)  /* as struct's unsigned format of v % 2**(8*size) */
+{
+    if (!PyLong_CheckExact(v))
+        return 0;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (x == -1 && PyErr_Occurred())) { PyErr_Clear(); return 0; }
+    if (size < 8) {
+        long long lim = 1LL << (8 * size);
+        if (x < -(lim >> 1) || x >= lim)
+            return 0;  /* Python reports it */
+    } else if (size != 8) {
+        return 0;
+    }
+    uint64_t u = (uint64_t)x;
+    memcpy(slot, &u, (size_t)size);  /* little-endian hosts only (x86-64, aarch64) */
+    return 1;
+}
+
+static long
+as_long(PyObject *o)
+{
+    return o != NULL && PyLong_CheckExact(o) ? PyLong_AsLong(o) : -1;
+}
+
+static int
+call_lock(PyObject *m)
+{
+    PyObject *r = PyObject_CallNoArgs(m);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int
+obj_len(PyObject *o)
+{
+    Py_ssize_t n = PyObject_Size(o);
+    if (n < 0) { PyErr_Clear(); return 1; }
+    return n > 0;
+}
+
+/* ---- fast_launch ------------------------------------------------------------------------ */
+static PyObject *
+fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "fast_launch(kernel, grid, block, args, stream, shared_mem)");
+        return NULL;
+    }
+    PyObject *kernel = a[0], *grid = a[1], *block = a[2], *args = a[3], *stream = a[4],
+             *shmem_o = a[5];
+    if (!configured || !PyTuple_CheckExact(args))
+        Py_RETURN_NONE;
+    PyObject *pl = PyDict_GetItemWithError(plans, kernel);  /* borrowed */
+    if (pl == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    LaunchPlan *p = (LaunchPlan *)pl;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n != p->nargs)
+        Py_RETURN_NONE;
+    unsigned g[3], b[3];
+    if (!dims3(grid, g) || !dims3(block, b) || !PyLong_CheckExact(shmem_o))
+        Py_RETURN_NONE;
+    long shmem = PyLong_AsLong(shmem_o);
+    if (shmem < 0 || shmem > 0x7fffffffL) { PyErr_Clear(); Py_RETURN_NONE; }
+    if (stream == Py_None)
+        stream = p->default_stream;
+    else if (Py_TYPE(stream) != StreamType || SLOT(stream, off_stream_device) != p->device)
+        Py_RETURN_NONE;
+    PyObject *impl = SLOT(stream, off_stream_impl);
+    if (impl == NULL || (PyObject *)Py_TYPE(impl) != p->impl_type)
+        Py_RETURN_NONE;
+    void *ctx = NULL;
+    if (p->ctx_get(&ctx) != 0 || ctx != p->ctx)
+        Py_RETURN_NONE;  /* Python makes the context current */
+
+    /* resolve: every argument checked and packed; the leases' (token, writes) pairs built
+       (they hold the tokens: a view released by another thread meanwhile keeps its token
+       object alive, and the check under the lock sees it dead) */
+    _Alignas(8) char slots[MAX_PARAMS * 8 + 64];
+    void *params[MAX_PARAMS];
+    if (p->slots_bytes > (int)sizeof(slots))
+        Py_RETURN_NONE;
+    memset(slots, 0, (size_t)p->slots_bytes);
+    for (int i = 0; i < p->nparams; i++)
+        params[i] = slots + p->param_offsets[i];
+    PyObject *uses = PyList_New(0);
+    if (uses == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *arg = PyTuple_GET_ITEM(args, i);
+        ArgSpec *s = &p->specs[i];
+        PyTypeObject *t = Py_TYPE(arg);
+        char *slot = slots + s->offset;
+        switch (s->code) {
+        case C_INT:
+            if (t != s->type || !pack_int(slot, arg, s->size))
+                goto fallback;
+            continue;
+        case C_BOOL:
+            if (t != s->type)
+                goto fallback;
+            slot[0] = arg == Py_True;
+            continue;
+        case C_F32: {
+            if (t != s->type)
+                goto fallback;
+            float f = (float)PyFloat_AS_DOUBLE(arg);
+            memcpy(slot, &f, 4);
+            continue;
+        }
+        case C_F64: {
+            if (t != s->type)
+                goto fallback;
+            double d = PyFloat_AS_DOUBLE(arg);
+            memcpy(slot, &d, 8);
+            continue;
+        }
+        case C_NULL:
+            if (arg != Py_None)
+                goto fallback;
+            continue;
+        case C_BYTES: {
+            Py_buffer buf;
+            if (t != s->type || PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0) {
+                PyErr_Clear();
+                goto fallback;
+            }
+            int ok = buf.len == s->size;
+            if (ok)
+                memcpy(slot, buf.buf, (size_t)s->size);
+            PyBuffer_Release(&buf);
+            if (!ok)
+                goto fallback;
+            continue;
+        }
+        default:
+            break;
+        }
+        /* an array argument: a view, bare (InOut) or in an intent */
+        PyObject *view = arg;
+        int writes = 1;
+        if (t == InType || t == OutType || t == InOutType || t == AtomicType) {
+            view = SLOT(arg, off_intent_obj);
+            writes = t != InType;
+        }
+        if (view == NULL || Py_TYPE(view) != s->type || as_long(SLOT(view, off_view_state)) != 0)
+            goto fallback;
+        PyObject *tok = SLOT(view, off_view_token);
+        if (tok == NULL || Py_TYPE(tok) != TokenType)
+            goto fallback;
+        PyObject *alloc = SLOT(tok, off_tok_alloc);
+        if (alloc == NULL || Py_TYPE(alloc) != AllocationType ||
+            SLOT(alloc, off_alloc_device) != p->device)
+            goto fallback;
+        if (writes && SLOT(tok, off_tok_writable) != Py_True)
+            goto fallback;
+        PyObject *ptr_o = SLOT(alloc, off_alloc_ptr), *start_o = SLOT(tok, off_tok_start);
+        if (ptr_o == NULL || start_o == NULL || !PyLong_CheckExact(ptr_o) ||
+            !PyLong_CheckExact(start_o))
+            goto fallback;
+        uint64_t ptr = PyLong_AsUnsignedLongLong(ptr_o) + (uint64_t)PyLong_AsLongLong(start_o);
+        if (PyErr_Occurred()) { PyErr_Clear(); goto fallback; }
+        memcpy(slot, &ptr, 8);
+        if (s->code == C_PTR_LEN) {
+            PyObject *len_o = SLOT(view, off_buffer_length);
+            if (len_o == NULL || !pack_int(slots + s->offset2, len_o, s->size))
+                goto fallback;
+        }
+        PyObject *use = PyTuple_Pack(2, tok, writes ? Py_True : Py_False);
+        if (use == NULL || PyList_Append(uses, use) < 0) {
+            Py_XDECREF(use);
+            Py_DECREF(uses);
+            return NULL;
+        }
+        Py_DECREF(use);
+    }
+    Py_ssize_t nuses = PyList_GET_SIZE(uses);
+    if (nuses == 0)
+        goto fallback;  /* no array: Python picks the device */
+
+    /* under core_lock, as submit() */
+    if (obj_len(pending_warnings) || obj_len(deferred_errors))
+        goto fallback;
+    if (call_lock(lock_acquire) < 0) {
+        Py_DECREF(uses);
+        return NULL;
+    }
+    if (obj_len(staged) || SLOT(stream, off_stream_capture) != Py_None ||
+        SLOT(impl, p->off_impl_capturing) != Py_False)
+        goto fallback_locked;
+    for (Py_ssize_t i = 0; i < nuses; i++) {
+        PyObject *tok = PyTuple_GET_ITEM(PyList_GET_ITEM(uses, i), 0);
+        if (SLOT(tok, off_tok_live) != Py_True)
+            goto fallback_locked;
+        PyObject *tracker = SLOT(SLOT(tok, off_tok_alloc), off_alloc_tracker);
+        if (tracker == NULL || Py_TYPE(tracker) != TrackerType)
+            goto fallback_locked;
+        PyObject *held = SLOT(tracker, off_tracker_uses);
+        if (held == NULL || !PyDict_CheckExact(held))
+            goto fallback_locked;
+        Py_ssize_t nh = PyDict_GET_SIZE(held);
+        if (nh > 1)
+            goto fallback_locked;  /* another stream: conflicts are found in Python */
+        if (nh == 1) {
+            int has = PyDict_Contains(held, stream);
+            if (has < 0) { PyErr_Clear(); goto fallback_locked; }
+            if (!has)
+                goto fallback_locked;
+        }
+    }
+    PyObject *handle_o = SLOT(impl, p->off_impl_handle);
+    if (handle_o == NULL || !PyLong_CheckExact(handle_o))
+        goto fallback_locked;
+    void *hstream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(handle_o);
+    if (PyErr_Occurred()) { PyErr_Clear(); goto fallback_locked; }
+    if (p->launch(p->func, g[0], g[1], g[2], b[0], b[1], b[2], (unsigned)shmem, hstream, params,
+                  NULL) != 0)
+        goto fallback_locked;  /* nothing ran; Python launches again and reports the error */
+
+    /* from here on the work is enqueued: no more fallbacks */
+    PyObject *marker = NULL, *sub = NULL, *fut = NULL, *retired = NULL, *keeps = NULL;
+    PyObject *open = SLOT(impl, p->off_impl_open);
+    long count = as_long(SLOT(impl, p->off_impl_count));
+    if (open != NULL && open != Py_None && count >= 1 && count + 1 < p->marker_batch) {
+        PyObject *c = PyLong_FromLong(count + 1);  /* join the open marker */
+        if (c == NULL)
+            goto error_locked;
+        slot_set(impl, p->off_impl_count, c);
+        Py_DECREF(c);
+        Py_INCREF(open);
+        marker = open;
+    } else {
+        marker = PyObject_CallOneArg(p->submit_marker, impl);
+        if (marker == NULL)
+            goto error_locked;
+    }
+    long seq = as_long(SLOT(stream, off_stream_seq)) + 1;
+    PyObject *seq_o = PyLong_FromLong(seq);
+    if (seq_o == NULL)
+        goto error_locked;
+    slot_set(stream, off_stream_seq, seq_o);
+    keeps = PyList_New(nuses + 1);
+    if (keeps == NULL)
+        goto error_seq;
+    Py_INCREF(p->kernel);
+    PyList_SET_ITEM(keeps, 0, p->kernel);
+    for (Py_ssize_t i = 0; i < nuses; i++) {
+        PyObject *use = PyList_GET_ITEM(uses, i);
+        PyObject *tok = PyTuple_GET_ITEM(use, 0);
+        int writes = PyTuple_GET_ITEM(use, 1) == Py_True;
+        PyObject *keep = SLOT(tok, off_tok_keep);
+        if (keep == NULL)
+            keep = Py_None;
+        Py_INCREF(keep);
+        PyList_SET_ITEM(keeps, i + 1, keep);
+        /* AccessTracker.record_locked */
+        PyObject *start_o = SLOT(tok, off_tok_start), *stop_o = SLOT(tok, off_tok_stop);
+        long long lo = PyLong_AsLongLong(start_o), hi = PyLong_AsLongLong(stop_o);
+        if (lo >= hi)
+            continue;
+        PyObject *tracker = SLOT(SLOT(tok, off_tok_alloc), off_alloc_tracker);
+        PyObject *su = PyDict_GetItemWithError(SLOT(tracker, off_tracker_uses), stream);
+        if (su != NULL && Py_TYPE(su) == StreamUseType) {
+            PyObject *entries = SLOT(su, writes ? off_use_writes : off_use_reads);
+            if (entries != NULL && PyList_CheckExact(entries) && PyList_GET_SIZE(entries) == 1) {
+                PyObject *e = PyList_GET_ITEM(entries, 0);
+                if (PyList_CheckExact(e) && PyList_GET_SIZE(e) == 4) {
+                    long long elo = PyLong_AsLongLong(PyList_GET_ITEM(e, 0));
+                    long long ehi = PyLong_AsLongLong(PyList_GET_ITEM(e, 1));
+                    if (!PyErr_Occurred() && elo <= lo && hi <= ehi) {
+                        Py_INCREF(seq_o);
+                        PyList_SetItem(e, 2, seq_o);
+                        Py_INCREF(marker);
+                        PyList_SetItem(e, 3, marker);
+                        continue;
+                    }
+                    PyErr_Clear();
+                }
+            }
+        } else if (su == NULL && PyErr_Occurred()) {
+            goto error_keeps;
+        }
+        PyObject *r = PyObject_CallMethodObjArgs(tracker, str_record_locked, stream,
+                                                 writes ? Py_True : Py_False, start_o, stop_o,
+                                                 seq_o, marker, NULL);
+        if (r == NULL)
+            goto error_keeps;
+        Py_DECREF(r);
+    }
+    /* Submission(stream, seq, marker, keeps, uses, label), as its __init__ */
+    sub = SubmissionType->tp_alloc(SubmissionType, 0);
+    if (sub == NULL)
+        goto error_keeps;
+    slot_set(sub, off_sub_stream, stream);
+    slot_set(sub, off_sub_seq, seq_o);
+    slot_set(sub, off_sub_marker, marker);
+    slot_set(sub, off_sub_keep, keeps);
+    slot_set(sub, off_sub_uses, uses);
+    PyObject *zero = PyLong_FromLong(0);  /* PENDING */
+    slot_set(sub, off_sub_state, zero);
+    Py_XDECREF(zero);
+    slot_set(sub, off_sub_callbacks, Py_None);
+    slot_set(sub, off_sub_value, Py_None);
+    slot_set(sub, off_sub_label, p->label);
+    Py_CLEAR(keeps);
+    PyObject *pending = SLOT(stream, off_stream_pending);
+    PyObject *r = PyObject_CallMethodOneArg(pending, str_append, sub);
+    if (r == NULL)
+        goto error_sub;
+    Py_DECREF(r);
+    int became_active = PyObject_Size(pending) == 1;
+    if (became_active && PySet_Add(active_set, stream) < 0)
+        goto error_sub;
+    PyObject *names[2] = {str_in_flight, str_submitted};
+    for (int k = 0; k < 2; k++) {
+        PyObject *v = PyDict_GetItemWithError(counters, names[k]);
+        PyObject *v1 = v ? PyNumber_Add(v, one) : NULL;
+        if (v1 == NULL || PyDict_SetItem(counters, names[k], v1) < 0) {
+            Py_XDECREF(v1);
+            goto error_sub;
+        }
+        Py_DECREF(v1);
+    }
+    if (sweep_every > 0 && seq % sweep_every == 0) {
+        PyObject *fn = PyDict_GetItemWithError(submission_globals, str_sweep_locked);
+        retired = fn ? PyObject_CallOneArg(fn, stream) : NULL;
+        if (retired == NULL)
+            goto error_sub;
+    }
+    Py_DECREF(seq_o);
+    Py_DECREF(marker);
+    Py_DECREF(uses);
+    if (call_lock(lock_release) < 0) {
+        Py_XDECREF(retired);
+        Py_DECREF(sub);
+        return NULL;
+    }
+    /* outside the lock, as submit() */
+    if (retired != NULL) {
+        if (PyObject_IsTrue(retired) == 1) {
+            PyObject *fn = PyDict_GetItemWithError(submission_globals, str_finish);
+            PyObject *r2 = fn ? PyObject_CallOneArg(fn, retired) : NULL;
+            if (r2 == NULL) {
+                Py_DECREF(retired);
+                Py_DECREF(sub);
+                return NULL;
+            }
+            Py_DECREF(r2);
+        }
+        Py_DECREF(retired);
+    }
+    PyObject *poke = NULL;
+    if (PyList_GET_ITEM(retirer_running, 0) != Py_True)
+        poke = str_retirer_ensure;
+    else if (became_active && PyList_GET_ITEM(retirer_idle, 0) == Py_True)
+        poke = str_retirer_wake;
+    if (poke != NULL) {
+        PyObject *fn = PyDict_GetItemWithError(submission_globals, poke);
+        PyObject *r2 = fn ? PyObject_CallNoArgs(fn) : NULL;
+        if (r2 == NULL) {
+            Py_DECREF(sub);
+            return NULL;
+        }
+        Py_DECREF(r2);
+    }
+    fut = FutureType->tp_alloc(FutureType, 0);
+    if (fut != NULL)
+        slot_set(fut, off_future_s, sub);
+    Py_DECREF(sub);
+    return fut;
+
+error_sub:
+    Py_DECREF(sub);
+error_keeps:
+    Py_XDECREF(keeps);
+error_seq:
+    Py_DECREF(seq_o);
+error_locked:
+    /* The work was enqueued but could not be tracked -- as when submit()'s enqueue() raises
+       after launching (a failed marker). Only allocation failures get here. */
+    Py_XDECREF(marker);
+    Py_DECREF(uses);
+    {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        call_lock(lock_release);
+        PyErr_Restore(et, ev, tb);
+    }
+    return NULL;
+
+fallback_locked:
+    if (call_lock(lock_release) < 0) {
+        Py_DECREF(uses);
+        return NULL;
+    }
+fallback:
+    Py_DECREF(uses);
+    PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
+/* ---- module functions -------------------------------------------------------------------- */
+static PyObject *
+cfg_get(PyObject *cfg, const char *key)  /* new reference */
+{
+    PyObject *v = PyDict_GetItemString(cfg, key);
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "configure: missing %s", key);
+        return NULL;
+    }
+    Py_INCREF(v);
+    return v;
+}
+
+#define GET(var, key) do { if ((var = (void *)cfg_get(cfg, key)) == NULL) return NULL; } while (0)
+#define OFF(var, type, name) \
+    do { if ((var = slot_offset((PyObject *)(type), name)) < 0) return NULL; } while (0)
+
+static PyObject *
+configure(PyObject *mod, PyObject *cfg)
+{
+    if (!PyDict_Check(cfg)) {
+        PyErr_SetString(PyExc_TypeError, "configure(dict)");
+        return NULL;
+    }
+    if (configured) {
+        PyErr_SetString(PyExc_RuntimeError, "sharedmem._speedups is configured once");
+        return NULL;
+    }
+    PyObject *lock, *sweep;
+    GET(lock, "core_lock");
+    if ((lock_acquire = PyObject_GetAttrString(lock, "acquire")) == NULL ||
+        (lock_release = PyObject_GetAttrString(lock, "release")) == NULL)
+        return NULL;
+    Py_DECREF(lock);
+    GET(staged, "staged");
+    GET(pending_warnings, "pending_warnings");
+    GET(deferred_errors, "deferred_errors");
+    GET(active_set, "active");
+    GET(counters, "counters");
+    GET(retirer_running, "retirer_running");
+    GET(retirer_idle, "retirer_idle");
+    GET(submission_globals, "submission_globals");
+    GET(SubmissionType, "Submission");
+    GET(FutureType, "DeviceFuture");
+    GET(StreamType, "Stream");
+    GET(TokenType, "ViewToken");
+    GET(AllocationType, "Allocation");
+    GET(TrackerType, "AccessTracker");
+    GET(StreamUseType, "StreamUse");
+    GET(InType, "In");
+    GET(OutType, "Out");
+    GET(InOutType, "InOut");
+    GET(AtomicType, "Atomic");
+    PyObject *view, *buffer;
+    GET(view, "View");
+    GET(buffer, "Buffer");
+    GET(sweep, "sweep_every");
+    sweep_every = PyLong_AsLong(sweep);
+    Py_DECREF(sweep);
+    if (!PyList_CheckExact(retirer_running) || !PyList_CheckExact(retirer_idle) ||
+        !PyDict_CheckExact(counters) || !PySet_CheckExact(active_set) ||
+        !PyDict_CheckExact(submission_globals)) {
+        PyErr_SetString(PyExc_TypeError, "configure: unexpected container types");
+        return NULL;
+    }
+    OFF(off_intent_obj, InType, "obj");
+    OFF(off_view_token, view, "_token");
+    OFF(off_view_state, view, "_state");
+    OFF(off_buffer_length, buffer, "_length");
+    OFF(off_tok_alloc, TokenType, "allocation");
+    OFF(off_tok_start, TokenType, "start");
+    OFF(off_tok_stop, TokenType, "stop");
+    OFF(off_tok_writable, TokenType, "writable");
+    OFF(off_tok_keep, TokenType, "keep");
+    OFF(off_tok_live, TokenType, "live");
+    OFF(off_alloc_device, AllocationType, "device");
+    OFF(off_alloc_ptr, AllocationType, "ptr");
+    OFF(off_alloc_tracker, AllocationType, "tracker");
+    OFF(off_tracker_uses, TrackerType, "_uses");
+    OFF(off_use_reads, StreamUseType, "reads");
+    OFF(off_use_writes, StreamUseType, "writes");
+    OFF(off_stream_device, StreamType, "device");
+    OFF(off_stream_impl, StreamType, "_impl");
+    OFF(off_stream_pending, StreamType, "_pending");
+    OFF(off_stream_seq, StreamType, "_seq");
+    OFF(off_stream_capture, StreamType, "_capture");
+    OFF(off_sub_stream, SubmissionType, "stream");
+    OFF(off_sub_seq, SubmissionType, "seq");
+    OFF(off_sub_marker, SubmissionType, "marker");
+    OFF(off_sub_keep, SubmissionType, "keep");
+    OFF(off_sub_uses, SubmissionType, "uses");
+    OFF(off_sub_state, SubmissionType, "state");
+    OFF(off_sub_callbacks, SubmissionType, "callbacks");
+    OFF(off_sub_value, SubmissionType, "value");
+    OFF(off_sub_label, SubmissionType, "_label");
+    OFF(off_future_s, FutureType, "_s");
+    Py_DECREF(view);
+    Py_DECREF(buffer);
+    configured = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+remember(PyObject *mod, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 2 || Py_TYPE(a[1]) != &LaunchPlanType) {
+        PyErr_SetString(PyExc_TypeError, "remember(kernel, plan)");
+        return NULL;
+    }
+    if (PyDict_GET_SIZE(plans) >= MAX_PLANS)  /* bounded: each plan keeps its kernel alive */
+        PyDict_Clear(plans);
+    if (PyDict_SetItem(plans, a[0], a[1]) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+lookup(PyObject *mod, PyObject *kernel)
+{
+    PyObject *p = PyDict_GetItemWithError(plans, kernel);
+    if (p == NULL) {
+        if (PyErr_Occurred())
+            PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(p);
+    return p;
+}
+
+static PyObject *
+forget_all(PyObject *mod, PyObject *unused)
+{
+    PyDict_Clear(plans);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"fast_launch", (PyCFunction)(void (*)(void))fast_launch, METH_FASTCALL,
+     "fast_launch(kernel, grid, block, args, stream, shared_mem) -> DeviceFuture or None "
+     "(None: not the common case; nothing was done)."},
+    {"configure", configure, METH_O, "configure(dict): the runtime's objects and classes (once)."},
+    {"remember", (PyCFunction)(void (*)(void))remember, METH_FASTCALL,
+     "remember(kernel, plan): launch kernel through plan from now on."},
+    {"lookup", lookup, METH_O, "lookup(kernel) -> the kernel's LaunchPlan, or None."},
+    {"forget_all", forget_all, METH_NOARGS, "Drop every LaunchPlan."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "sharedmem._speedups",
+    "The compiled launch path of sharedmem (optional; see sharedmem/_accel.py).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    if (PyType_Ready(&LaunchPlanType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    plans = PyDict_New();
+    one = PyLong_FromLong(1);
+    str_append = PyUnicode_InternFromString("append");
+    str_record_locked = PyUnicode_InternFromString("record_locked");
+    str_in_flight = PyUnicode_InternFromString("in_flight");
+    str_submitted = PyUnicode_InternFromString("submitted");
+    str_sweep_locked = PyUnicode_InternFromString("_sweep_locked");
+    str_finish = PyUnicode_InternFromString("finish");
+    str_retirer_ensure = PyUnicode_InternFromString("_retirer_ensure");
+    str_retirer_wake = PyUnicode_InternFromString("_retirer_wake");
+    if (plans == NULL || one == NULL || str_append == NULL || str_retirer_wake == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&LaunchPlanType);
+    if (PyModule_AddObject(m, "LaunchPlan", (PyObject *)&LaunchPlanType) < 0) {
+        Py_DECREF(&LaunchPlanType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
