@@ -41,5 +41,5 @@ __all__ = [
 from . import _accel as _accel  # noqa: E402  (reads the modules above)
 from .launch import install_fast_launch as _install  # noqa: E402
 
-_install(_accel.fast_launch)
+_install(_accel.configure())
 del _install

@@ -16,19 +16,34 @@ import os
 __all__ = ["speedups", "fast_launch"]
 
 
-def _load():
+def _import():
     if os.environ.get("SHAREDMEM_PURE_PYTHON", "") not in ("", "0"):
         return None
     try:
         from . import _speedups
     except ImportError:
         return None
+    return _speedups
+
+
+#: The extension module, or None (pure Python). Configured by :func:`configure`.
+speedups = _import()
+#: ``fast_launch(kernel, grid, block, args, stream, shared_mem)`` once configured, or None.
+fast_launch = None
+
+
+def configure():
+    """Hand the extension the runtime's objects and classes; called once by
+    ``sharedmem/__init__`` after every module it reads is imported."""
+    global fast_launch
+    if speedups is None or fast_launch is not None:
+        return fast_launch
     from . import _sync, access, allocation
     from .buffer import Buffer
     from .launch import Atomic, In, InOut, Out
     from .runtime import future, submission
     from .stream import Stream
-    _speedups.configure({
+    speedups.configure({
         "core_lock": _sync.core_lock, "staged": _sync._staged,
         "pending_warnings": submission._pending_warnings,
         "deferred_errors": submission._deferred_errors,
@@ -42,10 +57,5 @@ def _load():
         "View": allocation.View, "Buffer": Buffer,
         "In": In, "Out": Out, "InOut": InOut, "Atomic": Atomic,
     })
-    return _speedups
-
-
-#: The extension module, configured; or None (pure Python).
-speedups = _load()
-#: ``fast_launch(kernel, grid, block, args, stream, shared_mem)``, or None.
-fast_launch = speedups.fast_launch if speedups is not None else None
+    fast_launch = speedups.fast_launch
+    return fast_launch

@@ -243,6 +243,11 @@ def test_submissions_share_a_lazily_recorded_marker(fake):
     first[0].recycle()
     first[0].recycle()  # every submission sharing it recycles it: the event goes back once
     assert last.event is None and backend._events.count(ev) == 1
+    # a marker recycled meanwhile (by the retirer) is done: waiting and asking never touch the
+    # event that went back to the pool
+    n_calls = len(drv.calls)
+    assert last.wait() is True and last.wait(0.01) is True and last.query() == bc.DONE
+    assert len(drv.calls) == n_calls
 
 
 def test_an_open_marker_is_recorded_after_all_the_work_that_joined_it(fake, kernels):

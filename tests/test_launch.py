@@ -193,3 +193,18 @@ def test_views_an_adapter_makes_of_foreign_arrays_live_through_the_launch(host):
     sm.launch(ForeignKernel(), 1, 1, sm.Out(Foreign(b))).result(5)
     np.testing.assert_array_equal(b.to_host(), np.full(4, 7))
     assert b.allocation.live_views == 1
+
+
+def test_intents_wrap_one_argument_once(host):
+    b = sm.Buffer.zeros(4, device=host)
+    for cls in (sm.In, sm.Out, sm.InOut, sm.Atomic):
+        w = cls(b)
+        assert w.obj is b and w.mode == ("read" if cls is sm.In else "atomic" if cls is sm.Atomic else "write")
+        assert repr(cls(5)) == f"{cls.__name__}(5)"
+        with pytest.raises(sm.KernelError, match=rf"^{cls.__name__}\(In\(<Buffer .*\)\): an "
+                                                 rf"argument takes one intent$"):
+            cls(sm.In(b))
+    with pytest.raises(TypeError):
+        sm.In()
+    with pytest.raises(TypeError):
+        sm.In(b, b)

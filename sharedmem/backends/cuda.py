@@ -165,6 +165,8 @@ class CudaMarker:
             self.close_locked()
         if self.error is not None:
             return UNKNOWN
+        if self.event is None:  # recycled: only ever after its work was found done
+            return DONE
         backend = self._backend
         backend.ensure_context()
         hot = backend.hot
@@ -186,9 +188,10 @@ class CudaMarker:
             with locked():
                 self.close_locked()
         if timeout is None:
-            if self.error is None:
+            ev = self.event  # None once recycled (by the retirer, meanwhile): the work is done
+            if self.error is None and ev is not None:
                 self._backend.ensure_context()
-                err = cu.cuEventSynchronize(self.event)[0]
+                err = cu.cuEventSynchronize(ev)[0]
                 if err != _SUCCESS:
                     self.error = CudaError(f"cuEventSynchronize failed: {_name(err)} ({int(err)})",
                                            int(err))

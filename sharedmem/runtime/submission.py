@@ -265,14 +265,17 @@ def _sweep_locked(stream) -> list:
     if last_done:
         # the stream runs in order: one retire per tracker covers every submission up to
         # last_done (trackers of leaked submissions are never retired: their seq is later)
-        seen = set()
+        trackers = {}  # (insertion-ordered set; trackers hash by identity)
+        prev = None
         for sub in out:
-            if sub.state == RETIRED:
-                for tok, _ in sub.uses:
-                    tr = tok.allocation.tracker
-                    if id(tr) not in seen:
-                        seen.add(id(tr))
-                        tr.retire_locked(stream, last_done)
+            uses = sub.uses
+            if uses is prev or sub.state != RETIRED:  # (an op's submissions share their uses)
+                continue
+            prev = uses
+            for tok, _ in uses:
+                trackers[tok.allocation.tracker] = None
+        for tr in trackers:
+            tr.retire_locked(stream, last_done)
     if not pending:
         _active.discard(stream)
     return out
@@ -280,11 +283,15 @@ def _sweep_locked(stream) -> list:
 
 def finish(subs) -> None:
     """Outside the lock: drop what retired work kept, run its callbacks."""
+    last = None
     for sub in subs:
         if sub.state == RETIRED:
             sub.keep = None
             sub.uses = None
-            sub.marker.recycle()
+            m = sub.marker
+            if m is not last:  # consecutive submissions often share one marker
+                last = m
+                m.recycle()
         cbs = sub.callbacks
         if cbs:
             sub.callbacks = None
