@@ -148,14 +148,14 @@ def bench_launch_gpu(dev, quick):
         launch(func, 1, 1, 1, 32, 1, 1, 0, cus, addr, 0)
 
     from sharedmem._accel import fast_launch
-    from sharedmem.launch import install_fast_launch
+    from sharedmem._accel import set_compiled
 
     def ours_python():  # the same launch with the compiled path switched off
-        install_fast_launch(None)
+        set_compiled(False)
         try:
             ours()
         finally:
-            install_fast_launch(fast_launch)
+            set_compiled(True)
 
     for fn in (raw, ours, ours_op, floor, ours_python):  # warm up
         for _ in range(200):

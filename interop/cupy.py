@@ -531,7 +531,20 @@ def _launcher(sig, stream, g, b, shared_mem) -> _Launcher:
 from sharedmem._accel import speedups as _speedups  # noqa: E402  (None: pure Python)
 
 # Python plan code -> the compiled path's argument code (sharedmem/_speedups.c)
-_C_PTR, _C_PTR_LEN, _C_INT, _C_BOOL, _C_F32, _C_F64, _C_NULL, _C_BYTES = range(8)
+_C_PTR, _C_PTR_LEN, _C_INT, _C_BOOL, _C_F32, _C_F64, _C_NULL, _C_BYTES, _C_INLINE = range(9)
+
+
+def _value_after_header(a) -> bool:
+    """Whether NumPy scalar ``a`` keeps its value right after its object header
+    (so the compiled path copies it from there, not through the buffer protocol):
+    checked on this scalar, with this NumPy, before the type is planned so."""
+    size = a.dtype.itemsize
+    header = object.__basicsize__
+    if type(a).__basicsize__ < header + size:
+        return False
+    probe = np.frombuffer(bytes(range(1, size + 1)), dtype=a.dtype)[0]  # no zero byte
+    return type(probe) is type(a) and all(
+        ctypes.string_at(id(x) + header, size) == x.tobytes() for x in (a, probe))
 
 
 def _compiled_plan(adapter, kernel, sig, key, codes, args, stream) -> None:
@@ -566,7 +579,7 @@ def _compiled_plan(adapter, kernel, sig, key, codes, args, stream) -> None:
             elif code == _NULL:
                 c = _C_NULL
             elif code == _BYTES:  # a NumPy scalar of the parameter's size
-                c = _C_BYTES
+                c = _C_INLINE if _value_after_header(a) else _C_BYTES
             else:  # pragma: no cover - every code is mapped
                 return
             specs.append((key[len(specs)], c, size, p, -1))

@@ -59,3 +59,19 @@ def configure():
     })
     fast_launch = speedups.fast_launch
     return fast_launch
+
+
+def entry(launch):
+    """``launch`` as the public ``sharedmem.launch``: entered from C when the
+    extension is configured (the same function, its arguments passed on
+    untouched whenever the compiled path declines), else ``launch`` itself."""
+    if fast_launch is None:
+        return launch
+    return speedups.LaunchEntry(launch)
+
+
+def set_compiled(on: bool) -> None:
+    """Switch the compiled path on or off at run time (benchmarks compare the
+    two in one process; ``SHAREDMEM_PURE_PYTHON=1`` keeps it off from the start)."""
+    if speedups is not None:
+        speedups.set_enabled(bool(on))

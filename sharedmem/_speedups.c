@@ -40,6 +40,7 @@ typedef int (*ctx_get_fn)(void **);
 
 /* ---- configuration (set once by configure()) ------------------------------------ */
 static int configured = 0;
+static int enabled = 1;  /* set_enabled(): benchmarks compare against the Python path */
 static PyObject *lock_acquire, *lock_release;          /* core_lock's bound methods */
 static PyObject *staged, *pending_warnings, *deferred_errors;  /* deques */
 static PyObject *active_set, *counters, *retirer_running, *retirer_idle;
@@ -61,6 +62,8 @@ static Py_ssize_t off_stream_device, off_stream_impl, off_stream_pending, off_st
 static Py_ssize_t off_sub_stream, off_sub_seq, off_sub_marker, off_sub_keep, off_sub_uses,
     off_sub_state, off_sub_callbacks, off_sub_value, off_sub_label, off_future_s;
 
+static PyTypeObject *deque_type;  /* collections.deque, and its append method descriptor */
+static PyObject *deque_append;
 static PyObject *plans;  /* kernel -> LaunchPlan */
 static PyObject *one;
 #define MAX_PLANS 1024
@@ -96,7 +99,9 @@ slot_set(PyObject *o, Py_ssize_t off, PyObject *v)  /* steals nothing */
 /* ---- LaunchPlan: what is constant about launching one kernel with one set of
  *      argument types on one device ------------------------------------------------- */
 enum { C_PTR = 0, C_PTR_LEN = 1, C_INT = 2, C_BOOL = 3, C_F32 = 4, C_F64 = 5, C_NULL = 6,
-       C_BYTES = 7 /* a NumPy scalar: its bytes, through the buffer protocol */ };
+       C_BYTES = 7,  /* a NumPy scalar: its bytes, through the buffer protocol */
+       C_INLINE = 8  /* a NumPy scalar whose value sits right after its object header (checked
+                        by interop.cupy on a live scalar of the type before it is used) */ };
 
 typedef struct {
     PyTypeObject *type;  /* exact type of the argument (view class or scalar type) */
@@ -207,7 +212,7 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         long ip = PyLong_AsLong(pi), il = PyLong_AsLong(li);
         if (PyErr_Occurred())
             goto fail;
-        if (ip < 0 || ip >= np || il >= np || s->code < C_PTR || s->code > C_BYTES) {
+        if (ip < 0 || ip >= np || il >= np || s->code < C_PTR || s->code > C_INLINE) {
             PyErr_SetString(PyExc_ValueError, "bad argument spec");
             goto fail;
         }
@@ -334,7 +339,7 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     }
     PyObject *kernel = a[0], *grid = a[1], *block = a[2], *args = a[3], *stream = a[4],
              *shmem_o = a[5];
-    if (!configured || !PyTuple_CheckExact(args))
+    if (!configured || !enabled || !PyTuple_CheckExact(args))
         Py_RETURN_NONE;
     PyObject *pl = PyDict_GetItemWithError(plans, kernel);  /* borrowed */
     if (pl == NULL) {
@@ -406,6 +411,11 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
         case C_NULL:
             if (arg != Py_None)
                 goto fallback;
+            continue;
+        case C_INLINE:
+            if (t != s->type)
+                goto fallback;
+            memcpy(slot, (char *)arg + sizeof(PyObject), (size_t)s->size);
             continue;
         case C_BYTES: {
             Py_buffer buf;
@@ -592,7 +602,13 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     slot_set(sub, off_sub_label, p->label);
     Py_CLEAR(keeps);
     PyObject *pending = SLOT(stream, off_stream_pending);
-    PyObject *r = PyObject_CallMethodOneArg(pending, str_append, sub);
+    PyObject *r;
+    if (Py_TYPE(pending) == deque_type) {
+        PyObject *cargs[2] = {pending, sub};
+        r = PyObject_Vectorcall(deque_append, cargs, 2, NULL);
+    } else {
+        r = PyObject_CallMethodOneArg(pending, str_append, sub);
+    }
     if (r == NULL)
         goto error_sub;
     Py_DECREF(r);
@@ -686,6 +702,138 @@ fallback:
     PyErr_Clear();
     Py_RETURN_NONE;
 }
+
+/* ---- LaunchEntry: sharedmem.launch itself, when the extension is built ------------------------
+ * Calls fast_launch straight from the caller's arguments (no Python frame binding *args and
+ * keywords), and the Python launch() with the very same arguments whenever fast_launch declines. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *python;  /* sharedmem.launch.launch */
+    vectorcallfunc vectorcall;
+} LaunchEntry;
+
+static PyObject *str_stream, *str_shared_mem, *str_policy;
+
+static PyObject *
+entry_vectorcall(LaunchEntry *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (n >= 3) {
+        PyObject *stream = Py_None, *shmem = NULL, *policy = Py_None;
+        int ok = 1;
+        Py_ssize_t nk = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+        for (Py_ssize_t i = 0; i < nk && ok; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i), *v = args[n + i];
+            if (k == str_stream)
+                stream = v;
+            else if (k == str_shared_mem)
+                shmem = v;
+            else if (k == str_policy)
+                policy = v;
+            else
+                ok = 0;  /* (a keyword not interned like ours, or unknown: Python sorts it out) */
+        }
+        if (ok && policy == Py_None) {
+            PyObject *rest = PyTuple_New(n - 3);
+            if (rest == NULL)
+                return NULL;
+            for (Py_ssize_t i = 3; i < n; i++) {
+                Py_INCREF(args[i]);
+                PyTuple_SET_ITEM(rest, i - 3, args[i]);
+            }
+            PyObject *zero = NULL;
+            if (shmem == NULL)
+                shmem = zero = PyLong_FromLong(0);
+            PyObject *fa[6] = {args[0], args[1], args[2], rest, stream, shmem};
+            PyObject *fut = shmem ? fast_launch(NULL, fa, 6) : NULL;
+            Py_DECREF(rest);
+            Py_XDECREF(zero);
+            if (fut == NULL)
+                return NULL;
+            if (fut != Py_None)
+                return fut;
+            Py_DECREF(fut);
+        }
+    }
+    return PyObject_Vectorcall(self->python, args, nargsf, kwnames);
+}
+
+static PyObject *
+entry_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    PyObject *python;
+    if (!PyArg_ParseTuple(args, "O:LaunchEntry", &python))
+        return NULL;
+    LaunchEntry *self = (LaunchEntry *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(python);
+    self->python = python;
+    self->vectorcall = (vectorcallfunc)entry_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+entry_traverse(LaunchEntry *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->python);
+    return 0;
+}
+
+static void
+entry_dealloc(LaunchEntry *self)
+{
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->python);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+entry_getattro(LaunchEntry *self, PyObject *name)
+{
+    /* __doc__, __name__, __qualname__, __module__, __wrapped__...: the Python function's */
+    PyObject *r = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (r != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
+        return r;
+    PyErr_Clear();
+    if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) {
+        Py_INCREF(self->python);
+        return self->python;
+    }
+    return PyObject_GetAttr(self->python, name);
+}
+
+static PyObject *
+entry_repr(LaunchEntry *self)
+{
+    return PyUnicode_FromFormat("<compiled %R>", self->python);
+}
+
+static PyObject *
+entry_get_doc(LaunchEntry *self, void *c)
+{
+    return PyObject_GetAttrString(self->python, "__doc__");
+}
+
+static PyGetSetDef entry_getset[] = {
+    {"__doc__", (getter)entry_get_doc, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LaunchEntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "sharedmem._speedups.LaunchEntry",
+    .tp_basicsize = sizeof(LaunchEntry),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(LaunchEntry, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = entry_new,
+    .tp_dealloc = (destructor)entry_dealloc,
+    .tp_traverse = (traverseproc)entry_traverse,
+    .tp_getattro = (getattrofunc)entry_getattro,
+    .tp_repr = (reprfunc)entry_repr,
+    .tp_getset = entry_getset,
+};
 
 /* ---- IntentBase: the storage of sharedmem.launch.Intent (In, Out, ...) ----------------------
  * A launch argument's wrapper is made on every launch: a C constructor makes it about half as
@@ -836,6 +984,10 @@ configure(PyObject *mod, PyObject *cfg)
         PyErr_SetString(PyExc_TypeError, "configure: unexpected container types");
         return NULL;
     }
+    deque_type = Py_TYPE(staged);  /* a collections.deque */
+    Py_INCREF(deque_type);
+    if ((deque_append = PyObject_GetAttrString((PyObject *)deque_type, "append")) == NULL)
+        return NULL;
     OFF(off_intent_obj, InType, "obj");
     OFF(off_view_token, view, "_token");
     OFF(off_view_state, view, "_state");
@@ -901,6 +1053,16 @@ lookup(PyObject *mod, PyObject *kernel)
 }
 
 static PyObject *
+set_enabled(PyObject *mod, PyObject *on)
+{
+    int v = PyObject_IsTrue(on);
+    if (v < 0)
+        return NULL;
+    enabled = v;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 forget_all(PyObject *mod, PyObject *unused)
 {
     PyDict_Clear(plans);
@@ -916,6 +1078,8 @@ static PyMethodDef methods[] = {
      "remember(kernel, plan): launch kernel through plan from now on."},
     {"lookup", lookup, METH_O, "lookup(kernel) -> the kernel's LaunchPlan, or None."},
     {"forget_all", forget_all, METH_NOARGS, "Drop every LaunchPlan."},
+    {"set_enabled", set_enabled, METH_O,
+     "set_enabled(bool): False makes fast_launch decline every launch (the Python path runs)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -927,7 +1091,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    if (PyType_Ready(&LaunchPlanType) < 0 || PyType_Ready(&IntentBaseType) < 0)
+    if (PyType_Ready(&LaunchPlanType) < 0 || PyType_Ready(&IntentBaseType) < 0 ||
+        PyType_Ready(&LaunchEntryType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -943,6 +1108,16 @@ PyInit__speedups(void)
     str_retirer_ensure = PyUnicode_InternFromString("_retirer_ensure");
     str_retirer_wake = PyUnicode_InternFromString("_retirer_wake");
     if (plans == NULL || one == NULL || str_append == NULL || str_retirer_wake == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    str_stream = PyUnicode_InternFromString("stream");
+    str_shared_mem = PyUnicode_InternFromString("shared_mem");
+    str_policy = PyUnicode_InternFromString("policy");
+    Py_INCREF(&LaunchEntryType);
+    if (str_stream == NULL || str_shared_mem == NULL || str_policy == NULL ||
+        PyModule_AddObject(m, "LaunchEntry", (PyObject *)&LaunchEntryType) < 0) {
+        Py_DECREF(&LaunchEntryType);
         Py_DECREF(m);
         return NULL;
     }

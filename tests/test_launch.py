@@ -208,3 +208,22 @@ def test_intents_wrap_one_argument_once(host):
         sm.In()
     with pytest.raises(TypeError):
         sm.In(b, b)
+
+
+def test_launch_is_the_same_function_on_either_path(host):
+    import inspect
+    assert list(inspect.signature(sm.launch).parameters) == [
+        "kernel", "grid", "block", "args", "stream", "shared_mem", "policy"]
+    assert sm.launch.__name__ == "launch" and "leases on every array argument" in sm.launch.__doc__
+    b = sm.Buffer.zeros(4, device=host)
+
+    @sm.host_kernel
+    def fill(x, v):
+        x[:] = v
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'strem'"):
+        sm.launch(fill, 1, 1, sm.Out(b), 1.0, strem=None)
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'block'"):
+        sm.launch(fill, 1)
+    sm.launch(fill, (1,), 1, sm.Out(b), 2.0, stream=None, shared_mem=0, policy="reject").result()
+    np.testing.assert_array_equal(b.to_host(), np.full(4, 2.0))
