@@ -114,6 +114,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     PyObject *kernel, *device, *default_stream, *impl_type, *submit_marker, *label, *backend;
+    PyObject *keep_kernel;  /* (kernel,): what a launch keeps when its tokens keep the rest */
+    int narrays;            /* pointer arguments */
     void *func, *ctx;
     launch_fn launch;
     ctx_get_fn ctx_get;
@@ -129,6 +131,7 @@ plan_traverse(LaunchPlan *p, visitproc visit, void *arg)
 {
     Py_VISIT(p->kernel); Py_VISIT(p->device); Py_VISIT(p->default_stream);
     Py_VISIT(p->impl_type); Py_VISIT(p->submit_marker); Py_VISIT(p->label); Py_VISIT(p->backend);
+    Py_VISIT(p->keep_kernel);
     for (int i = 0; i < p->nargs; i++)
         Py_VISIT((PyObject *)p->specs[i].type);
     return 0;
@@ -139,6 +142,7 @@ plan_clear(LaunchPlan *p)
 {
     Py_CLEAR(p->kernel); Py_CLEAR(p->device); Py_CLEAR(p->default_stream);
     Py_CLEAR(p->impl_type); Py_CLEAR(p->submit_marker); Py_CLEAR(p->label); Py_CLEAR(p->backend);
+    Py_CLEAR(p->keep_kernel);
     for (int i = 0; i < p->nargs; i++)
         Py_CLEAR(p->specs[i].type);
     p->nargs = 0;
@@ -225,6 +229,8 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         Py_INCREF(t);
         s->type = (PyTypeObject *)t;
         p->nargs = (int)(i + 1);
+        if (s->code == C_PTR || s->code == C_PTR_LEN)
+            p->narrays++;
     }
     p->nargs = (int)na;
     if ((p->off_impl_handle = slot_offset(impl_type, "handle")) < 0 ||
@@ -239,6 +245,8 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     Py_INCREF(backend); p->backend = backend;
     Py_INCREF(submit_marker); p->submit_marker = submit_marker;
     Py_INCREF(label); p->label = label;
+    if ((p->keep_kernel = PyTuple_Pack(1, kernel)) == NULL)
+        goto fail;
     return (PyObject *)p;
 fail:
     Py_DECREF(p);
@@ -376,9 +384,10 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     memset(slots, 0, (size_t)p->slots_bytes);
     for (int i = 0; i < p->nparams; i++)
         params[i] = slots + p->param_offsets[i];
-    PyObject *uses = PyList_New(0);
+    PyObject *uses = PyList_New(p->narrays);  /* filled in order; shrunk if fewer */
     if (uses == NULL)
         return NULL;
+    Py_ssize_t nuses = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *arg = PyTuple_GET_ITEM(args, i);
         ArgSpec *s = &p->specs[i];
@@ -465,14 +474,13 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
                 goto fallback;
         }
         PyObject *use = PyTuple_Pack(2, tok, writes ? Py_True : Py_False);
-        if (use == NULL || PyList_Append(uses, use) < 0) {
-            Py_XDECREF(use);
+        if (use == NULL) {
             Py_DECREF(uses);
             return NULL;
         }
-        Py_DECREF(use);
+        PyList_SET_ITEM(uses, nuses, use);  /* narrays counts every pointer argument */
+        nuses++;
     }
-    Py_ssize_t nuses = PyList_GET_SIZE(uses);
     if (nuses == 0)
         goto fallback;  /* no array: Python picks the device */
 
@@ -537,20 +545,31 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     if (seq_o == NULL)
         goto error_locked;
     slot_set(stream, off_stream_seq, seq_o);
-    keeps = PyList_New(nuses + 1);
-    if (keeps == NULL)
-        goto error_seq;
-    Py_INCREF(p->kernel);
-    PyList_SET_ITEM(keeps, 0, p->kernel);
+    /* What the work keeps: the kernel, and each token's `keep` unless it is the token's own
+       allocation (which the token, held by `uses` just as long, keeps anyway). */
+    for (Py_ssize_t i = 0; i < nuses; i++) {
+        PyObject *tok = PyTuple_GET_ITEM(PyList_GET_ITEM(uses, i), 0);
+        PyObject *keep = SLOT(tok, off_tok_keep);
+        if (keep != NULL && keep != Py_None && keep != SLOT(tok, off_tok_alloc)) {
+            if (keeps == NULL) {
+                keeps = PyList_New(1);
+                if (keeps == NULL)
+                    goto error_seq;
+                Py_INCREF(p->kernel);
+                PyList_SET_ITEM(keeps, 0, p->kernel);
+            }
+            if (PyList_Append(keeps, keep) < 0)
+                goto error_keeps;
+        }
+    }
+    if (keeps == NULL) {
+        keeps = p->keep_kernel;
+        Py_INCREF(keeps);
+    }
     for (Py_ssize_t i = 0; i < nuses; i++) {
         PyObject *use = PyList_GET_ITEM(uses, i);
         PyObject *tok = PyTuple_GET_ITEM(use, 0);
         int writes = PyTuple_GET_ITEM(use, 1) == Py_True;
-        PyObject *keep = SLOT(tok, off_tok_keep);
-        if (keep == NULL)
-            keep = Py_None;
-        Py_INCREF(keep);
-        PyList_SET_ITEM(keeps, i + 1, keep);
         /* AccessTracker.record_locked */
         PyObject *start_o = SLOT(tok, off_tok_start), *stop_o = SLOT(tok, off_tok_stop);
         long long lo = PyLong_AsLongLong(start_o), hi = PyLong_AsLongLong(stop_o);
