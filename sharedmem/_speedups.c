@@ -57,6 +57,7 @@ static Py_ssize_t off_tok_alloc, off_tok_start, off_tok_stop, off_tok_writable, 
     off_tok_live;
 static Py_ssize_t off_alloc_device, off_alloc_ptr, off_alloc_tracker, off_tracker_uses;
 static Py_ssize_t off_use_reads, off_use_writes;
+static Py_ssize_t off_stream_cached_uses, off_stream_cached_seq;
 static Py_ssize_t off_stream_device, off_stream_impl, off_stream_pending, off_stream_seq,
     off_stream_capture;
 static Py_ssize_t off_sub_stream, off_sub_seq, off_sub_marker, off_sub_keep, off_sub_uses,
@@ -384,9 +385,9 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     memset(slots, 0, (size_t)p->slots_bytes);
     for (int i = 0; i < p->nparams; i++)
         params[i] = slots + p->param_offsets[i];
-    PyObject *uses = PyList_New(p->narrays);  /* filled in order; shrunk if fewer */
-    if (uses == NULL)
-        return NULL;
+    PyObject *uses = NULL;
+    PyObject *toks[MAX_ARGS];  /* borrowed: the views in `args` hold them while no Python runs */
+    int wrs[MAX_ARGS];
     Py_ssize_t nuses = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *arg = PyTuple_GET_ITEM(args, i);
@@ -473,16 +474,41 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
             if (len_o == NULL || !pack_int(slots + s->offset2, len_o, s->size))
                 goto fallback;
         }
-        PyObject *use = PyTuple_Pack(2, tok, writes ? Py_True : Py_False);
-        if (use == NULL) {
-            Py_DECREF(uses);
-            return NULL;
-        }
-        PyList_SET_ITEM(uses, nuses, use);  /* narrays counts every pointer argument */
+        toks[nuses] = tok;
+        wrs[nuses] = writes;
         nuses++;
     }
     if (nuses == 0)
         goto fallback;  /* no array: Python picks the device */
+    /* The leases, as submit()'s `uses`: the stream's newest compiled submission's list when it
+       names the same tokens the same way (lists of uses are never mutated; sharing one also
+       lets retirement visit its trackers once), else a new one. */
+    PyObject *cached = SLOT(stream, off_stream_cached_uses);
+    if (cached != NULL && PyList_CheckExact(cached) && PyList_GET_SIZE(cached) == nuses) {
+        Py_ssize_t i = 0;
+        for (; i < nuses; i++) {
+            PyObject *u = PyList_GET_ITEM(cached, i);
+            if (PyTuple_GET_ITEM(u, 0) != toks[i] ||
+                PyTuple_GET_ITEM(u, 1) != (wrs[i] ? Py_True : Py_False))
+                break;
+        }
+        if (i == nuses) {
+            Py_INCREF(cached);
+            uses = cached;
+        }
+    }
+    if (uses == NULL) {
+        if ((uses = PyList_New(nuses)) == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < nuses; i++) {
+            PyObject *use = PyTuple_Pack(2, toks[i], wrs[i] ? Py_True : Py_False);
+            if (use == NULL) {
+                Py_DECREF(uses);
+                return NULL;
+            }
+            PyList_SET_ITEM(uses, i, use);
+        }
+    }
 
     /* under core_lock, as submit() */
     if (obj_len(pending_warnings) || obj_len(deferred_errors))
@@ -631,6 +657,8 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     if (r == NULL)
         goto error_sub;
     Py_DECREF(r);
+    slot_set(stream, off_stream_cached_uses, uses);  /* cleared when this submission retires */
+    slot_set(stream, off_stream_cached_seq, seq_o);
     int became_active = PyObject_Size(pending) == 1;
     if (became_active && PySet_Add(active_set, stream) < 0)
         goto error_sub;
@@ -717,7 +745,7 @@ fallback_locked:
         return NULL;
     }
 fallback:
-    Py_DECREF(uses);
+    Py_XDECREF(uses);
     PyErr_Clear();
     Py_RETURN_NONE;
 }
@@ -1027,6 +1055,8 @@ configure(PyObject *mod, PyObject *cfg)
     OFF(off_stream_impl, StreamType, "_impl");
     OFF(off_stream_pending, StreamType, "_pending");
     OFF(off_stream_seq, StreamType, "_seq");
+    OFF(off_stream_cached_uses, StreamType, "_cached_uses");
+    OFF(off_stream_cached_seq, StreamType, "_cached_seq");
     OFF(off_stream_capture, StreamType, "_capture");
     OFF(off_sub_stream, SubmissionType, "stream");
     OFF(off_sub_seq, SubmissionType, "seq");

@@ -28,7 +28,8 @@ class Stream:
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_leak_warned",
-                 "_external", "_capture", "launch_cache", "__weakref__")
+                 "_external", "_capture", "launch_cache", "_cached_uses", "_cached_seq",
+                 "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
@@ -46,6 +47,11 @@ class Stream:
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock
+        # The compiled launch path's `uses` list of its newest submission here (reused by the
+        # next launch naming the same leases) and that submission's seq; dropped when it
+        # retires, so it never keeps memory longer than the work does. guarded by core_lock
+        self._cached_uses = None
+        self._cached_seq = 0
         # For kernel adapters: what is constant about launching a kernel on this stream
         # (interop.cupy keeps its launchers here), so it lives and dies with the stream.
         # Lock-free: entries are immutable and a racing writer stores an equivalent one.

@@ -307,6 +307,25 @@ def test_cupy_launches_take_the_compiled_path_with_the_same_rules(fake, kernels,
     assert len(python_launches) == (1 if compiled else 40)  # the first one hands over its plan
     futs[-1].result()
     np.testing.assert_array_equal(out.to_host(), 39.0 * np.arange(n, dtype=np.float32) + 1)
+    # launches naming the same leases share one list of them while one is pending; it is
+    # dropped when the work retires (it never keeps memory longer than the work does)
+    z = sm.Buffer.empty(n, "float32", device=dev)
+    s.synchronize()
+    drv.holding = True
+    try:
+        f1, f2 = (sm.launch(saxpy, 1, 64, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+                  for _ in range(2))
+        f3 = sm.launch(saxpy, 1, 64, 1.0, sm.In(x), sm.In(out), sm.Out(z), n, stream=s)
+        assert [(t.allocation, w) for t, w in f3._s.uses] == [
+            (x.allocation, False), (out.allocation, False), (z.allocation, True)]
+        if compiled:
+            assert f1._s.uses is f2._s.uses and f3._s.uses is not f2._s.uses
+            assert s._cached_uses is f3._s.uses
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    s.synchronize()
+    assert s._cached_uses is None and s.pending == 0
     before = len(python_launches)
     for v in (-1, 3):  # NumPy scalars: their bytes, as the kernel's parameter
         sm.launch(saxpy, 1, 64, np.float32(v), sm.In(x), sm.In(y), sm.Out(out), np.int32(n),

@@ -262,6 +262,9 @@ def _sweep_locked(stream) -> list:
                         f"Create a new stream for further work.")
             _counters["in_flight"] -= 1
             out.append(sub)
+    if last_done and stream._cached_seq and last_done >= stream._cached_seq:
+        stream._cached_uses = None  # (see Stream: the compiled path's reusable lease list)
+        stream._cached_seq = 0
     if last_done:
         # the stream runs in order: one retire per tracker covers every submission up to
         # last_done (trackers of leaked submissions are never retired: their seq is later)
