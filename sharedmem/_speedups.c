@@ -339,16 +339,12 @@ obj_len(PyObject *o)
 }
 
 /* ---- fast_launch ------------------------------------------------------------------------ */
+/* The launch itself: `argv[0:n]` are the kernel's arguments (borrowed). */
 static PyObject *
-fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
+launch_impl(PyObject *kernel, PyObject *grid, PyObject *block, PyObject *const *argv,
+            Py_ssize_t n, PyObject *stream, PyObject *shmem_o)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "fast_launch(kernel, grid, block, args, stream, shared_mem)");
-        return NULL;
-    }
-    PyObject *kernel = a[0], *grid = a[1], *block = a[2], *args = a[3], *stream = a[4],
-             *shmem_o = a[5];
-    if (!configured || !enabled || !PyTuple_CheckExact(args))
+    if (!configured || !enabled)
         Py_RETURN_NONE;
     PyObject *pl = PyDict_GetItemWithError(plans, kernel);  /* borrowed */
     if (pl == NULL) {
@@ -356,7 +352,6 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     LaunchPlan *p = (LaunchPlan *)pl;
-    Py_ssize_t n = PyTuple_GET_SIZE(args);
     if (n != p->nargs)
         Py_RETURN_NONE;
     unsigned g[3], b[3];
@@ -390,7 +385,7 @@ fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
     int wrs[MAX_ARGS];
     Py_ssize_t nuses = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *arg = PyTuple_GET_ITEM(args, i);
+        PyObject *arg = argv[i];
         ArgSpec *s = &p->specs[i];
         PyTypeObject *t = Py_TYPE(arg);
         char *slot = slots + s->offset;
@@ -750,6 +745,17 @@ fallback:
     Py_RETURN_NONE;
 }
 
+static PyObject *
+fast_launch(PyObject *mod, PyObject *const *a, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyTuple_Check(a[3])) {
+        PyErr_SetString(PyExc_TypeError, "fast_launch(kernel, grid, block, args, stream, shared_mem)");
+        return NULL;
+    }
+    return launch_impl(a[0], a[1], a[2], &PyTuple_GET_ITEM(a[3], 0), PyTuple_GET_SIZE(a[3]),
+                       a[4], a[5]);
+}
+
 /* ---- LaunchEntry: sharedmem.launch itself, when the extension is built ------------------------
  * Calls fast_launch straight from the caller's arguments (no Python frame binding *args and
  * keywords), and the Python launch() with the very same arguments whenever fast_launch declines. */
@@ -781,19 +787,11 @@ entry_vectorcall(LaunchEntry *self, PyObject *const *args, size_t nargsf, PyObje
                 ok = 0;  /* (a keyword not interned like ours, or unknown: Python sorts it out) */
         }
         if (ok && policy == Py_None) {
-            PyObject *rest = PyTuple_New(n - 3);
-            if (rest == NULL)
-                return NULL;
-            for (Py_ssize_t i = 3; i < n; i++) {
-                Py_INCREF(args[i]);
-                PyTuple_SET_ITEM(rest, i - 3, args[i]);
-            }
             PyObject *zero = NULL;
             if (shmem == NULL)
                 shmem = zero = PyLong_FromLong(0);
-            PyObject *fa[6] = {args[0], args[1], args[2], rest, stream, shmem};
-            PyObject *fut = shmem ? fast_launch(NULL, fa, 6) : NULL;
-            Py_DECREF(rest);
+            PyObject *fut = shmem ? launch_impl(args[0], args[1], args[2], args + 3, n - 3,
+                                                stream, shmem) : NULL;
             Py_XDECREF(zero);
             if (fut == NULL)
                 return NULL;
