@@ -46,6 +46,31 @@ def per_call_us(fn, n, reps, sync=None, timed_sync=True):
     return statistics.median(times)
 
 
+def quiesce(sync) -> None:
+    """Finish everything and let the retirer fall idle (it lingers LINGER seconds
+    after the last work), so no measurement pays for another's retirement."""
+    from sharedmem.runtime import retirer
+    sync()
+    sm.synchronize()
+    time.sleep(retirer.LINGER + 0.01)
+
+
+def interleaved_us(fns, n, reps, sync):
+    """Like per_call_us for several functions measured in alternating rounds
+    (raw, ours, raw, ours, ...), each round from a quiet runtime: drift of the
+    machine over the run falls on all of them alike. Medians, microseconds."""
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            quiesce(sync)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            times[i].append((time.perf_counter() - t0) / n * 1e6)
+    return [statistics.median(t) for t in times]
+
+
 def row(name, ours, raw=None, raw_name="", note=""):
     if raw:
         ROWS.append((name, f"{ours:8.2f} us", f"{raw:8.2f} us {raw_name}", f"{ours / raw:5.2f}x"))
@@ -161,12 +186,9 @@ def bench_launch_gpu(dev, quick):
         for _ in range(200):
             fn()
     sync()
-    reps = 7
-    t_raw = per_call_us(raw, n_launch, reps, sync)
-    t_ours = per_call_us(ours, n_launch, reps, sync)
-    t_op = per_call_us(ours_op, n_launch, reps, sync)
-    t_floor = per_call_us(floor, n_launch, reps, sync)
-    t_py = per_call_us(ours_python, n_launch, reps, sync) if fast_launch is not None else None
+    fns = [raw, ours, ours_op, floor] + ([ours_python] if fast_launch is not None else [])
+    t_raw, t_ours, t_op, t_floor, *t_py = interleaved_us(fns, n_launch, 7, sync)
+    t_py = t_py[0] if t_py else None
     sm.synchronize()
     path = "compiled path" if fast_launch is not None else "Python path: not built"
     row(f"launch, 4 buffers + scalar, vs CuPy RawKernel call ({path})", t_ours, t_raw, "CuPy")
