@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 
+from . import _accel
 from .access import READ
 from .launch import Intent, LaunchArg, _adapter_for, _as_view, prepare_launch
 from .errors import CaptureError, KernelError
@@ -136,6 +137,11 @@ class _LaunchOp(DeviceOp):
         return f"<op {_adapter_for(self.kernel).label(self.kernel)}>"
 
     def _submit_on(self, stream):
+        fast = _accel.fast_launch
+        if fast is not None and self.policy is None:  # the compiled common case, as launch()
+            fut = fast(self.kernel, self.grid, self.block, self.args, stream, self.shared_mem)
+            if fut is not None:
+                return fut
         p = self._prepared
         uses = p.uses_on(stream) if p is not None else None
         if uses is None:

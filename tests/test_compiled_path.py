@@ -59,7 +59,7 @@ N = 8
 VIEWS = [(0, None), (1, None), (0, (0, 4)), (0, (2, 6)), (0, (4, 8))]
 
 step = st.one_of(
-    st.tuples(st.just("launch"), st.integers(0, 2), st.integers(0, len(VIEWS) - 1),
+    st.tuples(st.sampled_from(["launch", "op"]), st.integers(0, 2), st.integers(0, len(VIEWS) - 1),
               st.integers(0, len(VIEWS) - 1), st.sampled_from(["acc", "touch"]),
               st.sampled_from([1, 2.0])),
     st.tuples(st.just("complete")),
@@ -113,13 +113,18 @@ def run(program, compiled: bool, prepares=None):
                     sm.synchronize()
                     out.append(("results", [b.to_host().tolist() for b in bases]))
                     continue
-                _, si, ia, ib, kname, n_kind = st_
+                kind, si, ia, ib, kname, n_kind = st_
                 x, y = views[ia], views[ib]
                 n = min(len(x), len(y))
                 n = n if n_kind == 1 else np.int32(n)  # a Python int or a NumPy scalar
                 mark = len(drv.calls)
                 second = sm.Out(y) if kname == "acc" else sm.In(y)
-                fut = sm.launch(kernels[kname], 1, N, sm.In(x), second, n, stream=streams[si])
+                if st_[0] == "op":  # an op described once, submitted twice
+                    o = sm.op(kernels[kname], 1, N, sm.In(x), second, n)
+                    o.submit(streams[si])
+                    fut = o.submit(streams[si])
+                else:
+                    fut = sm.launch(kernels[kname], 1, N, sm.In(x), second, n, stream=streams[si])
                 waits = sorted(names.get(c[1], "?") for c in drv.calls[mark:] if c[0] == "wait")
                 launched = [names[c[2]] for c in drv.calls[mark:] if c[0] == "launch"]
                 out.append(("launch", launched, waits, fut._s.seq, leases(),

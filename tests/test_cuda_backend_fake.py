@@ -305,6 +305,10 @@ def test_cupy_launches_take_the_compiled_path_with_the_same_rules(fake, kernels,
     futs = [sm.launch(saxpy, 1, 64, float(i), sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
             for i in range(40)]
     assert len(python_launches) == (1 if compiled else 40)  # the first one hands over its plan
+    o = sm.op(saxpy, 1, 64, 39.0, sm.In(x), sm.In(y), sm.Out(out), n)
+    futs += [o.submit(s) for _ in range(3)]  # an op takes the compiled path too
+    assert len(python_launches) == (1 if compiled else 41)  # (an op prepares once in Python)
+    del o  # (it holds its arguments' views)
     futs[-1].result()
     np.testing.assert_array_equal(out.to_host(), 39.0 * np.arange(n, dtype=np.float32) + 1)
     # launches naming the same leases share one list of them while one is pending; it is
