@@ -669,7 +669,7 @@ launch_impl(PyObject *kernel, PyObject *grid, PyObject *block, PyObject *const *
     }
     if (sweep_every > 0 && seq % sweep_every == 0) {
         PyObject *fn = PyDict_GetItemWithError(submission_globals, str_sweep_locked);
-        retired = fn ? PyObject_CallOneArg(fn, stream) : NULL;
+        retired = fn ? PyObject_CallFunctionObjArgs(fn, stream, Py_False, NULL) : NULL;
         if (retired == NULL)
             goto error_sub;
     }

@@ -159,6 +159,8 @@ def test_stats_fields():
 class _CountingMarker:
     """A marker whose completion the test sets, counting the queries."""
 
+    recorded = True
+
     def __init__(self, log):
         self.state, self.error, self.log = 0, None, log
 
@@ -199,3 +201,27 @@ def test_retirement_walks_one_by_one_after_an_unknown_query():
         s.marker.state = 1
     subs[-1].marker.state = 2  # the newest query failed: the caller must walk the FIFO
     assert _done_prefix_locked(subs) == -1
+
+
+@pytest.mark.parametrize("n_open", [1, 5, 40])
+def test_a_submitter_sweep_leaves_the_unrecorded_tail_alone(n_open):
+    """Submissions sharing a marker not yet recorded (the FIFO's tail) count as
+    unfinished when the submitter sweeps (record=False): it is never asked --
+    asking would record it just to hear "not yet". The retirer (record=True) asks."""
+    import collections
+    from sharedmem.runtime.submission import _done_prefix_locked
+    log = []
+    closed = [_Sub(_CountingMarker(log)) for _ in range(10)]
+    for s in closed[:7]:
+        s.marker.state = 1
+    shared = _CountingMarker(log)
+    shared.recorded = False
+    shared.state = 1  # (even if it were done)
+    subs = collections.deque(closed + [_Sub(shared) for _ in range(n_open)])
+    assert _done_prefix_locked(subs, record=False) == 7
+    assert shared not in log
+    log.clear()
+    assert _done_prefix_locked(subs) == len(subs)  # the retirer asks the newest first
+    assert log == [shared]
+    only_open = collections.deque(_Sub(shared) for _ in range(n_open))
+    assert _done_prefix_locked(only_open, record=False) == 0

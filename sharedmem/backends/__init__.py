@@ -8,6 +8,7 @@ class CompleteMarker:
     __slots__ = ()
     error = None
     unknown = False
+    recorded = True
     handle = 0
 
     def query(self) -> int:

@@ -105,7 +105,7 @@ def check(result, what: str):
 
 #: Submissions of one stream that share one completion event at most (see the
 #: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop.
-MARKER_BATCH = 16
+MARKER_BATCH = 32
 
 
 class CudaMarker:
@@ -134,6 +134,11 @@ class CudaMarker:
     @property
     def unknown(self) -> bool:
         return self.error is not None
+
+    @property
+    def recorded(self) -> bool:
+        """False while the marker is open (no event recorded yet)."""
+        return self._open_on is None
 
     def close_locked(self) -> None:
         """Record the event of an open marker now (after everything enqueued on

@@ -114,6 +114,7 @@ class HostMarker:
     earlier one on its stream, raised; ``error`` holds why)."""
 
     __slots__ = ("_event", "error")
+    recorded = True  # (markers of other backends may be recorded lazily)
 
     def __init__(self):
         self._event = threading.Event()

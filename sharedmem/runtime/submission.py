@@ -168,7 +168,7 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
         c["in_flight"] += 1
         c["submitted"] += 1
         if seq % SWEEP_EVERY == 0:
-            retired = _sweep_locked(stream)
+            retired = _sweep_locked(stream, False)
     finally:
         lock.release()
     if retired:
@@ -186,15 +186,31 @@ _retirer_running = [False]
 _retirer_idle = [False]
 
 
-def _done_prefix_locked(pending) -> int:
+def _done_prefix_locked(pending, record: bool = True) -> int:
     """How many submissions at the front of ``pending`` have finished, in
     fewer queries than one per submission: a stream runs its work in order,
     so the finished ones are a prefix. The newest is asked first (one query
     retires a whole FIFO that has drained), then the oldest (one query when
     nothing has), then a bisection between them. Returns -1 when a query
-    said *unknown*: the caller then walks the FIFO one by one."""
+    said *unknown*: the caller then walks the FIFO one by one.
+
+    ``record=False`` (a submitter sweeping its own stream) leaves a marker that
+    is not recorded yet alone: the submissions sharing it -- the FIFO's tail --
+    count as unfinished, and no event is recorded just to be asked at once."""
     n = len(pending)
-    st = pending[-1].marker.query()
+    newest = pending[-1].marker
+    if not record and not newest.recorded:
+        lo, hi = -1, n - 1  # pending[hi] shares the open marker; pending[lo] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if pending[mid].marker is newest:
+                hi = mid
+            else:
+                lo = mid
+        n = hi
+        if n == 0:
+            return 0
+    st = pending[n - 1].marker.query()
     if st == _M_DONE:
         return n
     if st == _M_UNKNOWN:
@@ -219,16 +235,17 @@ def _done_prefix_locked(pending) -> int:
     return hi
 
 
-def _sweep_locked(stream) -> list:
+def _sweep_locked(stream, record: bool = True) -> list:
     """Retire the finished front of ``stream``'s FIFO. Caller holds core_lock.
-    Returns the submissions that changed state (for :func:`finish`)."""
+    Returns the submissions that changed state (for :func:`finish`).
+    ``record``: see :func:`_done_prefix_locked`."""
     pending = stream._pending
     if not pending:
         _active.discard(stream)
         return []
     out = []
     last_done = 0
-    k = _done_prefix_locked(pending)
+    k = _done_prefix_locked(pending, record)
     if k > 0:
         popleft, append = pending.popleft, out.append
         for _ in range(k):
@@ -242,6 +259,8 @@ def _sweep_locked(stream) -> list:
     elif k < 0:  # a failed query: retire what finished, leak from the first unknown on
         while pending:
             sub = pending[0]
+            if not record and not sub.marker.recorded:
+                break
             st = sub.marker.query()
             if st == _M_PENDING:
                 break
