@@ -800,6 +800,10 @@ entry_vectorcall(LaunchEntry *self, PyObject *const *args, size_t nargsf, PyObje
             Py_DECREF(fut);
         }
     }
+    if (self->python == NULL) {  /* (cleared by the garbage collector at shutdown) */
+        PyErr_SetString(PyExc_RuntimeError, "sharedmem.launch is being torn down");
+        return NULL;
+    }
     return PyObject_Vectorcall(self->python, args, nargsf, kwnames);
 }
 
@@ -825,6 +829,13 @@ entry_traverse(LaunchEntry *self, visitproc visit, void *arg)
     return 0;
 }
 
+static int
+entry_clear(LaunchEntry *self)
+{
+    Py_CLEAR(self->python);
+    return 0;
+}
+
 static void
 entry_dealloc(LaunchEntry *self)
 {
@@ -841,6 +852,10 @@ entry_getattro(LaunchEntry *self, PyObject *name)
     if (r != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError))
         return r;
     PyErr_Clear();
+    if (self->python == NULL) {
+        PyErr_SetObject(PyExc_AttributeError, name);
+        return NULL;
+    }
     if (PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0) {
         Py_INCREF(self->python);
         return self->python;
@@ -851,12 +866,15 @@ entry_getattro(LaunchEntry *self, PyObject *name)
 static PyObject *
 entry_repr(LaunchEntry *self)
 {
-    return PyUnicode_FromFormat("<compiled %R>", self->python);
+    return self->python ? PyUnicode_FromFormat("<compiled %R>", self->python)
+                        : PyUnicode_FromString("<compiled launch (cleared)>");
 }
 
 static PyObject *
 entry_get_doc(LaunchEntry *self, void *c)
 {
+    if (self->python == NULL)
+        Py_RETURN_NONE;
     return PyObject_GetAttrString(self->python, "__doc__");
 }
 
@@ -875,6 +893,7 @@ static PyTypeObject LaunchEntryType = {
     .tp_new = entry_new,
     .tp_dealloc = (destructor)entry_dealloc,
     .tp_traverse = (traverseproc)entry_traverse,
+    .tp_clear = (inquiry)entry_clear,
     .tp_getattro = (getattrofunc)entry_getattro,
     .tp_repr = (reprfunc)entry_repr,
     .tp_getset = entry_getset,
