@@ -63,6 +63,7 @@ step = st.one_of(
               st.integers(0, len(VIEWS) - 1), st.sampled_from(["acc", "touch"]),
               st.sampled_from([1, 2.0])),
     st.tuples(st.just("complete")),
+    st.tuples(st.just("release"), st.integers(2, len(VIEWS) - 1)),  # a slice: later uses raise
 )
 
 
@@ -108,6 +109,10 @@ def run(program, compiled: bool, prepares=None):
                 return sorted(rows)
 
             for st_ in program:
+                if st_[0] == "release":
+                    views[st_[1]].release()
+                    out.append(("released", st_[1], [b.allocation.live_views for b in bases]))
+                    continue
                 if st_[0] == "complete":
                     drv.finish_held()
                     sm.synchronize()
@@ -115,16 +120,22 @@ def run(program, compiled: bool, prepares=None):
                     continue
                 kind, si, ia, ib, kname, n_kind = st_
                 x, y = views[ia], views[ib]
-                n = min(len(x), len(y))
+                n = min(len(x), len(y)) if x.is_live and y.is_live else N
                 n = n if n_kind == 1 else np.int32(n)  # a Python int or a NumPy scalar
                 mark = len(drv.calls)
                 second = sm.Out(y) if kname == "acc" else sm.In(y)
-                if st_[0] == "op":  # an op described once, submitted twice
-                    o = sm.op(kernels[kname], 1, N, sm.In(x), second, n)
-                    o.submit(streams[si])
-                    fut = o.submit(streams[si])
-                else:
-                    fut = sm.launch(kernels[kname], 1, N, sm.In(x), second, n, stream=streams[si])
+                try:
+                    if st_[0] == "op":  # an op described once, submitted twice
+                        o = sm.op(kernels[kname], 1, N, sm.In(x), second, n)
+                        o.submit(streams[si])
+                        fut = o.submit(streams[si])
+                    else:
+                        fut = sm.launch(kernels[kname], 1, N, sm.In(x), second, n,
+                                        stream=streams[si])
+                except sm.SharedMemError as e:  # (a released view) -- reported the same way
+                    out.append(("error", type(e).__name__, str(e), leases(),
+                                [len(s._pending) for s in streams]))
+                    continue
                 waits = sorted(names.get(c[1], "?") for c in drv.calls[mark:] if c[0] == "wait")
                 launched = [names[c[2]] for c in drv.calls[mark:] if c[0] == "launch"]
                 out.append(("launch", launched, waits, fut._s.seq, leases(),
