@@ -341,17 +341,9 @@ obj_len(PyObject *o)
 /* ---- fast_launch ------------------------------------------------------------------------ */
 /* The launch itself: `argv[0:n]` are the kernel's arguments (borrowed). */
 static PyObject *
-launch_impl(PyObject *kernel, PyObject *grid, PyObject *block, PyObject *const *argv,
-            Py_ssize_t n, PyObject *stream, PyObject *shmem_o)
+launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const *argv,
+                 Py_ssize_t n, PyObject *stream, PyObject *shmem_o)
 {
-    if (!configured || !enabled)
-        Py_RETURN_NONE;
-    PyObject *pl = PyDict_GetItemWithError(plans, kernel);  /* borrowed */
-    if (pl == NULL) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    LaunchPlan *p = (LaunchPlan *)pl;
     if (n != p->nargs)
         Py_RETURN_NONE;
     unsigned g[3], b[3];
@@ -743,6 +735,25 @@ fallback:
     Py_XDECREF(uses);
     PyErr_Clear();
     Py_RETURN_NONE;
+}
+
+/* The plan is held for the whole launch: Python code that runs meanwhile (a finalizer, the
+   marker's record) could drop it from `plans`. */
+static PyObject *
+launch_impl(PyObject *kernel, PyObject *grid, PyObject *block, PyObject *const *argv,
+            Py_ssize_t n, PyObject *stream, PyObject *shmem_o)
+{
+    if (!configured || !enabled)
+        Py_RETURN_NONE;
+    PyObject *pl = PyDict_GetItemWithError(plans, kernel);  /* borrowed */
+    if (pl == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(pl);
+    PyObject *r = launch_with_plan((LaunchPlan *)pl, grid, block, argv, n, stream, shmem_o);
+    Py_DECREF(pl);
+    return r;
 }
 
 static PyObject *
