@@ -320,12 +320,8 @@ def _scalar_piece(i, value, size):
 
 
 def _plan(sig, args):
-    """The packing plan for these argument types: ``(format, codes, int_limits)``.
-    Cached per signature, so a launch only converts values."""
-    return _plan_and_key(sig, args)[0]
-
-
-def _plan_and_key(sig, args):
+    """The packing plan for these argument types, ``(format, codes, int_limits)``,
+    and the types' key. Cached per signature, so a launch only converts values."""
     key = tuple([a.view.__class__ if type(a) is LaunchArg else type(a) for a in args])
     plan = sig.plans.get(key)
     if plan is None:
@@ -460,7 +456,7 @@ class RawKernelAdapter(KernelAdapter):
         g = _dims3_of(grid, "grid")
         b = _dims3_of(block, "block")
         sig = _signature(kernel, stream.device)
-        plan, key = _plan_and_key(sig, args)
+        plan, key = _plan(sig, args)
         fmt, codes, limits = plan
         values = _pack_values(codes, limits, args)
         if _speedups is not None:
@@ -561,15 +557,15 @@ def _compiled_plan(adapter, kernel, sig, key, codes, args, stream) -> None:
     lp = sig.compiled.get(key)
     if lp is None:
         specs = []
-        p = 0
-        for code, a in zip(codes, args):
-            if code == _PTR or code == _PTR_LEN:
-                if code == _PTR_LEN:
-                    specs.append((key[len(specs)], _C_PTR_LEN, sig.sizes[p + 1], p, p + 1))
-                    p += 2
-                else:
-                    specs.append((key[len(specs)], _C_PTR, 8, p, -1))
-                    p += 1
+        p = 0  # the argument's first parameter
+        for code, a, t in zip(codes, args, key):
+            if code == _PTR_LEN:  # (the length parameter follows the pointer)
+                specs.append((t, _C_PTR_LEN, sig.sizes[p + 1], p, p + 1))
+                p += 2
+                continue
+            if code == _PTR:
+                specs.append((t, _C_PTR, 8, p, -1))
+                p += 1
                 continue
             size = sig.sizes[p]
             if code == _INT:
@@ -582,7 +578,7 @@ def _compiled_plan(adapter, kernel, sig, key, codes, args, stream) -> None:
                 c = _C_INLINE if _value_after_header(a) else _C_BYTES
             else:  # pragma: no cover - every code is mapped
                 return
-            specs.append((key[len(specs)], c, size, p, -1))
+            specs.append((t, c, size, p, -1))
             p += 1
         from sharedmem.backends.cuda import MARKER_BATCH
         dev = stream.device

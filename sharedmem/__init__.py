@@ -39,8 +39,6 @@ __all__ = [
 ]
 
 from . import _accel as _accel  # noqa: E402  (reads the modules above)
-from .launch import install_fast_launch as _install  # noqa: E402
 
-_install(_accel.configure())
+_accel.configure()
 launch = _accel.entry(launch)  # the same launch(), entered from C when the extension is built
-del _install

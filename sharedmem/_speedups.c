@@ -49,7 +49,7 @@ static PyTypeObject *SubmissionType, *FutureType, *StreamType, *TokenType, *Allo
 static PyTypeObject *TrackerType, *StreamUseType;
 static PyTypeObject *InType, *OutType, *InOutType, *AtomicType;
 static long sweep_every;
-static PyObject *str_append, *str_record_locked, *str_in_flight, *str_submitted;
+static PyObject *str_record_locked, *str_in_flight, *str_submitted;
 static PyObject *str_sweep_locked, *str_finish, *str_retirer_ensure, *str_retirer_wake;
 
 static Py_ssize_t off_intent_obj, off_view_token, off_view_state, off_buffer_length;
@@ -63,8 +63,7 @@ static Py_ssize_t off_stream_device, off_stream_impl, off_stream_pending, off_st
 static Py_ssize_t off_sub_stream, off_sub_seq, off_sub_marker, off_sub_keep, off_sub_uses,
     off_sub_state, off_sub_callbacks, off_sub_value, off_sub_label, off_future_s;
 
-static PyTypeObject *deque_type;  /* collections.deque, and its append method descriptor */
-static PyObject *deque_append;
+static PyObject *deque_append;  /* collections.deque.append (every Stream._pending is a deque) */
 static PyObject *plans;  /* kernel -> LaunchPlan */
 static PyObject *one;
 #define MAX_PLANS 1024
@@ -116,7 +115,6 @@ typedef struct {
     PyObject_HEAD
     PyObject *kernel, *device, *default_stream, *impl_type, *submit_marker, *label, *backend;
     PyObject *keep_kernel;  /* (kernel,): what a launch keeps when its tokens keep the rest */
-    int narrays;            /* pointer arguments */
     void *func, *ctx;
     launch_fn launch;
     ctx_get_fn ctx_get;
@@ -229,11 +227,8 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         }
         Py_INCREF(t);
         s->type = (PyTypeObject *)t;
-        p->nargs = (int)(i + 1);
-        if (s->code == C_PTR || s->code == C_PTR_LEN)
-            p->narrays++;
+        p->nargs = (int)(i + 1);  /* (what plan_clear releases if a later spec fails) */
     }
-    p->nargs = (int)na;
     if ((p->off_impl_handle = slot_offset(impl_type, "handle")) < 0 ||
         (p->off_impl_capturing = slot_offset(impl_type, "capturing")) < 0 ||
         (p->off_impl_open = slot_offset(impl_type, "open_marker")) < 0 ||
@@ -634,13 +629,8 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     slot_set(sub, off_sub_label, p->label);
     Py_CLEAR(keeps);
     PyObject *pending = SLOT(stream, off_stream_pending);
-    PyObject *r;
-    if (Py_TYPE(pending) == deque_type) {
-        PyObject *cargs[2] = {pending, sub};
-        r = PyObject_Vectorcall(deque_append, cargs, 2, NULL);
-    } else {
-        r = PyObject_CallMethodOneArg(pending, str_append, sub);
-    }
+    PyObject *cargs[2] = {pending, sub};  /* deque.append(pending, sub) */
+    PyObject *r = PyObject_Vectorcall(deque_append, cargs, 2, NULL);
     if (r == NULL)
         goto error_sub;
     Py_DECREF(r);
@@ -1059,10 +1049,8 @@ configure(PyObject *mod, PyObject *cfg)
         PyErr_SetString(PyExc_TypeError, "configure: unexpected container types");
         return NULL;
     }
-    deque_type = Py_TYPE(staged);  /* a collections.deque */
-    Py_INCREF(deque_type);
-    if ((deque_append = PyObject_GetAttrString((PyObject *)deque_type, "append")) == NULL)
-        return NULL;
+    if ((deque_append = PyObject_GetAttrString((PyObject *)Py_TYPE(staged), "append")) == NULL)
+        return NULL;  /* (`staged` is a collections.deque, like every Stream._pending) */
     OFF(off_intent_obj, InType, "obj");
     OFF(off_view_token, view, "_token");
     OFF(off_view_state, view, "_state");
@@ -1139,13 +1127,6 @@ set_enabled(PyObject *mod, PyObject *on)
     Py_RETURN_NONE;
 }
 
-static PyObject *
-forget_all(PyObject *mod, PyObject *unused)
-{
-    PyDict_Clear(plans);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"fast_launch", (PyCFunction)(void (*)(void))fast_launch, METH_FASTCALL,
      "fast_launch(kernel, grid, block, args, stream, shared_mem) -> DeviceFuture or None "
@@ -1154,7 +1135,6 @@ static PyMethodDef methods[] = {
     {"remember", (PyCFunction)(void (*)(void))remember, METH_FASTCALL,
      "remember(kernel, plan): launch kernel through plan from now on."},
     {"lookup", lookup, METH_O, "lookup(kernel) -> the kernel's LaunchPlan, or None."},
-    {"forget_all", forget_all, METH_NOARGS, "Drop every LaunchPlan."},
     {"set_enabled", set_enabled, METH_O,
      "set_enabled(bool): False makes fast_launch decline every launch (the Python path runs)."},
     {NULL, NULL, 0, NULL},
@@ -1176,7 +1156,6 @@ PyInit__speedups(void)
         return NULL;
     plans = PyDict_New();
     one = PyLong_FromLong(1);
-    str_append = PyUnicode_InternFromString("append");
     str_record_locked = PyUnicode_InternFromString("record_locked");
     str_in_flight = PyUnicode_InternFromString("in_flight");
     str_submitted = PyUnicode_InternFromString("submitted");
@@ -1184,7 +1163,7 @@ PyInit__speedups(void)
     str_finish = PyUnicode_InternFromString("finish");
     str_retirer_ensure = PyUnicode_InternFromString("_retirer_ensure");
     str_retirer_wake = PyUnicode_InternFromString("_retirer_wake");
-    if (plans == NULL || one == NULL || str_append == NULL || str_retirer_wake == NULL) {
+    if (plans == NULL || one == NULL || str_record_locked == NULL || str_retirer_wake == NULL) {
         Py_DECREF(m);
         return NULL;
     }

@@ -296,18 +296,6 @@ def prepare_launch(kernel, grid, block, args, stream, shared_mem, policy):
     return stream, uses, enqueue, keep, (adapter, kernel), resolved, coerced
 
 
-#: The compiled common case of launch() (``sharedmem._accel``), or None; installed by
-#: ``sharedmem/__init__`` once every module it reads is imported.
-_fast_launch = None
-
-
-def install_fast_launch(fn) -> None:
-    """Route :func:`launch` through ``fn(kernel, grid, block, args, stream, shared_mem)``
-    first; it returns a DeviceFuture, or None (having done nothing) for the Python path."""
-    global _fast_launch
-    _fast_launch = fn
-
-
 def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=None) -> DeviceFuture:
     """Launch ``kernel`` on ``stream`` with leases on every array argument.
 
@@ -318,12 +306,10 @@ def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=
 
     Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
     the device has finished, whatever the caller drops meanwhile.
+
+    This is the Python path; ``sharedmem.launch`` enters the compiled one first
+    when it is built (``sharedmem._accel.entry``).
     """
-    fast = _fast_launch
-    if fast is not None and policy is None:  # the compiled common case (sharedmem/_accel.py)
-        fut = fast(kernel, grid, block, args, stream, shared_mem)
-        if fut is not None:
-            return fut
     # `resolved` is named (not `_`) so it stays referenced until the leases are taken:
     # views an adapter made of foreign arrays (CuPy arrays) live only as long as it does.
     stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+from .._sync import locked
 from ..errors import BackendUnavailableError, CudaError
 from . import COMPLETE
 
@@ -189,7 +190,6 @@ class CudaMarker:
         False on timeout. Polls with short sleeps when a timeout is given.
         Never called with core_lock held."""
         if self._open_on is not None:
-            from .._sync import locked
             with locked():
                 self.close_locked()
         if timeout is None:
@@ -203,16 +203,12 @@ class CudaMarker:
             return True
         deadline = time.monotonic() + timeout
         delay = 20e-6
-        while True:
-            from .._sync import locked
-            with locked():  # query() may need the lock; it is short
-                st = self.query()
-            if st != PENDING:
-                return True
+        while self.query() == PENDING:  # (recorded above: no lock needed to ask)
             if time.monotonic() >= deadline:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+        return True
 
     def recycle(self) -> None:
         """Give a pooled event back (idempotent: the submissions sharing a
