@@ -61,7 +61,7 @@ static Py_ssize_t off_stream_cached_uses, off_stream_cached_seq;
 static Py_ssize_t off_stream_device, off_stream_impl, off_stream_pending, off_stream_seq,
     off_stream_capture;
 static Py_ssize_t off_sub_stream, off_sub_seq, off_sub_marker, off_sub_keep, off_sub_uses,
-    off_sub_state, off_sub_callbacks, off_sub_value, off_sub_label, off_future_s;
+    off_sub_state, off_sub_callbacks, off_sub_value, off_sub_label, off_sub_count, off_future_s;
 
 static PyObject *deque_append;  /* collections.deque.append (every Stream._pending is a deque) */
 static PyObject *plans;  /* kernel -> LaunchPlan */
@@ -612,33 +612,64 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
             goto error_keeps;
         Py_DECREF(r);
     }
-    /* Submission(stream, seq, marker, keeps, uses, label), as its __init__ */
-    sub = SubmissionType->tp_alloc(SubmissionType, 0);
-    if (sub == NULL)
-        goto error_keeps;
-    slot_set(sub, off_sub_stream, stream);
-    slot_set(sub, off_sub_seq, seq_o);
-    slot_set(sub, off_sub_marker, marker);
-    slot_set(sub, off_sub_keep, keeps);
-    slot_set(sub, off_sub_uses, uses);
-    PyObject *zero = PyLong_FromLong(0);  /* PENDING */
-    slot_set(sub, off_sub_state, zero);
-    Py_XDECREF(zero);
-    slot_set(sub, off_sub_callbacks, Py_None);
-    slot_set(sub, off_sub_value, Py_None);
-    slot_set(sub, off_sub_label, p->label);
-    Py_CLEAR(keeps);
+    /* File the launch: into the stream's newest submission when that one shares its marker,
+       its lease list and its keep (Submission.count: they finish together, so they retire
+       together -- and retiring a batch of launches costs what retiring one does), else into a
+       new Submission(stream, seq, marker, keeps, uses, label), as its __init__. */
     PyObject *pending = SLOT(stream, off_stream_pending);
-    PyObject *cargs[2] = {pending, sub};  /* deque.append(pending, sub) */
-    PyObject *r = PyObject_Vectorcall(deque_append, cargs, 2, NULL);
-    if (r == NULL)
-        goto error_sub;
-    Py_DECREF(r);
+    int became_active = 0;
+    Py_ssize_t npending = PyObject_Size(pending);
+    if (npending < 0)
+        goto error_keeps;
+    if (npending > 0) {
+        PyObject *last = PySequence_GetItem(pending, npending - 1);  /* deque: O(1) at the end */
+        if (last == NULL)
+            goto error_keeps;
+        if (Py_TYPE(last) == SubmissionType && SLOT(last, off_sub_marker) == marker &&
+            SLOT(last, off_sub_uses) == uses && SLOT(last, off_sub_keep) == keeps &&
+            SLOT(last, off_sub_label) == p->label && as_long(SLOT(last, off_sub_state)) == 0) {
+            long cnt = as_long(SLOT(last, off_sub_count));
+            PyObject *c = cnt >= 1 ? PyLong_FromLong(cnt + 1) : NULL;
+            if (c != NULL) {
+                slot_set(last, off_sub_count, c);
+                Py_DECREF(c);
+                slot_set(last, off_sub_seq, seq_o);
+                sub = last;  /* (the reference GetItem gave) */
+            } else {
+                PyErr_Clear();
+            }
+        }
+        if (sub == NULL)
+            Py_DECREF(last);
+    }
+    if (sub == NULL) {
+        sub = SubmissionType->tp_alloc(SubmissionType, 0);
+        if (sub == NULL)
+            goto error_keeps;
+        slot_set(sub, off_sub_stream, stream);
+        slot_set(sub, off_sub_seq, seq_o);
+        slot_set(sub, off_sub_marker, marker);
+        slot_set(sub, off_sub_keep, keeps);
+        slot_set(sub, off_sub_uses, uses);
+        PyObject *zero = PyLong_FromLong(0);  /* PENDING */
+        slot_set(sub, off_sub_state, zero);
+        Py_XDECREF(zero);
+        slot_set(sub, off_sub_callbacks, Py_None);
+        slot_set(sub, off_sub_value, Py_None);
+        slot_set(sub, off_sub_label, p->label);
+        slot_set(sub, off_sub_count, one);
+        PyObject *cargs[2] = {pending, sub};  /* deque.append(pending, sub) */
+        PyObject *r = PyObject_Vectorcall(deque_append, cargs, 2, NULL);
+        if (r == NULL)
+            goto error_sub;
+        Py_DECREF(r);
+        became_active = npending == 0;
+        if (became_active && PySet_Add(active_set, stream) < 0)
+            goto error_sub;
+    }
+    Py_CLEAR(keeps);
     slot_set(stream, off_stream_cached_uses, uses);  /* cleared when this submission retires */
     slot_set(stream, off_stream_cached_seq, seq_o);
-    int became_active = PyObject_Size(pending) == 1;
-    if (became_active && PySet_Add(active_set, stream) < 0)
-        goto error_sub;
     PyObject *names[2] = {str_in_flight, str_submitted};
     for (int k = 0; k < 2; k++) {
         PyObject *v = PyDict_GetItemWithError(counters, names[k]);
@@ -1083,6 +1114,7 @@ configure(PyObject *mod, PyObject *cfg)
     OFF(off_sub_callbacks, SubmissionType, "callbacks");
     OFF(off_sub_value, SubmissionType, "value");
     OFF(off_sub_label, SubmissionType, "_label");
+    OFF(off_sub_count, SubmissionType, "count");
     OFF(off_future_s, FutureType, "_s");
     Py_DECREF(view);
     Py_DECREF(buffer);

@@ -15,9 +15,9 @@ __all__ = ["Stats", "stats", "synchronize"]
 class Stats:
     """A snapshot of sharedmem's bookkeeping.
 
-    ``in_flight``: submissions not yet retired. ``live_allocations``: live
-    allocations, ours and foreign. ``live_views``: live view tokens.
-    ``leaked``: submissions kept forever because their completion is unknown;
+    ``in_flight``: submitted work (launches, copies) not yet retired.
+    ``live_allocations``: live allocations, ours and foreign. ``live_views``:
+    live view tokens. ``leaked``: work kept forever because its completion is unknown;
     ``leaked_bytes``: the bytes they lease. ``submitted`` / ``retired``: totals
     since the start of the process. Also readable as ``stats()["in_flight"]``.
     """

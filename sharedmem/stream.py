@@ -120,10 +120,10 @@ class Stream:
 
     @property
     def pending(self) -> int:
-        """Number of this stream's submissions not yet retired."""
+        """Number of this stream's launches and copies not yet retired."""
         from ._sync import locked
         with locked():
-            return len(self._pending)
+            return sum(sub.count for sub in self._pending)
 
 
 class Event:

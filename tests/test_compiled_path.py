@@ -134,12 +134,12 @@ def run(program, compiled: bool, prepares=None):
                                         stream=streams[si])
                 except sm.SharedMemError as e:  # (a released view) -- reported the same way
                     out.append(("error", type(e).__name__, str(e), leases(),
-                                [len(s._pending) for s in streams]))
+                                [s.pending for s in streams]))
                     continue
                 waits = sorted(names.get(c[1], "?") for c in drv.calls[mark:] if c[0] == "wait")
                 launched = [names[c[2]] for c in drv.calls[mark:] if c[0] == "launch"]
                 out.append(("launch", launched, waits, fut._s.seq, leases(),
-                            [len(s._pending) for s in streams], sm.stats().in_flight))
+                            [s.pending for s in streams], sm.stats().in_flight))
             drv.holding = False
             drv.finish_held()
             sm.synchronize()

@@ -325,9 +325,17 @@ def test_cupy_launches_take_the_compiled_path_with_the_same_rules(fake, kernels,
         if compiled:
             assert f1._s.uses is f2._s.uses and f3._s.uses is not f2._s.uses
             assert s._cached_uses is f3._s.uses
+            # the two identical launches sharing a marker are one submission standing for both
+            # (they retire together); the third names other leases: a submission of its own
+            assert f1._s is f2._s and f1._s.count == 2 and f2._s.seq == f3._s.seq - 1
+            assert f3._s is not f2._s and f3._s.count == 1 and f3._s.marker is f2._s.marker
+        assert s.pending == 3 and sm.stats().in_flight == 3
+        assert not f1.done() and not f2.done()
     finally:
         drv.holding = False
         drv.finish_held()
+    assert f1.result() is None and f2.done() and f3.done()
+    assert s.pending == 0 and sm.stats().in_flight == 0
     s.synchronize()
     assert s._cached_uses is None and s.pending == 0
     before = len(python_launches)

@@ -34,7 +34,8 @@ _M_PENDING, _M_DONE, _M_UNKNOWN = 0, 1, 2
 # guarded by core_lock:
 _active: set = set()  # streams whose FIFO is non-empty
 _leaked: list = []  # submissions whose completion is unknown, kept forever
-_counters = {"in_flight": 0, "submitted": 0, "retired": 0, "leaked_bytes": 0}
+# (counted in launches: a Submission may stand for several, see Submission.count)
+_counters = {"in_flight": 0, "submitted": 0, "retired": 0, "leaked": 0, "leaked_bytes": 0}
 
 # Lock-free (deque.append is atomic): warnings and callback errors produced in
 # whatever thread retired something, surfaced in the next user-thread API call.
@@ -46,7 +47,7 @@ class Submission:
     """One piece of enqueued work; see the module docstring for what it keeps."""
 
     __slots__ = ("stream", "seq", "marker", "keep", "uses", "state", "callbacks", "value",
-                 "_label")
+                 "_label", "count")
 
     def __init__(self, stream, seq, marker, keep, uses, label):
         self.stream = stream
@@ -58,11 +59,16 @@ class Submission:
         self.callbacks = None  # list of callables; guarded by core_lock
         self.value = None
         self._label = label
+        # How many launches this submission stands for. The compiled launch path files a
+        # launch into the stream's newest submission when it shares that submission's
+        # completion marker, lease list and keep: they finish together (one event covers
+        # both), so they retire together. ``seq`` is then the newest one's. guarded by core_lock
+        self.count = 1
 
     @property
     def nbytes(self) -> int:
         """Bytes leased (counted again for each lease of the same bytes)."""
-        return sum(tok.stop - tok.start for tok, _ in self.uses or ())
+        return sum(tok.stop - tok.start for tok, _ in self.uses or ()) * self.count
 
     @property
     def label(self) -> str:
@@ -248,14 +254,16 @@ def _sweep_locked(stream, record: bool = True) -> list:
     k = _done_prefix_locked(pending, record)
     if k > 0:
         popleft, append = pending.popleft, out.append
+        n = 0
         for _ in range(k):
             sub = popleft()
             sub.state = RETIRED
+            n += sub.count
             append(sub)
         last_done = sub.seq
         c = _counters
-        c["retired"] += k
-        c["in_flight"] -= k
+        c["retired"] += n
+        c["in_flight"] -= n
     elif k < 0:  # a failed query: retire what finished, leak from the first unknown on
         while pending:
             sub = pending[0]
@@ -268,10 +276,11 @@ def _sweep_locked(stream, record: bool = True) -> list:
             if st == _M_DONE:
                 sub.state = RETIRED
                 last_done = sub.seq
-                _counters["retired"] += 1
+                _counters["retired"] += sub.count
             else:
                 sub.state = UNKNOWN
                 _leaked.append(sub)
+                _counters["leaked"] += sub.count
                 _counters["leaked_bytes"] += sub.nbytes
                 if not stream._leak_warned:
                     stream._leak_warned = True
@@ -279,7 +288,7 @@ def _sweep_locked(stream, record: bool = True) -> list:
                         f"completion of work on {stream} is unknown ({sub.marker.error!r}); its "
                         f"memory and leases are kept, never freed (see sharedmem.stats().leaked). "
                         f"Create a new stream for further work.")
-            _counters["in_flight"] -= 1
+            _counters["in_flight"] -= sub.count
             out.append(sub)
     if last_done and stream._cached_seq and last_done >= stream._cached_seq:
         stream._cached_uses = None  # (see Stream: the compiled path's reusable lease list)
@@ -407,7 +416,7 @@ def raise_deferred() -> None:
 
 
 def counters_locked() -> dict:
-    return dict(_counters, leaked=len(_leaked))
+    return dict(_counters)
 
 
 def _retirer_ensure():  # replaced by retirer.ensure on import of retirer
