@@ -326,7 +326,7 @@ def bench_retirement(dev, total, quick):
             bufs = [sm.Buffer.empty(32, "float32", device=dev) for _ in range(4)]
         sm.launch(k, grid, block, *args(*bufs), stream=s)  # future dropped
         if i % 1000 == 0:
-            peak = max(peak, counters["in_flight"])
+            peak = max(peak, counters.in_flight)
     elapsed = time.perf_counter() - t0
     bufs = None
     sm.synchronize()

@@ -49,7 +49,8 @@ static PyTypeObject *SubmissionType, *FutureType, *StreamType, *TokenType, *Allo
 static PyTypeObject *TrackerType, *StreamUseType;
 static PyTypeObject *InType, *OutType, *InOutType, *AtomicType;
 static long sweep_every;
-static PyObject *str_record_locked, *str_in_flight, *str_submitted;
+static PyObject *str_record_locked;
+static Py_ssize_t off_cnt_in_flight, off_cnt_submitted;  /* submission._Counters */
 static PyObject *str_sweep_locked, *str_finish, *str_retirer_ensure, *str_retirer_wake;
 
 static Py_ssize_t off_intent_obj, off_view_token, off_view_state, off_buffer_length;
@@ -109,6 +110,10 @@ typedef struct {
     int size;            /* parameter size (for C_PTR_LEN: of the length parameter) */
     int offset;          /* byte offset of the parameter's slot */
     int offset2;         /* C_PTR_LEN: the length's slot */
+    /* the last array argument's address: ptr_o + start_o (ints, held: compared by identity,
+       as Python ints are immutable), so a repeated argument is not converted again */
+    PyObject *ptr_o, *start_o;
+    uint64_t addr;
 } ArgSpec;
 
 typedef struct {
@@ -142,8 +147,11 @@ plan_clear(LaunchPlan *p)
     Py_CLEAR(p->kernel); Py_CLEAR(p->device); Py_CLEAR(p->default_stream);
     Py_CLEAR(p->impl_type); Py_CLEAR(p->submit_marker); Py_CLEAR(p->label); Py_CLEAR(p->backend);
     Py_CLEAR(p->keep_kernel);
-    for (int i = 0; i < p->nargs; i++)
+    for (int i = 0; i < p->nargs; i++) {
         Py_CLEAR(p->specs[i].type);
+        Py_CLEAR(p->specs[i].ptr_o);
+        Py_CLEAR(p->specs[i].start_o);
+    }
     p->nargs = 0;
     return 0;
 }
@@ -445,12 +453,19 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
         if (writes && SLOT(tok, off_tok_writable) != Py_True)
             goto fallback;
         PyObject *ptr_o = SLOT(alloc, off_alloc_ptr), *start_o = SLOT(tok, off_tok_start);
-        if (ptr_o == NULL || start_o == NULL || !PyLong_CheckExact(ptr_o) ||
-            !PyLong_CheckExact(start_o))
-            goto fallback;
-        uint64_t ptr = PyLong_AsUnsignedLongLong(ptr_o) + (uint64_t)PyLong_AsLongLong(start_o);
-        if (PyErr_Occurred()) { PyErr_Clear(); goto fallback; }
-        memcpy(slot, &ptr, 8);
+        if (s->ptr_o == NULL || ptr_o != s->ptr_o || start_o != s->start_o) {
+            if (ptr_o == NULL || start_o == NULL || !PyLong_CheckExact(ptr_o) ||
+                !PyLong_CheckExact(start_o))
+                goto fallback;
+            uint64_t a = PyLong_AsUnsignedLongLong(ptr_o) + (uint64_t)PyLong_AsLongLong(start_o);
+            if (PyErr_Occurred()) { PyErr_Clear(); goto fallback; }
+            Py_INCREF(ptr_o);
+            Py_INCREF(start_o);
+            Py_XSETREF(s->ptr_o, ptr_o);
+            Py_XSETREF(s->start_o, start_o);
+            s->addr = a;
+        }
+        memcpy(slot, &s->addr, 8);
         if (s->code == C_PTR_LEN) {
             PyObject *len_o = SLOT(view, off_buffer_length);
             if (len_o == NULL || !pack_int(slots + s->offset2, len_o, s->size))
@@ -670,14 +685,13 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     Py_CLEAR(keeps);
     slot_set(stream, off_stream_cached_uses, uses);  /* cleared when this submission retires */
     slot_set(stream, off_stream_cached_seq, seq_o);
-    PyObject *names[2] = {str_in_flight, str_submitted};
+    Py_ssize_t counts[2] = {off_cnt_in_flight, off_cnt_submitted};  /* += 1 each */
     for (int k = 0; k < 2; k++) {
-        PyObject *v = PyDict_GetItemWithError(counters, names[k]);
+        PyObject *v = SLOT(counters, counts[k]);
         PyObject *v1 = v ? PyNumber_Add(v, one) : NULL;
-        if (v1 == NULL || PyDict_SetItem(counters, names[k], v1) < 0) {
-            Py_XDECREF(v1);
+        if (v1 == NULL)
             goto error_sub;
-        }
+        slot_set(counters, counts[k], v1);
         Py_DECREF(v1);
     }
     if (sweep_every > 0 && seq % sweep_every == 0) {
@@ -1075,7 +1089,7 @@ configure(PyObject *mod, PyObject *cfg)
     sweep_every = PyLong_AsLong(sweep);
     Py_DECREF(sweep);
     if (!PyList_CheckExact(retirer_running) || !PyList_CheckExact(retirer_idle) ||
-        !PyDict_CheckExact(counters) || !PySet_CheckExact(active_set) ||
+        !PySet_CheckExact(active_set) ||
         !PyDict_CheckExact(submission_globals)) {
         PyErr_SetString(PyExc_TypeError, "configure: unexpected container types");
         return NULL;
@@ -1083,6 +1097,8 @@ configure(PyObject *mod, PyObject *cfg)
     if ((deque_append = PyObject_GetAttrString((PyObject *)Py_TYPE(staged), "append")) == NULL)
         return NULL;  /* (`staged` is a collections.deque, like every Stream._pending) */
     OFF(off_intent_obj, InType, "obj");
+    OFF(off_cnt_in_flight, (PyObject *)Py_TYPE(counters), "in_flight");
+    OFF(off_cnt_submitted, (PyObject *)Py_TYPE(counters), "submitted");
     OFF(off_view_token, view, "_token");
     OFF(off_view_state, view, "_state");
     OFF(off_buffer_length, buffer, "_length");
@@ -1189,8 +1205,6 @@ PyInit__speedups(void)
     plans = PyDict_New();
     one = PyLong_FromLong(1);
     str_record_locked = PyUnicode_InternFromString("record_locked");
-    str_in_flight = PyUnicode_InternFromString("in_flight");
-    str_submitted = PyUnicode_InternFromString("submitted");
     str_sweep_locked = PyUnicode_InternFromString("_sweep_locked");
     str_finish = PyUnicode_InternFromString("finish");
     str_retirer_ensure = PyUnicode_InternFromString("_retirer_ensure");

@@ -32,6 +32,8 @@ LINGER = 0.02
 #: themselves (submit() sweeps every SWEEP_EVERY-th submission to a stream):
 #: polling then would only steal the GIL from them.
 BUSY_INTERVAL = 0.005
+#: Submissions since its last sweep that make the retirer call threads busy.
+BURST = 32
 
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
@@ -81,8 +83,8 @@ def _run() -> None:
         except BaseException as e:  # re-raised in a user thread
             _sub._deferred_errors.append(e)
         now = time.monotonic()
-        submitted = counters["submitted"]
-        burst = submitted - last_submitted >= _sub.SWEEP_EVERY
+        submitted = counters.submitted
+        burst = submitted - last_submitted >= BURST
         last_submitted = submitted
         if poll:
             last_busy = now
