@@ -981,6 +981,37 @@ intent_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     return (PyObject *)self;
 }
 
+/* In(x), Out(x), InOut(x), Atomic(x) called without an argument tuple: configure() installs
+   this as those four classes' tp_vectorcall (never inherited by subclasses). */
+static PyObject *
+intent_vectorcall(PyObject *type, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyTypeObject *t = (PyTypeObject *)type;
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes no keyword arguments", t->tp_name);
+        return NULL;
+    }
+    if (n != 1 || PyObject_TypeCheck(args[0], &IntentBaseType)) {  /* the errors, as tp_new */
+        PyObject *tuple = PyTuple_New(n);
+        if (tuple == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(tuple, i, args[i]);
+        }
+        PyObject *r = intent_new(t, tuple, NULL);
+        Py_DECREF(tuple);
+        return r;
+    }
+    IntentObject *self = (IntentObject *)t->tp_alloc(t, 0);
+    if (self == NULL)
+        return NULL;
+    Py_INCREF(args[0]);
+    self->obj = args[0];
+    return (PyObject *)self;
+}
+
 static int
 intent_init(PyObject *self, PyObject *args, PyObject *kw)
 {
@@ -1082,6 +1113,13 @@ configure(PyObject *mod, PyObject *cfg)
     GET(OutType, "Out");
     GET(InOutType, "InOut");
     GET(AtomicType, "Atomic");
+    PyTypeObject *intents[4] = {InType, OutType, InOutType, AtomicType};
+    for (int i = 0; i < 4; i++) {  /* made by tp_new alone: then calls may skip the tuple */
+        PyTypeObject *t = intents[i];
+        if (PyType_IsSubtype(t, &IntentBaseType) && t->tp_new == intent_new &&
+            t->tp_init == intent_init)
+            t->tp_vectorcall = intent_vectorcall;
+    }
     PyObject *view, *buffer;
     GET(view, "View");
     GET(buffer, "Buffer");

@@ -36,7 +36,13 @@ class _PyIntentBase:
 
     __slots__ = ("obj",)
 
-    def __init__(self, obj):
+    def __init__(self, *args, **kwargs):
+        name = type(self).__name__
+        if kwargs:
+            raise TypeError(f"{name}() takes no keyword arguments")
+        if len(args) != 1:
+            raise TypeError(f"{name} expected 1 argument, got {len(args)}")
+        obj = args[0]
         if isinstance(obj, _PyIntentBase):
             self._refuse_nested(obj)
         self.obj = obj

@@ -204,10 +204,17 @@ def test_intents_wrap_one_argument_once(host):
         with pytest.raises(sm.KernelError, match=rf"^{cls.__name__}\(In\(<Buffer .*\)\): an "
                                                  rf"argument takes one intent$"):
             cls(sm.In(b))
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^In expected 1 argument, got 0$"):
         sm.In()
-    with pytest.raises(TypeError):
-        sm.In(b, b)
+    with pytest.raises(TypeError, match=r"^Out expected 1 argument, got 2$"):
+        sm.Out(b, b)
+    with pytest.raises(TypeError, match=r"^In\(\) takes no keyword arguments$"):
+        sm.In(obj=b)
+
+    class Read(sm.In):  # a subclass is made the same way
+        pass
+    r = Read(b)
+    assert type(r) is Read and r.obj is b and r.mode == "read"
 
 
 def test_launch_is_the_same_function_on_either_path(host):
