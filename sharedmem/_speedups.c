@@ -517,6 +517,10 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     if (obj_len(staged) || SLOT(stream, off_stream_capture) != Py_None ||
         SLOT(impl, p->off_impl_capturing) != Py_False)
         goto fallback_locked;
+    /* each lease's _StreamUse of this stream (borrowed: trackers change only under core_lock,
+       which this thread holds until the leases are recorded; a destructor run meanwhile
+       stages its release), or NULL when it has none yet */
+    PyObject *sus[MAX_ARGS];
     for (Py_ssize_t i = 0; i < nuses; i++) {
         PyObject *tok = PyTuple_GET_ITEM(PyList_GET_ITEM(uses, i), 0);
         if (SLOT(tok, off_tok_live) != Py_True)
@@ -530,11 +534,14 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
         Py_ssize_t nh = PyDict_GET_SIZE(held);
         if (nh > 1)
             goto fallback_locked;  /* another stream: conflicts are found in Python */
+        sus[i] = NULL;
         if (nh == 1) {
-            int has = PyDict_Contains(held, stream);
-            if (has < 0) { PyErr_Clear(); goto fallback_locked; }
-            if (!has)
+            PyObject *su = PyDict_GetItemWithError(held, stream);
+            if (su == NULL) {  /* another stream's (or a failed lookup) */
+                PyErr_Clear();
                 goto fallback_locked;
+            }
+            sus[i] = su;
         }
     }
     PyObject *handle_o = SLOT(impl, p->off_impl_handle);
@@ -599,7 +606,7 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
         if (lo >= hi)
             continue;
         PyObject *tracker = SLOT(SLOT(tok, off_tok_alloc), off_alloc_tracker);
-        PyObject *su = PyDict_GetItemWithError(SLOT(tracker, off_tracker_uses), stream);
+        PyObject *su = sus[i];
         if (su != NULL && Py_TYPE(su) == StreamUseType) {
             PyObject *entries = SLOT(su, writes ? off_use_writes : off_use_reads);
             if (entries != NULL && PyList_CheckExact(entries) && PyList_GET_SIZE(entries) == 1) {
@@ -617,8 +624,6 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
                     PyErr_Clear();
                 }
             }
-        } else if (su == NULL && PyErr_Occurred()) {
-            goto error_keeps;
         }
         PyObject *r = PyObject_CallMethodObjArgs(tracker, str_record_locked, stream,
                                                  writes ? Py_True : Py_False, start_o, stop_o,

@@ -106,7 +106,7 @@ def check(result, what: str):
 
 #: Submissions of one stream that share one completion event at most (see the
 #: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop.
-MARKER_BATCH = 32
+MARKER_BATCH = 64
 
 
 class CudaMarker:
