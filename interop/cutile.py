@@ -125,6 +125,8 @@ class TileKernelAdapter(KernelAdapter):
         backend = stream.device.backend
         handle = impl.handle
         launch = ct.launch
+        if _speedups is not None:
+            _compiled_plan(self, kernel, args, stream, launch)
 
         def enqueue():
             backend.ensure_context()
@@ -136,3 +138,52 @@ class TileKernelAdapter(KernelAdapter):
 
 # By name: importing this module must not import cuda.tile.
 register_kernel_adapter("cuda.tile._execution.kernel", TileKernelAdapter())
+
+
+from sharedmem._accel import speedups as _speedups  # noqa: E402  (None: pure Python)
+
+# the compiled path's argument codes for a call plan (sharedmem/_speedups.c)
+_C_OBJ, _C_DESC = 9, 10
+_plans: dict = {}  # (kernel, device, argument types) -> LaunchPlan; lock-free (idempotent)
+
+
+def _compiled_plan(adapter, kernel, args, stream, launch) -> None:
+    """Hand this kernel's plan for these argument types to the compiled path,
+    which then launches it by itself -- the same checks, the views' cached
+    descriptors, ``ct.launch`` called from C -- while the types stay the same.
+    Only Python ints, floats and bools as scalars, and arrays given as views
+    (not CuPy arrays or DLPack producers, made into views per launch)."""
+    hot = stream.device.backend.hot
+    addresses = getattr(hot, "addresses", None)
+    if not addresses:
+        return
+    types = []
+    specs = []
+    for i, a in enumerate(args):
+        if isinstance(a, LaunchArg):
+            t = type(a.view)
+            specs.append((t, _C_DESC, 0, i, -1))
+        elif type(a) in (int, float, bool):
+            t = type(a)
+            specs.append((t, _C_OBJ, 0, i, -1))
+        else:
+            return
+        types.append(t)
+    dev = stream.device
+    key = (kernel, dev, tuple(types))
+    try:
+        lp = _plans.get(key)
+    except TypeError:  # an unhashable kernel object
+        return
+    if lp is None:
+        from sharedmem.backends.cuda import MARKER_BATCH
+        backend = dev.backend
+        lp = _speedups.LaunchPlan(
+            kernel, dev, dev.default_stream, type(stream._impl), backend, backend.submit_marker,
+            (adapter, kernel), 0, int(backend.context), 0, addresses["cuCtxGetCurrent"],
+            MARKER_BATCH, (), tuple(specs), launch, _RW, _RO)
+        if len(_plans) >= 256:  # bounded: each plan keeps its kernel alive
+            _plans.clear()
+        _plans[key] = lp
+    if _speedups.lookup(kernel) is not lp:
+        _speedups.remember(kernel, lp)

@@ -53,7 +53,8 @@ static PyObject *str_record_locked;
 static Py_ssize_t off_cnt_in_flight, off_cnt_submitted;  /* submission._Counters */
 static PyObject *str_sweep_locked, *str_finish, *str_retirer_ensure, *str_retirer_wake;
 
-static Py_ssize_t off_intent_obj, off_view_token, off_view_state, off_buffer_length;
+static Py_ssize_t off_intent_obj, off_view_token, off_view_state, off_view_derived,
+    off_buffer_length;
 static Py_ssize_t off_tok_alloc, off_tok_start, off_tok_stop, off_tok_writable, off_tok_keep,
     off_tok_live;
 static Py_ssize_t off_alloc_device, off_alloc_ptr, off_alloc_tracker, off_tracker_uses;
@@ -101,8 +102,11 @@ slot_set(PyObject *o, Py_ssize_t off, PyObject *v)  /* steals nothing */
  *      argument types on one device ------------------------------------------------- */
 enum { C_PTR = 0, C_PTR_LEN = 1, C_INT = 2, C_BOOL = 3, C_F32 = 4, C_F64 = 5, C_NULL = 6,
        C_BYTES = 7,  /* a NumPy scalar: its bytes, through the buffer protocol */
-       C_INLINE = 8  /* a NumPy scalar whose value sits right after its object header (checked
-                        by interop.cupy on a live scalar of the type before it is used) */ };
+       C_INLINE = 8, /* a NumPy scalar whose value sits right after its object header (checked
+                        by interop.cupy on a live scalar of the type before it is used) */
+       /* call plans (a kernel launched through a Python callable, interop.cutile): */
+       C_OBJ = 9,    /* passed as it is (an int, float or bool of exactly the spec's type) */
+       C_DESC = 10   /* an array: the view's cached descriptor (View._derived_value) */ };
 
 typedef struct {
     PyTypeObject *type;  /* exact type of the argument (view class or scalar type) */
@@ -120,6 +124,12 @@ typedef struct {
     PyObject_HEAD
     PyObject *kernel, *device, *default_stream, *impl_type, *submit_marker, *label, *backend;
     PyObject *keep_kernel;  /* (kernel,): what a launch keeps when its tokens keep the rest */
+    /* A call plan launches with call(stream_handle, (gx, gy, gz), kernel, args) -- cuTile's
+       ct.launch -- instead of cuLaunchKernel: block must be None and shared_mem 0, array
+       arguments pass as the descriptors cached on their views under key_rw / key_ro, and
+       no two array arguments may overlap when either is written (Python raises for those). */
+    PyObject *call, *key_rw, *key_ro;
+    PyObject *grid3;  /* the last grid tuple passed to call, reused while the grid is the same */
     void *func, *ctx;
     launch_fn launch;
     ctx_get_fn ctx_get;
@@ -135,7 +145,8 @@ plan_traverse(LaunchPlan *p, visitproc visit, void *arg)
 {
     Py_VISIT(p->kernel); Py_VISIT(p->device); Py_VISIT(p->default_stream);
     Py_VISIT(p->impl_type); Py_VISIT(p->submit_marker); Py_VISIT(p->label); Py_VISIT(p->backend);
-    Py_VISIT(p->keep_kernel);
+    Py_VISIT(p->keep_kernel); Py_VISIT(p->call); Py_VISIT(p->key_rw); Py_VISIT(p->key_ro);
+    Py_VISIT(p->grid3);
     for (int i = 0; i < p->nargs; i++)
         Py_VISIT((PyObject *)p->specs[i].type);
     return 0;
@@ -146,7 +157,8 @@ plan_clear(LaunchPlan *p)
 {
     Py_CLEAR(p->kernel); Py_CLEAR(p->device); Py_CLEAR(p->default_stream);
     Py_CLEAR(p->impl_type); Py_CLEAR(p->submit_marker); Py_CLEAR(p->label); Py_CLEAR(p->backend);
-    Py_CLEAR(p->keep_kernel);
+    Py_CLEAR(p->keep_kernel); Py_CLEAR(p->call); Py_CLEAR(p->key_rw); Py_CLEAR(p->key_ro);
+    Py_CLEAR(p->grid3);
     for (int i = 0; i < p->nargs; i++) {
         Py_CLEAR(p->specs[i].type);
         Py_CLEAR(p->specs[i].ptr_o);
@@ -172,18 +184,27 @@ as_address(PyObject *o)
 }
 
 /* LaunchPlan(kernel, device, default_stream, impl_type, backend, submit_marker, label,
- *            func, ctx, launch_addr, ctx_get_addr, marker_batch, param_sizes, specs)
- * specs: one (type, code, size, param_index, length_param_index_or_-1) per argument. */
+ *            func, ctx, launch_addr, ctx_get_addr, marker_batch, param_sizes, specs
+ *            [, call, key_rw, key_ro])
+ * specs: one (type, code, size, param_index, length_param_index_or_-1) per argument.
+ * With `call` (a call plan): no parameters, func and launch_addr 0, codes C_OBJ / C_DESC. */
 static PyObject *
 plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     PyObject *kernel, *device, *dstream, *impl_type, *backend, *submit_marker, *label;
     PyObject *func, *ctx, *launch_addr, *ctx_get_addr, *sizes, *specs;
+    PyObject *call = NULL, *key_rw = NULL, *key_ro = NULL;
     long batch;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOlO!O!", &kernel, &device, &dstream, &impl_type,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOlO!O!|OUU", &kernel, &device, &dstream, &impl_type,
                           &backend, &submit_marker, &label, &func, &ctx, &launch_addr,
-                          &ctx_get_addr, &batch, &PyTuple_Type, &sizes, &PyTuple_Type, &specs))
+                          &ctx_get_addr, &batch, &PyTuple_Type, &sizes, &PyTuple_Type, &specs,
+                          &call, &key_rw, &key_ro))
         return NULL;
+    if (call != NULL && (key_ro == NULL || !PyCallable_Check(call) || PyTuple_GET_SIZE(sizes))) {
+        PyErr_SetString(PyExc_ValueError, "a call plan takes call, key_rw and key_ro, and no "
+                        "parameter sizes");
+        return NULL;
+    }
     Py_ssize_t np = PyTuple_GET_SIZE(sizes), na = PyTuple_GET_SIZE(specs);
     if (np > MAX_PARAMS || na > MAX_ARGS) {
         PyErr_SetString(PyExc_ValueError, "too many kernel parameters for the compiled path");
@@ -223,12 +244,15 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         long ip = PyLong_AsLong(pi), il = PyLong_AsLong(li);
         if (PyErr_Occurred())
             goto fail;
-        if (ip < 0 || ip >= np || il >= np || s->code < C_PTR || s->code > C_INLINE) {
+        int ok = call != NULL ? (s->code == C_OBJ || s->code == C_DESC) && ip == i && il < 0
+                              : ip >= 0 && ip < np && il < np && s->code >= C_PTR &&
+                                s->code <= C_INLINE;
+        if (!ok) {
             PyErr_SetString(PyExc_ValueError, "bad argument spec");
             goto fail;
         }
-        s->offset = p->param_offsets[ip];
-        s->offset2 = il >= 0 ? p->param_offsets[il] : -1;
+        s->offset = call != NULL ? 0 : p->param_offsets[ip];
+        s->offset2 = call == NULL && il >= 0 ? p->param_offsets[il] : -1;
         if (s->code == C_PTR_LEN && il < 0) {
             PyErr_SetString(PyExc_ValueError, "a pointer+length argument needs two parameters");
             goto fail;
@@ -251,6 +275,11 @@ plan_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     Py_INCREF(label); p->label = label;
     if ((p->keep_kernel = PyTuple_Pack(1, kernel)) == NULL)
         goto fail;
+    if (call != NULL) {
+        Py_INCREF(call); p->call = call;
+        Py_INCREF(key_rw); p->key_rw = key_rw;
+        Py_INCREF(key_ro); p->key_ro = key_ro;
+    }
     return (PyObject *)p;
 fail:
     Py_DECREF(p);
@@ -349,11 +378,16 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
 {
     if (n != p->nargs)
         Py_RETURN_NONE;
-    unsigned g[3], b[3];
-    if (!dims3(grid, g) || !dims3(block, b) || !PyLong_CheckExact(shmem_o))
+    unsigned g[3], b[3] = {1, 1, 1};
+    if (!dims3(grid, g) || !PyLong_CheckExact(shmem_o))
+        Py_RETURN_NONE;
+    if (p->call != NULL ? block != Py_None : !dims3(block, b))
         Py_RETURN_NONE;
     long shmem = PyLong_AsLong(shmem_o);
-    if (shmem < 0 || shmem > 0x7fffffffL) { PyErr_Clear(); Py_RETURN_NONE; }
+    if (shmem < 0 || shmem > 0x7fffffffL || (p->call != NULL && shmem != 0)) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
     if (stream == Py_None)
         stream = p->default_stream;
     else if (Py_TYPE(stream) != StreamType || SLOT(stream, off_stream_device) != p->device)
@@ -376,6 +410,9 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     for (int i = 0; i < p->nparams; i++)
         params[i] = slots + p->param_offsets[i];
     PyObject *uses = NULL;
+    PyObject *call_args = NULL;  /* a call plan's arguments */
+    if (p->call != NULL && (call_args = PyTuple_New(n)) == NULL)
+        return NULL;
     PyObject *toks[MAX_ARGS];  /* borrowed: the views in `args` hold them while no Python runs */
     int wrs[MAX_ARGS];
     Py_ssize_t nuses = 0;
@@ -411,6 +448,12 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
         case C_NULL:
             if (arg != Py_None)
                 goto fallback;
+            continue;
+        case C_OBJ:
+            if (t != s->type)
+                goto fallback;
+            Py_INCREF(arg);
+            PyTuple_SET_ITEM(call_args, i, arg);
             continue;
         case C_INLINE:
             if (t != s->type)
@@ -452,6 +495,18 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
             goto fallback;
         if (writes && SLOT(tok, off_tok_writable) != Py_True)
             goto fallback;
+        if (s->code == C_DESC) {
+            PyObject *d = SLOT(view, off_view_derived), *desc;
+            if (d == NULL || !PyDict_CheckExact(d) ||
+                (desc = PyDict_GetItemWithError(d, writes ? p->key_rw : p->key_ro)) == NULL)
+                goto fallback;  /* (made by the Python path, once per view) */
+            Py_INCREF(desc);
+            PyTuple_SET_ITEM(call_args, i, desc);
+            toks[nuses] = tok;
+            wrs[nuses] = writes;
+            nuses++;
+            continue;
+        }
         PyObject *ptr_o = SLOT(alloc, off_alloc_ptr), *start_o = SLOT(tok, off_tok_start);
         if (s->ptr_o == NULL || ptr_o != s->ptr_o || start_o != s->start_o) {
             if (ptr_o == NULL || start_o == NULL || !PyLong_CheckExact(ptr_o) ||
@@ -477,6 +532,20 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     }
     if (nuses == 0)
         goto fallback;  /* no array: Python picks the device */
+    if (p->call != NULL) {  /* overlapping arrays, either written: Python raises */
+        for (Py_ssize_t i = 0; i < nuses; i++)
+            for (Py_ssize_t j = i + 1; j < nuses; j++) {
+                if (SLOT(toks[i], off_tok_alloc) != SLOT(toks[j], off_tok_alloc) ||
+                    !(wrs[i] || wrs[j]))
+                    continue;
+                long long a0 = PyLong_AsLongLong(SLOT(toks[i], off_tok_start));
+                long long a1 = PyLong_AsLongLong(SLOT(toks[i], off_tok_stop));
+                long long b0 = PyLong_AsLongLong(SLOT(toks[j], off_tok_start));
+                long long b1 = PyLong_AsLongLong(SLOT(toks[j], off_tok_stop));
+                if (PyErr_Occurred() || (a0 < b1 && b0 < a1 && a0 < a1 && b0 < b1))
+                    goto fallback;
+            }
+    }
     /* The leases, as submit()'s `uses`: the stream's newest compiled submission's list when it
        names the same tokens the same way (lists of uses are never mutated; sharing one also
        lets retirement visit its trackers once), else a new one. */
@@ -496,13 +565,11 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     }
     if (uses == NULL) {
         if ((uses = PyList_New(nuses)) == NULL)
-            return NULL;
+            goto raise;
         for (Py_ssize_t i = 0; i < nuses; i++) {
             PyObject *use = PyTuple_Pack(2, toks[i], wrs[i] ? Py_True : Py_False);
-            if (use == NULL) {
-                Py_DECREF(uses);
-                return NULL;
-            }
+            if (use == NULL)
+                goto raise;
             PyList_SET_ITEM(uses, i, use);
         }
     }
@@ -510,10 +577,8 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     /* under core_lock, as submit() */
     if (obj_len(pending_warnings) || obj_len(deferred_errors))
         goto fallback;
-    if (call_lock(lock_acquire) < 0) {
-        Py_DECREF(uses);
-        return NULL;
-    }
+    if (call_lock(lock_acquire) < 0)
+        goto raise;
     if (obj_len(staged) || SLOT(stream, off_stream_capture) != Py_None ||
         SLOT(impl, p->off_impl_capturing) != Py_False)
         goto fallback_locked;
@@ -549,9 +614,28 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
         goto fallback_locked;
     void *hstream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(handle_o);
     if (PyErr_Occurred()) { PyErr_Clear(); goto fallback_locked; }
-    if (p->launch(p->func, g[0], g[1], g[2], b[0], b[1], b[2], (unsigned)shmem, hstream, params,
-                  NULL) != 0)
+    if (p->call != NULL) {
+        PyObject *g3 = p->grid3;
+        if (g3 == NULL || PyLong_AsUnsignedLong(PyTuple_GET_ITEM(g3, 0)) != g[0] ||
+            PyLong_AsUnsignedLong(PyTuple_GET_ITEM(g3, 1)) != g[1] ||
+            PyLong_AsUnsignedLong(PyTuple_GET_ITEM(g3, 2)) != g[2]) {
+            if ((g3 = Py_BuildValue("(kkk)", (unsigned long)g[0], (unsigned long)g[1],
+                                    (unsigned long)g[2])) == NULL)
+                goto raise_locked;
+            Py_XSETREF(p->grid3, g3);
+        }
+        Py_INCREF(g3);  /* (the call may run code that replaces p->grid3) */
+        PyObject *cargs[4] = {handle_o, g3, p->kernel, call_args};
+        PyObject *r = PyObject_Vectorcall(p->call, cargs, 4, NULL);
+        Py_DECREF(g3);
+        if (r == NULL)
+            goto raise_locked;  /* as when submit()'s enqueue() raises: no lease taken */
+        Py_DECREF(r);
+        Py_CLEAR(call_args);
+    } else if (p->launch(p->func, g[0], g[1], g[2], b[0], b[1], b[2], (unsigned)shmem, hstream,
+                         params, NULL) != 0) {
         goto fallback_locked;  /* nothing ran; Python launches again and reports the error */
+    }
 
     /* from here on the work is enqueued: no more fallbacks */
     PyObject *marker = NULL, *sub = NULL, *fut = NULL, *retired = NULL, *keeps = NULL;
@@ -766,13 +850,27 @@ error_locked:
     }
     return NULL;
 
+raise_locked:
+    {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        call_lock(lock_release);
+        PyErr_Restore(et, ev, tb);
+    }
+raise:  /* before any side effect, an exception set */
+    Py_XDECREF(uses);
+    Py_XDECREF(call_args);
+    return NULL;
+
 fallback_locked:
     if (call_lock(lock_release) < 0) {
         Py_DECREF(uses);
+        Py_XDECREF(call_args);
         return NULL;
     }
 fallback:
     Py_XDECREF(uses);
+    Py_XDECREF(call_args);
     PyErr_Clear();
     Py_RETURN_NONE;
 }
@@ -1144,6 +1242,7 @@ configure(PyObject *mod, PyObject *cfg)
     OFF(off_cnt_submitted, (PyObject *)Py_TYPE(counters), "submitted");
     OFF(off_view_token, view, "_token");
     OFF(off_view_state, view, "_state");
+    OFF(off_view_derived, view, "_derived");
     OFF(off_buffer_length, buffer, "_length");
     OFF(off_tok_alloc, TokenType, "allocation");
     OFF(off_tok_start, TokenType, "start");

@@ -316,3 +316,42 @@ class FakeHot:
 
     def graph_launch(self, exec_, stream):
         return int(self._drv.cuGraphLaunch(CUgraphExec(exec_), CUstream(stream))[0])
+
+
+class TileKernel:
+    """Stands in for a ``@cuda.tile.kernel`` (registered with sharedmem by this name):
+    ``fn(*args)`` runs with NumPy arrays for the array arguments."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = fn.__name__
+
+
+TileKernel.__module__ = "cuda.tile._execution"
+TileKernel.__qualname__ = "kernel"
+
+
+def fake_cutile(driver, fail=None):
+    """A module standing in for ``cuda.tile``: ``launch(stream, grid, kernel, args)``
+    reads array arguments through their CUDA Array Interface, as cuTile does, and
+    runs the kernel on the fake driver's stream (logged as ("tile", stream, grid)).
+    ``fail``: a list; while it holds an exception, launch raises it."""
+    m = types.ModuleType("cuda.tile")
+
+    def launch(stream, grid, kernel, args):
+        if fail:
+            raise fail[0]
+        assert type(grid) is tuple and len(grid) == 3, grid
+        vals = []
+        for a in args:
+            cai = getattr(a, "__cuda_array_interface__", None)
+            if cai is None:
+                vals.append(a)
+                continue
+            n = int(np.prod(cai["shape"]))
+            vals.append(array_at(cai["data"][0], n, np.dtype(cai["typestr"])))
+        driver.calls.append(("tile", int(stream), grid))
+        driver._run(stream, lambda: kernel.fn(*vals))
+
+    m.launch = launch
+    return m

@@ -388,3 +388,111 @@ def test_cupy_launches_take_the_compiled_path_with_the_same_rules(fake, kernels,
     sm.synchronize()
     gc_collect_harder()
     assert alloc() is None and sm.stats().in_flight == 0
+
+
+@pytest.fixture
+def tile(fake, monkeypatch):
+    """A stand-in for cuda.tile over the fake driver (tests/fake_cuda.fake_cutile)."""
+    import types as _types
+
+    from fake_cuda import fake_cutile
+    dev, drv = fake
+    fail = []
+    mod = fake_cutile(drv, fail)
+    if "cuda" in sys.modules:
+        monkeypatch.setattr(sys.modules["cuda"], "tile", mod, raising=False)
+    else:
+        monkeypatch.setitem(sys.modules, "cuda", _types.ModuleType("cuda"))
+        sys.modules["cuda"].tile = mod
+    monkeypatch.setitem(sys.modules, "cuda.tile", mod)
+    return mod, fail
+
+
+def test_cutile_launches_take_the_compiled_path_with_the_same_rules(fake, tile, monkeypatch):
+    import weakref
+
+    import interop.cutile as icu
+    from fake_cuda import TileKernel
+    from sharedmem._accel import speedups
+    dev, drv = fake
+    _, fail = tile
+    compiled = speedups is not None and dev.backend.hot is not None
+    prepares = []
+    real = icu.TileKernelAdapter.prepare
+
+    def counting(self, *a):
+        prepares.append(a[0])
+        return real(self, *a)
+
+    monkeypatch.setattr(icu.TileKernelAdapter, "prepare", counting)
+
+    def vadd(a, b, c, k):  # c = a + k * b
+        c[:] = a + k * b
+
+    kern = TileKernel(vadd)
+    n = 16
+    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
+    b = sm.Tensor.from_host(np.ones(n, np.float32), device=dev)
+    c = sm.Tensor.zeros((n,), "float32", device=dev)
+    s = dev.create_stream("tile")
+    sm.synchronize()
+    mark = len(drv.calls)
+    for k in range(1, 6):
+        f = sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), k, stream=s)
+    assert len(prepares) == (1 if compiled else 5)  # the first one hands over its plan
+    f.result()
+    np.testing.assert_array_equal(c.to_host(), np.arange(n, dtype=np.float32) + 5)
+    tiles = [x for x in drv.calls[mark:] if x[0] == "tile"]
+    assert tiles == [("tile", s.handle, (2, 1, 1))] * 5
+    assert sm.stats().in_flight == 0 and not c.allocation.tracker
+
+    # what the compiled path does not take, the Python path refuses, exactly as before
+    before = len(prepares)
+    with pytest.raises(sm.KernelError, match=r"^arguments 1 and 2 overlap \(bytes \[0, 64\) of "
+                                             r"allocation #\d+\) and one of them is written"):
+        sm.launch(kern, (2,), None, sm.In(a), sm.In(c), sm.Out(c), 1, stream=s)
+    with pytest.raises(sm.KernelError, match=r"^cuTile kernels choose their own block shape"):
+        sm.launch(kern, (2,), 128, sm.In(a), sm.In(b), sm.Out(c), 1, stream=s)
+    with pytest.raises(sm.KernelError, match=r"would write through a read-only view"):
+        sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c.as_readonly()), 1, stream=s)
+    gone = sm.Tensor.zeros((n,), "float32", device=dev)
+    gone.release()
+    with pytest.raises(sm.ReleasedError, match="this Tensor was released"):
+        sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(gone), 1, stream=s)
+    assert len(prepares) == before + 2  # (block and aliasing are refused in prepare)
+    # a NumPy scalar (passed to cuTile as a Python scalar) takes the Python path
+    sm.launch(kern, 2, None, sm.In(a), sm.In(b), sm.Out(c), np.float32(2), stream=s).result()
+    np.testing.assert_array_equal(c.to_host(), np.arange(n, dtype=np.float32) + 2)
+    assert sm.stats().in_flight == 0 and not c.allocation.tracker
+
+    # ct.launch raising: the error as cuTile raised it, nothing leased, nothing enqueued
+    sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), 3, stream=s).result()
+    before, mark = len(prepares), len(drv.calls)
+    boom = RuntimeError("tile compiler failed")
+    fail.append(boom)
+    with pytest.raises(RuntimeError) as info:
+        sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), 4, stream=s)
+    assert info.value is boom and len(prepares) == before + (0 if compiled else 1)
+    assert not c.allocation.tracker and sm.stats().in_flight == 0 and s.pending == 0
+    assert not [x for x in drv.calls[mark:] if x[0] in ("tile", "record")]
+    fail.clear()
+    del info, boom  # (its traceback holds the Python path's frames, and so the views)
+
+    # leases: work in flight keeps its memory after every handle is dropped
+    drv.holding = True
+    try:
+        f1 = sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), 7, stream=s)
+        f2 = sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), 7, stream=s)
+        assert s.pending == 2 and not f1.done()
+        if compiled:
+            assert f1._s is f2._s and f1._s.count == 2
+        alloc = weakref.ref(c.allocation)
+        del c, f1, f2
+        gc_collect_harder()
+        assert alloc() is not None  # still leased by the pending launches
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+    gc_collect_harder()
+    assert alloc() is None and sm.stats().in_flight == 0
