@@ -2,7 +2,8 @@
 
 Runs the real CudaBackend and CuPy adapter against the fake driver of the
 test suite (tests/fake_cuda.py) with the three hot driver calls replaced by
-no-ops, so what is timed is sharedmem's Python alone. Runs anywhere:
+no-ops (and cuTile's ``ct.launch`` by a no-op), so what is timed is sharedmem's own
+work alone. Runs anywhere:
 ``python benchmarks/python_path.py``. Compare machines by running it on both.
 """
 import statistics
@@ -90,10 +91,25 @@ def main():
             fn()
         return run
 
-    rows = [("sm.launch", launch), ("op.submit", submit)]
+    # a cuTile kernel, with cuda.tile stood in for by a module whose launch does nothing
+    import types
+    from fake_cuda import TileKernel
+    ct = types.ModuleType("cuda.tile")
+    ct.launch = lambda stream, grid, kernel, args: None
+    sys.modules.setdefault("cuda", types.ModuleType("cuda")).tile = ct
+    sys.modules["cuda.tile"] = ct
+    tk = TileKernel(lambda *a: None)
+    ta, tb, tc = (sm.Tensor.zeros((1024,), "float32", device=dev) for _ in range(3))
+
+    def tile():
+        sm.launch(tk, (4,), None, In(ta), In(tb), Out(tc), 256, stream=s)
+
+    rows = [("sm.launch", launch), ("op.submit", submit), ("cuTile sm.launch", tile)]
     if fast_launch is not None and _NullHot.addresses:
         rows = [("sm.launch, compiled path", launch),
-                ("sm.launch, Python path", python_path(launch)), ("op.submit", submit)]
+                ("sm.launch, Python path", python_path(launch)), ("op.submit", submit),
+                ("cuTile sm.launch, compiled path", tile),
+                ("cuTile sm.launch, Python path", python_path(tile))]
     for name, fn in rows:
         for _ in range(2000):
             fn()

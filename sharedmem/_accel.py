@@ -4,9 +4,9 @@
 install time) or when ``SHAREDMEM_PURE_PYTHON=1`` is set; sharedmem then runs
 its Python path everywhere, with the same behaviour. When present, it handles
 only the common case of :func:`sharedmem.launch` for kernels whose adapter made
-a launch plan (``interop.cupy``) and returns None for everything else, having
-done nothing -- see the comment at the top of ``_speedups.c`` for which Python
-functions it mirrors.
+a launch plan (``interop.cupy``, ``interop.cutile``) and returns None for
+everything else, having done nothing -- see the comment at the top of
+``_speedups.c`` for which Python functions it mirrors.
 """
 
 from __future__ import annotations

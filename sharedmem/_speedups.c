@@ -2,8 +2,9 @@
  *
  * One function, fast_launch(kernel, grid, block, args, stream, shared_mem),
  * does what sharedmem.launch does for the common case of a CUDA kernel whose
- * packing plan Python already made (interop.cupy registers a LaunchPlan per
- * kernel) -- and nothing else: whenever anything is uncommon (an unknown
+ * plan Python already made (interop.cupy registers a LaunchPlan per kernel that
+ * packs parameters for cuLaunchKernel; interop.cutile one that calls ct.launch
+ * with the views' cached descriptors: a "call plan") -- and nothing else: whenever anything is uncommon (an unknown
  * kernel or argument type, a dead view, another device, a capturing or
  * faulted stream, work of another stream on the same memory, staged releases,
  * deferred warnings, a driver error) it returns None *before any side effect*
@@ -290,7 +291,7 @@ static PyTypeObject LaunchPlanType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "sharedmem._speedups.LaunchPlan",
     .tp_doc = "What is constant about launching one kernel with one set of argument types on "
-              "one device (made by interop.cupy, used by fast_launch).",
+              "one device (made by interop.cupy and interop.cutile, used by fast_launch).",
     .tp_basicsize = sizeof(LaunchPlan),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = plan_new,
