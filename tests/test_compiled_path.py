@@ -10,7 +10,9 @@ submissions per stream and the counters. Skipped where the extension is not buil
 
 import contextlib
 import itertools
+import re
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -30,12 +32,17 @@ _keys = itertools.count(1000)
 @contextlib.contextmanager
 def fake_device():
     import sharedmem.backends.cuda as bc
-    from fake_cuda import CUresult, FakeDriver, FakeHot, fake_cupy
+    from fake_cuda import CUresult, FakeDriver, FakeHot, fake_cupy, fake_cutile
     drv = FakeDriver()
     saved = (bc.cu, bc._SUCCESS, bc._NOT_READY, bc._hot_driver, sys.modules.get("cupy"))
+    saved_tile = {k: sys.modules.get(k) for k in ("cuda", "cuda.tile")}
+    saved_attr = getattr(sys.modules.get("cuda"), "tile", None)
     bc.cu, bc._SUCCESS, bc._NOT_READY = drv, CUresult.CUDA_SUCCESS, CUresult.CUDA_ERROR_NOT_READY
     bc._hot_driver = lambda: FakeHot(drv)
     sys.modules["cupy"] = fake_cupy()
+    tile = fake_cutile(drv)
+    sys.modules.setdefault("cuda", types.ModuleType("cuda")).tile = tile
+    sys.modules["cuda.tile"] = tile
     try:
         backend = bc.CudaBackend(0)
         dev = object.__new__(sm.Device)
@@ -52,6 +59,13 @@ def fake_device():
             sys.modules.pop("cupy", None)
         else:
             sys.modules["cupy"] = saved[4]
+        if saved_tile["cuda"] is not None and saved_attr is not None:
+            saved_tile["cuda"].tile = saved_attr
+        for k, m in saved_tile.items():
+            if m is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = m
 
 
 N = 8
@@ -60,7 +74,7 @@ VIEWS = [(0, None), (1, None), (0, (0, 4)), (0, (2, 6)), (0, (4, 8))]
 
 step = st.one_of(
     st.tuples(st.sampled_from(["launch", "op"]), st.integers(0, 2), st.integers(0, len(VIEWS) - 1),
-              st.integers(0, len(VIEWS) - 1), st.sampled_from(["acc", "touch"]),
+              st.integers(0, len(VIEWS) - 1), st.sampled_from(["acc", "touch", "tile"]),
               st.sampled_from([1, 2.0])),
     st.tuples(st.just("complete")),
     st.tuples(st.just("release"), st.integers(2, len(VIEWS) - 1)),  # a slice: later uses raise
@@ -71,7 +85,7 @@ def run(program, compiled: bool, prepares=None):
     """The observable trace of ``program``; ``prepares`` (a list) collects the
     launches the Python path prepared."""
     import interop.cupy as ic
-    from fake_cuda import RawKernel, array_at
+    from fake_cuda import RawKernel, TileKernel, array_at
     _accel.set_compiled(compiled)
     out = []
     real_prepare = ic.RawKernelAdapter.prepare
@@ -90,8 +104,12 @@ def run(program, compiled: bool, prepares=None):
             def touch(x, y, n):  # reads both
                 pass
 
+            def tile_acc(x, y, n):  # y += x (a cuTile kernel: arrays as arrays)
+                y[:n] += x[:n]
+
             kernels = {"acc": RawKernel(drv, "acc", ["Q", "Q", "i"], acc),
-                       "touch": RawKernel(drv, "touch", ["Q", "Q", "i"], touch)}
+                       "touch": RawKernel(drv, "touch", ["Q", "Q", "i"], touch),
+                       "tile": TileKernel(tile_acc)}
             streams = [dev.create_stream(f"s{i}") for i in range(3)]
             bases = [sm.Buffer.from_host(np.arange(N, dtype=np.float32) + 10 * b, device=dev)
                      for b in range(2)]
@@ -123,21 +141,24 @@ def run(program, compiled: bool, prepares=None):
                 n = min(len(x), len(y)) if x.is_live and y.is_live else N
                 n = n if n_kind == 1 else np.int32(n)  # a Python int or a NumPy scalar
                 mark = len(drv.calls)
-                second = sm.Out(y) if kname == "acc" else sm.In(y)
+                second = sm.In(y) if kname == "touch" else sm.Out(y)
+                block = None if kname == "tile" else N
                 try:
                     if st_[0] == "op":  # an op described once, submitted twice
-                        o = sm.op(kernels[kname], 1, N, sm.In(x), second, n)
+                        o = sm.op(kernels[kname], 1, block, sm.In(x), second, n)
                         o.submit(streams[si])
                         fut = o.submit(streams[si])
                     else:
-                        fut = sm.launch(kernels[kname], 1, N, sm.In(x), second, n,
+                        fut = sm.launch(kernels[kname], 1, block, sm.In(x), second, n,
                                         stream=streams[si])
-                except sm.SharedMemError as e:  # (a released view) -- reported the same way
-                    out.append(("error", type(e).__name__, str(e), leases(),
+                except sm.SharedMemError as e:  # (a released view, overlapping cuTile arrays)
+                    msg = re.sub(r"#\d+", "#", str(e))  # (allocation ids differ between runs)
+                    out.append(("error", type(e).__name__, msg, leases(),
                                 [s.pending for s in streams]))
                     continue
                 waits = sorted(names.get(c[1], "?") for c in drv.calls[mark:] if c[0] == "wait")
-                launched = [names[c[2]] for c in drv.calls[mark:] if c[0] == "launch"]
+                launched = [names[c[2]] for c in drv.calls[mark:] if c[0] == "launch"] + \
+                    [("tile", names[c[1]]) for c in drv.calls[mark:] if c[0] == "tile"]
                 out.append(("launch", launched, waits, fut._s.seq, leases(),
                             [s.pending for s in streams], sm.stats().in_flight))
             drv.holding = False
@@ -173,3 +194,24 @@ def test_the_comparison_sees_a_difference():
     a = run([("launch", 0, 0, 1, "acc", 1), ("complete",)], compiled=True)
     b = run([("launch", 0, 0, 1, "touch", 1), ("complete",)], compiled=True)
     assert a != b
+
+
+def test_the_compiled_run_takes_cutile_launches_too(monkeypatch):
+    import interop.cutile as icu
+    calls = []
+    real = icu.TileKernelAdapter.prepare
+
+    def counting(self, *a):
+        calls.append(a[0])
+        return real(self, *a)
+
+    monkeypatch.setattr(icu.TileKernelAdapter, "prepare", counting)
+    program = [("launch", 0, 1, 0, "tile", 1)] * 4 + [("op", 0, 1, 0, "tile", 1), ("complete",)]
+    fast = run(program, True)
+    n_fast = len(calls)
+    assert fast == run(program, False)
+    # compiled: the first launch makes the plan, and the op's submissions use it too; Python:
+    # every launch, and the op once (it reuses its preparation on its second submission)
+    assert (n_fast, len(calls) - n_fast) == (1, 5)
+    # buffer 0 += buffer 1, six times
+    assert fast[-2] == ("results", [(np.arange(N) * 7 + 60).tolist(), (np.arange(N) + 10).tolist()])
