@@ -39,6 +39,8 @@ import sharedmem as sm
 from sharedmem.allocation import import_allocation
 from sharedmem.runtime.submission import order_consumer, submit
 
+from sharedmem._accel import speedups as _speedups  # None: pure Python (the ctypes structs below)
+
 __all__ = ["export", "dlpack_device", "from_dlpack", "DLPACK_VERSION", "kDLCPU", "kDLCUDA"]
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
@@ -237,6 +239,16 @@ def _make_capsule(view, tok, versioned: bool, flags: int):
         d = _dl_dtype(dt)
         code_bits = _dtype_cache[dt] = (d.code, d.bits)
     shape, strides = view.shape, view.strides
+    if _speedups is not None:  # the same structs, built and deleted in C
+        dev_type, dev_id = dlpack_device(view)
+        export_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable,
+                                              tok.keep)
+        try:
+            return _speedups.dlpack_capsule(export_tok, view.ptr, dev_type, dev_id, code_bits[0],
+                                            code_bits[1], shape, strides, versioned, flags)
+        except BaseException:
+            export_tok.release()
+            raise
     ndim = len(shape)
     head = _VERSIONED_FMT if versioned else _LEGACY_FMT
     raw = ctypes.create_string_buffer(head.size + 16 * ndim)

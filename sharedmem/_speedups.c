@@ -1164,6 +1164,115 @@ static PyTypeObject IntentBaseType = {
     .tp_members = intent_members,
 };
 
+/* ---- DLPack export capsules (interop.dlpack) ------------------------------------------------
+ * One allocation: a hidden header (the view token the export holds), the managed tensor
+ * (DLPack 1.0 versioned, or legacy), then shape and strides. The deleter -- called by the
+ * consumer, from any thread, or by the capsule's destructor when nobody consumed it --
+ * releases the token (ViewToken.release) and frees the block. */
+typedef struct { PyObject *token; } DLHidden;
+typedef struct { void *data; int32_t device_type, device_id; int32_t ndim; uint8_t code, bits;
+                 uint16_t lanes; int64_t *shape, *strides; uint64_t byte_offset; } DLTensorC;
+typedef struct { DLTensorC dl_tensor; void *manager_ctx; void (*deleter)(void *); } DLLegacyC;
+typedef struct { uint32_t major, minor; void *manager_ctx; void (*deleter)(void *);
+                 uint64_t flags; DLTensorC dl_tensor; } DLVersionedC;
+#define DL_HIDDEN_SIZE ((sizeof(DLHidden) + 15) / 16 * 16)
+static PyObject *str_release;
+
+static void
+dl_deleter(void *managed)
+{
+    if (managed == NULL)
+        return;
+    char *block = (char *)managed - DL_HIDDEN_SIZE;
+    DLHidden *h = (DLHidden *)block;
+    if (Py_IsInitialized()) {  /* (after interpreter shutdown: the token is gone anyway) */
+        PyGILState_STATE st = PyGILState_Ensure();
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);  /* (a destructor may run while an error is set) */
+        PyObject *r = PyObject_CallMethodNoArgs(h->token, str_release);
+        if (r == NULL)
+            PyErr_WriteUnraisable(h->token);
+        Py_XDECREF(r);
+        Py_DECREF(h->token);
+        PyErr_Restore(et, ev, tb);
+        PyGILState_Release(st);
+    }
+    PyMem_RawFree(block);
+}
+
+static void
+dl_capsule_destructor(PyObject *cap)
+{
+    /* consumed capsules were renamed ("used_..."): the consumer owns the deleter call */
+    const char *names[2] = {"dltensor_versioned", "dltensor"};
+    for (int i = 0; i < 2; i++)
+        if (PyCapsule_IsValid(cap, names[i])) {
+            dl_deleter(PyCapsule_GetPointer(cap, names[i]));
+            return;
+        }
+}
+
+/* dlpack_capsule(token, data, device_type, device_id, code, bits, shape, strides, versioned,
+ *                flags) -> a capsule holding `token` until its deleter runs */
+static PyObject *
+dlpack_capsule(PyObject *mod, PyObject *args)
+{
+    PyObject *token, *shape, *strides;
+    unsigned long long data, flags;
+    int dev_type, dev_id, code, bits, versioned;
+    if (!PyArg_ParseTuple(args, "OKiiiiO!O!pK", &token, &data, &dev_type, &dev_id, &code,
+                          &bits, &PyTuple_Type, &shape, &PyTuple_Type, &strides, &versioned,
+                          &flags))
+        return NULL;
+    Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+    if (PyTuple_GET_SIZE(strides) != ndim || ndim > 64) {
+        PyErr_SetString(PyExc_ValueError, "dlpack_capsule: shape and strides differ in length");
+        return NULL;
+    }
+    size_t head = versioned ? sizeof(DLVersionedC) : sizeof(DLLegacyC);
+    head = (head + 15) / 16 * 16;
+    char *block = PyMem_RawCalloc(1, DL_HIDDEN_SIZE + head + 16 * (size_t)(ndim ? ndim : 1));
+    if (block == NULL)
+        return PyErr_NoMemory();
+    char *managed = block + DL_HIDDEN_SIZE;
+    int64_t *sh = (int64_t *)(managed + head), *st = sh + ndim;
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        sh[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        st[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+    }
+    if (PyErr_Occurred()) {
+        PyMem_RawFree(block);
+        return NULL;
+    }
+    DLTensorC *t;
+    if (versioned) {
+        DLVersionedC *v = (DLVersionedC *)managed;
+        v->major = 1; v->minor = 0;
+        v->deleter = dl_deleter;
+        v->flags = flags;
+        t = &v->dl_tensor;
+    } else {
+        DLLegacyC *l = (DLLegacyC *)managed;
+        l->deleter = dl_deleter;
+        t = &l->dl_tensor;
+    }
+    t->data = (void *)(uintptr_t)data;
+    t->device_type = dev_type; t->device_id = dev_id;
+    t->ndim = (int32_t)ndim;
+    t->code = (uint8_t)code; t->bits = (uint8_t)bits; t->lanes = 1;
+    t->shape = sh; t->strides = st;
+    t->byte_offset = 0;
+    PyObject *cap = PyCapsule_New(managed, versioned ? "dltensor_versioned" : "dltensor",
+                                  dl_capsule_destructor);
+    if (cap == NULL) {
+        PyMem_RawFree(block);
+        return NULL;
+    }
+    Py_INCREF(token);
+    ((DLHidden *)block)->token = token;
+    return cap;
+}
+
 /* ---- module functions -------------------------------------------------------------------- */
 static PyObject *
 cfg_get(PyObject *cfg, const char *key)  /* new reference */
@@ -1326,6 +1435,9 @@ static PyMethodDef methods[] = {
     {"remember", (PyCFunction)(void (*)(void))remember, METH_FASTCALL,
      "remember(kernel, plan): launch kernel through plan from now on."},
     {"lookup", lookup, METH_O, "lookup(kernel) -> the kernel's LaunchPlan, or None."},
+    {"dlpack_capsule", dlpack_capsule, METH_VARARGS,
+     "dlpack_capsule(token, data, device_type, device_id, code, bits, shape, strides, versioned, "
+     "flags) -> a DLPack capsule holding token until its deleter runs (interop.dlpack)."},
     {"set_enabled", set_enabled, METH_O,
      "set_enabled(bool): False makes fast_launch decline every launch (the Python path runs)."},
     {NULL, NULL, 0, NULL},
@@ -1348,11 +1460,13 @@ PyInit__speedups(void)
     plans = PyDict_New();
     one = PyLong_FromLong(1);
     str_record_locked = PyUnicode_InternFromString("record_locked");
+    str_release = PyUnicode_InternFromString("release");
     str_sweep_locked = PyUnicode_InternFromString("_sweep_locked");
     str_finish = PyUnicode_InternFromString("finish");
     str_retirer_ensure = PyUnicode_InternFromString("_retirer_ensure");
     str_retirer_wake = PyUnicode_InternFromString("_retirer_wake");
-    if (plans == NULL || one == NULL || str_record_locked == NULL || str_retirer_wake == NULL) {
+    if (plans == NULL || one == NULL || str_record_locked == NULL || str_retirer_wake == NULL ||
+        str_release == NULL) {
         Py_DECREF(m);
         return NULL;
     }

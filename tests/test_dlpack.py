@@ -159,3 +159,37 @@ def test_unknown_major_version_is_refused():
     del cap
     gc_collect_harder()
     assert t.allocation.live_views == 1
+
+
+def test_a_consumer_calls_the_deleter_from_any_thread(host):
+    import threading
+    # a 3x4 int32 tensor seen as 4x3 (strides in elements: 1, 4)
+    buf = sm.Buffer.from_host(np.arange(12, dtype=np.int32), device=host)
+    t = sm.Tensor.from_buffer(buf, (4, 3), strides=(1, 4))
+    alloc = t.allocation
+    ro = t.as_readonly()
+    views = alloc.live_views
+    for view, kwargs, name, struct_ in [
+            (t, {}, b"dltensor", dl.DLManagedTensor),
+            (ro, {"max_version": (1, 0)}, b"dltensor_versioned", dl.DLManagedTensorVersioned)]:
+        cap = view.__dlpack__(**kwargs)
+        addr = dl._get_pointer(cap, name)
+        m = struct_.from_address(addr)
+        d = m.dl_tensor
+        assert (d.data, d.device.device_type, d.device.device_id, d.ndim) == (t.ptr, dl.kDLCPU, 0, 2)
+        assert (d.dtype.code, d.dtype.bits, d.dtype.lanes, d.byte_offset) == (dl.kDLInt, 32, 1, 0)
+        assert (d.shape[0], d.shape[1], d.strides[0], d.strides[1]) == (4, 3, 1, 4)
+        if name == b"dltensor_versioned":
+            assert m.flags == dl.FLAG_READ_ONLY
+        assert alloc.live_views == views + 1
+        # consume it as a library would: rename the capsule, call the deleter later -- here from
+        # a thread of its own, without the GIL (ctypes drops it around a foreign call)
+        assert dl._set_name(cap, b"used_" + name) == 0
+        del cap
+        gc_collect_harder()
+        assert alloc.live_views == views + 1  # a consumed capsule leaves the deleter to its consumer
+        deleter = m.deleter
+        th = threading.Thread(target=deleter, args=(addr,))
+        th.start()
+        th.join()
+        assert alloc.live_views == views
