@@ -67,3 +67,17 @@ def settled():
 
 def arange(n, dtype="float32"):
     return np.arange(n, dtype=dtype)
+
+
+def count_prepares(monkeypatch, adapter_cls) -> list:
+    """The kernels ``adapter_cls`` prepares in Python from now on (a launch the
+    compiled path takes prepares nothing), as a list that grows."""
+    calls = []
+    real = adapter_cls.prepare
+
+    def counting(self, *a):
+        calls.append(a[0])
+        return real(self, *a)
+
+    monkeypatch.setattr(adapter_cls, "prepare", counting)
+    return calls

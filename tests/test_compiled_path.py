@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import sharedmem as sm
 from sharedmem import _accel
 
-from conftest import gc_collect_harder
+from conftest import count_prepares, gc_collect_harder
 
 pytestmark = pytest.mark.skipif(_accel.speedups is None, reason="the extension is not built")
 
@@ -198,14 +198,7 @@ def test_the_comparison_sees_a_difference():
 
 def test_the_compiled_run_takes_cutile_launches_too(monkeypatch):
     import interop.cutile as icu
-    calls = []
-    real = icu.TileKernelAdapter.prepare
-
-    def counting(self, *a):
-        calls.append(a[0])
-        return real(self, *a)
-
-    monkeypatch.setattr(icu.TileKernelAdapter, "prepare", counting)
+    calls = count_prepares(monkeypatch, icu.TileKernelAdapter)
     program = [("launch", 0, 1, 0, "tile", 1)] * 4 + [("op", 0, 1, 0, "tile", 1), ("complete",)]
     fast = run(program, True)
     n_fast = len(calls)

@@ -14,7 +14,7 @@ import pytest
 
 import sharedmem as sm
 
-from conftest import gc_collect_harder
+from conftest import count_prepares, gc_collect_harder
 
 _keys = itertools.count()
 
@@ -288,14 +288,7 @@ def test_cupy_launches_take_the_compiled_path_with_the_same_rules(fake, kernels,
     dev, drv = fake
     saxpy, scale_len = kernels
     compiled = speedups is not None and dev.backend.hot is not None
-    python_launches = []
-    real = ic.RawKernelAdapter.prepare
-
-    def counting(self, *a):
-        python_launches.append(a[0])
-        return real(self, *a)
-
-    monkeypatch.setattr(ic.RawKernelAdapter, "prepare", counting)
+    python_launches = count_prepares(monkeypatch, ic.RawKernelAdapter)
     n = 64
     x = sm.Buffer.from_host(np.arange(n, dtype=np.float32), device=dev)
     y = sm.Buffer.from_host(np.ones(n, np.float32), device=dev)
@@ -417,14 +410,7 @@ def test_cutile_launches_take_the_compiled_path_with_the_same_rules(fake, tile, 
     dev, drv = fake
     _, fail = tile
     compiled = speedups is not None and dev.backend.hot is not None
-    prepares = []
-    real = icu.TileKernelAdapter.prepare
-
-    def counting(self, *a):
-        prepares.append(a[0])
-        return real(self, *a)
-
-    monkeypatch.setattr(icu.TileKernelAdapter, "prepare", counting)
+    prepares = count_prepares(monkeypatch, icu.TileKernelAdapter)
 
     def vadd(a, b, c, k):  # c = a + k * b
         c[:] = a + k * b
