@@ -51,6 +51,7 @@ def configure():
         "retirer_running": submission._retirer_running,
         "retirer_idle": submission._retirer_idle,
         "submission_globals": vars(submission), "sweep_every": submission.SWEEP_EVERY,
+        "access_globals": vars(access),
         "Submission": submission.Submission, "DeviceFuture": future.DeviceFuture,
         "Stream": Stream, "ViewToken": allocation.ViewToken, "Allocation": allocation.Allocation,
         "AccessTracker": access.AccessTracker, "StreamUse": access._StreamUse,

@@ -2,28 +2,35 @@
  *
  * One function, fast_launch(kernel, grid, block, args, stream, shared_mem),
  * does what sharedmem.launch does for the common case of a CUDA kernel whose
- * plan Python already made (interop.cupy registers a LaunchPlan per kernel that
- * packs parameters for cuLaunchKernel; interop.cutile one that calls ct.launch
- * with the views' cached descriptors: a "call plan") -- and nothing else: whenever anything is uncommon (an unknown
- * kernel or argument type, a dead view, another device, a capturing or
- * faulted stream, work of another stream on the same memory, staged releases,
+ * plan Python already made (interop.cupy registers a LaunchPlan per kernel
+ * that packs parameters for cuLaunchKernel; interop.cutile one that calls
+ * ct.launch with the views' cached descriptors: a "call plan") -- and nothing
+ * else: whenever anything is uncommon (an unknown kernel or argument type, a
+ * dead view, another device, a capturing or faulted stream, a conflict with
+ * work of unknown completion or under policy "reject", staged releases,
  * deferred warnings, a driver error) it returns None *before any side effect*
  * and sharedmem.launch runs its Python path, which handles (and reports) it.
  *
  * What it does is, step for step, the common path of
  * sharedmem.launch.resolve_args and sharedmem.runtime.submission.submit:
  *   resolve and validate every argument; take core_lock; check every token
- *   live and no other stream's unfinished access (AccessTracker.elsewhere_locked);
- *   cuLaunchKernel; join the stream's open completion marker; bump the
- *   stream's sequence number; record each lease (AccessTracker.record_locked's
- *   same-range fast path, else the Python method); append the Submission to
- *   the stream's FIFO; count; sweep every SWEEP_EVERY-th submission; release
- *   the lock; wake the retirer as submit() does. A change to those Python
- *   functions must be mirrored here (tests run both paths: SHAREDMEM_PURE_PYTHON=1).
+ *   live; for the leases whose memory other streams have unfinished work on
+ *   (AccessTracker.elsewhere_locked), find the conflicts and make the stream
+ *   wait for each other stream's newest (order_after_others); launch; join
+ *   the stream's open completion marker; bump the stream's sequence number;
+ *   record each lease (AccessTracker.record_locked's same-range fast path,
+ *   else the Python method); file the launch (into the stream's newest
+ *   Submission when it shares marker, leases and keep, else a new one); count;
+ *   sweep every SWEEP_EVERY-th submission; release the lock; wake the retirer
+ *   as submit() does. A change to those Python functions must be mirrored here
+ *   (tests run both paths: SHAREDMEM_PURE_PYTHON=1, and tests/test_compiled_path.py).
  *
  * Object fields are read through the __slots__ offsets of the exact Python
  * classes (checked by type identity before use); the GIL is held throughout,
- * except while core_lock.acquire() blocks.
+ * except while core_lock.acquire() blocks and inside the Python calls made
+ * under core_lock (ct.launch, wait_marker, submit_marker, record_locked), which
+ * cannot change trackers or FIFOs: those change only under core_lock, and a
+ * destructor run meanwhile stages its release.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -371,6 +378,102 @@ obj_len(PyObject *o)
     return n > 0;
 }
 
+/* submit()'s cross-stream rule, for the leases whose allocations other streams have unfinished
+ * work on (elsewhere[i]): every conflict found by AccessTracker.conflicts_locked, then the
+ * stream made to wait for the newest conflicting submission of each other stream
+ * (impl.wait_marker). Returns 1 when done, 0 to decline -- nothing was done: a marker of
+ * unknown completion or policy "reject" (Python raises), anything unexpected -- and -1 with an
+ * exception set when a wait failed (as in submit(), the error propagates). Caller holds
+ * core_lock. */
+static PyObject *access_globals, *str_conflicts_locked, *str_unknown, *str_policy_name,
+    *str_wait_marker;
+
+static int
+order_after_others(PyObject *stream, PyObject *impl, PyObject *uses, const char *elsewhere,
+                   Py_ssize_t nuses)
+{
+    PyObject *waits = NULL;  /* other stream -> (seq, marker), as submit() builds it */
+    int rc = 0, policy_checked = 0;
+    for (Py_ssize_t i = 0; i < nuses; i++) {
+        if (!elsewhere[i])
+            continue;
+        PyObject *use = PyList_GET_ITEM(uses, i);
+        PyObject *tok = PyTuple_GET_ITEM(use, 0);
+        PyObject *tracker = SLOT(SLOT(tok, off_tok_alloc), off_alloc_tracker);
+        PyObject *found = PyObject_CallMethodObjArgs(
+            tracker, str_conflicts_locked, stream, PyTuple_GET_ITEM(use, 1),
+            SLOT(tok, off_tok_start), SLOT(tok, off_tok_stop), NULL);
+        if (found == NULL || !PyList_CheckExact(found)) {
+            Py_XDECREF(found);
+            goto decline;
+        }
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(found); k++) {
+            PyObject *c = PyList_GET_ITEM(found, k);  /* (other, marker, seq, other_writes) */
+            if (!PyTuple_CheckExact(c) || PyTuple_GET_SIZE(c) != 4) {
+                Py_DECREF(found);
+                goto decline;
+            }
+            PyObject *other = PyTuple_GET_ITEM(c, 0), *marker = PyTuple_GET_ITEM(c, 1);
+            PyObject *seq = PyTuple_GET_ITEM(c, 2);
+            PyObject *unknown = PyObject_GetAttr(marker, str_unknown);
+            int bad = unknown == NULL ? -1 : PyObject_IsTrue(unknown);
+            Py_XDECREF(unknown);
+            if (bad != 0) {  /* unknown completion (or a failed check): Python raises */
+                Py_DECREF(found);
+                goto decline;
+            }
+            if (!policy_checked) {
+                PyObject *pol = PyDict_GetItemWithError(access_globals, str_policy_name);
+                if (pol == NULL || !PyUnicode_Check(pol) ||
+                    PyUnicode_CompareWithASCIIString(pol, "order") != 0) {
+                    Py_DECREF(found);
+                    goto decline;
+                }
+                policy_checked = 1;
+            }
+            if (waits == NULL && (waits = PyDict_New()) == NULL) {
+                Py_DECREF(found);
+                goto decline;
+            }
+            PyObject *w = PyDict_GetItemWithError(waits, other);
+            int newer = w == NULL ? 1 : PyObject_RichCompareBool(seq, PyTuple_GET_ITEM(w, 0), Py_GT);
+            if (newer < 0 || (w == NULL && PyErr_Occurred())) {
+                Py_DECREF(found);
+                goto decline;
+            }
+            if (newer) {
+                PyObject *pair = PyTuple_Pack(2, seq, marker);
+                if (pair == NULL || PyDict_SetItem(waits, other, pair) < 0) {
+                    Py_XDECREF(pair);
+                    Py_DECREF(found);
+                    goto decline;
+                }
+                Py_DECREF(pair);
+            }
+        }
+        Py_DECREF(found);
+    }
+    if (waits != NULL) {  /* from here on: side effects */
+        Py_ssize_t pos = 0;
+        PyObject *key, *pair;
+        while (PyDict_Next(waits, &pos, &key, &pair)) {
+            PyObject *r = PyObject_CallMethodOneArg(impl, str_wait_marker,
+                                                    PyTuple_GET_ITEM(pair, 1));
+            if (r == NULL) {
+                Py_DECREF(waits);
+                return -1;
+            }
+            Py_DECREF(r);
+        }
+    }
+    rc = 1;
+decline:
+    Py_XDECREF(waits);
+    if (rc == 0)
+        PyErr_Clear();
+    return rc;
+}
+
 /* ---- fast_launch ------------------------------------------------------------------------ */
 /* The launch itself: `argv[0:n]` are the kernel's arguments (borrowed). */
 static PyObject *
@@ -586,7 +689,14 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     /* each lease's _StreamUse of this stream (borrowed: trackers change only under core_lock,
        which this thread holds until the leases are recorded; a destructor run meanwhile
        stages its release), or NULL when it has none yet */
+    PyObject *handle_o = SLOT(impl, p->off_impl_handle);
+    if (handle_o == NULL || !PyLong_CheckExact(handle_o))
+        goto fallback_locked;
+    void *hstream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(handle_o);
+    if (PyErr_Occurred()) { PyErr_Clear(); goto fallback_locked; }
     PyObject *sus[MAX_ARGS];
+    char elsewhere[MAX_ARGS];  /* other streams have unfinished work on this lease's allocation */
+    int any_elsewhere = 0;
     for (Py_ssize_t i = 0; i < nuses; i++) {
         PyObject *tok = PyTuple_GET_ITEM(PyList_GET_ITEM(uses, i), 0);
         if (SLOT(tok, off_tok_live) != Py_True)
@@ -598,23 +708,22 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
         if (held == NULL || !PyDict_CheckExact(held))
             goto fallback_locked;
         Py_ssize_t nh = PyDict_GET_SIZE(held);
-        if (nh > 1)
-            goto fallback_locked;  /* another stream: conflicts are found in Python */
-        sus[i] = NULL;
-        if (nh == 1) {
-            PyObject *su = PyDict_GetItemWithError(held, stream);
-            if (su == NULL) {  /* another stream's (or a failed lookup) */
-                PyErr_Clear();
-                goto fallback_locked;
-            }
-            sus[i] = su;
+        PyObject *su = nh ? PyDict_GetItemWithError(held, stream) : NULL;
+        if (su == NULL && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback_locked;
         }
+        sus[i] = su;
+        elsewhere[i] = nh > (su != NULL);  /* AccessTracker.elsewhere_locked */
+        any_elsewhere |= elsewhere[i];
     }
-    PyObject *handle_o = SLOT(impl, p->off_impl_handle);
-    if (handle_o == NULL || !PyLong_CheckExact(handle_o))
-        goto fallback_locked;
-    void *hstream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(handle_o);
-    if (PyErr_Occurred()) { PyErr_Clear(); goto fallback_locked; }
+    if (any_elsewhere) {
+        int r = order_after_others(stream, impl, uses, elsewhere, nuses);
+        if (r == 0)
+            goto fallback_locked;
+        if (r < 0)
+            goto raise_locked;
+    }
     if (p->call != NULL) {
         PyObject *g3 = p->grid3;
         if (g3 == NULL || PyLong_AsUnsignedLong(PyTuple_GET_ITEM(g3, 0)) != g[0] ||
@@ -1315,6 +1424,7 @@ configure(PyObject *mod, PyObject *cfg)
     GET(retirer_running, "retirer_running");
     GET(retirer_idle, "retirer_idle");
     GET(submission_globals, "submission_globals");
+    GET(access_globals, "access_globals");
     GET(SubmissionType, "Submission");
     GET(FutureType, "DeviceFuture");
     GET(StreamType, "Stream");
@@ -1340,7 +1450,7 @@ configure(PyObject *mod, PyObject *cfg)
     sweep_every = PyLong_AsLong(sweep);
     Py_DECREF(sweep);
     if (!PyList_CheckExact(retirer_running) || !PyList_CheckExact(retirer_idle) ||
-        !PySet_CheckExact(active_set) ||
+        !PySet_CheckExact(active_set) || !PyDict_CheckExact(access_globals) ||
         !PyDict_CheckExact(submission_globals)) {
         PyErr_SetString(PyExc_TypeError, "configure: unexpected container types");
         return NULL;
@@ -1461,12 +1571,17 @@ PyInit__speedups(void)
     one = PyLong_FromLong(1);
     str_record_locked = PyUnicode_InternFromString("record_locked");
     str_release = PyUnicode_InternFromString("release");
+    str_conflicts_locked = PyUnicode_InternFromString("conflicts_locked");
+    str_unknown = PyUnicode_InternFromString("unknown");
+    str_policy_name = PyUnicode_InternFromString("_policy");
+    str_wait_marker = PyUnicode_InternFromString("wait_marker");
     str_sweep_locked = PyUnicode_InternFromString("_sweep_locked");
     str_finish = PyUnicode_InternFromString("finish");
     str_retirer_ensure = PyUnicode_InternFromString("_retirer_ensure");
     str_retirer_wake = PyUnicode_InternFromString("_retirer_wake");
     if (plans == NULL || one == NULL || str_record_locked == NULL || str_retirer_wake == NULL ||
-        str_release == NULL) {
+        str_release == NULL || str_conflicts_locked == NULL || str_unknown == NULL ||
+        str_policy_name == NULL || str_wait_marker == NULL) {
         Py_DECREF(m);
         return NULL;
     }

@@ -364,13 +364,25 @@ def test_cupy_launches_take_the_compiled_path_with_the_same_rules(fake, kernels,
     try:
         sm.launch(saxpy, 1, 64, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
         other = dev.create_stream("other")
-        mark = len(drv.calls)
-        # another stream reading `out`: ordered after the pending write (the Python path's job)
+        sm.launch(saxpy, 1, 64, 1.0, sm.In(y), sm.In(y), sm.Out(z), n, stream=other)
+        mark, before = len(drv.calls), len(python_launches)
+        # another stream reading `out` (and writing x, which s reads): ordered after the pending
+        # work of s -- one wait, enqueued before the launch -- on the compiled path too
         sm.launch(saxpy, 1, 64, 1.0, sm.In(out), sm.In(y), sm.Out(x), n, stream=other)
-        assert [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == other.handle]
-        with pytest.raises(sm.AccessConflictError, match=r"policy 'reject'"):
-            sm.launch(saxpy, 1, 64, 1.0, sm.In(y), sm.In(y), sm.Out(out), n, stream=other,
-                      policy="reject")
+        ops = [c[0] for c in drv.calls[mark:] if c[0] in ("wait", "launch")]
+        assert ops == ["wait", "launch"] and len(python_launches) == before + (not compiled)
+        for how in ("argument", "process-wide"):  # policy 'reject': the Python path raises
+            with pytest.raises(sm.AccessConflictError, match=r"policy 'reject'"):
+                if how == "argument":
+                    sm.launch(saxpy, 1, 64, 1.0, sm.In(y), sm.In(y), sm.Out(out), n,
+                              stream=other, policy="reject")
+                else:
+                    sm.set_access_policy("reject")
+                    try:
+                        sm.launch(saxpy, 1, 64, 1.0, sm.In(y), sm.In(y), sm.Out(out), n,
+                                  stream=other)
+                    finally:
+                        sm.set_access_policy("order")
         alloc = weakref.ref(out.allocation)
         del out, part, futs
         gc_collect_harder()
