@@ -238,34 +238,34 @@ def _make_capsule(view, tok, versioned: bool, flags: int):
     if code_bits is None:
         d = _dl_dtype(dt)
         code_bits = _dtype_cache[dt] = (d.code, d.bits)
-    shape, strides = view.shape, view.strides
-    if _speedups is not None:  # the same structs, built and deleted in C
-        dev_type, dev_id = dlpack_device(view)
-        export_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable,
-                                              tok.keep)
-        try:
-            return _speedups.dlpack_capsule(export_tok, view.ptr, dev_type, dev_id, code_bits[0],
-                                            code_bits[1], shape, strides, versioned, flags)
-        except BaseException:
-            export_tok.release()
-            raise
+    dl = (view.ptr, *dlpack_device(view), *code_bits, view.shape, view.strides, versioned, flags)
+    export_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable,
+                                          tok.keep)
+    try:
+        if _speedups is not None:  # the same structs, built and deleted in C
+            return _speedups.dlpack_capsule(export_tok, *dl)
+        return _ctypes_capsule(export_tok, *dl)
+    except BaseException:
+        export_tok.release()  # (idempotent)
+        raise
+
+
+def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, strides, versioned,
+                    flags):
     ndim = len(shape)
     head = _VERSIONED_FMT if versioned else _LEGACY_FMT
     raw = ctypes.create_string_buffer(head.size + 16 * ndim)
     addr = ctypes.addressof(raw)
     shape_addr = addr + head.size
     strides_addr = shape_addr + 8 * ndim
-    dev_type, dev_id = dlpack_device(view)
-    dl = (view.ptr, dev_type, dev_id, ndim, code_bits[0], code_bits[1], 1,
-          shape_addr, strides_addr, 0)
+    dl = (ptr, dev_type, dev_id, ndim, code, bits, 1, shape_addr, strides_addr, 0)
     if versioned:
         head.pack_into(raw, 0, DLPACK_VERSION[0], DLPACK_VERSION[1], 0, _DELETER_ADDR, flags, *dl)
     else:
         head.pack_into(raw, 0, *dl, 0, _DELETER_ADDR)
     struct.pack_into(f"<{2 * ndim}q", raw, head.size, *shape, *strides)
     ex = _Export()
-    ex.managed, ex.shape, ex.strides = raw, None, None
-    ex.token = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep)
+    ex.managed, ex.shape, ex.strides, ex.token = raw, None, None, export_tok
     with _exports_lock:
         _exports[addr] = ex
     try:

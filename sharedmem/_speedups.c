@@ -6,10 +6,12 @@
  * that packs parameters for cuLaunchKernel; interop.cutile one that calls
  * ct.launch with the views' cached descriptors: a "call plan") -- and nothing
  * else: whenever anything is uncommon (an unknown kernel or argument type, a
- * dead view, another device, a capturing or faulted stream, a conflict with
- * work of unknown completion or under policy "reject", staged releases,
- * deferred warnings, a driver error) it returns None *before any side effect*
+ * dead view, another device, a capturing stream, a conflict with work of
+ * unknown completion or under policy "reject", staged releases, deferred
+ * warnings, a driver error) it returns None *before any side effect* (a failed
+ * cuLaunchKernel may follow device-side waits, which are harmless to repeat)
  * and sharedmem.launch runs its Python path, which handles (and reports) it.
+ * (Plans are for CUDA streams, which have no per-stream fault to check.)
  *
  * What it does is, step for step, the common path of
  * sharedmem.launch.resolve_args and sharedmem.runtime.submission.submit:
@@ -686,14 +688,14 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
     if (obj_len(staged) || SLOT(stream, off_stream_capture) != Py_None ||
         SLOT(impl, p->off_impl_capturing) != Py_False)
         goto fallback_locked;
-    /* each lease's _StreamUse of this stream (borrowed: trackers change only under core_lock,
-       which this thread holds until the leases are recorded; a destructor run meanwhile
-       stages its release), or NULL when it has none yet */
     PyObject *handle_o = SLOT(impl, p->off_impl_handle);
     if (handle_o == NULL || !PyLong_CheckExact(handle_o))
         goto fallback_locked;
     void *hstream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(handle_o);
     if (PyErr_Occurred()) { PyErr_Clear(); goto fallback_locked; }
+    /* each lease's _StreamUse of this stream (borrowed: trackers change only under core_lock,
+       which this thread holds until the leases are recorded; a destructor run meanwhile
+       stages its release), or NULL when it has none yet */
     PyObject *sus[MAX_ARGS];
     char elsewhere[MAX_ARGS];  /* other streams have unfinished work on this lease's allocation */
     int any_elsewhere = 0;
@@ -744,7 +746,9 @@ launch_with_plan(LaunchPlan *p, PyObject *grid, PyObject *block, PyObject *const
         Py_CLEAR(call_args);
     } else if (p->launch(p->func, g[0], g[1], g[2], b[0], b[1], b[2], (unsigned)shmem, hstream,
                          params, NULL) != 0) {
-        goto fallback_locked;  /* nothing ran; Python launches again and reports the error */
+        /* the kernel did not run; Python launches again and reports the error (waits made
+           above for other streams are made again: waiting twice on an event changes nothing) */
+        goto fallback_locked;
     }
 
     /* from here on the work is enqueued: no more fallbacks */

@@ -32,7 +32,7 @@ LINGER = 0.02
 #: themselves (submit() sweeps every SWEEP_EVERY-th submission to a stream):
 #: polling then would only steal the GIL from them.
 BUSY_INTERVAL = 0.005
-#: Submissions since its last sweep that make the retirer call threads busy.
+#: Launches submitted since its last sweep that make the retirer take the threads as busy.
 BURST = 32
 
 _thread: threading.Thread | None = None
