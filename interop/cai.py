@@ -6,7 +6,11 @@ strides; ``stream`` names a stream on which all our pending writes to these
 bytes (and pending reads, for a writable view) are complete -- a per-device
 export stream made to wait on them on the device -- or is None when nothing is
 pending. CAI has no lifetime protocol: the consumer keeps the view object
-alive, and with it the view token.
+alive, and with it a *hold* (``View._object_hold``): while the object lives the
+view cannot be moved, and when it is collected the bytes stay leased on the
+consumer's likely streams (the current streams of CuPy and torch, and the
+legacy default stream: ``interop.streams.current_streams``) until they pass
+that point.
 
 Import (``from_cuda_array_interface(obj, *, stream=None)``): zero-copy; ``obj``
 is kept alive as the producer; a producer ``stream`` is honoured with a wait
@@ -22,6 +26,9 @@ import numpy as np
 import sharedmem as sm
 from sharedmem.allocation import import_allocation
 from sharedmem.runtime.submission import order_consumer
+
+from interop.dlpack import ProducerAlias
+from interop.streams import current_streams
 
 __all__ = ["cai_layout", "export_cai", "from_cuda_array_interface"]
 
@@ -51,14 +58,21 @@ def cai_layout(view, read_only: bool) -> dict:
     }
 
 
+#: The kind of a CAI export's hold, as AliasError messages name it.
+EXPORT_KIND = "CUDA Array Interface export (it lasts as long as the exported object)"
+
+
 def export_cai(view) -> dict:
     """The CUDA Array Interface v3 dict of a CUDA view (see the module
     docstring: ``stream`` names a stream made to wait for our pending work on
-    these bytes, or is None when none is pending)."""
+    these bytes, or is None when none is pending). The view keeps a hold on the
+    consumers' likely streams (``interop.streams.current_streams``) until it is
+    garbage collected."""
     tok = view._live_token()
     dev = tok.allocation.device
     impl = _export_stream(dev)
     n = order_consumer(tok, impl.wait_marker)
+    view._object_hold(EXPORT_KIND, [(s, tok.writable) for s in current_streams(dev)])
     cai = cai_layout(view, not tok.writable)
     cai["descr"] = [("", cai["typestr"])]
     cai["stream"] = impl.handle if n else None
@@ -124,10 +138,12 @@ def from_cuda_array_interface(obj, *, stream=None):
                              f"disallowed by the protocol)")
         s._impl.wait_marker(dev.backend.marker_on_handle(producer))
     alloc = import_allocation(dev, ptr, nbytes, "cai", region=region)
-    tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes, not readonly,
-                          (alloc, obj))
+    lo, hi = ptr - alloc.ptr, ptr - alloc.ptr + nbytes
+    # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
+    alias = None if isinstance(obj, sm.allocation.View) else ProducerAlias(alloc, lo, hi, obj)
+    tok = alloc.new_token("tensor", lo, hi, not readonly, (alloc, obj, alias))
     t = sm.Tensor._wrap(tok, dtype, shape, strides, ptr - alloc.ptr)
     if nbytes:
-        from interop.dlpack import _record_arrival
+        from interop.dlpack import _record_arrival  # noqa: F811 (same module as above)
         _record_arrival(t, tok, s)
     return t

@@ -9,9 +9,11 @@ CuPy ``RawKernel`` / ``RawModule`` kernels launched through ``sharedmem.launch``
   it -- until it (and every view of it) is garbage collected.
 * ``adopt(arr)``: a Tensor that takes over the array's memory; refused while
   other references to the array (names, containers, views) exist.
-* ``as_cupy(x)``: a ``cupy.ndarray`` over a view's memory. It holds a view
-  token of its own until CuPy drops the memory (when the array and all its
-  views are gone). CuPy has no read-only arrays: the array of a read-only view
+* ``as_cupy(x, stream=None)``: a ``cupy.ndarray`` over a view's memory. It holds
+  a view token of its own until CuPy drops the memory (when the array and all its
+  views are gone); that token is a hold on ``stream`` (default: CuPy's current
+  stream), so the bytes stay leased there until the stream has passed the point
+  where the array died. CuPy has no read-only arrays: the array of a read-only view
   is refused as ``Out`` / ``InOut`` / ``Atomic`` by ``sharedmem.launch``.
 * Launch: the kernel runs through ``cuLaunchKernel`` with the argument layout
   the driver reports (``cuFuncGetParamInfo``), cached per kernel: scalars are
@@ -179,7 +181,10 @@ def as_cupy(x, stream=None):
 
     ``stream`` (a sharedmem or CuPy stream; default CuPy's current stream) is
     made to wait on the device for our pending writes to these bytes (and
-    pending reads, for a writable view) before the array is returned."""
+    pending reads, for a writable view) before the array is returned. It is the
+    stream the array is used on: when the array dies, its bytes stay leased there
+    until the stream has passed that point. Used on another stream too? Declare
+    it with :func:`sharedmem.record_use`."""
     cp = _cupy()
     if isinstance(x, sm.DeviceBox):
         x = x.buffer
@@ -187,11 +192,12 @@ def as_cupy(x, stream=None):
     dev = tok.allocation.device
     if dev.kind != "cuda":
         raise sm.DeviceMismatchError(f"as_cupy needs memory on a CUDA device; {x!r} is on {dev}")
-    handle = _stream_handle(stream, dev)
+    consumer = _consumer(stream, dev)
+    handle = consumer.handle
     backend = dev.backend
     order_consumer(tok, lambda m: backend.wait_on_handle(handle, m))
     export = tok.allocation.new_token("CuPy array (as_cupy)", tok.start, tok.stop, tok.writable,
-                                      tok.keep)
+                                      tok.keep, [(consumer, tok.writable)])
     base = tok.allocation.ptr + tok.start
     mem = cp.cuda.UnownedMemory(base, max(tok.stop - tok.start, 1), _ExportOwner(export),
                                 dev.ordinal)
@@ -200,12 +206,19 @@ def as_cupy(x, stream=None):
     return cp.ndarray(tuple(x.shape), x.dtype, memptr, strides=strides)
 
 
-def _stream_handle(stream, dev) -> int:
+def _consumer(stream, dev):
+    """The sharedmem Stream the array will be used on: ``stream``, or CuPy's current one
+    (whose object is kept alive by the export's hold)."""
     if stream is None:
-        return _cupy().cuda.get_current_stream().ptr
+        stream = _cupy().cuda.get_current_stream(dev.ordinal)
+        if stream.ptr == 0:
+            return dev.default_stream
     if isinstance(stream, sm.Stream):
-        return stream.handle
-    return dev.backend.borrow_stream(stream).handle
+        if stream.device is not dev:
+            raise sm.DeviceMismatchError(f"as_cupy: {stream} is on {stream.device}, the memory "
+                                         f"on {dev}")
+        return stream
+    return sm.Stream.from_external(stream, dev)
 
 
 # -- launches ----------------------------------------------------------------------------

@@ -32,12 +32,15 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+import weakref
 
 import numpy as np
 
 import sharedmem as sm
-from sharedmem.allocation import import_allocation
+from sharedmem.allocation import View, import_allocation
 from sharedmem.runtime.submission import order_consumer, submit
+
+from interop.streams import consumer_stream, current_streams
 
 from sharedmem._accel import speedups as _speedups  # None: pure Python (the ctypes structs below)
 
@@ -174,15 +177,16 @@ def dlpack_device(view) -> tuple[int, int]:
     return (kDLCPU, 0) if dev.kind == "host" else (kDLCUDA, dev.ordinal)
 
 
-def _consumer_wait(view, tok, stream):
-    """Order the consumer's stream after our pending work (see module docstring)."""
+def _consumer_wait(view, tok, stream) -> list:
+    """Order the consumer's stream after our pending work (see module docstring); returns
+    the export's consumers, ``(Stream, writes)`` pairs for its hold."""
     dev = tok.allocation.device
     if dev.kind == "host":
         if stream is not None:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
         # the consumer is the CPU itself and reads at once: wait for our work here
         order_consumer(tok, lambda m: m.wait(), blocking=True)
-        return
+        return []
     if stream is None:
         stream = 1
     if isinstance(stream, bool) or not isinstance(stream, int):
@@ -191,13 +195,14 @@ def _consumer_wait(view, tok, stream):
         raise ValueError("stream=0 is ambiguous in DLPack and not allowed; use 1 for the legacy "
                          "default stream, 2 for the per-thread default stream, -1 for no "
                          "synchronization, or a stream handle")
-    if stream == -1:
-        return
     if stream < -1:
         raise ValueError(f"stream={stream} is not a valid stream handle")
+    if stream == -1:  # the consumer orders itself, on a stream it does not name
+        return [(s, tok.writable) for s in current_streams(dev)]
     # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles
     backend = dev.backend
     order_consumer(tok, lambda m: backend.wait_on_handle(stream, m))
+    return [(consumer_stream(dev, stream), tok.writable)]
 
 
 def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
@@ -215,8 +220,8 @@ def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
     if not versioned and not tok.writable:
         raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "
                           f"say read-only); the consumer must ask for max_version >= (1, 0)")
-    _consumer_wait(view, tok, stream)
-    return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY)
+    consumers = _consumer_wait(view, tok, stream)
+    return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, consumers)
 
 
 # Byte layouts of the structs above (x86-64 / aarch64 LP64), packed in one call:
@@ -232,7 +237,8 @@ _DELETER_ADDR = ctypes.cast(_deleter, ctypes.c_void_p).value
 _dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent writes)
 
 
-def _make_capsule(view, tok, versioned: bool, flags: int):
+def _make_capsule(view, tok, versioned: bool, flags: int, consumers=()):
+    """The capsule; its view token is a hold for ``consumers`` (see interop.streams)."""
     dt = view.dtype
     code_bits = _dtype_cache.get(dt)
     if code_bits is None:
@@ -240,7 +246,7 @@ def _make_capsule(view, tok, versioned: bool, flags: int):
         code_bits = _dtype_cache[dt] = (d.code, d.bits)
     dl = (view.ptr, *dlpack_device(view), *code_bits, view.shape, view.strides, versioned, flags)
     export_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable,
-                                          tok.keep)
+                                          tok.keep, consumers)
     try:
         if _speedups is not None:  # the same structs, built and deleted in C
             return _speedups.dlpack_capsule(export_tok, *dl)
@@ -289,23 +295,67 @@ def _export_copy(view, stream, max_version, target):
     else:
         raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
     versioned = max_version is not None and tuple(max_version)[0] >= 1
-    capsule = _make_capsule(src, src._live_token(), versioned, FLAG_IS_COPIED if versioned else 0)
+    stok = src._live_token()
+    consumers = _consumer_wait(src, stok, stream if target[0] == kDLCUDA else None)
+    capsule = _make_capsule(src, stok, versioned, FLAG_IS_COPIED if versioned else 0, consumers)
     src.release()  # the capsule's own token keeps the copy alive
     return capsule
 
 
 # -- import ----------------------------------------------------------------------------------
+def producer_kind(obj) -> str:
+    """How an import's producer is named as an alias in AliasError messages."""
+    if obj is None:
+        return "producer of a DLPack capsule (it may still reach these bytes)"
+    t = type(obj)
+    return f"producer {t.__module__.split('.')[0]}.{t.__qualname__} (it can still reach these bytes)"
+
+
+class ProducerAlias:
+    """The producer of imported memory, counted as a live alias of the imported bytes while
+    it may still reach them: its token is released when this object dies (it sits in the
+    import's ``keep``, so: when the last view or lease of the import is gone) or, earlier,
+    when the producer object itself is garbage collected."""
+
+    __slots__ = ("token", "_fin", "__weakref__")
+
+    def __init__(self, alloc, start: int, stop: int, producer):
+        self.token = alloc.new_token(producer_kind(producer), start, stop, True, None)
+        self._fin = None
+        if producer is not None:
+            try:
+                self._fin = weakref.finalize(producer, self.token.release)
+            except TypeError:  # no weak references: it lives as long as the import anyway
+                pass
+
+    def release(self) -> None:
+        fin, self._fin = self._fin, None
+        if fin is not None:
+            fin.detach()
+        self.token.release()
+
+    def __del__(self):
+        try:
+            self.release()
+        except AttributeError:  # half-constructed
+            pass
+
+
 class _Imported:
     """Owns a consumed managed tensor: calls the producer's deleter when the
-    last view or lease using it is gone."""
+    last view or lease using it is gone (and ends the producer's alias then)."""
 
-    __slots__ = ("addr", "versioned", "__weakref__")
+    __slots__ = ("addr", "versioned", "alias", "__weakref__")
 
     def __init__(self, addr: int, versioned: bool):
         self.addr = addr
         self.versioned = versioned
+        self.alias = None
 
     def __del__(self):
+        alias, self.alias = self.alias, None
+        if alias is not None:
+            alias.release()
         if self.addr:
             cls = DLManagedTensorVersioned if self.versioned else DLManagedTensor
             m = cls.from_address(self.addr)
@@ -340,7 +390,7 @@ def _capsule_of(obj, stream, device):
         return obj.__dlpack__(**kwargs)  # a producer from before DLPack 1.0
 
 
-def from_dlpack(obj, *, stream=None, device=None):
+def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     """Import ``obj`` (anything with ``__dlpack__``, or a DLPack capsule) as a
     :class:`~sharedmem.Tensor`, zero-copy.
 
@@ -348,7 +398,12 @@ def from_dlpack(obj, *, stream=None, device=None):
     used on first; the producer is asked to order its pending work before it
     (default: the device's default stream). The import is recorded as a write
     on that stream, so later use on any other stream is ordered after it too.
-    ``device``: must be the producer's device (no copies on import)."""
+    ``device``: must be the producer's device (no copies on import).
+
+    The producer can still reach the bytes, so it counts as a live alias: the
+    Tensor cannot be moved while the producer lives (for NumPy and CuPy
+    arrays, whose capsules keep them alive: while the import lives). Take the
+    memory over with :func:`sharedmem.adopt` instead when nothing else holds it."""
     s = stream
     handle_arg = None
     if s is not None and not isinstance(s, sm.Stream):
@@ -418,6 +473,8 @@ def from_dlpack(obj, *, stream=None, device=None):
     tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes, writable,
                           (alloc, owner))
     t = sm.Tensor._wrap(tok, dtype, shape, strides, ptr - alloc.ptr)
+    if not _adopt and not isinstance(obj, View):  # (our own views count as aliases anyway)
+        owner.alias = ProducerAlias(alloc, tok.start, tok.stop, None if obj is capsule else obj)
     if dev.kind == "cuda" and nbytes:
         _record_arrival(t, tok, s)
     return t

@@ -9,7 +9,7 @@ GPU library.
 
 from .access import get_access_policy, set_access_policy
 from .allocation import Allocation, lookup_allocation
-from .bridges import from_cuda_array_interface, from_dlpack
+from .bridges import adopt, from_cuda_array_interface, from_dlpack, record_use
 from .buffer import Buffer, DeviceBox
 from .device import Device, default_device
 from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,
@@ -33,7 +33,7 @@ __all__ = [
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
-    "from_cuda_array_interface", "from_dlpack",
+    "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",
     "set_access_policy", "stats", "synchronize", "zip", "__version__",
 ]

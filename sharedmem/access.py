@@ -57,19 +57,32 @@ def check_policy(policy) -> str:
     return policy
 
 
+#: The ``seq`` reported for a conflict with an open hold: newer than any submission, because
+#: the marker made for it (recorded on the consumer's stream when the conflict is found) covers
+#: everything that stream has been given so far.
+HOLD_SEQ = 1 << 62
+
+
 class _StreamUse:
     """One stream's unfinished accesses to one allocation.
 
     ``reads`` and ``writes`` are lists of ``[lo, hi, seq, marker]``: disjoint
     byte ranges, each with the newest submission (by per-stream sequence
-    number) that touched it. guarded by core_lock.
+    number) that touched it. ``holds`` lists ``[lo, hi, writes, token]``: the
+    open holds of live tokens whose consumer works on this stream (see
+    ``ViewToken.consumers``) -- work of unknown extent, ordered against by a
+    marker recorded on this stream when a conflict is found. guarded by core_lock.
     """
 
-    __slots__ = ("reads", "writes")
+    __slots__ = ("reads", "writes", "holds")
 
     def __init__(self):
         self.reads: list = []
         self.writes: list = []
+        self.holds: list = []
+
+    def __bool__(self) -> bool:
+        return bool(self.reads or self.writes or self.holds)
 
 
 def _add_range(entries: list, lo: int, hi: int, seq: int, marker) -> None:
@@ -122,12 +135,21 @@ class AccessTracker:
         """For each *other* stream with unfinished work that conflicts with an
         access ``[lo, hi)`` (a write when ``writes``) on ``stream``: the tuple
         ``(other_stream, marker, seq, other_writes)`` of its newest conflicting
-        submission. Empty ranges conflict with nothing."""
+        submission -- or, for an open hold (a consumer's work of unknown extent),
+        ``(other_stream, None, HOLD_SEQ, hold_writes)``: the caller records a
+        marker on that stream now. Empty ranges conflict with nothing."""
         out = []
         if lo >= hi:
             return out
         for s, use in self._uses.items():
             if s is stream:
+                continue
+            held = None
+            for h in use.holds:
+                if h[0] < hi and lo < h[1] and (writes or h[2]):
+                    held = h[2] if held is None else (held or h[2])
+            if held is not None:
+                out.append((s, None, HOLD_SEQ, held))
                 continue
             best = _newest_overlap(use.writes, lo, hi, None)
             other_writes = best is not None
@@ -136,6 +158,28 @@ class AccessTracker:
             if best is not None:
                 out.append((s, best[3], best[2], other_writes))
         return out
+
+    def add_hold_locked(self, stream, tok, writes: bool) -> None:
+        """Open a hold of ``tok``'s bytes for work on ``stream`` (see ``_StreamUse.holds``)."""
+        if tok.start >= tok.stop:
+            return
+        use = self._uses.get(stream)
+        if use is None:
+            use = self._uses[stream] = _StreamUse()
+        for h in use.holds:
+            if h[3] is tok:
+                h[2] = h[2] or writes
+                return
+        use.holds.append([tok.start, tok.stop, writes, tok])
+
+    def drop_hold_locked(self, stream, tok) -> None:
+        """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""
+        use = self._uses.get(stream)
+        if use is None:
+            return
+        use.holds = [h for h in use.holds if h[3] is not tok]
+        if not use:
+            del self._uses[stream]
 
     def record_locked(self, stream, writes: bool, lo: int, hi: int, seq: int, marker) -> None:
         """Record an access by submission ``seq`` on ``stream``."""
@@ -163,7 +207,7 @@ class AccessTracker:
             use.reads = [e for e in use.reads if e[2] > seq]
         if use.writes:
             use.writes = [e for e in use.writes if e[2] > seq]
-        if not use.reads and not use.writes:
+        if not use:
             del self._uses[stream]
 
     def streams_locked(self) -> list:

@@ -32,6 +32,7 @@ import weakref
 from ._sync import locked, run_or_stage
 from .access import AccessTracker
 from .errors import AliasError, MovedError, ReleasedError
+from .runtime import submission as _submission
 
 __all__ = ["Allocation", "ViewToken", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -73,7 +74,8 @@ class ViewToken:
     a consumer's DLPack deleter. Moves re-label it instead of releasing it.
     """
 
-    __slots__ = ("allocation", "kind", "start", "stop", "writable", "origin", "keep", "live")
+    __slots__ = ("allocation", "kind", "start", "stop", "writable", "origin", "keep", "live",
+                 "consumers")
 
     def __init__(self, allocation, kind, start, stop, writable, keep, origin=None):
         self.allocation = allocation
@@ -84,6 +86,13 @@ class ViewToken:
         self.keep = keep
         self.origin = origin
         self.live = False  # guarded by core_lock
+        # A *hold*: the streams (and whether each may write) whose work may use these bytes
+        # while this token lives -- a consumer library's stream named at export, or one the
+        # user declared with sharedmem.record_use. Each is an open lease in the allocation's
+        # tracker while the token lives; when it is released, the bytes stay leased on each
+        # stream until the stream passes that point (runtime.submission.end_holds_locked).
+        # None or a list of (Stream, writes); guarded by core_lock.
+        self.consumers = None
 
     def describe(self) -> str:
         where = f" (created at {self.origin})" if self.origin else ""
@@ -103,6 +112,8 @@ def _release_locked(tok: ViewToken) -> None:
         tok.live = False
         del tok.allocation._views[id(tok)]
         _live_views -= 1
+        if tok.consumers is not None:  # a hold ends: stream-ordered, never at once
+            _submission.end_holds_locked(tok)
         tok.keep = None
 
 
@@ -112,6 +123,22 @@ def _add_locked(tok: ViewToken) -> ViewToken:
     tok.allocation._views[id(tok)] = tok
     _live_views += 1
     return tok
+
+
+def add_consumer_locked(tok: ViewToken, stream, writes: bool) -> None:
+    """Make live token ``tok`` a hold for work on ``stream`` (see ViewToken.consumers).
+    Caller holds core_lock. A stream named twice keeps the stronger mode."""
+    cons = tok.consumers
+    if cons is None:
+        cons = tok.consumers = []
+    for i, (s, w) in enumerate(cons):
+        if s is stream:
+            if writes and not w:
+                cons[i] = (s, True)
+                tok.allocation.tracker.add_hold_locked(stream, tok, True)
+            return
+    cons.append((stream, writes))
+    tok.allocation.tracker.add_hold_locked(stream, tok, writes)
 
 
 class Allocation:
@@ -154,12 +181,21 @@ class Allocation:
             return [t.describe() for t in self._views.values()]
 
     # -- tokens ---------------------------------------------------------
-    def new_token(self, kind: str, start: int, stop: int, writable: bool, keep) -> ViewToken:
+    def new_token(self, kind: str, start: int, stop: int, writable: bool, keep,
+                  consumers=()) -> ViewToken:
         """A new live view token of bytes ``[start, stop)`` of this allocation (its ``kind`` names
-        it in AliasError messages; ``keep`` is what it keeps alive)."""
+        it in AliasError messages; ``keep`` is what it keeps alive). ``consumers``: ``(stream,
+        writes)`` pairs that make it a hold (see ViewToken.consumers), set in the same step."""
         tok = ViewToken(self, kind, start, stop, writable, keep, _origin())
         with locked():
-            return _add_locked(tok)
+            _add_locked(tok)
+            for stream, writes in consumers:
+                add_consumer_locked(tok, stream, writes)
+        return tok
+
+    def live_tokens_locked(self, start: int, stop: int) -> list:
+        """The live tokens overlapping bytes ``[start, stop)``. Caller holds core_lock."""
+        return [t for t in self._views.values() if t.start < stop and start < t.stop]
 
     def conflicts_locked(self, start: int, stop: int, writable: bool, exclude) -> list[str]:
         """Descriptions of live views that alias bytes ``[start, stop)`` for a
@@ -286,7 +322,7 @@ class View:
     storage was moved to another handle.
     """
 
-    __slots__ = ("_token", "_state", "_moved_to", "_derived", "__weakref__")
+    __slots__ = ("_token", "_state", "_moved_to", "_derived", "_export", "__weakref__")
 
     _kind = "view"
 
@@ -295,6 +331,27 @@ class View:
         self._state = _LIVE
         self._moved_to = None
         self._derived = None  # see _derived_value
+        self._export = None  # see _object_hold; guarded by core_lock
+
+    def _object_hold(self, kind: str, consumers) -> ViewToken:
+        """The hold this view keeps for consumers that keep *the view object itself* as their
+        reference to the memory (the CUDA Array Interface: the protocol has no end of use,
+        the consumer just keeps the object). One token, made on first use and a hold for
+        every ``(stream, writes)`` in ``consumers`` given since; it lasts until this object
+        is garbage collected -- ``release()`` does not end it, because the consumer may still
+        reach the bytes through the object. Meanwhile it is an alias: the view cannot be moved."""
+        tok = self._live_token()
+        with locked():
+            if self._state != _LIVE:
+                self._raise_dead()
+            hold = self._export
+            if hold is None:
+                hold = _add_locked(ViewToken(tok.allocation, kind, tok.start, tok.stop,
+                                             tok.writable, tok.keep, _origin()))
+                self._export = hold
+            for stream, writes in consumers:
+                add_consumer_locked(hold, stream, writes)
+        return hold
 
     def _derived_value(self, key, make):
         """``make(self)``, computed once per view and key. For facts that cannot
@@ -370,8 +427,12 @@ class View:
     def __del__(self, _finalizing=sys.is_finalizing):
         # Never blocks, never waits for the GPU; nothing to do at interpreter exit.
         try:
-            if self._state == _LIVE and not _finalizing():
+            if _finalizing():
+                return
+            if self._state == _LIVE:
                 self._token.release()
+            if self._export is not None:
+                self._export.release()
         except AttributeError:  # half-constructed
             pass
 
@@ -426,26 +487,33 @@ class View:
         its token over (re-labelled ``target_kind``). On failure nothing
         changes and :class:`AliasError` lists the aliases."""
         tok = self._live_token()
-        with locked():
-            if self._state != _LIVE:
-                self._raise_dead()
-            others = tok.allocation.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
-            if others:
-                lines = "\n".join(f"  - {d}" for d in others)
-                hint = "" if TRACK_ORIGINS else (
-                    "\n(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
-                raise AliasError(
-                    f"cannot move {self._describe_short()} into a {target_name}: "
-                    f"{len(others)} other live view{'s' if len(others) != 1 else ''} "
-                    f"of its bytes exist{'s' if len(others) == 1 else ''}:\n{lines}\n"
-                    f"Release them (call .release(), leave their `with` block, or drop every "
-                    f"reference) and try again, or copy instead of moving.{hint}",
-                    tuple(others))
-            tok.kind = target_kind
-            self._state = _MOVED
-            self._moved_to = target_name
-            self._token = None  # a moved-from handle keeps nothing alive
-        return tok
+        settled = False
+        while True:
+            with locked():
+                if self._state != _LIVE:
+                    self._raise_dead()
+                others = tok.allocation.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
+                if not others:
+                    tok.kind = target_kind
+                    self._state = _MOVED
+                    self._moved_to = target_name
+                    self._token = None  # a moved-from handle keeps nothing alive
+                    return tok
+                if settled:
+                    lines = "\n".join(f"  - {d}" for d in others)
+                    hint = "" if TRACK_ORIGINS else (
+                        "\n(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
+                    raise AliasError(
+                        f"cannot move {self._describe_short()} into a {target_name}: "
+                        f"{len(others)} other live view{'s' if len(others) != 1 else ''} "
+                        f"of its bytes exist{'s' if len(others) == 1 else ''}:\n{lines}\n"
+                        f"Release them (call .release(), leave their `with` block, or drop every "
+                        f"reference) and try again, or copy instead of moving.{hint}",
+                        tuple(others))
+            # Before reporting an alias: a view may be kept only by work that has finished but
+            # is not retired yet (a CuPy array argument keeps its as_cupy export alive).
+            _submission.settle()
+            settled = True
 
     def _describe_short(self) -> str:  # overridden
         tok = self._token

@@ -1,8 +1,22 @@
-"""Top-level entry points of the interop bridges (imported lazily)."""
+"""The boundary with other libraries: imports, adoption, and declared foreign use.
+
+* :func:`from_dlpack`, :func:`from_cuda_array_interface`: zero-copy imports (the
+  work is done by ``interop.dlpack`` / ``interop.cai``, imported lazily). The
+  producer stays a live alias of the imported bytes while it can reach them.
+* :func:`adopt`: an import that takes the memory over, where exclusivity can be shown.
+* :func:`record_use`: declare that work on a stream uses memory -- for a consumer that
+  uses an export on another stream than the one it named.
+"""
 
 from __future__ import annotations
 
-__all__ = ["from_dlpack", "from_cuda_array_interface"]
+import sys
+
+from ._sync import locked
+from .allocation import View, ViewToken, add_consumer_locked, lookup_allocation
+from .errors import AliasError
+
+__all__ = ["from_dlpack", "from_cuda_array_interface", "adopt", "record_use"]
 
 
 def from_dlpack(obj, *, stream=None, device=None):
@@ -17,3 +31,114 @@ def from_cuda_array_interface(obj, *, stream=None):
     zero-copy. See :func:`interop.cai.from_cuda_array_interface`."""
     from interop.cai import from_cuda_array_interface as _impl
     return _impl(obj, stream=stream)
+
+
+def _refs_held_once(x) -> int:
+    return sys.getrefcount(x)
+
+
+_REFS_HELD_ONCE = None  # what getrefcount says inside adopt() when its caller holds one reference
+
+
+def adopt(obj, *, stream=None):
+    """Import ``obj`` zero-copy and take its memory over: unlike :func:`from_dlpack`, the
+    producer is not counted as an alias, so the returned Tensor can be moved.
+
+    Exclusivity must be shown, so this is refused with :class:`~sharedmem.AliasError`
+    (nothing imported) unless ``obj`` is a NumPy, CuPy or torch array that is not a view of
+    another array and that nothing else references: pass it as a temporary, or drop every
+    other name, container and view of it first -- and do not use ``obj`` afterwards.
+    (``interop.cupy.adopt`` does the same for CuPy arrays without DLPack.)"""
+    global _REFS_HELD_ONCE
+    if _REFS_HELD_ONCE is None:
+        probe = object()
+        _REFS_HELD_ONCE = _refs_held_once(probe)
+    extra = sys.getrefcount(obj) - _REFS_HELD_ONCE
+    t = type(obj)
+    name = f"{t.__module__.split('.')[0]}.{t.__qualname__}"
+    root = t.__module__.split(".")[0]
+    if root not in ("numpy", "cupy", "torch"):
+        raise AliasError(
+            f"cannot adopt a {name}: sharedmem can show that nothing else reaches the memory "
+            f"only for NumPy, CuPy and torch arrays. Import it with sharedmem.from_dlpack (the "
+            f"producer then stays an alias) or copy it.", (name,))
+    if root == "torch":
+        if obj._base is not None:
+            raise AliasError(f"cannot adopt a view of another torch tensor: the base still "
+                             f"reaches the memory. Adopt the base, or copy.", ("torch base tensor",))
+        use_count = getattr(getattr(sys.modules.get("torch"), "_C", None), "_storage_Use_Count", None)
+        if use_count is None:
+            raise AliasError("cannot adopt a torch tensor with this torch: it cannot tell whether "
+                             "other tensors share the storage. Copy it instead.", ("torch storage",))
+        if use_count(obj.untyped_storage()._cdata) > 1:
+            raise AliasError("cannot adopt a torch tensor whose storage other tensors (views) "
+                             "share; drop them first, or copy.", ("torch storage",))
+    elif getattr(obj, "base", None) is not None:
+        raise AliasError(f"cannot adopt a view of another {name} (shape "
+                         f"{tuple(obj.base.shape)}): the base still owns the memory. Adopt the "
+                         f"base array, or copy.", (f"{name} base array",))
+    if extra > 0:
+        raise AliasError(
+            f"cannot adopt {name} (shape {tuple(obj.shape)}, {obj.dtype}): {extra} other "
+            f"reference{'s' if extra > 1 else ''} to it (names, containers or views) "
+            f"exist{'s' if extra == 1 else ''}. Drop them first, or use sharedmem.from_dlpack to "
+            f"share instead.", (f"{name} reference",) * extra)
+    from interop.dlpack import from_dlpack as _impl
+    tensor = _impl(obj, stream=stream, _adopt=True)
+    tensor.allocation.source = f"{tensor.allocation.source} (adopted)"
+    return tensor
+
+
+def record_use(x, stream, *, writes: bool = True) -> None:
+    """Declare that work on ``stream`` uses the bytes of ``x`` -- for a consumer that uses an
+    export on another stream than the one it named (or none).
+
+    ``x``: a sharedmem view, or any array with ``__cuda_array_interface__`` over sharedmem
+    memory (a CuPy array from ``cupy.from_dlpack``, ``as_cupy``...). ``writes``: whether that
+    work may write them. From this call on the bytes are leased on ``stream`` until it has
+    passed this point (later launches on other streams are ordered after it), and every hold
+    on them that is live now -- ``x`` itself, the exports that reach them -- also ends
+    stream-ordered on ``stream``. The limit: work given to ``stream`` after every such hold has
+    ended is not covered (it uses memory no handle keeps).
+    """
+    from .stream import Stream, resolve_stream
+    from .runtime.submission import fresh_marker_locked, lease_locked
+    if isinstance(x, View) or type(x).__name__ == "DeviceBox":
+        view = x if isinstance(x, View) else x.buffer
+        tok = view._live_token()
+        alloc, lo, hi, keep = tok.allocation, tok.start, tok.stop, tok.keep
+    else:
+        cai = getattr(x, "__cuda_array_interface__", None)
+        if not isinstance(cai, dict):
+            raise TypeError(f"record_use takes a sharedmem view or an array with "
+                            f"__cuda_array_interface__, got {type(x).__name__}")
+        from .tensor import extent
+        import numpy as np
+        isz = np.dtype(cai["typestr"]).itemsize
+        shape = tuple(cai["shape"])
+        strides = cai.get("strides")
+        strides = (tuple(s // isz for s in strides) if strides is not None else None)
+        from .tensor import c_strides
+        e_lo, e_hi = extent(shape, strides if strides is not None else c_strides(shape))
+        ptr = int(cai["data"][0]) + e_lo * isz
+        nbytes = (e_hi - e_lo) * isz
+        if not isinstance(stream, Stream):
+            from .device import default_device
+            stream = Stream.from_external(stream, default_device())
+        alloc = lookup_allocation(stream.device, ptr, max(nbytes, 1))
+        if alloc is None:
+            raise ValueError(f"record_use: the {type(x).__name__} at 0x{ptr:x} is not memory "
+                             f"sharedmem knows on {stream.device}; nothing to order")
+        lo, hi, keep = ptr - alloc.ptr, ptr - alloc.ptr + nbytes, x
+    stream = resolve_stream(stream, alloc.device)
+    if stream._capture is not None:
+        from .errors import CaptureError
+        raise CaptureError(f"record_use on {stream}: it is capturing a graph, whose work runs "
+                           f"only at replay; declare the use on the replaying stream")
+    lease = ViewToken(alloc, "declared use", lo, hi, True, keep)  # never live: a lease's range
+    with locked():
+        marker = fresh_marker_locked(stream, pooled=True)
+        lease_locked(stream, [(lease, bool(writes))], [keep], f"use declared on {stream}",
+                     marker)
+        for tok in alloc.live_tokens_locked(lo, hi):
+            add_consumer_locked(tok, stream, bool(writes))

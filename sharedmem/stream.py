@@ -56,6 +56,9 @@ class Stream:
         # (interop.cupy keeps its launchers here), so it lives and dies with the stream.
         # Lock-free: entries are immutable and a racing writer stores an equivalent one.
         self.launch_cache = {}
+        if owned and device.kind == "cuda":
+            with _by_handle_lock:  # so that from_external(handle) finds this very Stream
+                _by_handle[(device.key, impl.handle)] = self
         return self
 
     @classmethod
@@ -73,17 +76,24 @@ class Stream:
             raise DeviceMismatchError(
                 f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams")
         impl = dev.backend.borrow_stream(obj)
-        if impl.handle == 0:
+        if impl.handle in (0, 1):  # 0: the legacy default stream; 1: CU_STREAM_LEGACY
             return dev.default_stream
         # One Stream per CUDA stream: leases compare streams by identity, so two
-        # wrappers of one stream would look like two streams to each other.
+        # wrappers of one stream would look like two streams to each other. A stream
+        # sharedmem made is found too.
         key = (dev.key, impl.handle)
-        with _borrowed_lock:
-            st = _borrowed.get(key)
+        with _by_handle_lock:
+            st = _by_handle.get(key)
             if st is None:
-                st = cls._create(dev, impl, owned=False, external=obj)
-                _borrowed[key] = st
+                st = _by_handle[key] = cls._create(dev, impl, owned=False, external=obj)
         return st
+
+    @staticmethod
+    def lookup(device, handle: int) -> "Stream | None":
+        """The live Stream (made by sharedmem, or borrowed) of CUDA stream ``handle`` on
+        ``device``, or None."""
+        with _by_handle_lock:
+            return _by_handle.get((device.key, handle))
 
     def __repr__(self) -> str:
         kind = "owned" if self.owned else "borrowed"
@@ -149,9 +159,10 @@ class Event:
         return self._marker.wait(timeout)
 
 
-# (device key, handle) -> borrowed Stream; weak, so a Stream lives only while used
-_borrowed: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # guarded by _borrowed_lock
-_borrowed_lock = threading.Lock()
+# (device key, handle) -> the Stream of that CUDA stream, made or borrowed; weak, so a Stream
+# lives only while used
+_by_handle: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # guarded by _by_handle_lock
+_by_handle_lock = threading.Lock()
 
 
 def resolve_stream(stream, device) -> Stream:

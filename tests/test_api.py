@@ -18,7 +18,7 @@ EXPORTED = {
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
-    "from_cuda_array_interface", "from_dlpack", "get_access_policy", "host_kernel", "launch",
+    "adopt", "from_cuda_array_interface", "from_dlpack", "record_use", "get_access_policy", "host_kernel", "launch",
     "lookup_allocation", "op", "register_kernel_adapter", "set_access_policy", "stats",
     "synchronize", "zip", "__version__",
 }

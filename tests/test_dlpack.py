@@ -101,13 +101,48 @@ def test_import_numpy_zero_copy(host):
     # the same bytes imported twice are one allocation
     t2 = sm.Tensor.from_dlpack(a[1:3])
     assert t2.allocation is t.allocation and t2.ptr == a.ctypes.data + 40
-    assert t.allocation.live_views == 2
-    with pytest.raises(sm.AliasError):
-        t.into_buffer()
+    assert t.allocation.live_views == 4  # two imports, each with its producer as an alias
     del t2
     gc_collect_harder()
+    # the producer can still write these bytes: a move out of the import is refused
+    with pytest.raises(sm.AliasError, match=r"(?s)cannot move Tensor.*:\n  - producer "
+                       r"numpy\.ndarray \(it can still reach these bytes\), bytes \[0, 160\) of "
+                       r"allocation #\d+\n"):
+        t.into_buffer()
+    assert t.is_live and t.allocation.live_views == 2
+    a[0, 0] = 7.0  # ... because it can
+    assert t.to_host()[0, 0] == 7.0
+
+
+def test_adopt_takes_the_memory_over(host):
+    t = sm.adopt(np.arange(6, dtype=np.int32))  # a temporary: nothing else reaches it
+    assert t.allocation.live_views == 1 and t.allocation.source == "dlpack (adopted)"
     b = t.into_buffer()
-    assert b.ptr == a.ctypes.data
+    np.testing.assert_array_equal(b.to_host(), np.arange(6))
+    a = np.zeros(4)
+    other = [a]
+    with pytest.raises(sm.AliasError, match=r"^cannot adopt numpy\.ndarray \(shape \(4,\), "
+                       r"float64\): 1 other reference to it \(names, containers or views\) exists"):
+        sm.adopt(a)
+    other.clear()
+    t2 = sm.adopt(a)
+    assert t2.ptr == a.ctypes.data
+    base = np.zeros(8)
+    with pytest.raises(sm.AliasError, match=r"^cannot adopt a view of another numpy\.ndarray"):
+        sm.adopt(base[2:])
+    with pytest.raises(sm.AliasError, match=r"^cannot adopt a builtins\.list: sharedmem can show"):
+        sm.adopt([1, 2])
+
+
+def test_producer_alias_ends_with_the_import(host):
+    a = np.arange(8, dtype=np.float32)
+    t = sm.from_dlpack(a)
+    alloc = t.allocation
+    assert [v.split(",")[0] for v in alloc.views()] == [
+        "tensor", "producer numpy.ndarray (it can still reach these bytes)"]
+    del t
+    gc_collect_harder()
+    assert alloc.live_views == 0  # the capsule's deleter ran, and the alias went with it
 
 
 def test_import_keeps_producer_alive(host):

@@ -397,9 +397,18 @@ class CudaBackend:
             return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
     def record_marker(self, impl: CudaStreamImpl, pooled: bool = False) -> CudaMarker:
+        """A marker recorded on ``impl`` now. ``pooled``: its event goes back to the pool when
+        the marker is recycled; else the marker owns it. Raises CudaError (keeping no event)."""
+        self.ensure_context()
         ev = self._event() if pooled else check(
             cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        check(cu.cuEventRecord(ev, impl.cu_stream), "cuEventRecord")
+        err = cu.cuEventRecord(ev, impl.cu_stream)[0]
+        if err != _SUCCESS:
+            if pooled:
+                self._events.append(ev)
+            else:
+                cu.cuEventDestroy(ev)
+            check((err,), "cuEventRecord")
         return CudaMarker(ev, self, pooled)
 
     def submit_marker(self, impl: CudaStreamImpl) -> CudaMarker:

@@ -41,13 +41,16 @@ class _Counters:
     stand for several: Submission.count). Attributes, not a dict: the launch
     path bumps two of them on every launch. guarded by core_lock."""
 
-    __slots__ = ("in_flight", "submitted", "retired", "leaked", "leaked_bytes")
+    __slots__ = ("in_flight", "submitted", "retired", "leaked", "leaked_bytes", "unfinished")
 
     def __init__(self):
         self.in_flight = self.submitted = self.retired = self.leaked = self.leaked_bytes = 0
+        # Submissions a sweep took off their FIFO whose finish() has not yet dropped what they
+        # kept (a sweep retires under the lock, finish() runs after it): settle() waits for 0.
+        self.unfinished = 0
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+        return {k: getattr(self, k) for k in self.__slots__ if k != "unfinished"}
 
 
 _counters = _Counters()
@@ -150,18 +153,20 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
                 continue  # nothing in flight on another stream
             for other, marker, seq, other_writes in tracker.conflicts_locked(
                     stream, writes, tok.start, tok.stop):
-                if marker.unknown:
+                if marker is not None and marker.unknown:
                     raise CompletionUnknownError(
                         f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
                         f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}, which work of "
                         f"unknown completion on {other} {'writes' if other_writes else 'reads'}; "
                         f"that memory is kept but its contents cannot be trusted")
                 if policy == "reject":
+                    who = (f"unfinished work on {other} {'writes' if other_writes else 'reads'} "
+                           f"them" if marker is not None else
+                           f"a consumer on {other} holds them ({'may write' if other_writes else 'reads'})")
                     raise AccessConflictError(
                         f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
                         f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} while "
-                        f"unfinished work on {other} {'writes' if other_writes else 'reads'} them "
-                        f"(policy 'reject'). Wait for that work (future.result() or "
+                        f"{who} (policy 'reject'). Wait for that work (future.result() or "
                         f"stream.synchronize()), use one stream for both, or use policy 'order' "
                         f"to order them on the device.")
                 if waits is None:
@@ -170,8 +175,8 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
                 if w is None or seq > w[0]:
                     waits[other] = (seq, marker)
         if waits:
-            for _, marker in waits.values():
-                impl.wait_marker(marker)
+            for other, (_, marker) in waits.items():
+                impl.wait_marker(marker if marker is not None else fresh_marker_locked(other))
         marker = enqueue()
         seq = stream._seq + 1
         stream._seq = seq
@@ -326,11 +331,34 @@ def _sweep_locked(stream, record: bool = True) -> list:
             tr.retire_locked(stream, last_done)
     if not pending:
         _active.discard(stream)
+    _counters.unfinished += len(out)
     return out
 
 
 def finish(subs) -> None:
-    """Outside the lock: drop what retired work kept, run its callbacks."""
+    """Outside the lock: drop what retired work kept, run its callbacks. Every list a sweep
+    returned goes through here exactly once (settle() counts on it)."""
+    try:
+        _finish(subs)
+    finally:
+        with locked():
+            _counters.unfinished -= len(subs)
+
+
+def settle(timeout: float = 1.0) -> None:
+    """Retire what has finished, and wait (up to ``timeout``) until every retired submission
+    has dropped what it kept -- so that a decision that counts live views (a move) never sees
+    a view kept only by work that is done. Never waits for the device."""
+    sweep_all()
+    if not _counters.unfinished:  # (a plain read: an int, written under core_lock)
+        return
+    import time
+    deadline = time.monotonic() + timeout
+    while _counters.unfinished > 0 and time.monotonic() < deadline:
+        time.sleep(20e-6)
+
+
+def _finish(subs) -> None:
     last = None
     for sub in subs:
         if sub.state == RETIRED:
@@ -449,6 +477,85 @@ def _install_retirer(ensure, wake) -> None:
     _retirer_ensure, _retirer_wake = ensure, wake
 
 
+class FailedMarker:
+    """The marker of work whose completion cannot be known because its marker could not be
+    recorded (the consumer's stream is gone, a sticky error): what it leases is kept forever."""
+
+    __slots__ = ("error",)
+    recorded = True
+    unknown = True
+    handle = 0
+
+    def __init__(self, error):
+        self.error = error
+
+    def query(self) -> int:
+        return _M_UNKNOWN
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def recycle(self) -> None:
+        pass
+
+
+def fresh_marker_locked(stream, pooled: bool = False):
+    """A marker recorded on ``stream`` now: reached once everything given to the stream so
+    far has finished (for an open hold, the consumer's work of unknown extent). Caller holds
+    core_lock (recording enqueues; it never waits). Raises CompletionUnknownError when it
+    cannot be recorded."""
+    try:
+        return stream.device.backend.record_marker(stream._impl, pooled)
+    except Exception as e:
+        raise CompletionUnknownError(
+            f"cannot order after the work on {stream}: recording an event on it failed ({e!r}). "
+            f"Was the consumer's stream destroyed while its hold was open?") from e
+
+
+def lease_locked(stream, uses, keep, label, marker) -> Submission:
+    """File ``uses`` -- ``(token, writes)`` pairs, live or not -- as leased on ``stream`` until
+    ``marker`` is reached: the bookkeeping half of :func:`submit`, for work sharedmem did not
+    enqueue itself (a consumer's, see :func:`end_holds_locked` and ``sharedmem.record_use``).
+    Caller holds core_lock."""
+    seq = stream._seq + 1
+    stream._seq = seq
+    for tok, writes in uses:
+        tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
+    sub = Submission(stream, seq, marker, keep, uses, label)
+    pending = stream._pending
+    pending.append(sub)
+    if len(pending) == 1:
+        _active.add(stream)
+    c = _counters
+    c.in_flight += 1
+    c.submitted += 1
+    if not _retirer_running[0]:
+        _retirer_ensure()  # (starting a thread waits for nothing that needs core_lock)
+    elif _retirer_idle[0]:
+        _retirer_wake()
+    return sub
+
+
+def end_holds_locked(tok) -> None:
+    """``tok``, a hold (``ViewToken.consumers``), was just released: its bytes stay leased on
+    each consumer's stream until that stream passes this point -- a marker recorded there now,
+    never a host synchronize. Caller holds core_lock; runs wherever the release happened (a
+    DLPack deleter, a finalizer, any thread), so it never raises: a marker that cannot be
+    recorded makes the lease's completion unknown, and the memory is kept (leaked on purpose,
+    reported once)."""
+    consumers, tok.consumers = tok.consumers, None
+    tracker = tok.allocation.tracker
+    for stream, writes in consumers:
+        tracker.drop_hold_locked(stream, tok)
+        if tok.start >= tok.stop:
+            continue
+        try:
+            marker = fresh_marker_locked(stream, pooled=True)
+        except CompletionUnknownError as e:
+            marker = FailedMarker(e)
+        lease_locked(stream, [(tok, writes)], [tok.keep], f"end of a {tok.kind} hold", marker)
+
+
 def order_consumer(tok, wait, blocking: bool = False) -> int:
     """Order a consumer outside sharedmem after our unfinished work on the
     bytes of ``tok``: ``wait(marker)`` is called for the newest conflicting
@@ -464,6 +571,8 @@ def order_consumer(tok, wait, blocking: bool = False) -> int:
         if tracker:
             for other, marker, _seq, _w in tracker.conflicts_locked(None, tok.writable, tok.start,
                                                                      tok.stop):
+                if marker is None:  # an open hold: whatever its stream was given so far
+                    marker = fresh_marker_locked(other)
                 if marker.unknown:
                     raise CompletionUnknownError(
                         f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "

@@ -1,0 +1,88 @@
+"""Which stream a consumer library works on: the streams an export's hold is ordered on.
+
+When memory is handed to another library (DLPack, the CUDA Array Interface, ``as_cupy``),
+the export is a *hold*: while it lives, the consumer may use the bytes on its stream, and
+when it ends the bytes stay leased on that stream until the stream has passed the point where
+the hold ended (see ``sharedmem.runtime.submission.end_holds_locked``). This module names
+that stream:
+
+* a raw handle (DLPack's ``stream`` argument) becomes the sharedmem Stream of that CUDA
+  stream; where the handle is the current stream of CuPy or torch, that library's stream
+  object is kept alive with it, so the handle cannot be reused for another stream while the
+  hold lasts. ``1`` (legacy) and ``2`` (per-thread default) map to the device's legacy
+  default stream: an event recorded there follows all earlier work of every blocking stream,
+  the per-thread default streams included.
+* when the consumer names no stream (CAI, a DLPack consumer passing ``-1``), the
+  conservative rule: the current streams of CuPy and torch on that device (for the libraries
+  that are imported and initialized) and the legacy default stream.
+
+Nothing here imports CuPy or torch: only libraries already imported are asked.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sharedmem.stream import Stream
+
+__all__ = ["consumer_stream", "current_streams"]
+
+
+def _cupy_current(dev):
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return None
+    try:
+        return cp.cuda.get_current_stream(dev.ordinal)
+    except Exception:  # a CuPy without that signature, or no CUDA: not a consumer here
+        return None
+
+
+def _torch_current(dev):
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return torch.cuda.current_stream(dev.ordinal)
+    except Exception:
+        return None
+
+
+def _handle_of(obj) -> int | None:
+    if obj is None:
+        return None
+    h = getattr(obj, "ptr", None)  # cupy.cuda.Stream
+    if h is None:
+        h = getattr(obj, "cuda_stream", None)  # torch.cuda.Stream
+    return h if isinstance(h, int) else None
+
+
+def consumer_stream(dev, handle: int) -> Stream:
+    """The sharedmem :class:`~sharedmem.Stream` of a consumer's raw CUDA stream ``handle`` on
+    ``dev`` (see the module docstring)."""
+    if handle in (0, 1, 2):
+        return dev.default_stream
+    st = Stream.lookup(dev, handle)
+    if st is not None:
+        return st
+    for obj in (_cupy_current(dev), _torch_current(dev)):
+        if _handle_of(obj) == handle:
+            return Stream.from_external(obj, dev)
+    return Stream.from_external(handle, dev)
+
+
+def current_streams(dev) -> list:
+    """The conservative set of consumer streams on ``dev`` when the consumer names none:
+    CuPy's and torch's current streams (where imported and initialized) and the legacy
+    default stream, each once."""
+    out = [dev.default_stream]
+    for obj in (_cupy_current(dev), _torch_current(dev)):
+        h = _handle_of(obj)
+        if h is None:
+            continue
+        st = dev.default_stream if h in (0, 1, 2) else Stream.from_external(obj, dev)
+        if all(st is not s for s in out):
+            out.append(st)
+    return out
