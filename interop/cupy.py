@@ -255,20 +255,39 @@ class _Signature:
         self.compiled = {}
 
 
-_sig_cache: dict = {}  # (id(kernel), ordinal) -> (kernel, _Signature); guarded by _sig_lock
+_sig_cache: dict = {}  # (id(kernel) or CUfunction, device key) -> (kernel, _Signature); guarded by _sig_lock
 _SIG_CACHE_MAX = 1024  # kernels remembered (each entry keeps its kernel alive)
 _sig_lock = threading.Lock()
 
 
 def _param_sizes(func: int):
+    """The kernel's parameter sizes, from the driver. With ``cuFuncGetParamCount`` (CUDA
+    12.9+ drivers) nothing is probed; older ones are asked for parameters until they say
+    there is none (an error compute-sanitizer lists, harmlessly)."""
     from sharedmem.backends.cuda import cu
     get = getattr(cu, "cuFuncGetParamInfo", None)
     if get is None:
         return None
+    ok = cu.CUresult.CUDA_SUCCESS
+    count = getattr(cu, "cuFuncGetParamCount", None)
+    if count is not None:
+        try:
+            res = count(func)
+        except RuntimeError:  # in the bindings, not in this driver ("Function ... not found")
+            res = (None,)
+        if res[0] == ok:
+            sizes = []
+            for i in range(int(res[1])):
+                r = get(func, i)
+                if r[0] != ok:
+                    break
+                sizes.append(int(r[2]))
+            else:
+                return sizes
     sizes = []
     while True:
         res = get(func, len(sizes))
-        if res[0] != cu.CUresult.CUDA_SUCCESS:
+        if res[0] != ok:
             break
         sizes.append(int(res[2]))
         if len(sizes) > 4096:  # pragma: no cover
@@ -277,7 +296,7 @@ def _param_sizes(func: int):
 
 
 def _signature(kernel, dev):
-    key = (id(kernel), dev.ordinal)
+    key = (id(kernel), dev.key)
     hit = _sig_cache.get(key)
     if hit is not None and hit[0] is kernel:
         return hit[1]
@@ -285,16 +304,23 @@ def _signature(kernel, dev):
     with cp.cuda.Device(dev.ordinal):
         fn = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel or Function
         func = int(fn.ptr)
-    sizes = _param_sizes(func)
-    if sizes is None:
-        raise BackendUnavailableError(
-            "launching CuPy kernels through sharedmem needs cuFuncGetParamInfo (CUDA 12.4+ "
-            "driver and cuda-bindings)")
-    sig = _Signature(func, sizes)
+    # One signature per CUfunction: RawModule.get_function makes a new Function object on
+    # every call, and each must not be planned again.
+    fkey = (func, dev.key)
+    hit = _sig_cache.get(fkey)
+    sig = hit[1] if hit is not None else None
+    if sig is None:
+        sizes = _param_sizes(func)
+        if sizes is None:
+            raise BackendUnavailableError(
+                "launching CuPy kernels through sharedmem needs cuFuncGetParamInfo (CUDA 12.4+ "
+                "driver and cuda-bindings)")
+        sig = _Signature(func, sizes)
     with _sig_lock:
         if len(_sig_cache) >= _SIG_CACHE_MAX:  # bounded: programs that make many kernels
             _sig_cache.clear()
         _sig_cache[key] = (kernel, sig)
+        _sig_cache[fkey] = (fn, sig)  # (the Function keeps its module, so the handle, alive)
     return sig
 
 

@@ -167,3 +167,123 @@ def test_jax_consumer_is_never_overwritten(cp):
     assert bad == 0, f"jax: {bad} of {ROUNDS} rounds read memory reused under the consumer " \
                      f"({zero_copy} imports were zero-copy)"
     settle_and_check_vram(cp, used0, a)
+
+
+# -- random programs across the boundary ------------------------------------------------------
+STEPS = 150
+THREADS = 8
+M = 1 << 14  # floats per slot: small, so the pool hands blocks out again all the time
+
+
+def _program(tid, dev, streams, cstreams, kernels, errors, counts):
+    import cupy as cp
+    import interop.cupy as ic
+    fill, slow_copy = kernels
+    rng = np.random.default_rng(1000 + tid)
+    slots = []  # [handle, expected, movable]
+    results = []  # (cupy array written by a consumer, what it must hold)
+    spin = np.int64(K_CYCLES)
+    try:
+        for step in range(STEPS):
+            op = rng.choice(["create", "fill", "copy", "export_read", "export_write", "import",
+                             "move", "drop", "check"],
+                            p=[.12, .14, .12, .16, .1, .08, .12, .08, .08])
+            if op == "create" or not slots:
+                v = rng.integers(0, 1000, M).astype(np.float32)
+                s = streams[rng.integers(len(streams))]
+                slots.append([sm.Buffer.from_host(v, device=dev, stream=s), v, True])
+                continue
+            i = int(rng.integers(len(slots)))
+            x, exp, movable = slots[i]
+            s = streams[rng.integers(len(streams))]
+            c = cstreams[rng.integers(len(cstreams))]
+            if op == "fill":
+                val = float(rng.integers(1, 1000))
+                sm.launch(fill, 64, 256, sm.Out(x), M, val, stream=s)
+                exp[:] = val
+            elif op == "copy" and len(slots) > 1:
+                j = (i + 1 + int(rng.integers(len(slots) - 1))) % len(slots)
+                y, yexp, _ = slots[j]
+                sm.launch(slow_copy, 64, 256, sm.In(x), sm.Out(y), M, spin, stream=s)
+                yexp[:] = exp
+            elif op in ("export_read", "export_write"):
+                route = rng.choice(["dlpack", "cai", "as_cupy"])
+                with c:
+                    arr = (cp.from_dlpack(x) if route == "dlpack" else
+                           cp.asarray(x) if route == "cai" else ic.as_cupy(x))
+                    if op == "export_read":
+                        r = cp.empty(M, cp.float32)
+                        slow_copy((64,), (256,), (arr, r, np.int32(M), spin))
+                        results.append((r, exp.copy()))
+                    else:
+                        val = float(rng.integers(1, 1000))
+                        fill((64,), (256,), (arr, np.int32(M), np.float32(val)))
+                        exp[:] = val
+                del arr
+                if route == "cai":
+                    slots[i][2] = False  # the object keeps a CAI hold for life
+                if rng.random() < 0.5:  # and the producer's handle goes at once, too
+                    del slots[i], x
+            elif op == "import":
+                val = float(rng.integers(1, 1000))
+                with c:
+                    z = cp.full(M, val, cp.float32)
+                    t = sm.from_dlpack(z, stream=s)
+                del z
+                slots.append([t, np.full(M, val, np.float32), False])
+            elif op == "move":
+                try:
+                    moved = (sm.Tensor.from_buffer(x, (M,)) if isinstance(x, sm.Buffer)
+                             else x.into_buffer())
+                except sm.AliasError as e:
+                    if movable:
+                        errors.append(f"thread {tid} step {step}: unexpected {e}")
+                else:
+                    if not movable:
+                        errors.append(f"thread {tid} step {step}: moved an aliased {x!r}")
+                    slots[i][0] = moved
+            elif op == "drop":
+                del slots[i], x
+            elif op == "check":
+                got = x.to_host()
+                if not np.array_equal(got, exp):
+                    errors.append(f"thread {tid} step {step}: {int((got != exp).sum())} of {M} "
+                                  f"values differ in {x!r}")
+            x = None
+        for x, exp, _ in slots:
+            if not np.array_equal(x.to_host(), exp):
+                errors.append(f"thread {tid}: final contents differ in {x!r}")
+        for c in cstreams:
+            c.synchronize()
+        bad = sum(int(not np.array_equal(cp.asnumpy(r), e)) for r, e in results)
+        if bad:
+            errors.append(f"thread {tid}: {bad} of {len(results)} consumer reads saw reused memory")
+        counts[tid] = len(results)
+    except Exception as e:  # reported by the main thread
+        import traceback
+        errors.append(f"thread {tid}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
+
+K_CYCLES = 200_000  # about 0.1 ms: consumers and copies still run when the next step comes
+
+
+def test_random_programs_across_the_boundary(cp):
+    """8 threads, 4 sharedmem streams, 4 CuPy consumer streams: creates, launches, exports
+    read and written by CuPy, imports, moves and drops, checked against a NumPy model."""
+    import threading
+    import gpu_kernels as K
+    dev = cuda_device()
+    streams = [dev.create_stream(f"s{i}") for i in range(4)]
+    cstreams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    kernels = (K.kernel("fill"), K.kernel("slow_copy"))
+    used0 = baseline(cp)
+    errors, counts = [], {}
+    threads = [threading.Thread(target=_program, args=(i, dev, streams, cstreams, kernels,
+                                                      errors, counts)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == [], "\n".join(errors[:10])
+    assert len(counts) == THREADS and sum(counts.values()) > THREADS * 10
+    settle_and_check_vram(cp, used0, *streams, *cstreams)

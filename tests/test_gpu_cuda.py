@@ -164,6 +164,7 @@ def test_vram_returns_to_baseline(gpu, K):
     assert free1 >= free0 - (2 << 20), (free0, free1)
 
 
+@pytest.mark.faults  # an illegal address on purpose: left out of `make gpu-sanitize`
 def test_trap_means_completion_unknown_and_memory_kept(gpu):
     script = textwrap.dedent("""
         import gc, os, sys, weakref, warnings
