@@ -7,34 +7,39 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize clean
+.PHONY: build test demo stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "Cython>=3.0" setuptools
 	$(VPY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
-test: $(STAMP)
-	$(VPY) -m pytest -q
+# The compiled core, rebuilt in place when a source changed (cythonize skips what is current)
+build: $(STAMP)
+	@$(VPY) setup.py -q build_ext --inplace 2>&1 | grep -v "^warning: .*Strings should no longer" || true
 
-demo: $(STAMP)
+# The suite twice: on the compiled core, then on the same sources interpreted.
+test: build
+	$(VPY) -m pytest -q
+	SHAREDMEM_PURE_PYTHON=1 $(VPY) -m pytest -q
+
+demo: build
 	$(VPY) examples/pipeline.py
 	$(VPY) examples/mixed_pipeline.py
 
-stress: $(STAMP)
+stress: build
 	SHAREDMEM_STRESS_FULL=1 $(VPY) -m pytest -q tests/test_stress.py -p no:randomly -s
 
-bench: $(STAMP)
+bench: build
 	$(VPY) benchmarks/run.py
 
-# The compiled launch path, built in place (optional: without a C compiler sharedmem runs
-# its Python path). setup.py when setuptools is there, else the compiler directly.
+# The compiled core, built in place with the machine's own Python (the GPU machine has Cython
+# and gcc; no install step there). Without them sharedmem runs interpreted, and says so.
 speedups:
 	@$(PYTHON) setup.py -q build_ext --inplace >/dev/null 2>&1 || \
-	cc -O2 -shared -fPIC $$($(PYTHON) -c "import sysconfig as s; print('-I' + s.get_paths()['include'])") \
-	  sharedmem/_speedups.c -o sharedmem/_speedups$$($(PYTHON) -c "import sysconfig as s; print(s.get_config_var('EXT_SUFFIX'))") \
-	  || echo "speedups: not built (no C compiler); the Python path runs"
+	  echo "speedups: the compiled core was not built; the interpreted sources run"
 
 # On the GPU machine: no install step (no network there); the image's python3 has
 # cupy, cuda-bindings, torch and jax. Runs the whole suite in place, GPU tests included.
@@ -58,7 +63,7 @@ gpu-all: speedups
 	$(PYTHON) examples/mixed_pipeline.py >> $$out/gpu_demo.log 2>&1; d=$$?; \
 	$(PYTHON) benchmarks/use_after_free.py 50 > $$out/gpu_uaf.log 2>&1; u=$$?; \
 	$(PYTHON) benchmarks/run.py > $$out/gpu_bench.log 2>&1; b=$$?; \
-	echo "== summary"; $(PYTHON) -c "import sharedmem._accel as a; print('compiled launch path:', a.speedups is not None)"; \
+	echo "== summary"; $(PYTHON) -c "import sharedmem as sm; print('core:', sm.show_config(open('/dev/null', 'w'))['core'])"; \
 	tail -1 $$out/gpu_tests.log; grep -E "OK|MISMATCH|FAIL|clean" $$out/gpu_demo.log; \
 	tail -1 $$out/gpu_uaf.log; sed -n '/^row /,$$p' $$out/gpu_bench.log; \
 	echo "exit codes: tests=$$t demos=$$d uaf=$$u bench=$$b"; test $$t -eq 0 -a $$d -eq 0 -a $$u -eq 0
@@ -82,4 +87,5 @@ gpu-sanitize: speedups
 	  $$out/gpu_sanitize.log | tail -8; echo "exit code: $$r"; test $$r -eq 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info sharedmem/*.so
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	find sharedmem interop -name "*.so" -o -name "*.c" -o -name "*.html" | xargs rm -f

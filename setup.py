@@ -1,9 +1,59 @@
-"""Builds the optional compiled launch path (sharedmem/_speedups.c).
+"""Builds the compiled ownership core: the same ``.py`` modules, compiled with Cython.
 
-Everything else is in pyproject.toml. ``optional=True``: without a C compiler
-the install goes on and sharedmem runs its Python path (sharedmem/_accel.py).
+The core is written once, in Cython's pure-Python mode (``.py`` sources, types declared in
+the ``.pxd`` files beside them). Without Cython or a C compiler the install goes on and the
+very same sources run interpreted -- with a warning that says so; set
+``SHAREDMEM_REQUIRE_EXTENSION=1`` to make that an error instead. Everything else is in
+pyproject.toml.
 """
 
-from setuptools import Extension, setup
+import os
+import sys
 
-setup(ext_modules=[Extension("sharedmem._speedups", ["sharedmem/_speedups.c"], optional=True)])
+from setuptools import setup
+
+#: The modules compiled: the ownership core and the per-launch paths of the interop bridges.
+COMPILED = [
+    "sharedmem/runtime/state.py",
+    "sharedmem/access.py",
+    "sharedmem/allocation.py",
+    "sharedmem/stream.py",
+    "sharedmem/runtime/submission.py",
+    "sharedmem/runtime/future.py",
+    "sharedmem/launch.py",
+]
+
+REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "") not in ("", "0")
+
+
+def _warn(why):
+    msg = (f"sharedmem: the compiled core was NOT built ({why}); the same code runs "
+           f"interpreted, slower. Install Cython and a C compiler and reinstall, or set "
+           f"SHAREDMEM_REQUIRE_EXTENSION=1 to make this an error.")
+    if REQUIRE:
+        raise SystemExit(msg)
+    print("\n" + "*" * 78 + "\n" + msg + "\n" + "*" * 78 + "\n", file=sys.stderr)
+
+
+def extensions():
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        _warn("Cython is not installed")
+        return []
+    try:
+        return cythonize(COMPILED, language_level=3, quiet=True,
+                         compiler_directives={"binding": True, "embedsignature": True})
+    except Exception as e:  # a Cython error in a source: never half a core
+        _warn(f"Cython failed: {e}")
+        return []
+
+
+exts = extensions()
+for e in exts:
+    e.optional = not REQUIRE  # a failed C compile: interpreted, with the warning below
+
+try:
+    setup(ext_modules=exts)
+except SystemExit:
+    raise

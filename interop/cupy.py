@@ -15,11 +15,16 @@ CuPy ``RawKernel`` / ``RawModule`` kernels launched through ``sharedmem.launch``
   stream), so the bytes stay leased there until the stream has passed the point
   where the array died. CuPy has no read-only arrays: the array of a read-only view
   is refused as ``Out`` / ``InOut`` / ``Atomic`` by ``sharedmem.launch``.
-* Launch: the kernel runs through ``cuLaunchKernel`` with the argument layout
-  the driver reports (``cuFuncGetParamInfo``), cached per kernel: scalars are
-  typed as the kernel expects (a Python float for a ``float`` parameter is
-  packed as float32), a Buffer passed where the kernel takes a pointer and a
-  length marshals as those two scalars.
+* Launch: the kernel runs through ``cuLaunchKernel`` with the parameter layout
+  the driver reports (``cuFuncGetParamInfo``) and the parameter *types* read from
+  the kernel's CUDA source (CuPy keeps it: ``RawKernel.code``), planned once per
+  kernel (see :class:`RawKernelPlan`). Scalars are converted to the parameter's
+  type (a Python int for a ``float`` becomes that float) or refused with an error
+  naming the parameter; where the source is unknown (a cubin), Python scalars are
+  refused and NumPy scalars of the parameter's size are passed as they are. A
+  buffer passed as ``In(x, with_length=True)`` (or ``Out``, ``InOut``) fills two
+  parameters, its pointer and its length in elements. Grid, block and shared
+  memory are checked against the device's limits.
 """
 
 from __future__ import annotations
@@ -32,11 +37,17 @@ import threading
 import numpy as np
 
 import sharedmem as sm
-from sharedmem.allocation import import_allocation
+from sharedmem.allocation import ViewToken, import_allocation
 from sharedmem.errors import AliasError, BackendUnavailableError, KernelError
-from sharedmem.launch import KernelAdapter, LaunchArg, _check_dims, register_kernel_adapter
+from sharedmem.launch import (ForeignArray, KernelAdapter, KernelPlan, LaunchArg, check_dims,
+                              check_shared_mem, register_kernel_adapter)
 from sharedmem.runtime.submission import order_consumer
 from sharedmem.tensor import Tensor
+
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from sharedmem import _cython as cython
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
 
@@ -222,45 +233,117 @@ def _consumer(stream, dev):
 
 
 # -- launches ----------------------------------------------------------------------------
-_SCALAR_FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}
+import re  # noqa: E402
+
+#: C scalar types a kernel parameter may have: name -> (kind, bytes). Kinds: "i" signed int,
+#: "u" unsigned int, "f" floating point, "b" bool; "p" (pointers) and "?" (not known) below.
+_C_TYPES = {}
+for _names, _kind, _size in (
+        (("bool",), "b", 1),
+        (("char", "signed char", "int8_t"), "i", 1), (("unsigned char", "uint8_t"), "u", 1),
+        (("short", "short int", "signed short", "int16_t"), "i", 2),
+        (("unsigned short", "unsigned short int", "uint16_t"), "u", 2),
+        (("int", "signed", "signed int", "int32_t"), "i", 4),
+        (("unsigned", "unsigned int", "uint32_t"), "u", 4),
+        (("long", "long int", "signed long", "long long", "long long int", "signed long long",
+          "int64_t", "ssize_t", "ptrdiff_t", "intptr_t"), "i", 8),
+        (("unsigned long", "unsigned long int", "unsigned long long",
+          "unsigned long long int", "uint64_t", "size_t", "uintptr_t"), "u", 8),
+        (("float",), "f", 4), (("double",), "f", 8), (("half", "__half"), "f", 2)):
+    for _n in _names:
+        _C_TYPES[_n] = (_kind, _size)
+_QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict|register|struct)\b")
 
 
-class _Signature:
-    """A kernel's parameter layout on one device: CUfunction, parameter sizes,
-    and a packing buffer (8-byte-aligned slots plus the ``void**`` array)."""
+class Param:
+    """One kernel parameter: ``kind`` ("p" pointer, "i"/"u" integer, "f" float, "b" bool, "?"
+    not known), ``size`` in bytes (the driver's), ``name`` and ``ctype`` (from the source, or
+    None)."""
 
-    __slots__ = ("func", "sizes", "slots", "ptrs", "ptrs_addr", "offsets", "plans", "packed",
-                 "compiled")
+    __slots__ = ("kind", "size", "name", "ctype")
 
-    def __init__(self, func: int, sizes):
-        self.func = func
-        self.sizes = sizes
-        self.offsets = []
-        off = 0
-        for sz in sizes:
-            self.offsets.append(off)
-            off += (sz + 7) // 8 * 8
-        self.slots = (ctypes.c_uint8 * max(off, 8))()
-        base = ctypes.addressof(self.slots)
-        self.ptrs = (ctypes.c_void_p * max(len(sizes), 1))(*[base + o for o in self.offsets])
-        self.ptrs_addr = ctypes.addressof(self.ptrs)
-        # argument-type signature -> (struct format, per-argument converters);
-        # lock-free: plans are immutable and a racing writer stores an equal one
-        self.plans = {}
-        # the values list last packed into `slots` (an op submitted again skips packing);
-        # guarded by core_lock, like the slots
-        self.packed = None
-        # argument-type signature -> LaunchPlan of the compiled path (see _compiled_plan);
-        # lock-free like `plans`
-        self.compiled = {}
+    def __init__(self, kind, size, name, ctype):
+        self.kind, self.size, self.name, self.ctype = kind, size, name, ctype
+
+    def describe(self) -> str:
+        if self.ctype is None:
+            return f"a {self.size}-byte parameter of unknown type"
+        return f"parameter {self.name!r} ({self.ctype})"
 
 
-_sig_cache: dict = {}  # (id(kernel) or CUfunction, device key) -> (kernel, _Signature); guarded by _sig_lock
-_SIG_CACHE_MAX = 1024  # kernels remembered (each entry keeps its kernel alive)
-_sig_lock = threading.Lock()
+def _split_params(text):
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur))
+    return out
 
 
-def _param_sizes(func: int):
+def param_types(code, name):
+    """``[(kind, ctype, pname), ...]`` of ``__global__`` function ``name`` in CUDA source
+    ``code``, or None where it cannot be read (no source, a template, a mangled name)."""
+    if not code or not name or not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return None
+    m = re.search(r"__global__[^;{]*?\b" + re.escape(name) + r"\s*\(", code)
+    if m is None:
+        return None
+    i, depth = m.end(), 1
+    j = i
+    while j < len(code) and depth:
+        depth += {"(": 1, ")": -1}.get(code[j], 0)
+        j += 1
+    if depth:
+        return None
+    out = []
+    for raw in _split_params(code[i:j - 1]):
+        decl = " ".join(_QUALIFIERS.sub(" ", raw).split())
+        if not decl or decl == "void":
+            continue
+        if "*" in decl or "&" in decl:
+            pname = re.split(r"[*&\s]", decl)[-1]
+            ctype = decl[:len(decl) - len(pname)].replace(" *", "*").strip() if pname else decl
+            out.append(("p", ctype, pname))
+            continue
+        words = decl.split()
+        if len(words) < 2:
+            return None
+        ctype = " ".join(words[:-1])
+        kind = _C_TYPES.get(ctype, ("?", 0))[0]
+        out.append((kind, ctype, words[-1]))
+    return out
+
+
+def _signature_params(kernel, sizes):
+    """The kernel's parameters: sizes from the driver, types from the source where it can be
+    read and agrees with the sizes (else every parameter is of unknown type)."""
+    parsed = param_types(getattr(kernel, "code", None), getattr(kernel, "name", None))
+    if parsed is not None and len(parsed) == len(sizes):
+        params = []
+        for (kind, ctype, pname), size in zip(parsed, sizes):
+            want = 8 if kind == "p" else _C_TYPES.get(ctype, (None, size))[1]
+            if want != size:
+                break
+            params.append(Param(kind, size, pname, ctype))
+        else:
+            return tuple(params)
+    return tuple(Param("?", size, None, None) for size in sizes)
+
+
+_FORMATS = {("p", 8): "Q", ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
+            ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q", ("f", 2): "e",
+            ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
+
+
+def _param_sizes(func):
     """The kernel's parameter sizes, from the driver. With ``cuFuncGetParamCount`` (CUDA
     12.9+ drivers) nothing is probed; older ones are asked for parameters until they say
     there is none (an error compute-sanitizer lists, harmlessly)."""
@@ -295,185 +378,198 @@ def _param_sizes(func: int):
     return sizes
 
 
-def _signature(kernel, dev):
-    key = (id(kernel), dev.key)
-    hit = _sig_cache.get(key)
-    if hit is not None and hit[0] is kernel:
-        return hit[1]
+def _function_handle(kernel, dev):
     cp = _cupy()
     with cp.cuda.Device(dev.ordinal):
         fn = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel or Function
-        func = int(fn.ptr)
-    # One signature per CUfunction: RawModule.get_function makes a new Function object on
-    # every call, and each must not be planned again.
-    fkey = (func, dev.key)
-    hit = _sig_cache.get(fkey)
-    sig = hit[1] if hit is not None else None
-    if sig is None:
-        sizes = _param_sizes(func)
-        if sizes is None:
-            raise BackendUnavailableError(
-                "launching CuPy kernels through sharedmem needs cuFuncGetParamInfo (CUDA 12.4+ "
-                "driver and cuda-bindings)")
-        sig = _Signature(func, sizes)
-    with _sig_lock:
-        if len(_sig_cache) >= _SIG_CACHE_MAX:  # bounded: programs that make many kernels
-            _sig_cache.clear()
-        _sig_cache[key] = (kernel, sig)
-        _sig_cache[fkey] = (fn, sig)  # (the Function keeps its module, so the handle, alive)
-    return sig
+        return fn, int(fn.ptr)
 
 
-# How each argument becomes packed values (the plan's per-argument codes).
-_PTR, _PTR_LEN, _INT, _AS_IS, _BYTES, _NULL = range(6)
+def _int_value(i, p, a):
+    """``a`` as an int for integer (or bool) parameter ``p``, range-checked."""
+    if isinstance(a, (bool, np.bool_)):
+        return int(a)
+    if isinstance(a, (int, np.integer)):
+        v = int(a)
+        bits = 8 * p.size
+        lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if p.kind == "i" else (0, 1 << bits)
+        if p.kind == "b":
+            lo, hi = 0, 2
+        if not lo <= v < hi:
+            raise KernelError(f"argument {i}: {v} does not fit {p.describe()}")
+        return v
+    raise KernelError(f"argument {i}: {p.describe()} takes an int, got {_what(a)}; "
+                      f"{'convert it with int() if that is meant' if isinstance(a, (float, np.floating)) else 'pass an int'}")
 
 
-def _scalar_piece(i, value, size):
-    """``(format, code, limit)`` packing a scalar like ``value`` for a
-    ``size``-byte parameter (``limit``: the ``(lo, hi)`` range of an int);
-    raises KernelError when the type does not fit the parameter."""
-    if isinstance(value, np.generic):
-        if value.dtype.itemsize != size:
-            raise KernelError(f"argument {i}: a {value.dtype} scalar ({value.dtype.itemsize} bytes) "
-                              f"for a {size}-byte kernel parameter; pass a matching NumPy type")
-        return f"{size}s", _BYTES, None
-    if isinstance(value, bool):
-        return _SCALAR_FMT.get(size, "B"), _AS_IS, None
-    if isinstance(value, int):
-        if size not in (1, 2, 4, 8):
-            raise KernelError(f"argument {i}: an int for a {size}-byte kernel parameter")
-        lim = 1 << (8 * size)
-        if not -(lim >> 1) <= value < lim:
-            raise KernelError(f"argument {i}: {value} does not fit the {size}-byte kernel parameter")
-        return _SCALAR_FMT[size], _INT, (-(lim >> 1), lim)
-    if isinstance(value, float):
-        if size == 4:
-            return "f", _AS_IS, None
-        if size == 8:
-            return "d", _AS_IS, None
-        raise KernelError(f"argument {i}: a float for a {size}-byte kernel parameter")
-    if value is None:
-        return "Q", _NULL, None
-    raise KernelError(f"argument {i}: cannot pass {type(value).__name__} to a CuPy kernel; pass "
-                      f"a Buffer, Tensor, CuPy array, NumPy scalar or Python number")
+def _what(a) -> str:
+    if isinstance(a, LaunchArg):
+        return f"an array ({type(a.value).__name__})"
+    return f"{type(a).__name__} {a!r}"
 
 
-def _plan(sig, args):
-    """The packing plan for these argument types, ``(format, codes, int_limits)``,
-    and the types' key. Cached per signature, so a launch only converts values."""
-    key = tuple([a.view.__class__ if type(a) is LaunchArg else type(a) for a in args])
-    plan = sig.plans.get(key)
-    if plan is None:
-        plan = _make_plan(sig, args)
-        if len(sig.plans) < 256:
-            sig.plans[key] = plan
-    return plan, key
+class RawKernelPlan(KernelPlan):
+    """A CuPy kernel on one device, planned once: its CUfunction, its parameters (size from
+    the driver, type from the source), the packing buffer (8-byte-aligned slots and the
+    ``void**`` array pointing at them), the device's launch limits and ``cuLaunchKernel``.
 
+    ``pack`` converts each argument to its parameter's type -- or refuses it, naming the
+    parameter -- before any lease; ``enqueue`` (under the core lock, so launches never share
+    the buffer at once) writes the values and launches."""
 
-def _make_plan(sig, args):
-    nparams, nargs = len(sig.sizes), len(args)
-    nbuf = sum(1 for a in args if isinstance(a, LaunchArg) and isinstance(a.view, sm.Buffer))
-    if nparams == nargs:
-        expand = False
-    elif nbuf and nparams == nargs + nbuf:
-        expand = True  # every Buffer marshals as (pointer, length)
-    else:
-        raise KernelError(f"the kernel takes {nparams} parameters but was given {nargs} arguments"
-                          + (f" ({nbuf} Buffers, each may expand to pointer + length)" if nbuf else ""))
-    fmt = ["<"]
-    codes = []
-    limits = []  # per argument: (lo, hi) for an int parameter, else None
-    p = 0
+    __slots__ = ("func", "params", "fmt", "slots", "ptrs", "ptrs_addr", "backend", "launch_addr",
+                 "ctx_addr", "context", "limits", "fn")
 
-    def field(f, size):
-        fmt.append(f)
-        pad = (size + 7) // 8 * 8 - size
-        if pad:
-            fmt.append(f"{pad}x")
+    def __init__(self, kernel, adapter, device, fn, func, params):
+        KernelPlan.__init__(self, kernel, adapter, device)
+        self.fn = fn  # the Function: it keeps its module, so `func`, loaded
+        self.func = func
+        self.params = params
+        fmt = ["<"]
+        offsets = []
+        off = 0
+        for p in params:
+            offsets.append(off)
+            f = _FORMATS.get((p.kind, p.size), f"{p.size}s")
+            slot = (p.size + 7) // 8 * 8
+            fmt.append(f)
+            if slot > p.size:
+                fmt.append(f"{slot - p.size}x")
+            off += slot
+        self.fmt = "".join(fmt)
+        self.slots = (ctypes.c_uint8 * max(off, 8))()
+        base = ctypes.addressof(self.slots)
+        self.ptrs = (ctypes.c_void_p * max(len(params), 1))(*[base + o for o in offsets])
+        self.ptrs_addr = ctypes.addressof(self.ptrs)
+        backend = device.backend
+        self.backend = backend
+        addresses = getattr(backend.hot, "addresses", None) or {}
+        self.launch_addr = addresses.get("cuLaunchKernel", 0)
+        self.ctx_addr = addresses.get("cuCtxGetCurrent", 0)
+        self.context = int(backend.context)
+        self.limits = backend.limits
 
-    for i, a in enumerate(args):
-        size = sig.sizes[p]
-        limit = None  # (an int parameter's range, checked at every launch)
-        if isinstance(a, LaunchArg):
-            if size != 8:
-                raise KernelError(f"argument {i}: a pointer for a {size}-byte kernel parameter")
-            field("Q", 8)
-            p += 1
-            if expand and isinstance(a.view, sm.Buffer):
-                lsize = sig.sizes[p]
-                field(_scalar_piece(i, len(a.view), lsize)[0], lsize)  # the length
+    def make_config(self, grid, block, shared_mem):
+        lim = self.limits
+        g = check_dims(grid, "grid", False, lim.grid)
+        b = check_dims(block, "block", False, lim.block)
+        threads = 1
+        for d in b:
+            threads *= d
+        if lim.threads and threads > lim.threads:
+            raise KernelError(f"block {block!r} has {threads} threads, above this device's "
+                              f"limit of {lim.threads} per block")
+        shm = check_shared_mem(shared_mem, lim.shared_mem or None)
+        g = tuple(g) + (1,) * (3 - len(g))
+        b = tuple(b) + (1,) * (3 - len(b))
+        return (g, b, shm)
+
+    def pack(self, args, config, stream):
+        """The value of every parameter, converted and checked (KernelError names the first
+        argument that does not fit, before any lease is taken)."""
+        params = self.params
+        n = len(params)
+        need = len(args)
+        for a in args:
+            if type(a) is LaunchArg and a.with_length:
+                need += 1
+        if need != n:
+            raise self._count_error(args)
+        values = []
+        p = 0
+        for i in range(len(args)):
+            a = args[i]
+            par = params[p]
+            kind = par.kind
+            if type(a) is LaunchArg:
+                if kind != "p" and not (kind == "?" and par.size == 8):
+                    raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
+                                      f"{_what(a)}")
+                v = a.value
+                ptr = v.ptr if type(v) is not _cupy_ndarray() else v.data.ptr
+                values.append(ptr if kind == "p" else ptr.to_bytes(8, "little"))
                 p += 1
-                code = _PTR_LEN
-            else:
-                code = _PTR
-        else:
-            f, code, limit = _scalar_piece(i, a, size)
-            field(f, size)
+                if a.with_length:
+                    lp = params[p]
+                    length = v.size  # elements (a Buffer's length)
+                    if lp.kind in "iu":
+                        values.append(_int_value(i, lp, length))
+                    elif lp.kind == "?" and lp.size in (4, 8):
+                        values.append(int(length).to_bytes(lp.size, "little"))
+                    else:
+                        raise KernelError(f"argument {i}: with_length=True, but the next "
+                                          f"parameter is {lp.describe()}, not an int")
+                    p += 1
+                continue
+            if kind == "f":
+                if isinstance(a, (float, int, np.floating, np.integer)) and not isinstance(a, bool):
+                    values.append(float(a))
+                else:
+                    raise KernelError(f"argument {i}: {par.describe()} takes a number, got "
+                                      f"{_what(a)}")
+            elif kind in "iub":
+                values.append(_int_value(i, par, a))
+            elif kind == "p":
+                if a is None:
+                    values.append(0)
+                elif isinstance(a, (np.uint64, np.int64)):
+                    values.append(int(a) % (1 << 64))  # a raw address, stated as such
+                else:
+                    raise KernelError(
+                        f"argument {i}: {par.describe()} is a pointer, got {_what(a)}; pass "
+                        f"the array (a sharedmem view or a CuPy array) so that it is leased, or "
+                        f"None for NULL")
+            else:  # "?": only the size is known
+                if isinstance(a, np.generic) and a.dtype.itemsize == par.size:
+                    values.append(a.tobytes())
+                elif a is None and par.size == 8:
+                    values.append(bytes(8))
+                else:
+                    raise KernelError(
+                        f"argument {i}: {par.describe()} (the kernel's source is not known, so "
+                        f"neither is the type); got {_what(a)}. Pass a NumPy scalar of the "
+                        f"parameter's type, e.g. np.int32(n) or np.float32(x)")
             p += 1
-        codes.append(code)
-        limits.append(limit)
-    return "".join(fmt), tuple(codes), tuple(limits)
+        return values
 
+    def _count_error(self, args):
+        n = len(self.params)
+        got = len(args)
+        wl = sum(1 for a in args if type(a) is LaunchArg and a.with_length)
+        more = f" ({wl} with_length, each filling two)" if wl else ""
+        names = ", ".join(p.name or "?" for p in self.params)
+        return KernelError(f"the kernel takes {n} parameters ({names}) but was given {got} "
+                           f"arguments{more}; a buffer given as In/Out/InOut(x, "
+                           f"with_length=True) fills a pointer and a length parameter")
 
-def _pack_values(codes, limits, args) -> list:
-    """The values to pack for one launch (one pass, no call per argument)."""
-    values = []
-    append = values.append
-    i = 0
-    for code, a in zip(codes, args):
-        if code == _PTR:
-            append(a.view.ptr)
-        elif code == _INT:
-            lo, hi = limits[i]
-            if not lo <= a < hi:
-                raise KernelError(f"argument {i}: {a} does not fit the "
-                                  f"{(hi.bit_length() - 1) // 8}-byte kernel parameter")
-            append(a % hi)
-        elif code == _AS_IS:
-            append(a)
-        elif code == _PTR_LEN:
-            append(a.view.ptr)
-            append(len(a.view))
-        elif code == _BYTES:
-            append(a.tobytes())
+    def enqueue(self, stream, config, values):
+        impl = stream._impl
+        backend = self.backend
+        g, b, shm = config
+        struct.pack_into(self.fmt, self.slots, 0, *values)
+        backend.ensure_context()
+        hot = backend.hot
+        if hot is not None:
+            err = hot.launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], shm, impl.handle,
+                             self.ptrs_addr, None)
         else:
-            append(0)
-        i += 1
-    return values
+            cu = backend.cu
+            err = int(cu.cuLaunchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2], shm,
+                                        impl.cu_stream, self.ptrs_addr, 0)[0])
+        if err:
+            from sharedmem.backends.cuda import check
+            check((backend.cu.CUresult(err),), "cuLaunchKernel")
+        return backend.submit_marker(impl)
 
 
-def _dims3(d):
-    return d if len(d) == 3 else tuple(d) + (1,) * (3 - len(d))
+_ndarray_type = None
 
 
-_dims3_cache: dict = {}  # grid or block value -> 3-tuple; lock-free (idempotent writes)
-
-
-def _dims3_of(value, what):
-    """``value`` (grid or block) as a validated 3-tuple, cached per value."""
-    try:
-        return _dims3_cache[value]
-    except (KeyError, TypeError):  # new, or unhashable (validated, not cached)
-        pass
-    d = _dims3(_check_dims(value, what))
-    try:
-        if len(_dims3_cache) < 4096:
-            _dims3_cache[value] = d
-    except TypeError:
-        pass
-    return d
-
-
-_cu = None
-
-
-def _driver_module():
-    """cuda.bindings' driver module (imported once, on the first launch)."""
-    global _cu
-    if _cu is None:
-        from sharedmem.backends.cuda import cu
-        _cu = cu
-    return _cu
+def _cupy_ndarray():
+    global _ndarray_type
+    if _ndarray_type is None:
+        _ndarray_type = _cupy().ndarray
+    return _ndarray_type
 
 
 class RawKernelAdapter(KernelAdapter):
@@ -488,150 +584,45 @@ class RawKernelAdapter(KernelAdapter):
     def coerce(self, obj, device):
         cp = sys.modules.get("cupy")
         if cp is not None and isinstance(obj, cp.ndarray):
-            return _tensor_view(obj, "CuPy array argument")
+            return foreign_array(obj)
         return None
 
-    def prepare(self, kernel, grid, block, args, shared_mem, stream):
-        g = _dims3_of(grid, "grid")
-        b = _dims3_of(block, "block")
-        sig = _signature(kernel, stream.device)
-        plan, key = _plan(sig, args)
-        fmt, codes, limits = plan
-        values = _pack_values(codes, limits, args)
-        if _speedups is not None:
-            _compiled_plan(self, kernel, sig, key, codes, args, stream)
-        return _Enqueue(_launcher(sig, stream, g, b, shared_mem), fmt, values), (kernel,)
+    def plan(self, kernel, device):
+        fn, func = _function_handle(kernel, device)
+        # One plan per CUfunction: RawModule.get_function makes a new object on every call,
+        # and each must not be planned again.
+        with _sig_lock:
+            hit = _by_function.get((func, device.key))
+        if hit is not None:
+            return hit
+        sizes = _param_sizes(func)
+        if sizes is None:
+            raise BackendUnavailableError(
+                "launching CuPy kernels through sharedmem needs cuFuncGetParamInfo (CUDA 12.4+ "
+                "driver and cuda-bindings)")
+        plan = RawKernelPlan(kernel, self, device, fn, func, _signature_params(kernel, sizes))
+        with _sig_lock:
+            if len(_by_function) >= _SIG_CACHE_MAX:  # bounded: programs that make many kernels
+                _by_function.clear()
+            _by_function[(func, device.key)] = plan
+        return plan
 
 
-class _Launcher:
-    """Everything constant about launching one kernel signature on one stream
-    with one grid, block and shared-memory size (cached on the stream), so a
-    launch allocates one small object, not a closure with a cell per constant
-    (measured with the driver stubbed: ``prepare`` 2.55 -> 2.1 us)."""
-
-    __slots__ = ("sig", "args", "backend", "impl", "launch", "cu")
-
-    def __init__(self, sig, stream, g, b, shared_mem):
-        backend = stream.device.backend
-        hot = backend.hot
-        impl = stream._impl
-        self.sig, self.backend, self.impl = sig, backend, impl
-        self.cu = _driver_module()
-        self.launch = hot.launch if hot is not None else self.cu.cuLaunchKernel
-        self.args = (sig.func, *g, *b, shared_mem, impl.handle if hot is not None else impl.cu_stream,
-                     sig.ptrs_addr, None if hot is not None else 0)
-
-    def __call__(self, fmt, values):
-        # Runs under the core lock: launches are serialized, so the signature's
-        # packing buffer is safe; the driver copies parameters at launch.
-        sig = self.sig
-        if sig.packed is not values:
-            struct.pack_into(fmt, sig.slots, 0, *values)
-            sig.packed = values
-        backend = self.backend
-        backend.ensure_context()
-        err = self.launch(*self.args)
-        if not isinstance(err, int):
-            err = int(err[0])
-        if err:
-            from sharedmem.backends.cuda import check
-            check((self.cu.CUresult(err),), "cuLaunchKernel")
-        return backend.submit_marker(self.impl)
+_by_function = {}  # (CUfunction, device key) -> RawKernelPlan; guarded by _sig_lock
+_SIG_CACHE_MAX = 1024  # kernels remembered (each plan keeps its kernel alive)
+_sig_lock = threading.Lock()
 
 
-class _Enqueue:
-    """The ``enqueue()`` of one prepared launch: its launcher and packed values."""
-
-    __slots__ = ("launcher", "fmt", "values")
-
-    def __init__(self, launcher, fmt, values):
-        self.launcher, self.fmt, self.values = launcher, fmt, values
-
-    def __call__(self):
-        return self.launcher(self.fmt, self.values)
-
-
-def _launcher(sig, stream, g, b, shared_mem) -> _Launcher:
-    cache = stream.launch_cache  # lives and dies with the stream
-    key = (sig, g, b, shared_mem)
-    hit = cache.get(key)
-    if hit is None or hit.impl is not stream._impl:  # (an impl is swapped only by host captures)
-        if len(cache) >= 256:  # bounded: many kernels or launch shapes on one stream
-            cache.clear()
-        hit = cache[key] = _Launcher(sig, stream, g, b, shared_mem)
-    return hit
-
-
-# -- the compiled launch path -------------------------------------------------------------
-from sharedmem._accel import speedups as _speedups  # noqa: E402  (None: pure Python)
-
-# Python plan code -> the compiled path's argument code (sharedmem/_speedups.c)
-_C_PTR, _C_PTR_LEN, _C_INT, _C_BOOL, _C_F32, _C_F64, _C_NULL, _C_BYTES, _C_INLINE = range(9)
-
-
-def _value_after_header(a) -> bool:
-    """Whether NumPy scalar ``a`` keeps its value right after its object header
-    (so the compiled path copies it from there, not through the buffer protocol):
-    checked on this scalar, with this NumPy, before the type is planned so."""
-    size = a.dtype.itemsize
-    header = object.__basicsize__
-    if type(a).__basicsize__ < header + size:
-        return False
-    probe = np.frombuffer(bytes(range(1, size + 1)), dtype=a.dtype)[0]  # no zero byte
-    return type(probe) is type(a) and all(
-        ctypes.string_at(id(x) + header, size) == x.tobytes() for x in (a, probe))
-
-
-def _compiled_plan(adapter, kernel, sig, key, codes, args, stream) -> None:
-    """Hand this kernel's launch plan for these argument types to the compiled
-    path, which then launches the kernel by itself while the types stay the same
-    (a Python launch with other types hands over its own plan). Devices without
-    a ctypes-reachable driver, and CuPy-array arguments (made into views per
-    launch), stay on the Python path."""
-    backend = stream.device.backend
-    hot = backend.hot
-    addresses = getattr(hot, "addresses", None)
-    if not addresses:
-        return
-    lp = sig.compiled.get(key)
-    if lp is None:
-        specs = []
-        p = 0  # the argument's first parameter
-        for code, a, t in zip(codes, args, key):
-            if code == _PTR_LEN:  # (the length parameter follows the pointer)
-                specs.append((t, _C_PTR_LEN, sig.sizes[p + 1], p, p + 1))
-                p += 2
-                continue
-            if code == _PTR:
-                specs.append((t, _C_PTR, 8, p, -1))
-                p += 1
-                continue
-            size = sig.sizes[p]
-            if code == _INT:
-                c = _C_INT
-            elif code == _AS_IS:
-                c = _C_BOOL if type(a) is bool else (_C_F32 if size == 4 else _C_F64)
-            elif code == _NULL:
-                c = _C_NULL
-            elif code == _BYTES:  # a NumPy scalar of the parameter's size
-                c = _C_INLINE if _value_after_header(a) else _C_BYTES
-            else:  # pragma: no cover - every code is mapped
-                return
-            specs.append((t, c, size, p, -1))
-            p += 1
-        from sharedmem.backends.cuda import MARKER_BATCH
-        dev = stream.device
-        lp = _speedups.LaunchPlan(
-            kernel, dev, dev.default_stream, type(stream._impl), backend, backend.submit_marker,
-            (adapter, kernel), sig.func, int(backend.context), addresses["cuLaunchKernel"],
-            addresses["cuCtxGetCurrent"], MARKER_BATCH, tuple(sig.sizes), tuple(specs))
-        if len(sig.compiled) < 256:
-            sig.compiled[key] = lp
-    if _speedups.lookup(kernel) is not lp:
-        try:
-            _speedups.remember(kernel, lp)
-        except TypeError:  # an unhashable kernel object
-            pass
+def foreign_array(arr):
+    """A CuPy array as a launch argument: a lease of its bytes (no view token: nothing but
+    the launch holds it), the array kept alive by the lease until the work is done."""
+    dev = sm.Device(arr.device.id)
+    alloc, lo, hi = _allocation_of(arr, dev)
+    export = _export_token(arr)
+    writable = export.writable if export is not None else True
+    tok = ViewToken(alloc, "CuPy array argument", lo, hi, writable, (alloc, arr))
+    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
+    return ForeignArray(tok, arr)
 
 
 # By name: importing this module must not import CuPy.

@@ -28,7 +28,7 @@ import numpy as np
 
 import sharedmem as sm
 from sharedmem.errors import BackendUnavailableError, KernelError
-from sharedmem.launch import KernelAdapter, LaunchArg, _check_dims, register_kernel_adapter
+from sharedmem.launch import KernelAdapter, KernelPlan, LaunchArg, check_dims, register_kernel_adapter
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -68,11 +68,13 @@ def _readonly_descriptor(view):
 
 
 def _check_no_aliasing(args) -> None:
-    arrays = [(i, a) for i, a in enumerate(args) if isinstance(a, LaunchArg)]
+    arrays = [(i, a) for i, a in enumerate(args) if type(a) is LaunchArg]
     for i, a in arrays:
-        if any(s < 0 for s in getattr(a.view, "strides", (1,))):
+        if a.view is not None and any(s < 0 for s in getattr(a.view, "strides", (1,))):
             raise KernelError(f"argument {i}: {a.view!r} has negative strides; cuTile assumes "
                               f"strides >= 0 -- pass a contiguous copy")
+    if len(arrays) < 2:
+        return
     for n, (i, a) in enumerate(arrays):
         ta = a.token
         for j, b in arrays[n + 1:]:
@@ -83,6 +85,51 @@ def _check_no_aliasing(args) -> None:
                     f"arguments {i} and {j} overlap (bytes [{max(ta.start, tb.start)}, "
                     f"{min(ta.stop, tb.stop)}) of allocation #{ta.allocation.id}) and one of them "
                     f"is written; cuTile assumes distinct array arguments do not alias")
+
+
+class TilePlan(KernelPlan):
+    """A cuTile kernel on one device: arrays reach ``ct.launch`` as the views' cached CAI
+    descriptors (or the foreign arrays themselves), scalars as Python scalars."""
+
+    __slots__ = ("backend", "ct_launch")
+
+    def __init__(self, kernel, adapter, device, ct):
+        KernelPlan.__init__(self, kernel, adapter, device)
+        self.backend = device.backend
+        self.ct_launch = ct.launch
+
+    def make_config(self, grid, block, shared_mem):
+        if block is not None:
+            raise KernelError(f"cuTile kernels choose their own block shape: pass block=None, "
+                              f"got {block!r}")
+        if shared_mem:
+            raise KernelError("cuTile kernels manage their own shared memory: pass shared_mem=0")
+        g = check_dims(grid, "grid", False, self.backend.limits.grid)
+        return tuple(g) + (1,) * (3 - len(g))
+
+    def pack(self, args, config, stream):
+        _check_no_aliasing(args)
+        out = []
+        for a in args:
+            if type(a) is LaunchArg:
+                v = a.view
+                if v is None:
+                    out.append(a.value)  # a foreign array: cuTile reads it itself
+                else:  # made once per view: its layout never changes while it lives
+                    out.append(v._derived_value(_RW, _writable_descriptor) if a.writes else
+                               v._derived_value(_RO, _readonly_descriptor))
+            elif isinstance(a, np.generic):
+                out.append(a.item())
+            else:
+                out.append(a)
+        return tuple(out)
+
+    def enqueue(self, stream, grid, call_args):
+        impl = stream._impl
+        backend = self.backend
+        backend.ensure_context()
+        self.ct_launch(impl.handle, grid, self.kernel, call_args)
+        return backend.submit_marker(impl)
 
 
 class TileKernelAdapter(KernelAdapter):
@@ -99,91 +146,15 @@ class TileKernelAdapter(KernelAdapter):
     def coerce(self, obj, device):
         cp = sys.modules.get("cupy")
         if cp is not None and isinstance(obj, cp.ndarray):
-            from interop.cupy import _tensor_view
-            return _tensor_view(obj, "CuPy array argument")
+            from interop.cupy import foreign_array
+            return foreign_array(obj)
         if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
             return sm.from_dlpack(obj)
         return None
 
-    def prepare(self, kernel, grid, block, args, shared_mem, stream):
-        ct = _cutile()
-        if block is not None:
-            raise KernelError(f"cuTile kernels choose their own block shape: pass block=None, "
-                              f"got {block!r}")
-        if shared_mem:
-            raise KernelError("cuTile kernels manage their own shared memory: pass shared_mem=0")
-        g = _check_dims(grid, "grid")
-        g = tuple(g) + (1,) * (3 - len(g))
-        _check_no_aliasing(args)
-        # arrays as CAI descriptors; NumPy scalars as Python scalars (cuTile takes those)
-        # (descriptors are made once per view: its layout never changes while it lives)
-        call_args = tuple(
-            (a.view._derived_value(_RW, _writable_descriptor) if a.writes else
-             a.view._derived_value(_RO, _readonly_descriptor)) if isinstance(a, LaunchArg) else
-            (a.item() if isinstance(a, np.generic) else a) for a in args)
-        impl = stream._impl
-        backend = stream.device.backend
-        handle = impl.handle
-        launch = ct.launch
-        if _speedups is not None:
-            _compiled_plan(self, kernel, args, stream, launch)
-
-        def enqueue():
-            backend.ensure_context()
-            launch(handle, g, kernel, call_args)
-            return backend.submit_marker(impl)
-
-        return enqueue, (kernel,)
+    def plan(self, kernel, device):
+        return TilePlan(kernel, self, device, _cutile())
 
 
 # By name: importing this module must not import cuda.tile.
 register_kernel_adapter("cuda.tile._execution.kernel", TileKernelAdapter())
-
-
-from sharedmem._accel import speedups as _speedups  # noqa: E402  (None: pure Python)
-
-# the compiled path's argument codes for a call plan (sharedmem/_speedups.c)
-_C_OBJ, _C_DESC = 9, 10
-_plans: dict = {}  # (kernel, device, argument types) -> LaunchPlan; lock-free (idempotent)
-
-
-def _compiled_plan(adapter, kernel, args, stream, launch) -> None:
-    """Hand this kernel's plan for these argument types to the compiled path,
-    which then launches it by itself -- the same checks, the views' cached
-    descriptors, ``ct.launch`` called from C -- while the types stay the same.
-    Only Python ints, floats and bools as scalars, and arrays given as views
-    (not CuPy arrays or DLPack producers, made into views per launch)."""
-    hot = stream.device.backend.hot
-    addresses = getattr(hot, "addresses", None)
-    if not addresses:
-        return
-    types = []
-    specs = []
-    for i, a in enumerate(args):
-        if isinstance(a, LaunchArg):
-            t = type(a.view)
-            specs.append((t, _C_DESC, 0, i, -1))
-        elif type(a) in (int, float, bool):
-            t = type(a)
-            specs.append((t, _C_OBJ, 0, i, -1))
-        else:
-            return
-        types.append(t)
-    dev = stream.device
-    key = (kernel, dev, tuple(types))
-    try:
-        lp = _plans.get(key)
-    except TypeError:  # an unhashable kernel object
-        return
-    if lp is None:
-        from sharedmem.backends.cuda import MARKER_BATCH
-        backend = dev.backend
-        lp = _speedups.LaunchPlan(
-            kernel, dev, dev.default_stream, type(stream._impl), backend, backend.submit_marker,
-            (adapter, kernel), 0, int(backend.context), 0, addresses["cuCtxGetCurrent"],
-            MARKER_BATCH, (), tuple(specs), launch, _RW, _RO)
-        if len(_plans) >= 256:  # bounded: each plan keeps its kernel alive
-            _plans.clear()
-        _plans[key] = lp
-    if _speedups.lookup(kernel) is not lp:
-        _speedups.remember(kernel, lp)

@@ -42,7 +42,6 @@ from sharedmem.runtime.submission import order_consumer, submit
 
 from interop.streams import consumer_stream, current_streams
 
-from sharedmem._accel import speedups as _speedups  # None: pure Python (the ctypes structs below)
 
 __all__ = ["export", "dlpack_device", "from_dlpack", "DLPACK_VERSION", "kDLCPU", "kDLCUDA"]
 
@@ -248,8 +247,6 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers=()):
     export_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable,
                                           tok.keep, consumers)
     try:
-        if _speedups is not None:  # the same structs, built and deleted in C
-            return _speedups.dlpack_capsule(export_tok, *dl)
         return _ctypes_capsule(export_tok, *dl)
     except BaseException:
         export_tok.release()  # (idempotent)

@@ -7,24 +7,32 @@ only re-exports; each concept lives in its own module. Importing it imports no
 GPU library.
 """
 
-from .access import get_access_policy, set_access_policy
-from .allocation import Allocation, lookup_allocation
-from .bridges import adopt, from_cuda_array_interface, from_dlpack, record_use
-from .buffer import Buffer, DeviceBox
-from .device import Device, default_device
-from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,
+from . import config as _config
+
+if _config.pure_python_requested():  # before any core module is imported
+    _config.install_source_finder()
+
+from .access import get_access_policy, set_access_policy  # noqa: E402
+from .allocation import Allocation, lookup_allocation  # noqa: E402
+from .bridges import adopt, from_cuda_array_interface, from_dlpack, record_use  # noqa: E402
+from .buffer import Buffer, DeviceBox  # noqa: E402
+from .device import Device, default_device  # noqa: E402
+from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,  # noqa: E402
                      CompletionUnknownError, CudaError, DeviceMismatchError, KernelError, LayoutError,
                      LeakWarning, MovedError, ReleasedError, SharedMemError, SharedMemWarning)
-from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,
+from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,  # noqa: E402
                      register_kernel_adapter)
-from .ops import DeviceOp, op, zip
-from .runtime.future import DeviceFuture, HostFuture
-from .runtime.graph import Graph, capture, graph
-from .stats import Stats, stats, synchronize
-from .stream import Event, Stream
-from .tensor import Tensor
+from .ops import DeviceOp, op, zip  # noqa: E402,A004  (sm.zip; not in __all__: it would shadow the builtin)
+from .runtime.future import DeviceFuture, HostFuture  # noqa: E402
+from .runtime.graph import Graph, capture, graph  # noqa: E402
+from .stats import Stats, stats, synchronize  # noqa: E402
+from .stream import Event, Stream  # noqa: E402
+from .tensor import Tensor  # noqa: E402
+from .config import show_config  # noqa: E402
 
 __version__ = "0.1.0"
+
+_config.check_required()
 
 __all__ = [
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
@@ -35,10 +43,6 @@ __all__ = [
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",
-    "set_access_policy", "stats", "synchronize", "zip", "__version__",
+    "set_access_policy", "show_config", "stats", "synchronize", "__version__",
 ]
 
-from . import _accel as _accel  # noqa: E402  (reads the modules above)
-
-_accel.configure()
-launch = _accel.entry(launch)  # the same launch(), entered from C when the extension is built

@@ -15,17 +15,28 @@ Work on the same stream is ordered by the stream itself.
 Because a stream runs its work in order, only the *newest* unfinished access
 of another stream to a byte range matters: waiting for it waits for all older
 ones. So each tracker keeps, per stream and per kind (reads / writes), a short
-list of disjoint byte ranges, each tagged with the sequence number and
-completion marker of the newest submission that touched it. Repeated launches
-over the same range keep that list at length one.
+list of disjoint byte ranges (:class:`Span`), each tagged with the sequence
+number and completion marker of the newest submission that touched it.
+Repeated launches over the same range keep that list at length one.
+
+Retirement does not visit trackers: a span whose sequence number is at most
+its stream's ``_done`` (the newest retired submission there) is finished, and
+is dropped the next time the tracker looks at that stream. Holds (open leases
+of exports, see ``ViewToken.consumers``) are removed explicitly when they end.
 """
 
 from __future__ import annotations
 
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from . import _cython as cython
+
 from .errors import SharedMemError
+from .runtime.state import RUNTIME
 
 __all__ = ["READ", "WRITE", "ATOMIC", "AccessTracker", "set_access_policy",
-           "get_access_policy", "POLICIES"]
+           "get_access_policy", "POLICIES", "HOLD_SEQ"]
 
 READ = "read"
 WRITE = "write"
@@ -33,29 +44,6 @@ ATOMIC = "atomic"
 MODES = (READ, WRITE, ATOMIC)
 
 POLICIES = ("order", "reject")
-_policy = "order"
-
-
-def set_access_policy(policy: str) -> None:
-    """Set the process-wide cross-stream policy: ``"order"`` (the later launch
-    waits on the GPU for conflicting work on other streams) or ``"reject"``
-    (such a launch raises :class:`~sharedmem.errors.AccessConflictError`).
-    ``launch(..., policy=...)`` overrides it for one launch."""
-    global _policy
-    _policy = check_policy(policy)
-
-
-def get_access_policy() -> str:
-    """The process-wide cross-stream policy (``"order"`` or ``"reject"``)."""
-    return _policy
-
-
-def check_policy(policy) -> str:
-    if policy not in POLICIES:
-        raise SharedMemError(
-            f"unknown access policy {policy!r}; expected one of {', '.join(map(repr, POLICIES))}")
-    return policy
-
 
 #: The ``seq`` reported for a conflict with an open hold: newer than any submission, because
 #: the marker made for it (recorded on the consumer's stream when the conflict is found) covers
@@ -63,91 +51,156 @@ def check_policy(policy) -> str:
 HOLD_SEQ = 1 << 62
 
 
-class _StreamUse:
-    """One stream's unfinished accesses to one allocation.
+def set_access_policy(policy: str) -> None:
+    """Set the process-wide cross-stream policy: ``"order"`` (the later launch
+    waits on the GPU for conflicting work on other streams) or ``"reject"``
+    (such a launch raises :class:`~sharedmem.errors.AccessConflictError`).
+    ``launch(..., policy=...)`` overrides it for one launch."""
+    RUNTIME.policy = check_policy(policy)
 
-    ``reads`` and ``writes`` are lists of ``[lo, hi, seq, marker]``: disjoint
-    byte ranges, each with the newest submission (by per-stream sequence
-    number) that touched it. ``holds`` lists ``[lo, hi, writes, token]``: the
-    open holds of live tokens whose consumer works on this stream (see
-    ``ViewToken.consumers``) -- work of unknown extent, ordered against by a
-    marker recorded on this stream when a conflict is found. guarded by core_lock.
-    """
 
-    __slots__ = ("reads", "writes", "holds")
+def get_access_policy() -> str:
+    """The process-wide cross-stream policy (``"order"`` or ``"reject"``)."""
+    return RUNTIME.policy
+
+
+def check_policy(policy) -> str:
+    """``policy`` if it is one of :data:`POLICIES`; else SharedMemError saying which are."""
+    if policy not in POLICIES:
+        raise SharedMemError(
+            f"unknown access policy {policy!r}; expected one of {', '.join(map(repr, POLICIES))}")
+    return policy
+
+
+class Span:
+    """Bytes ``[lo, hi)`` touched by submission ``seq`` of one stream (``marker``: its
+    completion marker). guarded by core_lock."""
+
+    __slots__ = ("lo", "hi", "seq", "marker")
+
+    def __init__(self, lo, hi, seq, marker):
+        self.lo = lo
+        self.hi = hi
+        self.seq = seq
+        self.marker = marker
+
+
+class Hold:
+    """An open hold of ``token``'s bytes ``[lo, hi)`` by a consumer on one stream (``writes``:
+    it may write them). guarded by core_lock."""
+
+    __slots__ = ("lo", "hi", "writes", "token")
+
+    def __init__(self, lo, hi, writes, token):
+        self.lo = lo
+        self.hi = hi
+        self.writes = writes
+        self.token = token
+
+
+class StreamUse:
+    """One stream's unfinished accesses to one allocation: ``reads`` and ``writes``, lists of
+    disjoint :class:`Span`; ``holds``, a list of :class:`Hold`; ``newest``, the largest seq
+    recorded (when it is finished, every span is). guarded by core_lock."""
+
+    __slots__ = ("reads", "writes", "holds", "newest")
 
     def __init__(self):
-        self.reads: list = []
-        self.writes: list = []
-        self.holds: list = []
+        self.reads = []
+        self.writes = []
+        self.holds = []
+        self.newest = 0
 
-    def __bool__(self) -> bool:
-        return bool(self.reads or self.writes or self.holds)
+    def prune(self, done) -> bool:
+        """Drop the spans of submissions up to ``done`` (finished); True if nothing is left."""
+        if self.newest <= done:
+            if self.reads:
+                self.reads = []
+            if self.writes:
+                self.writes = []
+        else:
+            if self.reads:
+                self.reads = [e for e in self.reads if e.seq > done]
+            if self.writes:
+                self.writes = [e for e in self.writes if e.seq > done]
+        return not self.reads and not self.writes and not self.holds
 
 
-def _add_range(entries: list, lo: int, hi: int, seq: int, marker) -> None:
-    """Record ``[lo, hi)`` as touched by submission ``seq``, merging every
-    entry it overlaps or touches (the merged entry carries the newest seq).
-    Invariant kept: the entries are disjoint (a union of connected intervals
-    is their hull, so one pass suffices)."""
+def _add_range(entries: list, lo, hi, seq, marker, done) -> None:
+    """Record ``[lo, hi)`` as touched by submission ``seq``, merging every entry it overlaps or
+    touches (the merged entry carries the newest seq) and dropping finished ones (seq up to
+    ``done``). Invariant kept: the entries are disjoint (a union of connected intervals is
+    their hull, so one pass suffices)."""
     keep = []
     for e in entries:
-        if e[0] <= hi and lo <= e[1]:
-            if e[0] < lo:
-                lo = e[0]
-            if e[1] > hi:
-                hi = e[1]
+        if e.seq <= done:
+            continue
+        if e.lo <= hi and lo <= e.hi:
+            if e.lo < lo:
+                lo = e.lo
+            if e.hi > hi:
+                hi = e.hi
         else:
             keep.append(e)
-    keep.append([lo, hi, seq, marker])
+    keep.append(Span(lo, hi, seq, marker))
     entries[:] = keep
 
 
-def _newest_overlap(entries: list, lo: int, hi: int, best):
+def _newest_overlap(entries: list, lo, hi, best):
     for e in entries:
-        if e[0] < hi and lo < e[1] and (best is None or e[2] > best[2]):
+        if e.lo < hi and lo < e.hi and (best is None or e.seq > best.seq):
             best = e
     return best
 
 
 class AccessTracker:
-    """The unfinished accesses (leases) of one allocation, by stream.
+    """The unfinished accesses (leases) and open holds of one allocation, by stream.
 
-    Holds strong references to the streams and completion markers of work in
-    flight, dropped when that work retires. Every method requires core_lock.
-    """
+    Holds strong references to the streams and completion markers of work in flight. Every
+    method requires core_lock."""
 
     __slots__ = ("_uses",)
 
     def __init__(self):
-        self._uses: dict = {}  # stream -> _StreamUse; guarded by core_lock
+        self._uses = {}  # Stream -> StreamUse; guarded by core_lock
 
     def __bool__(self) -> bool:
-        return bool(self._uses)
+        return bool(self.streams_locked())
 
     def elsewhere_locked(self, stream) -> bool:
-        """Whether streams other than ``stream`` have unfinished accesses (the
+        """Whether streams other than ``stream`` have unfinished accesses or open holds (the
         launch path's test: usually there are none, and no range is looked at)."""
-        held = self._uses
-        return bool(held) and (len(held) > 1 or stream not in held)
+        uses = self._uses
+        n = len(uses)
+        if n == 0 or (n == 1 and stream in uses):
+            return False
+        for s in list(uses):
+            if s is not stream and uses[s].prune(s._done):
+                del uses[s]
+        return len(uses) > (1 if stream in uses else 0)
 
-    def conflicts_locked(self, stream, writes: bool, lo: int, hi: int) -> list:
-        """For each *other* stream with unfinished work that conflicts with an
-        access ``[lo, hi)`` (a write when ``writes``) on ``stream``: the tuple
-        ``(other_stream, marker, seq, other_writes)`` of its newest conflicting
-        submission -- or, for an open hold (a consumer's work of unknown extent),
-        ``(other_stream, None, HOLD_SEQ, hold_writes)``: the caller records a
-        marker on that stream now. Empty ranges conflict with nothing."""
+    def conflicts_locked(self, stream, writes, lo, hi) -> list:
+        """For each *other* stream with unfinished work that conflicts with an access
+        ``[lo, hi)`` (a write when ``writes``) on ``stream``: the tuple
+        ``(other_stream, marker, seq, other_writes)`` of its newest conflicting submission --
+        or, for an open hold (a consumer's work of unknown extent),
+        ``(other_stream, None, HOLD_SEQ, hold_writes)``: the caller records a marker on that
+        stream now. Empty ranges conflict with nothing."""
         out = []
         if lo >= hi:
             return out
-        for s, use in self._uses.items():
+        uses = self._uses
+        for s in list(uses):
             if s is stream:
+                continue
+            use = uses[s]
+            if use.prune(s._done):
+                del uses[s]
                 continue
             held = None
             for h in use.holds:
-                if h[0] < hi and lo < h[1] and (writes or h[2]):
-                    held = h[2] if held is None else (held or h[2])
+                if h.lo < hi and lo < h.hi and (writes or h.writes):
+                    held = h.writes if held is None else (held or h.writes)
             if held is not None:
                 out.append((s, None, HOLD_SEQ, held))
                 continue
@@ -156,60 +209,64 @@ class AccessTracker:
             if writes:
                 best = _newest_overlap(use.reads, lo, hi, best)
             if best is not None:
-                out.append((s, best[3], best[2], other_writes))
+                out.append((s, best.marker, best.seq, other_writes))
         return out
 
-    def add_hold_locked(self, stream, tok, writes: bool) -> None:
-        """Open a hold of ``tok``'s bytes for work on ``stream`` (see ``_StreamUse.holds``)."""
+    def record_locked(self, stream, writes, lo, hi, seq, marker) -> None:
+        """Record an access by submission ``seq`` on ``stream``."""
+        if lo >= hi:
+            return
+        use = self._uses.get(stream)
+        if use is None:
+            use = self._uses[stream] = StreamUse()
+        done = stream._done
+        use.newest = seq
+        entries = use.writes if writes else use.reads
+        if len(entries) == 1:  # the common case: the same range again
+            e = entries[0]
+            if e.seq <= done:  # finished: this access alone is unfinished now
+                e.lo = lo
+                e.hi = hi
+                e.seq = seq
+                e.marker = marker
+                return
+            if e.lo <= lo and hi <= e.hi:
+                e.seq = seq
+                e.marker = marker
+                return
+        _add_range(entries, lo, hi, seq, marker, done)
+
+    def add_hold_locked(self, stream, tok, writes) -> None:
+        """Open a hold of ``tok``'s bytes for work on ``stream`` (see ``StreamUse.holds``)."""
         if tok.start >= tok.stop:
             return
         use = self._uses.get(stream)
         if use is None:
-            use = self._uses[stream] = _StreamUse()
+            use = self._uses[stream] = StreamUse()
         for h in use.holds:
-            if h[3] is tok:
-                h[2] = h[2] or writes
+            if h.token is tok:
+                h.writes = h.writes or writes
                 return
-        use.holds.append([tok.start, tok.stop, writes, tok])
+        use.holds.append(Hold(tok.start, tok.stop, writes, tok))
 
     def drop_hold_locked(self, stream, tok) -> None:
         """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""
         use = self._uses.get(stream)
         if use is None:
             return
-        use.holds = [h for h in use.holds if h[3] is not tok]
-        if not use:
-            del self._uses[stream]
-
-    def record_locked(self, stream, writes: bool, lo: int, hi: int, seq: int, marker) -> None:
-        """Record an access by submission ``seq`` on ``stream``."""
-        if lo >= hi:
-            return
-        use = self._uses.get(stream)
-        if use is None:
-            use = self._uses[stream] = _StreamUse()
-        entries = use.writes if writes else use.reads
-        if len(entries) == 1:  # fast path: the same range again
-            e = entries[0]
-            if e[0] <= lo and hi <= e[1]:
-                e[2] = seq
-                e[3] = marker
-                return
-        _add_range(entries, lo, hi, seq, marker)
-
-    def retire_locked(self, stream, seq: int) -> None:
-        """Drop every access of ``stream`` by submissions up to ``seq``
-        (they have completed: the stream runs in order)."""
-        use = self._uses.get(stream)
-        if use is None:
-            return
-        if use.reads:
-            use.reads = [e for e in use.reads if e[2] > seq]
-        if use.writes:
-            use.writes = [e for e in use.writes if e[2] > seq]
-        if not use:
+        use.holds = [h for h in use.holds if h.token is not tok]
+        if use.prune(stream._done):
             del self._uses[stream]
 
     def streams_locked(self) -> list:
-        """Streams with unfinished accesses (for diagnostics)."""
-        return list(self._uses)
+        """Streams with unfinished accesses or open holds (for diagnostics and tests)."""
+        uses = self._uses
+        for s in list(uses):
+            if uses[s].prune(s._done):
+                del uses[s]
+        return list(uses)
+
+    def use_locked(self, stream):
+        """The :class:`StreamUse` of ``stream`` after pruning, or None (for tests)."""
+        self.streams_locked()
+        return self._uses.get(stream)

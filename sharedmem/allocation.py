@@ -1,4 +1,4 @@
-"""Allocations, view tokens and the process-wide allocation registry.
+"""Allocations, view tokens, the process-wide allocation registry, and the View base.
 
 An :class:`Allocation` is the identity of a range of device memory. Every
 user-visible handle on it (a :class:`~sharedmem.Buffer`, a slice, a
@@ -29,49 +29,54 @@ import sys
 import threading
 import weakref
 
-from ._sync import locked, run_or_stage
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from . import _cython as cython
+
 from .access import AccessTracker
 from .errors import AliasError, MovedError, ReleasedError
-from .runtime import submission as _submission
+from .runtime.state import RUNTIME, locked
 
-__all__ = ["Allocation", "ViewToken", "lookup_allocation", "TRACK_ORIGINS"]
+__all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
 #: Record the ``file:line`` that created each view, for AliasError messages.
 #: Read from ``SHAREDMEM_TRACK_ORIGINS`` at import; tests may set it directly.
 TRACK_ORIGINS = os.environ.get("SHAREDMEM_TRACK_ORIGINS", "") not in ("", "0")
 
 _PACKAGE_DIRS = tuple(
-    os.path.dirname(os.path.abspath(p))
+    os.path.dirname(os.path.abspath(p)) + os.sep
     for p in (__file__, os.path.join(os.path.dirname(__file__), "..", "interop", "x"))
 )
 
 
-def _origin() -> str | None:
-    """``file:line`` of the innermost frame outside sharedmem and interop."""
+def _origin():
+    """Where the view is being created: the first frame outside sharedmem and interop, with
+    its path relative to the working directory when it lies below it (None unless
+    ``TRACK_ORIGINS``)."""
     if not TRACK_ORIGINS:
         return None
     f = sys._getframe(1)
     while f is not None:
         fn = os.path.abspath(f.f_code.co_filename)
         if not fn.startswith(_PACKAGE_DIRS):
-            return f"{os.path.relpath(fn) if not fn.startswith('..') else fn}:{f.f_lineno}"
+            rel = os.path.relpath(fn)
+            return f"{fn if rel.startswith('..') else rel}:{f.f_lineno} in {f.f_code.co_name}"
         f = f.f_back
     return None
 
 
 _ids = itertools.count(1)  # next() on a count is atomic under the GIL
 
-# Global counter of live view tokens. guarded by core_lock
-_live_views = 0
-
 
 class ViewToken:
     """One live view of bytes ``[start, stop)`` of an allocation.
 
-    Owns nothing but its place in ``allocation._views``; it keeps the
-    allocation (and, through ``keep``, a foreign producer) alive.
-    Released exactly once: by ``release()``, by the handle's destructor, or by
-    a consumer's DLPack deleter. Moves re-label it instead of releasing it.
+    Owns nothing but its place in ``allocation._views``; it keeps the allocation (and,
+    through ``keep``, a foreign producer) alive. Released exactly once: by ``release()``,
+    by the handle's destructor, or by a consumer's DLPack deleter. Moves re-label it instead
+    of releasing it. A token that is never made live (``live`` stays False) only names a
+    range -- a lease of a foreign array argument, a declared use.
     """
 
     __slots__ = ("allocation", "kind", "start", "stop", "writable", "origin", "keep", "live",
@@ -95,37 +100,36 @@ class ViewToken:
         self.consumers = None
 
     def describe(self) -> str:
+        """One line naming the view: kind, byte range, allocation, and where it was made."""
         where = f" (created at {self.origin})" if self.origin else ""
         ro = "" if self.writable or "read-only" in self.kind else "read-only "
         return (f"{ro}{self.kind}, bytes [{self.start}, {self.stop}) of allocation "
                 f"#{self.allocation.id}{where}")
 
     def release(self) -> None:
-        """Release this token; idempotent, never blocks (see ``_sync``)."""
+        """Release this token; idempotent, never blocks (see ``runtime.state``)."""
         if self.live:
-            run_or_stage(_release_locked, self)
+            RUNTIME.run_or_stage(_release_locked, self)
 
 
-def _release_locked(tok: ViewToken) -> None:
-    global _live_views
+def _release_locked(tok) -> None:
     if tok.live:
         tok.live = False
         del tok.allocation._views[id(tok)]
-        _live_views -= 1
+        RUNTIME.live_views -= 1
         if tok.consumers is not None:  # a hold ends: stream-ordered, never at once
-            _submission.end_holds_locked(tok)
+            RUNTIME.end_holds(tok)
         tok.keep = None
 
 
-def _add_locked(tok: ViewToken) -> ViewToken:
-    global _live_views
+def _add_locked(tok):
     tok.live = True
     tok.allocation._views[id(tok)] = tok
-    _live_views += 1
+    RUNTIME.live_views += 1
     return tok
 
 
-def add_consumer_locked(tok: ViewToken, stream, writes: bool) -> None:
+def add_consumer_locked(tok, stream, writes) -> None:
     """Make live token ``tok`` a hold for work on ``stream`` (see ViewToken.consumers).
     Caller holds core_lock. A stream named twice keeps the stronger mode."""
     cons = tok.consumers
@@ -154,7 +158,7 @@ class Allocation:
     __slots__ = ("id", "device", "ptr", "nbytes", "owner", "source", "tracker",
                  "_views", "__weakref__")
 
-    def __init__(self, device, ptr: int, nbytes: int, owner=None, source="sharedmem"):
+    def __init__(self, device, ptr, nbytes, owner=None, source="sharedmem"):
         self.id = next(_ids)
         self.device = device
         self.ptr = ptr
@@ -162,7 +166,7 @@ class Allocation:
         self.owner = owner
         self.source = source
         self.tracker = AccessTracker()
-        self._views: dict[int, ViewToken] = {}  # guarded by core_lock
+        self._views = {}  # id(token) -> live ViewToken; guarded by core_lock
         _registry.register(self)
 
     def __repr__(self) -> str:
@@ -175,41 +179,45 @@ class Allocation:
         with locked():
             return len(self._views)
 
-    def views(self) -> list[str]:
+    def views(self) -> list:
         """A description of every live view, in creation order."""
         with locked():
             return [t.describe() for t in self._views.values()]
 
     # -- tokens ---------------------------------------------------------
-    def new_token(self, kind: str, start: int, stop: int, writable: bool, keep,
-                  consumers=()) -> ViewToken:
-        """A new live view token of bytes ``[start, stop)`` of this allocation (its ``kind`` names
-        it in AliasError messages; ``keep`` is what it keeps alive). ``consumers``: ``(stream,
-        writes)`` pairs that make it a hold (see ViewToken.consumers), set in the same step."""
+    def new_token(self, kind, start, stop, writable, keep, consumers=()):
+        """A new live view token of bytes ``[start, stop)`` of this allocation (its ``kind``
+        names it in AliasError messages; ``keep`` is what it keeps alive). ``consumers``:
+        ``(stream, writes)`` pairs that make it a hold (see ViewToken.consumers), set in the
+        same step."""
         tok = ViewToken(self, kind, start, stop, writable, keep, _origin())
-        with locked():
+        RUNTIME.acquire()
+        try:
             _add_locked(tok)
             for stream, writes in consumers:
                 add_consumer_locked(tok, stream, writes)
+        finally:
+            RUNTIME.release()
         return tok
 
-    def live_tokens_locked(self, start: int, stop: int) -> list:
+    def live_tokens_locked(self, start, stop) -> list:
         """The live tokens overlapping bytes ``[start, stop)``. Caller holds core_lock."""
         return [t for t in self._views.values() if t.start < stop and start < t.stop]
 
-    def conflicts_locked(self, start: int, stop: int, writable: bool, exclude) -> list[str]:
-        """Descriptions of live views that alias bytes ``[start, stop)`` for a
-        move that leaves the moved range ``writable`` (or read-only).
-        Caller holds core_lock. Empty ranges conflict with nothing; read-only
-        views do not conflict with a read-only move."""
+    def conflicts_locked(self, start, stop, writable, exclude) -> list:
+        """The live views (other than ``exclude``) that alias bytes ``[start, stop)`` for a
+        move that leaves the moved range ``writable`` (or read-only). Caller holds core_lock.
+        O(1) when ``exclude`` is the only live view (the common case); else one pass. Empty
+        ranges conflict with nothing; read-only views do not conflict with a read-only move."""
+        views = self._views
+        if start >= stop or (len(views) == 1 and exclude is not None and exclude.live):
+            return []
         out = []
-        if start >= stop:
-            return out
-        for tok in self._views.values():
+        for tok in views.values():
             if tok is exclude or tok.start >= tok.stop:
                 continue
             if tok.start < stop and start < tok.stop and (writable or tok.writable):
-                out.append(tok.describe())
+                out.append(tok)
         return out
 
 
@@ -217,43 +225,52 @@ class Allocation:
 class _Registry:
     """Maps live device address ranges to allocations (weakly).
 
-    Ranges may nest: a foreign allocation over a whole driver allocation (a
-    CuPy pool arena) can contain allocations of ours. A lookup returns the
-    innermost live allocation that contains the range.
+    Ranges may nest: a foreign allocation over a whole driver allocation (a CuPy pool arena)
+    can contain allocations of ours. A lookup returns the innermost live allocation that
+    contains the range: a bisection, then a walk back over the entries that start before the
+    range and are long enough to contain it -- bounded by the longest *live* allocation, which
+    is recomputed when the longest one dies (so one huge import does not slow every later
+    lookup). Entries are removed when their allocation dies.
 
-    Its lock is a leaf: nothing else is called while it is held, so it may be
-    taken under core_lock. Entries of dead allocations are dropped lazily.
+    Its lock is a leaf: nothing else is called while it is held, so it may be taken under
+    core_lock.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        # device key -> [sorted list of (start, id), {(start, id): weakref}, max nbytes]
-        self._maps: dict = {}  # guarded by self._lock
-        self._adds = 0  # guarded by self._lock
+        # device key -> [sorted list of (start, id), {(start, id): (weakref, nbytes)}, max nbytes]
+        self._maps = {}  # guarded by self._lock
 
-    def register(self, alloc: Allocation) -> None:
+    def register(self, alloc) -> None:
         key = (alloc.ptr, alloc.id)
+        dkey = alloc.device.key
+        ref = weakref.ref(alloc, lambda _r, dkey=dkey, key=key: self._remove(dkey, key))
         with self._lock:
-            entry = self._maps.get(alloc.device.key)
+            entry = self._maps.get(dkey)
             if entry is None:
-                entry = self._maps[alloc.device.key] = [[], {}, 0]
+                entry = self._maps[dkey] = [[], {}, 0]
             bisect.insort(entry[0], key)
-            entry[1][key] = weakref.ref(alloc)
-            entry[2] = max(entry[2], alloc.nbytes)
-            self._adds += 1
-            if self._adds % 4096 == 0:
-                self._purge_locked()
+            entry[1][key] = (ref, alloc.nbytes)
+            if alloc.nbytes > entry[2]:
+                entry[2] = alloc.nbytes
 
-    def _purge_locked(self) -> None:
-        for entry in self._maps.values():
-            refs = entry[1]
-            dead = [k for k, r in refs.items() if r() is None]
-            for k in dead:
-                del refs[k]
-            if dead:
-                entry[0][:] = sorted(refs)
+    def _remove(self, dkey, key) -> None:
+        # a weakref callback: runs wherever the allocation died; the lock is a leaf
+        with self._lock:
+            entry = self._maps.get(dkey)
+            if entry is None:
+                return
+            got = entry[1].pop(key, None)
+            if got is None:
+                return
+            keys = entry[0]
+            i = bisect.bisect_left(keys, key)
+            if i < len(keys) and keys[i] == key:
+                del keys[i]
+            if got[1] >= entry[2]:  # the longest went: the bound shrinks
+                entry[2] = max((n for _, n in entry[1].values()), default=0)
 
-    def lookup(self, device, ptr: int, nbytes: int) -> Allocation | None:
+    def lookup(self, device, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)``."""
         with self._lock:
             entry = self._maps.get(device.key)
@@ -263,14 +280,14 @@ class _Registry:
             i = bisect.bisect_right(keys, (ptr, float("inf"))) - 1
             best = None
             while i >= 0 and keys[i][0] + max_len >= ptr:
-                a = refs[keys[i]]()
+                a = refs[keys[i]][0]()
                 if a is not None and a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
                     if best is None or a.nbytes < best.nbytes:
                         best = a
                 i -= 1
             return best
 
-    def lookup_or_create(self, device, ptr: int, nbytes: int, factory) -> Allocation:
+    def lookup_or_create(self, device, ptr, nbytes, factory):
         """Find the allocation containing the range or create one with
         ``factory()``; atomic with respect to other callers."""
         with _create_lock:
@@ -281,24 +298,27 @@ class _Registry:
 
     def live_count(self) -> int:
         with self._lock:
-            return sum(1 for e in self._maps.values() for r in e[1].values() if r() is not None)
+            return sum(1 for e in self._maps.values() for r, _ in e[1].values() if r() is not None)
 
 
 _registry = _Registry()
 _create_lock = threading.Lock()  # serializes lookup_or_create; a leaf above _registry._lock
 
 
-def lookup_allocation(device, ptr: int, nbytes: int = 1) -> Allocation | None:
-    """The live allocation (ours or foreign) containing ``[ptr, ptr+nbytes)``
-    on ``device``, or ``None``."""
+def lookup_allocation(device, ptr, nbytes=1):
+    """The live allocation (ours or foreign) containing ``[ptr, ptr+nbytes)`` on ``device``,
+    or ``None``."""
+    if isinstance(device, str) or not hasattr(device, "key"):
+        raise TypeError(f"lookup_allocation takes a sharedmem.Device, got {device!r}; use "
+                        f"sharedmem.Device.host() or sharedmem.Device(0)")
     return _registry.lookup(device, ptr, nbytes)
 
 
-def import_allocation(device, ptr: int, nbytes: int, source: str, region=None) -> Allocation:
-    """The allocation for foreign memory ``[ptr, ptr+nbytes)``: an existing one
-    that contains it (so one range imported twice is one allocation), else a
-    new foreign allocation over ``region`` (``(start, size)`` of the enclosing
-    driver allocation when known) or over the range itself."""
+def import_allocation(device, ptr, nbytes, source, region=None):
+    """The allocation for foreign memory ``[ptr, ptr+nbytes)``: an existing one that contains
+    it (so one range imported twice is one allocation), else a new foreign allocation over
+    ``region`` (``(start, size)`` of the enclosing driver allocation when known) or over the
+    range itself."""
     start, size = region if region is not None else (ptr, nbytes)
     return _registry.lookup_or_create(
         device, ptr, nbytes, lambda: Allocation(device, start, size, None, source))
@@ -311,6 +331,33 @@ def live_allocation_count() -> int:
 # -- the handle base -----------------------------------------------------------
 _LIVE, _RELEASED, _MOVED = 0, 1, 2
 
+#: Advice per alias kind, for AliasError messages: how to end that kind of view.
+_ADVICE = (
+    ("DLPack export", "drop the consumer's array (its DLPack deleter ends the export)"),
+    ("as_cupy", "drop the CuPy array and every view of it"),
+    ("CUDA Array Interface export", "a CUDA Array Interface export ends only when the exported "
+     "object is garbage collected: give the consumer a view made for it (t.as_readonly(), or "
+     "use DLPack / interop.cupy.as_cupy) when you mean to move afterwards"),
+    ("graph #", "release the graph (g.release(), or leave its `with` block)"),
+    ("producer", "the producer can still reach these bytes: drop it, or take the memory over "
+     "with sharedmem.adopt(...) instead of importing it"),
+    ("CuPy array (shape", "drop the CuPy array and every view of it"),
+)
+
+
+def _advice(toks) -> str:
+    said = []
+    for t in toks:
+        for key, text in _ADVICE:
+            if key in t.kind:
+                break
+        else:
+            text = ("release it (call .release(), leave its `with` block, or drop every "
+                    "reference)")
+        if text not in said:
+            said.append(text)
+    return "; ".join(said)
+
 
 class View:
     """Base of user-visible handles: one view token on an allocation.
@@ -320,20 +367,25 @@ class View:
     garbage collection does the same later. Any use after that raises
     :class:`~sharedmem.errors.ReleasedError`, or :class:`MovedError` when the
     storage was moved to another handle.
+
+    ``_offset``: byte offset of element 0 from the start of the allocation (the
+    launch path reads the device address as ``allocation.ptr + _offset``).
     """
 
-    __slots__ = ("_token", "_state", "_moved_to", "_derived", "_export", "__weakref__")
+    __slots__ = ("_token", "_state", "_moved_to", "_derived", "_export", "_offset",
+                 "__weakref__")
 
     _kind = "view"
 
-    def _init_view(self, token: ViewToken) -> None:
+    def _init_view(self, token, offset) -> None:
         self._token = token
         self._state = _LIVE
         self._moved_to = None
         self._derived = None  # see _derived_value
         self._export = None  # see _object_hold; guarded by core_lock
+        self._offset = offset
 
-    def _object_hold(self, kind: str, consumers) -> ViewToken:
+    def _object_hold(self, kind, consumers):
         """The hold this view keeps for consumers that keep *the view object itself* as their
         reference to the memory (the CUDA Array Interface: the protocol has no end of use,
         the consumer just keeps the object). One token, made on first use and a hold for
@@ -368,7 +420,7 @@ class View:
         return v
 
     # -- state --------------------------------------------------------------
-    def _live_token(self) -> ViewToken:
+    def _live_token(self):
         tok = self._token
         if self._state != _LIVE:
             self._raise_dead()
@@ -376,12 +428,13 @@ class View:
 
     def _raise_dead(self):
         name = type(self).__name__
+        which = f" (allocation #{self._moved_to[1]})" if self._moved_to else ""
         if self._state == _MOVED:
             raise MovedError(
-                f"this {name} was moved into a {self._moved_to} and can no longer be used; "
-                f"use the {self._moved_to} the move returned")
+                f"this {name}{which} was moved into a {self._moved_to[0]} and can no longer be "
+                f"used; use the {self._moved_to[0]} the move returned")
         raise ReleasedError(
-            f"this {name} was released and can no longer be used; keep a live view "
+            f"this {name}{which} was released and can no longer be used; keep a live view "
             f"(or make a new one) instead")
 
     @property
@@ -390,7 +443,7 @@ class View:
         return self._state == _LIVE
 
     @property
-    def allocation(self) -> Allocation:
+    def allocation(self):
         """The :class:`Allocation` these bytes belong to."""
         return self._live_token().allocation
 
@@ -401,20 +454,22 @@ class View:
 
     @property
     def ptr(self) -> int:
-        """Device address of the first byte."""
-        tok = self._live_token()
-        return tok.allocation.ptr + tok.start
+        """Device address of element 0."""
+        return self._live_token().allocation.ptr + self._offset
 
     @property
     def readonly(self) -> bool:
+        """True for a read-only view: launches may only read it (``In``)."""
         return not self._live_token().writable
 
     def release(self) -> None:
         """Give this view's token back now. Idempotent; never waits for the
         GPU (work in flight keeps the memory through its own leases)."""
         if self._state == _LIVE:
+            tok = self._token
             self._state = _RELEASED
-            tok, self._token = self._token, None
+            self._moved_to = ("", tok.allocation.id) if tok is not None else None
+            self._token = None
             tok.release()
 
     def __enter__(self):
@@ -424,17 +479,19 @@ class View:
     def __exit__(self, *exc) -> None:
         self.release()
 
-    def __del__(self, _finalizing=sys.is_finalizing):
+    def __del__(self):
         # Never blocks, never waits for the GPU; nothing to do at interpreter exit.
+        if sys is None or sys.is_finalizing():
+            return
         try:
-            if _finalizing():
-                return
-            if self._state == _LIVE:
-                self._token.release()
-            if self._export is not None:
-                self._export.release()
-        except AttributeError:  # half-constructed
-            pass
+            tok = self._token
+            if self._state == _LIVE and tok is not None:
+                tok.release()
+            hold = self._export
+        except AttributeError:  # half-constructed (interpreted: its slots were never set)
+            return
+        if hold is not None:
+            hold.release()
 
     def _read_bytes(self, stream):
         """This view's token range copied to a new host ``uint8`` array, after
@@ -467,13 +524,13 @@ class View:
         return export(self, stream=stream, max_version=max_version, dl_device=dl_device,
                       copy=copy)
 
-    def __dlpack_device__(self) -> tuple[int, int]:
+    def __dlpack_device__(self):
         """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""
         from interop.dlpack import dlpack_device
         return dlpack_device(self)
 
     @property
-    def __cuda_array_interface__(self) -> dict:
+    def __cuda_array_interface__(self):
         """CUDA Array Interface v3 (CUDA devices only; AttributeError on the host)."""
         tok = self._live_token()
         if tok.allocation.device.kind != "cuda":
@@ -482,38 +539,44 @@ class View:
         return export_cai(self)
 
     # -- moves --------------------------------------------------------------
-    def _move_token(self, target_kind: str, target_name: str, start=None, stop=None) -> ViewToken:
-        """Check that no other live view aliases this handle's bytes and hand
-        its token over (re-labelled ``target_kind``). On failure nothing
-        changes and :class:`AliasError` lists the aliases."""
+    def _move_token(self, target_kind, target_name):
+        """Check that no other live view aliases this handle's bytes and hand its token
+        over (re-labelled ``target_kind``). On failure nothing changes and
+        :class:`AliasError` lists the aliases."""
         tok = self._live_token()
         settled = False
         while True:
-            with locked():
+            RUNTIME.acquire()
+            try:
                 if self._state != _LIVE:
                     self._raise_dead()
                 others = tok.allocation.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
                 if not others:
                     tok.kind = target_kind
                     self._state = _MOVED
-                    self._moved_to = target_name
+                    self._moved_to = (target_name, tok.allocation.id)
                     self._token = None  # a moved-from handle keeps nothing alive
                     return tok
                 if settled:
-                    lines = "\n".join(f"  - {d}" for d in others)
-                    hint = "" if TRACK_ORIGINS else (
-                        "\n(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
-                    raise AliasError(
-                        f"cannot move {self._describe_short()} into a {target_name}: "
-                        f"{len(others)} other live view{'s' if len(others) != 1 else ''} "
-                        f"of its bytes exist{'s' if len(others) == 1 else ''}:\n{lines}\n"
-                        f"Release them (call .release(), leave their `with` block, or drop every "
-                        f"reference) and try again, or copy instead of moving.{hint}",
-                        tuple(others))
+                    raise self._alias_error(target_name, others)
+            finally:
+                RUNTIME.release()
             # Before reporting an alias: a view may be kept only by work that has finished but
             # is not retired yet (a CuPy array argument keeps its as_cupy export alive).
-            _submission.settle()
+            from .runtime.submission import settle
+            settle()
             settled = True
+
+    def _alias_error(self, target_name, others):
+        lines = "\n".join(f"  - {t.describe()}" for t in others)
+        hint = "" if TRACK_ORIGINS else (
+            "\n(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
+        n = len(others)
+        return AliasError(
+            f"cannot move {self._describe_short()} into a {target_name}: {n} other live "
+            f"view{'s' if n != 1 else ''} of its bytes exist{'s' if n == 1 else ''}:\n{lines}\n"
+            f"To move, {_advice(others)}; or copy instead of moving.{hint}",
+            tuple(t.describe() for t in others))
 
     def _describe_short(self) -> str:  # overridden
         tok = self._token

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from ._sync import locked
+from .runtime.state import locked
 from .allocation import View, ViewToken, add_consumer_locked, lookup_allocation
 from .errors import AliasError
 

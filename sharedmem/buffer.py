@@ -60,8 +60,8 @@ class Buffer(View):
 
     @classmethod
     def _wrap(cls, token, dtype: np.dtype, length: int) -> "Buffer":
-        self = object.__new__(cls)
-        self._init_view(token)
+        self = View.__new__(cls)
+        self._init_view(token, token.start)
         self._dtype = dtype
         self._length = length
         return self

@@ -1,4 +1,4 @@
-"""The one launch API, argument intents, and the kernel-adapter registry.
+"""The one launch API, argument intents, kernel plans and the kernel-adapter registry.
 
 ``launch(kernel, grid, block, *args, stream=None, shared_mem=0, policy=None)``
 launches any kernel an adapter is registered for -- host kernels
@@ -10,6 +10,12 @@ Arguments state intent: ``In(x)`` (read), ``Out(x)`` / ``InOut(x)`` (write),
 ``Atomic(x)`` (tracked as a write); a bare buffer or tensor is ``InOut``.
 Anything that is not an array is passed through as a scalar. All validation
 happens before any lease is taken, so a launch that fails takes none.
+
+Planned first: what can be decided per kernel and device -- the parameter layout, the
+driver entry point, how each kind of argument is packed -- is decided once, by the kernel's
+adapter, into a :class:`KernelPlan` cached per kernel. A launch then only resolves its
+arguments (a few field reads per view: fresh views, moved storage and foreign arrays cost the
+same as reused views), packs them, and runs :func:`~sharedmem.runtime.submission.submit`.
 """
 
 from __future__ import annotations
@@ -17,133 +23,265 @@ from __future__ import annotations
 import importlib
 import threading
 
-from . import access as _access
-from ._accel import speedups as _speedups
-from .access import ATOMIC, READ, WRITE
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from . import _cython as cython
+
+from .access import ATOMIC, READ, WRITE, check_policy
 from .allocation import View
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import DeviceFuture
-from .runtime.submission import submit
-from .stream import Stream
+from .runtime.submission import Work, submit
+from .stream import Stream, current_stream
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
-           "register_kernel_adapter", "KernelAdapter", "LaunchArg"]
+           "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg"]
+
+# Intent modes, as stored (C ints when compiled); `Intent.mode` gives their names.
+_READ, _WRITE, _ATOMIC = 0, 1, 2
+_MODE_NAMES = (READ, WRITE, ATOMIC)
 
 
-class _PyIntentBase:
-    """An intent's storage: ``obj``, the wrapped argument (``_speedups.IntentBase``
-    is the same in C, about twice as fast to construct)."""
+class Intent:
+    """Wraps a launch argument to state how the kernel uses it (``.obj``: the argument).
 
-    __slots__ = ("obj",)
+    ``with_length=True``: the kernel takes this buffer as two parameters, its pointer and its
+    length in elements (``float* x, long long n``); without it, a Buffer is one pointer."""
+
+    __slots__ = ("obj", "_mode", "with_length")
 
     def __init__(self, *args, **kwargs):
-        name = type(self).__name__
-        if kwargs:
-            raise TypeError(f"{name}() takes no keyword arguments")
-        if len(args) != 1:
-            raise TypeError(f"{name} expected 1 argument, got {len(args)}")
-        obj = args[0]
-        if isinstance(obj, _PyIntentBase):
-            self._refuse_nested(obj)
-        self.obj = obj
+        _init_intent(self, args, kwargs, _WRITE)
 
-
-class Intent(_speedups.IntentBase if _speedups is not None else _PyIntentBase):
-    """Wraps a launch argument to state how the kernel uses it (``.obj``: the argument)."""
-
-    __slots__ = ()
-    mode = WRITE
-
-    @classmethod
-    def _refuse_nested(cls, obj):
-        raise KernelError(f"{cls.__name__}({obj!r}): an argument takes one intent")
+    @property
+    def mode(self) -> str:
+        """``"read"``, ``"write"`` or ``"atomic"``."""
+        return _MODE_NAMES[self._mode]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.obj!r})"
+        return f"{type(self).__name__}({self.obj!r}{', with_length=True' if self.with_length else ''})"
+
+
+def _init_intent(self, args, kwargs, mode) -> None:
+    name = type(self).__name__
+    with_length = False
+    if kwargs:
+        if set(kwargs) != {"with_length"}:
+            raise TypeError(f"{name}() takes no keyword arguments other than with_length")
+        with_length = bool(kwargs["with_length"])
+    if len(args) != 1:
+        raise TypeError(f"{name} expected 1 argument, got {len(args)}")
+    obj = args[0]
+    if isinstance(obj, Intent):
+        raise KernelError(f"{name}({obj!r}): an argument takes one intent")
+    self.obj = obj
+    self._mode = mode
+    self.with_length = with_length
 
 
 class In(Intent):
     """The kernel only reads this argument (a read lease)."""
+
     __slots__ = ()
-    mode = READ
+
+    def __init__(self, *args, **kwargs):
+        _init_intent(self, args, kwargs, _READ)
 
 
 class Out(Intent):
     """The kernel writes this argument (a write lease)."""
+
     __slots__ = ()
-    mode = WRITE
+
+    def __init__(self, *args, **kwargs):
+        _init_intent(self, args, kwargs, _WRITE)
 
 
 class InOut(Intent):
     """The kernel reads and writes this argument (a write lease); the default."""
+
     __slots__ = ()
-    mode = WRITE
+
+    def __init__(self, *args, **kwargs):
+        _init_intent(self, args, kwargs, _WRITE)
 
 
 class Atomic(Intent):
     """The kernel updates this argument with atomics (tracked as a write)."""
+
     __slots__ = ()
-    mode = ATOMIC
+
+    def __init__(self, *args, **kwargs):
+        _init_intent(self, args, kwargs, _ATOMIC)
 
 
 class LaunchArg:
-    """One array argument of a launch, resolved: the view, its token, its mode
-    (``"read"``, ``"write"`` or ``"atomic"``) and the Intent class written."""
+    """One array argument of a launch, resolved: ``view`` (a sharedmem view, or None for a
+    foreign array an adapter leased directly), ``value`` (what the plan packs: the view, or
+    the foreign array), ``token`` (what is leased), ``mode`` (``"read"``, ``"write"`` or
+    ``"atomic"``), ``intent`` (the Intent class written, or None for a bare argument),
+    ``with_length``."""
 
-    __slots__ = ("view", "token", "mode", "intent")
+    __slots__ = ("view", "value", "token", "_mode", "intent", "with_length")
 
-    def __init__(self, view, token, mode, intent):
+    def __init__(self, view, value, token, mode, intent, with_length=False):
         self.view = view
+        self.value = value
         self.token = token
-        self.mode = mode
+        self._mode = mode
         self.intent = intent
+        self.with_length = with_length
+
+    @property
+    def mode(self) -> str:
+        return _MODE_NAMES[self._mode]
 
     @property
     def writes(self) -> bool:
-        return self.mode != READ
+        """True for a write or atomic lease."""
+        return self._mode != _READ
+
+
+class KernelPlan:
+    """What is constant about launching one kernel on one device, decided once by the
+    kernel's adapter (``KernelAdapter.plan``) and cached: parameter layout, entry point,
+    limits. Per launch, :func:`launch` calls ``configure`` and ``pack`` (validation, before
+    any lease) and then ``enqueue`` under the core lock.
+
+    ``configure(grid, block, shared_mem)`` -> a launch configuration (validated; plans cache
+    it per value). ``pack(args, config, stream)`` -> the payload ``enqueue`` needs;
+    ``args`` mixes :class:`LaunchArg` and scalars. ``enqueue(stream, config, payload)``
+    puts the work on the stream and returns its completion marker."""
+
+    __slots__ = ("kernel", "adapter", "device", "label", "_configs", "__weakref__")
+
+    def __init__(self, kernel, adapter, device):
+        self.kernel = kernel
+        self.adapter = adapter
+        self.device = device
+        self.label = (adapter, kernel)  # formatted only when a message needs it
+        self._configs = {}  # (grid, block, shared_mem) -> config; lock-free (idempotent writes)
+
+    def configure(self, grid, block, shared_mem):
+        """The validated launch configuration, cached per value (see ``make_config``)."""
+        key = (grid, block, shared_mem)
+        try:
+            config = self._configs.get(key)
+        except TypeError:  # unhashable: validated (and refused) below
+            return self.make_config(grid, block, shared_mem)
+        if config is None:
+            config = self.make_config(grid, block, shared_mem)
+            if len(self._configs) < 256:
+                self._configs[key] = config
+        return config
+
+    def make_config(self, grid, block, shared_mem):
+        """Validate grid, block and shared memory; return what enqueue needs of them."""
+        return (check_dims(grid, "grid"), check_dims(block, "block", True),
+                check_shared_mem(shared_mem))
+
+    def pack(self, args, config, stream):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def enqueue(self, stream, config, payload):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class _Launch(Work):
+    """One launch's enqueue, as submit() runs it under the core lock."""
+
+    __slots__ = ("plan", "stream", "config", "payload")
+
+    def __init__(self, plan, stream, config, payload):
+        self.plan = plan
+        self.stream = stream
+        self.config = config
+        self.payload = payload
+
+    def run(self):
+        return self.plan.enqueue(self.stream, self.config, self.payload)
 
 
 class KernelAdapter:
     """How one kind of kernel is launched. Interop modules register these.
 
-    ``coerce(obj)`` may turn a foreign array (a CuPy array...) into a sharedmem
-    view for the duration of the launch, or return None. ``prepare`` validates
-    and packs arguments without side effects and returns ``(enqueue, keep)``:
-    ``enqueue()`` puts the kernel on the stream and returns its completion
-    marker; ``keep`` is a tuple of objects the work needs alive.
+    ``plan(kernel, device)`` returns a :class:`KernelPlan` (made once per kernel and device).
+    Adapters written against the older interface instead implement ``prepare(kernel, grid,
+    block, args, shared_mem, stream)`` -- validate and pack without side effects, return
+    ``(enqueue, keep)`` -- which the default ``plan`` calls on every launch.
+
+    ``coerce(obj, device)`` may turn a foreign array (a CuPy array...) into a
+    :class:`LaunchArg`-ready lease (``ForeignArray``) or a sharedmem view made for this launch
+    only, or return None: the argument is then passed as a scalar.
     """
 
     name = "kernel"
     device_kinds: tuple = ()
 
     def coerce(self, obj, device):
-        """A view for a foreign array argument this adapter understands (made for this launch
-        only), or None: the argument is then passed as a scalar."""
+        """A lease for a foreign array argument this adapter understands, or None."""
         return None
 
     def label(self, kernel) -> str:
         """How the kernel is named in messages."""
         return f"{self.name} {getattr(kernel, '__name__', '')}".strip()
 
+    def plan(self, kernel, device):
+        """The :class:`KernelPlan` of ``kernel`` on ``device`` (default: one that calls
+        ``prepare`` on every launch)."""
+        return _PreparedPlan(kernel, self, device)
+
     def prepare(self, kernel, grid, block, args, shared_mem, stream):  # pragma: no cover
-        """Validate and pack, with no side effects; return ``(enqueue, keep)``.
-        ``enqueue()`` runs under the core lock, puts the work on ``stream`` and
-        returns its completion marker; it may be called again while the views
-        in ``args`` live (ops reuse it). ``keep``: what the work needs alive."""
+        """Validate and pack, with no side effects; return ``(enqueue, keep)``."""
         raise NotImplementedError
 
 
-_adapters: dict = {}  # type -> KernelAdapter; written under _reg_lock, read lock-free
+class _PreparedPlan(KernelPlan):
+    """The plan of an adapter that implements ``prepare`` (the interface before plans)."""
+
+    __slots__ = ()
+
+    def make_config(self, grid, block, shared_mem):
+        return (grid, block, check_shared_mem(shared_mem))
+
+    def pack(self, args, config, stream):
+        return self.adapter.prepare(self.kernel, config[0], config[1], args, config[2], stream)
+
+    def enqueue(self, stream, config, payload):
+        return payload[0]()
+
+
+class ForeignArray:
+    """A foreign array an adapter leases for one launch without a sharedmem view: the
+    allocation its bytes belong to (``token``: a lease token, never a live view) and the
+    object the plan packs (``value``)."""
+
+    __slots__ = ("token", "value")
+
+    def __init__(self, token, value):
+        self.token = token
+        self.value = value
+
+
+# -- the registry -----------------------------------------------------------------------
+_adapters = {}  # type -> KernelAdapter; written under _reg_lock, read lock-free
 # "module.QualName" -> KernelAdapter: lets interop modules register a library's kernel
 # type without importing that library. Written under _reg_lock.
-_adapters_by_name: dict = {}
+_adapters_by_name = {}
 _reg_lock = threading.Lock()
-# Modules that register adapters, imported on first sight of a kernel whose
-# type lives in the keyed package.
+# Modules that register adapters, imported on first sight of a kernel whose type lives in the
+# keyed package: adapters register by name, and sharedmem never imports interop at module level.
 _LAZY = {"cupy": "interop.cupy", "cuda": "interop.cutile"}
+# kernel -> the KernelPlan of its last launch (one device); lock-free: a racing writer stores an
+# equivalent plan. Bounded: each plan keeps its kernel alive.
+_plans = {}
+# (id(kernel), device key) -> (kernel, plan) for kernels launched on several devices
+_plans_by_device = {}
+_PLANS_MAX = 1024
 
 
-def register_kernel_adapter(kernel_type, adapter: KernelAdapter) -> None:
+def register_kernel_adapter(kernel_type, adapter) -> None:
     """Make ``launch`` accept kernels of ``kernel_type`` (a type, or its
     ``"module.QualName"`` so the library need not be imported) through ``adapter``."""
     with _reg_lock:
@@ -151,6 +289,8 @@ def register_kernel_adapter(kernel_type, adapter: KernelAdapter) -> None:
             _adapters_by_name[kernel_type] = adapter
         else:
             _adapters[kernel_type] = adapter
+        _plans.clear()
+        _plans_by_device.clear()
 
 
 def _registered(t):
@@ -160,7 +300,9 @@ def _registered(t):
     return a
 
 
-def _adapter_for(kernel) -> KernelAdapter:
+def adapter_for(kernel):
+    """The KernelAdapter registered for ``kernel``'s type (or a base type); KernelError if
+    none is."""
     t = type(kernel)
     a = _adapters.get(t)
     if a is not None:
@@ -169,7 +311,8 @@ def _adapter_for(kernel) -> KernelAdapter:
         for base in t.__mro__:
             a = _registered(base)
             if a is not None:
-                register_kernel_adapter(t, a)  # cache by type for the next launch
+                with _reg_lock:
+                    _adapters[t] = a  # cached by type for the next launch
                 return a
         mod = _LAZY.get((t.__module__ or "").split(".")[0])
         if attempt or mod is None:
@@ -182,30 +325,64 @@ def _adapter_for(kernel) -> KernelAdapter:
         f"library is installed). Wrap host Python functions with @sharedmem.host_kernel.")
 
 
-_dims_cache: dict = {}  # (value, what) -> normalized tuple; lock-free (idempotent writes)
+def plan_for(adapter, kernel, device):
+    """The cached KernelPlan of ``kernel`` on ``device`` (made by ``adapter.plan`` once)."""
+    try:
+        plan = _plans.get(kernel)
+    except TypeError:  # an unhashable kernel object: planned on every launch
+        return adapter.plan(kernel, device)
+    if plan is not None and plan.device is device:
+        return plan
+    key = (id(kernel), device.key)
+    hit = _plans_by_device.get(key)
+    if hit is not None and hit[0] is kernel:
+        plan = hit[1]
+    else:
+        plan = adapter.plan(kernel, device)
+        if len(_plans_by_device) >= _PLANS_MAX:
+            _plans_by_device.clear()
+        _plans_by_device[key] = (kernel, plan)
+    if len(_plans) >= _PLANS_MAX:
+        _plans.clear()
+    _plans[kernel] = plan
+    return plan
 
 
-def _check_dims(value, what: str, allow_none: bool = False):
-    """``value`` as a tuple of 1 to 3 positive ints (cached per value)."""
+# -- validation helpers ------------------------------------------------------------------
+def check_dims(value, what, allow_none=False, limits=None):
+    """``value`` as a tuple of 1 to 3 positive ints, each within ``limits`` (a 3-tuple of
+    maxima, when given); KernelError naming ``what`` otherwise."""
     if value is None and allow_none:
         return None
-    try:
-        hit = _dims_cache.get((value, what))
-    except TypeError:  # unhashable: validated below, and refused
-        hit = None
-    if hit is not None:
-        return hit
-    dims = (value,) if isinstance(value, int) else value
-    ok = isinstance(dims, tuple) and 1 <= len(dims) <= 3 and all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
+    dims = (value,) if type(value) is int else value
+    ok = type(dims) is tuple and 1 <= len(dims) <= 3
+    if ok:
+        for d in dims:
+            if type(d) is not int or d < 1:
+                ok = False
+                break
     if not ok:
         raise KernelError(f"{what} must be a positive int or a tuple of 1 to 3 positive ints, "
                           f"got {value!r}")
-    if len(_dims_cache) < 4096:
-        _dims_cache[(value, what)] = dims
+    if limits is not None:
+        for i, d in enumerate(dims):
+            if d > limits[i]:
+                raise KernelError(f"{what} {value!r}: dimension {'xyz'[i]} is {d}, above this "
+                                  f"device's limit of {limits[i]}")
     return dims
 
 
+def check_shared_mem(shared_mem, limit=None) -> int:
+    """``shared_mem`` as a validated int (bytes of dynamic shared memory)."""
+    if type(shared_mem) is not int or shared_mem < 0:
+        raise KernelError(f"shared_mem must be an int >= 0, got {shared_mem!r}")
+    if limit is not None and shared_mem > limit:
+        raise KernelError(f"shared_mem={shared_mem} bytes is above this device's limit of "
+                          f"{limit} bytes of dynamic shared memory per block")
+    return shared_mem
+
+
+# -- resolution ----------------------------------------------------------------------------
 def _as_view(obj):
     if isinstance(obj, View):
         return obj
@@ -215,77 +392,104 @@ def _as_view(obj):
     return None
 
 
-_INTENT_MODES = {In: READ, Out: WRITE, InOut: WRITE, Atomic: ATOMIC}
-# Arguments that are scalars whatever the adapter: passed through without a lookup.
-_PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
-
-
 def resolve_args(adapter, args, device):
-    """Split launch arguments into LaunchArgs and scalars; returns
-    ``(resolved, uses, device, coerced)``. Raises before anything is leased.
-    ``coerced``: an adapter made a view for a foreign array, for this launch only."""
+    """Split launch arguments into :class:`LaunchArg` and scalars; returns ``(resolved, uses,
+    device)``. Raises before anything is leased. Views an adapter makes of foreign arrays are
+    referenced by ``resolved`` (keep it until the leases are taken)."""
     resolved = []
     uses = []
-    coerced = False
-    for i, a in enumerate(args):
-        cls = type(a)
-        if cls in _PLAIN_SCALARS:
+    for i in range(len(args)):
+        a = args[i]
+        t = type(a)
+        if t is int or t is float or t is bool or a is None:
             resolved.append(a)
             continue
-        mode = _INTENT_MODES.get(cls)
-        if mode is not None:
-            obj, intent = a.obj, cls
-        elif isinstance(a, Intent):  # a subclass of an intent
-            obj, mode, intent = a.obj, a.mode, cls
+        if isinstance(a, Intent):
+            obj = a.obj
+            mode = a._mode
+            intent = t
+            with_length = a.with_length
         else:
-            obj, intent = a, None
-        view = obj if isinstance(obj, View) else _as_view(obj)
-        if view is None:
-            view = adapter.coerce(obj, device)
-            if view is None:
+            obj = a
+            mode = -1
+            intent = None
+            with_length = False
+        if isinstance(obj, View):
+            view = obj
+        else:
+            view = _as_view(obj)
+        if view is not None:
+            if view._state:
+                view._raise_dead()
+            tok = view._token
+            value = view
+        else:
+            got = adapter.coerce(obj, device)
+            if got is None:
                 if intent is not None:
                     raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
                                       f"DeviceBox or array, got {type(obj).__name__}")
                 resolved.append(a)
                 continue
-            coerced = True
-        if view._state:
-            view._raise_dead()
-        tok = view._token
+            if isinstance(got, ForeignArray):
+                tok = got.token
+                value = got.value
+            else:  # a view made for this launch (adapters before ForeignArray)
+                view = got
+                tok = view._token
+                value = view
         adev = tok.allocation.device
         if device is None:
             device = adev
         elif adev is not device:
-            raise DeviceMismatchError(f"argument {i} ({view!r}) is on {adev}, but the launch runs "
-                                      f"on {device}; copy it there first")
-        if mode is None:
-            mode, intent = WRITE, InOut
-        if mode is not READ and not tok.writable:
-            raise KernelError(f"argument {i}: {intent.__name__}({view!r}) would write through a "
+            shown = view if view is not None else obj
+            raise DeviceMismatchError(f"argument {i} ({shown!r}) is on {adev}, but the launch "
+                                      f"runs on {device}; copy it there first")
+        if mode < 0:
+            mode = _WRITE
+            intent = InOut
+        if mode != _READ and not tok.writable:
+            shown = view if view is not None else obj
+            raise KernelError(f"argument {i}: {intent.__name__}({shown!r}) would write through a "
                               f"read-only view; pass it as In(...) or copy it first")
-        resolved.append(LaunchArg(view, tok, mode, intent))
-        uses.append((tok, mode is not READ))
-    return resolved, uses, device, coerced
+        resolved.append(LaunchArg(view, value, tok, mode, intent, with_length))
+        uses.append((tok, mode != _READ))
+    return resolved, uses, device
 
 
-def prepare_launch(kernel, grid, block, args, stream, shared_mem, policy):
-    """Everything :func:`launch` does before it takes leases: validation,
-    argument resolution and packing. Raises with nothing leased. Returns
-    ``(stream, uses, enqueue, keep, label, resolved, coerced)`` for
-    :func:`~sharedmem.runtime.submission.submit`.
+def launch(kernel, grid, block, *args, stream=None, shared_mem=0, policy=None):
+    """Launch ``kernel`` on ``stream`` with leases on every array argument.
 
-    ``enqueue`` may be called again (ops submit a prepared launch many times)
-    while every view in ``resolved`` is still live: a view's token never
-    changes while it lives, so the leases and packed pointers stay right --
-    unless ``coerced``: an adapter then made views of foreign arrays for this
-    launch only."""
-    adapter = _adapters.get(type(kernel)) or _adapter_for(kernel)
+    ``grid`` and ``block``: an int or a tuple of up to three ints (``block``
+    may be None for cuTile). ``stream``: a :class:`Stream`, a foreign stream,
+    or None for the current stream (``with stream:``), else the default stream of the
+    arguments' device. ``policy``: ``"order"`` or ``"reject"``, overriding
+    :func:`set_access_policy`.
+
+    Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
+    the device has finished, whatever the caller drops meanwhile.
+    """
+    return DeviceFuture(launch_submission(kernel, grid, block, args, stream, shared_mem, policy))
+
+
+def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
+    """:func:`launch` up to its Submission (ops submit through here too)."""
+    adapter = _adapters.get(type(kernel))
+    if adapter is None:
+        adapter = adapter_for(kernel)
     if policy is not None:
-        _access.check_policy(policy)
-    if stream is not None and type(stream) is not Stream:
-        stream = Stream.from_external(stream)
-    device = stream.device if stream is not None else None
-    resolved, uses, device, coerced = resolve_args(adapter, args, device)
+        check_policy(policy)
+    if stream is not None:
+        if type(stream) is not Stream:
+            stream = Stream.from_external(stream)
+        device = stream.device
+    else:
+        device = None
+    resolved, uses, device = resolve_args(adapter, args, device)
+    if stream is None:
+        stream = current_stream(device)  # the innermost `with stream:` on that device, or None
+        if stream is not None:
+            device = stream.device
     if device is None:  # no arrays and no stream: a device this kind of kernel runs on
         from .device import Device, default_device
         device = default_device()
@@ -296,31 +500,18 @@ def prepare_launch(kernel, grid, block, args, stream, shared_mem, policy):
                                   f"{' or '.join(adapter.device_kinds)} devices")
     if stream is None:
         stream = device.default_stream
-    if shared_mem and (not isinstance(shared_mem, int) or shared_mem < 0):
-        raise KernelError(f"shared_mem must be an int >= 0, got {shared_mem!r}")
-    enqueue, keep = adapter.prepare(kernel, grid, block, resolved, shared_mem, stream)
-    return stream, uses, enqueue, keep, (adapter, kernel), resolved, coerced
-
-
-def launch(kernel, grid, block, *args, stream=None, shared_mem: int = 0, policy=None) -> DeviceFuture:
-    """Launch ``kernel`` on ``stream`` with leases on every array argument.
-
-    ``grid`` and ``block``: an int or a tuple of up to three ints (``block``
-    may be None for cuTile). ``stream``: a :class:`Stream`, a foreign stream,
-    or None for the default stream of the arguments' device. ``policy``:
-    ``"order"`` or ``"reject"``, overriding :func:`set_access_policy`.
-
-    Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
-    the device has finished, whatever the caller drops meanwhile.
-
-    This is the Python path; ``sharedmem.launch`` enters the compiled one first
-    when it is built (``sharedmem._accel.entry``).
-    """
-    # `resolved` is named (not `_`) so it stays referenced until the leases are taken:
-    # views an adapter made of foreign arrays (CuPy arrays) live only as long as it does.
-    stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(
-        kernel, grid, block, args, stream, shared_mem, policy)
-    return DeviceFuture(submit(stream, uses, enqueue, keep, policy, label))
+    plan = plan_for(adapter, kernel, device)
+    config = plan.configure(grid, block, shared_mem)
+    payload = plan.pack(resolved, config, stream)
+    work = _Launch(plan, stream, config, payload)
+    keep = [kernel]
+    if isinstance(plan, _PreparedPlan):
+        keep.extend(payload[1])
+    # `resolved` stays referenced until the leases are taken: views an adapter made of
+    # foreign arrays live only as long as it does
+    sub = submit(stream, uses, work, keep, policy, plan.label)
+    resolved = None
+    return sub
 
 
 # -- host kernels ---------------------------------------------------------------------
@@ -355,6 +546,18 @@ def host_kernel(fn) -> HostKernel:
     return HostKernel(fn)
 
 
+class _HostPlan(KernelPlan):
+    __slots__ = ()
+
+    def pack(self, args, config, stream):
+        from .backends.host import ndarray_of
+        return [ndarray_of(a.view, a._mode != _READ) if type(a) is LaunchArg else a for a in args]
+
+    def enqueue(self, stream, config, payload):
+        fn = self.kernel.fn
+        return stream._impl.submit(lambda: fn(*payload))
+
+
 class _HostAdapter(KernelAdapter):
     name = "host kernel"
     device_kinds = ("host",)
@@ -362,19 +565,8 @@ class _HostAdapter(KernelAdapter):
     def label(self, kernel) -> str:
         return f"host kernel {kernel.__qualname__}"
 
-    def prepare(self, kernel, grid, block, args, shared_mem, stream):
-        from .backends.host import ndarray_of
-        _check_dims(grid, "grid")
-        _check_dims(block, "block", allow_none=True)
-        call_args = [ndarray_of(a.view, a.mode != READ) if isinstance(a, LaunchArg) else a
-                     for a in args]
-        fn = kernel.fn
-        impl = stream._impl
-
-        def enqueue():
-            return impl.submit(lambda: fn(*call_args))
-
-        return enqueue, (kernel,)
+    def plan(self, kernel, device):
+        return _HostPlan(kernel, self, device)
 
 
 register_kernel_adapter(HostKernel, _HostAdapter())

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import threading
 
-from . import _accel
-from .access import READ
-from .launch import Intent, LaunchArg, _adapter_for, _as_view, prepare_launch
+from .launch import Intent, _as_view, adapter_for, launch_submission
 from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
@@ -92,67 +90,21 @@ class DeviceOp:
         raise NotImplementedError
 
 
-class _Prepared:
-    """A launch op prepared for one stream (see launch.prepare_launch): the
-    next submission to that stream reuses it while its views live and the
-    stream has the same implementation (a host stream swaps in a recorder
-    while it captures a graph; adapters bind their enqueue to the one they saw).
-
-    Holds the views (the op holds them anyway) but not their tokens: a token
-    keeps its allocation, and a view the user released must not keep memory
-    alive through an op that is merely kept around."""
-
-    __slots__ = ("stream", "impl", "enqueue", "keep", "label", "views")
-
-    def __init__(self, stream, enqueue, keep, label, resolved):
-        self.stream, self.impl = stream, stream._impl
-        self.enqueue, self.keep, self.label = enqueue, keep, label
-        self.views = tuple([(a.view, a.mode != READ) for a in resolved if type(a) is LaunchArg])
-
-    def uses_on(self, stream):
-        """The leases to take for a submission to ``stream``, or None when the
-        preparation does not fit it any more."""
-        if self.stream is not stream or self.impl is not stream._impl:
-            return None
-        uses = []
-        for v, writes in self.views:
-            if v._state:
-                return None
-            uses.append((v._token, writes))  # a live view's token never changes
-        return uses
-
-
 class _LaunchOp(DeviceOp):
-    __slots__ = ("kernel", "grid", "block", "args", "shared_mem", "policy", "_prepared")
+    __slots__ = ("kernel", "grid", "block", "args", "shared_mem", "policy")
 
     def __init__(self, kernel, grid, block, args, shared_mem, policy):
         self.kernel, self.grid, self.block, self.args = kernel, grid, block, args
         self.shared_mem, self.policy = shared_mem, policy
-        # The last preparation (argument resolution and packing), reused by the next
-        # submission to the same stream while every view it resolved is live: an op
-        # submitted in a loop pays for leases and the driver call only.
-        self._prepared = None
 
     def __repr__(self) -> str:
-        return f"<op {_adapter_for(self.kernel).label(self.kernel)}>"
+        return f"<op {adapter_for(self.kernel).label(self.kernel)}>"
 
     def _submit_on(self, stream):
-        fast = _accel.fast_launch
-        if fast is not None and self.policy is None:  # the compiled common case, as launch()
-            fut = fast(self.kernel, self.grid, self.block, self.args, stream, self.shared_mem)
-            if fut is not None:
-                return fut
-        p = self._prepared
-        uses = p.uses_on(stream) if p is not None else None
-        if uses is None:
-            stream, uses, enqueue, keep, label, resolved, coerced = prepare_launch(
-                self.kernel, self.grid, self.block, self.args, stream, self.shared_mem,
-                self.policy)
-            # views an adapter made of foreign arrays live for one launch only (the
-            # local `resolved` keeps them until the leases are taken, as in launch)
-            self._prepared = None if coerced else _Prepared(stream, enqueue, keep, label, resolved)
-            return DeviceFuture(_sub.submit(stream, uses, enqueue, keep, self.policy, label))
-        return DeviceFuture(_sub.submit(stream, uses, p.enqueue, p.keep, self.policy, p.label))
+        # exactly launch(): the kernel's plan is cached, so an op submitted in a loop pays for
+        # argument resolution, leases and the driver call only
+        return DeviceFuture(launch_submission(self.kernel, self.grid, self.block, self.args,
+                                              stream, self.shared_mem, self.policy))
 
     def _device(self):
         for a in self.args:
@@ -237,7 +189,7 @@ class _Zip(DeviceOp):
 def op(kernel, grid, block, *args, shared_mem: int = 0, policy=None) -> DeviceOp:
     """Describe ``launch(kernel, grid, block, *args, ...)`` without submitting
     it. The kernel type is checked now; the arguments when it is submitted."""
-    _adapter_for(kernel)
+    adapter_for(kernel)
     if policy is not None:
         from .access import check_policy
         check_policy(policy)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ._sync import locked
 from . import allocation as _allocation
 from .runtime import submission as _submission
+from .runtime.state import RUNTIME, locked
 
 __all__ = ["Stats", "stats", "synchronize"]
 
@@ -48,7 +48,7 @@ def stats() -> Stats:
     live = _allocation.live_allocation_count()
     with locked():
         c = _submission.counters_locked()
-        views = _allocation._live_views
+        views = RUNTIME.live_views
     return Stats(in_flight=c["in_flight"], live_allocations=live, live_views=views,
                  leaked=c["leaked"], leaked_bytes=c["leaked_bytes"], submitted=c["submitted"],
                  retired=c["retired"])

@@ -14,6 +14,11 @@ import collections
 import threading
 import weakref
 
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from . import _cython as cython
+
 from .errors import CompletionUnknownError, DeviceMismatchError
 
 __all__ = ["Stream", "Event"]
@@ -22,14 +27,14 @@ __all__ = ["Stream", "Event"]
 class Stream:
     """An in-order queue of work on one device.
 
-    Fields used by the runtime: ``_pending`` (FIFO of unretired submissions)
-    and ``_seq`` (sequence number of the newest submission) are guarded by
-    ``sharedmem._sync.core_lock``.
+    Fields used by the runtime, guarded by the core lock (``sharedmem.runtime.state``):
+    ``_pending`` (FIFO of unretired submissions), ``_seq`` (sequence number of the newest
+    submission), ``_done`` (that of the newest retired one: every lease of this stream with a
+    sequence number up to it is finished), ``_capture`` (the Graph being captured).
     """
 
-    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_leak_warned",
-                 "_external", "_capture", "launch_cache", "_cached_uses", "_cached_seq",
-                 "__weakref__")
+    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_leak_warned",
+                 "_external", "_capture", "launch_cache", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
@@ -37,21 +42,17 @@ class Stream:
 
     @classmethod
     def _create(cls, device, impl, owned: bool, name=None, external=None) -> "Stream":
-        self = object.__new__(cls)
+        self = Stream.__new__(cls)
         self.device = device
         self._impl = impl
         self.owned = owned
         self.name = name or getattr(impl, "name", None)
         self._pending = collections.deque()  # guarded by core_lock
         self._seq = 0  # guarded by core_lock
+        self._done = 0  # guarded by core_lock
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock
-        # The compiled launch path's `uses` list of its newest submission here (reused by the
-        # next launch naming the same leases) and that submission's seq; dropped when it
-        # retires, so it never keeps memory longer than the work does. guarded by core_lock
-        self._cached_uses = None
-        self._cached_seq = 0
         # For kernel adapters: what is constant about launching a kernel on this stream
         # (interop.cupy keeps its launchers here), so it lives and dies with the stream.
         # Lock-free: entries are immutable and a racing writer stores an equivalent one.
@@ -95,6 +96,23 @@ class Stream:
         with _by_handle_lock:
             return _by_handle.get((device.key, handle))
 
+    def __enter__(self) -> "Stream":
+        """``with stream:`` makes this the current stream of its device in this thread:
+        ``launch``, ``op.submit``, allocations and copies given ``stream=None`` use it (as
+        ``with cupy_stream:`` and ``with torch.cuda.stream(s):`` do for those libraries)."""
+        stack = getattr(_current, "stack", None)
+        if stack is None:
+            stack = _current.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack = _current.stack
+        for i in range(len(stack) - 1, -1, -1):  # the innermost entry of this stream
+            if stack[i] is self:
+                del stack[i]
+                break
+
     def __repr__(self) -> str:
         kind = "owned" if self.owned else "borrowed"
         return f"<Stream {self.name or hex(self.handle)} on {self.device} ({kind})>"
@@ -131,9 +149,9 @@ class Stream:
     @property
     def pending(self) -> int:
         """Number of this stream's launches and copies not yet retired."""
-        from ._sync import locked
+        from .runtime.state import locked
         with locked():
-            return sum(sub.count for sub in self._pending)
+            return len(self._pending)
 
 
 class Event:
@@ -165,11 +183,28 @@ _by_handle: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # gua
 _by_handle_lock = threading.Lock()
 
 
+_current = threading.local()  # .stack: the streams entered with `with stream:`, innermost last
+
+
+def current_stream(device=None):
+    """The innermost stream entered with ``with stream:`` in this thread on ``device`` (on any
+    device when None), or None."""
+    stack = getattr(_current, "stack", None)
+    if not stack:
+        return None
+    for i in range(len(stack) - 1, -1, -1):
+        s = stack[i]
+        if device is None or s.device is device:
+            return s
+    return None
+
+
 def resolve_stream(stream, device) -> Stream:
-    """``stream`` as a :class:`Stream` on ``device``: None means the device's
-    default stream; foreign streams are borrowed."""
+    """``stream`` as a :class:`Stream` on ``device``: None means the current stream of that
+    device (``with stream:``), else its default stream; foreign streams are borrowed."""
     if stream is None:
-        return device.default_stream
+        cur = current_stream(device)
+        return cur if cur is not None else device.default_stream
     if not isinstance(stream, Stream):
         stream = Stream.from_external(stream, device)
     if stream.device is not device:

@@ -65,7 +65,7 @@ class Tensor(View):
     ``ptr`` (address of element 0), ``ndim``, ``size``, ``nbytes``.
     """
 
-    __slots__ = ("_dtype", "_shape", "_strides", "_offset")
+    __slots__ = ("_dtype", "_shape", "_strides")
     _kind = "tensor"
 
     def __init__(self, *args, **kwargs):
@@ -75,12 +75,11 @@ class Tensor(View):
     @classmethod
     def _wrap(cls, token, dtype, shape, strides, offset) -> "Tensor":
         """``offset``: byte offset of element 0 from the allocation's start."""
-        self = object.__new__(cls)
-        self._init_view(token)
+        self = View.__new__(cls)
+        self._init_view(token, offset)
         self._dtype = dtype
         self._shape = shape
         self._strides = strides
-        self._offset = offset
         return self
 
     # -- construction ---------------------------------------------------------
@@ -190,11 +189,6 @@ class Tensor(View):
     def nbytes(self) -> int:
         """Bytes spanned by the elements (``size * itemsize``)."""
         return self.size * self._dtype.itemsize
-
-    @property
-    def ptr(self) -> int:
-        """Device address of element 0."""
-        return self._live_token().allocation.ptr + self._offset
 
     def is_contiguous(self) -> bool:
         """True for a C-order dense layout (sizes-1 dimensions ignored)."""

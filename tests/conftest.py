@@ -69,15 +69,15 @@ def arange(n, dtype="float32"):
     return np.arange(n, dtype=dtype)
 
 
-def count_prepares(monkeypatch, adapter_cls) -> list:
-    """The kernels ``adapter_cls`` prepares in Python from now on (a launch the
-    compiled path takes prepares nothing), as a list that grows."""
+def count_plans(monkeypatch, adapter_cls) -> list:
+    """The kernels ``adapter_cls`` plans from now on (a plan is made once per kernel and
+    device; every later launch reuses it), as a list that grows."""
     calls = []
-    real = adapter_cls.prepare
+    real = adapter_cls.plan
 
-    def counting(self, *a):
-        calls.append(a[0])
-        return real(self, *a)
+    def counting(self, kernel, device):
+        calls.append(kernel)
+        return real(self, kernel, device)
 
-    monkeypatch.setattr(adapter_cls, "prepare", counting)
+    monkeypatch.setattr(adapter_cls, "plan", counting)
     return calls

@@ -55,8 +55,17 @@ class FakeDriver:
     CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
-    CUdevice_attribute = types.SimpleNamespace(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
-                                               CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76)
+    CUdevice_attribute = types.SimpleNamespace(
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
+        CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
+        CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK=1, CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X=2,
+        CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y=3, CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z=4,
+        CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X=5, CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y=6,
+        CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z=7,
+        CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN=97)
+    # an H200's answers
+    ATTRIBUTES = {75: 9, 76: 0, 1: 1024, 2: 1024, 3: 1024, 4: 64, 5: 2**31 - 1, 6: 65535,
+                  7: 65535, 97: 232448}
     CUpointer_attribute = types.SimpleNamespace(
         CU_POINTER_ATTRIBUTE_RANGE_START_ADDR=11, CU_POINTER_ATTRIBUTE_RANGE_SIZE=12,
         CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9, CU_POINTER_ATTRIBUTE_MEMORY_TYPE=2)
@@ -103,7 +112,7 @@ class FakeDriver:
         return (OK, types.SimpleNamespace(bytes=bytes(range(16))))
 
     def cuDeviceGetAttribute(self, attr, dev):
-        return (OK, 9 if attr == 75 else 0)
+        return (OK, self.ATTRIBUTES.get(int(attr), 0))
 
     def cuDevicePrimaryCtxRetain(self, dev):
         return (OK, 0xC0)
@@ -258,10 +267,13 @@ class _Ctx:
 
 
 class RawKernel:
-    """Stands in for ``cupy.RawKernel`` (registered with sharedmem by this name)."""
+    """Stands in for ``cupy.RawKernel`` (registered with sharedmem by this name): ``code`` is
+    its CUDA source (where sharedmem reads the parameter types), ``formats`` the struct
+    formats the fake driver unpacks the parameters with."""
 
-    def __init__(self, driver, name, formats, fn):
+    def __init__(self, driver, name, formats, fn, code=None):
         self.name = name
+        self.code = code
         self.kernel = types.SimpleNamespace(ptr=driver.register_kernel(formats, fn))
 
 

@@ -208,7 +208,7 @@ def test_intents_wrap_one_argument_once(host):
         sm.In()
     with pytest.raises(TypeError, match=r"^Out expected 1 argument, got 2$"):
         sm.Out(b, b)
-    with pytest.raises(TypeError, match=r"^In\(\) takes no keyword arguments$"):
+    with pytest.raises(TypeError, match=r"^In\(\) takes no keyword arguments other than with_length$"):
         sm.In(obj=b)
 
     class Read(sm.In):  # a subclass is made the same way
@@ -230,7 +230,9 @@ def test_launch_is_the_same_function_on_either_path(host):
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'strem'"):
         sm.launch(fill, 1, 1, sm.Out(b), 1.0, strem=None)
-    with pytest.raises(TypeError, match="missing 1 required positional argument: 'block'"):
+    # (interpreted and compiled, Python and Cython word it differently)
+    with pytest.raises(TypeError, match=r"missing 1 required positional argument: 'block'|"
+                                        r"takes at least 3 positional arguments \(2 given\)"):
         sm.launch(fill, 1)
     sm.launch(fill, (1,), 1, sm.Out(b), 2.0, stream=None, shared_mem=0, policy="reject").result()
     np.testing.assert_array_equal(b.to_host(), np.full(4, 2.0))

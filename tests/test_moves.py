@@ -32,7 +32,8 @@ def test_from_buffer_into_buffer_zero_copy(buf):
 
 def test_moved_source_raises_on_every_use(buf):
     t = sm.Tensor.from_buffer(buf, (12,))
-    msg = r"^this Buffer was moved into a Tensor and can no longer be used; use the Tensor the move returned$"
+    msg = (rf"^this Buffer \(allocation #{t.allocation.id}\) was moved into a Tensor and can "
+           rf"no longer be used; use the Tensor the move returned$")
     for use in (lambda: buf.ptr, lambda: len(buf), lambda: buf[0:2], lambda: buf.to_host(),
                 lambda: buf.allocation, lambda: sm.Tensor.from_buffer(buf, (12,)),
                 lambda: sm.launch(sm.host_kernel(lambda x: None), 1, 1, buf)):
@@ -40,10 +41,10 @@ def test_moved_source_raises_on_every_use(buf):
             use()
     assert isinstance(sm.MovedError("x"), sm.ReleasedError)
     b = t.into_buffer()
-    with pytest.raises(sm.MovedError, match=r"^this Tensor was moved into a Buffer"):
+    with pytest.raises(sm.MovedError, match=r"^this Tensor \(allocation #\d+\) was moved into a Buffer"):
         t.shape
     b.release()
-    with pytest.raises(sm.ReleasedError, match=r"^this Buffer was released"):
+    with pytest.raises(sm.ReleasedError, match=r"^this Buffer \(allocation #\d+\) was released"):
         b.ptr
 
 
@@ -61,8 +62,8 @@ def test_alias_error_lists_each_live_view(buf):
         f"2 other live views of its bytes exist:\n"
         f"  - slice, bytes [0, 16) of allocation #{alloc.id}\n"
         f"  - read-only view, bytes [24, 48) of allocation #{alloc.id}\n"
-        f"Release them (call .release(), leave their `with` block, or drop every reference) and "
-        f"try again, or copy instead of moving.\n"
+        f"To move, release it (call .release(), leave its `with` block, or drop every "
+        f"reference); or copy instead of moving.\n"
         f"(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
     assert len(ei.value.views) == 2
     # a failed move leaves the source fully usable
@@ -162,7 +163,7 @@ def test_track_origins(monkeypatch, device):
     s = b[1:2]; line = __import__("inspect").currentframe().f_lineno  # noqa: E702
     with pytest.raises(sm.AliasError) as ei:
         sm.Tensor.from_buffer(b, (4,))
-    assert re.search(rf"slice, bytes \[4, 8\) of allocation #\d+ \(created at [^)]*test_moves.py:{line}\)",
+    assert re.search(rf"slice, bytes \[4, 8\) of allocation #\d+ \(created at tests/test_moves.py:{line} in test_track_origins\)",
                      str(ei.value)), str(ei.value)
     assert "SHAREDMEM_TRACK_ORIGINS" not in str(ei.value)
     s.release()

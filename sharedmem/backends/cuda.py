@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from .._sync import locked
+from ..runtime.state import locked
 from ..errors import BackendUnavailableError, CudaError
 from . import COMPLETE
 
@@ -270,6 +270,20 @@ class CudaStreamImpl:
                 pass
 
 
+class Limits:
+    """A device's launch limits: ``grid`` and ``block`` (maximum per dimension, x y z),
+    ``threads`` per block, ``shared_mem`` bytes of dynamic shared memory per block (with the
+    opt-in). 0 where the driver did not say; a limit of 0 is not checked."""
+
+    __slots__ = ("grid", "block", "threads", "shared_mem")
+
+    def __init__(self, grid, block, threads, shared_mem):
+        self.grid = tuple(g or (1 << 62) for g in grid)
+        self.block = tuple(b or (1 << 62) for b in block)
+        self.threads = threads
+        self.shared_mem = shared_mem
+
+
 class CudaBackend:
     """Memory, streams, events and copies for one CUDA device."""
 
@@ -310,6 +324,23 @@ class CudaBackend:
                                           self.cu_device), "cuDeviceGetAttribute"),
             check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
                                           self.cu_device), "cuDeviceGetAttribute"))
+        def attr(name, default=0):
+            a = getattr(A, name, None)
+            if a is None:
+                return default
+            try:
+                return int(check(cu.cuDeviceGetAttribute(a, self.cu_device), "cuDeviceGetAttribute"))
+            except CudaError:
+                return default
+        # What a launch may ask for (0: not known, not checked).
+        self.limits = Limits(
+            (attr("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X"), attr("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y"),
+             attr("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z")),
+            (attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X"),
+             attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y"),
+             attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z")),
+            attr("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK"),
+            attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
         # Borrowed: the primary context is retained once and never released.
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
         self._tls = threading.local()
@@ -515,4 +546,4 @@ class CudaBackend:
 
 
 
-__all__ = ["CudaBackend", "CudaMarker", "CudaStreamImpl", "check"]
+__all__ = ["CudaBackend", "CudaMarker", "CudaStreamImpl", "Limits", "check"]

@@ -32,7 +32,7 @@ import itertools
 import sys
 import threading
 
-from .._sync import locked
+from .state import locked
 from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError

@@ -18,8 +18,8 @@ from __future__ import annotations
 import sys
 import threading
 
-from .._sync import locked
 from . import submission as _sub
+from .state import RUNTIME, locked
 
 #: Seconds between sweeps while work is pending.
 POLL_INTERVAL = 0.0002
@@ -53,16 +53,15 @@ def ensure() -> None:
         return
     with _start_lock:
         if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_run, name="sharedmem-retirer", daemon=True)
-            _thread.start()
-            _sub._retirer_running[0] = True
+            t = threading.Thread(target=_run, name="sharedmem-retirer", daemon=True)
+            t.start()  # (raises before anything is recorded: the caller's work stays valid)
+            _thread = t
+            RUNTIME.retirer_running = True
 
 
 def _run() -> None:
     import time
-    active = _sub._active
-    idle = _sub._retirer_idle
-    counters = _sub._counters
+    rt = RUNTIME
     last_busy = 0.0
     last_submitted = 0
     while not sys.is_finalizing():
@@ -71,9 +70,9 @@ def _run() -> None:
             poll = False
             with locked():
                 done = []
-                for s in list(active):
+                for s in list(rt.active):
                     done.extend(_sub._sweep_locked(s))
-                for s in active:
+                for s in rt.active:
                     if s.device.backend.needs_polling:
                         poll = True
                         break
@@ -81,9 +80,9 @@ def _run() -> None:
                 _sub.finish(done)
                 done = None
         except BaseException as e:  # re-raised in a user thread
-            _sub._deferred_errors.append(e)
+            rt.errors.append(e)
         now = time.monotonic()
-        submitted = counters.submitted
+        submitted = rt.submitted
         burst = submitted - last_submitted >= BURST
         last_submitted = submitted
         if poll:
@@ -93,9 +92,9 @@ def _run() -> None:
         elif poll or now - last_busy < LINGER:
             _wake.wait(POLL_INTERVAL)
         else:
-            idle[0] = True  # submit() wakes us only while this is set
+            rt.retirer_idle = True  # submit() wakes us only while this is set
             _wake.wait(IDLE_INTERVAL)
-            idle[0] = False
+            rt.retirer_idle = False
 
 
 def attach_backend(backend) -> None:
@@ -104,4 +103,5 @@ def attach_backend(backend) -> None:
         backend.on_progress = wake
 
 
-_sub._install_retirer(ensure, wake)
+RUNTIME.ensure_retirer = ensure
+RUNTIME.wake_retirer = wake

@@ -10,62 +10,44 @@ A :class:`Submission` holds, until the device has finished the work:
 
 Each stream keeps its unretired submissions in a FIFO (``Stream._pending``).
 Retirement pops a FIFO from the front while the front's completion marker says
-*done*, releases leases and drops ``keep`` -- the only way memory used by GPU
+*done*, advances the stream's ``_done`` (which ends its leases: see
+:mod:`sharedmem.access`) and drops ``keep`` -- the only way memory used by GPU
 work is given back. If the marker says *unknown* (a faulted kernel, a sticky
 CUDA error, a failed query), the submission and every later one on that
-stream are moved to ``_leaked`` and kept forever: leaked on purpose, warned
-once per stream, counted by :func:`sharedmem.stats`.
+stream are moved to ``Runtime.leaked`` and kept forever: leaked on purpose,
+warned once per stream, counted by :func:`sharedmem.stats`.
+
+Every state change here happens under the core lock (``RUNTIME.lock``); what a
+retired submission kept is dropped after it (:func:`finish`), never under it.
 """
 
 from __future__ import annotations
 
-import collections
 import warnings
 
-from .. import _sync
-from .._sync import locked
-from ..access import check_policy
-from .. import access as _access
-from ..errors import (AccessConflictError, CompletionUnknownError, LeakWarning, ReleasedError)
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from .. import _cython as cython
+
+from ..access import HOLD_SEQ, check_policy
+from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
+    ReleasedError
+from .state import RUNTIME, locked
 
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
 _M_PENDING, _M_DONE, _M_UNKNOWN = 0, 1, 2
 
-# guarded by core_lock:
-_active: set = set()  # streams whose FIFO is non-empty
-_leaked: list = []  # submissions whose completion is unknown, kept forever
-
-
-class _Counters:
-    """What ``sharedmem.stats()`` reports, counted in launches (a Submission may
-    stand for several: Submission.count). Attributes, not a dict: the launch
-    path bumps two of them on every launch. guarded by core_lock."""
-
-    __slots__ = ("in_flight", "submitted", "retired", "leaked", "leaked_bytes", "unfinished")
-
-    def __init__(self):
-        self.in_flight = self.submitted = self.retired = self.leaked = self.leaked_bytes = 0
-        # Submissions a sweep took off their FIFO whose finish() has not yet dropped what they
-        # kept (a sweep retires under the lock, finish() runs after it): settle() waits for 0.
-        self.unfinished = 0
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__ if k != "unfinished"}
-
-
-_counters = _Counters()
-
-# Lock-free (deque.append is atomic): warnings and callback errors produced in
-# whatever thread retired something, surfaced in the next user-thread API call.
-_pending_warnings: collections.deque = collections.deque()
-_deferred_errors: collections.deque = collections.deque()
+#: Sweep the front of a stream's FIFO on every SWEEP_EVERY-th submission to it (the retirer
+#: does the rest): keeps FIFOs short without a query per launch.
+SWEEP_EVERY = 128
 
 
 class Submission:
     """One piece of enqueued work; see the module docstring for what it keeps."""
 
     __slots__ = ("stream", "seq", "marker", "keep", "uses", "state", "callbacks", "value",
-                 "_label", "count")
+                 "_label")
 
     def __init__(self, stream, seq, marker, keep, uses, label):
         self.stream = stream
@@ -77,21 +59,29 @@ class Submission:
         self.callbacks = None  # list of callables; guarded by core_lock
         self.value = None
         self._label = label
-        # How many launches this submission stands for. The compiled launch path files a
-        # launch into the stream's newest submission when it shares that submission's
-        # completion marker, lease list and keep: they finish together (one event covers
-        # both), so they retire together. ``seq`` is then the newest one's. guarded by core_lock
-        self.count = 1
 
     @property
     def nbytes(self) -> int:
         """Bytes leased (counted again for each lease of the same bytes)."""
-        return sum(tok.stop - tok.start for tok, _ in self.uses or ()) * self.count
+        return sum(tok.stop - tok.start for tok, _ in self.uses or ())
 
     @property
     def label(self) -> str:
         """What the work is, for messages (computed only when needed)."""
         return label_text(self._label)
+
+
+class Work:
+    """Enqueues one piece of work: ``run()`` puts it on its stream and returns its completion
+    marker. Kernel plans subclass it; any other callable works too (``submit`` calls it)."""
+
+    __slots__ = ()
+
+    def run(self):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __call__(self):
+        return self.run()
 
 
 def label_text(label) -> str:
@@ -100,41 +90,30 @@ def label_text(label) -> str:
     return label if isinstance(label, str) else label[0].label(label[1])
 
 
-#: Sweep the front of a stream's FIFO on every SWEEP_EVERY-th submission to it
-#: (the retirer does the rest): keeps FIFOs short without a query per launch.
-#: (128: a sweep costs a few microseconds of Python however little it retires;
-#: at 32 that was a tenth of the compiled launch path's time.)
-SWEEP_EVERY = 128
-
-
 def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
-    """Enqueue work on ``stream`` under the ownership rules; return its
-    :class:`Submission`.
+    """Enqueue work on ``stream`` under the ownership rules; return its :class:`Submission`.
 
-    ``uses`` lists ``(token, writes)`` pairs: the views the work touches (the
-    caller validated devices and intents). ``enqueue()`` puts the work on the
-    stream and returns its completion marker. Under the core lock, in order:
-    every token is checked live and every conflict with unfinished work of
-    other streams is found (policy ``reject`` raises here, having changed
-    nothing); the stream is made to wait for the conflicting work; the work is
-    enqueued; the leases are recorded. If anything raises, no lease is taken.
-    """
-    if _pending_warnings or _deferred_errors:
+    ``uses`` lists ``(token, writes)`` pairs: the views the work touches (the caller validated
+    devices and intents). ``enqueue``: a :class:`Work` or a callable that puts the work on the
+    stream and returns its completion marker. Under the core lock, in order: every live view's
+    token is checked live and every conflict with unfinished work or open holds of other
+    streams is found (policy ``reject`` raises here, having changed nothing); the stream is made
+    to wait for the conflicting work; the work is enqueued; the leases are recorded. If anything
+    raises, no lease is taken. This is the one algorithm every launch, copy and replay runs."""
+    rt = RUNTIME
+    if rt.warnings or rt.errors:
         raise_deferred()
     if policy is None:
-        policy = _access._policy
-    elif policy not in ("order", "reject"):
+        policy = rt.policy
+    elif policy != "order" and policy != "reject":
         check_policy(policy)
     impl = stream._impl
     throttle = impl.throttle
     if throttle is not None:  # a bounded queue with no room waits here, holding no lock
         throttle()
     retired = None
-    lock = _sync.core_lock
-    lock.acquire()
+    rt.acquire()
     try:
-        if _sync._staged:
-            _sync.drain_staged()
         graph = stream._capture
         if graph is not None:  # recorded into a graph: no leases, no waits (see runtime/graph)
             return graph._record_locked(uses, enqueue, keep, label)
@@ -151,82 +130,170 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
             tracker = tok.allocation.tracker
             if not tracker.elsewhere_locked(stream):
                 continue  # nothing in flight on another stream
-            for other, marker, seq, other_writes in tracker.conflicts_locked(
-                    stream, writes, tok.start, tok.stop):
-                if marker is not None and marker.unknown:
-                    raise CompletionUnknownError(
-                        f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
-                        f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}, which work of "
-                        f"unknown completion on {other} {'writes' if other_writes else 'reads'}; "
-                        f"that memory is kept but its contents cannot be trusted")
-                if policy == "reject":
-                    who = (f"unfinished work on {other} {'writes' if other_writes else 'reads'} "
-                           f"them" if marker is not None else
-                           f"a consumer on {other} holds them ({'may write' if other_writes else 'reads'})")
-                    raise AccessConflictError(
-                        f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
-                        f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} while "
-                        f"{who} (policy 'reject'). Wait for that work (future.result() or "
-                        f"stream.synchronize()), use one stream for both, or use policy 'order' "
-                        f"to order them on the device.")
-                if waits is None:
-                    waits = {}
-                w = waits.get(other)
-                if w is None or seq > w[0]:
-                    waits[other] = (seq, marker)
-        if waits:
+            waits = _conflicts_locked(tracker, stream, tok, writes, policy, label, waits)
+        if waits is not None:
             for other, (_, marker) in waits.items():
                 impl.wait_marker(marker if marker is not None else fresh_marker_locked(other))
-        marker = enqueue()
+        if isinstance(enqueue, Work):
+            marker = cython.cast(Work, enqueue).run()
+        else:
+            marker = enqueue()
         seq = stream._seq + 1
         stream._seq = seq
-        keeps = list(keep)
+        if type(keep) is list:
+            keeps = keep
+        else:
+            keeps = list(keep)
         for tok, writes in uses:
             tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
             keeps.append(tok.keep)
         sub = Submission(stream, seq, marker, keeps, uses, label)
         pending = stream._pending
         pending.append(sub)
-        if len(pending) == 1:
-            _active.add(stream)
-            became_active = True
-        else:
-            became_active = False
-        c = _counters
-        c.in_flight += 1
-        c.submitted += 1
+        became_active = len(pending) == 1
+        if became_active:
+            rt.active.add(stream)
+        rt.in_flight += 1
+        rt.submitted += 1
         if seq % SWEEP_EVERY == 0:
             retired = _sweep_locked(stream, False)
     finally:
-        lock.release()
+        rt.release()
     if retired:
         finish(retired)
-    if not _retirer_running[0]:
-        _retirer_ensure()
-    elif became_active and _retirer_idle[0]:
-        _retirer_wake()  # it is sleeping its idle interval
+    if not rt.retirer_running:
+        rt.ensure_retirer()
+    elif became_active and rt.retirer_idle:
+        rt.wake_retirer()  # it is sleeping its idle interval
     return sub
 
 
-# [True] once the retirer thread runs (it never exits before interpreter shutdown)
-_retirer_running = [False]
-# [True] while the retirer sleeps its idle interval (written by the retirer only)
-_retirer_idle = [False]
+def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
+    """submit()'s cross-stream rule for one lease: raise for work of unknown completion or
+    under policy "reject"; else add the newest conflicting submission of each other stream to
+    ``waits`` (other stream -> (seq, marker or None for an open hold))."""
+    for other, marker, seq, other_writes in tracker.conflicts_locked(stream, writes, tok.start,
+                                                                     tok.stop):
+        if marker is not None and marker.unknown:
+            raise CompletionUnknownError(
+                f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
+                f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}, which work of "
+                f"unknown completion on {other} {'writes' if other_writes else 'reads'}; "
+                f"that memory is kept but its contents cannot be trusted")
+        if policy == "reject":
+            who = (f"unfinished work on {other} {'writes' if other_writes else 'reads'} "
+                   f"them" if marker is not None else
+                   f"a consumer on {other} holds them ({'may write' if other_writes else 'reads'})")
+            raise AccessConflictError(
+                f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
+                f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} while "
+                f"{who} (policy 'reject'). Wait for that work (future.result() or "
+                f"stream.synchronize()), use one stream for both, or use policy 'order' "
+                f"to order them on the device.")
+        if waits is None:
+            waits = {}
+        w = waits.get(other)
+        if w is None or seq > w[0]:
+            waits[other] = (seq, marker)
+    return waits
 
 
-def _done_prefix_locked(pending, record: bool = True) -> int:
-    """How many submissions at the front of ``pending`` have finished, in
-    fewer queries than one per submission: a stream runs its work in order,
-    so the finished ones are a prefix. The newest is asked first (one query
-    retires a whole FIFO that has drained), then the oldest (one query when
-    nothing has), then a bisection between them. Returns -1 when a query
-    said *unknown*: the caller then walks the FIFO one by one.
+class FailedMarker:
+    """The marker of work whose completion cannot be known because its marker could not be
+    recorded (the consumer's stream is gone, a sticky error): what it leases is kept forever."""
 
-    ``record=False`` (a submitter sweeping its own stream) leaves a marker that
-    is not recorded yet alone: the submissions sharing it -- the FIFO's tail --
-    count as unfinished, and no event is recorded just to be asked at once."""
+    __slots__ = ("error",)
+    recorded = True
+    unknown = True
+    handle = 0
+
+    def __init__(self, error):
+        self.error = error
+
+    def query(self) -> int:
+        return _M_UNKNOWN
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def recycle(self) -> None:
+        pass
+
+
+def fresh_marker_locked(stream, pooled=False):
+    """A marker recorded on ``stream`` now: reached once everything given to the stream so
+    far has finished (for an open hold, the consumer's work of unknown extent). Caller holds
+    core_lock (recording enqueues; it never waits). Raises CompletionUnknownError when it
+    cannot be recorded."""
+    try:
+        return stream.device.backend.record_marker(stream._impl, pooled)
+    except Exception as e:
+        raise CompletionUnknownError(
+            f"cannot order after the work on {stream}: recording an event on it failed ({e!r}). "
+            f"Was the consumer's stream destroyed while its hold was open?") from e
+
+
+def lease_locked(stream, uses, keep, label, marker):
+    """File ``uses`` -- ``(token, writes)`` pairs, live or not -- as leased on ``stream`` until
+    ``marker`` is reached: the bookkeeping half of :func:`submit`, for work sharedmem did not
+    enqueue itself (a consumer's, see :func:`end_holds_locked` and ``sharedmem.record_use``).
+    Caller holds core_lock."""
+    rt = RUNTIME
+    seq = stream._seq + 1
+    stream._seq = seq
+    for tok, writes in uses:
+        tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
+    sub = Submission(stream, seq, marker, keep, uses, label)
+    pending = stream._pending
+    pending.append(sub)
+    if len(pending) == 1:
+        rt.active.add(stream)
+    rt.in_flight += 1
+    rt.submitted += 1
+    if not rt.retirer_running:
+        rt.ensure_retirer()  # (starting a thread waits for nothing that needs core_lock)
+    elif rt.retirer_idle:
+        rt.wake_retirer()
+    return sub
+
+
+def end_holds_locked(tok) -> None:
+    """``tok``, a hold (``ViewToken.consumers``), was just released: its bytes stay leased on
+    each consumer's stream until that stream passes this point -- a marker recorded there now,
+    never a host synchronize. Caller holds core_lock; runs wherever the release happened (a
+    DLPack deleter, a finalizer, any thread), so it never raises: a marker that cannot be
+    recorded makes the lease's completion unknown, and the memory is kept (leaked on purpose,
+    reported once)."""
+    consumers = tok.consumers
+    tok.consumers = None
+    tracker = tok.allocation.tracker
+    for stream, writes in consumers:
+        tracker.drop_hold_locked(stream, tok)
+        if tok.start >= tok.stop:
+            continue
+        try:
+            marker = fresh_marker_locked(stream, True)
+        except CompletionUnknownError as e:
+            marker = FailedMarker(e)
+        lease_locked(stream, [(tok, writes)], [tok.keep], f"end of a {tok.kind} hold", marker)
+
+
+RUNTIME.end_holds = end_holds_locked
+
+
+# -- retirement ------------------------------------------------------------------------------
+def _done_prefix_locked(pending, record=True) -> int:
+    """How many submissions at the front of ``pending`` have finished, in fewer queries than
+    one per submission: a stream runs its work in order, so the finished ones are a prefix.
+    The newest is asked first (one query retires a whole FIFO that has drained), then the
+    oldest (one query when nothing has), then a bisection between them. Returns -1 when a
+    query said *unknown*: the caller then walks the FIFO one by one.
+
+    ``record=False`` (a submitter sweeping its own stream) leaves a marker that is not
+    recorded yet alone: the submissions sharing it -- the FIFO's tail -- count as unfinished,
+    and no event is recorded just to be asked at once."""
     n = len(pending)
-    newest = pending[-1].marker
+    newest = pending[n - 1].marker
     if not record and not newest.recorded:
         lo, hi = -1, n - 1  # pending[hi] shares the open marker; pending[lo] does not
         while hi - lo > 1:
@@ -263,29 +330,26 @@ def _done_prefix_locked(pending, record: bool = True) -> int:
     return hi
 
 
-def _sweep_locked(stream, record: bool = True) -> list:
-    """Retire the finished front of ``stream``'s FIFO. Caller holds core_lock.
-    Returns the submissions that changed state (for :func:`finish`).
-    ``record``: see :func:`_done_prefix_locked`."""
+def _sweep_locked(stream, record=True) -> list:
+    """Retire the finished front of ``stream``'s FIFO. Caller holds core_lock. Returns the
+    submissions that changed state, for :func:`finish` (every returned list must go through
+    it exactly once). ``record``: see :func:`_done_prefix_locked`."""
+    rt = RUNTIME
     pending = stream._pending
     if not pending:
-        _active.discard(stream)
+        rt.active.discard(stream)
         return []
     out = []
-    last_done = 0
     k = _done_prefix_locked(pending, record)
     if k > 0:
         popleft, append = pending.popleft, out.append
-        n = 0
         for _ in range(k):
             sub = popleft()
             sub.state = RETIRED
-            n += sub.count
             append(sub)
-        last_done = sub.seq
-        c = _counters
-        c.retired += n
-        c.in_flight -= n
+        stream._done = sub.seq  # ends every lease of this stream up to it (see access)
+        rt.retired += k
+        rt.in_flight -= k
     elif k < 0:  # a failed query: retire what finished, leak from the first unknown on
         while pending:
             sub = pending[0]
@@ -297,41 +361,24 @@ def _sweep_locked(stream, record: bool = True) -> list:
             pending.popleft()
             if st == _M_DONE:
                 sub.state = RETIRED
-                last_done = sub.seq
-                _counters.retired += sub.count
+                stream._done = sub.seq
+                rt.retired += 1
             else:
                 sub.state = UNKNOWN
-                _leaked.append(sub)
-                _counters.leaked += sub.count
-                _counters.leaked_bytes += sub.nbytes
+                rt.leaked.append(sub)
+                rt.leaked_count += 1
+                rt.leaked_bytes += sub.nbytes
                 if not stream._leak_warned:
                     stream._leak_warned = True
-                    _pending_warnings.append(
+                    rt.warnings.append(
                         f"completion of work on {stream} is unknown ({sub.marker.error!r}); its "
                         f"memory and leases are kept, never freed (see sharedmem.stats().leaked). "
                         f"Create a new stream for further work.")
-            _counters.in_flight -= sub.count
+            rt.in_flight -= 1
             out.append(sub)
-    if last_done and stream._cached_seq and last_done >= stream._cached_seq:
-        stream._cached_uses = None  # (see Stream: the compiled path's reusable lease list)
-        stream._cached_seq = 0
-    if last_done:
-        # the stream runs in order: one retire per tracker covers every submission up to
-        # last_done (trackers of leaked submissions are never retired: their seq is later)
-        trackers = {}  # (insertion-ordered set; trackers hash by identity)
-        prev = None
-        for sub in out:
-            uses = sub.uses
-            if uses is prev or sub.state != RETIRED:  # (an op's submissions share their uses)
-                continue
-            prev = uses
-            for tok, _ in uses:
-                trackers[tok.allocation.tracker] = None
-        for tr in trackers:
-            tr.retire_locked(stream, last_done)
     if not pending:
-        _active.discard(stream)
-    _counters.unfinished += len(out)
+        rt.active.discard(stream)
+    rt.unfinished += len(out)
     return out
 
 
@@ -342,24 +389,12 @@ def finish(subs) -> None:
         _finish(subs)
     finally:
         with locked():
-            _counters.unfinished -= len(subs)
-
-
-def settle(timeout: float = 1.0) -> None:
-    """Retire what has finished, and wait (up to ``timeout``) until every retired submission
-    has dropped what it kept -- so that a decision that counts live views (a move) never sees
-    a view kept only by work that is done. Never waits for the device."""
-    sweep_all()
-    if not _counters.unfinished:  # (a plain read: an int, written under core_lock)
-        return
-    import time
-    deadline = time.monotonic() + timeout
-    while _counters.unfinished > 0 and time.monotonic() < deadline:
-        time.sleep(20e-6)
+            RUNTIME.unfinished -= len(subs)
 
 
 def _finish(subs) -> None:
     last = None
+    errors = RUNTIME.errors
     for sub in subs:
         if sub.state == RETIRED:
             sub.keep = None
@@ -375,7 +410,20 @@ def _finish(subs) -> None:
                 try:
                     cb()
                 except BaseException as e:  # surfaced at the next API call
-                    _deferred_errors.append(e)
+                    errors.append(e)
+
+
+def settle(timeout=1.0) -> None:
+    """Retire what has finished, and wait (up to ``timeout``) until every retired submission
+    has dropped what it kept -- so that a decision that counts live views (a move) never sees
+    a view kept only by work that is done. Never waits for the device."""
+    sweep_all()
+    if not RUNTIME.unfinished:  # (a plain read of an int written under the lock)
+        return
+    import time
+    deadline = time.monotonic() + timeout
+    while RUNTIME.unfinished > 0 and time.monotonic() < deadline:
+        time.sleep(20e-6)
 
 
 def sweep(stream) -> None:
@@ -387,9 +435,10 @@ def sweep(stream) -> None:
 
 
 def sweep_all() -> None:
+    """Retire what has finished on every stream with work in flight."""
     with locked():
         done = []
-        for s in list(_active):
+        for s in list(RUNTIME.active):
             done.extend(_sweep_locked(s))
     if done:
         finish(done)
@@ -417,9 +466,9 @@ def wait(sub, timeout=None) -> bool:
 
 
 def synchronize_stream(stream) -> None:
+    """Wait for everything submitted to ``stream``, retire it, surface deferred errors."""
     with locked():
         if stream._capture is not None:
-            from ..errors import CaptureError
             raise CaptureError(f"{stream} is capturing a graph: its work has not run and cannot "
                                f"be waited for; end the capture first")
         last = stream._pending[-1] if stream._pending else None
@@ -431,140 +480,52 @@ def synchronize_stream(stream) -> None:
 
 def synchronize_device(device) -> None:
     with locked():
-        streams = [s for s in _active if s.device is device]
+        streams = [s for s in RUNTIME.active if s.device is device]
     for s in streams:
         synchronize_stream(s)
 
 
 def synchronize_all() -> None:
     with locked():
-        streams = list(_active)
+        streams = list(RUNTIME.active)
     for s in streams:
         synchronize_stream(s)
 
 
 def raise_deferred() -> None:
-    """Emit pending leak warnings and re-raise a deferred failure, in the
-    calling (user) thread."""
-    while _pending_warnings:
+    """Emit pending leak warnings and re-raise a deferred failure, in the calling (user)
+    thread."""
+    rt = RUNTIME
+    while rt.warnings:
         try:
-            msg = _pending_warnings.popleft()
+            msg = rt.warnings.popleft()
         except IndexError:
             break
         warnings.warn(msg, LeakWarning, stacklevel=3)
-    if _deferred_errors:
+    if rt.errors:
         try:
-            e = _deferred_errors.popleft()
+            e = rt.errors.popleft()
         except IndexError:
             return
         raise e
 
 
 def counters_locked() -> dict:
-    return _counters.as_dict()
+    """What stats() reports. Caller holds core_lock."""
+    rt = RUNTIME
+    return {"in_flight": rt.in_flight, "submitted": rt.submitted, "retired": rt.retired,
+            "leaked": rt.leaked_count, "leaked_bytes": rt.leaked_bytes}
 
 
-def _retirer_ensure():  # replaced by retirer.ensure on import of retirer
-    pass
+def order_consumer(tok, wait, blocking=False) -> int:
+    """Order a consumer outside sharedmem after our unfinished work on the bytes of ``tok``:
+    ``wait(marker)`` is called for the newest conflicting submission of every stream --
+    pending writes, and also pending reads when the view is writable (the consumer may write
+    through it) -- and for the open holds of other consumers. Returns how many waits were
+    made. Used by DLPack / CAI export and ``as_cupy``.
 
-
-def _retirer_wake():  # replaced by retirer.wake on import of retirer
-    pass
-
-
-def _install_retirer(ensure, wake) -> None:
-    global _retirer_ensure, _retirer_wake
-    _retirer_ensure, _retirer_wake = ensure, wake
-
-
-class FailedMarker:
-    """The marker of work whose completion cannot be known because its marker could not be
-    recorded (the consumer's stream is gone, a sticky error): what it leases is kept forever."""
-
-    __slots__ = ("error",)
-    recorded = True
-    unknown = True
-    handle = 0
-
-    def __init__(self, error):
-        self.error = error
-
-    def query(self) -> int:
-        return _M_UNKNOWN
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def recycle(self) -> None:
-        pass
-
-
-def fresh_marker_locked(stream, pooled: bool = False):
-    """A marker recorded on ``stream`` now: reached once everything given to the stream so
-    far has finished (for an open hold, the consumer's work of unknown extent). Caller holds
-    core_lock (recording enqueues; it never waits). Raises CompletionUnknownError when it
-    cannot be recorded."""
-    try:
-        return stream.device.backend.record_marker(stream._impl, pooled)
-    except Exception as e:
-        raise CompletionUnknownError(
-            f"cannot order after the work on {stream}: recording an event on it failed ({e!r}). "
-            f"Was the consumer's stream destroyed while its hold was open?") from e
-
-
-def lease_locked(stream, uses, keep, label, marker) -> Submission:
-    """File ``uses`` -- ``(token, writes)`` pairs, live or not -- as leased on ``stream`` until
-    ``marker`` is reached: the bookkeeping half of :func:`submit`, for work sharedmem did not
-    enqueue itself (a consumer's, see :func:`end_holds_locked` and ``sharedmem.record_use``).
-    Caller holds core_lock."""
-    seq = stream._seq + 1
-    stream._seq = seq
-    for tok, writes in uses:
-        tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
-    sub = Submission(stream, seq, marker, keep, uses, label)
-    pending = stream._pending
-    pending.append(sub)
-    if len(pending) == 1:
-        _active.add(stream)
-    c = _counters
-    c.in_flight += 1
-    c.submitted += 1
-    if not _retirer_running[0]:
-        _retirer_ensure()  # (starting a thread waits for nothing that needs core_lock)
-    elif _retirer_idle[0]:
-        _retirer_wake()
-    return sub
-
-
-def end_holds_locked(tok) -> None:
-    """``tok``, a hold (``ViewToken.consumers``), was just released: its bytes stay leased on
-    each consumer's stream until that stream passes this point -- a marker recorded there now,
-    never a host synchronize. Caller holds core_lock; runs wherever the release happened (a
-    DLPack deleter, a finalizer, any thread), so it never raises: a marker that cannot be
-    recorded makes the lease's completion unknown, and the memory is kept (leaked on purpose,
-    reported once)."""
-    consumers, tok.consumers = tok.consumers, None
-    tracker = tok.allocation.tracker
-    for stream, writes in consumers:
-        tracker.drop_hold_locked(stream, tok)
-        if tok.start >= tok.stop:
-            continue
-        try:
-            marker = fresh_marker_locked(stream, pooled=True)
-        except CompletionUnknownError as e:
-            marker = FailedMarker(e)
-        lease_locked(stream, [(tok, writes)], [tok.keep], f"end of a {tok.kind} hold", marker)
-
-
-def order_consumer(tok, wait, blocking: bool = False) -> int:
-    """Order a consumer outside sharedmem after our unfinished work on the
-    bytes of ``tok``: ``wait(marker)`` is called for the newest conflicting
-    submission of every stream -- pending writes, and also pending reads when
-    the view is writable (the consumer may write through it). Returns how
-    many waits were made. Used by DLPack / CAI export and ``as_cupy``.
-
-    ``wait`` only enqueues (a device-side wait) unless ``blocking``: then it
-    may block the host, and is called after the core lock is released."""
+    ``wait`` only enqueues (a device-side wait) unless ``blocking``: then it may block the
+    host, and is called after the core lock is released."""
     markers = []
     with locked():
         tracker = tok.allocation.tracker
@@ -587,3 +548,9 @@ def order_consumer(tok, wait, blocking: bool = False) -> int:
         for m in markers:
             wait(m)
     return len(markers)
+
+
+# HOLD_SEQ is re-exported for adapters that read conflicts themselves
+__all__ = ["Submission", "Work", "submit", "lease_locked", "end_holds_locked", "order_consumer",
+           "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
+           "FailedMarker", "fresh_marker_locked", "label_text", "PENDING", "RETIRED", "UNKNOWN"]

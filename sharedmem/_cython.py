@@ -1,0 +1,20 @@
+"""Stand-in for the ``cython`` module when Cython is not installed.
+
+The ownership core is written once, in Cython's pure-Python mode: ordinary ``.py``
+modules whose types are declared in ``.pxd`` files beside them. Compiled (``setup.py``
+with Cython), those declarations make its classes C structs; interpreted, this module
+answers the few ``cython.*`` names the sources use, and the same code runs as Python.
+Each module imports it as::
+
+    try:
+        import cython
+    except ImportError:
+        from sharedmem import _cython as cython
+"""
+
+compiled = False
+
+
+def cast(type_, value, typecheck=False):
+    """``cython.cast``: interpreted, the value itself."""
+    return value

@@ -1,0 +1,118 @@
+"""Which build of the core runs, and the switches that choose it.
+
+The ownership core is one source, compiled by Cython when the package was built with it
+(``setup.py``), else run as the ``.py`` modules themselves. Switches (environment):
+
+* ``SHAREDMEM_PURE_PYTHON=1``: run the ``.py`` sources even where compiled modules exist
+  (the test suite runs both ways; benchmarks compare them);
+* ``SHAREDMEM_REQUIRE_EXTENSION=1``: importing sharedmem fails when the core is not compiled
+  (and the build fails when it cannot compile it).
+
+:func:`show_config` says which build is active, with the versions of the GPU libraries.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+__all__ = ["COMPILED_MODULES", "compiled", "show_config", "pure_python_requested"]
+
+#: The modules setup.py compiles (the same list, as module names).
+COMPILED_MODULES = (
+    "sharedmem.runtime.state", "sharedmem.access", "sharedmem.allocation", "sharedmem.stream",
+    "sharedmem.runtime.submission", "sharedmem.runtime.future", "sharedmem.launch",
+)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def pure_python_requested() -> bool:
+    """True when ``SHAREDMEM_PURE_PYTHON`` asks for the interpreted sources."""
+    return _flag("SHAREDMEM_PURE_PYTHON")
+
+
+class _SourcesFirst:
+    """A meta-path finder that loads the compiled modules from their ``.py`` sources."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name not in COMPILED_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.origin is None or spec.origin.endswith(".py"):
+            return spec
+        source = os.path.join(os.path.dirname(spec.origin), name.rsplit(".", 1)[1] + ".py")
+        if not os.path.exists(source):
+            return spec
+        return importlib.util.spec_from_file_location(name, source)
+
+
+def install_source_finder() -> None:
+    """Make the compiled modules load from their sources (``SHAREDMEM_PURE_PYTHON``)."""
+    if not any(isinstance(f, type) and f is _SourcesFirst for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourcesFirst)
+
+
+def compiled() -> bool:
+    """True when every core module runs compiled."""
+    mods = [sys.modules.get(m) for m in COMPILED_MODULES]
+    return all(m is not None and not (m.__file__ or "").endswith(".py") for m in mods)
+
+
+def check_required() -> None:
+    """ImportError when ``SHAREDMEM_REQUIRE_EXTENSION=1`` and the core is not compiled."""
+    if _flag("SHAREDMEM_REQUIRE_EXTENSION") and not compiled():
+        interpreted = [m for m in COMPILED_MODULES
+                       if (getattr(sys.modules.get(m), "__file__", "") or "").endswith(".py")]
+        raise ImportError(
+            f"SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core is not in use "
+            f"({', '.join(interpreted)} run from source"
+            f"{'; SHAREDMEM_PURE_PYTHON is set' if pure_python_requested() else ''}). "
+            f"Build it: pip install Cython and a C compiler, then reinstall sharedmem "
+            f"(or `make speedups` in a checkout).")
+
+
+def _version(module: str):
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    for dist in {"cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+                 "cuda.bindings": ("cuda-bindings", "cuda-python"),
+                 "cuda.tile": ("cuda-tile",), "numpy": ("numpy",), "Cython": ("Cython",)}[module]:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def show_config(file=None) -> dict:
+    """Print (to ``file``, default stdout) and return which build of the core runs -- compiled
+    or interpreted, and why -- with the Python, NumPy, Cython, CuPy, cuda-bindings and
+    cuda.tile versions (None where not installed)."""
+    import platform
+
+    from . import __version__
+    info = {
+        "sharedmem": __version__,
+        "core": "compiled (Cython)" if compiled() else (
+            "interpreted (SHAREDMEM_PURE_PYTHON=1)" if pure_python_requested()
+            else "interpreted (the compiled modules were not built)"),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "cython": _version("Cython"),
+        "cupy": _version("cupy"),
+        "cuda-bindings": _version("cuda.bindings"),
+        "cuda-tile": _version("cuda.tile"),
+    }
+    out = file if file is not None else sys.stdout
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k:<{width}}  {v if v is not None else '(not installed)'}", file=out)
+    return info

@@ -1,0 +1,155 @@
+"""The runtime: every piece of mutable ownership state, in one object, and its lock.
+
+:class:`Runtime` is to sharedmem what trio's ``Runner`` is to trio: the counters, the set of
+streams with work in flight, the work kept forever, the errors and warnings waiting for a user
+thread, the retirer's flags -- and ``lock``, the one core lock that guards them and also
+
+* the view tokens of every allocation (``Allocation._views``, ``ViewToken.live``),
+* the access records of every ``AccessTracker``,
+* each stream's FIFO of pending submissions and its sequence numbers.
+
+Rules every caller keeps:
+
+* Nothing that can block on the GPU or on another thread runs under the lock, except enqueueing
+  work on a stream (a driver call that does not wait).
+* Destructors may run in any thread at any time -- also inside a critical section of the same
+  thread, when a garbage collection is triggered there. So a destructor never blocks on the
+  lock: :meth:`Runtime.run_or_stage` tries it and, when it is busy, stages the operation; whoever
+  takes the lock next drains the stage before reading any state (``acquire`` does), so a view
+  released before an operation is never seen as live by it.
+* The lock knows its owner. An API call made by a finalizer that interrupted a critical section
+  on the same thread would deadlock on it, or see half-updated state: it raises
+  :class:`~sharedmem.errors.SharedMemError` instead (releases are staged, never refused).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from .. import _cython as cython
+
+from ..errors import SharedMemError
+
+__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage"]
+
+_get_ident = threading.get_ident
+
+
+class Runtime:
+    """The ownership core's state (see the module docstring). One per process: ``RUNTIME``."""
+
+    __slots__ = ("lock", "owner", "staged", "active", "leaked", "in_flight", "submitted",
+                 "retired", "leaked_count", "leaked_bytes", "unfinished", "live_views",
+                 "warnings", "errors", "retirer_running", "retirer_idle", "ensure_retirer",
+                 "wake_retirer", "end_holds", "policy", "pid", "__weakref__")
+
+    def __init__(self):
+        import os
+        self.lock = threading.Lock()
+        self.owner = 0  # the thread holding `lock` (0: none); written only by that thread
+        # Lock-free (deque.append and popleft are atomic under the GIL): (function, argument)
+        # pairs to run under the lock, staged by destructors that found it busy.
+        self.staged = collections.deque()
+        self.active = set()  # streams whose FIFO is not empty; guarded by lock
+        self.leaked = []  # submissions whose completion is unknown, kept forever; guarded by lock
+        # What sharedmem.stats() reports, counted in launches and copies. guarded by lock
+        self.in_flight = self.submitted = self.retired = 0
+        self.leaked_count = self.leaked_bytes = 0
+        # Submissions a sweep took off their FIFO whose finish() has not yet dropped what they
+        # kept (a sweep retires under the lock, finish() runs after it): settle() waits for 0.
+        # guarded by lock
+        self.unfinished = 0
+        self.live_views = 0  # live view tokens, all allocations; guarded by lock
+        # Lock-free: warnings and callback errors produced in whatever thread retired something,
+        # surfaced in the next user-thread API call (submission.raise_deferred).
+        self.warnings = collections.deque()
+        self.errors = collections.deque()
+        # The retirer thread's flags: running once started; idle while it sleeps its idle
+        # interval (written by the retirer only; read lock-free).
+        self.retirer_running = False
+        self.retirer_idle = False
+        self.ensure_retirer = _nothing  # installed by runtime.retirer
+        self.wake_retirer = _nothing
+        self.end_holds = None  # installed by runtime.submission: ends a released hold's lease
+        self.policy = "order"  # the process-wide cross-stream policy (access.set_access_policy)
+        self.pid = os.getpid()
+
+    # -- the lock -------------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Take the lock for an API call (blocking), then apply staged releases. Raises
+        SharedMemError when this thread already holds it (see the module docstring)."""
+        me = _get_ident()
+        if self.owner == me:
+            raise SharedMemError(
+                "sharedmem was called from a finalizer (__del__ or a weakref callback) that "
+                "interrupted a sharedmem operation on the same thread; that call would deadlock "
+                "or see half-updated state. Do the work later (queue it for another thread) or "
+                "use only release() in finalizers, which is always safe.")
+        self.lock.acquire()
+        self.owner = me
+        if self.staged:
+            self.drain_staged()
+
+    def release(self) -> None:
+        self.owner = 0
+        self.lock.release()
+
+    def drain_staged(self) -> None:
+        """Run staged releases. Caller holds the lock."""
+        staged = self.staged
+        while staged:
+            fn, arg = staged.popleft()
+            fn(arg)
+
+    def run_or_stage(self, fn, arg) -> None:
+        """Run ``fn(arg)`` under the lock if it is free now, else stage it (lock-free).
+        Never blocks; safe from destructors, from any thread, and from inside a critical
+        section of the same thread."""
+        if self.lock.acquire(False):
+            self.owner = _get_ident()
+            try:
+                if self.staged:
+                    self.drain_staged()
+                fn(arg)
+            finally:
+                self.owner = 0
+                self.lock.release()
+        else:
+            self.staged.append((fn, arg))
+
+
+def _nothing() -> None:
+    pass
+
+
+#: The process's runtime.
+RUNTIME = Runtime()
+
+
+class _Locked:
+    """``with locked():`` -- hold the core lock with staged releases applied."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        RUNTIME.acquire()
+
+    def __exit__(self, *exc) -> None:
+        RUNTIME.release()
+
+
+_LOCKED = _Locked()
+
+
+def locked() -> _Locked:
+    """The core lock as a context manager (see :meth:`Runtime.acquire`)."""
+    return _LOCKED
+
+
+def run_or_stage(fn, arg) -> None:
+    """:meth:`Runtime.run_or_stage` on the process's runtime."""
+    RUNTIME.run_or_stage(fn, arg)

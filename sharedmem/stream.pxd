@@ -1,0 +1,12 @@
+# Declarations for the compiled build of stream.py (Cython pure-Python mode).
+
+cdef class Stream:
+    cdef public object device, _impl
+    cdef public bint owned
+    cdef public object name
+    cdef public object _pending
+    cdef public long long _seq, _done
+    cdef public bint _leak_warned
+    cdef public object _external, _capture
+    cdef public dict launch_cache
+    cdef object __weakref__
