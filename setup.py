@@ -21,6 +21,8 @@ COMPILED = [
     "sharedmem/runtime/submission.py",
     "sharedmem/runtime/future.py",
     "sharedmem/launch.py",
+    "sharedmem/backends/cuda.py",
+    "interop/cupy.py",
 ]
 
 REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "") not in ("", "0")
@@ -43,7 +45,9 @@ def extensions():
         return []
     try:
         return cythonize(COMPILED, language_level=3, quiet=True,
-                         compiler_directives={"binding": True, "embedsignature": True})
+                         compiler_directives={"binding": True, "embedsignature": True,
+                                              # types come from the .pxd files only
+                                              "annotation_typing": False})
     except Exception as e:  # a Cython error in a source: never half a core
         _warn(f"Cython failed: {e}")
         return []

@@ -1,35 +1,36 @@
-"""The launch path's own Python, with the CUDA driver stubbed out.
+"""sharedmem's own host work per launch, with the CUDA driver stubbed out.
 
-Runs the real CudaBackend and CuPy adapter against the fake driver of the
-test suite (tests/fake_cuda.py) with the three hot driver calls replaced by
-no-ops (and cuTile's ``ct.launch`` by a no-op), so what is timed is sharedmem's own
-work alone. Runs anywhere:
-``python benchmarks/python_path.py``. Compare machines by running it on both.
+Runs the real CudaBackend and CuPy adapter against the fake driver of the test suite
+(tests/fake_cuda.py) with the hot driver calls replaced by C no-ops, so what is timed is
+sharedmem's own work alone, on the launch patterns users have: the same views reused, fresh
+views (a move between launches), CuPy-style foreign arrays... Runs anywhere:
+
+    python benchmarks/python_path.py            # both builds, each in its own process
+    python benchmarks/python_path.py --this     # the build this process imports
+
+Compare machines by running it on both; compare builds by the two tables.
 """
+import os
 import statistics
+import subprocess
 import sys
 import time
 
-sys.path[:0] = ["tests"]
-
-import sharedmem as sm  # noqa: E402
-import sharedmem.backends.cuda as bc  # noqa: E402
-from fake_cuda import CUresult, FakeDriver, RawKernel, fake_cupy  # noqa: E402
-
+sys.path[:0] = ["tests", "."]
 
 _STUBS = r"""
 int launch_stub(void *f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g,
                 unsigned h, void *s, void **p, void **x) { return 0; }
 int ctx_get_stub(void **out) { *out = (void *)0xC0; return 0; }
+int record_stub(void *e, void *s) { return 0; }
+int query_stub(void *e) { return 0; }
 """
 
 
 def _c_stubs():
-    """C no-ops for the compiled launch path's driver entry points, or None
-    without a C compiler (the compiled rows are then left out)."""
+    """C no-ops for the driver entry points the launch path calls, or None without a C
+    compiler (then ctypes-level no-ops: the numbers include ctypes' cost)."""
     import ctypes
-    import os
-    import subprocess
     import tempfile
     d = tempfile.mkdtemp()
     src, lib = os.path.join(d, "stubs.c"), os.path.join(d, "stubs.so")
@@ -40,26 +41,50 @@ def _c_stubs():
                        capture_output=True)
     except (OSError, subprocess.CalledProcessError):
         return None
-    so = ctypes.CDLL(lib)
-    return so, {"cuLaunchKernel": ctypes.cast(so.launch_stub, ctypes.c_void_p).value,
-                "cuCtxGetCurrent": ctypes.cast(so.ctx_get_stub, ctypes.c_void_p).value}
+    return ctypes.CDLL(lib)
 
 
 class _NullHot:
-    stubs = _c_stubs()
-    addresses = stubs[1] if stubs else None
+    """``backend.hot`` whose calls do nothing (C no-ops where a compiler is at hand)."""
 
-    def launch(self, *a):
+    def __init__(self):
+        import ctypes
+        so = _c_stubs()
+        self._so = so
+        vp, ui = ctypes.c_void_p, ctypes.c_uint
+        if so is not None:
+            self.launch = so.launch_stub
+            self.launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp]
+            self.record, self.query = so.record_stub, so.query_stub
+            self.addresses = {n: ctypes.cast(getattr(so, s), vp).value for n, s in
+                              (("cuLaunchKernel", "launch_stub"),
+                               ("cuCtxGetCurrent", "ctx_get_stub"))}
+        else:
+            self.launch = lambda *a: 0
+            self.record = lambda *a: 0
+            self.query = lambda *a: 0
+            self.addresses = {}
+
+    def graph_launch(self, *a):
         return 0
 
-    def record(self, *a):
-        return 0
 
-    def query(self, *a):
-        return 0
+def per_call_us(fn, n=20000, reps=7):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
 
 
-def main():
+def this_build():
+    import numpy as np
+
+    import sharedmem as sm
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult, FakeDriver, RawKernel, fake_cupy
     drv = FakeDriver()
     bc.cu = drv
     bc._SUCCESS, bc._NOT_READY = CUresult.CUDA_SUCCESS, CUresult.CUDA_ERROR_NOT_READY
@@ -68,61 +93,53 @@ def main():
     backend = bc.CudaBackend(0)
     dev = object.__new__(sm.Device)
     dev._setup("cuda", 0, backend.name, ("fake-cuda", 1), backend)
-    k = RawKernel(drv, "k4", ["Q", "Q", "Q", "Q", "i"], lambda *a: None)
-    import numpy as np
-    nn = np.int32(1024)  # as the GPU benchmark passes it
+    code = 'extern "C" __global__ void k4(const float* a, const float* b, float* c, float* d, int n) { }\n' \
+           'extern "C" __global__ void k16(' + ", ".join(f"float* p{i}" for i in range(16)) + ") { }\n"
+    k = RawKernel(drv, "k4", ["Q", "Q", "Q", "Q", "i"], lambda *a: None, code)
+    k16 = RawKernel(drv, "k16", ["Q"] * 16, lambda *a: None, code)
+    n = 1024
     s = dev.create_stream("s")
-    a, b, c, d = (sm.Buffer.empty(1024, "float32", device=dev) for _ in range(4))
-    o = sm.op(k, 8, 128, sm.In(a), sm.In(b), sm.Out(c), sm.Out(d), 1024)
+    a, b, c, d, e = (sm.Buffer.empty(n, "float32", device=dev) for _ in range(5))
+    many = [sm.Buffer.empty(n, "float32", device=dev) for _ in range(16)]
+    o = sm.op(k, 8, 128, sm.In(a), sm.In(b), sm.Out(e), sm.Out(d), n)
     In, Out = sm.In, sm.Out
+    state = {"c": c}
 
-    def launch():
-        sm.launch(k, 8, 128, In(a), In(b), Out(c), Out(d), nn, stream=s)
+    def reused():
+        sm.launch(k, 8, 128, In(a), In(b), Out(c), Out(d), n, stream=s)
 
-    def submit():
+    def fresh():  # a move between launches: new views every time
+        t = sm.Tensor.from_buffer(state["c"], (n,))
+        sm.launch(k, 8, 128, In(a), In(b), Out(t), Out(d), n, stream=s)
+        state["c"] = t.into_buffer()
+
+    def move_pair():
+        t = sm.Tensor.from_buffer(state["c"], (n,))
+        state["c"] = t.into_buffer()
+
+    def submit_op():
         o.submit(s)
 
-    from sharedmem._accel import fast_launch
-    from sharedmem._accel import set_compiled
+    def sixteen():
+        sm.launch(k16, 8, 128, *many, stream=s)
 
-    def python_path(fn):
-        def run():
-            set_compiled(False)
-            fn()
-        return run
-
-    # a cuTile kernel, with cuda.tile stood in for by a module whose launch does nothing
-    import types
-    from fake_cuda import TileKernel
-    ct = types.ModuleType("cuda.tile")
-    ct.launch = lambda stream, grid, kernel, args: None
-    sys.modules.setdefault("cuda", types.ModuleType("cuda")).tile = ct
-    sys.modules["cuda.tile"] = ct
-    tk = TileKernel(lambda *a: None)
-    ta, tb, tc = (sm.Tensor.zeros((1024,), "float32", device=dev) for _ in range(3))
-
-    def tile():
-        sm.launch(tk, (4,), None, In(ta), In(tb), Out(tc), 256, stream=s)
-
-    rows = [("sm.launch", launch), ("op.submit", submit), ("cuTile sm.launch", tile)]
-    if fast_launch is not None and _NullHot.addresses:
-        rows = [("sm.launch, compiled path", launch),
-                ("sm.launch, Python path", python_path(launch)), ("op.submit", submit),
-                ("cuTile sm.launch, compiled path", tile),
-                ("cuTile sm.launch, Python path", python_path(tile))]
+    rows = [("launch, 4 views reused", reused), ("launch with a move (fresh views)", fresh),
+            ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
+            ("launch, 16 views", sixteen)]
+    print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")
     for name, fn in rows:
-        for _ in range(2000):
-            fn()
-        times = []
-        for _ in range(25):
-            t0 = time.perf_counter()
-            for _ in range(4000):
-                fn()
-            times.append((time.perf_counter() - t0) / 4000 * 1e6)
+        fn()
         sm.synchronize()
-        set_compiled(True)
-        print(f"{name}, driver stubbed: min {min(times):.2f} us, median "
-              f"{statistics.median(times):.2f} us a call")
+        print(f"{name:40s} {per_call_us(fn):7.2f} us")
+        sm.synchronize()
+
+
+def main():
+    if "--this" in sys.argv:
+        return this_build()
+    for env in ({}, {"SHAREDMEM_PURE_PYTHON": "1"}):
+        subprocess.run([sys.executable, __file__, "--this"], env={**os.environ, **env},
+                       check=False)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import threading
 import numpy as np
 
 import sharedmem as sm
-from sharedmem.allocation import ViewToken, import_allocation
+from sharedmem.allocation import View, ViewToken, import_allocation
 from sharedmem.errors import AliasError, BackendUnavailableError, KernelError
 from sharedmem.launch import (ForeignArray, KernelAdapter, KernelPlan, LaunchArg, check_dims,
                               check_shared_mem, register_kernel_adapter)
@@ -260,10 +260,26 @@ class Param:
     not known), ``size`` in bytes (the driver's), ``name`` and ``ctype`` (from the source, or
     None)."""
 
-    __slots__ = ("kind", "size", "name", "ctype")
+    __slots__ = ("kind", "size", "name", "ctype", "code", "offset", "kcode", "lo", "hi", "ilo",
+                 "ihi")
 
     def __init__(self, kind, size, name, ctype):
         self.kind, self.size, self.name, self.ctype = kind, size, name, ctype
+        self.kcode = _KCODES[kind]  # the same kind, as a small int for pack()
+        bits = 8 * size
+        # the range of an integer parameter's values
+        self.lo, self.hi = ((0, 2) if kind == "b" else
+                            (-(1 << (bits - 1)), 1 << (bits - 1)) if kind == "i" else
+                            (0, 1 << bits))
+        # the same as C integers, for parameters of up to 4 bytes (pack's fast path)
+        self.ilo, self.ihi = (self.lo, self.hi) if size < 8 else (0, 0)
+        # how the compiled enqueue writes the value pack() made: an unsigned integer of
+        # `size` bytes (codes 8, 4, 2, 1: ints and pointers), a float (F32) or a double (F64),
+        # else the value's bytes (BYTES: half, and parameters of unknown type)
+        fmt = _FORMATS.get((kind, size))
+        self.code = (_BYTES if fmt is None or fmt == "e" else _F32 if fmt == "f" else
+                     _F64 if fmt == "d" else size)
+        self.offset = 0  # in the packing buffer (set by the plan)
 
     def describe(self) -> str:
         if self.ctype is None:
@@ -338,6 +354,13 @@ def _signature_params(kernel, sizes):
     return tuple(Param("?", size, None, None) for size in sizes)
 
 
+_F32, _F64, _BYTES = 16, 17, 18  # Param.code, beside the integer sizes 1, 2, 4 and 8
+_K_PTR, _K_INT, _K_FLOAT, _K_ANY = 0, 1, 2, 3  # Param.kcode
+_KCODES = {"p": _K_PTR, "i": _K_INT, "u": _K_INT, "b": _K_INT, "f": _K_FLOAT, "?": _K_ANY}
+#: The packing buffer the compiled enqueue writes on its stack (bytes). Larger parameter lists
+#: (up to the driver's 32 KiB) take the interpreted packing.
+_STACK_PARAMS = 4096
+
 _FORMATS = {("p", 8): "Q", ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
             ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q", ("f", 2): "e",
             ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
@@ -391,11 +414,7 @@ def _int_value(i, p, a):
         return int(a)
     if isinstance(a, (int, np.integer)):
         v = int(a)
-        bits = 8 * p.size
-        lo, hi = (-(1 << (bits - 1)), 1 << (bits - 1)) if p.kind == "i" else (0, 1 << bits)
-        if p.kind == "b":
-            lo, hi = 0, 2
-        if not lo <= v < hi:
+        if not p.lo <= v < p.hi:
             raise KernelError(f"argument {i}: {v} does not fit {p.describe()}")
         return v
     raise KernelError(f"argument {i}: {p.describe()} takes an int, got {_what(a)}; "
@@ -405,6 +424,8 @@ def _int_value(i, p, a):
 def _what(a) -> str:
     if isinstance(a, LaunchArg):
         return f"an array ({type(a.value).__name__})"
+    if isinstance(a, View):
+        return f"an array ({type(a).__name__})"
     return f"{type(a).__name__} {a!r}"
 
 
@@ -418,7 +439,7 @@ class RawKernelPlan(KernelPlan):
     the buffer at once) writes the values and launches."""
 
     __slots__ = ("func", "params", "fmt", "slots", "ptrs", "ptrs_addr", "backend", "launch_addr",
-                 "ctx_addr", "context", "limits", "fn")
+                 "ctx_addr", "context", "limits", "fn", "nbytes")
 
     def __init__(self, kernel, adapter, device, fn, func, params):
         KernelPlan.__init__(self, kernel, adapter, device)
@@ -430,6 +451,7 @@ class RawKernelPlan(KernelPlan):
         off = 0
         for p in params:
             offsets.append(off)
+            p.offset = off
             f = _FORMATS.get((p.kind, p.size), f"{p.size}s")
             slot = (p.size + 7) // 8 * 8
             fmt.append(f)
@@ -437,6 +459,7 @@ class RawKernelPlan(KernelPlan):
                 fmt.append(f"{slot - p.size}x")
             off += slot
         self.fmt = "".join(fmt)
+        self.nbytes = off
         self.slots = (ctypes.c_uint8 * max(off, 8))()
         base = ctypes.addressof(self.slots)
         self.ptrs = (ctypes.c_void_p * max(len(params), 1))(*[base + o for o in offsets])
@@ -462,11 +485,12 @@ class RawKernelPlan(KernelPlan):
         shm = check_shared_mem(shared_mem, lim.shared_mem or None)
         g = tuple(g) + (1,) * (3 - len(g))
         b = tuple(b) + (1,) * (3 - len(b))
-        return (g, b, shm)
+        return LaunchConfig(g, b, shm)
 
-    def pack(self, args, config, stream):
-        """The value of every parameter, converted and checked (KernelError names the first
-        argument that does not fit, before any lease is taken)."""
+    def pack(self, args, uses, config, stream):
+        """The parameters, converted to their types, checked (KernelError names the first
+        argument that does not fit, before any lease is taken) and packed: bytes laid out as
+        the plan's slots."""
         params = self.params
         n = len(params)
         need = len(args)
@@ -475,45 +499,70 @@ class RawKernelPlan(KernelPlan):
                 need += 1
         if need != n:
             raise self._count_error(args)
-        values = []
+        if cython.compiled:
+            out = PyBytes_FromStringAndSize(cython.NULL, self.nbytes)  # written at once below
+        else:
+            out = []
         p = 0
+        j = 0  # the array argument's lease in `uses`
         for i in range(len(args)):
             a = args[i]
             par = params[p]
-            kind = par.kind
+            if isinstance(a, View):  # (its token: the lease's, taken before any release)
+                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
+                    raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
+                                      f"{_what(a)}")
+                tok = uses[j][0]
+                j += 1
+                _emit_address(out, par, tok.allocation.ptr + cython.cast(View, a)._offset)
+                p += 1
+                continue
             if type(a) is LaunchArg:
+                j += 1
+                la = a
+                kind = par.kind
                 if kind != "p" and not (kind == "?" and par.size == 8):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
-                v = a.value
-                ptr = v.ptr if type(v) is not _cupy_ndarray() else v.data.ptr
-                values.append(ptr if kind == "p" else ptr.to_bytes(8, "little"))
+                v = la.value
+                if la.view is not None:
+                    ptr = la.token.allocation.ptr + la.view._offset
+                else:
+                    ptr = v.data.ptr  # a CuPy array
+                _emit_address(out, par, ptr)
                 p += 1
-                if a.with_length:
+                if la.with_length:
                     lp = params[p]
                     length = v.size  # elements (a Buffer's length)
                     if lp.kind in "iu":
-                        values.append(_int_value(i, lp, length))
+                        _emit(out, lp, _int_value(i, lp, length))
                     elif lp.kind == "?" and lp.size in (4, 8):
-                        values.append(int(length).to_bytes(lp.size, "little"))
+                        _emit(out, lp, int(length).to_bytes(lp.size, "little"))
                     else:
                         raise KernelError(f"argument {i}: with_length=True, but the next "
                                           f"parameter is {lp.describe()}, not an int")
                     p += 1
                 continue
-            if kind == "f":
-                if isinstance(a, (float, int, np.floating, np.integer)) and not isinstance(a, bool):
-                    values.append(float(a))
+            kc = par.kcode
+            t = type(a)
+            if kc == _K_INT:
+                if t is int and par.size < 8 and par.ilo <= a < par.ihi:  # (C compares)
+                    _emit(out, par, a)
+                else:
+                    _emit(out, par, _int_value(i, par, a))
+            elif kc == _K_FLOAT:
+                if t is float:
+                    _emit(out, par, a)
+                elif isinstance(a, (float, int, np.floating, np.integer)) and not isinstance(a, bool):
+                    _emit(out, par, float(a))
                 else:
                     raise KernelError(f"argument {i}: {par.describe()} takes a number, got "
                                       f"{_what(a)}")
-            elif kind in "iub":
-                values.append(_int_value(i, par, a))
-            elif kind == "p":
+            elif kc == _K_PTR:
                 if a is None:
-                    values.append(0)
+                    _emit(out, par, 0)
                 elif isinstance(a, (np.uint64, np.int64)):
-                    values.append(int(a) % (1 << 64))  # a raw address, stated as such
+                    _emit(out, par, int(a) % (1 << 64))  # a raw address, stated as such
                 else:
                     raise KernelError(
                         f"argument {i}: {par.describe()} is a pointer, got {_what(a)}; pass "
@@ -521,16 +570,18 @@ class RawKernelPlan(KernelPlan):
                         f"None for NULL")
             else:  # "?": only the size is known
                 if isinstance(a, np.generic) and a.dtype.itemsize == par.size:
-                    values.append(a.tobytes())
+                    _emit(out, par, a.tobytes())
                 elif a is None and par.size == 8:
-                    values.append(bytes(8))
+                    _emit(out, par, bytes(8))
                 else:
                     raise KernelError(
                         f"argument {i}: {par.describe()} (the kernel's source is not known, so "
                         f"neither is the type); got {_what(a)}. Pass a NumPy scalar of the "
                         f"parameter's type, e.g. np.int32(n) or np.float32(x)")
             p += 1
-        return values
+        if cython.compiled:
+            return out
+        return struct.pack(self.fmt, *out)
 
     def _count_error(self, args):
         n = len(self.params)
@@ -543,23 +594,102 @@ class RawKernelPlan(KernelPlan):
                            f"with_length=True) fills a pointer and a length parameter")
 
     def enqueue(self, stream, config, values):
-        impl = stream._impl
+        st = stream
+        impl = st._impl
+        if cython.compiled:
+            if self.launch_addr and self.nbytes <= _STACK_PARAMS and len(self.params) <= 512:
+                err = _launch_compiled(self, impl, config, values)
+                if err:
+                    self._raise(err)
+                return impl.submit_marker()
         backend = self.backend
-        g, b, shm = config
-        struct.pack_into(self.fmt, self.slots, 0, *values)
+        c = config
+        ctypes.memmove(self.slots, values, len(values))
         backend.ensure_context()
         hot = backend.hot
         if hot is not None:
-            err = hot.launch(self.func, g[0], g[1], g[2], b[0], b[1], b[2], shm, impl.handle,
+            err = hot.launch(self.func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm, impl.handle,
                              self.ptrs_addr, None)
         else:
             cu = backend.cu
-            err = int(cu.cuLaunchKernel(self.func, g[0], g[1], g[2], b[0], b[1], b[2], shm,
+            err = int(cu.cuLaunchKernel(self.func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm,
                                         impl.cu_stream, self.ptrs_addr, 0)[0])
         if err:
-            from sharedmem.backends.cuda import check
-            check((backend.cu.CUresult(err),), "cuLaunchKernel")
-        return backend.submit_marker(impl)
+            self._raise(err)
+        return impl.submit_marker()
+
+    def _raise(self, err):
+        from sharedmem.backends.cuda import check
+        check((self.backend.cu.CUresult(err),), "cuLaunchKernel")
+
+
+class LaunchConfig:
+    """A validated launch configuration: grid and block dimensions, dynamic shared memory."""
+
+    __slots__ = ("gx", "gy", "gz", "bx", "by", "bz", "shm")
+
+    def __init__(self, g, b, shm):
+        self.gx, self.gy, self.gz = g
+        self.bx, self.by, self.bz = b
+        self.shm = shm
+
+
+def _emit(out, par, v):
+    """Put parameter ``par``'s value ``v`` (converted and checked) into ``out``: compiled,
+    straight into its slot of the packed bytes; interpreted, onto the list struct packs."""
+    if cython.compiled:
+        slot = cython.cast(cython.p_char, out) + par.offset
+        code = par.code
+        if code == 8:
+            cython.cast(cython.p_ulonglong, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        elif code == 4:
+            cython.cast(cython.p_uint, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        elif code == _F32:
+            cython.cast(cython.p_float, slot)[0] = v
+        elif code == _F64:
+            cython.cast(cython.p_double, slot)[0] = v
+        elif code == 2:
+            cython.cast(cython.p_ushort, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        elif code == 1:
+            cython.cast(cython.p_uchar, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        else:
+            memcpy(slot, cython.cast(cython.p_char, v), par.size)
+    else:
+        out.append(v)
+
+
+def _emit_address(out, par, ptr):
+    """Put a device address into pointer parameter ``par`` (or its 8 bytes into a parameter
+    of unknown type)."""
+    if cython.compiled:
+        cython.cast(cython.p_ulonglong, cython.cast(cython.p_char, out) + par.offset)[0] = ptr
+    elif par.kcode == _K_PTR:
+        out.append(ptr)
+    else:
+        out.append(ptr.to_bytes(8, "little"))
+
+
+def _launch_compiled(plan, impl, config, packed):
+    """Compiled only: point the parameter array at the slots of ``packed``, make the
+    device's context current if it is not, and call ``cuLaunchKernel`` through its address.
+    Returns the driver's result."""
+    ptrs = cython.declare(cython.p_void[512])
+    base = cython.cast(cython.p_char, packed)
+    params = plan.params
+    n = len(params)
+    for i in range(n):
+        p = params[i]
+        ptrs[i] = base + p.offset
+    ctx = cython.declare(cython.p_void, cython.NULL)
+    if plan.ctx_addr:
+        cython.cast(ctx_get_fn_t, plan.ctx_addr)(cython.address(ctx))
+    if cython.cast(cython.size_t, ctx) != plan.context:
+        plan.backend.ensure_context()
+    c = config
+    return cython.cast(launch_fn_t, plan.launch_addr)(
+        cython.cast(cython.p_void, cython.cast(cython.size_t, plan.func)), c.gx, c.gy, c.gz,
+        c.bx, c.by, c.bz, c.shm, cython.cast(cython.p_void, cython.cast(cython.size_t, impl.handle)),
+        ptrs, cython.NULL)
 
 
 _ndarray_type = None

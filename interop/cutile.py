@@ -28,7 +28,9 @@ import numpy as np
 
 import sharedmem as sm
 from sharedmem.errors import BackendUnavailableError, KernelError
-from sharedmem.launch import KernelAdapter, KernelPlan, LaunchArg, check_dims, register_kernel_adapter
+from sharedmem.allocation import View
+from sharedmem.launch import (KernelAdapter, KernelPlan, LaunchArg, array_args, check_dims,
+                              register_kernel_adapter)
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -59,22 +61,33 @@ class _ArrayDescriptor:
 _RW, _RO = "cutile-descriptor-rw", "cutile-descriptor-ro"
 
 
+def _descriptor(view, writable):
+    if any(s < 0 for s in getattr(view, "strides", (1,))):
+        raise KernelError(f"{view!r} has negative strides; cuTile assumes strides >= 0 -- pass "
+                          f"a contiguous copy")
+    return _ArrayDescriptor(view, writable)
+
+
 def _writable_descriptor(view):
-    return _ArrayDescriptor(view, True)
+    return _descriptor(view, True)
 
 
 def _readonly_descriptor(view):
-    return _ArrayDescriptor(view, False)
+    return _descriptor(view, False)
+
+
+def _view_descriptor(i, view, writes):
+    """The view's cached descriptor (made once per view: its layout never changes while it
+    lives), or KernelError naming argument ``i``."""
+    try:
+        return (view._derived_value(_RW, _writable_descriptor) if writes else
+                view._derived_value(_RO, _readonly_descriptor))
+    except KernelError as e:
+        raise KernelError(f"argument {i}: {e}") from None
 
 
 def _check_no_aliasing(args) -> None:
-    arrays = [(i, a) for i, a in enumerate(args) if type(a) is LaunchArg]
-    for i, a in arrays:
-        if a.view is not None and any(s < 0 for s in getattr(a.view, "strides", (1,))):
-            raise KernelError(f"argument {i}: {a.view!r} has negative strides; cuTile assumes "
-                              f"strides >= 0 -- pass a contiguous copy")
-    if len(arrays) < 2:
-        return
+    arrays = [(i, a) for i, a in enumerate(args) if type(a) is LaunchArg]  # (from array_args)
     for n, (i, a) in enumerate(arrays):
         ta = a.token
         for j, b in arrays[n + 1:]:
@@ -107,17 +120,23 @@ class TilePlan(KernelPlan):
         g = check_dims(grid, "grid", False, self.backend.limits.grid)
         return tuple(g) + (1,) * (3 - len(g))
 
-    def pack(self, args, config, stream):
-        _check_no_aliasing(args)
+    def pack(self, args, uses, config, stream):
+        if len(uses) > 1:
+            _check_no_aliasing(array_args(args, uses))
         out = []
-        for a in args:
-            if type(a) is LaunchArg:
+        j = 0
+        for i in range(len(args)):
+            a = args[i]
+            if isinstance(a, View):
+                out.append(_view_descriptor(i, a, uses[j][1]))
+                j += 1
+            elif type(a) is LaunchArg:
+                j += 1
                 v = a.view
                 if v is None:
                     out.append(a.value)  # a foreign array: cuTile reads it itself
-                else:  # made once per view: its layout never changes while it lives
-                    out.append(v._derived_value(_RW, _writable_descriptor) if a.writes else
-                               v._derived_value(_RO, _readonly_descriptor))
+                else:
+                    out.append(_view_descriptor(i, v, a.writes))
             elif isinstance(a, np.generic):
                 out.append(a.item())
             else:

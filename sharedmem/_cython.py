@@ -18,3 +18,12 @@ compiled = False
 def cast(type_, value, typecheck=False):
     """``cython.cast``: interpreted, the value itself."""
     return value
+
+
+def declare(type_=None, value=None, **kwargs):
+    """``cython.declare``: interpreted, the value (module constants stay Python ints)."""
+    return value
+
+
+# The C type names the sources name in cython.declare(...): placeholders when interpreted.
+int = longlong = Py_ssize_t = bint = double = None  # noqa: A001

@@ -1,4 +1,6 @@
 # Declarations for the compiled build of access.py (Cython pure-Python mode).
+cimport cython
+from sharedmem.stream cimport Stream
 
 cdef class Span:
     cdef public Py_ssize_t lo, hi
@@ -13,18 +15,42 @@ cdef class Hold:
 cdef class StreamUse:
     cdef public list reads, writes, holds
     cdef public long long newest
+
+    @cython.locals(e=Span)
     cpdef bint prune(self, long long done)
 
 cdef class AccessTracker:
     cdef public dict _uses
+    cdef public object _last
+    cdef public StreamUse _last_use
+
+    @cython.locals(use=StreamUse)
+    cdef StreamUse _use_of(self, stream)
+    cdef _drop(self, stream)
+
+    @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse)
     cpdef bint elsewhere_locked(self, stream)
+
+    @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, h=Hold, best=Span,
+                   other_writes=bint)
     cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi)
-    cpdef record_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi, long long seq,
-                        marker)
+
+    @cython.locals(use=StreamUse, entries=list, e=Span, done=cython.longlong)
+    cpdef record_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,
+                        long long seq, marker)
+
+    @cython.locals(use=StreamUse, h=Hold)
     cpdef add_hold_locked(self, stream, tok, bint writes)
-    cpdef drop_hold_locked(self, stream, tok)
+
+    @cython.locals(use=StreamUse, s=Stream)
+    cpdef drop_hold_locked(self, Stream stream, tok)
+
+    @cython.locals(uses=dict, s=Stream)
     cpdef list streams_locked(self)
 
+@cython.locals(keep=list, e=Span)
 cdef _add_range(list entries, Py_ssize_t lo, Py_ssize_t hi, long long seq, marker,
                 long long done)
+
+@cython.locals(e=Span)
 cdef Span _newest_overlap(list entries, Py_ssize_t lo, Py_ssize_t hi, Span best)

@@ -159,24 +159,46 @@ class AccessTracker:
     Holds strong references to the streams and completion markers of work in flight. Every
     method requires core_lock."""
 
-    __slots__ = ("_uses",)
+    __slots__ = ("_uses", "_last", "_last_use")
 
     def __init__(self):
         self._uses = {}  # Stream -> StreamUse; guarded by core_lock
+        # The stream recorded last and its StreamUse (or None): launches on one stream find it
+        # without a dict lookup. Invariant: _last is None or _uses[_last] is _last_use.
+        # guarded by core_lock
+        self._last = None
+        self._last_use = None
 
     def __bool__(self) -> bool:
         return bool(self.streams_locked())
+
+    def _use_of(self, stream):
+        """``stream``'s StreamUse, made if needed (and remembered as the last one)."""
+        if self._last is stream:
+            return self._last_use
+        use = self._uses.get(stream)
+        if use is None:
+            use = self._uses[stream] = StreamUse()
+        self._last = stream
+        self._last_use = use
+        return use
+
+    def _drop(self, stream) -> None:
+        del self._uses[stream]
+        if self._last is stream:
+            self._last = None
+            self._last_use = None
 
     def elsewhere_locked(self, stream) -> bool:
         """Whether streams other than ``stream`` have unfinished accesses or open holds (the
         launch path's test: usually there are none, and no range is looked at)."""
         uses = self._uses
         n = len(uses)
-        if n == 0 or (n == 1 and stream in uses):
+        if n == 0 or (n == 1 and (self._last is stream or stream in uses)):
             return False
         for s in list(uses):
             if s is not stream and uses[s].prune(s._done):
-                del uses[s]
+                self._drop(s)
         return len(uses) > (1 if stream in uses else 0)
 
     def conflicts_locked(self, stream, writes, lo, hi) -> list:
@@ -195,7 +217,7 @@ class AccessTracker:
                 continue
             use = uses[s]
             if use.prune(s._done):
-                del uses[s]
+                self._drop(s)
                 continue
             held = None
             for h in use.holds:
@@ -216,9 +238,7 @@ class AccessTracker:
         """Record an access by submission ``seq`` on ``stream``."""
         if lo >= hi:
             return
-        use = self._uses.get(stream)
-        if use is None:
-            use = self._uses[stream] = StreamUse()
+        use = self._use_of(stream)
         done = stream._done
         use.newest = seq
         entries = use.writes if writes else use.reads
@@ -240,9 +260,7 @@ class AccessTracker:
         """Open a hold of ``tok``'s bytes for work on ``stream`` (see ``StreamUse.holds``)."""
         if tok.start >= tok.stop:
             return
-        use = self._uses.get(stream)
-        if use is None:
-            use = self._uses[stream] = StreamUse()
+        use = self._use_of(stream)
         for h in use.holds:
             if h.token is tok:
                 h.writes = h.writes or writes
@@ -256,14 +274,14 @@ class AccessTracker:
             return
         use.holds = [h for h in use.holds if h.token is not tok]
         if use.prune(stream._done):
-            del self._uses[stream]
+            self._drop(stream)
 
     def streams_locked(self) -> list:
         """Streams with unfinished accesses or open holds (for diagnostics and tests)."""
         uses = self._uses
         for s in list(uses):
             if uses[s].prune(s._done):
-                del uses[s]
+                self._drop(s)
         return list(uses)
 
     def use_locked(self, stream):

@@ -1,5 +1,7 @@
 # Declarations for the compiled build of allocation.py (Cython pure-Python mode).
+cimport cython
 from sharedmem.access cimport AccessTracker
+from sharedmem.runtime.state cimport Runtime
 
 cdef class Allocation
 
@@ -11,11 +13,14 @@ cdef class ViewToken:
     cdef public object origin, keep
     cdef public bint live
     cdef public list consumers
+    cdef public tuple use_r, use_w
+
+    cpdef tuple use(self, bint writes)
 
 cdef class Allocation:
     cdef readonly long long id
     cdef public object device
-    cdef public object ptr
+    cdef public unsigned long long ptr
     cdef public Py_ssize_t nbytes
     cdef public object owner
     cdef public str source
@@ -23,7 +28,10 @@ cdef class Allocation:
     cdef public dict _views
     cdef object __weakref__
 
+    @cython.locals(t=ViewToken)
     cpdef list live_tokens_locked(self, Py_ssize_t start, Py_ssize_t stop)
+
+    @cython.locals(views=dict, out=list, tok=ViewToken)
     cpdef list conflicts_locked(self, Py_ssize_t start, Py_ssize_t stop, bint writable, exclude)
 
 cdef class View:
@@ -34,6 +42,10 @@ cdef class View:
     cdef public Py_ssize_t _offset
     cdef object __weakref__
 
+@cython.locals(rt=Runtime)
 cpdef _release_locked(ViewToken tok)
+
+@cython.locals(rt=Runtime)
 cpdef ViewToken _add_locked(ViewToken tok)
+
 cpdef add_consumer_locked(ViewToken tok, stream, bint writes)

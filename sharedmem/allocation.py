@@ -80,7 +80,7 @@ class ViewToken:
     """
 
     __slots__ = ("allocation", "kind", "start", "stop", "writable", "origin", "keep", "live",
-                 "consumers")
+                 "consumers", "use_r", "use_w")
 
     def __init__(self, allocation, kind, start, stop, writable, keep, origin=None):
         self.allocation = allocation
@@ -98,6 +98,22 @@ class ViewToken:
         # stream until the stream passes that point (runtime.submission.end_holds_locked).
         # None or a list of (Stream, writes); guarded by core_lock.
         self.consumers = None
+        # The lease pairs (self, False) and (self, True) a launch names (see use()): made once
+        # per view, not per launch. They refer to this token, so release drops them.
+        self.use_r = None
+        self.use_w = None
+
+    def use(self, writes):
+        """``(self, writes)``: this token as a lease of ``submit()``'s ``uses``, made once."""
+        if writes:
+            u = self.use_w
+            if u is None:
+                u = self.use_w = (self, True)
+        else:
+            u = self.use_r
+            if u is None:
+                u = self.use_r = (self, False)
+        return u
 
     def describe(self) -> str:
         """One line naming the view: kind, byte range, allocation, and where it was made."""
@@ -115,6 +131,7 @@ class ViewToken:
 def _release_locked(tok) -> None:
     if tok.live:
         tok.live = False
+        tok.use_r = tok.use_w = None  # (they refer back to the token)
         del tok.allocation._views[id(tok)]
         RUNTIME.live_views -= 1
         if tok.consumers is not None:  # a hold ends: stream-ordered, never at once

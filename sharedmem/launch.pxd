@@ -1,5 +1,9 @@
 # Declarations for the compiled build of launch.py (Cython pure-Python mode).
-from sharedmem.runtime.submission cimport Work
+cimport cython
+from sharedmem.allocation cimport View, ViewToken
+from sharedmem.runtime.submission cimport Submission, Work, submit_plan
+from sharedmem.runtime.future cimport future_of
+from sharedmem.stream cimport Stream, streams_entered
 
 cdef class Intent:
     cdef public object obj
@@ -19,19 +23,44 @@ cdef class Atomic(Intent):
     pass
 
 cdef class LaunchArg:
-    cdef public object view, value, token
+    cdef public View view
+    cdef public object value
+    cdef public ViewToken token
     cdef public int _mode
     cdef public object intent
     cdef public bint with_length
 
-cdef class KernelPlan:
+cdef class KernelPlan(Work):
     cdef public object kernel, adapter, device, label
     cdef public dict _configs
+    cdef public tuple _last
     cdef object __weakref__
 
-cdef class _Launch(Work):
-    cdef public KernelPlan plan
-    cdef public object stream, config, payload
+    @cython.locals(last=tuple)
+    cpdef configure(self, grid, block, shared_mem)
+    cpdef make_config(self, grid, block, shared_mem)
+    cpdef pack(self, list args, list uses, config, stream)
+    cpdef enqueue(self, stream, config, payload)
+
+cdef class _PreparedPlan(KernelPlan):
+    pass
+
+cdef class _HostPlan(KernelPlan):
+    pass
 
 cdef class ForeignArray:
-    cdef public object token, value
+    cdef public ViewToken token
+    cdef public object value
+
+@cython.locals(resolved=list, uses=list, i=Py_ssize_t, n=Py_ssize_t, mode=int,
+               with_length=bint, view=View, tok=ViewToken, ia=Intent, fa=ForeignArray,
+               la=LaunchArg)
+cpdef tuple resolve_args(adapter, tuple args, device)
+
+@cython.locals(plan=KernelPlan, sub=Submission, st=Stream)
+cpdef Submission launch_submission(kernel, grid, block, tuple args, stream, shared_mem, policy)
+
+@cython.locals(plan=KernelPlan, plans=dict)
+cpdef KernelPlan plan_for(adapter, kernel, device)
+
+cdef _init_intent(Intent self, obj, bint with_length, int mode)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from functools import partial
 
 try:
     import cython
@@ -31,15 +32,17 @@ except ImportError:  # interpreted, without Cython installed
 from .access import ATOMIC, READ, WRITE, check_policy
 from .allocation import View
 from .errors import DeviceMismatchError, KernelError
-from .runtime.future import DeviceFuture
-from .runtime.submission import Work, submit
-from .stream import Stream, current_stream
+from .runtime.future import future_of
+from .runtime.submission import Work, submit_plan
+from .stream import Stream, current_stream, streams_entered
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
-           "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg"]
+           "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "array_args"]
 
-# Intent modes, as stored (C ints when compiled); `Intent.mode` gives their names.
-_READ, _WRITE, _ATOMIC = 0, 1, 2
+# Intent modes, as stored (C constants when compiled); `Intent.mode` gives their names.
+_READ = cython.declare(cython.int, 0)
+_WRITE = cython.declare(cython.int, 1)
+_ATOMIC = cython.declare(cython.int, 2)
 _MODE_NAMES = (READ, WRITE, ATOMIC)
 
 
@@ -51,8 +54,8 @@ class Intent:
 
     __slots__ = ("obj", "_mode", "with_length")
 
-    def __init__(self, *args, **kwargs):
-        _init_intent(self, args, kwargs, _WRITE)
+    def __init__(self, obj, with_length=False):
+        _init_intent(self, obj, with_length, _WRITE)
 
     @property
     def mode(self) -> str:
@@ -63,18 +66,9 @@ class Intent:
         return f"{type(self).__name__}({self.obj!r}{', with_length=True' if self.with_length else ''})"
 
 
-def _init_intent(self, args, kwargs, mode) -> None:
-    name = type(self).__name__
-    with_length = False
-    if kwargs:
-        if set(kwargs) != {"with_length"}:
-            raise TypeError(f"{name}() takes no keyword arguments other than with_length")
-        with_length = bool(kwargs["with_length"])
-    if len(args) != 1:
-        raise TypeError(f"{name} expected 1 argument, got {len(args)}")
-    obj = args[0]
+def _init_intent(self, obj, with_length, mode) -> None:
     if isinstance(obj, Intent):
-        raise KernelError(f"{name}({obj!r}): an argument takes one intent")
+        raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
     self.obj = obj
     self._mode = mode
     self.with_length = with_length
@@ -85,8 +79,8 @@ class In(Intent):
 
     __slots__ = ()
 
-    def __init__(self, *args, **kwargs):
-        _init_intent(self, args, kwargs, _READ)
+    def __init__(self, obj, with_length=False):
+        _init_intent(self, obj, with_length, _READ)
 
 
 class Out(Intent):
@@ -94,8 +88,8 @@ class Out(Intent):
 
     __slots__ = ()
 
-    def __init__(self, *args, **kwargs):
-        _init_intent(self, args, kwargs, _WRITE)
+    def __init__(self, obj, with_length=False):
+        _init_intent(self, obj, with_length, _WRITE)
 
 
 class InOut(Intent):
@@ -103,8 +97,8 @@ class InOut(Intent):
 
     __slots__ = ()
 
-    def __init__(self, *args, **kwargs):
-        _init_intent(self, args, kwargs, _WRITE)
+    def __init__(self, obj, with_length=False):
+        _init_intent(self, obj, with_length, _WRITE)
 
 
 class Atomic(Intent):
@@ -112,8 +106,8 @@ class Atomic(Intent):
 
     __slots__ = ()
 
-    def __init__(self, *args, **kwargs):
-        _init_intent(self, args, kwargs, _ATOMIC)
+    def __init__(self, obj, with_length=False):
+        _init_intent(self, obj, with_length, _ATOMIC)
 
 
 class LaunchArg:
@@ -143,18 +137,18 @@ class LaunchArg:
         return self._mode != _READ
 
 
-class KernelPlan:
+class KernelPlan(Work):
     """What is constant about launching one kernel on one device, decided once by the
     kernel's adapter (``KernelAdapter.plan``) and cached: parameter layout, entry point,
     limits. Per launch, :func:`launch` calls ``configure`` and ``pack`` (validation, before
     any lease) and then ``enqueue`` under the core lock.
 
     ``configure(grid, block, shared_mem)`` -> a launch configuration (validated; plans cache
-    it per value). ``pack(args, config, stream)`` -> the payload ``enqueue`` needs;
-    ``args`` mixes :class:`LaunchArg` and scalars. ``enqueue(stream, config, payload)``
+    it per value). ``pack(args, uses, config, stream)`` -> the payload ``enqueue`` needs;
+    ``args`` and ``uses`` as :func:`resolve_args` makes them. ``enqueue(stream, config, payload)``
     puts the work on the stream and returns its completion marker."""
 
-    __slots__ = ("kernel", "adapter", "device", "label", "_configs", "__weakref__")
+    __slots__ = ("kernel", "adapter", "device", "label", "_configs", "_last", "__weakref__")
 
     def __init__(self, kernel, adapter, device):
         self.kernel = kernel
@@ -162,9 +156,15 @@ class KernelPlan:
         self.device = device
         self.label = (adapter, kernel)  # formatted only when a message needs it
         self._configs = {}  # (grid, block, shared_mem) -> config; lock-free (idempotent writes)
+        # (grid, block, shared_mem, config) of the last launch: the same objects again (a
+        # literal grid or block is one constant object) need no lookup. Replaced whole: lock-free
+        self._last = (None, None, None, None)
 
     def configure(self, grid, block, shared_mem):
         """The validated launch configuration, cached per value (see ``make_config``)."""
+        last = self._last
+        if last[0] is grid and last[1] is block and last[2] is shared_mem:
+            return last[3]
         key = (grid, block, shared_mem)
         try:
             config = self._configs.get(key)
@@ -174,6 +174,7 @@ class KernelPlan:
             config = self.make_config(grid, block, shared_mem)
             if len(self._configs) < 256:
                 self._configs[key] = config
+        self._last = (grid, block, shared_mem, config)
         return config
 
     def make_config(self, grid, block, shared_mem):
@@ -181,26 +182,11 @@ class KernelPlan:
         return (check_dims(grid, "grid"), check_dims(block, "block", True),
                 check_shared_mem(shared_mem))
 
-    def pack(self, args, config, stream):  # pragma: no cover - overridden
+    def pack(self, args, uses, config, stream):  # pragma: no cover - overridden
         raise NotImplementedError
 
     def enqueue(self, stream, config, payload):  # pragma: no cover - overridden
         raise NotImplementedError
-
-
-class _Launch(Work):
-    """One launch's enqueue, as submit() runs it under the core lock."""
-
-    __slots__ = ("plan", "stream", "config", "payload")
-
-    def __init__(self, plan, stream, config, payload):
-        self.plan = plan
-        self.stream = stream
-        self.config = config
-        self.payload = payload
-
-    def run(self):
-        return self.plan.enqueue(self.stream, self.config, self.payload)
 
 
 class KernelAdapter:
@@ -245,8 +231,9 @@ class _PreparedPlan(KernelPlan):
     def make_config(self, grid, block, shared_mem):
         return (grid, block, check_shared_mem(shared_mem))
 
-    def pack(self, args, config, stream):
-        return self.adapter.prepare(self.kernel, config[0], config[1], args, config[2], stream)
+    def pack(self, args, uses, config, stream):
+        return self.adapter.prepare(self.kernel, config[0], config[1], array_args(args, uses),
+                                    config[2], stream)
 
     def enqueue(self, stream, config, payload):
         return payload[0]()
@@ -327,10 +314,11 @@ def adapter_for(kernel):
 
 def plan_for(adapter, kernel, device):
     """The cached KernelPlan of ``kernel`` on ``device`` (made by ``adapter.plan`` once)."""
+    plans = _plans
     try:
-        plan = _plans.get(kernel)
+        plan = plans.get(kernel)
     except TypeError:  # an unhashable kernel object: planned on every launch
-        return adapter.plan(kernel, device)
+        return _new_plan(adapter, kernel, device)
     if plan is not None and plan.device is device:
         return plan
     key = (id(kernel), device.key)
@@ -338,7 +326,7 @@ def plan_for(adapter, kernel, device):
     if hit is not None and hit[0] is kernel:
         plan = hit[1]
     else:
-        plan = adapter.plan(kernel, device)
+        plan = _new_plan(adapter, kernel, device)
         if len(_plans_by_device) >= _PLANS_MAX:
             _plans_by_device.clear()
         _plans_by_device[key] = (kernel, plan)
@@ -346,6 +334,13 @@ def plan_for(adapter, kernel, device):
         _plans.clear()
     _plans[kernel] = plan
     return plan
+
+
+def _new_plan(adapter, kernel, device):
+    if device.kind not in adapter.device_kinds:
+        raise DeviceMismatchError(f"a {adapter.name} cannot run on {device}; it runs on "
+                                  f"{' or '.join(adapter.device_kinds)} devices")
+    return adapter.plan(kernel, device)
 
 
 # -- validation helpers ------------------------------------------------------------------
@@ -393,9 +388,12 @@ def _as_view(obj):
 
 
 def resolve_args(adapter, args, device):
-    """Split launch arguments into :class:`LaunchArg` and scalars; returns ``(resolved, uses,
-    device)``. Raises before anything is leased. Views an adapter makes of foreign arrays are
-    referenced by ``resolved`` (keep it until the leases are taken)."""
+    """Resolve launch arguments; returns ``(resolved, uses, device)``. Raises before anything
+    is leased. ``uses``: the ``(token, writes)`` lease of each array argument, in order.
+    ``resolved``: the arguments, each array argument as its view (the common case) or as a
+    :class:`LaunchArg` (a foreign array leased without a view, or ``with_length``); a plan
+    walks it with ``uses`` beside it (see :func:`array_args`). Views an adapter makes of
+    foreign arrays are referenced by ``resolved`` (keep it until the leases are taken)."""
     resolved = []
     uses = []
     for i in range(len(args)):
@@ -405,10 +403,11 @@ def resolve_args(adapter, args, device):
             resolved.append(a)
             continue
         if isinstance(a, Intent):
-            obj = a.obj
-            mode = a._mode
+            ia = a
+            obj = ia.obj
+            mode = ia._mode
             intent = t
-            with_length = a.with_length
+            with_length = ia.with_length
         else:
             obj = a
             mode = -1
@@ -432,8 +431,9 @@ def resolve_args(adapter, args, device):
                 resolved.append(a)
                 continue
             if isinstance(got, ForeignArray):
-                tok = got.token
-                value = got.value
+                fa = got
+                tok = fa.token
+                value = fa.value
             else:  # a view made for this launch (adapters before ForeignArray)
                 view = got
                 tok = view._token
@@ -452,9 +452,39 @@ def resolve_args(adapter, args, device):
             shown = view if view is not None else obj
             raise KernelError(f"argument {i}: {intent.__name__}({shown!r}) would write through a "
                               f"read-only view; pass it as In(...) or copy it first")
-        resolved.append(LaunchArg(view, value, tok, mode, intent, with_length))
+        if view is not None and view is value and not with_length:
+            resolved.append(view)  # the common case: the view itself stands for the argument
+            uses.append(tok.use(mode != _READ))
+            continue
+        la = LaunchArg.__new__(LaunchArg)
+        la.view = view
+        la.value = value
+        la.token = tok
+        la._mode = mode
+        la.intent = intent
+        la.with_length = with_length
+        resolved.append(la)
         uses.append((tok, mode != _READ))
     return resolved, uses, device
+
+
+def array_args(resolved, uses):
+    """The array arguments of a resolved launch as :class:`LaunchArg` objects (for plans and
+    adapters that want them whole; the launch path itself avoids making them)."""
+    out = []
+    j = 0
+    for a in resolved:
+        if isinstance(a, View):
+            tok, writes = uses[j]
+            la = LaunchArg(a, a, tok, _WRITE if writes else _READ, None, False)
+            out.append(la)
+            j += 1
+        elif type(a) is LaunchArg:
+            out.append(a)
+            j += 1
+        else:
+            out.append(a)
+    return out
 
 
 def launch(kernel, grid, block, *args, stream=None, shared_mem=0, policy=None):
@@ -469,7 +499,7 @@ def launch(kernel, grid, block, *args, stream=None, shared_mem=0, policy=None):
     Returns a :class:`DeviceFuture`. The arguments' memory stays valid until
     the device has finished, whatever the caller drops meanwhile.
     """
-    return DeviceFuture(launch_submission(kernel, grid, block, args, stream, shared_mem, policy))
+    return future_of(launch_submission(kernel, grid, block, args, stream, shared_mem, policy))
 
 
 def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
@@ -482,11 +512,12 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
     if stream is not None:
         if type(stream) is not Stream:
             stream = Stream.from_external(stream)
-        device = stream.device
+        st = stream
+        device = st.device
     else:
         device = None
     resolved, uses, device = resolve_args(adapter, args, device)
-    if stream is None:
+    if stream is None and streams_entered():
         stream = current_stream(device)  # the innermost `with stream:` on that device, or None
         if stream is not None:
             device = stream.device
@@ -495,21 +526,16 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         device = default_device()
         if device.kind not in adapter.device_kinds and "host" in adapter.device_kinds:
             device = Device.host()
-    if device.kind not in adapter.device_kinds:
-        raise DeviceMismatchError(f"a {adapter.name} cannot run on {device}; it runs on "
-                                  f"{' or '.join(adapter.device_kinds)} devices")
+    plan = plan_for(adapter, kernel, device)  # (made once, after checking the device's kind)
     if stream is None:
         stream = device.default_stream
-    plan = plan_for(adapter, kernel, device)
     config = plan.configure(grid, block, shared_mem)
-    payload = plan.pack(resolved, config, stream)
-    work = _Launch(plan, stream, config, payload)
-    keep = [kernel]
-    if isinstance(plan, _PreparedPlan):
-        keep.extend(payload[1])
+    payload = plan.pack(resolved, uses, config, stream)
+    # the work keeps the plan (and so the kernel), and each lease's `keep`
+    keep = plan if not isinstance(plan, _PreparedPlan) else [plan, *payload[1]]
     # `resolved` stays referenced until the leases are taken: views an adapter made of
     # foreign arrays live only as long as it does
-    sub = submit(stream, uses, work, keep, policy, plan.label)
+    sub = submit_plan(stream, uses, plan, config, payload, keep, policy, plan.label)
     resolved = None
     return sub
 
@@ -549,13 +575,23 @@ def host_kernel(fn) -> HostKernel:
 class _HostPlan(KernelPlan):
     __slots__ = ()
 
-    def pack(self, args, config, stream):
+    def pack(self, args, uses, config, stream):
         from .backends.host import ndarray_of
-        return [ndarray_of(a.view, a._mode != _READ) if type(a) is LaunchArg else a for a in args]
+        out = []
+        j = 0
+        for a in args:
+            if isinstance(a, View):
+                out.append(ndarray_of(a, uses[j][1]))
+                j += 1
+            elif type(a) is LaunchArg:
+                out.append(ndarray_of(a.view, a.writes))
+                j += 1
+            else:
+                out.append(a)
+        return out
 
     def enqueue(self, stream, config, payload):
-        fn = self.kernel.fn
-        return stream._impl.submit(lambda: fn(*payload))
+        return stream._impl.submit(partial(self.kernel.fn, *payload))
 
 
 class _HostAdapter(KernelAdapter):

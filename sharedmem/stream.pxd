@@ -6,7 +6,9 @@ cdef class Stream:
     cdef public object name
     cdef public object _pending
     cdef public long long _seq, _done
-    cdef public bint _leak_warned
+    cdef public bint _leak_warned, _checks
     cdef public object _external, _capture
     cdef public dict launch_cache
     cdef object __weakref__
+
+cpdef bint streams_entered()

@@ -34,7 +34,7 @@ class Stream:
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_leak_warned",
-                 "_external", "_capture", "launch_cache", "__weakref__")
+                 "_external", "_capture", "_checks", "launch_cache", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
@@ -53,6 +53,10 @@ class Stream:
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock
+        # Whether submit() must ask the stream's impl for a fault or a full queue (host streams
+        # do; a CUDA stream has neither: sticky errors surface in queries)
+        self._checks = getattr(impl, "fault", None) is not None or \
+            getattr(impl, "throttle", None) is not None or device.kind != "cuda"
         # For kernel adapters: what is constant about launching a kernel on this stream
         # (interop.cupy keeps its launchers here), so it lives and dies with the stream.
         # Lock-free: entries are immutable and a racing writer stores an equivalent one.
@@ -100,6 +104,8 @@ class Stream:
         """``with stream:`` makes this the current stream of its device in this thread:
         ``launch``, ``op.submit``, allocations and copies given ``stream=None`` use it (as
         ``with cupy_stream:`` and ``with torch.cuda.stream(s):`` do for those libraries)."""
+        global _entered
+        _entered = True
         stack = getattr(_current, "stack", None)
         if stack is None:
             stack = _current.stack = []
@@ -184,6 +190,12 @@ _by_handle_lock = threading.Lock()
 
 
 _current = threading.local()  # .stack: the streams entered with `with stream:`, innermost last
+_entered = False  # True once any thread entered a stream (until then no lookup is needed)
+
+
+def streams_entered() -> bool:
+    """Whether any thread ever entered a stream with ``with stream:`` (lock-free read)."""
+    return _entered
 
 
 def current_stream(device=None):

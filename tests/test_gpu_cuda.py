@@ -126,7 +126,7 @@ def test_scalars_typed_as_the_kernel_expects(gpu, K):
 def test_buffer_slice_marshals_as_pointer_and_length(gpu, K):
     b = sm.Buffer.from_host(np.ones(100, np.float32), device=gpu)
     part = b[10:30]
-    sm.launch(K.kernel("scale_len"), 1, 128, part, 3.0)  # (float* x, long long n, double factor)
+    sm.launch(K.kernel("scale_len"), 1, 128, sm.InOut(part, with_length=True), 3.0)  # (float* x, long long n, double factor)
     got = b.to_host()
     assert got[:10].tolist() == [1.0] * 10 and got[10:30].tolist() == [3.0] * 20
     assert got[30:].tolist() == [1.0] * 70

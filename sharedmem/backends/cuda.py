@@ -35,6 +35,11 @@ from ..runtime.state import locked
 from ..errors import BackendUnavailableError, CudaError
 from . import COMPLETE
 
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from .. import _cython as cython
+
 PENDING, DONE, UNKNOWN = 0, 1, 2
 
 try:  # imported lazily by Device(i); never by `import sharedmem`
@@ -124,7 +129,7 @@ class CudaMarker:
 
     __slots__ = ("event", "handle", "error", "_backend", "_pooled", "_open_on")
 
-    def __init__(self, event, backend, pooled: bool):
+    def __init__(self, event, backend, pooled):
         self.event = event
         self.handle = int(event) if event is not None else 0
         self.error = None
@@ -217,12 +222,12 @@ class CudaMarker:
             ev, self.event = self.event, None
             self._backend._events.append(ev)
 
-    def __del__(self, _finalizing=sys.is_finalizing):
+    def __del__(self):
         # A marker of its own (a user Event, a stream-to-stream wait) owns its event.
         # cuEventDestroy never blocks: waits already enqueued on it still complete.
         # Through the driver module the backend was built with, not the global:
         # a destructor may run long after (tests swap the module for a fake).
-        if not self._pooled and self.event is not None and not _finalizing():
+        if not self._pooled and self.event is not None and not sys.is_finalizing():
             try:
                 self._backend.cu.cuEventDestroy(self.event)
             except Exception:
@@ -236,7 +241,7 @@ class CudaStreamImpl:
     __slots__ = ("handle", "cu_stream", "owned", "name", "_backend", "external", "capturing",
                  "open_marker", "open_count", "__weakref__")
 
-    def __init__(self, backend, handle: int, owned: bool, name=None, external=None):
+    def __init__(self, backend, handle, owned, name=None, external=None):
         self.capturing = False  # set by begin_capture / end_capture
         # The marker later submissions join, and how many have (see CudaMarker); guarded by
         # core_lock
@@ -250,9 +255,30 @@ class CudaStreamImpl:
         self.external = external  # a borrowed foreign stream object, kept alive
 
     fault = None  # a CUDA stream has no per-stream fault; sticky errors surface in queries
-    throttle = None  # the driver's launch queue waits for room by itself
+    throttle = None  # (submit() bounds the work queued per stream itself)
 
-    def wait_marker(self, marker: CudaMarker) -> None:
+    def submit_marker(self):
+        """The completion marker of work just enqueued here: this stream's open marker,
+        joined (see CudaMarker). Every MARKER_BATCH-th joiner records it. Caller holds
+        core_lock. Nothing is recorded on a capturing stream: the work was captured, not run."""
+        if self.capturing:
+            return COMPLETE
+        m = self.open_marker
+        if m is None:
+            m = CudaMarker(None, self._backend, True)
+            m._open_on = self
+            self.open_marker = m
+            self.open_count = 1
+            return m
+        n = self.open_count + 1
+        self.open_count = n
+        if n >= MARKER_BATCH:
+            m.close_locked()
+            if m.error is not None:
+                raise m.error
+        return m
+
+    def wait_marker(self, marker) -> None:
         """Make this stream wait for ``marker`` (caller holds core_lock when it may be open)."""
         if marker._open_on is not None:
             marker.close_locked()
@@ -447,22 +473,7 @@ class CudaBackend:
         open marker, joined (see CudaMarker). Every MARKER_BATCH-th joiner
         records it. Caller holds core_lock. Nothing is recorded on a capturing
         stream: the work was captured, not run."""
-        if impl.capturing:
-            return COMPLETE
-        m = impl.open_marker
-        if m is None:
-            m = CudaMarker(None, self, True)
-            m._open_on = impl
-            impl.open_marker = m
-            impl.open_count = 1
-            return m
-        n = impl.open_count + 1
-        impl.open_count = n
-        if n >= MARKER_BATCH:
-            m.close_locked()
-            if m.error is not None:
-                raise m.error
-        return m
+        return impl.submit_marker()
 
     def wait_on_handle(self, stream_handle: int, marker: CudaMarker) -> None:
         """Make a foreign stream (raw handle) wait for ``marker`` (caller holds

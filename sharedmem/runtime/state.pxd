@@ -1,7 +1,11 @@
 # Declarations for the compiled build of state.py (Cython pure-Python mode).
+from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock,
+                               PyThread_allocate_lock, PyThread_acquire_lock,
+                               PyThread_release_lock, WAIT_LOCK, NOWAIT_LOCK)
 
 cdef class Runtime:
-    cdef readonly object lock
+    cdef readonly object lock, _acquire, _release
+    cdef PyThread_type_lock _plock
     cdef public unsigned long owner
     cdef readonly object staged
     cdef readonly set active
@@ -19,3 +23,6 @@ cdef class Runtime:
     cpdef release(self)
     cpdef drain_staged(self)
     cpdef run_or_stage(self, fn, arg)
+    cdef bint _try_acquire(self)
+
+cdef unsigned long _thread_ident()

@@ -42,14 +42,25 @@ _get_ident = threading.get_ident
 class Runtime:
     """The ownership core's state (see the module docstring). One per process: ``RUNTIME``."""
 
-    __slots__ = ("lock", "owner", "staged", "active", "leaked", "in_flight", "submitted",
-                 "retired", "leaked_count", "leaked_bytes", "unfinished", "live_views",
-                 "warnings", "errors", "retirer_running", "retirer_idle", "ensure_retirer",
-                 "wake_retirer", "end_holds", "policy", "pid", "__weakref__")
+    __slots__ = ("lock", "_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
+                 "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
+                 "unfinished", "live_views", "warnings", "errors", "retirer_running",
+                 "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "policy", "pid",
+                 "__weakref__")
 
     def __init__(self):
         import os
-        self.lock = threading.Lock()
+        # The core lock. Compiled, a PyThread lock taken through the C API (the same primitive
+        # threading.Lock wraps, without a method call per launch); interpreted, threading.Lock.
+        if cython.compiled:
+            self._plock = PyThread_allocate_lock()
+            if not self._plock:
+                raise MemoryError("cannot allocate sharedmem's core lock")
+            self.lock = None
+        else:
+            self.lock = threading.Lock()
+            self._acquire = self.lock.acquire  # (bound once: called on every launch)
+            self._release = self.lock.release
         self.owner = 0  # the thread holding `lock` (0: none); written only by that thread
         # Lock-free (deque.append and popleft are atomic under the GIL): (function, argument)
         # pairs to run under the lock, staged by destructors that found it busy.
@@ -82,21 +93,34 @@ class Runtime:
     def acquire(self) -> None:
         """Take the lock for an API call (blocking), then apply staged releases. Raises
         SharedMemError when this thread already holds it (see the module docstring)."""
-        me = _get_ident()
+        me = _thread_ident()
         if self.owner == me:
             raise SharedMemError(
                 "sharedmem was called from a finalizer (__del__ or a weakref callback) that "
                 "interrupted a sharedmem operation on the same thread; that call would deadlock "
                 "or see half-updated state. Do the work later (queue it for another thread) or "
                 "use only release() in finalizers, which is always safe.")
-        self.lock.acquire()
+        if cython.compiled:
+            if not PyThread_acquire_lock(self._plock, NOWAIT_LOCK):
+                with cython.nogil:  # (the holder may need the GIL to finish)
+                    PyThread_acquire_lock(self._plock, WAIT_LOCK)
+        else:
+            self._acquire()
         self.owner = me
         if self.staged:
             self.drain_staged()
 
     def release(self) -> None:
         self.owner = 0
-        self.lock.release()
+        if cython.compiled:
+            PyThread_release_lock(self._plock)
+        else:
+            self._release()
+
+    def _try_acquire(self) -> bool:
+        if cython.compiled:
+            return PyThread_acquire_lock(self._plock, NOWAIT_LOCK) != 0
+        return self._acquire(False)
 
     def drain_staged(self) -> None:
         """Run staged releases. Caller holds the lock."""
@@ -109,21 +133,27 @@ class Runtime:
         """Run ``fn(arg)`` under the lock if it is free now, else stage it (lock-free).
         Never blocks; safe from destructors, from any thread, and from inside a critical
         section of the same thread."""
-        if self.lock.acquire(False):
-            self.owner = _get_ident()
+        if self._try_acquire():
+            self.owner = _thread_ident()
             try:
                 if self.staged:
                     self.drain_staged()
                 fn(arg)
             finally:
-                self.owner = 0
-                self.lock.release()
+                self.release()
         else:
             self.staged.append((fn, arg))
 
 
 def _nothing() -> None:
     pass
+
+
+def _thread_ident():
+    """The calling thread's identifier (``threading.get_ident()``; a C call when compiled)."""
+    if cython.compiled:
+        return PyThread_get_thread_ident()
+    return _get_ident()
 
 
 #: The process's runtime.

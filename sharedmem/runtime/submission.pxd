@@ -1,4 +1,9 @@
 # Declarations for the compiled build of submission.py (Cython pure-Python mode).
+cimport cython
+from sharedmem.access cimport AccessTracker
+from sharedmem.allocation cimport ViewToken
+from sharedmem.runtime.state cimport Runtime
+from sharedmem.stream cimport Stream
 
 cdef class Submission:
     cdef public object stream, marker, keep, uses, callbacks, value, _label
@@ -6,7 +11,36 @@ cdef class Submission:
     cdef public int state
 
 cdef class Work:
-    cpdef run(self)
+    cpdef enqueue(self, stream, config, payload)
 
 cdef class FailedMarker:
     cdef public object error
+
+cpdef Submission submit(Stream stream, list uses, enqueue, keep=*, policy=*, label=*)
+
+cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payload, keep, policy,
+                             label)
+
+@cython.locals(rt=Runtime, tok=ViewToken, tracker=AccessTracker, sub=Submission,
+               seq=cython.longlong, became_active=bint, keeps=list, writes=bint, waits=object,
+               retired=list, impl=object, marker=object, n=Py_ssize_t, i=Py_ssize_t, u=tuple)
+cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
+                        policy, label)
+
+cdef list _keep_list(keep)
+
+@cython.locals(rt=Runtime, seq=cython.longlong, tok=ViewToken, sub=Submission, i=Py_ssize_t,
+               u=tuple)
+cpdef Submission lease_locked(Stream stream, list uses, keep, label, marker)
+
+@cython.locals(sub=Submission)
+cpdef Submission new_submission(stream, long long seq, marker, keep, uses, label)
+
+@cython.locals(n=Py_ssize_t, lo=Py_ssize_t, hi=Py_ssize_t, mid=Py_ssize_t, st=int)
+cpdef Py_ssize_t _done_prefix_locked(pending, bint record=*) except -2
+
+@cython.locals(rt=Runtime, out=list, k=Py_ssize_t, sub=Submission, i=Py_ssize_t, st=int)
+cpdef list _sweep_locked(Stream stream, bint record=*)
+
+@cython.locals(i=Py_ssize_t, sub=Submission, last=object)
+cpdef _finish(list subs)

@@ -24,6 +24,7 @@ retired submission kept is dropped after it (:func:`finish`), never under it.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 try:
     import cython
@@ -35,12 +36,20 @@ from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, 
     ReleasedError
 from .state import RUNTIME, locked
 
+#: Submission states (Submission.state).
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
-_M_PENDING, _M_DONE, _M_UNKNOWN = 0, 1, 2
+# the same, and what markers' query() says, as C constants where compiled
+_PENDING = cython.declare(cython.int, 0)
+_RETIRED = cython.declare(cython.int, 1)
+_UNKNOWN = cython.declare(cython.int, 2)
+_M_PENDING = cython.declare(cython.int, 0)
+_M_DONE = cython.declare(cython.int, 1)
+_M_UNKNOWN = cython.declare(cython.int, 2)
 
 #: Sweep the front of a stream's FIFO on every SWEEP_EVERY-th submission to it (the retirer
 #: does the rest): keeps FIFOs short without a query per launch.
 SWEEP_EVERY = 128
+_sweep_every = cython.declare(cython.longlong, SWEEP_EVERY)
 
 
 class Submission:
@@ -72,16 +81,36 @@ class Submission:
 
 
 class Work:
-    """Enqueues one piece of work: ``run()`` puts it on its stream and returns its completion
-    marker. Kernel plans subclass it; any other callable works too (``submit`` calls it)."""
+    """What enqueues work of one kind (kernel plans subclass it): ``enqueue(stream, config,
+    payload)`` puts one piece on ``stream`` and returns its completion marker (see
+    :func:`submit_plan`)."""
 
     __slots__ = ()
 
-    def run(self):  # pragma: no cover - overridden
+    def enqueue(self, stream, config, payload):  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def __call__(self):
-        return self.run()
+
+def _keep_list(keep) -> list:
+    """``keep`` as a new list: an iterable's items, or the one object."""
+    if type(keep) is list or type(keep) is tuple:
+        return list(keep)
+    return [keep]
+
+
+def new_submission(stream, seq, marker, keep, uses, label):
+    """A PENDING Submission (what ``Submission(...)`` makes, without the call's overhead)."""
+    sub = Submission.__new__(Submission)
+    sub.stream = stream
+    sub.seq = seq
+    sub.marker = marker
+    sub.keep = keep
+    sub.uses = uses
+    sub.state = _PENDING
+    sub.callbacks = None
+    sub.value = None
+    sub._label = label
+    return sub
 
 
 def label_text(label) -> str:
@@ -94,12 +123,23 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     """Enqueue work on ``stream`` under the ownership rules; return its :class:`Submission`.
 
     ``uses`` lists ``(token, writes)`` pairs: the views the work touches (the caller validated
-    devices and intents). ``enqueue``: a :class:`Work` or a callable that puts the work on the
-    stream and returns its completion marker. Under the core lock, in order: every live view's
-    token is checked live and every conflict with unfinished work or open holds of other
-    streams is found (policy ``reject`` raises here, having changed nothing); the stream is made
-    to wait for the conflicting work; the work is enqueued; the leases are recorded. If anything
+    devices and intents). ``enqueue``: a callable that puts the work on the stream and returns
+    its completion marker. ``keep``: what the work needs alive besides the
+    leases' memory (an iterable, or one object). Under the core lock, in order: every token is
+    checked live and every conflict with unfinished work or open holds of other streams is
+    found (policy ``reject`` raises here, having changed nothing); the stream is made to wait
+    for the conflicting work; the work is enqueued; the leases are recorded. If anything
     raises, no lease is taken. This is the one algorithm every launch, copy and replay runs."""
+    return _submit(stream, uses, enqueue, None, None, None, keep, policy, label)
+
+
+def submit_plan(stream, uses, plan, config, payload, keep, policy, label):
+    """:func:`submit` of one launch of a kernel plan (a :class:`Work`): ``plan.enqueue(stream,
+    config, payload)`` is the work."""
+    return _submit(stream, uses, None, plan, config, payload, keep, policy, label)
+
+
+def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     rt = RUNTIME
     if rt.warnings or rt.errors:
         raise_deferred()
@@ -108,22 +148,29 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     elif policy != "order" and policy != "reject":
         check_policy(policy)
     impl = stream._impl
-    throttle = impl.throttle
-    if throttle is not None:  # a bounded queue with no room waits here, holding no lock
-        throttle()
+    if stream._checks:
+        throttle = impl.throttle
+        if throttle is not None:  # a bounded queue with no room waits here, holding no lock
+            throttle()
     retired = None
     rt.acquire()
     try:
         graph = stream._capture
         if graph is not None:  # recorded into a graph: no leases, no waits (see runtime/graph)
-            return graph._record_locked(uses, enqueue, keep, label)
-        fault = impl.fault
+            if plan is not None:
+                enqueue = partial(plan.enqueue, stream, config, payload)
+            return graph._record_locked(uses, enqueue, _keep_list(keep), label)
+        fault = impl.fault if stream._checks else None
         if fault is not None:
             raise CompletionUnknownError(
                 f"{stream} faulted earlier ({fault!r}); the completion of its work is unknown, "
                 f"so nothing more can run on it. Create a new stream.")
         waits = None
-        for tok, writes in uses:
+        n = len(uses)
+        for i in range(n):
+            u = uses[i]
+            tok = u[0]
+            writes = u[1]
             if not tok.live:
                 raise ReleasedError(f"a {tok.kind} passed to {label_text(label)} was released "
                                     f"before the launch")
@@ -134,20 +181,24 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
         if waits is not None:
             for other, (_, marker) in waits.items():
                 impl.wait_marker(marker if marker is not None else fresh_marker_locked(other))
-        if isinstance(enqueue, Work):
-            marker = cython.cast(Work, enqueue).run()
+        if plan is not None:
+            marker = plan.enqueue(stream, config, payload)
         else:
             marker = enqueue()
         seq = stream._seq + 1
         stream._seq = seq
-        if type(keep) is list:
-            keeps = keep
-        else:
-            keeps = list(keep)
-        for tok, writes in uses:
-            tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
-            keeps.append(tok.keep)
-        sub = Submission(stream, seq, marker, keeps, uses, label)
+        keeps = None  # what the leases' memory needs beyond the tokens (foreign producers)
+        for i in range(n):
+            u = uses[i]
+            tok = u[0]
+            tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
+            k = tok.keep
+            if k is not tok.allocation:  # (an allocation of ours is kept by its token)
+                if keeps is None:
+                    keeps = _keep_list(keep)
+                keeps.append(k)
+        sub = new_submission(stream, seq, marker, keep if keeps is None else keeps, uses,
+                             label)
         pending = stream._pending
         pending.append(sub)
         became_active = len(pending) == 1
@@ -155,7 +206,7 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
             rt.active.add(stream)
         rt.in_flight += 1
         rt.submitted += 1
-        if seq % SWEEP_EVERY == 0:
+        if seq % _sweep_every == 0:
             retired = _sweep_locked(stream, False)
     finally:
         rt.release()
@@ -241,9 +292,11 @@ def lease_locked(stream, uses, keep, label, marker):
     rt = RUNTIME
     seq = stream._seq + 1
     stream._seq = seq
-    for tok, writes in uses:
-        tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
-    sub = Submission(stream, seq, marker, keep, uses, label)
+    for i in range(len(uses)):
+        u = uses[i]
+        tok = u[0]
+        tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
+    sub = new_submission(stream, seq, marker, keep, uses, label)
     pending = stream._pending
     pending.append(sub)
     if len(pending) == 1:
@@ -345,7 +398,7 @@ def _sweep_locked(stream, record=True) -> list:
         popleft, append = pending.popleft, out.append
         for _ in range(k):
             sub = popleft()
-            sub.state = RETIRED
+            sub.state = _RETIRED
             append(sub)
         stream._done = sub.seq  # ends every lease of this stream up to it (see access)
         rt.retired += k
@@ -360,11 +413,11 @@ def _sweep_locked(stream, record=True) -> list:
                 break
             pending.popleft()
             if st == _M_DONE:
-                sub.state = RETIRED
+                sub.state = _RETIRED
                 stream._done = sub.seq
                 rt.retired += 1
             else:
-                sub.state = UNKNOWN
+                sub.state = _UNKNOWN
                 rt.leaked.append(sub)
                 rt.leaked_count += 1
                 rt.leaked_bytes += sub.nbytes
@@ -395,8 +448,9 @@ def finish(subs) -> None:
 def _finish(subs) -> None:
     last = None
     errors = RUNTIME.errors
-    for sub in subs:
-        if sub.state == RETIRED:
+    for i in range(len(subs)):
+        sub = subs[i]
+        if sub.state == _RETIRED:
             sub.keep = None
             sub.uses = None
             m = sub.marker
@@ -447,7 +501,7 @@ def sweep_all() -> None:
 def add_callback(sub, cb) -> None:
     """Run ``cb()`` once ``sub`` has retired (or is known unknown); at once if it has."""
     with locked():
-        if sub.state == PENDING:
+        if sub.state == _PENDING:
             if sub.callbacks is None:
                 sub.callbacks = [cb]
             else:
@@ -458,7 +512,7 @@ def add_callback(sub, cb) -> None:
 
 def wait(sub, timeout=None) -> bool:
     """Block until ``sub`` finished (True) or ``timeout`` passed (False)."""
-    if sub.state == PENDING:
+    if sub.state == _PENDING:
         if not sub.marker.wait(timeout):
             return False
         sweep(sub.stream)
@@ -551,6 +605,6 @@ def order_consumer(tok, wait, blocking=False) -> int:
 
 
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
-__all__ = ["Submission", "Work", "submit", "lease_locked", "end_holds_locked", "order_consumer",
+__all__ = ["Submission", "Work", "submit", "submit_plan", "lease_locked", "end_holds_locked", "order_consumer",
            "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
            "FailedMarker", "fresh_marker_locked", "label_text", "PENDING", "RETIRED", "UNKNOWN"]

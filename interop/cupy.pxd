@@ -1,0 +1,53 @@
+# Declarations for the compiled build of cupy.py (Cython pure-Python mode).
+cimport cython
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.long cimport PyLong_AsUnsignedLongLongMask
+from libc.string cimport memcpy
+from sharedmem.allocation cimport View, ViewToken
+from sharedmem.launch cimport KernelPlan, LaunchArg
+from sharedmem.backends.cuda cimport CudaStreamImpl
+from sharedmem.stream cimport Stream
+
+ctypedef int (*launch_fn_t)(void*, unsigned int, unsigned int, unsigned int, unsigned int,
+                            unsigned int, unsigned int, unsigned int, void*, void**,
+                            void**) noexcept nogil
+ctypedef int (*ctx_get_fn_t)(void**) noexcept nogil
+
+cdef class Param:
+    cdef public str kind
+    cdef public int size
+    cdef public object name, ctype
+    cdef public int code, kcode
+    cdef public Py_ssize_t offset
+    cdef public object lo, hi
+    cdef public long long ilo, ihi
+
+cdef class LaunchConfig:
+    cdef public unsigned int gx, gy, gz, bx, by, bz, shm
+
+cdef class RawKernelPlan(KernelPlan):
+    cdef public object func
+    cdef public tuple params
+    cdef public object fmt, slots, ptrs
+    cdef public size_t ptrs_addr
+    cdef public object backend
+    cdef public size_t launch_addr, ctx_addr, context
+    cdef public object limits, fn
+    cdef public Py_ssize_t nbytes
+
+    @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, p=Py_ssize_t, j=Py_ssize_t,
+                   i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, tok=ViewToken)
+    cpdef pack(self, list args, list uses, config, stream)
+
+    @cython.locals(impl=CudaStreamImpl, c=LaunchConfig, err=int, st=Stream)
+    cpdef enqueue(self, stream, config, payload)
+
+@cython.locals(slot=cython.p_char, code=int)
+cdef _emit(out, Param par, v)
+
+cdef _emit_address(out, Param par, unsigned long long ptr)
+
+@cython.locals(params=tuple, n=Py_ssize_t, i=Py_ssize_t, p=Param, c=LaunchConfig,
+               base=cython.p_char)
+cdef int _launch_compiled(RawKernelPlan plan, CudaStreamImpl impl, config,
+                          bytes packed) except? -1

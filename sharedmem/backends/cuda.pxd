@@ -1,0 +1,22 @@
+# Declarations for the compiled build of cuda.py (Cython pure-Python mode).
+
+cdef class CudaMarker:
+    cdef public object event
+    cdef public unsigned long long handle
+    cdef public object error, _backend
+    cdef public bint _pooled
+    cdef public CudaStreamImpl _open_on
+
+    cpdef close_locked(self)
+    cpdef int query(self) except -1
+
+cdef class CudaStreamImpl:
+    cdef public object handle, cu_stream
+    cdef public bint owned
+    cdef public object name, _backend, external
+    cdef public bint capturing
+    cdef public CudaMarker open_marker
+    cdef public long open_count
+    cdef object __weakref__
+
+    cpdef object submit_marker(self)
