@@ -38,7 +38,7 @@ bench: build
 # The compiled core, built in place with the machine's own Python (the GPU machine has Cython
 # and gcc; no install step there). Without them sharedmem runs interpreted, and says so.
 speedups:
-	@$(PYTHON) setup.py -q build_ext --inplace >/dev/null 2>&1 || \
+	@$(PYTHON) setup.py -q build_ext --inplace -j 8 >/dev/null 2>&1 || \
 	  echo "speedups: the compiled core was not built; the interpreted sources run"
 
 # On the GPU machine: no install step (no network there); the image's python3 has

@@ -14,6 +14,7 @@ Options: --quick (fewer iterations), --launches N (retirement row).
 import argparse
 import ctypes
 import gc
+import os
 import resource
 import statistics
 import sys
@@ -22,7 +23,6 @@ import time
 import numpy as np
 
 import sharedmem as sm
-from sharedmem.runtime import submission as _sub
 
 ROWS: list[tuple[str, str, str, str]] = []
 
@@ -135,29 +135,73 @@ extern "C" __global__ void k4(const float* a, const float* b, float* c, float* d
 """
 
 
+K16_SRC = ('extern "C" __global__ void k16(' + ", ".join(f"float* p{i}" for i in range(16)) +
+           ") { int i = threadIdx.x; if (i < 32) { p0[i] += p15[i]; } }")
+
+
+def _cuda_core_floor(dev, stream, ptrs, n):
+    """cuda.core's ``launch`` of the same kernel on the same memory, or None (and why)."""
+    try:
+        from cuda.core import Device as CDevice, LaunchConfig, Program, ProgramOptions, launch
+        cdev = CDevice(dev.ordinal)
+        cdev.set_current()
+        cc = dev.compute_capability
+        prog = Program(LAUNCH_SRC, code_type="c++", options=ProgramOptions(arch=f"sm_{cc[0]}{cc[1]}"))
+        ker = prog.compile("cubin").get_kernel("k4")
+        cs = cdev.create_stream(stream)
+        cfg = LaunchConfig(grid=1, block=32)
+        args = [ctypes.c_void_p(p) for p in ptrs] + [np.int32(n)]
+
+        def floor_core():
+            launch(cs, cfg, ker, *args)
+        floor_core()
+        return floor_core, None
+    except Exception as e:  # not on this machine: the row says why
+        return None, f"{type(e).__name__}: {e}"[:70]
+
+
 def bench_launch_gpu(dev, quick):
     import cupy as cp
     from cuda.bindings import driver as cu
     n_launch = 5000 if quick else 20000
     k = cp.RawKernel(LAUNCH_SRC, "k4")
+    k16 = cp.RawKernel(K16_SRC, "k16")
     s = dev.create_stream("bench")
     from_external = getattr(cp.cuda.Stream, "from_external", None)
     cps = from_external(s) if from_external else cp.cuda.ExternalStream(s.handle)
     n = 32
     A, B, C, D = (sm.Buffer.from_host(np.ones(n, np.float32), device=dev) for _ in range(4))
+    many = [sm.Buffer.from_host(np.ones(n, np.float32), device=dev) for _ in range(16)]
     ca, cb, cc, cd = (cp.ones(n, cp.float32) for _ in range(4))
+    cmany = [cp.ones(n, cp.float32) for _ in range(16)]
     sync = s.synchronize
     nn = np.int32(n)
+    In, Out = sm.In, sm.Out
+    box = [C]
 
     def raw():
         k((1,), (32,), (ca, cb, cc, cd, nn), stream=cps)
 
     def ours():
-        sm.launch(k, 1, 32, sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), nn, stream=s)
+        sm.launch(k, 1, 32, In(A), In(B), Out(C), Out(D), nn, stream=s)
 
-    prepared = sm.op(k, 1, 32, sm.In(A), sm.In(B), sm.Out(C), sm.Out(D), nn)
+    def ours_fresh():  # a move between launches: new views every launch
+        t = sm.Tensor.from_buffer(box[0], (n,))
+        sm.launch(k, 1, 32, In(A), In(B), Out(t), Out(D), nn, stream=s)
+        box[0] = t.into_buffer()
 
-    def ours_op():  # described once, submitted in a loop: resolution and packing reused
+    def ours_cupy():  # CuPy arrays as arguments: leased for the launch, no view made
+        sm.launch(k, 1, 32, In(ca), In(cb), Out(cc), Out(cd), nn, stream=s)
+
+    def raw16():
+        k16((1,), (32,), tuple(cmany), stream=cps)
+
+    def ours16():
+        sm.launch(k16, 1, 32, *many, stream=s)
+
+    prepared = sm.op(k, 1, 32, In(A), In(B), Out(D), Out(many[0]), nn)
+
+    def ours_op():  # described once, submitted in a loop
         prepared.submit(s)
 
     # the floor: cuLaunchKernel through cuda.bindings with a pre-packed void**
@@ -172,31 +216,46 @@ def bench_launch_gpu(dev, quick):
     def floor():
         launch(func, 1, 1, 1, 32, 1, 1, 0, cus, addr, 0)
 
-    from sharedmem._accel import fast_launch
-    from sharedmem._accel import set_compiled
-
-    def ours_python():  # the same launch with the compiled path switched off
-        set_compiled(False)
-        try:
-            ours()
-        finally:
-            set_compiled(True)
-
-    for fn in (raw, ours, ours_op, floor, ours_python):  # warm up
+    floor_core, why = _cuda_core_floor(dev, s, [ca.data.ptr, cb.data.ptr, cc.data.ptr,
+                                                cd.data.ptr], n)
+    fns = [raw, ours, ours_fresh, ours_cupy, ours_op, floor, raw16, ours16]
+    if floor_core is not None:
+        fns.append(floor_core)
+    for fn in fns:  # warm up
         for _ in range(200):
             fn()
     sync()
-    fns = [raw, ours, ours_op, floor] + ([ours_python] if fast_launch is not None else [])
-    t_raw, t_ours, t_op, t_floor, *t_py = interleaved_us(fns, n_launch, 7, sync)
-    t_py = t_py[0] if t_py else None
+    t = interleaved_us(fns, n_launch, 7, sync)
+    t_raw, t_ours, t_fresh, t_cupy, t_op, t_floor, t_raw16, t_ours16 = t[:8]
     sm.synchronize()
-    path = "compiled path" if fast_launch is not None else "Python path: not built"
-    row(f"launch, 4 buffers + scalar, vs CuPy RawKernel call ({path})", t_ours, t_raw, "CuPy")
-    row("launch, same, vs cuLaunchKernel floor", t_ours, t_floor, "cuLaunchKernel")
-    if t_py is not None:
-        row("launch, same, Python path (compiled path off)", t_py, t_raw, "CuPy")
-    row("op.submit of that launch (prepared once) vs CuPy", t_op, t_raw, "CuPy")
+    core = sm.show_config(open(os.devnull, "w"))["core"].split(" (")[0]
+    row(f"launch, 4 views reused + scalar, vs CuPy RawKernel call ({core})", t_ours, t_raw, "CuPy")
+    if floor_core is not None:
+        row("launch, same, vs cuda.core launch", t_ours, t[8], "cuda.core")
+    else:
+        ROWS.append(("launch, same, vs cuda.core launch", "n/a", why, "-"))
+    row("launch, same, vs cuLaunchKernel floor (cuda.bindings)", t_ours, t_floor, "cuLaunchKernel")
+    row("launch with fresh views (a move between launches) vs CuPy", t_fresh, t_raw, "CuPy")
+    row("launch with CuPy arrays as arguments vs CuPy", t_cupy, t_raw, "CuPy")
+    row("launch, 16 buffers, vs CuPy with 16 arrays", t_ours16, t_raw16, "CuPy")
+    row("op.submit of that launch vs CuPy", t_op, t_raw, "CuPy")
     return t_ours
+
+
+def bench_launch_interpreted(quick):
+    """The launch row again in a process that runs the interpreted sources."""
+    import subprocess
+    env = dict(os.environ, SHAREDMEM_PURE_PYTHON="1")
+    r = subprocess.run([sys.executable, __file__, "--only-launch"] + (["--quick"] if quick else []),
+                       env=env, capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        if line.startswith("  launch, 4 views reused"):
+            name, rest = line.strip().split(":", 1)
+            ours, raw, ratio = (x.strip() for x in rest.split("|"))
+            ROWS.append((name.replace("(compiled)", "").strip(), ours, raw, ratio))
+            print("  " + " | ".join(ROWS[-1]), flush=True)
+            return
+    ROWS.append(("launch, interpreted", "failed", (r.stderr or r.stdout)[-60:], "-"))
 
 
 def bench_cutile(dev, quick):
@@ -316,7 +375,7 @@ def bench_retirement(dev, total, quick):
     sm.synchronize()
     gc.collect()
     base_used = used()
-    counters = _sub._counters
+    from sharedmem.runtime.state import RUNTIME as counters
     peak = 0
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
@@ -362,12 +421,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--launches", type=int, default=None)
+    ap.add_argument("--only-launch", action="store_true", help=argparse.SUPPRESS)
     opts = ap.parse_args()
     dev = sm.default_device()
+    if opts.only_launch:
+        bench_launch_gpu(dev, True)
+        return 0
     print(f"sharedmem {sm.__version__} benchmarks on {dev}", flush=True)
+    sm.show_config()
     bench_moves(dev, opts.quick)
     if dev.kind == "cuda":
         bench_launch_gpu(dev, opts.quick)
+        if sm.config.compiled():
+            bench_launch_interpreted(opts.quick)
         bench_cutile(dev, opts.quick)
         bench_dlpack(dev, opts.quick)
         try:

@@ -1,0 +1,142 @@
+"""A mixed Tile/SIMT pipeline with a zero-copy handoff each way, through sharedmem and raw.
+
+Per iteration, at 1024 x 1024 float32:
+
+    stage 1  cuTile matmul Y = X @ W                 stream A
+    handoff  Y.into_buffer()                         (sharedmem; raw: the same CuPy array)
+    stage 2  CuPy RawKernel y = relu(y + bias[col])  stream B, after stage 1
+    handoff  Tensor.from_buffer(y, (M, N))
+    stage 3  cuTile row normalization Z              stream A, after stage 2
+
+The raw version calls ``ct.launch`` and the CuPy kernel on CuPy arrays and orders the two
+streams with events placed by hand. sharedmem's version leases every argument, orders the
+streams itself and moves the storage between a Tensor and a Buffer twice an iteration.
+Printed: time per iteration end to end (GPU-bound) and the host's own time per iteration
+(the calls alone), each as a ratio against raw measured in the same run, in alternating
+rounds. Uses the kernels of examples/mixed_pipeline.py (written in the style of cuTile's
+samples) at this size.
+
+Run on a GPU with cuTile: ``PYTHONPATH=. python3 benchmarks/pipeline.py [--iters N]``
+"""
+
+# No `from __future__ import annotations`: cuTile evaluates kernel annotations.
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import sharedmem as sm  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    opts = ap.parse_args()
+    import cupy as cp
+    import cuda.tile as ct
+
+    import mixed_pipeline as mp
+    mp.M = mp.K = mp.N = 1024
+    mp.TM, mp.TN, mp.TK = 128, 128, 32
+    M, K, N = mp.M, mp.K, mp.N
+    stages = mp.tile_and_simt_stages()
+    matmul, g_mm, _, c_mm = stages["matmul"]
+    bias_relu, g_br, b_br, _ = stages["bias_relu"]
+    norm, g_n, _, c_n = stages["normalize_rows"]
+    eps = float(mp.EPS)
+
+    dev = sm.default_device()
+    a, b = dev.create_stream("tile"), dev.create_stream("simt")
+    rng = np.random.default_rng(0)
+    x_h = rng.standard_normal((M, K)).astype(np.float32)
+    w_h = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+    bias_h = rng.standard_normal(N).astype(np.float32)
+
+    # sharedmem
+    X = sm.Tensor.from_host(x_h, device=dev, stream=a)
+    W = sm.Tensor.from_host(w_h, device=dev, stream=a)
+    bias = sm.Buffer.from_host(bias_h, device=dev, stream=b)
+    Z = sm.Tensor.empty((M, N), "float32", device=dev)
+    box = [sm.Tensor.empty((M, N), "float32", device=dev)]
+    In, Out, InOut = sm.In, sm.Out, sm.InOut
+    mi, ni = np.int32(M), np.int32(N)
+
+    def ours():
+        Y = box[0]
+        sm.launch(matmul, g_mm, None, In(X), In(W), Out(Y), *c_mm, stream=a)
+        y = Y.into_buffer()
+        sm.launch(bias_relu, g_br, b_br, InOut(y), In(bias), mi, ni, stream=b)
+        Y = box[0] = sm.Tensor.from_buffer(y, (M, N))
+        sm.launch(norm, g_n, None, In(Y), Out(Z), eps, *c_n, stream=a)
+
+    # raw: the same kernels on CuPy arrays, events by hand
+    ca, cb = (cp.cuda.ExternalStream(s.handle) for s in (a, b))
+    xc, wc = cp.asarray(x_h), cp.asarray(w_h)
+    biasc = cp.asarray(bias_h)
+    yc, zc = cp.empty((M, N), cp.float32), cp.empty((M, N), cp.float32)
+    ev_a, ev_b = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
+    ha = a.handle
+    g_mm3 = tuple(g_mm) + (1,) * (3 - len(g_mm))
+    g_n3 = tuple(g_n) + (1,) * (3 - len(g_n))
+
+    def raw():
+        ct.launch(ha, g_mm3, matmul, (xc, wc, yc, *c_mm))
+        ev_a.record(ca)
+        cb.wait_event(ev_a)
+        bias_relu((g_br,), (b_br,), (yc, biasc, mi, ni), stream=cb)
+        ev_b.record(cb)
+        ca.wait_event(ev_b)
+        ct.launch(ha, g_n3, norm, (yc, zc, eps, *c_n))
+
+    def sync():
+        a.synchronize()
+        b.synchronize()
+        cp.cuda.Device(dev.ordinal).synchronize()
+        sm.synchronize()
+
+    for fn in (raw, ours):  # warm up: compiles, plans, pools
+        for _ in range(20):
+            fn()
+        sync()
+    # results agree
+    ours()
+    raw()
+    sync()
+    diff = float(cp.abs(cp.asarray(Z.to_host()) - zc).max())
+
+    n = opts.iters
+    e2e = {raw: [], ours: []}
+    host = {raw: [], ours: []}
+    for _ in range(opts.rounds):
+        for fn in (raw, ours):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            e2e[fn].append((time.perf_counter() - t0) / n * 1e6)
+            # the host's own time: a few iterations issued (the device queue never fills)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                fn()
+            host[fn].append((time.perf_counter() - t0) / 10 * 1e6)
+    sync()
+    r_e, o_e = statistics.median(e2e[raw]), statistics.median(e2e[ours])
+    r_h, o_h = statistics.median(host[raw]), statistics.median(host[ours])
+    print(f"pipeline {M}x{K}x{N} float32, matmul + bias_relu + row norm, 2 streams, "
+          f"{n} iterations x {opts.rounds} rounds (max |ours - raw| = {diff:.2e})")
+    print(f"row | sharedmem | raw | ratio")
+    print(f"pipeline, end to end per iteration | {o_e:8.2f} us | {r_e:8.2f} us raw | {o_e / r_e:5.2f}x")
+    print(f"pipeline, host time per iteration | {o_h:8.2f} us | {r_h:8.2f} us raw | {o_h / r_h:5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
