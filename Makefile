@@ -38,8 +38,8 @@ bench: build
 # The compiled core, built in place with the machine's own Python (the GPU machine has Cython
 # and gcc; no install step there). Without them sharedmem runs interpreted, and says so.
 speedups:
-	@$(PYTHON) setup.py -q build_ext --inplace -j 8 >/dev/null 2>&1 || \
-	  echo "speedups: the compiled core was not built; the interpreted sources run"
+	@$(PYTHON) setup.py -q build_ext --inplace -j 8 > /tmp/sharedmem-build.log 2>&1 || \
+	  { tail -20 /tmp/sharedmem-build.log; echo "speedups: the compiled core was not built; the interpreted sources run"; }
 
 # On the GPU machine: no install step (no network there); the image's python3 has
 # cupy, cuda-bindings, torch and jax. Runs the whole suite in place, GPU tests included.

@@ -42,16 +42,29 @@ except ImportError:  # interpreted, without Cython installed
 
 PENDING, DONE, UNKNOWN = 0, 1, 2
 
-try:  # imported lazily by Device(i); never by `import sharedmem`
-    from cuda.bindings import driver as cu
-except ImportError:  # pragma: no cover - depends on the machine
-    try:
-        from cuda import cuda as cu  # cuda-python < 12.6 layout
-    except ImportError:
-        cu = None
+# The driver module (cuda.bindings.driver), imported by the first CudaBackend -- never by
+# importing this module, which modules compiled against it import with them (tests put a fake
+# driver here before they make a backend).
+cu = None
+_SUCCESS = None
+_NOT_READY = None
 
-_SUCCESS = cu.CUresult.CUDA_SUCCESS if cu is not None else None
-_NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY if cu is not None else None
+
+def _load_driver():
+    global cu, _SUCCESS, _NOT_READY
+    if cu is None:
+        try:
+            from cuda.bindings import driver
+        except ImportError:  # pragma: no cover - depends on the machine
+            try:
+                from cuda import cuda as driver  # cuda-python < 12.6 layout
+            except ImportError:
+                return None
+        cu = driver
+    if _SUCCESS is None:
+        _SUCCESS = cu.CUresult.CUDA_SUCCESS
+        _NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
+    return cu
 
 
 class _HotDriver:
@@ -317,7 +330,7 @@ class CudaBackend:
     needs_polling = True  # the retirer polls event queries while work is pending
 
     def __init__(self, ordinal: int):
-        if cu is None:
+        if _load_driver() is None:
             raise BackendUnavailableError(
                 "the CUDA backend needs cuda-bindings (cuda-python) and CuPy: "
                 "pip install 'sharedmem[cuda13]' (or '[cuda12]' for CUDA 12 drivers)")
