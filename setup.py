@@ -22,7 +22,7 @@ COMPILED = [
     "sharedmem/runtime/future.py",
     "sharedmem/launch.py",
     "sharedmem/backends/cuda.py",
-    "interop/cupy.py",
+    "interop/cupy_launch.py",
 ]
 
 REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "") not in ("", "0")

@@ -24,7 +24,7 @@ __all__ = ["COMPILED_MODULES", "compiled", "show_config", "pure_python_requested
 COMPILED_MODULES = (
     "sharedmem.runtime.state", "sharedmem.access", "sharedmem.allocation", "sharedmem.stream",
     "sharedmem.runtime.submission", "sharedmem.runtime.future", "sharedmem.launch",
-    "sharedmem.backends.cuda", "interop.cupy",
+    "sharedmem.backends.cuda", "interop.cupy_launch",
 )
 
 
@@ -59,17 +59,37 @@ def install_source_finder() -> None:
         sys.meta_path.insert(0, _SourcesFirst)
 
 
+def _origin(name: str) -> str:
+    """Where module ``name`` runs from: its file if imported, else where it would load from
+    (without importing it -- the CUDA backend and the CuPy adapter import lazily)."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return getattr(mod, "__file__", None) or ""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return ""
+    return (spec.origin or "") if spec is not None else ""
+
+
+def _interpreted() -> list[str]:
+    out = []
+    for m in COMPILED_MODULES:
+        origin = _origin(m)
+        if not origin or origin.endswith(".py"):
+            out.append(m)
+    return out
+
+
 def compiled() -> bool:
-    """True when every core module runs compiled."""
-    mods = [sys.modules.get(m) for m in COMPILED_MODULES]
-    return all(m is not None and not (m.__file__ or "").endswith(".py") for m in mods)
+    """True when every core module runs (or, not yet imported, would run) compiled."""
+    return not _interpreted()
 
 
 def check_required() -> None:
     """ImportError when ``SHAREDMEM_REQUIRE_EXTENSION=1`` and the core is not compiled."""
     if _flag("SHAREDMEM_REQUIRE_EXTENSION") and not compiled():
-        interpreted = [m for m in COMPILED_MODULES
-                       if (getattr(sys.modules.get(m), "__file__", "") or "").endswith(".py")]
+        interpreted = _interpreted()
         raise ImportError(
             f"SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core is not in use "
             f"({', '.join(interpreted)} run from source"

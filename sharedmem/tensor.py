@@ -47,15 +47,48 @@ def extent(shape, strides) -> tuple[int, int]:
 
 
 def _shape(shape) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
-    try:
-        shape = tuple(int(n) for n in shape)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
-    if any(n < 0 for n in shape):
-        raise LayoutError(f"shape must not have negative sizes, got {shape}")
-    return shape
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+    out = []
+    for n in shape:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
+        if n < 0:
+            raise LayoutError(f"shape must not have negative sizes, got {tuple(shape)}")
+        out.append(int(n))
+    return tuple(out)
+
+
+_layouts = {}  # shape as given -> (shape, C strides, size); lock-free (idempotent writes)
+
+
+def c_layout(shape):
+    """``(shape, strides, size)`` of a C-order layout of ``shape`` (an int or a sequence of
+    ints), validated; cached per shape, so a move to the same shape again is a lookup."""
+    # Only tuples of exact ints are cached: (2.0, 3) and (True, 3) compare equal to
+    # (2, 3) and must still be refused by _shape.
+    cacheable = type(shape) is tuple and all(type(n) is int for n in shape)
+    if cacheable:
+        hit = _layouts.get(shape)
+        if hit is not None:
+            return hit
+    sh = _shape(shape)
+    hit = (sh, c_strides(sh), math.prod(sh))
+    if cacheable:
+        if len(_layouts) >= 1024:
+            _layouts.clear()
+        _layouts[shape] = hit
+    return hit
+
+
+def _is_c_contiguous(shape, strides) -> bool:
+    expect = c_strides(shape)
+    for i in range(len(shape)):
+        if shape[i] > 1 and strides[i] != expect[i]:
+            return False
+    return True
 
 
 class Tensor(View):
@@ -65,7 +98,7 @@ class Tensor(View):
     ``ptr`` (address of element 0), ``ndim``, ``size``, ``nbytes``.
     """
 
-    __slots__ = ("_dtype", "_shape", "_strides")
+    __slots__ = ("_dtype", "_shape", "_strides", "_size", "_contiguous")
     _kind = "tensor"
 
     def __init__(self, *args, **kwargs):
@@ -73,13 +106,17 @@ class Tensor(View):
                         "Tensor.empty(shape, dtype), Tensor.from_host(array) or sharedmem.from_dlpack")
 
     @classmethod
-    def _wrap(cls, token, dtype, shape, strides, offset) -> "Tensor":
-        """``offset``: byte offset of element 0 from the allocation's start."""
+    def _wrap(cls, token, dtype, shape, strides, offset, size=-1, contiguous=None) -> "Tensor":
+        """``offset``: byte offset of element 0 from the allocation's start. ``size`` and
+        ``contiguous``: the layout's, where the caller knows them."""
         self = View.__new__(cls)
         self._init_view(token, offset)
         self._dtype = dtype
         self._shape = shape
         self._strides = strides
+        self._size = size if size >= 0 else math.prod(shape)
+        self._contiguous = (contiguous if contiguous is not None else
+                            _is_c_contiguous(shape, strides))
         return self
 
     # -- construction ---------------------------------------------------------
@@ -92,25 +129,29 @@ class Tensor(View):
         buffer's bytes exists; afterwards ``buf`` raises MovedError."""
         if not isinstance(buf, Buffer):
             raise TypeError(f"Tensor.from_buffer takes a sharedmem.Buffer, got {type(buf).__name__}")
-        tok = buf._live_token()
-        shape = _shape(shape)
-        n = len(buf)
+        b = buf
+        b._live_token()
+        n = b._length
         if strides is None:
-            strides = c_strides(shape)
-            if math.prod(shape) != n:
-                raise LayoutError(f"shape {shape} holds {math.prod(shape)} elements but {buf!r} "
+            shape, strides, size = c_layout(shape)
+            if size != n:
+                raise LayoutError(f"shape {shape} holds {size} elements but {buf!r} "
                                   f"has {n}; pass a slice of the buffer or a matching shape")
-        else:
-            strides = tuple(int(s) for s in strides)
-            if len(strides) != len(shape):
-                raise LayoutError(f"strides {strides} do not match shape {shape}")
-            if any(s < 0 for s in strides):
-                raise LayoutError(f"strides must be non-negative for from_buffer, got {strides}")
-            if extent(shape, strides)[1] > n:
-                raise LayoutError(f"shape {shape} with strides {strides} reaches element "
-                                  f"{extent(shape, strides)[1] - 1}, beyond {buf!r}")
-        dtype = buf._dtype
-        tok = buf._move_token("tensor", "Tensor")
+            dtype = b._dtype
+            tok = b._move_token("tensor", "Tensor")
+            return cls._wrap(tok, dtype, shape, strides, tok.start, size, True)
+        shape = _shape(shape)
+        strides = tuple(int(s) for s in strides)
+        if len(strides) != len(shape):
+            raise LayoutError(f"strides {strides} do not match shape {shape}")
+        if any(s < 0 for s in strides):
+            raise LayoutError(f"strides must be non-negative for from_buffer, got {strides}")
+        reach = extent(shape, strides)[1]
+        if reach > n:
+            raise LayoutError(f"shape {shape} with strides {strides} reaches element "
+                              f"{reach - 1}, beyond {buf!r}")
+        dtype = b._dtype
+        tok = b._move_token("tensor", "Tensor")
         return cls._wrap(tok, dtype, shape, strides, tok.start)
 
     @classmethod
@@ -123,7 +164,7 @@ class Tensor(View):
         nbytes = math.prod(shape) * dt.itemsize
         alloc = allocate(dev, nbytes, s)
         tok = alloc.new_token("tensor", 0, nbytes, True, alloc)
-        return cls._wrap(tok, dt, shape, c_strides(shape), 0)
+        return cls._wrap(tok, dt, shape, c_strides(shape), 0, -1, True)
 
     @classmethod
     def zeros(cls, shape, dtype="float32", device=None, stream=None) -> "Tensor":
@@ -183,7 +224,8 @@ class Tensor(View):
     @property
     def size(self) -> int:
         """Number of elements."""
-        return math.prod(self.shape)
+        self._live_token()
+        return self._size
 
     @property
     def nbytes(self) -> int:
@@ -193,8 +235,7 @@ class Tensor(View):
     def is_contiguous(self) -> bool:
         """True for a C-order dense layout (sizes-1 dimensions ignored)."""
         self._live_token()
-        expect = c_strides(self._shape)
-        return all(n <= 1 or s == e for n, s, e in zip(self._shape, self._strides, expect))
+        return self._contiguous
 
     def __len__(self) -> int:
         if not self.shape:
@@ -217,12 +258,13 @@ class Tensor(View):
     # -- ownership transfers ------------------------------------------------------
     def _dense_range(self, what: str) -> tuple[int, int]:
         tok = self._live_token()
-        if not self.is_contiguous():
+        if not self._contiguous:
             raise LayoutError(f"{what} needs a C-contiguous tensor; {self!r} is not. "
                               f"Copy it into a contiguous tensor first")
         start = self._offset
-        stop = start + self.nbytes
-        if (start, stop) != (tok.start, tok.stop) and self.nbytes:
+        nbytes = self._size * self._dtype.itemsize
+        stop = start + nbytes
+        if (start != tok.start or stop != tok.stop) and nbytes:
             raise LayoutError(f"{what}: {self!r} covers bytes [{start}, {stop}) but its view "
                               f"holds [{tok.start}, {tok.stop})")
         return start, stop
@@ -234,7 +276,7 @@ class Tensor(View):
         exists, LayoutError if it is not C-contiguous; afterwards this tensor
         raises MovedError."""
         self._dense_range("into_buffer")
-        n = self.size
+        n = self._size
         dtype = self._dtype
         tok = self._move_token("buffer", "Buffer")
         return Buffer._wrap(tok, dtype, n)
@@ -247,13 +289,14 @@ class Tensor(View):
         start, stop = self._dense_range("as_buffer")
         tok = self._token
         t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep)
-        return Buffer._wrap(t, self._dtype, self.size)
+        return Buffer._wrap(t, self._dtype, self._size)
 
     def as_readonly(self) -> "Tensor":
         """A read-only view of the same bytes (it never blocks readers)."""
         tok = self._live_token()
         t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep)
-        return Tensor._wrap(t, self._dtype, self._shape, self._strides, self._offset)
+        return Tensor._wrap(t, self._dtype, self._shape, self._strides, self._offset, self._size,
+                            self._contiguous)
 
     # -- data movement ---------------------------------------------------------------
     def to_host(self, stream=None) -> np.ndarray:

@@ -204,11 +204,12 @@ def test_captured_cupy_launches_replay(fake, kernels):
 
 def test_kernel_plan_caches_are_bounded(fake, kernels, monkeypatch):
     import interop.cupy as ic
+    import interop.cupy_launch as icl
     from fake_cuda import RawKernel, array_at
     L = sys.modules["sharedmem.launch"]  # (sharedmem.launch is the function)
     dev, drv = fake
-    monkeypatch.setattr(ic, "_by_function", {})
-    monkeypatch.setattr(ic, "_SIG_CACHE_MAX", 2)
+    monkeypatch.setattr(icl, "_by_function", {})
+    monkeypatch.setattr(icl, "_SIG_CACHE_MAX", 2)
     monkeypatch.setattr(L, "_plans", {})
     monkeypatch.setattr(L, "_PLANS_MAX", 2)
 
@@ -220,7 +221,7 @@ def test_kernel_plan_caches_are_bounded(fake, kernels, monkeypatch):
         k = RawKernel(drv, f"fill{n}", ["Q", "i"], fill,
                       f'extern "C" __global__ void fill{n}(float* x, int v) {{ }}')
         sm.launch(k, 1, 4, sm.Out(out), n).result()
-        assert len(ic._by_function) <= 2 and len(L._plans) <= 2
+        assert len(icl._by_function) <= 2 and len(L._plans) <= 2
         np.testing.assert_array_equal(out.to_host(), np.full(4, n, np.float32))
 
 

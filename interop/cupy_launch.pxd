@@ -1,4 +1,4 @@
-# Declarations for the compiled build of cupy.py (Cython pure-Python mode).
+# Declarations for the compiled build of cupy_launch.py (Cython pure-Python mode).
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsUnsignedLongLongMask

@@ -1,0 +1,591 @@
+"""CuPy on the launch path (compiled with the core): RawKernel plans and CuPy array arguments.
+
+:class:`RawKernelPlan` is a CuPy kernel on one device, planned once: its ``CUfunction``, its
+parameters (sizes from the driver, types read from the kernel's CUDA source), the device's
+launch limits and ``cuLaunchKernel``. ``foreign_array`` leases a CuPy array passed to a launch
+without making a view of it. ``interop.cupy`` is the public face (wrap, adopt, as_cupy, the
+adapter); this module holds what runs on every launch. Importing it imports no GPU library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+import sys
+import threading
+
+import numpy as np
+
+import sharedmem as sm
+from sharedmem.allocation import View, ViewToken, import_allocation
+from sharedmem.errors import BackendUnavailableError, KernelError
+from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
+
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from sharedmem import _cython as cython
+
+__all__ = ["RawKernelPlan", "Param", "param_types", "plan_kernel", "foreign_array",
+           "export_token"]
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        raise BackendUnavailableError(
+            "interop.cupy needs CuPy: pip install 'sharedmem[cuda13]' (or '[cuda12]')") from None
+    return cupy
+
+
+# -- CuPy arrays -----------------------------------------------------------------------------
+class _ExportOwner:
+    """Owner of the memory of an ``as_cupy`` array: holds the export's view
+    token and releases it when CuPy drops the memory."""
+
+    __slots__ = ("token", "__weakref__")
+
+    def __init__(self, token):
+        self.token = token
+
+    def __del__(self):
+        self.token.release()
+
+
+def export_token(arr):
+    """The view token behind an array made by as_cupy, or None."""
+    mem = arr.data.mem
+    owner = getattr(mem, "_owner", None)
+    return owner.token if isinstance(owner, _ExportOwner) else None
+
+
+def _extent(arr) -> tuple[int, int]:
+    """Byte offsets [lo, hi) of the array's elements relative to arr.data.ptr."""
+    if arr.size == 0:
+        return 0, 0
+    lo = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s > 0)
+    return lo, hi + arr.itemsize
+
+
+def _allocation_of(arr, dev):
+    """The allocation holding the array's bytes (ours, or foreign over CuPy's
+    own memory unit), and the array's byte range in it."""
+    lo, hi = _extent(arr)
+    start = arr.data.ptr + lo
+    nbytes = hi - lo
+    mem = arr.data.mem
+    alloc = import_allocation(dev, start, max(nbytes, 1) if arr.size else 0, "cupy",
+                              region=(mem.ptr, max(mem.size, 1)))
+    return alloc, start - alloc.ptr, start - alloc.ptr + nbytes
+
+
+# -- kernels -------------------------------------------------------------------------------
+
+#: C scalar types a kernel parameter may have: name -> (kind, bytes). Kinds: "i" signed int,
+#: "u" unsigned int, "f" floating point, "b" bool; "p" (pointers) and "?" (not known) below.
+_C_TYPES = {}
+for _names, _kind, _size in (
+        (("bool",), "b", 1),
+        (("char", "signed char", "int8_t"), "i", 1), (("unsigned char", "uint8_t"), "u", 1),
+        (("short", "short int", "signed short", "int16_t"), "i", 2),
+        (("unsigned short", "unsigned short int", "uint16_t"), "u", 2),
+        (("int", "signed", "signed int", "int32_t"), "i", 4),
+        (("unsigned", "unsigned int", "uint32_t"), "u", 4),
+        (("long", "long int", "signed long", "long long", "long long int", "signed long long",
+          "int64_t", "ssize_t", "ptrdiff_t", "intptr_t"), "i", 8),
+        (("unsigned long", "unsigned long int", "unsigned long long",
+          "unsigned long long int", "uint64_t", "size_t", "uintptr_t"), "u", 8),
+        (("float",), "f", 4), (("double",), "f", 8), (("half", "__half"), "f", 2)):
+    for _n in _names:
+        _C_TYPES[_n] = (_kind, _size)
+_QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict|register|struct)\b")
+
+
+class Param:
+    """One kernel parameter: ``kind`` ("p" pointer, "i"/"u" integer, "f" float, "b" bool, "?"
+    not known), ``size`` in bytes (the driver's), ``name`` and ``ctype`` (from the source, or
+    None)."""
+
+    __slots__ = ("kind", "size", "name", "ctype", "code", "offset", "kcode", "lo", "hi", "ilo",
+                 "ihi")
+
+    def __init__(self, kind, size, name, ctype):
+        self.kind, self.size, self.name, self.ctype = kind, size, name, ctype
+        self.kcode = _KCODES[kind]  # the same kind, as a small int for pack()
+        bits = 8 * size
+        # the range of an integer parameter's values
+        self.lo, self.hi = ((0, 2) if kind == "b" else
+                            (-(1 << (bits - 1)), 1 << (bits - 1)) if kind == "i" else
+                            (0, 1 << bits))
+        # the same as C integers, for parameters of up to 4 bytes (pack's fast path)
+        self.ilo, self.ihi = (self.lo, self.hi) if size < 8 else (0, 0)
+        # how the compiled enqueue writes the value pack() made: an unsigned integer of
+        # `size` bytes (codes 8, 4, 2, 1: ints and pointers), a float (F32) or a double (F64),
+        # else the value's bytes (BYTES: half, and parameters of unknown type)
+        fmt = _FORMATS.get((kind, size))
+        self.code = (_BYTES if fmt is None or fmt == "e" else _F32 if fmt == "f" else
+                     _F64 if fmt == "d" else size)
+        self.offset = 0  # in the packing buffer (set by the plan)
+
+    def describe(self) -> str:
+        if self.ctype is None:
+            return f"a {self.size}-byte parameter of unknown type"
+        return f"parameter {self.name!r} ({self.ctype})"
+
+
+def _split_params(text):
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "<([":
+            depth += 1
+        elif ch in ">)]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur))
+    return out
+
+
+def param_types(code, name):
+    """``[(kind, ctype, pname), ...]`` of ``__global__`` function ``name`` in CUDA source
+    ``code``, or None where it cannot be read (no source, a template, a mangled name)."""
+    if not code or not name or not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return None
+    m = re.search(r"__global__[^;{]*?\b" + re.escape(name) + r"\s*\(", code)
+    if m is None:
+        return None
+    i, depth = m.end(), 1
+    j = i
+    while j < len(code) and depth:
+        depth += {"(": 1, ")": -1}.get(code[j], 0)
+        j += 1
+    if depth:
+        return None
+    out = []
+    for raw in _split_params(code[i:j - 1]):
+        decl = " ".join(_QUALIFIERS.sub(" ", raw).split())
+        if not decl or decl == "void":
+            continue
+        if "*" in decl or "&" in decl:
+            pname = re.split(r"[*&\s]", decl)[-1]
+            ctype = decl[:len(decl) - len(pname)].replace(" *", "*").strip() if pname else decl
+            out.append(("p", ctype, pname))
+            continue
+        words = decl.split()
+        if len(words) < 2:
+            return None
+        ctype = " ".join(words[:-1])
+        kind = _C_TYPES.get(ctype, ("?", 0))[0]
+        out.append((kind, ctype, words[-1]))
+    return out
+
+
+def _signature_params(kernel, sizes):
+    """The kernel's parameters: sizes from the driver, types from the source where it can be
+    read and agrees with the sizes (else every parameter is of unknown type)."""
+    parsed = param_types(getattr(kernel, "code", None), getattr(kernel, "name", None))
+    if parsed is not None and len(parsed) == len(sizes):
+        params = []
+        for (kind, ctype, pname), size in zip(parsed, sizes):
+            want = 8 if kind == "p" else _C_TYPES.get(ctype, (None, size))[1]
+            if want != size:
+                break
+            params.append(Param(kind, size, pname, ctype))
+        else:
+            return tuple(params)
+    return tuple(Param("?", size, None, None) for size in sizes)
+
+
+_F32, _F64, _BYTES = 16, 17, 18  # Param.code, beside the integer sizes 1, 2, 4 and 8
+_K_PTR, _K_INT, _K_FLOAT, _K_ANY = 0, 1, 2, 3  # Param.kcode
+_KCODES = {"p": _K_PTR, "i": _K_INT, "u": _K_INT, "b": _K_INT, "f": _K_FLOAT, "?": _K_ANY}
+#: The packing buffer the compiled enqueue writes on its stack (bytes). Larger parameter lists
+#: (up to the driver's 32 KiB) take the interpreted packing.
+_STACK_PARAMS = 4096
+
+_FORMATS = {("p", 8): "Q", ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
+            ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q", ("f", 2): "e",
+            ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
+
+
+def _param_sizes(func):
+    """The kernel's parameter sizes, from the driver. With ``cuFuncGetParamCount`` (CUDA
+    12.9+ drivers) nothing is probed; older ones are asked for parameters until they say
+    there is none (an error compute-sanitizer lists, harmlessly)."""
+    from sharedmem.backends.cuda import cu
+    get = getattr(cu, "cuFuncGetParamInfo", None)
+    if get is None:
+        return None
+    ok = cu.CUresult.CUDA_SUCCESS
+    count = getattr(cu, "cuFuncGetParamCount", None)
+    if count is not None:
+        try:
+            res = count(func)
+        except RuntimeError:  # in the bindings, not in this driver ("Function ... not found")
+            res = (None,)
+        if res[0] == ok:
+            sizes = []
+            for i in range(int(res[1])):
+                r = get(func, i)
+                if r[0] != ok:
+                    break
+                sizes.append(int(r[2]))
+            else:
+                return sizes
+    sizes = []
+    while True:
+        res = get(func, len(sizes))
+        if res[0] != ok:
+            break
+        sizes.append(int(res[2]))
+        if len(sizes) > 4096:  # pragma: no cover
+            break
+    return sizes
+
+
+def _function_handle(kernel, dev):
+    cp = _cupy()
+    with cp.cuda.Device(dev.ordinal):
+        fn = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel or Function
+        return fn, int(fn.ptr)
+
+
+def _int_value(i, p, a):
+    """``a`` as an int for integer (or bool) parameter ``p``, range-checked."""
+    if isinstance(a, (bool, np.bool_)):
+        return int(a)
+    if isinstance(a, (int, np.integer)):
+        v = int(a)
+        if not p.lo <= v < p.hi:
+            raise KernelError(f"argument {i}: {v} does not fit {p.describe()}")
+        return v
+    raise KernelError(f"argument {i}: {p.describe()} takes an int, got {_what(a)}; "
+                      f"{'convert it with int() if that is meant' if isinstance(a, (float, np.floating)) else 'pass an int'}")
+
+
+def _what(a) -> str:
+    if isinstance(a, LaunchArg):
+        return f"an array ({type(a.value).__name__})"
+    if isinstance(a, View):
+        return f"an array ({type(a).__name__})"
+    return f"{type(a).__name__} {a!r}"
+
+
+class RawKernelPlan(KernelPlan):
+    """A CuPy kernel on one device, planned once: its CUfunction, its parameters (size from
+    the driver, type from the source), the packing buffer (8-byte-aligned slots and the
+    ``void**`` array pointing at them), the device's launch limits and ``cuLaunchKernel``.
+
+    ``pack`` converts each argument to its parameter's type -- or refuses it, naming the
+    parameter -- before any lease; ``enqueue`` (under the core lock, so launches never share
+    the buffer at once) writes the values and launches."""
+
+    __slots__ = ("func", "params", "fmt", "slots", "ptrs", "ptrs_addr", "backend", "launch_addr",
+                 "ctx_addr", "context", "limits", "fn", "nbytes")
+
+    def __init__(self, kernel, adapter, device, fn, func, params):
+        KernelPlan.__init__(self, kernel, adapter, device)
+        self.fn = fn  # the Function: it keeps its module, so `func`, loaded
+        self.func = func
+        self.params = params
+        fmt = ["<"]
+        offsets = []
+        off = 0
+        for p in params:
+            offsets.append(off)
+            p.offset = off
+            f = _FORMATS.get((p.kind, p.size), f"{p.size}s")
+            slot = (p.size + 7) // 8 * 8
+            fmt.append(f)
+            if slot > p.size:
+                fmt.append(f"{slot - p.size}x")
+            off += slot
+        self.fmt = "".join(fmt)
+        self.nbytes = off
+        self.slots = (ctypes.c_uint8 * max(off, 8))()
+        base = ctypes.addressof(self.slots)
+        self.ptrs = (ctypes.c_void_p * max(len(params), 1))(*[base + o for o in offsets])
+        self.ptrs_addr = ctypes.addressof(self.ptrs)
+        backend = device.backend
+        self.backend = backend
+        addresses = getattr(backend.hot, "addresses", None) or {}
+        self.launch_addr = addresses.get("cuLaunchKernel", 0)
+        self.ctx_addr = addresses.get("cuCtxGetCurrent", 0)
+        self.context = int(backend.context)
+        self.limits = backend.limits
+
+    def make_config(self, grid, block, shared_mem):
+        lim = self.limits
+        g = check_dims(grid, "grid", False, lim.grid)
+        b = check_dims(block, "block", False, lim.block)
+        threads = 1
+        for d in b:
+            threads *= d
+        if lim.threads and threads > lim.threads:
+            raise KernelError(f"block {block!r} has {threads} threads, above this device's "
+                              f"limit of {lim.threads} per block")
+        shm = check_shared_mem(shared_mem, lim.shared_mem or None)
+        g = tuple(g) + (1,) * (3 - len(g))
+        b = tuple(b) + (1,) * (3 - len(b))
+        return LaunchConfig(g, b, shm)
+
+    def pack(self, args, uses, config, stream):
+        """The parameters, converted to their types, checked (KernelError names the first
+        argument that does not fit, before any lease is taken) and packed: bytes laid out as
+        the plan's slots."""
+        params = self.params
+        n = len(params)
+        need = len(args)
+        for a in args:
+            if type(a) is LaunchArg and a.with_length:
+                need += 1
+        if need != n:
+            raise self._count_error(args)
+        if cython.compiled:
+            out = PyBytes_FromStringAndSize(cython.NULL, self.nbytes)  # written at once below
+        else:
+            out = []
+        p = 0
+        j = 0  # the array argument's lease in `uses`
+        for i in range(len(args)):
+            a = args[i]
+            par = params[p]
+            if isinstance(a, View):  # (its token: the lease's, taken before any release)
+                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
+                    raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
+                                      f"{_what(a)}")
+                tok = uses[j][0]
+                j += 1
+                _emit_address(out, par, tok.allocation.ptr + cython.cast(View, a)._offset)
+                p += 1
+                continue
+            if type(a) is LaunchArg:
+                j += 1
+                la = a
+                kind = par.kind
+                if kind != "p" and not (kind == "?" and par.size == 8):
+                    raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
+                                      f"{_what(a)}")
+                v = la.value
+                if la.view is not None:
+                    ptr = la.token.allocation.ptr + la.view._offset
+                else:
+                    ptr = v.data.ptr  # a CuPy array
+                _emit_address(out, par, ptr)
+                p += 1
+                if la.with_length:
+                    lp = params[p]
+                    length = v.size  # elements (a Buffer's length)
+                    if lp.kind in "iu":
+                        _emit(out, lp, _int_value(i, lp, length))
+                    elif lp.kind == "?" and lp.size in (4, 8):
+                        _emit(out, lp, int(length).to_bytes(lp.size, "little"))
+                    else:
+                        raise KernelError(f"argument {i}: with_length=True, but the next "
+                                          f"parameter is {lp.describe()}, not an int")
+                    p += 1
+                continue
+            kc = par.kcode
+            t = type(a)
+            if kc == _K_INT:
+                if t is int and par.size < 8 and par.ilo <= a < par.ihi:  # (C compares)
+                    _emit(out, par, a)
+                else:
+                    _emit(out, par, _int_value(i, par, a))
+            elif kc == _K_FLOAT:
+                if t is float:
+                    _emit(out, par, a)
+                elif isinstance(a, (float, int, np.floating, np.integer)) and not isinstance(a, bool):
+                    _emit(out, par, float(a))
+                else:
+                    raise KernelError(f"argument {i}: {par.describe()} takes a number, got "
+                                      f"{_what(a)}")
+            elif kc == _K_PTR:
+                if a is None:
+                    _emit(out, par, 0)
+                elif isinstance(a, (np.uint64, np.int64)):
+                    _emit(out, par, int(a) % (1 << 64))  # a raw address, stated as such
+                else:
+                    raise KernelError(
+                        f"argument {i}: {par.describe()} is a pointer, got {_what(a)}; pass "
+                        f"the array (a sharedmem view or a CuPy array) so that it is leased, or "
+                        f"None for NULL")
+            else:  # "?": only the size is known
+                if isinstance(a, np.generic) and a.dtype.itemsize == par.size:
+                    _emit(out, par, a.tobytes())
+                elif a is None and par.size == 8:
+                    _emit(out, par, bytes(8))
+                else:
+                    raise KernelError(
+                        f"argument {i}: {par.describe()} (the kernel's source is not known, so "
+                        f"neither is the type); got {_what(a)}. Pass a NumPy scalar of the "
+                        f"parameter's type, e.g. np.int32(n) or np.float32(x)")
+            p += 1
+        if cython.compiled:
+            return out
+        return struct.pack(self.fmt, *out)
+
+    def _count_error(self, args):
+        n = len(self.params)
+        got = len(args)
+        wl = sum(1 for a in args if type(a) is LaunchArg and a.with_length)
+        more = f" ({wl} with_length, each filling two)" if wl else ""
+        names = ", ".join(p.name or "?" for p in self.params)
+        return KernelError(f"the kernel takes {n} parameters ({names}) but was given {got} "
+                           f"arguments{more}; a buffer given as In/Out/InOut(x, "
+                           f"with_length=True) fills a pointer and a length parameter")
+
+    def enqueue(self, stream, config, values):
+        st = stream
+        impl = st._impl
+        if cython.compiled:
+            if self.launch_addr and self.nbytes <= _STACK_PARAMS and len(self.params) <= 512:
+                err = _launch_compiled(self, impl, config, values)
+                if err:
+                    self._raise(err)
+                return impl.submit_marker()
+        backend = self.backend
+        c = config
+        ctypes.memmove(self.slots, values, len(values))
+        backend.ensure_context()
+        hot = backend.hot
+        if hot is not None:
+            err = hot.launch(self.func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm, impl.handle,
+                             self.ptrs_addr, None)
+        else:
+            cu = backend.cu
+            err = int(cu.cuLaunchKernel(self.func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm,
+                                        impl.cu_stream, self.ptrs_addr, 0)[0])
+        if err:
+            self._raise(err)
+        return impl.submit_marker()
+
+    def _raise(self, err):
+        from sharedmem.backends.cuda import check
+        check((self.backend.cu.CUresult(err),), "cuLaunchKernel")
+
+
+class LaunchConfig:
+    """A validated launch configuration: grid and block dimensions, dynamic shared memory."""
+
+    __slots__ = ("gx", "gy", "gz", "bx", "by", "bz", "shm")
+
+    def __init__(self, g, b, shm):
+        self.gx, self.gy, self.gz = g
+        self.bx, self.by, self.bz = b
+        self.shm = shm
+
+
+def _emit(out, par, v):
+    """Put parameter ``par``'s value ``v`` (converted and checked) into ``out``: compiled,
+    straight into its slot of the packed bytes; interpreted, onto the list struct packs."""
+    if cython.compiled:
+        slot = cython.cast(cython.p_char, out) + par.offset
+        code = par.code
+        if code == 8:
+            cython.cast(cython.p_ulonglong, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        elif code == 4:
+            cython.cast(cython.p_uint, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        elif code == _F32:
+            cython.cast(cython.p_float, slot)[0] = v
+        elif code == _F64:
+            cython.cast(cython.p_double, slot)[0] = v
+        elif code == 2:
+            cython.cast(cython.p_ushort, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        elif code == 1:
+            cython.cast(cython.p_uchar, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
+        else:
+            memcpy(slot, cython.cast(cython.p_char, v), par.size)
+    else:
+        out.append(v)
+
+
+def _emit_address(out, par, ptr):
+    """Put a device address into pointer parameter ``par`` (or its 8 bytes into a parameter
+    of unknown type)."""
+    if cython.compiled:
+        cython.cast(cython.p_ulonglong, cython.cast(cython.p_char, out) + par.offset)[0] = ptr
+    elif par.kcode == _K_PTR:
+        out.append(ptr)
+    else:
+        out.append(ptr.to_bytes(8, "little"))
+
+
+def _launch_compiled(plan, impl, config, packed):
+    """Compiled only: point the parameter array at the slots of ``packed``, make the
+    device's context current if it is not, and call ``cuLaunchKernel`` through its address.
+    Returns the driver's result."""
+    ptrs = cython.declare(cython.p_void[512])
+    base = cython.cast(cython.p_char, packed)
+    params = plan.params
+    n = len(params)
+    for i in range(n):
+        p = params[i]
+        ptrs[i] = base + p.offset
+    ctx = cython.declare(cython.p_void, cython.NULL)
+    if plan.ctx_addr:
+        cython.cast(ctx_get_fn_t, plan.ctx_addr)(cython.address(ctx))
+    if cython.cast(cython.size_t, ctx) != plan.context:
+        plan.backend.ensure_context()
+    c = config
+    return cython.cast(launch_fn_t, plan.launch_addr)(
+        cython.cast(cython.p_void, cython.cast(cython.size_t, plan.func)), c.gx, c.gy, c.gz,
+        c.bx, c.by, c.bz, c.shm, cython.cast(cython.p_void, cython.cast(cython.size_t, impl.handle)),
+        ptrs, cython.NULL)
+
+
+_ndarray_type = None
+
+
+def _cupy_ndarray():
+    global _ndarray_type
+    if _ndarray_type is None:
+        _ndarray_type = _cupy().ndarray
+    return _ndarray_type
+
+
+def plan_kernel(adapter, kernel, device):
+    """The RawKernelPlan of ``kernel`` on ``device``: one per CUfunction (RawModule.get_function
+    makes a new object on every call, and each must not be planned again)."""
+    fn, func = _function_handle(kernel, device)
+    with _sig_lock:
+        hit = _by_function.get((func, device.key))
+    if hit is not None:
+        return hit
+    sizes = _param_sizes(func)
+    if sizes is None:
+        raise BackendUnavailableError(
+            "launching CuPy kernels through sharedmem needs cuFuncGetParamInfo (CUDA 12.4+ "
+            "driver and cuda-bindings)")
+    plan = RawKernelPlan(kernel, adapter, device, fn, func, _signature_params(kernel, sizes))
+    with _sig_lock:
+        if len(_by_function) >= _SIG_CACHE_MAX:  # bounded: programs that make many kernels
+            _by_function.clear()
+        _by_function[(func, device.key)] = plan
+    return plan
+
+
+_by_function = {}  # (CUfunction, device key) -> RawKernelPlan; guarded by _sig_lock
+_SIG_CACHE_MAX = 1024  # kernels remembered (each plan keeps its kernel alive)
+_sig_lock = threading.Lock()
+
+
+def foreign_array(arr):
+    """A CuPy array as a launch argument: a lease of its bytes (no view token: nothing but
+    the launch holds it), the array kept alive by the lease until the work is done."""
+    dev = sm.Device(arr.device.id)
+    alloc, lo, hi = _allocation_of(arr, dev)
+    export = export_token(arr)
+    writable = export.writable if export is not None else True
+    tok = ViewToken(alloc, "CuPy array argument", lo, hi, writable, (alloc, arr))
+    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
+    return ForeignArray(tok, arr)
+
+
