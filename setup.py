@@ -21,6 +21,8 @@ COMPILED = [
     "sharedmem/runtime/submission.py",
     "sharedmem/runtime/future.py",
     "sharedmem/launch.py",
+    "sharedmem/buffer.py",
+    "sharedmem/tensor.py",
     "sharedmem/backends/cuda.py",
     "interop/cupy_launch.py",
 ]

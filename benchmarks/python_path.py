@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 
-sys.path[:0] = ["tests", "."]
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(_ROOT, "tests"), _ROOT]
 
 _STUBS = r"""
 int launch_stub(void *f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g,

@@ -23,9 +23,11 @@ import threading
 
 import numpy as np
 
-import sharedmem as sm
-from sharedmem.allocation import import_allocation
+from sharedmem.allocation import View, import_allocation
+from sharedmem.device import Device
 from sharedmem.runtime.submission import order_consumer
+from sharedmem.stream import resolve_stream
+from sharedmem.tensor import c_strides, extent, new_tensor
 
 from interop.dlpack import ProducerAlias
 from interop.streams import current_streams
@@ -108,7 +110,7 @@ def from_cuda_array_interface(obj, *, stream=None):
     isz = dtype.itemsize
     raw = desc.get("strides")
     if raw is None:
-        strides = sm.tensor.c_strides(shape)
+        strides = c_strides(shape)
     else:
         raw = tuple(int(s) for s in raw)
         if len(raw) != len(shape):
@@ -118,19 +120,19 @@ def from_cuda_array_interface(obj, *, stream=None):
         if any(s % isz for s in raw):
             raise ValueError(f"strides {raw} are not multiples of the item size {isz}")
         strides = tuple(s // isz for s in raw)
-    lo, hi = sm.tensor.extent(shape, strides)
+    lo, hi = extent(shape, strides)
     nbytes = (hi - lo) * isz
     ptr = int(ptr or 0)
     if nbytes and ptr:
-        probe = sm.Device(0)
+        probe = Device(0)
         info = probe.backend.pointer_info(ptr)
         if info is None:
             raise ValueError(f"0x{ptr:x} is not CUDA device memory")
-        dev = sm.Device(info[2])
+        dev = Device(info[2])
         region = (info[0], info[1])
     else:
-        dev, region = sm.Device(0), None
-    s = sm.stream.resolve_stream(stream, dev)
+        dev, region = Device(0), None
+    s = resolve_stream(stream, dev)
     producer = desc.get("stream")
     if producer is not None and version >= 3:
         if producer == 0 or isinstance(producer, bool) or not isinstance(producer, int):
@@ -140,9 +142,9 @@ def from_cuda_array_interface(obj, *, stream=None):
     alloc = import_allocation(dev, ptr, nbytes, "cai", region=region)
     lo, hi = ptr - alloc.ptr, ptr - alloc.ptr + nbytes
     # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
-    alias = None if isinstance(obj, sm.allocation.View) else ProducerAlias(alloc, lo, hi, obj)
+    alias = None if isinstance(obj, View) else ProducerAlias(alloc, lo, hi, obj)
     tok = alloc.new_token("tensor", lo, hi, not readonly, (alloc, obj, alias))
-    t = sm.Tensor._wrap(tok, dtype, shape, strides, ptr - alloc.ptr)
+    t = new_tensor(tok, dtype, shape, strides, ptr - alloc.ptr)
     if nbytes:
         from interop.dlpack import _record_arrival  # noqa: F811 (same module as above)
         _record_arrival(t, tok, s)

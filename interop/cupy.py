@@ -33,11 +33,14 @@ import sys
 
 import numpy as np
 
-import sharedmem as sm
-from sharedmem.errors import AliasError, BackendUnavailableError
+from sharedmem.buffer import DeviceBox
+from sharedmem.device import Device
+from sharedmem.errors import (AliasError, BackendUnavailableError, DeviceMismatchError,
+                              LayoutError)
 from sharedmem.launch import KernelAdapter, register_kernel_adapter
 from sharedmem.runtime.submission import order_consumer
-from sharedmem.tensor import Tensor
+from sharedmem.stream import Stream
+from sharedmem.tensor import Tensor, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _extent, export_token,
                                  foreign_array, plan_kernel)
@@ -67,19 +70,19 @@ def _tensor_view(arr, kind: str, writable=True):
     cp = _cupy()
     if not isinstance(arr, cp.ndarray):
         raise TypeError(f"expected a cupy.ndarray, got {type(arr).__name__}")
-    dev = sm.Device(arr.device.id)
+    dev = Device(arr.device.id)
     export = _export_token(arr)
     if export is not None:
         writable = writable and export.writable
     alloc, lo, hi = _allocation_of(arr, dev)
     isz = arr.itemsize
     if any(s % isz for s in arr.strides):
-        raise sm.LayoutError(f"a CuPy array with strides {arr.strides} (not multiples of the "
+        raise LayoutError(f"a CuPy array with strides {arr.strides} (not multiples of the "
                              f"item size {isz}) cannot be a Tensor")
     tok = alloc.new_token(kind, lo, hi, writable, (alloc, arr.data))
     offset = arr.data.ptr - alloc.ptr
-    return Tensor._wrap(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
-                        offset)
+    return new_tensor(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
+                      offset)
 
 
 def wrap(arr) -> Tensor:
@@ -151,12 +154,12 @@ def as_cupy(x, stream=None):
     until the stream has passed that point. Used on another stream too? Declare
     it with :func:`sharedmem.record_use`."""
     cp = _cupy()
-    if isinstance(x, sm.DeviceBox):
+    if isinstance(x, DeviceBox):
         x = x.buffer
     tok = x._live_token()
     dev = tok.allocation.device
     if dev.kind != "cuda":
-        raise sm.DeviceMismatchError(f"as_cupy needs memory on a CUDA device; {x!r} is on {dev}")
+        raise DeviceMismatchError(f"as_cupy needs memory on a CUDA device; {x!r} is on {dev}")
     consumer = _consumer(stream, dev)
     handle = consumer.handle
     backend = dev.backend
@@ -178,12 +181,12 @@ def _consumer(stream, dev):
         stream = _cupy().cuda.get_current_stream(dev.ordinal)
         if stream.ptr == 0:
             return dev.default_stream
-    if isinstance(stream, sm.Stream):
+    if isinstance(stream, Stream):
         if stream.device is not dev:
-            raise sm.DeviceMismatchError(f"as_cupy: {stream} is on {stream.device}, the memory "
+            raise DeviceMismatchError(f"as_cupy: {stream} is on {stream.device}, the memory "
                                          f"on {dev}")
         return stream
-    return sm.Stream.from_external(stream, dev)
+    return Stream.from_external(stream, dev)
 
 
 class RawKernelAdapter(KernelAdapter):

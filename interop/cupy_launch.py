@@ -17,8 +17,8 @@ import threading
 
 import numpy as np
 
-import sharedmem as sm
 from sharedmem.allocation import View, ViewToken, import_allocation
+from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
 
@@ -580,7 +580,7 @@ _sig_lock = threading.Lock()
 def foreign_array(arr):
     """A CuPy array as a launch argument: a lease of its bytes (no view token: nothing but
     the launch holds it), the array kept alive by the lease until the work is done."""
-    dev = sm.Device(arr.device.id)
+    dev = Device(arr.device.id)
     alloc, lo, hi = _allocation_of(arr, dev)
     export = export_token(arr)
     writable = export.writable if export is not None else True

@@ -1,6 +1,6 @@
 """cuTile (``cuda.tile``) kernels launched through ``sharedmem.launch``.
 
-``sharedmem.launch(tile_kernel, grid, None, t1, sm.In(t2), ..., stream=s)``
+``sharedmem.launch(tile_kernel, grid, None, t1, In(t2), ..., stream=s)``
 launches any ``@ct.kernel``. cuTile's own ``ct.launch`` keeps nothing alive:
 it calls the DLPack deleter of every argument before the kernel has run
 (NVIDIA/cutile-python#88). Here every array argument gets a lease (intent from
@@ -26,7 +26,6 @@ import sys
 
 import numpy as np
 
-import sharedmem as sm
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.allocation import View
 from sharedmem.launch import (KernelAdapter, KernelPlan, LaunchArg, array_args, check_dims,
@@ -168,7 +167,8 @@ class TileKernelAdapter(KernelAdapter):
             from interop.cupy import foreign_array
             return foreign_array(obj)
         if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
-            return sm.from_dlpack(obj)
+            from interop.dlpack import from_dlpack
+            return from_dlpack(obj)
         return None
 
     def plan(self, kernel, device):

@@ -36,9 +36,11 @@ import weakref
 
 import numpy as np
 
-import sharedmem as sm
 from sharedmem.allocation import View, import_allocation
+from sharedmem.device import Device
 from sharedmem.runtime.submission import order_consumer, submit
+from sharedmem.stream import Stream
+from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
 
 from interop.streams import consumer_stream, current_streams
 
@@ -281,13 +283,13 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
 def _export_copy(view, stream, max_version, target):
     if target[0] == kDLCPU:
         data = view.to_host()
-        src = sm.Tensor.from_host(data, device=sm.Device.host())
-        sm.Device.host().default_stream.synchronize()
+        src = Tensor.from_host(data, device=Device.host())
+        Device.host().default_stream.synchronize()
     elif target[0] == kDLCUDA:
-        dev = sm.Device(target[1])
+        dev = Device(target[1])
         if view.device is not dev and view.device.kind == "cuda":
             raise BufferError(f"copies between CUDA devices are not supported ({view.device} -> {dev})")
-        src = sm.Tensor.from_host(view.to_host(), device=dev)
+        src = Tensor.from_host(view.to_host(), device=dev)
         dev.default_stream.synchronize()
     else:
         raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
@@ -364,9 +366,9 @@ class _Imported:
 def _device_of(dl: DLDevice):
     t, i = dl.device_type, dl.device_id
     if t in (kDLCPU, kDLCUDAHost):
-        return sm.Device.host()
+        return Device.host()
     if t in (kDLCUDA, kDLCUDAManaged):
-        return sm.Device(i)
+        return Device(i)
     raise BufferError(f"DLPack device type {t} (id {i}) is not supported; sharedmem imports CPU "
                       f"and CUDA memory")
 
@@ -403,8 +405,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     memory over with :func:`sharedmem.adopt` instead when nothing else holds it."""
     s = stream
     handle_arg = None
-    if s is not None and not isinstance(s, sm.Stream):
-        s = sm.Stream.from_external(s)
+    if s is not None and not isinstance(s, Stream):
+        s = Stream.from_external(s)
     if s is not None and s.device.kind == "cuda":
         handle_arg = s.handle or 1
     elif s is None and hasattr(obj, "__dlpack_device__") and \
@@ -435,8 +437,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         dlt, flags = DLManagedTensor.from_address(addr).dl_tensor, 0
     dev = _device_of(dlt.device)
     if device is not None:
-        want = device if isinstance(device, sm.Device) else (
-            sm.Device.host() if device == "host" else sm.Device(device))
+        want = device if isinstance(device, Device) else (
+            Device.host() if device == "host" else Device(device))
         if want is not dev:
             raise BufferError(f"the producer's memory is on {dev}, not on {want}; sharedmem does "
                               f"not copy on import")
@@ -448,14 +450,14 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if dlt.strides:
         strides = tuple(int(dlt.strides[i]) for i in range(ndim))
     else:
-        strides = sm.tensor.c_strides(shape)
+        strides = c_strides(shape)
     if any(n < 0 for n in shape):
         raise BufferError(f"DLPack tensor with negative shape {shape}")
     if any(st < 0 for st, n in zip(strides, shape) if n > 1):
         raise BufferError(f"DLPack tensor with negative strides {strides} is not supported; "
                           f"make it contiguous first")
     ptr = (dlt.data or 0) + dlt.byte_offset
-    lo, hi = sm.tensor.extent(shape, strides)
+    lo, hi = extent(shape, strides)
     nbytes = (hi - lo) * dtype.itemsize
     # consume: from here on we own the managed tensor and must call its deleter
     _set_name(capsule, used)
@@ -469,7 +471,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     writable = not (flags & FLAG_READ_ONLY)
     tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes, writable,
                           (alloc, owner))
-    t = sm.Tensor._wrap(tok, dtype, shape, strides, ptr - alloc.ptr)
+    t = new_tensor(tok, dtype, shape, strides, ptr - alloc.ptr)
     if not _adopt and not isinstance(obj, View):  # (our own views count as aliases anyway)
         owner.alias = ProducerAlias(alloc, tok.start, tok.stop, None if obj is capsule else obj)
     if dev.kind == "cuda" and nbytes:

@@ -42,6 +42,13 @@ cdef class View:
     cdef public Py_ssize_t _offset
     cdef object __weakref__
 
+    cpdef _init_view(self, ViewToken token, Py_ssize_t offset)
+    cpdef ViewToken _live_token(self)
+    cpdef _raise_dead(self)
+
+    @cython.locals(tok=ViewToken, rt=Runtime, others=list, settled=bint)
+    cpdef ViewToken _move_token(self, str target_kind, str target_name)
+
 @cython.locals(rt=Runtime)
 cpdef _release_locked(ViewToken tok)
 

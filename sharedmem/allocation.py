@@ -56,7 +56,7 @@ def _origin():
     ``TRACK_ORIGINS``)."""
     if not TRACK_ORIGINS:
         return None
-    f = sys._getframe(1)
+    f = sys._getframe(0)  # (compiled code has no frames: start at the innermost Python one)
     while f is not None:
         fn = os.path.abspath(f.f_code.co_filename)
         if not fn.startswith(_PACKAGE_DIRS):
@@ -498,15 +498,17 @@ class View:
 
     def __del__(self):
         # Never blocks, never waits for the GPU; nothing to do at interpreter exit.
-        if sys is None or sys.is_finalizing():
-            return
         try:
             tok = self._token
-            if self._state == _LIVE and tok is not None:
-                tok.release()
             hold = self._export
         except AttributeError:  # half-constructed (interpreted: its slots were never set)
             return
+        if tok is None and hold is None:  # moved or released: nothing to give back
+            return
+        if sys is None or sys.is_finalizing():
+            return
+        if self._state == _LIVE and tok is not None:
+            tok.release()
         if hold is not None:
             hold.release()
 
@@ -561,9 +563,10 @@ class View:
         over (re-labelled ``target_kind``). On failure nothing changes and
         :class:`AliasError` lists the aliases."""
         tok = self._live_token()
+        rt = RUNTIME
         settled = False
         while True:
-            RUNTIME.acquire()
+            rt.acquire()
             try:
                 if self._state != _LIVE:
                     self._raise_dead()
@@ -577,7 +580,7 @@ class View:
                 if settled:
                     raise self._alias_error(target_name, others)
             finally:
-                RUNTIME.release()
+                rt.release()
             # Before reporting an alias: a view may be kept only by work that has finished but
             # is not retired yet (a CuPy array argument keeps its as_cupy export alive).
             from .runtime.submission import settle

@@ -41,6 +41,16 @@ def allocate(device: Device, nbytes: int, stream=None) -> Allocation:
     return Allocation(device, block.ptr, nbytes, owner=block, source="sharedmem")
 
 
+def new_buffer(token, dtype, length):
+    """A Buffer of ``length`` elements of ``dtype`` over view token ``token`` (which it
+    takes over): how every Buffer is made."""
+    self = Buffer.__new__(Buffer)
+    self._init_view(token, token.start)
+    self._dtype = dtype
+    self._length = length
+    return self
+
+
 class Buffer(View):
     """A typed, contiguous, 1-D view of device memory.
 
@@ -58,14 +68,6 @@ class Buffer(View):
         raise TypeError("Buffer cannot be constructed directly; use Buffer.empty(n, dtype), "
                         "Buffer.zeros, Buffer.from_host(array) or tensor.into_buffer()")
 
-    @classmethod
-    def _wrap(cls, token, dtype: np.dtype, length: int) -> "Buffer":
-        self = View.__new__(cls)
-        self._init_view(token, token.start)
-        self._dtype = dtype
-        self._length = length
-        return self
-
     # -- construction -------------------------------------------------------
     @classmethod
     def empty(cls, n: int, dtype="float32", device=None, stream=None) -> "Buffer":
@@ -77,7 +79,7 @@ class Buffer(View):
         s = resolve_stream(stream, dev) if stream is not None else None
         alloc = allocate(dev, n * dt.itemsize, s)
         tok = alloc.new_token("buffer", 0, n * dt.itemsize, True, alloc)
-        return cls._wrap(tok, dt, n)
+        return new_buffer(tok, dt, n)
 
     @classmethod
     def zeros(cls, n: int, dtype="float32", device=None, stream=None) -> "Buffer":
@@ -163,13 +165,13 @@ class Buffer(View):
         isz = self._dtype.itemsize
         t = tok.allocation.new_token("slice", tok.start + start * isz, tok.start + stop * isz,
                                      tok.writable, tok.keep)
-        return Buffer._wrap(t, self._dtype, stop - start)
+        return new_buffer(t, self._dtype, stop - start)
 
     def as_readonly(self) -> "Buffer":
         """A read-only view of the same bytes (it never blocks readers)."""
         tok = self._live_token()
         t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep)
-        return Buffer._wrap(t, self._dtype, self._length)
+        return new_buffer(t, self._dtype, self._length)
 
     # -- data movement ----------------------------------------------------------
     def to_host(self, stream=None) -> np.ndarray:

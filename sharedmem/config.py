@@ -24,6 +24,7 @@ __all__ = ["COMPILED_MODULES", "compiled", "show_config", "pure_python_requested
 COMPILED_MODULES = (
     "sharedmem.runtime.state", "sharedmem.access", "sharedmem.allocation", "sharedmem.stream",
     "sharedmem.runtime.submission", "sharedmem.runtime.future", "sharedmem.launch",
+    "sharedmem.buffer", "sharedmem.tensor",
     "sharedmem.backends.cuda", "interop.cupy_launch",
 )
 

@@ -20,8 +20,13 @@ import math
 
 import numpy as np
 
+try:
+    import cython
+except ImportError:
+    from . import _cython as cython
+
 from .allocation import View
-from .buffer import Buffer, _device, allocate, as_dtype
+from .buffer import Buffer, _device, allocate, as_dtype, new_buffer
 from .errors import LayoutError
 from .stream import resolve_stream
 
@@ -91,6 +96,21 @@ def _is_c_contiguous(shape, strides) -> bool:
     return True
 
 
+def new_tensor(token, dtype, shape, strides, offset, size=-1, contiguous=-1):
+    """A Tensor over view token ``token`` (which it takes over): how every Tensor is made.
+    ``shape`` and ``strides`` (elements): validated tuples of ints; ``offset``: byte offset of
+    element 0 from the allocation's start; ``size`` and ``contiguous`` (1 or 0): the
+    layout's, where the caller knows them (-1: computed here)."""
+    self = Tensor.__new__(Tensor)
+    self._init_view(token, offset)
+    self._dtype = dtype
+    self._shape = shape
+    self._strides = strides
+    self._size = size if size >= 0 else math.prod(shape)
+    self._contiguous = contiguous if contiguous >= 0 else _is_c_contiguous(shape, strides)
+    return self
+
+
 class Tensor(View):
     """A shaped, strided view of device memory; the argument type of Tile
     kernels. Holds one view token (like a Buffer): its bytes stay valid while
@@ -105,19 +125,6 @@ class Tensor(View):
         raise TypeError("Tensor cannot be constructed directly; use Tensor.from_buffer(buf, shape), "
                         "Tensor.empty(shape, dtype), Tensor.from_host(array) or sharedmem.from_dlpack")
 
-    @classmethod
-    def _wrap(cls, token, dtype, shape, strides, offset, size=-1, contiguous=None) -> "Tensor":
-        """``offset``: byte offset of element 0 from the allocation's start. ``size`` and
-        ``contiguous``: the layout's, where the caller knows them."""
-        self = View.__new__(cls)
-        self._init_view(token, offset)
-        self._dtype = dtype
-        self._shape = shape
-        self._strides = strides
-        self._size = size if size >= 0 else math.prod(shape)
-        self._contiguous = (contiguous if contiguous is not None else
-                            _is_c_contiguous(shape, strides))
-        return self
 
     # -- construction ---------------------------------------------------------
     @classmethod
@@ -129,7 +136,7 @@ class Tensor(View):
         buffer's bytes exists; afterwards ``buf`` raises MovedError."""
         if not isinstance(buf, Buffer):
             raise TypeError(f"Tensor.from_buffer takes a sharedmem.Buffer, got {type(buf).__name__}")
-        b = buf
+        b = cython.cast(Buffer, buf)
         b._live_token()
         n = b._length
         if strides is None:
@@ -139,7 +146,7 @@ class Tensor(View):
                                   f"has {n}; pass a slice of the buffer or a matching shape")
             dtype = b._dtype
             tok = b._move_token("tensor", "Tensor")
-            return cls._wrap(tok, dtype, shape, strides, tok.start, size, True)
+            return new_tensor(tok, dtype, shape, strides, tok.start, size, 1)
         shape = _shape(shape)
         strides = tuple(int(s) for s in strides)
         if len(strides) != len(shape):
@@ -152,7 +159,7 @@ class Tensor(View):
                               f"{reach - 1}, beyond {buf!r}")
         dtype = b._dtype
         tok = b._move_token("tensor", "Tensor")
-        return cls._wrap(tok, dtype, shape, strides, tok.start)
+        return new_tensor(tok, dtype, shape, strides, tok.start)
 
     @classmethod
     def empty(cls, shape, dtype="float32", device=None, stream=None) -> "Tensor":
@@ -164,7 +171,7 @@ class Tensor(View):
         nbytes = math.prod(shape) * dt.itemsize
         alloc = allocate(dev, nbytes, s)
         tok = alloc.new_token("tensor", 0, nbytes, True, alloc)
-        return cls._wrap(tok, dt, shape, c_strides(shape), 0, -1, True)
+        return new_tensor(tok, dt, shape, c_strides(shape), 0, -1, 1)
 
     @classmethod
     def zeros(cls, shape, dtype="float32", device=None, stream=None) -> "Tensor":
@@ -279,7 +286,7 @@ class Tensor(View):
         n = self._size
         dtype = self._dtype
         tok = self._move_token("buffer", "Buffer")
-        return Buffer._wrap(tok, dtype, n)
+        return new_buffer(tok, dtype, n)
 
     def as_buffer(self) -> Buffer:
         """Borrow a Buffer view of this (C-contiguous) tensor's bytes.
@@ -289,13 +296,13 @@ class Tensor(View):
         start, stop = self._dense_range("as_buffer")
         tok = self._token
         t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep)
-        return Buffer._wrap(t, self._dtype, self._size)
+        return new_buffer(t, self._dtype, self._size)
 
     def as_readonly(self) -> "Tensor":
         """A read-only view of the same bytes (it never blocks readers)."""
         tok = self._live_token()
         t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep)
-        return Tensor._wrap(t, self._dtype, self._shape, self._strides, self._offset, self._size,
+        return new_tensor(t, self._dtype, self._shape, self._strides, self._offset, self._size,
                             self._contiguous)
 
     # -- data movement ---------------------------------------------------------------

@@ -40,7 +40,7 @@ def test_replay_after_every_captured_buffer_was_dropped(host):
     assert alloc is not None and alloc.live_views == 1  # the graph's own token
     assert "graph #" in alloc.views()[0]
     tok = next(iter(alloc._views.values()))
-    view = sm.Buffer._wrap(alloc.new_token("slice", tok.start, tok.stop, False, tok.keep),
+    view = sm.buffer.new_buffer(alloc.new_token("slice", tok.start, tok.stop, False, tok.keep),
                            np.dtype(np.float64), 64)
     np.testing.assert_array_equal(view.to_host(), np.full(64, 3.5))
     del fresh

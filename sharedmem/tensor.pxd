@@ -1,0 +1,17 @@
+# Declarations for the compiled build of tensor.py (Cython pure-Python mode).
+cimport cython
+from sharedmem.allocation cimport View, ViewToken
+from sharedmem.buffer cimport Buffer
+
+cdef class Tensor(View):
+    cdef public object _dtype
+    cdef public tuple _shape, _strides
+    cdef public Py_ssize_t _size
+    cdef public bint _contiguous
+
+    @cython.locals(tok=ViewToken, start=Py_ssize_t, stop=Py_ssize_t, nbytes=Py_ssize_t)
+    cpdef tuple _dense_range(self, str what)
+
+@cython.locals(self=Tensor)
+cpdef Tensor new_tensor(ViewToken token, object dtype, tuple shape, tuple strides,
+                        Py_ssize_t offset, Py_ssize_t size=*, int contiguous=*)
