@@ -42,7 +42,7 @@ from sharedmem.runtime.submission import order_consumer
 from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, new_tensor
 
-from interop.cupy_launch import (_ExportOwner, _allocation_of, _extent, export_token,
+from interop.cupy_launch import (_ExportOwner, _allocation_of, _extent, coerce, export_token,
                                  foreign_array, plan_kernel)
 
 _export_token = export_token
@@ -199,11 +199,7 @@ class RawKernelAdapter(KernelAdapter):
     def label(self, kernel) -> str:
         return f"CuPy kernel {getattr(kernel, 'name', '?')}"
 
-    def coerce(self, obj, device):
-        cp = sys.modules.get("cupy")
-        if cp is not None and isinstance(obj, cp.ndarray):
-            return foreign_array(obj)
-        return None
+    coerce = staticmethod(coerce)
 
     def plan(self, kernel, device):
         return plan_kernel(self, kernel, device)

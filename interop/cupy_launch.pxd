@@ -51,3 +51,14 @@ cdef _emit_address(out, Param par, unsigned long long ptr)
                base=cython.p_char)
 cdef int _launch_compiled(RawKernelPlan plan, CudaStreamImpl impl, config,
                           bytes packed) except? -1
+
+cdef class ArrayFacts:
+    cdef public object ref
+    cdef public ViewToken token
+    cdef public Py_ssize_t offset
+
+@cython.locals(f=ArrayFacts)
+cpdef ArrayFacts array_facts(arr)
+
+@cython.locals(f=ArrayFacts, la=LaunchArg)
+cpdef foreign_array(arr)

@@ -14,13 +14,14 @@ import re
 import struct
 import sys
 import threading
+import weakref
 
 import numpy as np
 
 from sharedmem.allocation import View, ViewToken, import_allocation
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
-from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
+from sharedmem.launch import KernelPlan, LaunchArg, check_dims, check_shared_mem
 
 try:
     import cython
@@ -374,11 +375,7 @@ class RawKernelPlan(KernelPlan):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 v = la.value
-                if la.view is not None:
-                    ptr = la.token.allocation.ptr + la.view._offset
-                else:
-                    ptr = v.data.ptr  # a CuPy array
-                _emit_address(out, par, ptr)
+                _emit_address(out, par, la.token.allocation.ptr + la.offset)
                 p += 1
                 if la.with_length:
                     lp = params[p]
@@ -577,15 +574,77 @@ _SIG_CACHE_MAX = 1024  # kernels remembered (each plan keeps its kernel alive)
 _sig_lock = threading.Lock()
 
 
-def foreign_array(arr):
-    """A CuPy array as a launch argument: a lease of its bytes (no view token: nothing but
-    the launch holds it), the array kept alive by the lease until the work is done."""
+class ArrayFacts:
+    """What a launch needs of a CuPy array, which cannot change while the array lives: the
+    lease token of its bytes (``token``: their range in the allocation they belong to, kept
+    alive here, and whether they may be written -- not for an ``as_cupy`` export of a
+    read-only view) and ``offset``, the byte offset of its element 0 in that allocation. A
+    CuPy array's data pointer, memory and device are read-only; its shape may be re-set,
+    but only to one of the same size over the same bytes. The token keeps the allocation,
+    never the array (that would keep the array alive): a launch keeps the array itself."""
+
+    __slots__ = ("ref", "token", "offset")
+
+
+# id(array) -> ArrayFacts of the live CuPy arrays passed to launches. An entry goes when its
+# array dies (its weak reference's callback); a stale id is caught by ``ref() is arr``.
+# Lock-free: single dict operations; a racing thread learns equal facts.
+_facts = {}
+
+
+def _forget(key, ref):
+    f = _facts.get(key)
+    if f is not None and f.ref is ref:
+        del _facts[key]
+
+
+def array_facts(arr):
+    """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
+    f = _facts.get(id(arr))
+    if f is not None and f.ref() is arr:
+        return f
+    return _learn(arr)
+
+
+def _learn(arr):
+    key = id(arr)
     dev = Device(arr.device.id)
     alloc, lo, hi = _allocation_of(arr, dev)
     export = export_token(arr)
     writable = export.writable if export is not None else True
-    tok = ViewToken(alloc, "CuPy array argument", lo, hi, writable, (alloc, arr))
-    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
-    return ForeignArray(tok, arr)
+    f = ArrayFacts()
+    f.token = ViewToken(alloc, "CuPy array argument", lo, hi, writable, alloc)
+    f.token.live = True  # a lease's range: never a live view (not in the allocation's views)
+    f.offset = arr.data.ptr - alloc.ptr
+    f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
+    _facts[key] = f
+    return f
+
+
+def foreign_array(arr):
+    """A CuPy array as a launch argument: a lease of its bytes (no view token: nothing but
+    the launch holds it); the launch keeps the array alive until its work is done."""
+    f = array_facts(arr)
+    la = LaunchArg.__new__(LaunchArg)
+    la.token = f.token
+    la.value = arr
+    la.offset = f.offset
+    return la
+
+
+_ndarray = []  # [cupy.ndarray], once CuPy is imported
+
+
+def coerce(obj, device):
+    """``KernelAdapter.coerce`` of CuPy kernels: a CuPy array argument as a
+    :class:`LaunchArg` (see ``KernelAdapter.coerce``); None for anything else."""
+    if not _ndarray:
+        cp = sys.modules.get("cupy")
+        if cp is None:
+            return None
+        _ndarray.append(cp.ndarray)
+    if isinstance(obj, _ndarray[0]):
+        return foreign_array(obj)
+    return None
 
 

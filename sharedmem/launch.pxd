@@ -29,6 +29,7 @@ cdef class LaunchArg:
     cdef public int _mode
     cdef public object intent
     cdef public bint with_length
+    cdef public Py_ssize_t offset
 
 cdef class KernelPlan(Work):
     cdef public object kernel, adapter, device, label
@@ -48,13 +49,8 @@ cdef class _PreparedPlan(KernelPlan):
 cdef class _HostPlan(KernelPlan):
     pass
 
-cdef class ForeignArray:
-    cdef public ViewToken token
-    cdef public object value
-
 @cython.locals(resolved=list, uses=list, i=Py_ssize_t, n=Py_ssize_t, mode=int,
-               with_length=bint, view=View, tok=ViewToken, ia=Intent, fa=ForeignArray,
-               la=LaunchArg)
+               with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg)
 cpdef tuple resolve_args(adapter, tuple args, device)
 
 @cython.locals(plan=KernelPlan, sub=Submission, st=Stream)
@@ -62,5 +58,8 @@ cpdef Submission launch_submission(kernel, grid, block, tuple args, stream, shar
 
 @cython.locals(plan=KernelPlan, plans=dict)
 cpdef KernelPlan plan_for(adapter, kernel, device)
+
+@cython.locals(foreign=list)
+cpdef _with_foreign(keep, list resolved)
 
 cdef _init_intent(Intent self, obj, bint with_length, int mode)

@@ -31,6 +31,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from .access import ATOMIC, READ, WRITE, check_policy
 from .allocation import View
+from .buffer import DeviceBox
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
 from .runtime.submission import Work, submit_plan
@@ -115,17 +116,18 @@ class LaunchArg:
     foreign array an adapter leased directly), ``value`` (what the plan packs: the view, or
     the foreign array), ``token`` (what is leased), ``mode`` (``"read"``, ``"write"`` or
     ``"atomic"``), ``intent`` (the Intent class written, or None for a bare argument),
-    ``with_length``."""
+    ``with_length``, ``offset`` (the byte offset of element 0 in the token's allocation)."""
 
-    __slots__ = ("view", "value", "token", "_mode", "intent", "with_length")
+    __slots__ = ("view", "value", "token", "_mode", "intent", "with_length", "offset")
 
-    def __init__(self, view, value, token, mode, intent, with_length=False):
+    def __init__(self, view, value, token, mode, intent, with_length=False, offset=0):
         self.view = view
         self.value = value
         self.token = token
         self._mode = mode
         self.intent = intent
         self.with_length = with_length
+        self.offset = offset
 
     @property
     def mode(self) -> str:
@@ -198,8 +200,11 @@ class KernelAdapter:
     ``(enqueue, keep)`` -- which the default ``plan`` calls on every launch.
 
     ``coerce(obj, device)`` may turn a foreign array (a CuPy array...) into a
-    :class:`LaunchArg`-ready lease (``ForeignArray``) or a sharedmem view made for this launch
-    only, or return None: the argument is then passed as a scalar.
+    lease -- a :class:`LaunchArg` with ``view`` None, ``value`` (what the plan packs),
+    ``token`` (a lease token, never a live view; it must not keep ``value`` alive -- the
+    launch does) and ``offset`` (of element 0 in the token's allocation); ``resolve_args``
+    fills in the rest -- or into a sharedmem view made for this launch only, or return None:
+    the argument is then passed as a scalar.
     """
 
     name = "kernel"
@@ -237,18 +242,6 @@ class _PreparedPlan(KernelPlan):
 
     def enqueue(self, stream, config, payload):
         return payload[0]()
-
-
-class ForeignArray:
-    """A foreign array an adapter leases for one launch without a sharedmem view: the
-    allocation its bytes belong to (``token``: a lease token, never a live view) and the
-    object the plan packs (``value``)."""
-
-    __slots__ = ("token", "value")
-
-    def __init__(self, token, value):
-        self.token = token
-        self.value = value
 
 
 # -- the registry -----------------------------------------------------------------------
@@ -381,9 +374,8 @@ def check_shared_mem(shared_mem, limit=None) -> int:
 def _as_view(obj):
     if isinstance(obj, View):
         return obj
-    box = getattr(obj, "buffer", None)  # DeviceBox
-    if isinstance(box, View) and type(obj).__name__ == "DeviceBox":
-        return box
+    if type(obj) is DeviceBox:
+        return obj.buffer
     return None
 
 
@@ -396,6 +388,7 @@ def resolve_args(adapter, args, device):
     foreign arrays are referenced by ``resolved`` (keep it until the leases are taken)."""
     resolved = []
     uses = []
+    coerce = None
     for i in range(len(args)):
         a = args[i]
         t = type(a)
@@ -413,6 +406,7 @@ def resolve_args(adapter, args, device):
             mode = -1
             intent = None
             with_length = False
+        la = None
         if isinstance(obj, View):
             view = obj
         else:
@@ -423,18 +417,20 @@ def resolve_args(adapter, args, device):
             tok = view._token
             value = view
         else:
-            got = adapter.coerce(obj, device)
+            if coerce is None:
+                coerce = adapter.coerce
+            got = coerce(obj, device)
             if got is None:
                 if intent is not None:
                     raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
                                       f"DeviceBox or array, got {type(obj).__name__}")
                 resolved.append(a)
                 continue
-            if isinstance(got, ForeignArray):
-                fa = got
-                tok = fa.token
-                value = fa.value
-            else:  # a view made for this launch (adapters before ForeignArray)
+            if type(got) is LaunchArg:  # a foreign array leased without a view
+                la = got
+                tok = la.token
+                value = la.value
+            else:  # a view made for this launch
                 view = got
                 tok = view._token
                 value = view
@@ -456,16 +452,29 @@ def resolve_args(adapter, args, device):
             resolved.append(view)  # the common case: the view itself stands for the argument
             uses.append(tok.use(mode != _READ))
             continue
-        la = LaunchArg.__new__(LaunchArg)
-        la.view = view
-        la.value = value
-        la.token = tok
+        if la is None:
+            la = LaunchArg.__new__(LaunchArg)
+            la.view = view
+            la.value = value
+            la.token = tok
+            la.offset = view._offset
         la._mode = mode
         la.intent = intent
         la.with_length = with_length
         resolved.append(la)
-        uses.append((tok, mode != _READ))
+        uses.append(tok.use(mode != _READ))
     return resolved, uses, device
+
+
+def _with_foreign(keep, resolved):
+    """``keep`` and the foreign arrays in ``resolved``, or ``keep`` when there are none."""
+    foreign = None
+    for a in resolved:
+        if type(a) is LaunchArg and cython.cast(LaunchArg, a).view is None:
+            if foreign is None:
+                foreign = [keep]
+            foreign.append(cython.cast(LaunchArg, a).value)
+    return foreign if foreign is not None else keep
 
 
 def array_args(resolved, uses):
@@ -476,7 +485,7 @@ def array_args(resolved, uses):
     for a in resolved:
         if isinstance(a, View):
             tok, writes = uses[j]
-            la = LaunchArg(a, a, tok, _WRITE if writes else _READ, None, False)
+            la = LaunchArg(a, a, tok, _WRITE if writes else _READ, None, False, a._offset)
             out.append(la)
             j += 1
         elif type(a) is LaunchArg:
@@ -531,8 +540,10 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         stream = device.default_stream
     config = plan.configure(grid, block, shared_mem)
     payload = plan.pack(resolved, uses, config, stream)
-    # the work keeps the plan (and so the kernel), and each lease's `keep`
+    # the work keeps the plan (and so the kernel), each lease's `keep`, and the foreign arrays
+    # leased (their lease tokens do not keep them)
     keep = plan if not isinstance(plan, _PreparedPlan) else [plan, *payload[1]]
+    keep = _with_foreign(keep, resolved)
     # `resolved` stays referenced until the leases are taken: views an adapter made of
     # foreign arrays live only as long as it does
     sub = submit_plan(stream, uses, plan, config, payload, keep, policy, plan.label)

@@ -105,6 +105,37 @@ def test_cupy_arrays_as_launch_arguments_get_leases(cp, ic):
     assert alloc is None or alloc.live_views == 0  # no alias lingers after the launch
 
 
+def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, ic):
+    import gc
+    import weakref
+
+    import gpu_kernels as K
+    import interop.cupy_launch as icl
+    dev = cuda_device()
+    s = dev.create_stream()
+    y = cp.zeros(1 << 16, cp.float32)
+    cp.cuda.Device(0).synchronize()
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(y), y.size, 1.0, np.int64(0), stream=s)
+    facts = icl._facts[id(y)]
+    token = facts.token
+    assert facts.ref() is y and token.stop - token.start == y.nbytes
+    # what a launch needs of the array is learned once: the second launch reuses it
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(y), y.size, 7.0, np.int64(K.cycles(50)),
+              stream=s)
+    assert icl._facts[id(y)] is facts
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    # the launch keeps the array (and so CuPy's memory) until its work is done
+    assert ref() is not None and not s.query()
+    s.synchronize()
+    sm.synchronize()
+    gc.collect()
+    assert ref() is None
+    assert all(f.ref() is not None for f in icl._facts.values())  # its entry went with it
+    assert facts not in icl._facts.values()
+
+
 def test_as_cupy_orders_the_consumer_stream(cp, ic):
     import gpu_kernels as K
     dev = cuda_device()
