@@ -163,7 +163,7 @@ def as_cupy(x, stream=None):
     consumer = _consumer(stream, dev)
     handle = consumer.handle
     backend = dev.backend
-    order_consumer(tok, lambda m: backend.wait_on_handle(handle, m))
+    order_consumer(tok, lambda m: backend.wait_on_handle(handle, m), stream=consumer)
     export = tok.allocation.new_token("CuPy array (as_cupy)", tok.start, tok.stop, tok.writable,
                                       tok.keep, [(consumer, tok.writable)])
     base = tok.allocation.ptr + tok.start

@@ -202,8 +202,10 @@ def _consumer_wait(view, tok, stream) -> list:
         return [(s, tok.writable) for s in current_streams(dev)]
     # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles
     backend = dev.backend
-    order_consumer(tok, lambda m: backend.wait_on_handle(stream, m))
-    return [(consumer_stream(dev, stream), tok.writable)]
+    consumer = consumer_stream(dev, stream)
+    order_consumer(tok, lambda m: backend.wait_on_handle(stream, m),
+                   stream=consumer if stream not in (1, 2) else None)
+    return [(consumer, tok.writable)]
 
 
 def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):

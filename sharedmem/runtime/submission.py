@@ -571,12 +571,13 @@ def counters_locked() -> dict:
             "leaked": rt.leaked_count, "leaked_bytes": rt.leaked_bytes}
 
 
-def order_consumer(tok, wait, blocking=False) -> int:
+def order_consumer(tok, wait, blocking=False, stream=None) -> int:
     """Order a consumer outside sharedmem after our unfinished work on the bytes of ``tok``:
     ``wait(marker)`` is called for the newest conflicting submission of every stream --
     pending writes, and also pending reads when the view is writable (the consumer may write
-    through it) -- and for the open holds of other consumers. Returns how many waits were
-    made. Used by DLPack / CAI export and ``as_cupy``.
+    through it) -- and for the open holds of other consumers. Work on ``stream`` (the
+    consumer's own, where known) is skipped: the stream orders it. Returns how many waits
+    were made. Used by DLPack / CAI export and ``as_cupy``.
 
     ``wait`` only enqueues (a device-side wait) unless ``blocking``: then it may block the
     host, and is called after the core lock is released."""
@@ -584,8 +585,8 @@ def order_consumer(tok, wait, blocking=False) -> int:
     with locked():
         tracker = tok.allocation.tracker
         if tracker:
-            for other, marker, _seq, _w in tracker.conflicts_locked(None, tok.writable, tok.start,
-                                                                     tok.stop):
+            for other, marker, _seq, _w in tracker.conflicts_locked(stream, tok.writable,
+                                                                     tok.start, tok.stop):
                 if marker is None:  # an open hold: whatever its stream was given so far
                     marker = fresh_marker_locked(other)
                 if marker.unknown:
