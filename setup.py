@@ -25,6 +25,8 @@ COMPILED = [
     "sharedmem/tensor.py",
     "sharedmem/backends/cuda.py",
     "interop/cupy_launch.py",
+    "interop/cutile.py",
+    "interop/cai.py",
 ]
 
 REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "") not in ("", "0")

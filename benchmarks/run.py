@@ -150,7 +150,7 @@ def _cuda_core_floor(dev, stream, ptrs, n):
         ker = prog.compile("cubin").get_kernel("k4")
         cs = cdev.create_stream(stream)
         cfg = LaunchConfig(grid=1, block=32)
-        args = [ctypes.c_void_p(p) for p in ptrs] + [np.int32(n)]
+        args = [np.uint64(p) for p in ptrs] + [np.int32(n)]  # (8-byte pointer slots)
 
         def floor_core():
             launch(cs, cfg, ker, *args)

@@ -23,11 +23,17 @@ import threading
 
 import numpy as np
 
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from sharedmem import _cython as cython
+
 from sharedmem.allocation import View, import_allocation
+from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.runtime.submission import order_consumer
 from sharedmem.stream import resolve_stream
-from sharedmem.tensor import c_strides, extent, new_tensor
+from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
 
 from interop.dlpack import ProducerAlias
 from interop.streams import current_streams
@@ -46,18 +52,33 @@ def _export_stream(dev):
         return impl
 
 
+_typestrs: dict = {}  # np.dtype -> its typestr (NumPy formats a new one on every .str)
+
+
+def typestr(dt) -> str:
+    """``dt.str``, remembered (lock-free: idempotent writes)."""
+    s = _typestrs.get(dt)
+    if s is None:
+        s = _typestrs[dt] = dt.str
+    return s
+
+
 def cai_layout(view, read_only: bool) -> dict:
-    """The layout keys of a CAI v3 dict for ``view``: ``shape``, ``typestr``,
-    ``data`` (pointer, read-only flag), ``strides`` (None when C-contiguous),
+    """The layout keys of a CAI v3 dict for ``view`` (a Buffer or a Tensor): ``shape``,
+    ``typestr``, ``data`` (pointer, read-only flag), ``strides`` (None when C-contiguous),
     ``version``. No ordering, no stream: callers add what they promise."""
-    contiguous = view.is_contiguous() if hasattr(view, "is_contiguous") else True
-    return {
-        "shape": tuple(view.shape),
-        "typestr": view.dtype.str,
-        "data": (view.ptr, read_only),
-        "strides": None if contiguous else tuple(view.byte_strides),
-        "version": 3,
-    }
+    tok = view._live_token()
+    if isinstance(view, Tensor):
+        t = view
+        dt = t._dtype
+        shape = t._shape
+        strides = None if t._contiguous else tuple([s * dt.itemsize for s in t._strides])
+    else:
+        dt = cython.cast(Buffer, view)._dtype
+        shape = (cython.cast(Buffer, view)._length,)
+        strides = None
+    return {"shape": shape, "typestr": typestr(dt), "data": (tok.allocation.ptr + view._offset,
+            read_only), "strides": strides, "version": 3}
 
 
 #: The kind of a CAI export's hold, as AliasError messages name it.

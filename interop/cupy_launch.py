@@ -626,24 +626,26 @@ def foreign_array(arr):
     the launch holds it); the launch keeps the array alive until its work is done."""
     f = array_facts(arr)
     la = LaunchArg.__new__(LaunchArg)
+    la.view = None
     la.token = f.token
     la.value = arr
     la.offset = f.offset
     return la
 
 
-_ndarray = []  # [cupy.ndarray], once CuPy is imported
+_ndarray = [None, None]  # [the cupy module, its ndarray], once CuPy is imported
 
 
 def coerce(obj, device):
     """``KernelAdapter.coerce`` of CuPy kernels: a CuPy array argument as a
     :class:`LaunchArg` (see ``KernelAdapter.coerce``); None for anything else."""
-    if not _ndarray:
-        cp = sys.modules.get("cupy")
-        if cp is None:
-            return None
-        _ndarray.append(cp.ndarray)
-    if isinstance(obj, _ndarray[0]):
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return None
+    if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)
+        _ndarray[1] = cp.ndarray
+        _ndarray[0] = cp
+    if isinstance(obj, _ndarray[1]):
         return foreign_array(obj)
     return None
 

@@ -26,10 +26,18 @@ import sys
 
 import numpy as np
 
-from sharedmem.errors import BackendUnavailableError, KernelError
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from sharedmem import _cython as cython
+
 from sharedmem.allocation import View
+from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import (KernelAdapter, KernelPlan, LaunchArg, array_args, check_dims,
                               register_kernel_adapter)
+from sharedmem.tensor import Tensor
+
+from interop.cai import cai_layout
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -52,19 +60,19 @@ class _ArrayDescriptor:
 
     __slots__ = ("__cuda_array_interface__",)
 
-    def __init__(self, view, writable: bool):
-        from interop.cai import cai_layout
-        self.__cuda_array_interface__ = cai_layout(view, not writable)
-
 
 _RW, _RO = "cutile-descriptor-rw", "cutile-descriptor-ro"
 
 
 def _descriptor(view, writable):
-    if any(s < 0 for s in getattr(view, "strides", (1,))):
-        raise KernelError(f"{view!r} has negative strides; cuTile assumes strides >= 0 -- pass "
-                          f"a contiguous copy")
-    return _ArrayDescriptor(view, writable)
+    if isinstance(view, Tensor):
+        for s in cython.cast(Tensor, view)._strides:
+            if s < 0:
+                raise KernelError(f"{view!r} has negative strides; cuTile assumes strides >= 0 "
+                                  f"-- pass a contiguous copy")
+    d = _ArrayDescriptor.__new__(_ArrayDescriptor)
+    d.__cuda_array_interface__ = cai_layout(view, not writable)
+    return d
 
 
 def _writable_descriptor(view):
@@ -78,11 +86,30 @@ def _readonly_descriptor(view):
 def _view_descriptor(i, view, writes):
     """The view's cached descriptor (made once per view: its layout never changes while it
     lives), or KernelError naming argument ``i``."""
+    d = view._derived
+    if d is not None:  # (the common case, inline: View._derived_value's dict)
+        got = d.get(_RW if writes else _RO)
+        if got is not None:
+            return got
     try:
         return (view._derived_value(_RW, _writable_descriptor) if writes else
                 view._derived_value(_RO, _readonly_descriptor))
     except KernelError as e:
         raise KernelError(f"argument {i}: {e}") from None
+
+
+def _aliased(uses) -> bool:
+    """True when two leases of ``uses`` overlap and one of them writes (no argument numbers:
+    :func:`_check_no_aliasing` finds them, on this rare path only)."""
+    n = len(uses)
+    for p in range(n):
+        ta, wa = uses[p]
+        for q in range(p + 1, n):
+            tb, wb = uses[q]
+            if (ta.allocation is tb.allocation and ta.start < tb.stop and tb.start < ta.stop
+                    and ta.start < ta.stop and tb.start < tb.stop and (wa or wb)):
+                return True
+    return False
 
 
 def _check_no_aliasing(args) -> None:
@@ -120,34 +147,36 @@ class TilePlan(KernelPlan):
         return tuple(g) + (1,) * (3 - len(g))
 
     def pack(self, args, uses, config, stream):
-        if len(uses) > 1:
+        if len(uses) > 1 and _aliased(uses):
             _check_no_aliasing(array_args(args, uses))
-        out = []
+        n = len(args)
+        out = [None] * n
         j = 0
-        for i in range(len(args)):
+        for i in range(n):
             a = args[i]
             if isinstance(a, View):
-                out.append(_view_descriptor(i, a, uses[j][1]))
+                out[i] = _view_descriptor(i, a, uses[j][1])
                 j += 1
             elif type(a) is LaunchArg:
                 j += 1
-                v = a.view
-                if v is None:
-                    out.append(a.value)  # a foreign array: cuTile reads it itself
+                la = a
+                if la.view is None:
+                    out[i] = la.value  # a foreign array: cuTile reads it itself
                 else:
-                    out.append(_view_descriptor(i, v, a.writes))
+                    out[i] = _view_descriptor(i, la.view, la._mode != 0)
             elif isinstance(a, np.generic):
-                out.append(a.item())
+                out[i] = a.item()
             else:
-                out.append(a)
+                out[i] = a
         return tuple(out)
 
-    def enqueue(self, stream, grid, call_args):
-        impl = stream._impl
-        backend = self.backend
-        backend.ensure_context()
+    def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)
+        grid, call_args = config, payload
+        st = stream
+        impl = st._impl
+        self.backend.ensure_context()
         self.ct_launch(impl.handle, grid, self.kernel, call_args)
-        return backend.submit_marker(impl)
+        return impl.submit_marker()
 
 
 class TileKernelAdapter(KernelAdapter):

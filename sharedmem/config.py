@@ -25,7 +25,8 @@ COMPILED_MODULES = (
     "sharedmem.runtime.state", "sharedmem.access", "sharedmem.allocation", "sharedmem.stream",
     "sharedmem.runtime.submission", "sharedmem.runtime.future", "sharedmem.launch",
     "sharedmem.buffer", "sharedmem.tensor",
-    "sharedmem.backends.cuda", "interop.cupy_launch",
+    "sharedmem.backends.cuda", "interop.cupy_launch", "interop.cutile",
+    "interop.cai",
 )
 
 

@@ -1,0 +1,23 @@
+# Declarations for the compiled build of cutile.py (Cython pure-Python mode).
+cimport cython
+from sharedmem.allocation cimport View, ViewToken
+from sharedmem.tensor cimport Tensor
+from sharedmem.launch cimport KernelPlan, LaunchArg
+from sharedmem.backends.cuda cimport CudaStreamImpl
+from sharedmem.stream cimport Stream
+
+@cython.locals(n=Py_ssize_t, p=Py_ssize_t, q=Py_ssize_t, ta=ViewToken, tb=ViewToken,
+               wa=bint, wb=bint)
+cpdef bint _aliased(list uses)
+
+@cython.locals(d=dict)
+cpdef _view_descriptor(Py_ssize_t i, View view, bint writes)
+
+cdef class TilePlan(KernelPlan):
+    cdef public object backend, ct_launch
+
+    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg)
+    cpdef pack(self, list args, list uses, config, stream)
+
+    @cython.locals(st=Stream, impl=CudaStreamImpl)
+    cpdef enqueue(self, stream, config, payload)
