@@ -20,6 +20,7 @@ COMPILED = [
     "sharedmem/stream.py",
     "sharedmem/runtime/submission.py",
     "sharedmem/runtime/future.py",
+    "sharedmem/runtime/graph.py",
     "sharedmem/launch.py",
     "sharedmem/buffer.py",
     "sharedmem/tensor.py",

@@ -31,13 +31,14 @@ try:
 except ImportError:  # interpreted, without Cython installed
     from sharedmem import _cython as cython
 
-from sharedmem.allocation import View
+from sharedmem.allocation import View, _module
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import (KernelAdapter, KernelPlan, LaunchArg, array_args, check_dims,
                               register_kernel_adapter)
 from sharedmem.tensor import Tensor
 
 from interop.cai import cai_layout
+from interop.cupy_launch import foreign_array
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -193,11 +194,9 @@ class TileKernelAdapter(KernelAdapter):
     def coerce(self, obj, device):
         cp = sys.modules.get("cupy")
         if cp is not None and isinstance(obj, cp.ndarray):
-            from interop.cupy import foreign_array
             return foreign_array(obj)
         if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
-            from interop.dlpack import from_dlpack
-            return from_dlpack(obj)
+            return _module("interop.dlpack").from_dlpack(obj)
         return None
 
     def plan(self, kernel, device):

@@ -23,6 +23,7 @@ What keeps memory valid:
 from __future__ import annotations
 
 import bisect
+import importlib
 import itertools
 import os
 import sys
@@ -376,6 +377,15 @@ def _advice(toks) -> str:
     return "; ".join(said)
 
 
+def _module(name):
+    """Module ``name``, imported on first use (an import statement costs thousands of
+    instructions even when the module is loaded; this is a dict lookup)."""
+    m = sys.modules.get(name)
+    if m is None:
+        m = importlib.import_module(name)
+    return m
+
+
 class View:
     """Base of user-visible handles: one view token on an allocation.
 
@@ -539,14 +549,12 @@ class View:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """Export as a DLPack capsule (see :mod:`interop.dlpack` for the stream
         rules). The capsule holds a view token until the consumer deletes it."""
-        from interop.dlpack import export
-        return export(self, stream=stream, max_version=max_version, dl_device=dl_device,
+        return _module("interop.dlpack").export(self, stream=stream, max_version=max_version, dl_device=dl_device,
                       copy=copy)
 
     def __dlpack_device__(self):
         """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""
-        from interop.dlpack import dlpack_device
-        return dlpack_device(self)
+        return _module("interop.dlpack").dlpack_device(self)
 
     @property
     def __cuda_array_interface__(self):
@@ -554,8 +562,7 @@ class View:
         tok = self._live_token()
         if tok.allocation.device.kind != "cuda":
             raise AttributeError("__cuda_array_interface__: this view is on the host device")
-        from interop.cai import export_cai
-        return export_cai(self)
+        return _module("interop.cai").export_cai(self)
 
     # -- moves --------------------------------------------------------------
     def _move_token(self, target_kind, target_name):

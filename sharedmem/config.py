@@ -23,10 +23,9 @@ __all__ = ["COMPILED_MODULES", "compiled", "show_config", "pure_python_requested
 #: The modules setup.py compiles (the same list, as module names).
 COMPILED_MODULES = (
     "sharedmem.runtime.state", "sharedmem.access", "sharedmem.allocation", "sharedmem.stream",
-    "sharedmem.runtime.submission", "sharedmem.runtime.future", "sharedmem.launch",
-    "sharedmem.buffer", "sharedmem.tensor",
-    "sharedmem.backends.cuda", "interop.cupy_launch", "interop.cutile",
-    "interop.cai",
+    "sharedmem.runtime.submission", "sharedmem.runtime.future", "sharedmem.runtime.graph",
+    "sharedmem.launch", "sharedmem.buffer", "sharedmem.tensor", "sharedmem.backends.cuda",
+    "interop.cupy_launch", "interop.cutile", "interop.cai",
 )
 
 

@@ -30,7 +30,7 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 from .access import ATOMIC, READ, WRITE, check_policy
-from .allocation import View
+from .allocation import View, _module
 from .buffer import DeviceBox
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
@@ -587,7 +587,7 @@ class _HostPlan(KernelPlan):
     __slots__ = ()
 
     def pack(self, args, uses, config, stream):
-        from .backends.host import ndarray_of
+        ndarray_of = _module("sharedmem.backends.host").ndarray_of
         out = []
         j = 0
         for a in args:

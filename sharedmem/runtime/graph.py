@@ -38,6 +38,7 @@ from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError
 from . import submission as _sub
 from .future import DeviceFuture
+from ..stream import resolve_stream
 
 __all__ = ["Graph", "capture", "graph"]
 
@@ -121,7 +122,6 @@ class Graph:
         """Run the graph on ``stream`` (default: the device's default stream
         on the host; a CUDA graph needs a created stream or the legacy default
         stream) with fresh leases on everything it touches."""
-        from ..stream import resolve_stream
         with self._lock:
             if self._state != "ready":
                 raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
