@@ -28,6 +28,7 @@ COMPILED = [
     "interop/cupy_launch.py",
     "interop/cutile.py",
     "interop/cai.py",
+    "interop/dlpack.py",
 ]
 
 REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "") not in ("", "0")
