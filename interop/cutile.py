@@ -22,6 +22,7 @@ to install it.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import numpy as np
@@ -48,11 +49,14 @@ INSTALL_HINT = ("cuTile is not installed: pip install 'cuda-tile[tileiras]' (or 
 
 
 def _cutile():
-    try:
-        import cuda.tile as ct
+    ct = sys.modules.get("cuda.tile")
+    if ct is not None:
+        return ct
+    try:  # (importlib, not an import statement: compiled code would take a None entry of
+        # sys.modules -- an import blocked on purpose -- for the module)
+        return importlib.import_module("cuda.tile")
     except ImportError as e:
         raise BackendUnavailableError(f"{INSTALL_HINT} ({e})") from None
-    return ct
 
 
 class _ArrayDescriptor:
