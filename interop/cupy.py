@@ -165,7 +165,7 @@ def as_cupy(x, stream=None):
     backend = dev.backend
     order_consumer(tok, lambda m: backend.wait_on_handle(handle, m), stream=consumer)
     export = tok.allocation.new_token("CuPy array (as_cupy)", tok.start, tok.stop, tok.writable,
-                                      tok.keep, [(consumer, tok.writable)])
+                                      tok.keep, [(consumer, tok.writable)], source=x)
     base = tok.allocation.ptr + tok.start
     mem = cp.cuda.UnownedMemory(base, max(tok.stop - tok.start, 1), _ExportOwner(export),
                                 dev.ordinal)

@@ -31,16 +31,23 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import sys
 import threading
 import weakref
+
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from sharedmem import _cython as cython
 
 import numpy as np
 
 from sharedmem.allocation import View, import_allocation
 from sharedmem.device import Device
+from sharedmem.runtime.state import fork_safe
 from sharedmem.runtime.submission import order_consumer, submit
 from sharedmem.stream import Stream
-from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
+from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
 
 from interop.streams import consumer_stream, current_streams
 
@@ -51,6 +58,9 @@ kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
 kDLInt, kDLUInt, kDLFloat, kDLOpaqueHandle, kDLBfloat, kDLComplex, kDLBool = 0, 1, 2, 3, 4, 5, 6
 FLAG_READ_ONLY, FLAG_IS_COPIED = 1, 2
 DLPACK_VERSION = (1, 0)
+# where user-space addresses end (x86-64 with 5-level paging: 2**56; aarch64: 2**52): a
+# pointer plus byte_offset beyond it is garbage (or wrapped)
+_ADDRESS_END = 1 << 56
 
 
 class DLDevice(ctypes.Structure):
@@ -113,6 +123,9 @@ def _dl_dtype(dt: np.dtype) -> DLDataType:
     if code is None or dt.fields is not None:
         raise BufferError(f"dtype {dt} has no DLPack equivalent; use a bool, int, uint, float or "
                           f"complex dtype")
+    if not dt.isnative:  # DLPack has no byte order: a consumer would read native values
+        raise BufferError(f"dtype {dt.str!r} is not in native byte order, which DLPack cannot "
+                          f"say; copy to {dt.newbyteorder('=').name!r} first")
     return DLDataType(code, dt.itemsize * 8, 1)
 
 
@@ -144,7 +157,7 @@ class _Export:
 
 
 _exports: dict = {}  # address of the managed struct -> _Export; guarded by _exports_lock
-_exports_lock = threading.Lock()
+_exports_lock = fork_safe(threading.Lock())
 
 
 def _delete(addr) -> None:
@@ -154,20 +167,68 @@ def _delete(addr) -> None:
         ex.token.release()
 
 
-_deleter = _DELETER(_delete)  # lives as long as the module: consumers call it
+_end_export_fn = _delete  # (what the compiled entry points of dlpack.pxd call)
+
+
+# The C entry points: the deleter consumers call and the capsule's destructor. Both may be
+# called with an exception set (a consumer dropping a capsule on its error path), which must
+# survive the call. Compiled, they are C functions (dlpack.pxd) that set the exception aside
+# around _delete. Interpreted, they are ctypes callbacks, where Python code cannot run with an
+# exception set (every builtin call would turn it into a SystemError): the exception is taken
+# first, the export ended, and the exception raised again -- ctypes reports an exception out of
+# a callback as unraisable, so there it is printed rather than passed on to the consumer.
+if sys.version_info >= (3, 12):
+    _take_error = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyErr_GetRaisedException", _api))
+    _give_error = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)(("PyErr_SetRaisedException", _api))
+
+    def _set_aside():
+        return _take_error()
+
+    def _put_back(taken) -> None:
+        if taken:
+            _give_error(taken)  # (ctypes raises it here)
+else:
+    _fetch = ctypes.PYFUNCTYPE(None)(("PyErr_Fetch", _api))  # (no argtypes: see below)
+    _restore = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
+        ("PyErr_Restore", _api))
+    # PyErr_Fetch's out parameters, made beforehand as ctypes references: before the fetch
+    # nothing may be made or converted (an int argument's conversion checks for an error and
+    # finds the pending one). Shared: two threads in this rare path at once could mix their
+    # exceptions up.
+    _fetched = (ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p())
+    _fetched_refs = tuple(ctypes.byref(p) for p in _fetched)
+
+    def _set_aside():
+        _fetch(*_fetched_refs)
+        return (_fetched[0].value, _fetched[1].value, _fetched[2].value)
+
+    def _put_back(taken) -> None:
+        if taken[0]:
+            _restore(*taken)
+
+
+def _delete_from_c(addr) -> None:
+    taken = _set_aside()
+    try:
+        _delete(addr)
+    finally:
+        _put_back(taken)
 
 
 def _capsule_destructor(capsule_ptr) -> None:
     # An unconsumed capsule still carries its original name: run the deleter.
+    taken = _set_aside()
     try:
         for name in (_VERSIONED, _LEGACY):
             if _raw_is_valid(capsule_ptr, name):
                 _delete(_raw_get_pointer(capsule_ptr, name))
-                return
+                break
     except Exception:  # never raise from a destructor (interpreter shutdown)
         pass
+    _put_back(taken)
 
 
+_deleter = _DELETER(_delete_from_c)  # lives as long as the module: consumers call it
 _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 
 
@@ -236,7 +297,10 @@ _VERSIONED_FMT = struct.Struct("<IIQQQ" + _DLTENSOR)
 _LEGACY_FMT = struct.Struct("<" + _DLTENSOR + "QQ")
 assert _VERSIONED_FMT.size == ctypes.sizeof(DLManagedTensorVersioned)
 assert _LEGACY_FMT.size == ctypes.sizeof(DLManagedTensor)
-_DELETER_ADDR = ctypes.cast(_deleter, ctypes.c_void_p).value
+if cython.compiled:
+    _DELETER_ADDR = _c_deleter_address()  # (dlpack.pxd)
+else:
+    _DELETER_ADDR = ctypes.cast(_deleter, ctypes.c_void_p).value
 _dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent writes)
 
 
@@ -249,7 +313,7 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers=()):
         code_bits = _dtype_cache[dt] = (d.code, d.bits)
     dl = (view.ptr, *dlpack_device(view), *code_bits, view.shape, view.strides, versioned, flags)
     export_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable,
-                                          tok.keep, consumers)
+                                          tok.keep, consumers, source=view)
     try:
         return _ctypes_capsule(export_tok, *dl)
     except BaseException:
@@ -276,6 +340,8 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
     with _exports_lock:
         _exports[addr] = ex
     try:
+        if cython.compiled:
+            return _c_capsule(addr, versioned)  # (dlpack.pxd)
         return _capsule_new(addr, _VERSIONED if versioned else _LEGACY, _capsule_destructor_c)
     except BaseException:
         _delete(addr)
@@ -446,8 +512,9 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
                               f"not copy on import")
     dtype = _np_dtype(dlt.dtype)
     ndim = dlt.ndim
-    if ndim < 0:
-        raise BufferError(f"DLPack tensor with ndim={ndim}")
+    if not 0 <= ndim <= MAX_NDIM:
+        raise BufferError(f"DLPack tensor with ndim={ndim}; sharedmem takes 0 to {MAX_NDIM} "
+                          f"dimensions")
     shape = tuple(int(dlt.shape[i]) for i in range(ndim))
     if dlt.strides:
         strides = tuple(int(dlt.strides[i]) for i in range(ndim))
@@ -458,9 +525,14 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if any(st < 0 for st, n in zip(strides, shape) if n > 1):
         raise BufferError(f"DLPack tensor with negative strides {strides} is not supported; "
                           f"make it contiguous first")
-    ptr = (dlt.data or 0) + dlt.byte_offset
     lo, hi = extent(shape, strides)
     nbytes = (hi - lo) * dtype.itemsize
+    ptr = (dlt.data or 0) + dlt.byte_offset
+    if nbytes and not dlt.data:
+        raise BufferError(f"DLPack tensor of shape {shape} has a NULL data pointer")
+    if ptr + nbytes > _ADDRESS_END:
+        raise BufferError(f"DLPack tensor at 0x{dlt.data or 0:x} + byte_offset {dlt.byte_offset} "
+                          f"({nbytes} bytes) lies beyond user-space addresses")
     # consume: from here on we own the managed tensor and must call its deleter
     _set_name(capsule, used)
     owner = _Imported(addr, versioned)

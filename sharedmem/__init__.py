@@ -19,7 +19,8 @@ from .buffer import Buffer, DeviceBox  # noqa: E402
 from .device import Device, default_device  # noqa: E402
 from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,  # noqa: E402
                      CompletionUnknownError, CudaError, DeviceMismatchError, KernelError, LayoutError,
-                     LeakWarning, MovedError, ReleasedError, SharedMemError, SharedMemWarning)
+                     LeakWarning, MovedError, ReadOnlyError, ReleasedError, SharedMemError,
+                     SharedMemWarning)
 from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,  # noqa: E402
                      register_kernel_adapter)
 from .ops import DeviceOp, op, zip  # noqa: E402,A004  (sm.zip; not in __all__: it would shadow the builtin)
@@ -39,7 +40,7 @@ __all__ = [
     "CaptureError", "Graph", "capture", "graph",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
-    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
+    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReadOnlyError", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",

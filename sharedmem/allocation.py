@@ -37,7 +37,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from .access import AccessTracker
 from .errors import AliasError, MovedError, ReleasedError
-from .runtime.state import RUNTIME, locked
+from .runtime.state import RUNTIME, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -203,14 +203,19 @@ class Allocation:
             return [t.describe() for t in self._views.values()]
 
     # -- tokens ---------------------------------------------------------
-    def new_token(self, kind, start, stop, writable, keep, consumers=()):
+    def new_token(self, kind, start, stop, writable, keep, consumers=(), source=None):
         """A new live view token of bytes ``[start, stop)`` of this allocation (its ``kind``
         names it in AliasError messages; ``keep`` is what it keeps alive). ``consumers``:
         ``(stream, writes)`` pairs that make it a hold (see ViewToken.consumers), set in the
-        same step."""
+        same step. ``source``: the View it derives from (a slice, a borrow, an export), checked
+        live in the same step -- a move or release of ``source`` on another thread between
+        the caller's own check and this one raises its MovedError / ReleasedError here
+        instead of leaving a live view of bytes the source no longer owns."""
         tok = ViewToken(self, kind, start, stop, writable, keep, _origin())
         RUNTIME.acquire()
         try:
+            if source is not None and cython.cast(View, source)._state != _LIVE:
+                cython.cast(View, source)._raise_dead()
             _add_locked(tok)
             for stream, writes in consumers:
                 add_consumer_locked(tok, stream, writes)
@@ -255,7 +260,7 @@ class _Registry:
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = fork_safe(threading.Lock())
         # device key -> [sorted list of (start, id), {(start, id): (weakref, nbytes)}, max nbytes]
         self._maps = {}  # guarded by self._lock
 
@@ -320,7 +325,7 @@ class _Registry:
 
 
 _registry = _Registry()
-_create_lock = threading.Lock()  # serializes lookup_or_create; a leaf above _registry._lock
+_create_lock = fork_safe(threading.Lock())  # serializes lookup_or_create; a leaf above _registry._lock
 
 
 def lookup_allocation(device, ptr, nbytes=1):

@@ -6,7 +6,7 @@ import numpy as np
 
 from .allocation import Allocation, View
 from .device import Device, default_device
-from .errors import LayoutError
+from .errors import LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
 from .runtime.submission import submit
 from .stream import resolve_stream
@@ -15,13 +15,34 @@ __all__ = ["Buffer", "DeviceBox", "as_dtype"]
 
 
 def as_dtype(dtype) -> np.dtype:
+    """``dtype`` as a NumPy dtype that device memory can hold: numeric or bool, native byte
+    order. TypeError otherwise (``None`` too: NumPy would read it as float64)."""
+    if dtype is None:
+        raise TypeError("a dtype is required (None is not one: NumPy would take it for "
+                        "float64); pass e.g. 'float32'")
     try:
         dt = np.dtype(dtype)
     except TypeError as e:
         raise TypeError(f"{dtype!r} is not a dtype NumPy understands") from e
-    if dt.hasobject or dt.kind in "OUSVMm" or dt.fields is not None:
+    if dt.hasobject or dt.kind in "OUSVMm" or dt.fields is not None or dt.subdtype is not None:
         raise TypeError(f"dtype {dt} cannot live in device memory; use a numeric or bool dtype")
+    if not dt.isnative:
+        raise TypeError(f"dtype {dt.str!r} is not in native byte order: kernels read native "
+                        f"values; use {dt.newbyteorder('=').name!r} (from_host converts arrays)")
     return dt
+
+
+def native(a: np.ndarray) -> np.ndarray:
+    """``a``, converted to native byte order if it is not (a copy only then)."""
+    return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
+
+
+def _scalar(value, dtype):
+    """``value`` as a 1-element array of ``dtype``: a number, bool or 0-d array -- never
+    None or a string, which NumPy would turn into nan or parse."""
+    if value is None or isinstance(value, (str, bytes)) or np.ndim(value) != 0:
+        raise TypeError(f"a DeviceBox holds one number, got {value!r}")
+    return np.array([value], dtype=dtype)
 
 
 def _device(device) -> Device:
@@ -92,7 +113,7 @@ class Buffer(View):
     def from_host(cls, array, device=None, stream=None) -> "Buffer":
         """A new buffer holding a copy of ``array`` (flattened, C order). The
         copy runs on ``stream``; ``array`` may be reused at once."""
-        a = np.asarray(array)
+        a = native(np.asarray(array))
         dt = as_dtype(a.dtype)
         buf = cls.empty(a.size, dt, device, stream)
         buf.copy_from(a, stream)
@@ -164,13 +185,14 @@ class Buffer(View):
         stop = max(stop, start)
         isz = self._dtype.itemsize
         t = tok.allocation.new_token("slice", tok.start + start * isz, tok.start + stop * isz,
-                                     tok.writable, tok.keep)
+                                     tok.writable, tok.keep, source=self)
         return new_buffer(t, self._dtype, stop - start)
 
     def as_readonly(self) -> "Buffer":
         """A read-only view of the same bytes (it never blocks readers)."""
         tok = self._live_token()
-        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep)
+        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep,
+                                     source=self)
         return new_buffer(t, self._dtype, self._length)
 
     # -- data movement ----------------------------------------------------------
@@ -184,7 +206,8 @@ class Buffer(View):
         same byte size) into this buffer, asynchronously on ``stream``."""
         tok = self._live_token()
         if not tok.writable:
-            raise LayoutError(f"cannot copy into read-only {self!r}")
+            raise ReadOnlyError(f"cannot copy into read-only {self!r}; copy into a writable "
+                                f"view of the bytes")
         dev = tok.allocation.device
         s = resolve_stream(stream, dev)
         backend, impl = dev.backend, s._impl
@@ -218,6 +241,9 @@ class Buffer(View):
     def fill_zero(self, stream=None) -> DeviceFuture:
         """Set every byte to zero, asynchronously on ``stream``."""
         tok = self._live_token()
+        if not tok.writable:
+            raise ReadOnlyError(f"cannot fill read-only {self!r} with zeros; fill a writable "
+                                f"view of the bytes")
         dev = tok.allocation.device
         s = resolve_stream(stream, dev)
         backend, impl = dev.backend, s._impl
@@ -243,7 +269,7 @@ class DeviceBox:
     __slots__ = ("buffer",)
 
     def __init__(self, value=0, dtype="float64", device=None, stream=None):
-        self.buffer = Buffer.from_host(np.array([value], dtype=as_dtype(dtype)), device, stream)
+        self.buffer = Buffer.from_host(_scalar(value, as_dtype(dtype)), device, stream)
 
     def get(self, stream=None):
         """The value, as a Python scalar, after all pending writes."""
@@ -251,7 +277,7 @@ class DeviceBox:
 
     def set(self, value, stream=None) -> DeviceFuture:
         """Write ``value`` asynchronously on ``stream``."""
-        return self.buffer.copy_from(np.array([value], dtype=self.buffer.dtype), stream)
+        return self.buffer.copy_from(_scalar(value, self.buffer.dtype), stream)
 
     @property
     def dtype(self) -> np.dtype:

@@ -13,10 +13,11 @@ import os
 import threading
 
 from .errors import BackendUnavailableError
+from .runtime.state import fork_safe
 
 __all__ = ["Device", "default_device"]
 
-_lock = threading.Lock()
+_lock = fork_safe(threading.Lock())
 _devices: dict = {}  # key -> Device; guarded by _lock
 
 

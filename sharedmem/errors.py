@@ -19,6 +19,7 @@ __all__ = [
     "CudaError",
     "CaptureError",
     "LayoutError",
+    "ReadOnlyError",
     "SharedMemWarning",
     "LeakWarning",
 ]
@@ -85,6 +86,12 @@ class LayoutError(SharedMemError, ValueError):
     """A shape, stride or dtype does not fit the operation (for example
     ``into_buffer`` of a non-contiguous tensor, or a shape whose size differs
     from the buffer's length)."""
+
+
+class ReadOnlyError(SharedMemError, ValueError):
+    """A host-side write (``copy_from``, ``fill_zero``, ``DeviceBox.set``) through a
+    read-only view. Nothing was enqueued. (A launch that would write through one raises
+    :class:`KernelError`, as every launch argument error does.)"""
 
 
 class KernelError(SharedMemError, TypeError):

@@ -34,6 +34,7 @@ from .allocation import View, _module
 from .buffer import DeviceBox
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
+from .runtime.state import fork_safe
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, current_stream, streams_entered
 
@@ -249,7 +250,7 @@ _adapters = {}  # type -> KernelAdapter; written under _reg_lock, read lock-free
 # "module.QualName" -> KernelAdapter: lets interop modules register a library's kernel
 # type without importing that library. Written under _reg_lock.
 _adapters_by_name = {}
-_reg_lock = threading.Lock()
+_reg_lock = fork_safe(threading.Lock())
 # Modules that register adapters, imported on first sight of a kernel whose type lives in the
 # keyed package: adapters register by name, and sharedmem never imports interop at module level.
 _LAZY = {"cupy": "interop.cupy", "cuda": "interop.cutile"}

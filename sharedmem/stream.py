@@ -20,6 +20,7 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 from .errors import CompletionUnknownError, DeviceMismatchError
+from .runtime.state import fork_safe
 
 __all__ = ["Stream", "Event"]
 
@@ -186,7 +187,7 @@ class Event:
 # (device key, handle) -> the Stream of that CUDA stream, made or borrowed; weak, so a Stream
 # lives only while used
 _by_handle: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # guarded by _by_handle_lock
-_by_handle_lock = threading.Lock()
+_by_handle_lock = fork_safe(threading.Lock())
 
 
 _current = threading.local()  # .stack: the streams entered with `with stream:`, innermost last

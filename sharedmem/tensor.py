@@ -26,7 +26,7 @@ except ImportError:
     from . import _cython as cython
 
 from .allocation import View
-from .buffer import Buffer, _device, allocate, as_dtype, new_buffer
+from .buffer import Buffer, _device, allocate, as_dtype, native, new_buffer
 from .errors import LayoutError
 from .stream import resolve_stream
 
@@ -51,6 +51,9 @@ def extent(shape, strides) -> tuple[int, int]:
     return lo, hi + 1
 
 
+MAX_NDIM = 64  # NumPy's limit: to_host must be able to hold any tensor
+
+
 def _shape(shape) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
@@ -63,6 +66,9 @@ def _shape(shape) -> tuple[int, ...]:
         if n < 0:
             raise LayoutError(f"shape must not have negative sizes, got {tuple(shape)}")
         out.append(int(n))
+    if len(out) > MAX_NDIM:
+        raise LayoutError(f"a tensor has at most {MAX_NDIM} dimensions (as in NumPy), got a shape "
+                          f"of {len(out)}")
     return tuple(out)
 
 
@@ -183,7 +189,7 @@ class Tensor(View):
     @classmethod
     def from_host(cls, array, device=None, stream=None) -> "Tensor":
         """A new C-order tensor holding a copy of ``array``."""
-        a = np.ascontiguousarray(array)
+        a = native(np.ascontiguousarray(array))
         t = cls.empty(a.shape, a.dtype, device, stream)
         with t.as_buffer() as b:
             b.copy_from(a, stream)
@@ -295,13 +301,15 @@ class Tensor(View):
         While the borrow lives, moving the tensor raises AliasError naming it."""
         start, stop = self._dense_range("as_buffer")
         tok = self._token
-        t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep)
+        t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep,
+                                     source=self)
         return new_buffer(t, self._dtype, self._size)
 
     def as_readonly(self) -> "Tensor":
         """A read-only view of the same bytes (it never blocks readers)."""
         tok = self._live_token()
-        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep)
+        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep,
+                                     source=self)
         return new_tensor(t, self._dtype, self._shape, self._strides, self._offset, self._size,
                             self._contiguous)
 

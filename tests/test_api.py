@@ -16,7 +16,7 @@ EXPORTED = {
     "CaptureError", "Graph", "capture", "graph",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
-    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReleasedError",
+    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReadOnlyError", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use", "get_access_policy", "host_kernel", "launch",
     "lookup_allocation", "op", "register_kernel_adapter", "set_access_policy", "show_config",
@@ -36,7 +36,7 @@ def test_error_hierarchy_and_pickling():
     for name in ["AccessConflictError", "AliasError", "BackendUnavailableError", "CudaError",
                  "CaptureError",
                  "CompletionUnknownError", "DeviceMismatchError", "KernelError", "LayoutError",
-                 "MovedError", "ReleasedError"]:
+                 "MovedError", "ReadOnlyError", "ReleasedError"]:
         cls = getattr(sm, name)
         assert issubclass(cls, sm.SharedMemError)
         assert cls.__module__ == "sharedmem.errors"

@@ -22,14 +22,17 @@ GPU. Pointers are real host addresses, so NumPy can consume exports by DLPack.
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
 from ..errors import CompletionUnknownError
+from ..runtime.state import fork_safe
 from . import COMPLETE
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -75,7 +78,7 @@ class HostPool:
     """
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = fork_safe(threading.Lock())
         self._free: dict[int, list] = {}  # guarded by self._lock
         self.bytes_in_use = 0  # guarded by self._lock
 
@@ -91,10 +94,24 @@ class HostPool:
             raw = lst.pop() if lst else None
             self.bytes_in_use += sc
         if raw is None:
-            raw = np.empty(sc + _ALIGN, np.uint8)
+            try:
+                raw = self._new_block(sc)
+            except BaseException:
+                with self._lock:
+                    self.bytes_in_use -= sc  # (nothing was handed out)
+                raise
         base = raw.ctypes.data
         ptr = (base + _ALIGN - 1) // _ALIGN * _ALIGN
         return HostBlock(raw, ptr, nbytes, self, sc)
+
+    def _new_block(self, sc: int):
+        """A new raw block; on MemoryError the cached free blocks are dropped and the
+        allocation tried once more (as CuPy's pool does), then the error is raised."""
+        try:
+            return np.empty(sc + _ALIGN, np.uint8)
+        except MemoryError:
+            self.free_all_blocks()
+            return np.empty(sc + _ALIGN, np.uint8)
 
     def _give_back(self, size_class: int, raw) -> None:
         with self._lock:
@@ -150,13 +167,41 @@ class HostStreamImpl:
         HostStreamImpl._count += 1
         self.name = name or f"sharedmem-host-stream-{HostStreamImpl._count}"
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._state = {"fault": None}
+        self._state = {"fault": None, "running": None}
         self._backend = backend
         self._closed = False
-        t = threading.Thread(target=_worker, args=(self._q, self._state, backend), name=self.name,
-                             daemon=True)
+        self._start_worker()
+        _impls.add(self)
+
+    def _start_worker(self) -> None:
+        t = threading.Thread(target=_worker, args=(self._q, self._state, self._backend),
+                             name=self.name, daemon=True)
         t.start()
         self._worker_ident = t.ident
+
+    def _after_fork_child(self) -> None:
+        """In a forked child: a new worker thread (the parent's does not exist here) over a new
+        queue holding the tasks that had not started. A task that was running when the
+        process forked ran only partly in this copy: the stream faults (the work's completion
+        is unknown), so waits on it raise CompletionUnknownError instead of hanging."""
+        old, self._q = self._q, queue.SimpleQueue()
+        running, self._state["running"] = self._state.get("running"), None
+        if running is not None and self._state["fault"] is None:
+            err = CompletionUnknownError(
+                f"{self.name} was running a task when the process forked; in the child its "
+                f"completion is unknown. Use a new stream in the child (or fork when no work "
+                f"is in flight, or use the 'spawn' start method)")
+            self._state["fault"] = err
+            if isinstance(running, HostMarker):
+                running.error = err
+                running._event.set()
+        while True:
+            try:
+                item = old.get_nowait()
+            except queue.Empty:
+                break
+            self._q.put(item)
+        self._start_worker()
 
     def throttle(self) -> None:
         """Wait while ``MAX_QUEUED`` tasks are queued on this stream (called by
@@ -226,12 +271,14 @@ def _worker(q, state, backend) -> None:
                 marker.error = state["fault"]
                 marker._event.set()
             continue
+        state["running"] = marker if marker is not None else True  # (what a fork interrupts)
         try:
             fn()
         except BaseException as e:  # the kernel faulted: sticky, like a CUDA error
             state["fault"] = e
             if marker is not None:
                 marker.error = e
+        state["running"] = None
         fn = None
         if marker is not None:
             marker._event.set()
@@ -273,6 +320,18 @@ class _HostRecorder:
         self.real = real
         self.tasks = []
         self.impl = _CapturingImpl(self, real)
+
+
+_impls = weakref.WeakSet()  # every host stream's impl (fork restarts their workers)
+
+
+def _after_fork_child() -> None:
+    for impl in list(_impls):
+        impl._after_fork_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_child)
 
 
 class HostBackend:

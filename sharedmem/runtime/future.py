@@ -3,8 +3,9 @@
 A future is only a window on its submission: dropping it changes nothing about
 when the work's memory is released (the submission keeps that until the
 device has finished). ``then(fn)`` and ``add_done_callback(fn)`` run ``fn``
-in whichever thread retires the work (the retirer, a host stream's worker, or
-a thread blocked in ``result()``); keep them short.
+in whichever thread retires the work (a thread blocked in ``result()``, a host
+stream's worker) or, for work the retirer thread retired, on the callback thread
+(see runtime.callbacks): a continuation may block without stalling retirement.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import threading
 
 from ..errors import CompletionUnknownError
+from . import callbacks as _callbacks
 from . import submission as _sub
 
 __all__ = ["DeviceFuture", "HostFuture"]
@@ -161,7 +163,7 @@ class HostFuture(_FutureBase):
     def result(self, timeout: float | None = None):
         """The value once set (blocking up to ``timeout``); raises the error it failed with, or
         TimeoutError."""
-        if not self._event.wait(timeout):
+        if not _callbacks.wait_helping(self._event, timeout):
             raise TimeoutError(f"the host function did not finish within {timeout} s")
         if self._error is not None:
             raise self._error

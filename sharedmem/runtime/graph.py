@@ -194,6 +194,12 @@ class capture:
     def __enter__(self) -> Graph:
         s = self.stream
         g = Graph(s.device)
+        if s._impl is s.device.default_stream._impl:
+            # on CUDA the driver refuses the legacy default stream; on the host the default
+            # stream is every thread's implicit stream: capturing it would swallow their work
+            raise CaptureError(f"the default stream cannot be captured ({s}: other threads' "
+                               f"work there would be recorded, not run); capture on a stream "
+                               f"of your own: device.create_stream()")
         with locked():
             if s._capture is not None:
                 raise CaptureError(f"{s} is already capturing graph #{s._capture.id}")

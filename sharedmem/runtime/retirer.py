@@ -15,11 +15,13 @@ call (``submission.raise_deferred``) rather than printed.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
+from . import callbacks as _callbacks
 from . import submission as _sub
-from .state import RUNTIME, locked
+from .state import RUNTIME, fork_safe, locked
 
 #: Seconds between sweeps while work is pending.
 POLL_INTERVAL = 0.0002
@@ -36,7 +38,7 @@ BUSY_INTERVAL = 0.005
 BURST = 32
 
 _thread: threading.Thread | None = None
-_start_lock = threading.Lock()
+_start_lock = fork_safe(threading.Lock())
 _wake = threading.Event()
 
 
@@ -61,6 +63,7 @@ def ensure() -> None:
 
 def _run() -> None:
     import time
+    _callbacks.retirer_ident[0] = threading.get_ident()
     rt = RUNTIME
     last_busy = 0.0
     last_submitted = 0
@@ -95,6 +98,17 @@ def _run() -> None:
             rt.retirer_idle = True  # submit() wakes us only while this is set
             _wake.wait(IDLE_INTERVAL)
             rt.retirer_idle = False
+
+
+def _after_fork_child() -> None:
+    # the parent's retirer thread does not exist here; the next submission starts one
+    global _thread, _wake
+    _thread = None
+    _wake = threading.Event()  # (its condition's lock may be held by a parent thread)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_child)
 
 
 def attach_backend(backend) -> None:

@@ -24,5 +24,6 @@ cdef class Runtime:
     cpdef drain_staged(self)
     cpdef run_or_stage(self, fn, arg)
     cdef bint _try_acquire(self)
+    cpdef _new_lock(self)
 
 cdef unsigned long _thread_ident()

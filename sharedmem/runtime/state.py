@@ -34,7 +34,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..errors import SharedMemError
 
-__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage"]
+__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage", "fork_safe"]
 
 _get_ident = threading.get_ident
 
@@ -50,17 +50,7 @@ class Runtime:
 
     def __init__(self):
         import os
-        # The core lock. Compiled, a PyThread lock taken through the C API (the same primitive
-        # threading.Lock wraps, without a method call per launch); interpreted, threading.Lock.
-        if cython.compiled:
-            self._plock = PyThread_allocate_lock()
-            if not self._plock:
-                raise MemoryError("cannot allocate sharedmem's core lock")
-            self.lock = None
-        else:
-            self.lock = threading.Lock()
-            self._acquire = self.lock.acquire  # (bound once: called on every launch)
-            self._release = self.lock.release
+        self._new_lock()
         self.owner = 0  # the thread holding `lock` (0: none); written only by that thread
         # Lock-free (deque.append and popleft are atomic under the GIL): (function, argument)
         # pairs to run under the lock, staged by destructors that found it busy.
@@ -90,6 +80,20 @@ class Runtime:
         self.pid = os.getpid()
 
     # -- the lock -------------------------------------------------------------------------
+    def _new_lock(self) -> None:
+        """Make the core lock (at start, and in a forked child). Compiled, a PyThread lock taken
+        through the C API (the same primitive threading.Lock wraps, without a method call per
+        launch); interpreted, threading.Lock."""
+        if cython.compiled:
+            self._plock = PyThread_allocate_lock()  # (a child leaks its parent's: 1 lock)
+            if not self._plock:
+                raise MemoryError("cannot allocate sharedmem's core lock")
+            self.lock = None
+        else:
+            self.lock = threading.Lock()
+            self._acquire = self.lock.acquire  # (bound once: called on every launch)
+            self._release = self.lock.release
+
     def acquire(self) -> None:
         """Take the lock for an API call (blocking), then apply staged releases. Raises
         SharedMemError when this thread already holds it (see the module docstring)."""
@@ -183,3 +187,56 @@ def locked() -> _Locked:
 def run_or_stage(fn, arg) -> None:
     """:meth:`Runtime.run_or_stage` on the process's runtime."""
     RUNTIME.run_or_stage(fn, arg)
+
+
+# -- fork -----------------------------------------------------------------------------------
+# os.fork() copies only the forking thread. Whatever lock another thread held is held forever
+# in the child, and no worker or retirer thread exists there. So: the core lock is taken before
+# the fork (no core state is half-updated in the copy), and in the child it is made anew, as is
+# every leaf lock registered with fork_safe(); modules whose threads do not survive register
+# their own os.register_at_fork(after_in_child=...) hooks (they run after this one).
+_leaf_locks = []  # threading locks re-initialized in a forked child (module-level, long-lived)
+_fork_held = [False]  # whether _before_fork took the core lock (the forking thread only)
+
+
+def fork_safe(lock):
+    """Register a leaf ``threading.Lock`` to be re-initialized in a forked child; returns it."""
+    _leaf_locks.append(lock)
+    return lock
+
+
+def _before_fork() -> None:
+    rt = RUNTIME
+    # (a fork from a thread inside a sharedmem call -- a host kernel -- keeps what it holds)
+    _fork_held[0] = rt.owner != _thread_ident()
+    if _fork_held[0]:
+        rt.acquire()
+
+
+def _after_fork_parent() -> None:
+    if _fork_held[0]:
+        _fork_held[0] = False
+        RUNTIME.release()
+
+
+def _after_fork_child() -> None:
+    import os
+    rt = RUNTIME
+    _fork_held[0] = False
+    rt._new_lock()
+    rt.owner = 0
+    rt.retirer_running = False  # (no thread of the parent runs here)
+    rt.retirer_idle = False
+    rt.pid = os.getpid()
+    for lock in _leaf_locks:
+        lock._at_fork_reinit()
+
+
+def _register_fork_hooks() -> None:
+    import os
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                            after_in_child=_after_fork_child)
+
+
+_register_fork_hooks()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
+from threading import get_ident as _get_ident
 
 try:
     import cython
@@ -34,6 +35,7 @@ except ImportError:  # interpreted, without Cython installed
 from ..access import HOLD_SEQ, check_policy
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError
+from . import callbacks as _callbacks
 from .state import RUNTIME, locked
 
 #: Submission states (Submission.state).
@@ -147,6 +149,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         policy = rt.policy
     elif policy != "order" and policy != "reject":
         check_policy(policy)
+    if not rt.retirer_running:  # (before anything is done: a thread that cannot start
+        rt.ensure_retirer()     # fails the submission, which then changed nothing)
     impl = stream._impl
     if stream._checks:
         throttle = impl.throttle
@@ -212,9 +216,7 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         rt.release()
     if retired:
         finish(retired)
-    if not rt.retirer_running:
-        rt.ensure_retirer()
-    elif became_active and rt.retirer_idle:
+    if became_active and rt.retirer_idle:
         rt.wake_retirer()  # it is sleeping its idle interval
     return sub
 
@@ -447,7 +449,6 @@ def finish(subs) -> None:
 
 def _finish(subs) -> None:
     last = None
-    errors = RUNTIME.errors
     for i in range(len(subs)):
         sub = subs[i]
         if sub.state == _RETIRED:
@@ -460,11 +461,10 @@ def _finish(subs) -> None:
         cbs = sub.callbacks
         if cbs:
             sub.callbacks = None
-            for cb in cbs:
-                try:
-                    cb()
-                except BaseException as e:  # surfaced at the next API call
-                    errors.append(e)
+            if _get_ident() == _callbacks.retirer_ident[0]:
+                _callbacks.hand_off(cbs)  # (user code never runs on the retirer)
+            else:
+                _callbacks.run(cbs)  # (errors surface at the next API call)
 
 
 def settle(timeout=1.0) -> None:
