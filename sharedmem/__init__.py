@@ -18,7 +18,8 @@ from .bridges import adopt, from_cuda_array_interface, from_dlpack, record_use  
 from .buffer import Buffer, DeviceBox  # noqa: E402
 from .device import Device, default_device  # noqa: E402
 from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,  # noqa: E402
-                     CompletionUnknownError, CudaError, DeviceMismatchError, KernelError, LayoutError,
+                     CompletionUnknownError, CudaError, DeviceMismatchError, HostKernelError, KernelError,
+                     LayoutError,
                      LeakWarning, MovedError, ReadOnlyError, ReleasedError, SharedMemError,
                      SharedMemWarning)
 from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,  # noqa: E402
@@ -39,7 +40,7 @@ __all__ = [
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
     "CaptureError", "Graph", "capture", "graph",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
-    "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "In", "InOut", "KernelAdapter",
+    "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "HostKernelError", "In", "InOut", "KernelAdapter",
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReadOnlyError", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",

@@ -527,6 +527,18 @@ class View:
         if hold is not None:
             hold.release()
 
+    def __array__(self, dtype=None, copy=None):
+        """``np.asarray(view)``: on the host device, the values (``to_host()``: a copy taken
+        after pending writes); for device memory a TypeError, as CuPy does."""
+        if self._live_token().allocation.device.kind != "host":
+            raise TypeError(f"implicit conversion of {self!r} to a NumPy array is not allowed "
+                            f"(it is device memory); use .to_host()")
+        if copy is False:
+            raise ValueError(f"np.asarray({self!r}, copy=False): its values are read through a "
+                             f"copy; use np.from_dlpack(view) for a zero-copy host array")
+        a = self.to_host()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
     def _read_bytes(self, stream):
         """This view's token range copied to a new host ``uint8`` array, after
         every pending write to those bytes (ordered whatever the policy)."""

@@ -218,6 +218,13 @@ class Buffer(View):
                 from .errors import DeviceMismatchError
                 raise DeviceMismatchError(f"cannot copy from {src!r} on {stok.allocation.device} "
                                           f"into {self!r}")
+            if src.dtype != self._dtype:
+                raise LayoutError(f"copy_from copies values of one dtype: {src!r} holds "
+                                  f"{src.dtype}, {self!r} {self._dtype}; convert on the host "
+                                  f"(copy_from(src.to_host().astype(...))) or in a kernel")
+            if not isinstance(src, Buffer) and not src.is_contiguous():
+                raise LayoutError(f"copy_from needs a C-contiguous source; {src!r} is strided "
+                                  f"(its bytes are not its values in order)")
             if stok.stop - stok.start != tok.stop - tok.start:
                 raise LayoutError(f"copy_from needs the same byte size: {src!r} has "
                                   f"{stok.stop - stok.start}, {self!r} has {tok.stop - tok.start}")

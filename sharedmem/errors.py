@@ -16,6 +16,7 @@ __all__ = [
     "CompletionUnknownError",
     "BackendUnavailableError",
     "KernelError",
+    "HostKernelError",
     "CudaError",
     "CaptureError",
     "LayoutError",
@@ -92,6 +93,12 @@ class ReadOnlyError(SharedMemError, ValueError):
     """A host-side write (``copy_from``, ``fill_zero``, ``DeviceBox.set``) through a
     read-only view. Nothing was enqueued. (A launch that would write through one raises
     :class:`KernelError`, as every launch argument error does.)"""
+
+
+class HostKernelError(SharedMemError, RuntimeError):
+    """A host kernel raised. Its future fails with this error (``__cause__`` is the kernel's
+    own exception); the kernel's leases were released as it ended, the stream runs on and
+    nothing is leaked. What the kernel wrote before it raised stays written."""
 
 
 class KernelError(SharedMemError, TypeError):

@@ -579,6 +579,35 @@ class HostKernel:
         return f"<host_kernel {self.__qualname__}>"
 
 
+def numpy_lease(arr):
+    """A NumPy array as a host-kernel argument: a lease of the bytes it spans (the host
+    device's memory is host RAM), without a view -- the launch keeps the array alive until
+    its work is done, and conflicting work on other streams is ordered as for any view."""
+    from .allocation import ViewToken, import_allocation
+    from .device import Device
+    lo = hi = 0
+    size = 1
+    for n, st in zip(arr.shape, arr.strides):
+        size *= n
+        if st > 0:
+            hi += (n - 1) * st
+        else:
+            lo += (n - 1) * st
+    ptr = arr.ctypes.data
+    nbytes = hi - lo + arr.itemsize if size else 0
+    alloc = import_allocation(Device.host(), ptr + lo, nbytes, "numpy")
+    start = ptr + lo - alloc.ptr
+    tok = ViewToken(alloc, "NumPy array argument", start, start + nbytes,
+                    bool(arr.flags.writeable), alloc)
+    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
+    la = LaunchArg.__new__(LaunchArg)
+    la.view = None
+    la.token = tok
+    la.value = arr
+    la.offset = ptr - alloc.ptr
+    return la
+
+
 def host_kernel(fn) -> HostKernel:
     """Decorator: make ``fn`` launchable with :func:`launch` on the host device."""
     return HostKernel(fn)
@@ -596,19 +625,34 @@ class _HostPlan(KernelPlan):
                 out.append(ndarray_of(a, uses[j][1]))
                 j += 1
             elif type(a) is LaunchArg:
-                out.append(ndarray_of(a.view, a.writes))
+                la = a
+                if la.view is not None:
+                    out.append(ndarray_of(la.view, la.writes))
+                elif la.writes:  # a NumPy array (see _HostAdapter.coerce)
+                    out.append(la.value)
+                else:
+                    ro = la.value.view()
+                    ro.flags.writeable = False
+                    out.append(ro)
                 j += 1
             else:
                 out.append(a)
         return out
 
     def enqueue(self, stream, config, payload):
-        return stream._impl.submit(partial(self.kernel.fn, *payload))
+        return stream._impl.submit(partial(self.kernel.fn, *payload), True)
 
 
 class _HostAdapter(KernelAdapter):
     name = "host kernel"
     device_kinds = ("host",)
+
+    def coerce(self, obj, device):
+        """NumPy arrays are leased as CuPy arrays are on CUDA (see :func:`numpy_lease`)."""
+        np = _module("numpy")
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            return numpy_lease(obj)
+        return None
 
     def label(self, kernel) -> str:
         return f"host kernel {kernel.__qualname__}"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import sharedmem as sm
+from sharedmem.backends.host import HostFault
 from host_kernels import fill, add, inc, total
 
 
@@ -79,7 +80,7 @@ def test_apply_and_zip_values(host):
 def test_apply_sees_unknown_completion(host):
     @sm.host_kernel
     def boom(x):
-        raise RuntimeError("fault")
+        raise HostFault("fault")
 
     x = sm.Buffer.zeros(2, device=host)
     fut = sm.op(boom, 1, 1, x).apply(lambda v: "never").submit(host.create_stream())

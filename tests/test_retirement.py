@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import sharedmem as sm
+from sharedmem.backends.host import HostFault
 
 from conftest import gc_collect_harder
 
@@ -97,7 +98,7 @@ def test_kernel_fault_means_completion_unknown(host):
 
     @sm.host_kernel
     def faulting(x):
-        raise RuntimeError("illegal address (simulated)")
+        raise HostFault("illegal address (simulated)")
 
     @sm.host_kernel
     def fill(x):
@@ -108,10 +109,10 @@ def test_kernel_fault_means_completion_unknown(host):
     alloc_ref = b.allocation
     fut = sm.launch(faulting, 1, 1, b, stream=s)
     del b
-    with pytest.warns(sm.LeakWarning, match=r"^completion of work on <Stream .*> is unknown \(RuntimeError\('illegal address \(simulated\)'\)\); its memory and leases are kept, never freed"):
-        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of host kernel .*faulting on <Stream .*> is unknown: RuntimeError") as ei:
+    with pytest.warns(sm.LeakWarning, match=r"^completion of work on <Stream .*> is unknown \(HostFault\('illegal address \(simulated\)'\)\); its memory and leases are kept, never freed"):
+        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of host kernel .*faulting on <Stream .*> is unknown: HostFault") as ei:
             fut.result(5)
-    assert isinstance(ei.value.__cause__, RuntimeError)
+    assert isinstance(ei.value.__cause__, HostFault)
     st = sm.stats()
     assert st.leaked == before.leaked + 1 and st.leaked_bytes == before.leaked_bytes + 128
     gc_collect_harder()
@@ -134,7 +135,7 @@ def test_work_conflicting_with_unknown_completion_is_refused(host):
 
     @sm.host_kernel
     def faulting(x):
-        raise RuntimeError("boom")
+        raise HostFault("boom")
 
     b = sm.Buffer.zeros(8, "int32", device=host, stream=s)
     with pytest.warns(sm.LeakWarning):

@@ -8,10 +8,13 @@ GPU. Pointers are real host addresses, so NumPy can consume exports by DLPack.
   freed block out again at once to the next request of the same size class.
   Freeing early would therefore corrupt results, which is what the tests
   would notice.
-* A stream is a FIFO of tasks run by one daemon thread. A task that raises
-  *faults* the stream, like a sticky CUDA error: that task and every later
-  one on the stream have unknown completion (their markers say so), and the
-  stream runs nothing more.
+* A stream is a FIFO of tasks run by one daemon thread. A host kernel that raises an
+  ``Exception`` *fails* its own work only: the task ended (its completion is known), its
+  marker carries the exception as ``failure``, and the stream runs on. Anything else that
+  raises -- a copy, a wait on work of unknown completion, a kernel interrupted by a
+  ``BaseException`` such as :class:`HostFault` (a simulated device fault) --
+  *faults* the stream, like a sticky CUDA error: that task and every later one on the
+  stream have unknown completion (their markers say so), and the stream runs nothing more.
 * Markers (:class:`HostMarker`) are set by the worker when a task has run.
 * A stream queues at most ``MAX_QUEUED`` tasks: a submission beyond that
   waits (before taking any lock) for the worker to catch up, as a CUDA launch
@@ -21,6 +24,7 @@ GPU. Pointers are real host addresses, so NumPy can consume exports by DLPack.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import queue
@@ -68,6 +72,13 @@ class HostBlock:
         if self._raw is not None and not _finalizing():
             self._pool._give_back(self._size_class, self._raw)
             self._raw = None
+
+
+class HostFault(BaseException):
+    """Raised in a host kernel, simulates a sticky device fault (an illegal address on a
+    GPU): the kernel's completion, and that of everything after it on its stream, is
+    unknown; the stream faults and its memory is kept, never freed. (An ordinary
+    ``Exception`` fails only the kernel's own future: see the module docstring.)"""
 
 
 class HostPool:
@@ -130,12 +141,14 @@ class HostMarker:
     ``query()`` returns 0 (pending), 1 (done) or 2 (unknown: the task, or an
     earlier one on its stream, raised; ``error`` holds why)."""
 
-    __slots__ = ("_event", "error")
+    __slots__ = ("_event", "error", "failure", "isolated")
     recorded = True  # (markers of other backends may be recorded lazily)
 
-    def __init__(self):
+    def __init__(self, isolated=False):
         self._event = threading.Event()
-        self.error = None
+        self.error = None  # why completion is unknown (the stream faulted)
+        self.failure = None  # the exception an isolated task (a host kernel) ended with
+        self.isolated = isolated  # an exception fails this task only (see the module docstring)
 
     def query(self) -> int:
         if not self._event.is_set():
@@ -224,9 +237,10 @@ class HostStreamImpl:
         """The exception that faulted this stream, or None."""
         return self._state["fault"]
 
-    def submit(self, fn) -> HostMarker:
-        """Enqueue ``fn()``; returns its marker. Never blocks."""
-        m = HostMarker()
+    def submit(self, fn, isolated=False) -> HostMarker:
+        """Enqueue ``fn()``; returns its marker. Never blocks. ``isolated``: an exception of
+        ``fn`` fails this task only (host kernels), instead of faulting the stream."""
+        m = HostMarker(isolated)
         self._q.put((fn, m))
         return m
 
@@ -274,10 +288,13 @@ def _worker(q, state, backend) -> None:
         state["running"] = marker if marker is not None else True  # (what a fork interrupts)
         try:
             fn()
-        except BaseException as e:  # the kernel faulted: sticky, like a CUDA error
-            state["fault"] = e
-            if marker is not None:
-                marker.error = e
+        except BaseException as e:
+            if marker is not None and marker.isolated and isinstance(e, Exception):
+                marker.failure = e  # this work failed; its completion is known
+            else:  # the stream faulted: sticky, like a CUDA error
+                state["fault"] = e
+                if marker is not None:
+                    marker.error = e
         state["running"] = None
         fn = None
         if marker is not None:
@@ -300,7 +317,7 @@ class _CapturingImpl:
         self.handle = real.handle
         self.name = real.name
 
-    def submit(self, fn):
+    def submit(self, fn, isolated=False):
         self._rec.tasks.append(fn)
         return COMPLETE
 
@@ -332,6 +349,34 @@ def _after_fork_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_child)
+
+
+#: Seconds the interpreter's exit waits, in all, for host work still queued or running.
+EXIT_TIMEOUT = 10.0
+
+
+def _finish_at_exit() -> None:
+    """At exit, finish the host work in flight (the workers are daemon threads: the
+    interpreter would drop it silently), or say what was dropped."""
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    dropped = []
+    for impl in list(_impls):
+        if impl._state["fault"] is not None or impl._closed:
+            continue
+        queued, running = impl._q.qsize(), impl._state["running"] is not None
+        if not queued and not running:
+            continue
+        if not impl.submit(_noop).wait(max(0.0, deadline - time.monotonic())):
+            what = f"{queued} queued" + (", 1 running" if running else "")
+            dropped.append(f"{impl.name} ({what})")
+    if dropped:
+        import warnings
+        warnings.warn(f"sharedmem: the interpreter exits with host work unfinished after "
+                      f"{EXIT_TIMEOUT} s; dropped: {', '.join(dropped)}. Synchronize "
+                      f"(sm.synchronize()) before exit to keep it.", RuntimeWarning, stacklevel=1)
+
+
+atexit.register(_finish_at_exit)
 
 
 class HostBackend:

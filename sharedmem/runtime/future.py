@@ -11,9 +11,10 @@ stream's worker) or, for work the retirer thread retired, on the callback thread
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
-from ..errors import CompletionUnknownError
+from ..errors import CompletionUnknownError, HostKernelError
 from . import callbacks as _callbacks
 from . import submission as _sub
 
@@ -60,13 +61,47 @@ class _FutureBase:
 
             def _wake(_f=None):
                 def _set():
-                    if not fut.done():
+                    if not fut.done():  # (cancelled meanwhile: a wait_for timed out)
                         fut.set_result(None)
-                loop.call_soon_threadsafe(_set)
+                try:
+                    loop.call_soon_threadsafe(_set)
+                except RuntimeError:  # the loop was closed since: nobody awaits any more
+                    pass
 
             self.add_done_callback(_wake)
             yield from fut.__await__()
         return self.result(0)
+
+    # -- concurrent.futures compatibility -------------------------------------------------
+    def cancel(self) -> bool:
+        """Submitted work cannot be cancelled (as ``concurrent.futures`` says of running
+        work): always False."""
+        return False
+
+    def cancelled(self) -> bool:
+        """Always False (see :meth:`cancel`)."""
+        return False
+
+    def running(self) -> bool:
+        """True until the work is done (it was submitted: it may run at any time)."""
+        return not self.done()
+
+    def to_concurrent(self) -> "concurrent.futures.Future":
+        """A ``concurrent.futures.Future`` that completes with this one, for
+        ``concurrent.futures.wait`` / ``as_completed`` and ``asyncio.wrap_future``."""
+        out = concurrent.futures.Future()
+        out.set_running_or_notify_cancel()
+
+        def _done(_f=None):
+            try:
+                value = self._peek()
+            except BaseException as e:
+                out.set_exception(e)
+            else:
+                out.set_result(value)
+
+        self.add_done_callback(_done)
+        return out
 
 
 class DeviceFuture(_FutureBase):
@@ -109,6 +144,7 @@ class DeviceFuture(_FutureBase):
             raise CompletionUnknownError(
                 f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}. Its "
                 f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
+        _raise_failure(s)
         return s.value
 
     def add_done_callback(self, fn) -> None:
@@ -125,7 +161,17 @@ class DeviceFuture(_FutureBase):
             raise CompletionUnknownError(
                 f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}") \
                 from s.marker.error
+        _raise_failure(s)
         return s.value
+
+
+def _raise_failure(s) -> None:
+    """Raise HostKernelError if the work ended with an exception of its own (a host kernel
+    that raised: see backends.host)."""
+    failure = getattr(s.marker, "failure", None)
+    if failure is not None:
+        raise HostKernelError(f"{s.label} on {s.stream} raised {failure!r}; its leases were "
+                              f"released and the stream runs on") from failure
 
 
 def future_of(submission):

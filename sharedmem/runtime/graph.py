@@ -180,7 +180,9 @@ class Graph:
 
 class capture:
     """``with sm.capture(stream) as g:`` -- record what is submitted to
-    ``stream`` into the Graph ``g`` instead of running it."""
+    ``stream`` into the Graph ``g`` instead of running it. Inside the block ``stream`` is
+    also the current stream (as ``with stream:``): launches, ops and copies given no
+    ``stream=`` are captured too."""
 
     __slots__ = ("stream", "graph")
 
@@ -209,10 +211,12 @@ class capture:
             if swap is not None:  # host backend: the stream records instead of running
                 s._impl = swap
         self.graph = g
+        s.__enter__()  # the current stream too: a launch without stream= is captured
         return g
 
     def __exit__(self, exc_type, exc, tb):
         s, g = self.stream, self.graph
+        s.__exit__(exc_type, exc, tb)
         with locked():
             s._capture = None
             real = getattr(g._recorder, "real", None)

@@ -1,0 +1,213 @@
+"""What a new user runs into on the first day (issue 16): each test fails on the code before."""
+
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from conftest import gc_collect_harder
+
+
+# -- host kernels that raise ----------------------------------------------------------------------
+def test_a_raising_host_kernel_fails_its_own_future_and_nothing_else(host):
+    s = host.default_stream  # (a notebook's usual stream: it must stay usable)
+
+    @sm.host_kernel
+    def bad(x):
+        x[0] = 1
+        raise ValueError("bad input row 3")
+
+    before = sm.stats()
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    alloc = weakref.ref(b.allocation)
+    fut = sm.launch(bad, 1, 1, sm.Out(b), stream=s)
+    with pytest.raises(sm.HostKernelError, match=r"^host kernel .*bad on <Stream default on "
+                                                 r"<Device host> \(borrowed\)> raised ValueError\("
+                                                 r"'bad input row 3'\); its leases were released "
+                                                 r"and the stream runs on$") as ei:
+        fut.result(5)
+    assert isinstance(ei.value.__cause__, ValueError)
+    # a continuation of it fails with the same error, without running
+    ran = []
+    with pytest.raises(sm.HostKernelError):
+        fut.then(ran.append).result(5)
+    assert ran == []
+    # the stream and the memory stay usable; what the kernel wrote before it raised stays
+    assert b.to_host().tolist() == [1, 0, 0, 0]
+    assert sm.Buffer.zeros(2, "int8", device=host).to_host().tolist() == [0, 0]
+    sm.launch(sm.host_kernel(lambda x: x.__setitem__(slice(None), 9)), 1, 1, sm.Out(b),
+              stream=s).result(5)
+    assert b.to_host().tolist() == [9, 9, 9, 9]
+    st = sm.stats()
+    assert st.leaked == before.leaked and st.leaked_bytes == before.leaked_bytes
+    del b, fut, ei
+    gc_collect_harder()
+    assert alloc() is None  # freed: nothing kept as leaked
+
+
+# -- futures ---------------------------------------------------------------------------------------
+def test_an_asyncio_timeout_leaves_nothing_behind_for_later_calls(host):
+    import asyncio
+    gate = threading.Event()
+    b = sm.Buffer.zeros(2, "int8", device=host)
+    fut = sm.launch(sm.host_kernel(lambda x: gate.wait(10)), 1, 1, sm.In(b),
+                    stream=host.create_stream())
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, 0.05)
+
+    asyncio.run(main())  # the loop is closed when the work completes
+    gate.set()
+    assert fut.result(5) is None
+    sm.synchronize()
+    sm.stats()  # used to raise RuntimeError: Event loop is closed
+    sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(b)).result(5)
+
+
+def test_futures_speak_concurrent_futures(host):
+    import asyncio
+    import concurrent.futures as cf
+    gate = threading.Event()
+    b = sm.Buffer.zeros(2, "int8", device=host)
+    fut = sm.launch(sm.host_kernel(lambda x: gate.wait(10)), 1, 1, sm.In(b),
+                    stream=host.create_stream())
+    assert fut.cancel() is False and not fut.cancelled() and fut.running()
+    cfut = fut.to_concurrent()
+    done, pending = cf.wait([cfut], timeout=0.05)
+    assert not done
+    gate.set()
+    done, _ = cf.wait([cfut], timeout=5)
+    assert done == {cfut} and cfut.result() is None and not fut.running()
+    doubled = sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(b)).then(lambda _: 42)
+
+    async def main():
+        return await asyncio.wrap_future(doubled.to_concurrent())
+
+    assert asyncio.run(main()) == 42
+    failing = sm.launch(sm.host_kernel(lambda x: 1 / 0), 1, 1, sm.In(b))
+    with pytest.raises(sm.HostKernelError):
+        failing.to_concurrent().result(5)
+
+
+# -- NumPy arrays on the host backend -----------------------------------------------------------------
+def test_numpy_arrays_are_leased_by_host_launches_like_cupy_arrays_on_cuda(host):
+    a, b = host.create_stream(), host.create_stream()
+    gate = threading.Event()
+    x = np.zeros(8, np.float32)
+
+    @sm.host_kernel
+    def slow_fill(arr, v):
+        gate.wait(10)
+        arr[:] = v
+
+    @sm.host_kernel
+    def copy(src, dst):
+        assert not src.flags.writeable  # In(...) gives a read-only view
+        dst[:] = src
+
+    out = np.full(8, -1.0, np.float32)
+    sm.launch(slow_fill, 1, 1, sm.Out(x), 5.0, stream=a)
+    f = sm.launch(copy, 1, 1, sm.In(x), sm.Out(out), stream=b)  # ordered after the write on a
+    gate.set()
+    f.result(5)
+    assert out.tolist() == [5.0] * 8
+    # a bare array is an InOut argument (tracked), a read-only one cannot be written
+    sm.launch(sm.host_kernel(lambda arr: arr.__setitem__(0, 1.0)), 1, 1, x).result(5)
+    assert x[0] == 1.0
+    ro = np.arange(3.0)
+    ro.flags.writeable = False
+    with pytest.raises(sm.KernelError, match=r"^argument 0: InOut\(array\(\[0\., 1\., 2\.\]\)\) would write through a "
+                                             r"read-only view"):
+        sm.launch(copy, 1, 1, ro, sm.Out(ro))
+
+
+# -- exit --------------------------------------------------------------------------------------------
+def _run_script(code: str, tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=tmp_path)
+
+
+def test_host_work_in_flight_at_exit_is_finished_or_reported(tmp_path):
+    out = tmp_path / "written.txt"
+    r = _run_script(f"""
+import time, sharedmem as sm
+h = sm.Device.host()
+b = sm.Buffer.zeros(4, "int32", device=h)
+def slow(x):
+    time.sleep(0.3)
+    open({str(out)!r}, "w").write("done")
+sm.launch(sm.host_kernel(slow), 1, 1, sm.In(b), stream=h.create_stream())
+""", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert out.read_text() == "done"  # the interpreter waited for it
+    r = _run_script("""
+import threading, sharedmem as sm
+import sharedmem.backends.host as hb
+hb.EXIT_TIMEOUT = 0.2
+h = sm.Device.host()
+b = sm.Buffer.zeros(4, "int32", device=h)
+s = h.create_stream("stuck")
+started = threading.Event()
+sm.launch(sm.host_kernel(lambda x: (started.set(), threading.Event().wait())), 1, 1, sm.In(b),
+          stream=s)
+sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(b), stream=s)
+started.wait(10)
+""", tmp_path)
+    assert r.returncode == 0, r.stderr
+    import re
+    assert re.search(r"RuntimeWarning: sharedmem: the interpreter exits with host work "
+                     r"unfinished after 0\.2 s; dropped: stuck \(\d+ queued, 1 running\)\. "
+                     r"Synchronize", r.stderr), r.stderr
+
+
+# -- copies and conversions ----------------------------------------------------------------------------
+def test_copy_from_copies_values_of_one_dtype_in_order(host):
+    f = sm.Buffer.from_host(np.ones(4, np.float32), device=host)
+    i = sm.Buffer.zeros(4, "int32", device=host)
+    with pytest.raises(sm.LayoutError, match=r"^copy_from copies values of one dtype: <Buffer "
+                                             r"float32 x 4 .*> holds float32, <Buffer int32 x 4 "
+                                             r".*> int32; convert on the host"):
+        i.copy_from(f)
+    assert i.to_host().tolist() == [0, 0, 0, 0]  # (was 1065353216 each)
+    base = sm.Buffer.from_host(np.arange(6, dtype=np.float32), device=host)
+    t = sm.Tensor.from_buffer(base, (3, 2), strides=(1, 3))  # a transposed view
+    with pytest.raises(sm.LayoutError, match=r"^copy_from needs a C-contiguous source; <Tensor "):
+        sm.Buffer.zeros(6, "float32", device=host).copy_from(t)
+    ok = sm.Buffer.zeros(4, "float32", device=host)
+    ok.copy_from(f).result(5)
+    assert ok.to_host().tolist() == [1.0] * 4
+
+
+def test_np_asarray_of_a_host_view_gives_its_values(host):
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.int16).reshape(2, 3), device=host)
+    a = np.asarray(t)
+    assert a.dtype == np.int16 and a.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert np.asarray(t, dtype=np.float64).dtype == np.float64
+    b = sm.Buffer.from_host(np.arange(3.0), device=host)
+    assert np.array(b).tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match=r"copy=False\): its values are read through a copy; "
+                                         r"use np.from_dlpack"):
+        np.asarray(b, copy=False)
+
+
+def test_a_launch_without_stream_inside_a_capture_is_captured(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    k = sm.host_kernel(lambda x: x.__iadd__(1))
+    with sm.capture(s) as g:
+        sm.launch(k, 1, 1, sm.Out(b))  # no stream=: the capturing stream is the current one
+    assert g.launches == 1
+    assert b.to_host().tolist() == [0, 0, 0, 0]  # recorded, not run
+    g.replay(s).result(5)
+    g.replay(s).result(5)
+    assert b.to_host().tolist() == [2, 2, 2, 2]
+    g.release()
