@@ -27,7 +27,7 @@ from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_ker
 from .ops import DeviceOp, op, zip  # noqa: E402,A004  (sm.zip; not in __all__: it would shadow the builtin)
 from .runtime.future import DeviceFuture, HostFuture  # noqa: E402
 from .runtime.graph import Graph, capture, graph  # noqa: E402
-from .stats import Stats, stats, synchronize  # noqa: E402
+from .stats import InFlight, Stats, inflight, stats, synchronize  # noqa: E402
 from .stream import Event, Stream  # noqa: E402
 from .tensor import Tensor  # noqa: E402
 from .config import show_config  # noqa: E402
@@ -45,6 +45,7 @@ __all__ = [
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",
-    "set_access_policy", "show_config", "stats", "synchronize", "__version__",
+    "set_access_policy", "show_config", "stats", "synchronize", "__version__", "InFlight",
+    "inflight",
 ]
 

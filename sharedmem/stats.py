@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 from . import allocation as _allocation
 from .runtime import submission as _submission
 from .runtime.state import RUNTIME, locked
 
-__all__ = ["Stats", "stats", "synchronize"]
+__all__ = ["Stats", "stats", "synchronize", "InFlight", "inflight"]
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,46 @@ def stats() -> Stats:
 def synchronize() -> None:
     """Wait for all work sharedmem submitted, on every device, and retire it."""
     _submission.synchronize_all()
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """One piece of submitted work not yet retired (see :func:`inflight`).
+
+    ``stream``: where it runs. ``label``: what it is (``"CuPy kernel k4"``, ``"copy_from"``,
+    ``"DLPack export"`` for a consumer's hold ...). ``leases``: ``(allocation id, start, stop,
+    writes)`` for each byte range it leases. ``age``: seconds since it was submitted.
+    ``state``: ``"pending"``, or ``"unknown"`` for work kept because its completion is
+    unknown."""
+
+    stream: object
+    label: str
+    leases: tuple
+    age: float
+    state: str
+
+    def __str__(self) -> str:
+        ranges = ", ".join(f"#{a}[{lo}:{hi}]{' w' if w else ''}" for a, lo, hi, w in self.leases)
+        return f"{self.stream}: {self.label} ({self.state}, {self.age * 1e3:.1f} ms) leases {ranges}"
+
+
+def inflight() -> list:
+    """What is in flight now: an :class:`InFlight` for every submission not yet retired,
+    oldest first per stream, and for the work kept forever because its completion is
+    unknown. Retires what has finished first. ``print(*sm.inflight(), sep="\\n")``
+    shows one line each."""
+    _submission.sweep_all()
+    now = time.monotonic()
+    out = []
+    with locked():
+        for s in list(RUNTIME.active):
+            for sub in s._pending:
+                out.append(_entry(sub, now, "pending"))
+        for sub in RUNTIME.leaked:
+            out.append(_entry(sub, now, "unknown"))
+    return out
+
+
+def _entry(sub, now, state) -> InFlight:
+    leases = tuple((tok.allocation.id, tok.start, tok.stop, bool(w)) for tok, w in sub.uses or ())
+    return InFlight(sub.stream, sub.label, leases, max(0.0, now - sub.t0), state)

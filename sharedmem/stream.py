@@ -171,6 +171,13 @@ class Event:
         self.stream = stream
         self._marker = marker
 
+    def __repr__(self) -> str:
+        try:
+            state = ("pending", "reached", "completion unknown")[self._marker.query()]
+        except Exception as e:  # (a repr never raises)
+            state = f"unknown ({type(e).__name__})"
+        return f"<Event on {self.stream}: {state}>"
+
     def query(self) -> bool:
         """True once the work recorded before this event has finished (never blocks)."""
         state = self._marker.query()

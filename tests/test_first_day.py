@@ -211,3 +211,52 @@ def test_a_launch_without_stream_inside_a_capture_is_captured(host):
     g.replay(s).result(5)
     assert b.to_host().tolist() == [2, 2, 2, 2]
     g.release()
+
+
+# -- seeing what runs ---------------------------------------------------------------------------------
+def test_inflight_lists_pending_work_per_stream_with_its_leases(host):
+    import time
+    s = host.create_stream("worker-a")
+    gate = threading.Event()
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    c = sm.Buffer.zeros(8, "int32", device=host)
+
+    @sm.host_kernel
+    def waits(x, y):
+        gate.wait(10)
+
+    fut = sm.launch(waits, 1, 1, sm.In(b), sm.Out(c), stream=s)
+    time.sleep(0.02)
+    mine = [e for e in sm.inflight() if e.stream is s]
+    assert len(mine) == 1
+    e = mine[0]
+    assert e.label.startswith("host kernel ") and e.label.endswith("waits")
+    assert e.state == "pending" and 0.02 <= e.age < 5
+    assert e.leases == ((b.allocation.id, 0, 16, False), (c.allocation.id, 0, 32, True))
+    assert str(e).startswith("<Stream worker-a on <Device host> (owned)>: host kernel ")
+    assert f"leases #{b.allocation.id}[0:16], #{c.allocation.id}[0:32] w" in str(e)
+    # reprs say what they are
+    then = fut.then(lambda _: "value")
+    assert repr(then) == "<HostFuture pending>"
+    ev = s.record()
+    assert repr(ev) == "<Event on <Stream worker-a on <Device host> (owned)>: pending>"
+    gate.set()
+    assert then.result(5) == "value" and repr(then) == "<HostFuture done: 'value'>"
+    ev.synchronize(5)
+    assert repr(ev).endswith(": reached>")
+    sm.synchronize()
+    assert [e for e in sm.inflight() if e.stream is s] == []
+
+
+def test_the_sharedmem_logger_tells_rare_events(host, caplog):
+    import logging
+    caplog.set_level(logging.DEBUG, logger="sharedmem")
+    b = sm.Buffer.zeros(2, "int8", device=host)
+    with pytest.raises(sm.HostKernelError):
+        sm.launch(sm.host_kernel(lambda x: {}["k"]), 1, 1, sm.In(b)).result(5)
+    s = host.create_stream()
+    with sm.capture(s):
+        pass
+    msgs = [r.getMessage() for r in caplog.records if r.name == "sharedmem"]
+    assert "a host kernel raised KeyError('k'); its future fails, the stream runs on" in msgs
+    assert any(m.startswith("capture of graph #") and m.endswith(" begins") for m in msgs)

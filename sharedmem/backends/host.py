@@ -36,7 +36,7 @@ import weakref
 import numpy as np
 
 from ..errors import CompletionUnknownError
-from ..runtime.state import fork_safe
+from ..runtime.state import fork_safe, log
 from . import COMPLETE
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -291,6 +291,7 @@ def _worker(q, state, backend) -> None:
         except BaseException as e:
             if marker is not None and marker.isolated and isinstance(e, Exception):
                 marker.failure = e  # this work failed; its completion is known
+                log.info("a host kernel raised %r; its future fails, the stream runs on", e)
             else:  # the stream faulted: sticky, like a CUDA error
                 state["fault"] = e
                 if marker is not None:
@@ -370,6 +371,7 @@ def _finish_at_exit() -> None:
             what = f"{queued} queued" + (", 1 running" if running else "")
             dropped.append(f"{impl.name} ({what})")
     if dropped:
+        log.warning("exit: host work unfinished, dropped: %s", ", ".join(dropped))
         import warnings
         warnings.warn(f"sharedmem: the interpreter exits with host work unfinished after "
                       f"{EXIT_TIMEOUT} s; dropped: {', '.join(dropped)}. Synchronize "

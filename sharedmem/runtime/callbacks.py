@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from .state import RUNTIME, fork_safe
+from .state import RUNTIME, fork_safe, log
 
 __all__ = ["run", "hand_off", "wait_helping", "retirer_ident"]
 
@@ -59,6 +59,7 @@ def _ensure() -> None:
             t = threading.Thread(target=_run, name="sharedmem-callbacks", daemon=True)
             t.start()
             _thread = t
+            log.debug("callback thread started")
 
 
 def _run_one() -> bool:

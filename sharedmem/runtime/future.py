@@ -194,6 +194,14 @@ class HostFuture(_FutureBase):
         self._callbacks = []  # guarded by self._lock
         self._lock = threading.Lock()
 
+    def __repr__(self) -> str:
+        if not self._event.is_set():
+            return "<HostFuture pending>"
+        if self._error is not None:
+            return f"<HostFuture failed: {self._error!r}>"
+        v = repr(self._value)
+        return f"<HostFuture done: {v if len(v) <= 60 else v[:57] + '...'}>"
+
     def _set(self, value, error) -> None:
         self._value, self._error = value, error
         with self._lock:

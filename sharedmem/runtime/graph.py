@@ -32,7 +32,7 @@ import itertools
 import sys
 import threading
 
-from .state import locked
+from .state import locked, log
 from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError
@@ -211,6 +211,7 @@ class capture:
             if swap is not None:  # host backend: the stream records instead of running
                 s._impl = swap
         self.graph = g
+        log.debug("capture of graph #%d on %s begins", g.id, s)
         s.__enter__()  # the current stream too: a launch without stream= is captured
         return g
 

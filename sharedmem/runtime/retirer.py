@@ -21,7 +21,7 @@ import threading
 
 from . import callbacks as _callbacks
 from . import submission as _sub
-from .state import RUNTIME, fork_safe, locked
+from .state import RUNTIME, fork_safe, locked, log
 
 #: Seconds between sweeps while work is pending.
 POLL_INTERVAL = 0.0002
@@ -58,6 +58,7 @@ def ensure() -> None:
             t = threading.Thread(target=_run, name="sharedmem-retirer", daemon=True)
             t.start()  # (raises before anything is recorded: the caller's work stays valid)
             _thread = t
+            log.debug("retirer thread started")
             RUNTIME.retirer_running = True
 
 

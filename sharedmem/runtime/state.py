@@ -25,6 +25,7 @@ Rules every caller keeps:
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 
 try:
@@ -34,7 +35,11 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..errors import SharedMemError
 
-__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage", "fork_safe"]
+__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage", "fork_safe", "log"]
+
+#: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
+#: dropped at exit, host kernels that raised) -- never a line per launch.
+log = logging.getLogger("sharedmem")
 
 _get_ident = threading.get_ident
 
@@ -230,6 +235,8 @@ def _after_fork_child() -> None:
     rt.pid = os.getpid()
     for lock in _leaf_locks:
         lock._at_fork_reinit()
+    log.debug("forked: pid %d has a new core lock and %d leaf locks; threads restart on use",
+              rt.pid, len(_leaf_locks))
 
 
 def _register_fork_hooks() -> None:

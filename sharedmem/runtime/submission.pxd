@@ -5,10 +5,20 @@ from sharedmem.allocation cimport ViewToken
 from sharedmem.runtime.state cimport Runtime
 from sharedmem.stream cimport Stream
 
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
+
 cdef class Submission:
     cdef public object stream, marker, keep, uses, callbacks, value, _label
     cdef public long long seq
     cdef public int state
+    cdef public double t0
+
+
+cdef inline double _now() noexcept nogil:
+    # time.monotonic() without a Python call (the same clock on Linux)
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
 
 cdef class Work:
     cpdef enqueue(self, stream, config, payload)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import warnings
 from functools import partial
 from threading import get_ident as _get_ident
+from time import monotonic as _monotonic
 
 try:
     import cython
@@ -36,7 +37,7 @@ from ..access import HOLD_SEQ, check_policy
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError
 from . import callbacks as _callbacks
-from .state import RUNTIME, locked
+from .state import RUNTIME, locked, log
 
 #: Submission states (Submission.state).
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
@@ -58,7 +59,7 @@ class Submission:
     """One piece of enqueued work; see the module docstring for what it keeps."""
 
     __slots__ = ("stream", "seq", "marker", "keep", "uses", "state", "callbacks", "value",
-                 "_label")
+                 "_label", "t0")
 
     def __init__(self, stream, seq, marker, keep, uses, label):
         self.stream = stream
@@ -70,6 +71,7 @@ class Submission:
         self.callbacks = None  # list of callables; guarded by core_lock
         self.value = None
         self._label = label
+        self.t0 = _monotonic()  # when it was submitted (time.monotonic(); sm.inflight ages)
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +114,7 @@ def new_submission(stream, seq, marker, keep, uses, label):
     sub.callbacks = None
     sub.value = None
     sub._label = label
+    sub.t0 = _now() if cython.compiled else _monotonic()  # (_now: submission.pxd)
     return sub
 
 
@@ -555,6 +558,7 @@ def raise_deferred() -> None:
             msg = rt.warnings.popleft()
         except IndexError:
             break
+        log.warning("%s", msg)
         warnings.warn(msg, LeakWarning, stacklevel=3)
     if rt.errors:
         try:
