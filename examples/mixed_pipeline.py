@@ -11,7 +11,8 @@ stage after the one whose output it reads, on the device. The result is
 checked against a float64 NumPy reference. On a machine without a GPU (or
 without cuTile) the same file runs the stages as ``sm.host_kernel`` functions.
 
-Run: ``PYTHONPATH=. python3 examples/mixed_pipeline.py``
+Run: ``PYTHONPATH=. python3 examples/mixed_pipeline.py`` (``--trace run.json`` records a
+timeline of the run with ``sm.trace``: open it in https://ui.perfetto.dev)
 """
 
 # No `from __future__ import annotations`: cuTile evaluates kernel annotations.
@@ -184,4 +185,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if "--trace" in sys.argv:
+        with sm.trace(sys.argv[sys.argv.index("--trace") + 1]):
+            rc = main()
+        sys.exit(rc)
     sys.exit(main())

@@ -28,6 +28,7 @@ from .ops import DeviceOp, op, zip  # noqa: E402,A004  (sm.zip; not in __all__: 
 from .runtime.future import DeviceFuture, HostFuture  # noqa: E402
 from .runtime.graph import Graph, capture, graph  # noqa: E402
 from .stats import InFlight, Stats, inflight, stats, synchronize  # noqa: E402
+from .trace import trace  # noqa: E402
 from .stream import Event, Stream  # noqa: E402
 from .tensor import Tensor  # noqa: E402
 from .config import show_config  # noqa: E402
@@ -46,6 +47,6 @@ __all__ = [
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",
     "set_access_policy", "show_config", "stats", "synchronize", "__version__", "InFlight",
-    "inflight",
+    "inflight", "trace",
 ]
 

@@ -19,7 +19,7 @@ EXPORTED = {
     "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReadOnlyError", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use", "get_access_policy", "host_kernel", "launch",
-    "InFlight", "inflight",
+    "InFlight", "inflight", "trace",
     "lookup_allocation", "op", "register_kernel_adapter", "set_access_policy", "show_config",
     "stats", "synchronize", "__version__",
 }

@@ -260,3 +260,37 @@ def test_the_sharedmem_logger_tells_rare_events(host, caplog):
     msgs = [r.getMessage() for r in caplog.records if r.name == "sharedmem"]
     assert "a host kernel raised KeyError('k'); its future fails, the stream runs on" in msgs
     assert any(m.startswith("capture of graph #") and m.endswith(" begins") for m in msgs)
+
+
+def test_trace_writes_a_perfetto_timeline_one_track_per_stream(host, tmp_path):
+    import json
+    a, b = host.create_stream("stage-a"), host.create_stream("stage-b")
+    x = sm.Buffer.zeros(16, "float32", device=host)
+    fill = sm.host_kernel(lambda v: v.__setitem__(slice(None), 2.0))
+    read = sm.host_kernel(lambda v: None)
+    path = tmp_path / "run.json"
+    with sm.trace(path) as tr:
+        sm.launch(fill, 1, 1, sm.Out(x), stream=a)
+        sm.launch(read, 1, 1, sm.In(x), stream=b).result(5)  # waits for a's write
+        sm.synchronize()
+        with pytest.raises(sm.SharedMemError, match="already recording"):
+            with sm.trace(tmp_path / "other.json"):
+                pass
+    data = json.loads(path.read_text())
+    evs = data["traceEvents"]
+    names = {e["args"]["name"]: e["tid"] for e in evs if e["ph"] == "M"}
+    assert "<Stream stage-a on <Device host> (owned)>" in names
+    tid_a, tid_b = (names[f"<Stream stage-{c} on <Device host> (owned)>"] for c in "ab")
+    slices = [e for e in evs if e["ph"] == "X"]
+    fa = [e for e in slices if e["tid"] == tid_a and e["name"].endswith("<lambda>")]
+    fb = [e for e in slices if e["tid"] == tid_b and e["name"].endswith("<lambda>")]
+    assert len(fa) == 1 and len(fb) == 1
+    assert fa[0]["args"]["leases"] == [f"allocation #{x.allocation.id} bytes [0, 64) write"]
+    assert fb[0]["args"]["leases"] == [f"allocation #{x.allocation.id} bytes [0, 64) read"]
+    assert fa[0]["args"]["state"] == "retired" and fa[0]["dur"] >= 0
+    waits = [e for e in evs if e["ph"] == "i" and e["tid"] == tid_b]
+    # (x's zero fill may still be in flight on the default stream: a wait for it too)
+    assert [w for w in waits if w["name"].startswith("waits for <Stream stage-a")]
+    assert tr.events == evs
+    from sharedmem.runtime.state import RUNTIME
+    assert RUNTIME.tracer is None

@@ -51,6 +51,7 @@ class Runtime:
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
                  "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "policy", "pid",
+                 "tracer",
                  "__weakref__")
 
     def __init__(self):
@@ -83,6 +84,7 @@ class Runtime:
         self.end_holds = None  # installed by runtime.submission: ends a released hold's lease
         self.policy = "order"  # the process-wide cross-stream policy (access.set_access_policy)
         self.pid = os.getpid()
+        self.tracer = None  # the active sharedmem.trace recorder, or None (see sharedmem.trace)
 
     # -- the lock -------------------------------------------------------------------------
     def _new_lock(self) -> None:

@@ -206,6 +206,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                 keeps.append(k)
         sub = new_submission(stream, seq, marker, keep if keeps is None else keeps, uses,
                              label)
+        if rt.tracer is not None:
+            rt.tracer.submitted(sub, waits)
         pending = stream._pending
         pending.append(sub)
         became_active = len(pending) == 1
@@ -452,6 +454,9 @@ def finish(subs) -> None:
 
 def _finish(subs) -> None:
     last = None
+    tracer = RUNTIME.tracer
+    if tracer is not None:
+        tracer.retired(subs)
     for i in range(len(subs)):
         sub = subs[i]
         if sub.state == _RETIRED:
