@@ -89,10 +89,11 @@ class LayoutError(SharedMemError, ValueError):
     from the buffer's length)."""
 
 
-class ReadOnlyError(SharedMemError, ValueError):
+class ReadOnlyError(LayoutError):
     """A host-side write (``copy_from``, ``fill_zero``, ``DeviceBox.set``) through a
-    read-only view. Nothing was enqueued. (A launch that would write through one raises
-    :class:`KernelError`, as every launch argument error does.)"""
+    read-only view. Nothing was enqueued. A LayoutError (what ``copy_from`` raised for it
+    before). (A launch that would write through one raises :class:`KernelError`, as every
+    launch argument error does.)"""
 
 
 class HostKernelError(SharedMemError, RuntimeError):

@@ -255,7 +255,7 @@ def test_a_forked_child_runs_host_work_and_fails_work_cut_by_the_fork(host):
     fut = sm.launch(slow, 1, 1, sm.Out(b), stream=s)  # running when the process forks
     queued = sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(b), stream=s)
     import time
-    while not s._impl._state["running"]:
+    while s._impl._q.running is None:
         time.sleep(0.001)
 
     def child():
@@ -432,3 +432,77 @@ def test_a_thread_that_cannot_start_fails_the_launch_before_anything_is_leased(h
     t = sm.Tensor.from_buffer(b, (4,))  # no lease, no alias was left behind
     sm.launch(k, 1, 1, sm.Out(t), stream=s).result(5)  # and the retirer starts again
     assert ran == [1]
+
+
+def test_continuations_keep_their_order_and_never_run_on_a_waiting_user_thread(host):
+    import time
+    s = host.create_stream()
+    nap = sm.host_kernel(lambda t: time.sleep(t))
+    f = sm.launch(nap, 1, 1, 0.2, stream=s)
+    order, threads = [], []
+    f.add_done_callback(lambda _: (order.append("A"), threads.append(
+        threading.current_thread().name)))
+    time.sleep(0.4)  # retired by the retirer: A is handed off, maybe not yet run
+    f.add_done_callback(lambda _: order.append("B"))  # joins A (or runs after it)
+    # two continuations of one future, the first waiting on the second: the second is handed
+    # to another worker instead of waiting behind the first
+    g = sm.launch(nap, 1, 1, 0.1, stream=s)
+    box = {}
+    first = g.then(lambda _: box["second"].result(5))
+    box["second"] = g.then(lambda _: "second")
+    assert first.result(5) == "second"
+    # a user thread waiting on a future never runs somebody else's callbacks, and its
+    # timeout is its own
+    slow = sm.launch(nap, 1, 1, 0.3, stream=host.create_stream()).then(lambda _: 1)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        slow.result(0.05)
+    assert time.monotonic() - t0 < 0.25
+    assert slow.result(5) == 1
+    deadline = time.monotonic() + 5
+    while len(order) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == ["A", "B"]
+    assert threads and threads[0] != threading.current_thread().name
+
+
+@fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_fork_inside_a_host_kernel_leaves_that_stream_working_in_the_child(host):
+    import os
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int64", device=host)
+    out = {}
+
+    def child_exits_when(later):  # (in the child: only this stream's worker thread exists)
+        code = 3
+        try:
+            later.result(5)
+            code = 0
+        finally:
+            os._exit(code)
+
+    @sm.host_kernel
+    def forker(x):
+        x += 1
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child; this thread is the stream's worker)
+            later = sm.launch(sm.host_kernel(lambda y: None), 1, 1, sm.In(b), stream=s)
+            threading.Thread(target=child_exits_when, args=(later,), daemon=True).start()
+            return  # the worker goes on here and runs `later`: the child exits 0
+        out["pid"] = pid
+
+    sm.launch(forker, 1, 1, sm.InOut(b), stream=s).result(10)
+    import time
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(out["pid"], os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(out["pid"], 9)
+        os.waitpid(out["pid"], 0)
+        pytest.fail("the child hung")
+    assert os.waitstatus_to_exitcode(status) == 0  # no fault, no hang in the child
+    assert b.to_host().tolist() == [1, 1, 1, 1]

@@ -25,9 +25,8 @@ GPU. Pointers are real host addresses, so NumPy can consume exports by DLPack.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
-import os
-import queue
 import sys
 import threading
 import time
@@ -36,7 +35,7 @@ import weakref
 import numpy as np
 
 from ..errors import CompletionUnknownError
-from ..runtime.state import fork_safe, log
+from ..runtime.state import at_fork_child, at_fork_hold, fork_safe, log
 from . import COMPLETE
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -167,6 +166,29 @@ class HostMarker:
         pass
 
 
+class _Tasks:
+    """One host stream's FIFO of ``(fn, marker)`` tasks (None: stop), and the task its worker
+    runs. ``lock`` guards both: a task leaves ``items`` and becomes ``running`` in one step,
+    and stops being ``running`` in the step that sets its marker -- so a fork, which takes
+    every ``lock`` first, sees each task exactly once: queued, running, or done."""
+
+    __slots__ = ("lock", "cond", "items", "running")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.items = collections.deque()
+        self.running = None  # the (fn, marker) the worker runs now; guarded by lock
+
+    def put(self, item) -> None:
+        with self.lock:
+            self.items.append(item)
+            self.cond.notify()
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+
 class HostStreamImpl:
     """A FIFO of tasks run by one daemon thread (``sharedmem-host-stream-N``).
 
@@ -179,8 +201,8 @@ class HostStreamImpl:
     def __init__(self, backend: "HostBackend", name: str | None = None):
         HostStreamImpl._count += 1
         self.name = name or f"sharedmem-host-stream-{HostStreamImpl._count}"
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._state = {"fault": None, "running": None}
+        self._q = _Tasks()
+        self._state = {"fault": None}
         self._backend = backend
         self._closed = False
         self._start_worker()
@@ -193,27 +215,26 @@ class HostStreamImpl:
         self._worker_ident = t.ident
 
     def _after_fork_child(self) -> None:
-        """In a forked child: a new worker thread (the parent's does not exist here) over a new
-        queue holding the tasks that had not started. A task that was running when the
-        process forked ran only partly in this copy: the stream faults (the work's completion
-        is unknown), so waits on it raise CompletionUnknownError instead of hanging."""
-        old, self._q = self._q, queue.SimpleQueue()
-        running, self._state["running"] = self._state.get("running"), None
+        """In a forked child (the fork held this stream's task lock: see _Tasks): a new worker
+        thread for the tasks that had not started. A task that was running when the process
+        forked ran only partly in this copy: the stream faults (its completion is unknown),
+        so waits on it raise CompletionUnknownError instead of hanging. A fork from inside
+        one of this stream's own tasks is the worker itself, which goes on here."""
+        q = self._q
+        q.cond = threading.Condition(q.lock)  # (the parent's worker was among its waiters)
+        if self._worker_ident == threading.get_ident():
+            return
+        running, q.running = q.running, None
         if running is not None and self._state["fault"] is None:
             err = CompletionUnknownError(
                 f"{self.name} was running a task when the process forked; in the child its "
                 f"completion is unknown. Use a new stream in the child (or fork when no work "
                 f"is in flight, or use the 'spawn' start method)")
             self._state["fault"] = err
-            if isinstance(running, HostMarker):
-                running.error = err
-                running._event.set()
-        while True:
-            try:
-                item = old.get_nowait()
-            except queue.Empty:
-                break
-            self._q.put(item)
+            marker = running[1]
+            if marker is not None:
+                marker.error = err
+                marker._event.set()
         self._start_worker()
 
     def throttle(self) -> None:
@@ -274,18 +295,24 @@ def _noop():
 
 
 def _worker(q, state, backend) -> None:
+    lock, items = q.lock, q.items
     while True:
-        item = q.get()
-        if item is None:
-            return
+        with lock:
+            while not items:
+                q.cond.wait()
+            item = items.popleft()
+            if item is None:
+                return
+            q.running = item  # (in the same step: see _Tasks)
         fn, marker = item
         item = None
         if state["fault"] is not None:
-            if marker is not None:
-                marker.error = state["fault"]
-                marker._event.set()
+            with lock:
+                if marker is not None:
+                    marker.error = state["fault"]
+                    marker._event.set()
+                q.running = None
             continue
-        state["running"] = marker if marker is not None else True  # (what a fork interrupts)
         try:
             fn()
         except BaseException as e:
@@ -296,10 +323,12 @@ def _worker(q, state, backend) -> None:
                 state["fault"] = e
                 if marker is not None:
                     marker.error = e
-        state["running"] = None
         fn = None
+        with lock:
+            if marker is not None:
+                marker._event.set()
+            q.running = None
         if marker is not None:
-            marker._event.set()
             marker = None
             hook = backend.on_progress
             if hook is not None:
@@ -343,13 +372,29 @@ class _HostRecorder:
 _impls = weakref.WeakSet()  # every host stream's impl (fork restarts their workers)
 
 
+_forking = []  # the task queues whose locks the fork holds (the forking thread only)
+
+
+def _before_fork() -> None:
+    for impl in list(_impls):  # (a consistent snapshot of every queue: see _Tasks)
+        q = impl._q
+        q.lock.acquire()
+        _forking.append(q)
+
+
+def _after_fork_parent() -> None:
+    while _forking:
+        _forking.pop().lock.release()
+
+
 def _after_fork_child() -> None:
+    _after_fork_parent()  # (held by this thread, which the child has)
     for impl in list(_impls):
         impl._after_fork_child()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_child)
+at_fork_hold(_before_fork, _after_fork_parent)
+at_fork_child(_after_fork_child, 1)
 
 
 #: Seconds the interpreter's exit waits, in all, for host work still queued or running.
@@ -364,7 +409,7 @@ def _finish_at_exit() -> None:
     for impl in list(_impls):
         if impl._state["fault"] is not None or impl._closed:
             continue
-        queued, running = impl._q.qsize(), impl._state["running"] is not None
+        queued, running = impl._q.qsize(), impl._q.running is not None
         if not queued and not running:
             continue
         if not impl.submit(_noop).wait(max(0.0, deadline - time.monotonic())):

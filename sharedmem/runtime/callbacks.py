@@ -1,40 +1,50 @@
 """Where callbacks of retired work run (``then`` continuations, ``add_done_callback``).
 
 They run in whichever thread retires the work -- a user thread blocked in ``result()``, a host
-stream's worker -- except the retirer thread: what it retires is handed to the callback thread
-(``sharedmem-callbacks``), so a continuation that blocks (on another continuation's result, on
-I/O) never stops retirement for everyone else.
+stream's worker -- except the retirer thread: the submissions it retires with callbacks are
+handed to the callback workers (``sharedmem-callbacks-N``), so a continuation that blocks (on
+another continuation's result, on I/O) never stops retirement for everyone else.
 
-A continuation may wait for another continuation still queued here behind it, on this one
-thread: every wait on a :class:`~sharedmem.HostFuture` therefore *helps*, running queued
-callbacks while its own is not done (:func:`wait_helping`), so the queue always drains.
+A continuation may wait for another one queued behind it. A callback worker that waits on a
+future says so (:func:`waiting`); when every worker is waiting and work is queued, another
+worker starts (as a fork-join pool compensates a blocked thread), so the queue always drains
+and a waiter's timeout is its own. Workers beyond the first leave after ``IDLE_EXIT`` idle
+seconds. The callbacks of one submission run in the order they were added: a callback added
+while the others are queued joins them (see ``submission.add_callback``).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
-import os
 import sys
 import threading
 import time
 
-from .state import RUNTIME, fork_safe, log
+from .state import RUNTIME, at_fork_child, fork_safe, locked, log
 
-__all__ = ["run", "hand_off", "wait_helping", "retirer_ident"]
+__all__ = ["run", "hand_off", "waiting", "on_worker", "retirer_ident"]
 
-# Batches of callbacks handed off by the retirer; lock-free (deque.append and popleft are
-# atomic under the GIL), so the retirer never blocks here.
+#: Seconds an extra worker (beyond the first) stays idle before it leaves.
+IDLE_EXIT = 10.0
+#: Seconds the interpreter's exit waits, in all, for handed-off callbacks to run.
+EXIT_TIMEOUT = 10.0
+
+_lock = fork_safe(threading.Lock())
+_cond = threading.Condition(_lock)
+# Guarded by _lock: submissions whose callbacks wait for a worker; worker counts.
 _queue = collections.deque()
-_wake = threading.Event()
-_thread = None  # the callback thread, started on the first hand-off
-_start_lock = fork_safe(threading.Lock())
+_workers = 0  # live workers
+_blocked = 0  # workers waiting on a future inside a callback
+_running = 0  # workers running callbacks (blocked ones included)
+_local = threading.local()  # .worker: True on a callback worker
 #: The retirer thread's ident (set by runtime.retirer when it starts); 0 before.
 retirer_ident = [0]
 
 
 def run(cbs) -> None:
-    """Run callbacks in this thread; their errors surface at the next API call of a user
-    thread (``submission.raise_deferred``)."""
+    """Run callbacks in this thread, in order; their errors surface at the next API call of a
+    user thread (``submission.raise_deferred``)."""
     errors = RUNTIME.errors
     for cb in cbs:
         try:
@@ -43,69 +53,130 @@ def run(cbs) -> None:
             errors.append(e)
 
 
-def hand_off(cbs) -> None:
-    """Queue callbacks for the callback thread (the retirer calls this; never blocks)."""
-    _queue.append(cbs)
-    t = _thread
-    if t is None or not t.is_alive():
-        _ensure()
-    _wake.set()
+def hand_off(sub) -> None:
+    """Queue ``sub``'s callbacks for the workers (the retirer calls this; it never blocks on
+    a callback: the lock is held only to queue)."""
+    with _lock:
+        _queue.append(sub)
+        if _workers == _blocked:  # no worker, or every one waits inside a callback
+            _start_locked()
+        _cond.notify()
 
 
-def _ensure() -> None:
-    global _thread
-    with _start_lock:
-        if _thread is None or not _thread.is_alive():
-            t = threading.Thread(target=_run, name="sharedmem-callbacks", daemon=True)
-            t.start()
-            _thread = t
-            log.debug("callback thread started")
+def _start_locked() -> None:
+    global _workers
+    t = threading.Thread(target=_work, args=(_workers == 0,),
+                         name=f"sharedmem-callbacks-{_workers + 1}", daemon=True)
+    t.start()
+    _workers += 1
+    log.debug("callback worker %d started", _workers)
 
 
-def _run_one() -> bool:
-    try:
-        cbs = _queue.popleft()
-    except IndexError:
-        return False
-    run(cbs)
-    return True
-
-
-def _run() -> None:
+def _work(first: bool) -> None:
+    global _workers, _running
+    _local.worker = True
     while not sys.is_finalizing():
-        _wake.wait()
-        _wake.clear()
-        while _run_one():
-            pass
+        with _lock:
+            while not _queue:
+                if not _cond.wait(None if first else IDLE_EXIT) and not first and not _queue:
+                    _workers -= 1  # an idle extra worker leaves
+                    return
+            sub = _queue.popleft()
+            _running += 1
+        try:
+            with locked():  # (add_callback appends under the core lock)
+                cbs, sub.callbacks = sub.callbacks, None
+            if cbs:
+                _run_on_worker(cbs)
+        finally:
+            with _lock:
+                _running -= 1
+                _cond.notify_all()  # (an exit drain waits for the queue to empty)
 
 
-def wait_helping(event, timeout) -> bool:
-    """``event.wait(timeout)``, running queued callbacks meanwhile (see the module docstring).
-    True once the event is set."""
-    if event.is_set():
-        return True
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        while not event.is_set() and _run_one():
-            pass
-        step = 0.002  # (how soon a callback queued meanwhile is noticed)
-        if deadline is not None:
+class _Rest:
+    """The callbacks after one that blocked, queued for another worker (see waiting)."""
+
+    __slots__ = ("callbacks",)
+
+
+def _run_on_worker(cbs) -> None:
+    rest = collections.deque(cbs)
+    _local.rest = rest  # (waiting() hands what is left to another worker)
+    errors = RUNTIME.errors
+    try:
+        while rest:
+            cb = rest.popleft()
+            try:
+                cb()
+            except BaseException as e:
+                errors.append(e)
+    finally:
+        _local.rest = None
+
+
+def on_worker() -> bool:
+    """True in a callback worker thread."""
+    return getattr(_local, "worker", False)
+
+
+class waiting:
+    """``with waiting():`` around a blocking wait: on a callback worker, lets another worker
+    take the queue meanwhile (nothing on other threads)."""
+
+    __slots__ = ("_on",)
+
+    def __enter__(self) -> None:
+        global _blocked
+        self._on = on_worker()
+        if self._on:
+            rest = getattr(_local, "rest", None)
+            with _lock:
+                if rest:  # the callbacks after this one must not wait for it
+                    held = _Rest()
+                    held.callbacks = list(rest)
+                    rest.clear()
+                    _queue.appendleft(held)
+                    _cond.notify()
+                _blocked += 1
+                if _queue and _workers == _blocked:
+                    _start_locked()
+
+    def __exit__(self, *exc) -> None:
+        global _blocked
+        if self._on:
+            with _lock:
+                _blocked -= 1
+
+
+def _drain_at_exit() -> None:
+    """At exit, let the workers run what was handed off (bounded), or say what was dropped."""
+    if on_worker():
+        return
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    with _lock:
+        while (_queue or _running - _blocked > 0) and _workers:
             left = deadline - time.monotonic()
             if left <= 0:
-                return event.is_set()
-            step = min(step, left)
-        if event.wait(step):
-            return True
+                break
+            _cond.wait(left)
+        dropped = len(_queue)
+    if dropped:
+        log.warning("exit: callbacks of %d retired submissions dropped after %s s", dropped,
+                    EXIT_TIMEOUT)
+
+
+atexit.register(_drain_at_exit)
 
 
 def _after_fork_child() -> None:
-    global _thread, _wake
-    _thread = None
-    _wake = threading.Event()
-    if _queue:  # (handed off in the parent, not yet run: the child runs its copy)
-        _ensure()
-        _wake.set()
+    # The parent's workers do not exist here. What the parent had queued is the parent's to
+    # run: dropping it here keeps side effects from happening twice.
+    global _cond, _queue, _workers, _blocked, _running
+    _cond = threading.Condition(_lock)  # (_lock itself is re-initialized by runtime.state)
+    _queue = collections.deque()
+    _workers = _blocked = _running = 0
+    _local.__dict__.pop("worker", None)
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_child)
+at_fork_child(_after_fork_child, 0)

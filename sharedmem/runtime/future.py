@@ -137,8 +137,11 @@ class DeviceFuture(_FutureBase):
     def result(self, timeout: float | None = None):
         """Block until the work has finished; see the class docstring."""
         s = self._s
-        if not _sub.wait(s, timeout):
-            raise TimeoutError(f"{s.label} on {s.stream} did not finish within {timeout} s")
+        if s.state == _sub.PENDING:
+            with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
+                done = _sub.wait(s, timeout)
+            if not done:
+                raise TimeoutError(f"{s.label} on {s.stream} did not finish within {timeout} s")
         _sub.raise_deferred()
         if s.state == _sub.UNKNOWN:
             raise CompletionUnknownError(
@@ -217,7 +220,9 @@ class HostFuture(_FutureBase):
     def result(self, timeout: float | None = None):
         """The value once set (blocking up to ``timeout``); raises the error it failed with, or
         TimeoutError."""
-        if not _callbacks.wait_helping(self._event, timeout):
+        with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
+            done = self._event.wait(timeout)
+        if not done:
             raise TimeoutError(f"the host function did not finish within {timeout} s")
         if self._error is not None:
             raise self._error

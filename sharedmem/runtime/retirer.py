@@ -15,13 +15,12 @@ call (``submission.raise_deferred``) rather than printed.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
 from . import callbacks as _callbacks
 from . import submission as _sub
-from .state import RUNTIME, fork_safe, locked, log
+from .state import RUNTIME, at_fork_child, fork_safe, locked, log
 
 #: Seconds between sweeps while work is pending.
 POLL_INTERVAL = 0.0002
@@ -108,8 +107,7 @@ def _after_fork_child() -> None:
     _wake = threading.Event()  # (its condition's lock may be held by a parent thread)
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_child)
+at_fork_child(_after_fork_child, 0)
 
 
 def attach_backend(backend) -> None:

@@ -35,7 +35,8 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..errors import SharedMemError
 
-__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage", "fork_safe", "log"]
+__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage", "fork_safe", "at_fork_child", "at_fork_hold",
+           "log"]
 
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
 #: dropped at exit, host kernels that raised) -- never a line per launch.
@@ -203,7 +204,27 @@ def run_or_stage(fn, arg) -> None:
 # every leaf lock registered with fork_safe(); modules whose threads do not survive register
 # their own os.register_at_fork(after_in_child=...) hooks (they run after this one).
 _leaf_locks = []  # threading locks re-initialized in a forked child (module-level, long-lived)
+_child_hooks = []  # (order, function): run in a forked child after the locks, lowest first
 _fork_held = [False]  # whether _before_fork took the core lock (the forking thread only)
+
+
+_before_hooks = []  # (take, give back in the parent): leaf locks a fork takes after the core lock
+
+
+def at_fork_hold(take, release) -> None:
+    """Before a fork, call ``take()`` once the core lock is held (to take leaf locks in that
+    order: a thread that holds the core lock may wait for them, never the other way); in
+    the parent, ``release()`` before the core lock is given back. (In the child, hooks of
+    :func:`at_fork_child` see them still held.)"""
+    _before_hooks.append((take, release))
+
+
+def at_fork_child(fn, order: int) -> None:
+    """Run ``fn()`` in a forked child once the core and leaf locks are new: ``order`` 0 for
+    the runtime's own threads and events (retirer, callbacks), 1 for backends (their workers
+    may use those at once)."""
+    _child_hooks.append((order, fn))
+    _child_hooks.sort(key=lambda h: h[0])
 
 
 def fork_safe(lock):
@@ -218,9 +239,13 @@ def _before_fork() -> None:
     _fork_held[0] = rt.owner != _thread_ident()
     if _fork_held[0]:
         rt.acquire()
+    for take, _release in _before_hooks:
+        take()
 
 
 def _after_fork_parent() -> None:
+    for _take, release in reversed(_before_hooks):
+        release()
     if _fork_held[0]:
         _fork_held[0] = False
         RUNTIME.release()
@@ -239,6 +264,8 @@ def _after_fork_child() -> None:
         lock._at_fork_reinit()
     log.debug("forked: pid %d has a new core lock and %d leaf locks; threads restart on use",
               rt.pid, len(_leaf_locks))
+    for _order, fn in _child_hooks:
+        fn()
 
 
 def _register_fork_hooks() -> None:

@@ -466,13 +466,14 @@ def _finish(subs) -> None:
             if m is not last:  # consecutive submissions often share one marker
                 last = m
                 m.recycle()
-        cbs = sub.callbacks
-        if cbs:
-            sub.callbacks = None
+        if sub.callbacks:
             if _get_ident() == _callbacks.retirer_ident[0]:
-                _callbacks.hand_off(cbs)  # (user code never runs on the retirer)
+                _callbacks.hand_off(sub)  # (user code never runs on the retirer)
             else:
-                _callbacks.run(cbs)  # (errors surface at the next API call)
+                with locked():  # (add_callback appends under the lock until they are taken)
+                    cbs, sub.callbacks = sub.callbacks, None
+                if cbs:
+                    _callbacks.run(cbs)  # (errors surface at the next API call)
 
 
 def settle(timeout=1.0) -> None:
@@ -509,8 +510,8 @@ def sweep_all() -> None:
 def add_callback(sub, cb) -> None:
     """Run ``cb()`` once ``sub`` has retired (or is known unknown); at once if it has."""
     with locked():
-        if sub.state == _PENDING:
-            if sub.callbacks is None:
+        if sub.state == _PENDING or sub.callbacks is not None:  # (retired, its callbacks
+            if sub.callbacks is None:                           # not yet taken: join them)
                 sub.callbacks = [cb]
             else:
                 sub.callbacks.append(cb)
