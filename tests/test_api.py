@@ -101,3 +101,30 @@ def test_dtype_and_length_errors(host):
     with pytest.raises(sm.LayoutError, match=r"^copy_from between overlapping bytes of allocation #\d+ \(\[0, 16\) into \[8, 24\)\) is undefined"):
         b[2:6].copy_from(b[0:4])
     b[4:8].copy_from(b[0:4]).result(5)  # disjoint ranges of one allocation are fine
+
+
+def test_both_backends_implement_the_written_protocols():
+    from sharedmem.backends import Backend, Marker, StreamImpl
+    from sharedmem.backends.cuda import CudaBackend, CudaMarker, CudaStreamImpl
+    from sharedmem.backends.host import HostBackend, HostMarker, HostStreamImpl
+
+    import os
+    root = os.path.dirname(os.path.abspath(sm.__file__))
+    src = {m: open(os.path.join(root, "backends", m.rsplit(".", 1)[1] + ".py")).read()
+           for m in ("sharedmem.backends.cuda", "sharedmem.backends.host")}
+
+    def members(proto):
+        names = {n for n in vars(proto) if not n.startswith("_")}
+        return names | set(getattr(proto, "__annotations__", {}))
+
+    for proto, impls in [(Backend, (HostBackend, CudaBackend)),
+                         (StreamImpl, (HostStreamImpl, CudaStreamImpl)),
+                         (Marker, (HostMarker, CudaMarker))]:
+        for cls in impls:
+            have = set(dir(cls)) | set(getattr(cls, "__slots__", ()))
+            init = src[cls.__module__]  # (compiled modules have no inspectable source)
+            missing = {n for n in members(proto) if n not in have and f"self.{n} =" not in init}
+            assert not missing, f"{cls.__name__} lacks {sorted(missing)} of {proto.__name__}"
+    h = sm.Device.host()
+    assert isinstance(h.backend, Backend) and isinstance(h.default_stream._impl, StreamImpl)
+    assert isinstance(h.backend.record_marker(h.default_stream._impl), Marker)

@@ -1,4 +1,67 @@
-"""Backends: ``host`` (no GPU needed) and ``cuda`` (cuda.bindings + CuPy's pool)."""
+"""Backends: ``host`` (no GPU needed) and ``cuda`` (cuda.bindings + CuPy's pool).
+
+What the ownership core asks of a backend is written down here as ``typing.Protocol``
+classes -- :class:`Backend`, :class:`StreamImpl`, :class:`Marker` -- and checked against both
+backends by ``tests/test_api.py``. A backend for another device implements them; nothing in
+the core looks at a backend's own names. (CUDA adds foreign-stream calls for the interop
+bridges -- ``wait_on_handle``, ``marker_on_handle``, ``pointer_info``, ``borrow_stream`` --
+which only CUDA bridges call.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Marker(Protocol):
+    """A point in a stream's work. ``query()``: 0 pending, 1 done, 2 unknown (``error`` says
+    why). ``recorded``: False while a lazily recorded marker is still open."""
+
+    error: Any
+    recorded: bool
+
+    def query(self) -> int: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+    def recycle(self) -> None: ...
+
+
+@runtime_checkable
+class StreamImpl(Protocol):
+    """A backend's stream. ``fault``: the error that made its completion unknown, or None;
+    ``throttle``: a callable the core calls (holding no lock) before enqueueing, or None."""
+
+    handle: int
+    fault: Any
+    throttle: Any
+
+    def wait_marker(self, marker: Marker) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A device's memory, streams, copies and graphs. Every enqueueing call returns the
+    :class:`Marker` of the work it enqueued and never waits for the device; the core holds
+    its lock around them (``runtime.state``)."""
+
+    kind: str
+    needs_polling: bool  # True: the retirer must poll markers (False: the backend wakes it)
+
+    def allocate(self, nbytes: int, stream_impl: Any = None) -> Any: ...
+    def create_stream(self, name: str | None = None) -> StreamImpl: ...
+    def default_stream(self) -> StreamImpl: ...
+    def record_marker(self, impl: StreamImpl, pooled: bool = False) -> Marker: ...
+    def submit_marker(self, impl: StreamImpl) -> Marker: ...
+    def copy_htod(self, impl: StreamImpl, dst_ptr: int, src: Any) -> Marker: ...
+    def copy_dtoh(self, impl: StreamImpl, dst: Any, src_ptr: int) -> Marker: ...
+    def copy_dtod(self, impl: StreamImpl, dst_ptr: int, src_ptr: int, nbytes: int) -> Marker: ...
+    def memset(self, impl: StreamImpl, dst_ptr: int, byte: int, nbytes: int) -> Marker: ...
+    def begin_capture(self, impl: StreamImpl) -> Any: ...
+    def end_capture(self, recorder: Any) -> Any: ...
+    def launch_graph(self, exec_: Any, impl: StreamImpl) -> Marker: ...
+    def destroy_graph(self, exec_: Any) -> None: ...
+    def mem_info(self) -> tuple[int, int]: ...
 
 
 class CompleteMarker:
