@@ -65,7 +65,7 @@ class InFlight:
     """One piece of submitted work not yet retired (see :func:`inflight`).
 
     ``stream``: where it runs. ``label``: what it is (``"CuPy kernel k4"``, ``"copy_from"``,
-    ``"DLPack export"`` for a consumer's hold ...). ``leases``: ``(allocation id, start, stop,
+    ``"end of a DLPack export hold"`` for a consumer's lease ...). ``leases``: ``(allocation id, start, stop,
     writes)`` for each byte range it leases. ``age``: seconds since it was submitted.
     ``state``: ``"pending"``, or ``"unknown"`` for work kept because its completion is
     unknown."""

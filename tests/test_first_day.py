@@ -294,3 +294,17 @@ def test_trace_writes_a_perfetto_timeline_one_track_per_stream(host, tmp_path):
     assert tr.events == evs
     from sharedmem.runtime.state import RUNTIME
     assert RUNTIME.tracer is None
+
+
+def test_trace_records_a_consumers_lease_and_the_logger_is_silent_by_default(host, tmp_path):
+    import json
+    import logging
+    assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("sharedmem").handlers)
+    t = sm.Tensor.from_host(np.arange(4.0), device=host)
+    s = host.create_stream("consumer")
+    path = tmp_path / "t.json"
+    with sm.trace(path):
+        sm.record_use(t, s, writes=False)
+        sm.synchronize()
+    names = [e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert any(n.startswith("use declared on <Stream consumer") for n in names), names

@@ -41,6 +41,7 @@ __all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage", "fork_safe", "at_fork
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
 #: dropped at exit, host kernels that raised) -- never a line per launch.
 log = logging.getLogger("sharedmem")
+log.addHandler(logging.NullHandler())  # (a library's logger: silent until the app configures)
 
 _get_ident = threading.get_ident
 

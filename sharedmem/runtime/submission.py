@@ -304,6 +304,8 @@ def lease_locked(stream, uses, keep, label, marker):
         tok = u[0]
         tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
     sub = new_submission(stream, seq, marker, keep, uses, label)
+    if rt.tracer is not None:
+        rt.tracer.submitted(sub, None)
     pending = stream._pending
     pending.append(sub)
     if len(pending) == 1:
