@@ -35,28 +35,19 @@ import numpy as np
 
 from sharedmem.buffer import DeviceBox
 from sharedmem.device import Device
-from sharedmem.errors import (AliasError, BackendUnavailableError, DeviceMismatchError,
+from sharedmem.errors import (AliasError, DeviceMismatchError,
                               LayoutError)
 from sharedmem.launch import KernelAdapter, register_kernel_adapter
 from sharedmem.runtime.submission import order_consumer
 from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, new_tensor
 
-from interop.cupy_launch import (_ExportOwner, _allocation_of, _extent, coerce, export_token,
+from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, _extent, coerce, export_token,
                                  foreign_array, plan_kernel)
 
 _export_token = export_token
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
-
-
-def _cupy():
-    try:
-        import cupy
-    except ImportError:
-        raise BackendUnavailableError(
-            "interop.cupy needs CuPy: pip install 'sharedmem[cuda13]' (or '[cuda12]')") from None
-    return cupy
 
 
 # -- arrays -> views ------------------------------------------------------------------

@@ -37,7 +37,7 @@ def _cupy():
         import cupy
     except ImportError:
         raise BackendUnavailableError(
-            "interop.cupy needs CuPy: pip install 'sharedmem[cuda13]' (or '[cuda12]')") from None
+            "interop.cupy needs CuPy: pip install 'sharedmem-gpu[cuda13]' (or '[cuda12]')") from None
     return cupy
 
 

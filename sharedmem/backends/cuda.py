@@ -333,13 +333,13 @@ class CudaBackend:
         if _load_driver() is None:
             raise BackendUnavailableError(
                 "the CUDA backend needs cuda-bindings (cuda-python) and CuPy: "
-                "pip install 'sharedmem[cuda13]' (or '[cuda12]' for CUDA 12 drivers)")
+                "pip install 'sharedmem-gpu[cuda13]' (or '[cuda12]' for CUDA 12 drivers)")
         try:
             import cupy
         except ImportError:
             raise BackendUnavailableError(
                 "the CUDA backend takes its memory from CuPy's pool, and CuPy is not installed: "
-                "pip install 'sharedmem[cuda13]' (or '[cuda12]')") from None
+                "pip install 'sharedmem-gpu[cuda13]' (or '[cuda12]')") from None
         self._cupy = cupy
         self.cu = cu  # the driver module, for destructors that run late
         err = cu.cuInit(0)[0]
