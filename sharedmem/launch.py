@@ -30,8 +30,9 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 from .access import ATOMIC, READ, WRITE, check_policy
-from .allocation import View, _module
+from .allocation import View, ViewToken, _module, import_allocation
 from .buffer import DeviceBox
+from .device import Device
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
 from .runtime.state import fork_safe
@@ -532,7 +533,7 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         if stream is not None:
             device = stream.device
     if device is None:  # no arrays and no stream: a device this kind of kernel runs on
-        from .device import Device, default_device
+        from .device import default_device
         device = default_device()
         if device.kind not in adapter.device_kinds and "host" in adapter.device_kinds:
             device = Device.host()
@@ -583,8 +584,6 @@ def numpy_lease(arr):
     """A NumPy array as a host-kernel argument: a lease of the bytes it spans (the host
     device's memory is host RAM), without a view -- the launch keeps the array alive until
     its work is done, and conflicting work on other streams is ordered as for any view."""
-    from .allocation import ViewToken, import_allocation
-    from .device import Device
     lo = hi = 0
     size = 1
     for n, st in zip(arr.shape, arr.strides):
