@@ -7,7 +7,8 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: build test demo stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize clean
+.PHONY: build test demo dask-demo stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize \
+        gpu-wheels gpu-dask clean
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,15 @@ test: build
 demo: build
 	$(VPY) examples/pipeline.py
 	$(VPY) examples/mixed_pipeline.py
+
+# Tensors passed between two Dask worker processes (LocalCluster); installs the dask extra once.
+DASK_STAMP := $(VENV)/.dask-installed
+$(DASK_STAMP): $(STAMP)
+	$(VPY) -m pip install -q -e '.[test,dask]'
+	@touch $(DASK_STAMP)
+
+dask-demo: build $(DASK_STAMP)
+	$(VPY) examples/dask_pipeline.py
 
 stress: build
 	SHAREDMEM_STRESS_FULL=1 $(VPY) -m pytest -q tests/test_stress.py -p no:randomly -s
@@ -67,6 +77,30 @@ gpu-all: speedups
 	tail -1 $$out/gpu_tests.log; grep -E "OK|MISMATCH|FAIL|clean" $$out/gpu_demo.log; \
 	tail -1 $$out/gpu_uaf.log; sed -n '/^row /,$$p' $$out/gpu_bench.log; \
 	echo "exit codes: tests=$$t demos=$$d uaf=$$u bench=$$b"; test $$t -eq 0 -a $$d -eq 0 -a $$u -eq 0
+
+# dask + distributed for the GPU machine, which has no network: wheels for its Python
+# (GPU_PYTHON) downloaded here into .gpu-wheels/ (git-ignored), carried there (the device tool's
+# `carry`) and installed with `make gpu-dask`. Pure-Python wheels, plus manylinux x86_64 ones
+# for the compiled dependencies (msgpack, psutil, pyyaml, tornado, markupsafe).
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_PKGS := dask distributed cloudpickle toolz partd locket fsspec msgpack sortedcontainers \
+                  tblib zict tornado psutil click pyyaml jinja2 markupsafe packaging \
+                  importlib_metadata zipp
+gpu-wheels:
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --implementation cp \
+	  --python-version $(GPU_PYTHON) --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	  -d $(GPU_WHEELS) $(GPU_WHEEL_PKGS)
+	@du -sh $(GPU_WHEELS); ls $(GPU_WHEELS)
+
+# On the GPU machine: install the carried wheels, then the Dask tests and the Dask example.
+gpu-dask: speedups
+	$(PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) dask distributed
+	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) -m pytest -q -rs tests/test_gpu_dask.py tests/test_dask.py \
+	  tests/test_pickle.py
+	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) examples/dask_pipeline.py
 
 # The GPU tests under compute-sanitizer's memcheck (on the GPU machine; kernels that fault on
 # purpose are left out). API errors are not reported: cuda.bindings and CuPy probe the driver

@@ -242,6 +242,62 @@ def bench_launch_gpu(dev, quick):
     return t_ours
 
 
+def bench_multi_gpu(quick):
+    """Two GPUs: a launch on cuda:1 whose inputs live on cuda:0 (peer access) against the same
+    launch with every argument on cuda:1, and a write on cuda:0 followed by a read on cuda:1
+    (a cross-device event wait each step) against the same pair of streams on one device."""
+    import cupy as cp
+    d0, d1 = sm.Device(0), sm.Device(1)
+    d1.enable_peer_access(d0)
+    n_launch = 3000 if quick else 20000
+    n = 32
+    k = cp.RawKernel(LAUNCH_SRC, "k4")
+    s0, s1, s1b = d0.create_stream("b0"), d1.create_stream("b1"), d1.create_stream("b1b")
+    A0, B0 = (sm.Buffer.from_host(np.ones(n, np.float32), device=d0) for _ in range(2))
+    A1, B1, C1, D1 = (sm.Buffer.from_host(np.ones(n, np.float32), device=d1) for _ in range(4))
+    W1 = sm.Buffer.from_host(np.ones(n, np.float32), device=d1)
+    with cp.cuda.Device(1):
+        ca, cb, cc, cd = (cp.ones(n, cp.float32) for _ in range(4))
+        cps = cp.cuda.ExternalStream(s1.handle)
+    nn = np.int32(n)
+    In, Out = sm.In, sm.Out
+
+    def sync():
+        s0.synchronize()
+        s1.synchronize()
+        s1b.synchronize()
+
+    def raw():
+        with cp.cuda.Device(1):
+            k((1,), (32,), (ca, cb, cc, cd, nn), stream=cps)
+
+    def same():
+        sm.launch(k, 1, 32, In(A1), In(B1), Out(C1), Out(D1), nn, stream=s1)
+
+    def peer():
+        sm.launch(k, 1, 32, In(A0), In(B0), Out(C1), Out(D1), nn, stream=s1)
+
+    def handoff_same():  # write on one stream, read on another of the same device
+        sm.launch(k, 1, 32, In(A1), In(B1), Out(W1), Out(D1), nn, stream=s1b)
+        sm.launch(k, 1, 32, In(W1), In(B1), Out(C1), Out(D1), nn, stream=s1)
+
+    def handoff_peer():  # write on cuda:0, read on cuda:1: a cross-device event wait
+        sm.launch(k, 1, 32, In(B0), In(B0), Out(A0), Out(B0), nn, stream=s0)
+        sm.launch(k, 1, 32, In(A0), In(B1), Out(C1), Out(D1), nn, stream=s1)
+
+    fns = [raw, same, peer, handoff_same, handoff_peer]
+    for fn in fns:
+        for _ in range(200):
+            fn()
+    sync()
+    t_raw, t_same, t_peer, t_hs, t_hp = interleaved_us(fns, n_launch, 7, sync)
+    row("2 GPUs: launch on cuda:1, 4 views on cuda:1, vs CuPy on cuda:1", t_same, t_raw, "CuPy")
+    row("2 GPUs: same launch, 2 inputs on cuda:0 (peer), vs all on cuda:1", t_peer, t_same,
+        "same-device")
+    row("2 GPUs: write on cuda:0 + read on cuda:1, vs 2 streams of cuda:1", t_hp, t_hs,
+        "same-device")
+
+
 def bench_launch_interpreted(quick):
     """The launch row again in a process that runs the interpreted sources."""
     import subprocess
@@ -422,10 +478,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--launches", type=int, default=None)
     ap.add_argument("--only-launch", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--multi-gpu", action="store_true", help="only the rows for two GPUs")
     opts = ap.parse_args()
     dev = sm.default_device()
     if opts.only_launch:
         bench_launch_gpu(dev, True)
+        return 0
+    if opts.multi_gpu:
+        bench_launch_gpu(dev, opts.quick)
+        bench_multi_gpu(opts.quick)
+        for r in ROWS:
+            print(f"{r[0]} | {r[1]} | {r[2]} | {r[3]}")
         return 0
     print(f"sharedmem {sm.__version__} benchmarks on {dev}", flush=True)
     sm.show_config()

@@ -7,4 +7,7 @@ and never pulls in a GPU library:
 * :mod:`interop.cai` -- CUDA Array Interface v3 export and import
 * :mod:`interop.cupy` -- CuPy arrays and RawKernel / RawModule launches
 * :mod:`interop.cutile` -- cuTile (``cuda.tile``) kernel launches
+
+The exception is :mod:`interop.dask` (dask.distributed's serialization families): it imports
+distributed, and sharedmem imports it only in processes where distributed is loaded.
 """

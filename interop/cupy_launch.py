@@ -530,7 +530,7 @@ def _launch_compiled(plan, impl, config, packed):
     if plan.ctx_addr:
         cython.cast(ctx_get_fn_t, plan.ctx_addr)(cython.address(ctx))
     if cython.cast(cython.size_t, ctx) != plan.context:
-        plan.backend.ensure_context()
+        plan.backend.force_context()
     c = config
     return cython.cast(launch_fn_t, plan.launch_addr)(
         cython.cast(cython.p_void, cython.cast(cython.size_t, plan.func)), c.gx, c.gy, c.gz,

@@ -20,15 +20,19 @@ from .device import Device, default_device  # noqa: E402
 from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,  # noqa: E402
                      CompletionUnknownError, CudaError, DeviceMismatchError, HostKernelError, KernelError,
                      LayoutError,
-                     LeakWarning, MovedError, ReadOnlyError, ReleasedError, SharedMemError,
+                     LeakWarning, MovedError, PeerAccessError, ReadOnlyError, ReleasedError,
+                     SharedMemError,
                      SharedMemWarning)
 from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,  # noqa: E402
                      register_kernel_adapter)
-from .ops import DeviceOp, op, zip  # noqa: E402,A004  (sm.zip; not in __all__: it would shadow the builtin)
+# sm.zip: not in __all__ (`from sharedmem import *` would shadow the builtin); `zip as zip`
+# exports it to type checkers all the same
+from .ops import DeviceOp, op, zip as zip  # noqa: E402,A004
 from .runtime.future import DeviceFuture, HostFuture  # noqa: E402
 from .runtime.graph import Graph, capture, graph  # noqa: E402
 from .stats import InFlight, Stats, inflight, stats, synchronize  # noqa: E402
 from .trace import trace  # noqa: E402
+from . import ipc  # noqa: E402  (sm.ipc.export / sm.ipc.open)
 from .stream import Event, Stream  # noqa: E402
 from .tensor import Tensor  # noqa: E402
 from .config import show_config  # noqa: E402
@@ -37,12 +41,17 @@ __version__ = "0.1.0"
 
 _config.check_required()
 
+from . import pickling as _pickling  # noqa: E402  (pickle support; not compiled)
+
+_pickling._register_refusals()  # streams, events, futures...: a TypeError saying what to send
+_pickling.hook_distributed()  # sharedmem's dask.distributed serializers, once distributed is loaded
+
 __all__ = [
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
     "CaptureError", "Graph", "capture", "graph",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "HostKernelError", "In", "InOut", "KernelAdapter",
-    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReadOnlyError", "ReleasedError",
+    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "PeerAccessError", "ReadOnlyError", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",
     "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",

@@ -24,11 +24,19 @@ from __future__ import annotations
 
 import bisect
 import importlib
+from typing import TYPE_CHECKING
 import itertools
 import os
 import sys
 import threading
 import weakref
+
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    from .device import Device
+
+    _V = TypeVar("_V", bound="View")
 
 try:
     import cython
@@ -475,12 +483,12 @@ class View:
         return self._state == _LIVE
 
     @property
-    def allocation(self):
+    def allocation(self) -> Allocation:
         """The :class:`Allocation` these bytes belong to."""
         return self._live_token().allocation
 
     @property
-    def device(self):
+    def device(self) -> Device:
         """The Device these bytes are on."""
         return self._live_token().allocation.device
 
@@ -504,7 +512,7 @@ class View:
             self._token = None
             tok.release()
 
-    def __enter__(self):
+    def __enter__(self: _V) -> _V:
         self._live_token()
         return self
 

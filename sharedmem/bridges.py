@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from .runtime.state import locked
 from .allocation import View, ViewToken, add_consumer_locked, lookup_allocation
@@ -18,15 +19,23 @@ from .errors import AliasError
 
 __all__ = ["from_dlpack", "from_cuda_array_interface", "adopt", "record_use"]
 
+if TYPE_CHECKING:
+    from typing import Any
 
-def from_dlpack(obj, *, stream=None, device=None):
+    from .device import Device
+    from .stream import Stream
+    from .tensor import Tensor
+
+
+def from_dlpack(obj: Any, *, stream: Stream | object | None = None,
+                device: Device | int | str | None = None) -> Tensor:
     """Import any DLPack producer (NumPy, CuPy, torch, JAX...) as a
     :class:`~sharedmem.Tensor`, zero-copy. See :func:`interop.dlpack.from_dlpack`."""
     from interop.dlpack import from_dlpack as _impl
     return _impl(obj, stream=stream, device=device)
 
 
-def from_cuda_array_interface(obj, *, stream=None):
+def from_cuda_array_interface(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     """Import a ``__cuda_array_interface__`` producer as a :class:`~sharedmem.Tensor`,
     zero-copy. See :func:`interop.cai.from_cuda_array_interface`."""
     from interop.cai import from_cuda_array_interface as _impl
@@ -40,7 +49,7 @@ def _refs_held_once(x) -> int:
 _REFS_HELD_ONCE = None  # what getrefcount says inside adopt() when its caller holds one reference
 
 
-def adopt(obj, *, stream=None):
+def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     """Import ``obj`` zero-copy and take its memory over: unlike :func:`from_dlpack`, the
     producer is not counted as an alias, so the returned Tensor can be moved.
 
@@ -89,7 +98,7 @@ def adopt(obj, *, stream=None):
     return tensor
 
 
-def record_use(x, stream, *, writes: bool = True) -> None:
+def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
     """Declare that work on ``stream`` uses the bytes of ``x`` -- for a consumer that uses an
     export on another stream than the one it named (or none).
 

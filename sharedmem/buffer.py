@@ -9,7 +9,7 @@ from .device import Device, default_device
 from .errors import LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
 from .runtime.submission import submit
-from .stream import resolve_stream
+from .stream import Stream, resolve_stream
 
 __all__ = ["Buffer", "DeviceBox", "as_dtype"]
 
@@ -91,7 +91,9 @@ class Buffer(View):
 
     # -- construction -------------------------------------------------------
     @classmethod
-    def empty(cls, n: int, dtype="float32", device=None, stream=None) -> "Buffer":
+    def empty(cls, n: int, dtype: np.typing.DTypeLike = "float32",
+              device: Device | int | str | None = None,
+              stream: Stream | object | None = None) -> Buffer:
         """An uninitialized buffer of ``n`` elements of ``dtype`` on ``device``
         (default: :func:`~sharedmem.default_device`)."""
         dt = as_dtype(dtype)
@@ -103,14 +105,17 @@ class Buffer(View):
         return new_buffer(tok, dt, n)
 
     @classmethod
-    def zeros(cls, n: int, dtype="float32", device=None, stream=None) -> "Buffer":
+    def zeros(cls, n: int, dtype: np.typing.DTypeLike = "float32",
+              device: Device | int | str | None = None,
+              stream: Stream | object | None = None) -> Buffer:
         """A buffer of ``n`` zeros, written asynchronously on ``stream``."""
         buf = cls.empty(n, dtype, device, stream)
         buf.fill_zero(stream)
         return buf
 
     @classmethod
-    def from_host(cls, array, device=None, stream=None) -> "Buffer":
+    def from_host(cls, array: np.typing.ArrayLike, device: Device | int | str | None = None,
+                  stream: Stream | object | None = None) -> Buffer:
         """A new buffer holding a copy of ``array`` (flattened, C order). The
         copy runs on ``stream``; ``array`` may be reused at once."""
         a = native(np.asarray(array))
@@ -172,6 +177,12 @@ class Buffer(View):
         return (f"Buffer({self._dtype} x {self._length}, bytes [{tok.start}, {tok.stop}) of "
                 f"allocation #{tok.allocation.id})")
 
+    def __reduce_ex__(self, protocol):
+        """Pickle as a host copy (after pending writes); unpickled as a new allocation on the
+        receiver's default device (see :mod:`sharedmem.pickling`)."""
+        from .pickling import reduce_buffer
+        return reduce_buffer(self, protocol)
+
     # -- views ----------------------------------------------------------------
     def __getitem__(self, key) -> "Buffer":
         """``buf[a:b]``: a view of elements ``a..b`` (same allocation, own token)."""
@@ -196,28 +207,21 @@ class Buffer(View):
         return new_buffer(t, self._dtype, self._length)
 
     # -- data movement ----------------------------------------------------------
-    def to_host(self, stream=None) -> np.ndarray:
+    def to_host(self, stream: Stream | object | None = None) -> np.ndarray:
         """A NumPy copy of the contents, taken after all pending writes to
         these bytes (on any stream; always ordered, whatever the policy)."""
         return self._read_bytes(stream).view(self._dtype)
 
-    def copy_from(self, src, stream=None) -> DeviceFuture:
+    def copy_from(self, src: View | np.typing.ArrayLike,
+                  stream: Stream | object | None = None) -> DeviceFuture[None]:
         """Copy ``src`` (a NumPy array of the same size, or a Buffer of the
         same byte size) into this buffer, asynchronously on ``stream``."""
         tok = self._live_token()
         if not tok.writable:
             raise ReadOnlyError(f"cannot copy into read-only {self!r}; copy into a writable "
                                 f"view of the bytes")
-        dev = tok.allocation.device
-        s = resolve_stream(stream, dev)
-        backend, impl = dev.backend, s._impl
-        ptr = tok.allocation.ptr + tok.start
         if isinstance(src, View):
             stok = src._live_token()
-            if stok.allocation.device is not dev:
-                from .errors import DeviceMismatchError
-                raise DeviceMismatchError(f"cannot copy from {src!r} on {stok.allocation.device} "
-                                          f"into {self!r}")
             if src.dtype != self._dtype:
                 raise LayoutError(f"copy_from copies values of one dtype: {src!r} holds "
                                   f"{src.dtype}, {self!r} {self._dtype}; convert on the host "
@@ -233,11 +237,11 @@ class Buffer(View):
                                   f"#{tok.allocation.id} ([{stok.start}, {stok.stop}) into "
                                   f"[{tok.start}, {tok.stop})) is undefined; copy through a "
                                   f"temporary buffer")
-            sptr = stok.allocation.ptr + stok.start
-            n = tok.stop - tok.start
-            sub = submit(s, [(stok, False), (tok, True)],
-                         lambda: backend.copy_dtod(impl, ptr, sptr, n), label="copy_from")
-            return DeviceFuture(sub)
+            return DeviceFuture(copy_bytes(tok, stok, stream, "copy_from"))
+        dev = tok.allocation.device
+        s = resolve_stream(stream, dev)
+        backend, impl = dev.backend, s._impl
+        ptr = tok.allocation.ptr + tok.start
         a = np.ascontiguousarray(src, dtype=self._dtype)
         if a.size != self._length:
             raise LayoutError(f"copy_from needs {self._length} elements, got an array of {a.size}")
@@ -245,7 +249,7 @@ class Buffer(View):
                      label="copy_from")
         return DeviceFuture(sub)
 
-    def fill_zero(self, stream=None) -> DeviceFuture:
+    def fill_zero(self, stream: Stream | object | None = None) -> DeviceFuture[None]:
         """Set every byte to zero, asynchronously on ``stream``."""
         tok = self._live_token()
         if not tok.writable:
@@ -258,6 +262,78 @@ class Buffer(View):
         n = tok.stop - tok.start
         sub = submit(s, [(tok, True)], lambda: backend.memset(impl, ptr, 0, n), label="fill_zero")
         return DeviceFuture(sub)
+
+    def to_device(self, device, stream=None) -> "Buffer":
+        """A copy of this buffer on ``device`` (always a new allocation). Between two CUDA
+        devices a peer copy on ``stream`` (one of either device; None: the destination's
+        current stream), ordered after pending writes to these bytes and leased on both
+        devices until it is done; no peer access is needed. To or from the host device, the
+        bytes go through host memory."""
+        tok = to_device(self, device, stream)
+        return new_buffer(tok, self._dtype, self._length)
+
+
+def copy_bytes(dst, src, stream, label):
+    """Enqueue a copy of view token ``src``'s bytes into ``dst``'s (the same size), leased on
+    both sides, and return its Submission. Between two CUDA devices a peer copy
+    (``stream``: a stream of either device; None: the destination's current stream), else a
+    copy on one device; between kinds :class:`DeviceMismatchError`."""
+    sdev, ddev = src.allocation.device, dst.allocation.device
+    if sdev is not ddev and (sdev.kind != "cuda" or ddev.kind != "cuda"):
+        from .errors import DeviceMismatchError
+        raise DeviceMismatchError(f"cannot copy between {sdev} and {ddev} on the device; go "
+                                  f"through the host (to_host(), then copy_from / from_host)")
+    s = stream
+    if s is not None and sdev is not ddev:
+        if not isinstance(s, Stream):
+            s = Stream.from_external(s, ddev)
+        if s.device is not sdev and s.device is not ddev:
+            from .errors import DeviceMismatchError
+            raise DeviceMismatchError(f"a copy between {sdev} and {ddev} runs on a stream of "
+                                      f"one of them, not on {s}")
+    else:
+        s = resolve_stream(s, ddev)
+    impl = s._impl
+    backend = s.device.backend
+    dptr = dst.allocation.ptr + dst.start
+    sptr = src.allocation.ptr + src.start
+    n = dst.stop - dst.start
+    if sdev is ddev:
+        enqueue = lambda: backend.copy_dtod(impl, dptr, sptr, n)  # noqa: E731
+    else:
+        enqueue = lambda: backend.copy_peer(impl, dptr, ddev.backend, sptr,  # noqa: E731
+                                            sdev.backend, n)
+    return submit(s, [(src, False), (dst, True)], enqueue, label=label)
+
+
+def to_device(view, device, stream):
+    """A new allocation on ``device`` holding ``view``'s bytes (C order for tensors): the
+    work of :meth:`Buffer.to_device` and :meth:`Tensor.to_device`. Returns the new token."""
+    tok = view._live_token()
+    dev = _device(device)
+    sdev = tok.allocation.device
+    if sdev.kind != dev.kind or (sdev is not dev and dev.kind != "cuda"):
+        raw = view.to_host(stream if stream is not None and _on(stream, sdev) else None)
+        s = resolve_stream(stream if stream is not None and _on(stream, dev) else None, dev)
+        alloc = allocate(dev, raw.nbytes, s)
+        out = alloc.new_token(view._kind, 0, raw.nbytes, True, alloc)
+        backend = dev.backend
+        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        submit(s, [(out, True)], lambda: backend.copy_htod(s._impl, alloc.ptr, flat), keep=(flat,),
+               label="to_device")
+        return out
+    nbytes = tok.stop - tok.start
+    s = stream
+    if s is not None and not isinstance(s, Stream):
+        s = Stream.from_external(s, dev)
+    alloc = allocate(dev, nbytes, s if s is not None and s.device is dev else None)
+    out = alloc.new_token(view._kind, 0, nbytes, True, alloc)
+    copy_bytes(out, tok, s, "to_device")
+    return out
+
+
+def _on(stream, device) -> bool:
+    return isinstance(stream, Stream) and stream.device is device
 
 
 def _length(n) -> int:
@@ -300,6 +376,11 @@ class DeviceBox:
     def device(self):
         """The Device the box is on."""
         return self.buffer.device
+
+    def __reduce_ex__(self, protocol):
+        """Pickle as a host copy of the value (see :mod:`sharedmem.pickling`)."""
+        from .pickling import reduce_box
+        return reduce_box(self, protocol)
 
     def release(self) -> None:
         """Release the box's buffer now (see View.release)."""

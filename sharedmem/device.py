@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import TYPE_CHECKING, Any
 
 from .errors import BackendUnavailableError
 from .runtime.state import fork_safe
 
 __all__ = ["Device", "default_device"]
+
+if TYPE_CHECKING:
+    from .stream import Stream
 
 _lock = fork_safe(threading.Lock())
 _devices: dict = {}  # key -> Device; guarded by _lock
@@ -29,9 +33,15 @@ class Device:
     ``default_stream``; for CUDA also ``uuid`` and ``compute_capability``.
     """
 
-    __slots__ = ("kind", "ordinal", "name", "key", "backend", "_default_stream", "__weakref__")
+    __slots__ = ("kind", "ordinal", "name", "key", "backend", "_default_stream", "_peers",
+                 "__weakref__")
+    kind: str
+    ordinal: int
+    name: str
+    key: tuple[str, int]
+    backend: Any
 
-    def __new__(cls, ordinal: int = 0):
+    def __new__(cls, ordinal: int | Device = 0) -> Device:
         if isinstance(ordinal, Device):
             return ordinal
         if not isinstance(ordinal, int) or isinstance(ordinal, bool) or ordinal < 0:
@@ -68,6 +78,9 @@ class Device:
         self.key = key
         self.backend = backend
         self._default_stream = None
+        # The devices whose memory this device's kernels may use (enable_peer_access); replaced
+        # whole under _lock, read lock-free by launches (a frozenset: no torn reads)
+        self._peers = frozenset()
         from .runtime.retirer import attach_backend
         attach_backend(backend)
 
@@ -88,7 +101,7 @@ class Device:
         return getattr(self.backend, "compute_capability", None)
 
     @property
-    def default_stream(self):
+    def default_stream(self) -> Stream:
         """The device's default stream (for CUDA, the legacy default stream;
         for the host, one long-lived worker). Borrowed: never destroyed."""
         s = self._default_stream
@@ -101,15 +114,59 @@ class Device:
                 s = self._default_stream
         return s
 
-    def create_stream(self, name: str | None = None):
+    def create_stream(self, name: str | None = None) -> Stream:
         """A new stream owned by the returned :class:`~sharedmem.Stream`."""
         from .stream import Stream
         return Stream._create(self, self.backend.create_stream(name), owned=True, name=name)
+
+    # -- peers --------------------------------------------------------------------------------
+    def can_access_peer(self, peer: "Device") -> bool:
+        """Whether kernels on this device could use ``peer``'s memory once
+        :meth:`enable_peer_access` is called (True for the device itself; False between kinds
+        and on the host device)."""
+        peer = _as_device(peer)
+        if peer is self:
+            return True
+        if self.kind != "cuda" or peer.kind != "cuda":
+            return False
+        return self.backend.can_access_peer(peer.backend)
+
+    def enable_peer_access(self, peer: "Device") -> None:
+        """Let kernels launched on this device read and write ``peer``'s memory (one way: call
+        it on both devices for both ways). From then on a launch here may take arguments on
+        ``peer``: it is ordered after ``peer``'s pending conflicting work by a cross-device
+        event wait, its leases are recorded on this device's stream, and the memory is freed
+        only once both devices are done with it. Idempotent. Raises
+        :class:`~sharedmem.errors.PeerAccessError` where the pair cannot (and changes nothing)."""
+        from .errors import PeerAccessError
+        peer = _as_device(peer)
+        if peer is self or peer in self._peers:
+            return
+        if not self.can_access_peer(peer):
+            why = ("peer access joins two CUDA devices" if self.kind != "cuda" or peer.kind != "cuda"
+                   else "cuDeviceCanAccessPeer says this pair cannot (no NVLink or PCIe P2P path)")
+            raise PeerAccessError(f"{self} cannot access {peer}'s memory: {why}. Copy the data "
+                                  f"instead: view.to_device({self!r})")
+        self.backend.enable_peer_access(peer.backend)
+        with _lock:
+            self._peers = self._peers | {peer}
+
+    @property
+    def peers(self) -> frozenset:
+        """The devices whose memory kernels launched here may use (see
+        :meth:`enable_peer_access`)."""
+        return self._peers
 
     def synchronize(self) -> None:
         """Wait for all work sharedmem submitted on this device, then retire it."""
         from .runtime.submission import synchronize_device
         synchronize_device(self)
+
+
+def _as_device(d) -> Device:
+    if not isinstance(d, Device):
+        raise TypeError(f"expected a sharedmem.Device, got {type(d).__name__}")
+    return d
 
 
 _default = None

@@ -68,7 +68,13 @@ class AccessConflictError(SharedMemError):
 
 class DeviceMismatchError(SharedMemError, ValueError):
     """Arguments of one operation live on different devices, or on a device
-    other than the stream's."""
+    other than the stream's (and the launch device has no peer access to theirs:
+    :meth:`Device.enable_peer_access`)."""
+
+
+class PeerAccessError(DeviceMismatchError):
+    """Peer access between two devices was asked for where the pair does not support it
+    (``cuDeviceCanAccessPeer`` says no), or between devices of different kinds."""
 
 
 class CompletionUnknownError(SharedMemError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import threading
 from functools import partial
+from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
 try:
     import cython
@@ -42,6 +43,16 @@ from .stream import Stream, current_stream, streams_entered
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
            "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "array_args"]
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Literal
+
+    from .runtime.future import DeviceFuture
+
+# A host kernel's parameters and return type (HostKernel[P, R] keeps the function's signature)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
 # Intent modes, as stored (C constants when compiled); `Intent.mode` gives their names.
 _READ = cython.declare(cython.int, 0)
 _WRITE = cython.declare(cython.int, 1)
@@ -56,8 +67,11 @@ class Intent:
     length in elements (``float* x, long long n``); without it, a Buffer is one pointer."""
 
     __slots__ = ("obj", "_mode", "with_length")
+    if TYPE_CHECKING:
+        obj: object
+        with_length: bool
 
-    def __init__(self, obj, with_length=False):
+    def __init__(self, obj: object, with_length: bool = False) -> None:
         _init_intent(self, obj, with_length, _WRITE)
 
     @property
@@ -82,7 +96,7 @@ class In(Intent):
 
     __slots__ = ()
 
-    def __init__(self, obj, with_length=False):
+    def __init__(self, obj: object, with_length: bool = False) -> None:
         _init_intent(self, obj, with_length, _READ)
 
 
@@ -91,7 +105,7 @@ class Out(Intent):
 
     __slots__ = ()
 
-    def __init__(self, obj, with_length=False):
+    def __init__(self, obj: object, with_length: bool = False) -> None:
         _init_intent(self, obj, with_length, _WRITE)
 
 
@@ -100,7 +114,7 @@ class InOut(Intent):
 
     __slots__ = ()
 
-    def __init__(self, obj, with_length=False):
+    def __init__(self, obj: object, with_length: bool = False) -> None:
         _init_intent(self, obj, with_length, _WRITE)
 
 
@@ -109,7 +123,7 @@ class Atomic(Intent):
 
     __slots__ = ()
 
-    def __init__(self, obj, with_length=False):
+    def __init__(self, obj: object, with_length: bool = False) -> None:
         _init_intent(self, obj, with_length, _ATOMIC)
 
 
@@ -263,7 +277,7 @@ _plans_by_device = {}
 _PLANS_MAX = 1024
 
 
-def register_kernel_adapter(kernel_type, adapter) -> None:
+def register_kernel_adapter(kernel_type: type | str, adapter: KernelAdapter) -> None:
     """Make ``launch`` accept kernels of ``kernel_type`` (a type, or its
     ``"module.QualName"`` so the library need not be imported) through ``adapter``."""
     with _reg_lock:
@@ -439,10 +453,12 @@ def resolve_args(adapter, args, device):
         adev = tok.allocation.device
         if device is None:
             device = adev
-        elif adev is not device:
+        elif adev is not device and adev not in device._peers:
             shown = view if view is not None else obj
             raise DeviceMismatchError(f"argument {i} ({shown!r}) is on {adev}, but the launch "
-                                      f"runs on {device}; copy it there first")
+                                      f"runs on {device}; copy it there first "
+                                      f"(view.to_device(...)), or let {device} use {adev}'s "
+                                      f"memory: {device!r}.enable_peer_access({adev!r})")
         if mode < 0:
             mode = _WRITE
             intent = InOut
@@ -498,7 +514,9 @@ def array_args(resolved, uses):
     return out
 
 
-def launch(kernel, grid, block, *args, stream=None, shared_mem=0, policy=None):
+def launch(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, ...] | None,
+           *args: object, stream: Stream | object | None = None, shared_mem: int = 0,
+           policy: Literal["order", "reject"] | None = None) -> DeviceFuture[None]:
     """Launch ``kernel`` on ``stream`` with leases on every array argument.
 
     ``grid`` and ``block``: an int or a tuple of up to three ints (``block``
@@ -554,7 +572,7 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
 
 
 # -- host kernels ---------------------------------------------------------------------
-class HostKernel:
+class HostKernel(Generic[_P, _R]):
     """A Python function launched by :func:`launch` on the host backend.
 
     It is called on the stream's worker thread with NumPy views of the array
@@ -565,7 +583,7 @@ class HostKernel:
 
     __slots__ = ("fn", "__name__", "__qualname__", "__wrapped__")
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[_P, _R]) -> None:
         if not callable(fn):
             raise TypeError(f"host_kernel needs a callable, got {fn!r}")
         self.fn = fn
@@ -573,7 +591,7 @@ class HostKernel:
         self.__name__ = getattr(fn, "__name__", "host_kernel")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -607,7 +625,7 @@ def numpy_lease(arr):
     return la
 
 
-def host_kernel(fn) -> HostKernel:
+def host_kernel(fn: Callable[_P, _R]) -> HostKernel[_P, _R]:
     """Decorator: make ``fn`` launchable with :func:`launch` on the host device."""
     return HostKernel(fn)
 

@@ -21,6 +21,7 @@ chain like any two launches: every launch takes its own leases.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .launch import Intent, _as_view, adapter_for, launch_submission
 from .errors import CaptureError, KernelError
@@ -30,6 +31,16 @@ from .runtime.state import fork_safe
 from .stream import Stream
 
 __all__ = ["DeviceOp", "op", "zip"]
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Literal
+
+_T_co = TypeVar("_T_co", covariant=True)  # the value of an op (None for a launch)
+_U = TypeVar("_U")
+_A = TypeVar("_A")
+_B = TypeVar("_B")
+_C = TypeVar("_C")
 
 POOL_SIZE = 4
 _pools: dict = {}  # device key -> list of Streams; guarded by _pool_lock
@@ -53,27 +64,27 @@ def pool_stream(device, avoid=None) -> Stream:
     return pool[0]  # pragma: no cover - POOL_SIZE > 1
 
 
-class DeviceOp:
+class DeviceOp(Generic[_T_co]):
     """Device work described, not yet submitted (immutable; submit it any
     number of times). Build one with :func:`op`, :func:`zip`, ``and_then``
     and ``apply``."""
 
     __slots__ = ()
 
-    def and_then(self, other: "DeviceOp") -> "DeviceOp":
+    def and_then(self, other: DeviceOp[_U]) -> DeviceOp[_U]:
         """``other`` after this op, on the same stream."""
         if not isinstance(other, DeviceOp):
             raise TypeError(f"and_then takes a DeviceOp, got {type(other).__name__}")
         return _Then(self, other)
 
-    def apply(self, fn) -> "DeviceOp":
+    def apply(self, fn: Callable[[_T_co], _U]) -> DeviceOp[_U]:
         """An op whose value is ``fn(value of this op)``, computed on the host
         once this op's work completed."""
         if not callable(fn):
             raise TypeError(f"apply takes a callable, got {fn!r}")
         return _Apply(self, fn)
 
-    def submit(self, stream=None) -> DeviceFuture:
+    def submit(self, stream: Stream | object | None = None) -> DeviceFuture[_T_co]:
         """Submit the work; returns a DeviceFuture (as :func:`launch` does).
         ``stream=None``: a stream of the pool of the op's device."""
         if stream is None:
@@ -187,7 +198,9 @@ class _Zip(DeviceOp):
         return None
 
 
-def op(kernel, grid, block, *args, shared_mem: int = 0, policy=None) -> DeviceOp:
+def op(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, ...] | None,
+       *args: object, shared_mem: int = 0,
+       policy: Literal["order", "reject"] | None = None) -> DeviceOp[None]:
     """Describe ``launch(kernel, grid, block, *args, ...)`` without submitting
     it. The kernel type is checked now; the arguments when it is submitted."""
     adapter_for(kernel)
@@ -197,7 +210,25 @@ def op(kernel, grid, block, *args, shared_mem: int = 0, policy=None) -> DeviceOp
     return _LaunchOp(kernel, grid, block, args, shared_mem, policy)
 
 
-def zip(*ops: DeviceOp) -> DeviceOp:  # noqa: A001 - the name the API asks for
+# (for type checkers: the value of a zip of up to three ops is the tuple of their value types)
+@overload
+def zip(a: DeviceOp[_A], /) -> DeviceOp[tuple[_A]]: ...  # noqa: A001
+
+
+@overload
+def zip(a: DeviceOp[_A], b: DeviceOp[_B], /) -> DeviceOp[tuple[_A, _B]]: ...  # noqa: A001
+
+
+@overload
+def zip(a: DeviceOp[_A], b: DeviceOp[_B],  # noqa: A001
+        c: DeviceOp[_C], /) -> DeviceOp[tuple[_A, _B, _C]]: ...
+
+
+@overload
+def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]: ...  # noqa: A001
+
+
+def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:  # noqa: A001,F811 - the API's name
     """Independent ops that may run on several streams, joined afterwards."""
     if not ops:
         raise KernelError("zip() needs at least one op")

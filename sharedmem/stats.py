@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from . import allocation as _allocation
 from .runtime import submission as _submission
 from .runtime.state import RUNTIME, locked
 
 __all__ = ["Stats", "stats", "synchronize", "InFlight", "inflight"]
+
+if TYPE_CHECKING:
+    from .stream import Stream
 
 
 @dataclass(frozen=True)
@@ -31,13 +35,13 @@ class Stats:
     submitted: int
     retired: int
 
-    def __getitem__(self, key: str):
+    def __getitem__(self, key: str) -> int:
         try:
             return getattr(self, key)
         except AttributeError:
             raise KeyError(key) from None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
         return asdict(self)
 
@@ -70,9 +74,9 @@ class InFlight:
     ``state``: ``"pending"``, or ``"unknown"`` for work kept because its completion is
     unknown."""
 
-    stream: object
+    stream: Stream
     label: str
-    leases: tuple
+    leases: tuple[tuple[int, int, int, bool], ...]
     age: float
     state: str
 
@@ -81,7 +85,7 @@ class InFlight:
         return f"{self.stream}: {self.label} ({self.state}, {self.age * 1e3:.1f} ms) leases {ranges}"
 
 
-def inflight() -> list:
+def inflight() -> list[InFlight]:
     """What is in flight now: an :class:`InFlight` for every submission not yet retired,
     oldest first per stream, and for the work kept forever because its completion is
     unknown. Retires what has finished first. ``print(*sm.inflight(), sep="\\n")``

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 try:
     import cython
@@ -23,6 +24,11 @@ from .errors import CompletionUnknownError, DeviceMismatchError
 from .runtime.state import fork_safe
 
 __all__ = ["Stream", "Event"]
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from .device import Device
 
 
 class Stream:
@@ -36,6 +42,11 @@ class Stream:
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_leak_warned",
                  "_external", "_capture", "_checks", "launch_cache", "__weakref__")
+    if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
+        device: Device
+        owned: bool
+        name: str | None
+        launch_cache: dict[Any, Any]
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
@@ -68,7 +79,7 @@ class Stream:
         return self
 
     @classmethod
-    def from_external(cls, obj, device=None) -> "Stream":
+    def from_external(cls, obj: object, device: Device | int | None = None) -> Stream:
         """Borrow a foreign stream: a CuPy, torch or cuda.core stream, any
         object with ``__cuda_stream__``, or a raw ``CUstream`` handle (int).
         The object is kept alive by the returned Stream and never destroyed.
@@ -95,13 +106,13 @@ class Stream:
         return st
 
     @staticmethod
-    def lookup(device, handle: int) -> "Stream | None":
+    def lookup(device: Device, handle: int) -> Stream | None:
         """The live Stream (made by sharedmem, or borrowed) of CUDA stream ``handle`` on
         ``device``, or None."""
         with _by_handle_lock:
             return _by_handle.get((device.key, handle))
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         """``with stream:`` makes this the current stream of its device in this thread:
         ``launch``, ``op.submit``, allocations and copies given ``stream=None`` use it (as
         ``with cupy_stream:`` and ``with torch.cuda.stream(s):`` do for those libraries)."""
@@ -113,7 +124,7 @@ class Stream:
         stack.append(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         stack = _current.stack
         for i in range(len(stack) - 1, -1, -1):  # the innermost entry of this stream
             if stack[i] is self:
@@ -129,7 +140,7 @@ class Stream:
         """The raw stream handle (``CUstream`` as an int; an id on the host)."""
         return self._impl.handle
 
-    def __cuda_stream__(self):
+    def __cuda_stream__(self) -> tuple[int, int]:
         if self.device.kind != "cuda":
             raise AttributeError("host streams have no __cuda_stream__")
         return (0, self._impl.handle)
@@ -139,18 +150,20 @@ class Stream:
         from .runtime.submission import synchronize_stream
         synchronize_stream(self)
 
-    def record(self) -> "Event":
+    def record(self) -> Event:
         """An :class:`Event` marking the work submitted so far on this stream."""
         return Event(self, self.device.backend.record_marker(self._impl))
 
-    def wait(self, event_or_stream) -> None:
+    def wait(self, event_or_stream: Event | Stream) -> None:
         """Make later work on this stream wait (on the device, without blocking
         the host) for an :class:`Event` or for all current work of a stream."""
         ev = event_or_stream.record() if isinstance(event_or_stream, Stream) else event_or_stream
         if not isinstance(ev, Event):
             raise TypeError(f"Stream.wait takes an Event or a Stream, got {type(ev).__name__}")
-        if ev.stream.device is not self.device:
-            raise DeviceMismatchError(f"cannot make {self} wait for an event on {ev.stream.device}")
+        other = ev.stream.device
+        if other is not self.device and (other.kind != "cuda" or self.device.kind != "cuda"):
+            raise DeviceMismatchError(f"cannot make {self} wait for an event on {other} "
+                                      f"(only CUDA devices wait on each other's events)")
         self._impl.wait_marker(ev._marker)
 
     @property
@@ -167,7 +180,7 @@ class Event:
 
     __slots__ = ("stream", "_marker")
 
-    def __init__(self, stream: Stream, marker):
+    def __init__(self, stream: Stream, marker: Any) -> None:
         self.stream = stream
         self._marker = marker
 

@@ -26,9 +26,10 @@ except ImportError:
     from . import _cython as cython
 
 from .allocation import View
-from .buffer import Buffer, _device, allocate, as_dtype, native, new_buffer
+from .buffer import Buffer, _device, allocate, as_dtype, native, new_buffer, to_device
 from .errors import LayoutError
-from .stream import resolve_stream
+from .runtime.submission import submit
+from .stream import Stream, resolve_stream
 
 __all__ = ["Tensor", "c_strides", "extent"]
 
@@ -134,7 +135,8 @@ class Tensor(View):
 
     # -- construction ---------------------------------------------------------
     @classmethod
-    def from_buffer(cls, buf: Buffer, shape, strides=None) -> "Tensor":
+    def from_buffer(cls, buf: Buffer, shape: int | tuple[int, ...] | list[int],
+                    strides: tuple[int, ...] | list[int] | None = None) -> Tensor:
         """Move ``buf`` into a tensor of ``shape`` (C order unless ``strides``,
         in elements, non-negative, is given) without copying.
 
@@ -168,7 +170,8 @@ class Tensor(View):
         return new_tensor(tok, dtype, shape, strides, tok.start)
 
     @classmethod
-    def empty(cls, shape, dtype="float32", device=None, stream=None) -> "Tensor":
+    def empty(cls, shape: int | tuple[int, ...] | list[int], dtype: np.typing.DTypeLike = "float32",
+              device: object = None, stream: Stream | object | None = None) -> Tensor:
         """An uninitialized C-order tensor."""
         shape = _shape(shape)
         dt = as_dtype(dtype)
@@ -180,16 +183,18 @@ class Tensor(View):
         return new_tensor(tok, dt, shape, c_strides(shape), 0, -1, 1)
 
     @classmethod
-    def zeros(cls, shape, dtype="float32", device=None, stream=None) -> "Tensor":
+    def zeros(cls, shape: int | tuple[int, ...] | list[int], dtype: np.typing.DTypeLike = "float32",
+              device: object = None, stream: Stream | object | None = None) -> Tensor:
         t = cls.empty(shape, dtype, device, stream)
         with t.as_buffer() as b:
             b.fill_zero(stream)
         return t
 
     @classmethod
-    def from_host(cls, array, device=None, stream=None) -> "Tensor":
+    def from_host(cls, array: np.typing.ArrayLike, device: object = None,
+                  stream: Stream | object | None = None) -> Tensor:
         """A new C-order tensor holding a copy of ``array``."""
-        a = native(np.ascontiguousarray(array))
+        a = native(np.asarray(array, order="C"))  # (ascontiguousarray makes 0-d 1-d)
         t = cls.empty(a.shape, a.dtype, device, stream)
         with t.as_buffer() as b:
             b.copy_from(a, stream)
@@ -268,6 +273,13 @@ class Tensor(View):
         return (f"Tensor({self._dtype}, shape {self._shape}, bytes [{tok.start}, {tok.stop}) of "
                 f"allocation #{tok.allocation.id})")
 
+    def __reduce_ex__(self, protocol):
+        """Pickle as a host copy in C order (after pending writes); unpickled as a new
+        C-contiguous allocation on the receiver's default device (see
+        :mod:`sharedmem.pickling`)."""
+        from .pickling import reduce_tensor
+        return reduce_tensor(self, protocol)
+
     # -- ownership transfers ------------------------------------------------------
     def _dense_range(self, what: str) -> tuple[int, int]:
         tok = self._live_token()
@@ -313,8 +325,120 @@ class Tensor(View):
         return new_tensor(t, self._dtype, self._shape, self._strides, self._offset, self._size,
                             self._contiguous)
 
+    # -- views --------------------------------------------------------------------------
+    def __getitem__(self, key) -> "Tensor":
+        """First-axis indexing: ``t[i]`` (the sub-tensor of index ``i``, one dimension less)
+        or ``t[a:b:k]`` (``k`` > 0): a view of the same allocation with its own token, as
+        Buffer slices are. Other indexing: copy to the host or use a kernel."""
+        tok = self._live_token()
+        if not self._shape:
+            raise IndexError("a 0-d tensor cannot be indexed")
+        n = self._shape[0]
+        isz = self._dtype.itemsize
+        if type(key) is tuple and len(key) == 1:
+            key = key[0]  # t[i,] as t[i]
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step <= 0:
+                raise LayoutError(f"tensor slices take a positive step (strides stay "
+                                  f"non-negative), got step {step}")
+            count = len(range(start, stop, step))
+            shape = (count,) + self._shape[1:]
+            strides = (self._strides[0] * step,) + self._strides[1:]
+        elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            start = int(key)
+            if start < 0:
+                start += n
+            if not 0 <= start < n:
+                raise IndexError(f"index {int(key)} is out of bounds for the first axis of "
+                                 f"size {n} of {self!r}")
+            shape, strides = self._shape[1:], self._strides[1:]
+        else:
+            raise TypeError(f"Tensor indexing takes an int or a slice of the first axis, got "
+                            f"{type(key).__name__}; copy to the host (to_host()) for other "
+                            f"indexing")
+        offset = self._offset + (start * self._strides[0] * isz if n else 0)
+        lo, hi = extent(shape, strides)
+        t = tok.allocation.new_token("tensor view", offset + lo * isz, offset + hi * isz,
+                                     tok.writable, tok.keep, source=self)
+        return new_tensor(t, self._dtype, shape, strides, offset)
+
+    def reshape(self, *shape) -> "Tensor":
+        """A view of this C-contiguous tensor's elements in another C-order shape (one size
+        may be -1: inferred). Same allocation, own token; refuses strided tensors
+        (``t.contiguous().reshape(...)`` copies first)."""
+        tok = self._live_token()
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = shape[0]  # reshape((2, 3)) as reshape(2, 3)
+        if isinstance(shape, (list, tuple)):
+            free = [i for i, n in enumerate(shape)
+                    if (type(n) is int or isinstance(n, np.integer)) and n == -1]
+            if len(free) > 1:
+                raise LayoutError(f"reshape{tuple(shape)}: only one size can be -1")
+            if free:
+                rest = _shape([n for i, n in enumerate(shape) if i != free[0]])
+                known = math.prod(rest)
+                if known == 0 or self._size % known:
+                    raise LayoutError(f"cannot reshape {self!r} ({self._size} elements) to "
+                                      f"{tuple(shape)}")
+                shape = tuple(self._size // known if i == free[0] else n
+                              for i, n in enumerate(shape))
+        sh, strides, size = c_layout(shape)
+        if size != self._size:
+            raise LayoutError(f"cannot reshape {self!r} ({self._size} elements) to {sh} "
+                              f"({size} elements)")
+        if not self._contiguous:
+            raise LayoutError(f"reshape needs a C-contiguous tensor; {self!r} is strided. "
+                              f"t.contiguous().reshape(...) copies it first")
+        t = tok.allocation.new_token("tensor view", tok.start, tok.stop, tok.writable, tok.keep,
+                                     source=self)
+        return new_tensor(t, self._dtype, sh, strides, self._offset, size, 1)
+
+    def copy(self, stream=None) -> "Tensor":
+        """A new C-contiguous tensor (a new allocation on the same device) holding this
+        tensor's values in logical order; asynchronous on ``stream``, ordered after pending
+        writes and leased like a launch. Strided sources copy by 2-D pieces on CUDA (one per
+        row of the outer dimensions: a kernel is faster for large transposes)."""
+        tok = self._live_token()
+        dev = tok.allocation.device
+        s = resolve_stream(stream, dev)
+        out = Tensor.empty(self._shape, self._dtype, dev, s)
+        otok = out._token
+        isz = self._dtype.itemsize
+        src = tok.allocation.ptr + self._offset
+        dst = otok.allocation.ptr + otok.start
+        backend, impl = dev.backend, s._impl
+        if self._contiguous:
+            n = self._size * isz
+            enqueue = lambda: backend.copy_dtod(impl, dst, src, n)  # noqa: E731
+        else:
+            shape, bstrides = self._shape, tuple(k * isz for k in self._strides)
+            enqueue = lambda: backend.copy_strided(impl, dst, src, shape, bstrides, isz)  # noqa: E731
+        submit(s, [(tok, False), (otok, True)], enqueue, label="Tensor.copy")
+        return out
+
+    def contiguous(self, stream=None) -> "Tensor":
+        """This tensor when it is C-contiguous, else :meth:`copy` (as in torch)."""
+        self._live_token()
+        return self if self._contiguous else self.copy(stream)
+
+    def to_device(self, device, stream=None) -> "Tensor":
+        """A C-contiguous copy of this tensor on ``device`` (always a new allocation; see
+        :meth:`Buffer.to_device` for streams, ordering and leases). A strided tensor is first
+        made contiguous on its own device."""
+        tok = self._live_token()
+        src = self
+        nbytes = self._size * self._dtype.itemsize
+        if not self._contiguous or (nbytes and (self._offset != tok.start
+                                                or self._offset + nbytes != tok.stop)):
+            sdev = tok.allocation.device
+            own = stream if isinstance(stream, Stream) and stream.device is sdev else None
+            src = self.copy(own)
+        out = to_device(src, device, stream)
+        return new_tensor(out, self._dtype, self._shape, c_strides(self._shape), 0, self._size, 1)
+
     # -- data movement ---------------------------------------------------------------
-    def to_host(self, stream=None) -> np.ndarray:
+    def to_host(self, stream: Stream | object | None = None) -> np.ndarray:
         """A NumPy copy (C order) taken after all pending writes to these bytes."""
         raw = self._read_bytes(stream)
         if self.size == 0:

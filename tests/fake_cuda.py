@@ -20,6 +20,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_NOT_READY = 600
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 
 
 class _Handle(int):
@@ -70,6 +72,7 @@ class FakeDriver:
         CU_POINTER_ATTRIBUTE_RANGE_START_ADDR=11, CU_POINTER_ATTRIBUTE_RANGE_SIZE=12,
         CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9, CU_POINTER_ATTRIBUTE_MEMORY_TYPE=2)
     CUmemorytype = types.SimpleNamespace(CU_MEMORYTYPE_DEVICE=2)
+    CUDA_MEMCPY2D = types.SimpleNamespace
 
     def __init__(self):
         self._ids = itertools.count(0x1000)
@@ -83,6 +86,14 @@ class FakeDriver:
         # finish_held() or a cuEventSynchronize on them.
         self.holding = False
         self.held = set()
+        # Several devices: `count` devices, device d's primary context 0xC0 + d; streams and
+        # events belong to the context current when they were made, and a call on a stream of
+        # another context than the current one fails (as the driver's would), except waits.
+        self.count = 1
+        self.current = 0
+        self.ctx_of = {}  # stream or event handle -> its context
+        self.no_peer = set()  # (device, peer) pairs cuDeviceCanAccessPeer refuses
+        self.peer_enabled = set()  # (context, peer context)
 
     def finish_held(self):
         self.held.clear()
@@ -100,7 +111,7 @@ class FakeDriver:
         return (OK,)
 
     def cuDeviceGetCount(self):
-        return (OK, 1)
+        return (OK, self.count)
 
     def cuDeviceGet(self, ordinal):
         return (OK, ordinal)
@@ -115,10 +126,30 @@ class FakeDriver:
         return (OK, self.ATTRIBUTES.get(int(attr), 0))
 
     def cuDevicePrimaryCtxRetain(self, dev):
-        return (OK, 0xC0)
+        return (OK, 0xC0 + int(dev))
 
     def cuCtxSetCurrent(self, ctx):
+        self.current = int(ctx)
         return (OK,)
+
+    def cuCtxGetCurrent(self):
+        return (OK, self.current)
+
+    def cuDeviceCanAccessPeer(self, dev, peer):
+        return (OK, int(int(dev) != int(peer) and (int(dev), int(peer)) not in self.no_peer))
+
+    def cuCtxEnablePeerAccess(self, peer_ctx, flags):
+        key = (self.current, int(peer_ctx))
+        if key in self.peer_enabled:
+            return (CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED,)
+        self.peer_enabled.add(key)
+        self.calls.append(("peer", self.current, int(peer_ctx)))
+        return (OK,)
+
+    def _in_context(self, stream):
+        """A call on ``stream`` is valid only with its context current (stream 0: the
+        current context's legacy stream)."""
+        return int(stream) == 0 or self.ctx_of.get(int(stream), self.current) == self.current
 
     def cuGetErrorName(self, err):
         return (OK, CUresult(int(err)).name.encode())
@@ -131,7 +162,9 @@ class FakeDriver:
 
     # -- streams and events --------------------------------------------------------
     def cuStreamCreate(self, flags):
-        return (OK, CUstream(next(self._ids)))
+        h = CUstream(next(self._ids))
+        self.ctx_of[int(h)] = self.current
+        return (OK, h)
 
     def cuStreamDestroy(self, stream):
         return (OK,)
@@ -142,6 +175,7 @@ class FakeDriver:
     def cuEventCreate(self, flags):
         ev = CUevent(next(self._ids))
         self.events.add(int(ev))
+        self.ctx_of[int(ev)] = self.current
         return (OK, ev)
 
     def cuEventDestroy(self, ev):
@@ -149,6 +183,8 @@ class FakeDriver:
         return (OK,)
 
     def cuEventRecord(self, ev, stream):
+        if not self._in_context(stream) or self.ctx_of.get(int(ev), self.current) != self.current:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         self.calls.append(("record", int(ev), int(stream)))
         if self.holding:
             self.held.add(int(ev))
@@ -170,6 +206,13 @@ class FakeDriver:
         return (OK,)
 
     # -- copies ------------------------------------------------------------------------
+    def cuMemcpyPeerAsync(self, dst, dst_ctx, src, src_ctx, n, stream):
+        if not self._in_context(stream):
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        self.calls.append(("peer copy", int(dst_ctx), int(src_ctx), int(stream)))
+        self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        return (OK,)
+
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
         self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         return (OK,)
@@ -180,6 +223,15 @@ class FakeDriver:
 
     def cuMemcpyDtoDAsync(self, dst, src, n, stream):
         self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        return (OK,)
+
+    def cuMemcpy2DAsync(self, p, stream):
+        if p.WidthInBytes > p.srcPitch or p.WidthInBytes > p.dstPitch:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        rows = [(int(p.dstDevice) + r * p.dstPitch, int(p.srcDevice) + r * p.srcPitch)
+                for r in range(p.Height)]
+        w = p.WidthInBytes
+        self._run(stream, lambda: [ctypes.memmove(d, s, w) for d, s in rows])
         return (OK,)
 
     def cuMemsetD8Async(self, dst, byte, n, stream):
@@ -211,7 +263,9 @@ class FakeDriver:
             ptr = ctypes.c_void_p.from_address(int(params) + 8 * i).value
             raw = ctypes.string_at(ptr, struct.calcsize(f))
             values.append(struct.unpack("<" + f, raw)[0])
-        self.calls.append(("launch", int(func), int(stream)))
+        if not self._in_context(stream):
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        self.calls.append(("launch", int(func), int(stream), self.current))
         self._run(stream, lambda: fn(*values))
         return (OK,)
 
@@ -307,7 +361,7 @@ class FakeHot:
         CTX_GET = c.CFUNCTYPE(c.c_int, c.POINTER(c.c_void_p))
 
         def ctx_get(out):
-            out[0] = 0xC0  # the fake primary context
+            out[0] = drv.current or None  # the fake current context
             return 0
 
         self._callbacks = (LAUNCH(self.launch), CTX_GET(ctx_get))
@@ -322,6 +376,9 @@ class FakeHot:
 
     def record(self, ev, stream):
         return int(self._drv.cuEventRecord(CUevent(ev), CUstream(stream))[0])
+
+    def current_context(self):
+        return self._drv.current
 
     def query(self, ev):
         return int(self._drv.cuEventQuery(CUevent(ev))[0])

@@ -69,3 +69,12 @@ def kernel(name):
 def cycles(ms: float) -> int:
     """Approximate clock64() cycles for ``ms`` milliseconds (H200: about 2 GHz)."""
     return int(ms * 2.0e6)
+
+
+@functools.lru_cache(maxsize=None)
+def raw_kernel(name):
+    """``name`` as a ``cupy.RawKernel``: unlike a RawModule's Function (loaded for the device
+    current when it was asked for), a RawKernel loads itself on each device it launches on --
+    what the tests with several GPUs need."""
+    import cupy
+    return cupy.RawKernel(SOURCE, name)

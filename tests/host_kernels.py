@@ -23,6 +23,13 @@ def total(x, box):
     box[0] = x.sum()
 
 
+@sm.host_kernel
+def slow_fill(x, v, seconds):
+    import time
+    time.sleep(seconds)
+    x[:] = v
+
+
 class Foreign:
     """A stand-in for another library's array over a sharedmem buffer."""
 

@@ -16,7 +16,7 @@ EXPORTED = {
     "CaptureError", "Graph", "capture", "graph",
     "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
     "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "HostKernelError", "In", "InOut", "KernelAdapter",
-    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "ReadOnlyError", "ReleasedError",
+    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "PeerAccessError", "ReadOnlyError", "ReleasedError",
     "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
     "adopt", "from_cuda_array_interface", "from_dlpack", "record_use", "get_access_policy", "host_kernel", "launch",
     "InFlight", "inflight", "trace",
@@ -37,7 +37,7 @@ def test_error_hierarchy_and_pickling():
     for name in ["AccessConflictError", "AliasError", "BackendUnavailableError", "CudaError",
                  "CaptureError",
                  "CompletionUnknownError", "DeviceMismatchError", "KernelError", "LayoutError",
-                 "MovedError", "ReadOnlyError", "ReleasedError", "HostKernelError"]:
+                 "MovedError", "PeerAccessError", "ReadOnlyError", "ReleasedError", "HostKernelError"]:
         cls = getattr(sm, name)
         assert issubclass(cls, sm.SharedMemError)
         assert cls.__module__ == "sharedmem.errors"

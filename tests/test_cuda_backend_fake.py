@@ -8,6 +8,7 @@ checked by the gpu-marked tests on a real device.
 import gc
 import itertools
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -33,6 +34,8 @@ def fake(monkeypatch, request):
     monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if request.param == "hot"
                         else (lambda: None))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setattr(bc, "_backends", [0])
+    monkeypatch.setattr(bc, "_current", threading.local())
     backend = bc.CudaBackend(0)
     dev = object.__new__(sm.Device)
     dev._setup("cuda", 0, backend.name, ("fake-cuda", next(_keys)), backend)
@@ -525,3 +528,24 @@ def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkey
     sm.synchronize()
     gc_collect_harder()
     assert alloc() is None and sm.stats().in_flight == 0
+
+
+def test_a_marker_is_published_only_once_its_event_is_recorded(fake, monkeypatch):
+    """wait() reads a marker without the lock: once `_open_on` is None, `event` must be the
+    recorded event (an event not yet recorded reads as complete -- a result() that returned
+    while a trapping kernel still ran). The record happens while the marker is still open."""
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    m = b.fill_zero(stream=s)._s.marker
+    assert m._open_on is not None and m.event is None
+    seen = []
+    real = drv.cuEventRecord
+
+    def record(ev, stream):
+        seen.append((m._open_on is not None, m.event))
+        return real(ev, stream)
+    monkeypatch.setattr(drv, "cuEventRecord", record)
+    assert m.wait() is True
+    assert seen == [(True, None)] and m._open_on is None  # (event: recycled by now, maybe)
+    sm.synchronize()

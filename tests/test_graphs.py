@@ -230,3 +230,32 @@ def test_a_released_graph_keeps_no_memory(host):
     assert alloc() is None
     with pytest.raises(sm.CaptureError, match=r"is released; only a finished capture"):
         g.replay(s)
+
+
+def test_launch_escaping_a_capture_warns(host):
+    """#16: inside `with sm.capture(s1)`, a launch onto another (non-capturing) stream of the
+    device runs at once and is not in the graph: a SharedMemWarning says so, at the user's
+    line. Launches onto the capturing stream, and other threads' launches, do not warn."""
+    import warnings
+    s1, s2 = host.create_stream("cap"), host.create_stream("other")
+    x = sm.Buffer.zeros(4, "float32", device=host)
+    y = sm.Buffer.zeros(4, "float32", device=host)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with sm.capture(s1) as g:
+            sm.launch(inc, 1, 1, x)  # the capturing stream: recorded
+            sm.launch(inc, 1, 1, x, stream=s1)
+            t = threading.Thread(target=lambda: sm.launch(inc, 1, 1, y, stream=s2).result())
+            t.start()
+            t.join()
+            sm.launch(fill, 1, 1, sm.Out(y), 5.0, stream=s2).result()  # runs now: warned
+        sm.launch(inc, 1, 1, y, stream=s2).result()  # after the capture: no warning
+    escaped = [w for w in seen if issubclass(w.category, sm.SharedMemWarning)]
+    assert len(escaped) == 1, [str(w.message) for w in seen]
+    msg = str(escaped[0].message)
+    assert f"on {s2} runs now, outside graph #{g.id} that this thread is capturing on {s1}" in msg
+    assert escaped[0].filename == __file__
+    np.testing.assert_array_equal(y.to_host(), [6, 6, 6, 6])  # 1 (thread), then 5, then +1
+    np.testing.assert_array_equal(x.to_host(), [0, 0, 0, 0])  # captured, not run
+    g.replay(stream=s1).result()
+    np.testing.assert_array_equal(x.to_host(), [2, 2, 2, 2])

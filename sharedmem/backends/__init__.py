@@ -56,6 +56,8 @@ class Backend(Protocol):
     def copy_htod(self, impl: StreamImpl, dst_ptr: int, src: Any) -> Marker: ...
     def copy_dtoh(self, impl: StreamImpl, dst: Any, src_ptr: int) -> Marker: ...
     def copy_dtod(self, impl: StreamImpl, dst_ptr: int, src_ptr: int, nbytes: int) -> Marker: ...
+    def copy_strided(self, impl: StreamImpl, dst_ptr: int, src_ptr: int, shape: tuple[int, ...],
+                     byte_strides: tuple[int, ...], itemsize: int) -> Marker: ...
     def memset(self, impl: StreamImpl, dst_ptr: int, byte: int, nbytes: int) -> Marker: ...
     def begin_capture(self, impl: StreamImpl) -> Any: ...
     def end_capture(self, recorder: Any) -> Any: ...
@@ -86,3 +88,27 @@ class CompleteMarker:
 
 #: The one CompleteMarker (it has no state).
 COMPLETE = CompleteMarker()
+
+
+def copy_pieces(shape, byte_strides, itemsize):
+    """How to copy a strided layout (non-negative byte strides) into a dense C-order one with
+    2-D copies: ``(width, height, src_pitch, [(src_offset, dst_offset), ...])`` -- each piece
+    copies ``height`` rows of ``width`` bytes, rows ``src_pitch`` bytes apart in the source
+    and packed in the destination. The dense tail of the layout is one row; the dimension
+    above it, when its pitch allows, the rows; every dimension above those, one piece per
+    index (so a transposed matrix costs one piece per row: backends with a gather kernel
+    may do better)."""
+    dims = [(n, s) for n, s in zip(shape, byte_strides) if n != 1]
+    if any(n == 0 for n, _ in dims):
+        return itemsize, 0, itemsize, []
+    width = itemsize
+    while dims and dims[-1][1] == width:  # the dense tail: one row
+        width *= dims.pop()[0]
+    height, pitch = 1, width
+    if dims and dims[-1][1] >= width:
+        height, pitch = dims.pop()
+    offsets = [0]
+    for n, s in reversed(dims):  # one piece per index of the dimensions above, in C order
+        offsets = [i * s + o for i in range(n) for o in offsets]
+    step = width * height
+    return width, height, pitch, [(o, k * step) for k, o in enumerate(offsets)]

@@ -6,8 +6,12 @@ Imported only when a CUDA device is asked for; raises
 ``cuda-bindings`` or CuPy is missing or no GPU is usable.
 
 * Context: the device *borrows* its GPU's primary context (retained once,
-  never destroyed). Every thread that calls the driver makes it current first
-  (``_ensure_context``, a thread-local check).
+  never destroyed). Every call that needs it makes it current first
+  (``ensure_context``): with one device in use, a thread-local record of the context this
+  module last made current; once several are, the driver is asked (another library may
+  have switched devices meanwhile: CuPy's ``Device(1).use()``, torch's ``set_device``).
+* Several devices: peer access is turned on explicitly (``enable_peer_access``); copies
+  between devices are ``cuMemcpyPeerAsync``; a stream may wait on another device's event.
 * Memory: ``cupy.cuda.alloc`` -- shared with the user's CuPy code. A block
   goes back to CuPy's pool when its owning allocation dies, which happens only
   after every submission that leased it has retired (see runtime/submission).
@@ -33,7 +37,7 @@ import time
 
 from ..runtime.state import locked
 from ..errors import BackendUnavailableError, CudaError
-from . import COMPLETE
+from . import COMPLETE, copy_pieces
 
 try:
     import cython
@@ -92,9 +96,20 @@ class _HotDriver:
         self.graph_launch = lib.cuGraphLaunch
         self.graph_launch.argtypes = [vp, vp]
         self.graph_launch.restype = ctypes.c_int
+        self._ctx_get = lib.cuCtxGetCurrent
+        self._ctx_get.argtypes = [ctypes.POINTER(vp)]
+        self._ctx_get.restype = ctypes.c_int
+        self._vp = vp
         # for the compiled launch path (sharedmem/_speedups.c): the C entry points themselves
         self.addresses = {name: ctypes.cast(getattr(lib, name), vp).value
                           for name in ("cuLaunchKernel", "cuCtxGetCurrent")}
+
+
+    def current_context(self) -> int:
+        """The calling thread's current context (0: none)."""
+        out = self._vp()
+        self._ctx_get(out)
+        return out.value or 0
 
 
 def _hot_driver():
@@ -166,7 +181,6 @@ class CudaMarker:
         impl = self._open_on
         if impl is None:
             return
-        self._open_on = None
         if impl.open_marker is self:
             impl.open_marker = None
         backend = self._backend
@@ -174,14 +188,20 @@ class CudaMarker:
             ev = backend._event()
         except Exception as e:
             self.error = e
+            self._open_on = None
             return
-        self.event, self.handle = ev, int(ev)
+        backend.ensure_context()  # (the legacy default stream is the current context's)
+        h = int(ev)
         hot = backend.hot
-        err = hot.record(self.handle, impl.handle) if hot is not None else \
+        err = hot.record(h, impl.handle) if hot is not None else \
             int(backend.cu.cuEventRecord(ev, impl.cu_stream)[0])
         if err:
             err = cu.CUresult(err)
             self.error = CudaError(f"cuEventRecord failed: {_name(err)} ({int(err)})", int(err))
+        self.event, self.handle = ev, h
+        # Published last: wait() reads _open_on without the lock, and once it is None the
+        # event must be the recorded one (an event not recorded yet reads as complete).
+        self._open_on = None
 
     def query(self) -> int:
         """Caller holds core_lock when the marker may be open (sweeps do)."""
@@ -295,6 +315,7 @@ class CudaStreamImpl:
         """Make this stream wait for ``marker`` (caller holds core_lock when it may be open)."""
         if marker._open_on is not None:
             marker.close_locked()
+        self._backend.ensure_context()  # (a marker of another device: that one's context)
         check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")
 
     def synchronize(self) -> None:
@@ -321,6 +342,20 @@ class Limits:
         self.block = tuple(b or (1 << 62) for b in block)
         self.threads = threads
         self.shared_mem = shared_mem
+
+
+def device_count() -> int:
+    """How many CUDA devices this process sees (0 without a driver)."""
+    if _load_driver() is None or cu.cuInit(0)[0] != _SUCCESS:
+        return 0
+    return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+#: The context this module last made current, per thread (every device's backend shares it).
+_current = threading.local()
+#: How many devices have a backend. With one, ``_current`` is the truth for our own calls;
+#: with several, ensure_context asks the driver (written under device.py's lock).
+_backends = [0]
 
 
 class CudaBackend:
@@ -382,21 +417,49 @@ class CudaBackend:
             attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
         # Borrowed: the primary context is retained once and never released.
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
-        self._tls = threading.local()
+        self.context_handle = int(self.context)
+        self.hot = _hot_driver()
+        _backends[0] += 1
         self.ensure_context()
         # Pooled events. list.append / list.pop are atomic under the GIL.
         self._events: list = []
         self._cupy_device = cupy.cuda.Device(ordinal)
         self.on_progress = None
-        self.hot = _hot_driver()
 
     # -- context ------------------------------------------------------------
     def ensure_context(self) -> None:
-        """Make the primary context current in this thread (once per thread)."""
-        tls = self._tls
-        if not getattr(tls, "ok", False):
-            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-            tls.ok = True
+        """Make this device's primary context current in the calling thread, if it is not."""
+        if _backends[0] == 1:
+            if getattr(_current, "ctx", None) is self.context:
+                return
+        else:
+            hot = self.hot
+            cur = hot.current_context() if hot is not None else \
+                int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"))
+            if cur == self.context_handle:
+                _current.ctx = self.context
+                return
+        self.force_context()
+
+    def force_context(self) -> None:
+        """Make the context current without asking (a caller found another one current)."""
+        check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        _current.ctx = self.context
+
+    # -- peers --------------------------------------------------------------------------
+    def can_access_peer(self, peer: "CudaBackend") -> bool:
+        """Whether kernels on this device can read and write ``peer``'s memory
+        (``cuDeviceCanAccessPeer``)."""
+        return bool(check(cu.cuDeviceCanAccessPeer(self.cu_device, peer.cu_device),
+                          "cuDeviceCanAccessPeer"))
+
+    def enable_peer_access(self, peer: "CudaBackend") -> None:
+        """Let this device's kernels reach ``peer``'s memory (``cuCtxEnablePeerAccess``, with
+        this device's context current; already enabled is no error)."""
+        self.ensure_context()
+        err = cu.cuCtxEnablePeerAccess(peer.context, 0)[0]
+        if err != _SUCCESS and int(err) != 704:  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            check((err,), "cuCtxEnablePeerAccess")
 
     # -- memory ---------------------------------------------------------------
     def allocate(self, nbytes: int, stream_impl=None):
@@ -520,10 +583,86 @@ class CudaBackend:
         check(cu.cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, impl.cu_stream), "cuMemcpyDtoDAsync")
         return self.submit_marker(impl)
 
+    def copy_strided(self, impl, dst_ptr: int, src_ptr: int, shape, byte_strides,
+                     itemsize: int) -> CudaMarker:
+        """Copy a strided layout into dense C order at ``dst_ptr``: 2-D copies, one per
+        piece of :func:`copy_pieces` (enqueued in one call; the marker follows the last)."""
+        self.ensure_context()
+        width, height, pitch, pieces = copy_pieces(shape, byte_strides, itemsize)
+        if pieces:
+            p = cu.CUDA_MEMCPY2D()
+            p.srcMemoryType = p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            p.srcPitch = pitch
+            p.dstPitch = width
+            p.WidthInBytes = width
+            p.Height = height
+            for so, do in pieces:
+                p.srcDevice = src_ptr + so
+                p.dstDevice = dst_ptr + do
+                check(cu.cuMemcpy2DAsync(p, impl.cu_stream), "cuMemcpy2DAsync")
+        return self.submit_marker(impl)
+
+    def copy_peer(self, impl, dst_ptr: int, dst_backend, src_ptr: int, src_backend,
+                  nbytes: int) -> CudaMarker:
+        """Copy between devices (``cuMemcpyPeerAsync``; no peer access needed) on ``impl``, a
+        stream of either device."""
+        self.ensure_context()
+        check(cu.cuMemcpyPeerAsync(dst_ptr, dst_backend.context, src_ptr, src_backend.context,
+                                   nbytes, impl.cu_stream), "cuMemcpyPeerAsync")
+        return self.submit_marker(impl)
+
     def memset(self, impl, dst_ptr: int, byte: int, nbytes: int) -> CudaMarker:
         self.ensure_context()
         check(cu.cuMemsetD8Async(dst_ptr, byte, nbytes, impl.cu_stream), "cuMemsetD8Async")
         return self.submit_marker(impl)
+
+    # -- CUDA IPC (sharedmem.ipc) -------------------------------------------------
+    def ipc_mem_handle(self, base: int) -> bytes:
+        """The 64-byte IPC handle of the driver allocation starting at ``base``."""
+        self.ensure_context()
+        return bytes(check(cu.cuIpcGetMemHandle(base), "cuIpcGetMemHandle").reserved)
+
+    def ipc_open_mem(self, handle: bytes) -> int:
+        """Map another process's allocation here (peer access enabled lazily); its base."""
+        self.ensure_context()
+        h = cu.CUipcMemHandle()
+        h.reserved = handle
+        return int(check(cu.cuIpcOpenMemHandle(h, 1), "cuIpcOpenMemHandle"))  # LAZY_ENABLE_PEER
+
+    def ipc_close_mem(self, base: int) -> None:
+        self.ensure_context()
+        check(cu.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+
+    def ipc_event(self) -> tuple:
+        """An interprocess event: ``(event, 64-byte handle)``; give it back with
+        :meth:`ipc_event_done` once no importer can still be waiting for it."""
+        try:
+            return self._ipc_events.pop()
+        except (AttributeError, IndexError):
+            pass
+        self.ensure_context()
+        F = cu.CUevent_flags
+        ev = check(cu.cuEventCreate(int(F.CU_EVENT_DISABLE_TIMING) | int(F.CU_EVENT_INTERPROCESS)),
+                   "cuEventCreate")
+        return ev, bytes(check(cu.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle").reserved)
+
+    def ipc_event_done(self, pair) -> None:
+        """Pool an interprocess event for the next export (list.append: atomic)."""
+        if not hasattr(self, "_ipc_events"):
+            self._ipc_events = []
+        self._ipc_events.append(pair)
+
+    def record_event(self, ev, impl) -> None:
+        """Record event ``ev`` on ``impl`` now (caller holds core_lock)."""
+        self.ensure_context()
+        check(cu.cuEventRecord(ev, impl.cu_stream), "cuEventRecord")
+
+    def ipc_open_event(self, handle: bytes) -> CudaMarker:
+        """Another process's interprocess event, as a marker that owns the opened event."""
+        self.ensure_context()
+        h = cu.CUipcEventHandle()
+        h.reserved = handle
+        return CudaMarker(check(cu.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle"), self, False)
 
     # -- graphs: stream capture into a CUDA graph --------------------------------
     def begin_capture(self, impl: CudaStreamImpl) -> CudaStreamImpl:

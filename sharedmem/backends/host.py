@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import math
 import ctypes
 import sys
 import threading
@@ -466,6 +467,19 @@ class HostBackend:
     def copy_dtod(self, impl: HostStreamImpl, dst_ptr: int, src_ptr: int, nbytes: int) -> HostMarker:
         def _copy():
             host_array(dst_ptr, nbytes)[:] = host_array(src_ptr, nbytes)
+        return impl.submit(_copy)
+
+    def copy_strided(self, impl: HostStreamImpl, dst_ptr: int, src_ptr: int, shape,
+                     byte_strides, itemsize: int) -> HostMarker:
+        item = np.dtype((np.void, itemsize))
+        n = math.prod(shape)
+        span = sum((k - 1) * s for k, s in zip(shape, byte_strides)) + itemsize if n else 0
+
+        def _copy():
+            if n:
+                src = np.ndarray(shape, item, buffer=host_array(src_ptr, span),
+                                 strides=byte_strides)
+                np.ndarray(shape, item, buffer=host_array(dst_ptr, n * itemsize))[...] = src
         return impl.submit(_copy)
 
     def memset(self, impl: HostStreamImpl, dst_ptr: int, byte: int, nbytes: int) -> HostMarker:

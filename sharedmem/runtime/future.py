@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import types
+from typing import TYPE_CHECKING
 
 from ..errors import CompletionUnknownError, HostKernelError
 from . import callbacks as _callbacks
@@ -20,11 +22,24 @@ from . import submission as _sub
 
 __all__ = ["DeviceFuture", "HostFuture"]
 
+if TYPE_CHECKING:  # (type checkers read future.pyi, where both futures are Generic[T])
+    from collections.abc import Callable, Generator
+    from typing import Any, TypeVar
+
+    from ..stream import Stream
+    from .submission import Submission
+
+    _T = TypeVar("_T")
+    _U = TypeVar("_U")
+
 
 class _FutureBase:
     __slots__ = ()
+    # DeviceFuture[None], HostFuture[int]: subscriptable at runtime, as their stubs are generic
+    # (a cdef class cannot derive from typing.Generic)
+    __class_getitem__ = classmethod(types.GenericAlias)
 
-    def then(self, fn) -> "HostFuture":
+    def then(self, fn: Callable[[_T], _U]) -> HostFuture[_U]:
         """A :class:`HostFuture` of ``fn(result)``, called once this future
         completes (on the host, in the retiring thread). If this future fails,
         the returned one fails with the same exception and ``fn`` is not called."""
@@ -44,7 +59,7 @@ class _FutureBase:
         self.add_done_callback(lambda _f=None: _cb())
         return out
 
-    def exception(self, timeout=None):
+    def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the work ended with, or None."""
         try:
             self.result(timeout)
@@ -54,7 +69,7 @@ class _FutureBase:
             return e
         return None
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, _T]:
         if not self.done():
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
@@ -86,7 +101,7 @@ class _FutureBase:
         """True until the work is done (it was submitted: it may run at any time)."""
         return not self.done()
 
-    def to_concurrent(self) -> "concurrent.futures.Future":
+    def to_concurrent(self) -> concurrent.futures.Future[_T]:
         """A ``concurrent.futures.Future`` that completes with this one, for
         ``concurrent.futures.wait`` / ``as_completed`` and ``asyncio.wrap_future``."""
         out = concurrent.futures.Future()
@@ -115,7 +130,7 @@ class DeviceFuture(_FutureBase):
 
     __slots__ = ("_s",)
 
-    def __init__(self, submission):
+    def __init__(self, submission: Submission) -> None:
         self._s = submission
 
     def __repr__(self) -> str:
@@ -123,7 +138,7 @@ class DeviceFuture(_FutureBase):
         return f"<DeviceFuture {self._s.label} on {self._s.stream}: {state}>"
 
     @property
-    def stream(self):
+    def stream(self) -> Stream:
         """The stream the work was submitted on."""
         return self._s.stream
 
@@ -134,7 +149,7 @@ class DeviceFuture(_FutureBase):
             _sub.sweep(s.stream)
         return s.state != _sub.PENDING
 
-    def result(self, timeout: float | None = None):
+    def result(self, timeout: float | None = None) -> _T:
         """Block until the work has finished; see the class docstring."""
         s = self._s
         if s.state == _sub.PENDING:
@@ -150,7 +165,7 @@ class DeviceFuture(_FutureBase):
         _raise_failure(s)
         return s.value
 
-    def add_done_callback(self, fn) -> None:
+    def add_done_callback(self, fn: Callable[[DeviceFuture[_T]], object]) -> None:
         """Call ``fn(self)`` once the work has finished (at once if it has)."""
         _sub.add_callback(self._s, lambda: fn(self))
 
@@ -177,7 +192,7 @@ def _raise_failure(s) -> None:
                               f"released and the stream runs on") from failure
 
 
-def future_of(submission):
+def future_of(submission: Submission) -> DeviceFuture[Any]:
     """The DeviceFuture of ``submission`` (what ``DeviceFuture(submission)`` makes, without
     the call's overhead: every launch returns one)."""
     f = DeviceFuture.__new__(DeviceFuture)
@@ -190,7 +205,7 @@ class HostFuture(_FutureBase):
 
     __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._event = threading.Event()
         self._value = None
         self._error = None
@@ -217,7 +232,7 @@ class HostFuture(_FutureBase):
         """True once the value (or the error) is set; never blocks."""
         return self._event.is_set()
 
-    def result(self, timeout: float | None = None):
+    def result(self, timeout: float | None = None) -> _T:
         """The value once set (blocking up to ``timeout``); raises the error it failed with, or
         TimeoutError."""
         with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
@@ -228,7 +243,7 @@ class HostFuture(_FutureBase):
             raise self._error
         return self._value
 
-    def add_done_callback(self, fn) -> None:
+    def add_done_callback(self, fn: Callable[[HostFuture[_T]], object]) -> None:
         """Call ``fn(self)`` once the value or error is set (at once if it is)."""
         with self._lock:
             if self._callbacks is not None:

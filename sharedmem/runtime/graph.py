@@ -31,8 +31,9 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+from typing import TYPE_CHECKING
 
-from .state import locked, log
+from .state import CAPTURING, RUNTIME, locked, log
 from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError
@@ -41,6 +42,14 @@ from .future import DeviceFuture
 from ..stream import resolve_stream
 
 __all__ = ["Graph", "capture", "graph"]
+
+if TYPE_CHECKING:
+    from types import TracebackType
+    from typing import Any, Literal
+
+    from ..device import Device
+    from ..ops import DeviceOp
+    from ..stream import Stream
 
 _ids = itertools.count(1)
 
@@ -72,7 +81,7 @@ class Graph:
     __slots__ = ("id", "device", "_uses", "_keep", "_recorder", "_exec", "_state", "launches",
                  "_lock", "_replay", "__weakref__")
 
-    def __init__(self, device):
+    def __init__(self, device: Device) -> None:
         self.id = next(_ids)
         self.device = device
         # (allocation id, start, stop) -> [token, writes]; guarded by core_lock
@@ -118,7 +127,8 @@ class Graph:
         return sub
 
     # -- replay ----------------------------------------------------------------
-    def replay(self, stream=None, policy=None) -> DeviceFuture:
+    def replay(self, stream: Stream | object | None = None,
+               policy: Literal["order", "reject"] | None = None) -> DeviceFuture[None]:
         """Run the graph on ``stream`` (default: the device's default stream
         on the host; a CUDA graph needs a created stream or the legacy default
         stream) with fresh leases on everything it touches."""
@@ -163,10 +173,10 @@ class Graph:
         for t in toks:
             t.release()
 
-    def __enter__(self):
+    def __enter__(self) -> Graph:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def __del__(self, _finalizing=sys.is_finalizing):
@@ -186,7 +196,7 @@ class capture:
 
     __slots__ = ("stream", "graph")
 
-    def __init__(self, stream):
+    def __init__(self, stream: Stream | object) -> None:
         from ..stream import Stream
         if not isinstance(stream, Stream):
             stream = Stream.from_external(stream)
@@ -207,19 +217,27 @@ class capture:
                 raise CaptureError(f"{s} is already capturing graph #{s._capture.id}")
             g._recorder = s.device.backend.begin_capture(s._impl)
             s._capture = g
+            RUNTIME.captures += 1
             swap = getattr(g._recorder, "impl", None)
             if swap is not None:  # host backend: the stream records instead of running
                 s._impl = swap
         self.graph = g
+        mine = getattr(CAPTURING, "streams", None)
+        if mine is None:
+            mine = CAPTURING.streams = []
+        mine.append(s)
         log.debug("capture of graph #%d on %s begins", g.id, s)
         s.__enter__()  # the current stream too: a launch without stream= is captured
         return g
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
         s, g = self.stream, self.graph
         s.__exit__(exc_type, exc, tb)
+        CAPTURING.streams.remove(s)
         with locked():
             s._capture = None
+            RUNTIME.captures -= 1
             real = getattr(g._recorder, "real", None)
             if real is not None:
                 s._impl = real
@@ -248,7 +266,7 @@ class capture:
         return False
 
 
-def graph(op, stream=None) -> Graph:
+def graph(op: DeviceOp[Any], stream: Stream | None = None) -> Graph:
     """Capture an op chain (``sm.op(...).and_then(...)``) into a Graph.
     ``stream``: the capturing stream (default: one of the device's pool)."""
     from ..device import default_device

@@ -17,6 +17,7 @@ cdef class Runtime:
     cdef public object ensure_retirer, wake_retirer, end_holds, tracer
     cdef public str policy
     cdef public long pid
+    cdef public long captures
     cdef object __weakref__
 
     cpdef acquire(self)

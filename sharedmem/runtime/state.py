@@ -53,7 +53,7 @@ class Runtime:
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
                  "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "policy", "pid",
-                 "tracer",
+                 "tracer", "captures",
                  "__weakref__")
 
     def __init__(self):
@@ -87,6 +87,9 @@ class Runtime:
         self.policy = "order"  # the process-wide cross-stream policy (access.set_access_policy)
         self.pid = os.getpid()
         self.tracer = None  # the active sharedmem.trace recorder, or None (see sharedmem.trace)
+        # Captures in progress, every thread (runtime.graph); guarded by lock. Read lock-free by
+        # launches: nonzero sends them to a check for launches that escape a capture.
+        self.captures = 0
 
     # -- the lock -------------------------------------------------------------------------
     def _new_lock(self) -> None:
@@ -156,6 +159,25 @@ class Runtime:
                 self.release()
         else:
             self.staged.append((fn, arg))
+
+
+#: Streams this thread is capturing on (runtime.graph keeps the list), innermost last.
+CAPTURING = threading.local()
+
+
+def warn_user(message: str, category) -> None:
+    """``warnings.warn`` attributed to the first frame outside sharedmem and interop (the
+    user's line), compiled or interpreted (compiled functions have no frames)."""
+    import os
+    import sys
+    import warnings
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    roots = (os.path.join(pkg, ""), os.path.join(os.path.dirname(pkg), "interop", ""))
+    level, f = 1, sys._getframe(0)
+    while f is not None and f.f_code.co_filename.startswith(roots):
+        f = f.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _nothing() -> None:

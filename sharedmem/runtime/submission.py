@@ -27,6 +27,7 @@ import warnings
 from functools import partial
 from threading import get_ident as _get_ident
 from time import monotonic as _monotonic
+from time import sleep as _sleep
 
 try:
     import cython
@@ -37,7 +38,7 @@ from ..access import HOLD_SEQ, check_policy
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError
 from . import callbacks as _callbacks
-from .state import RUNTIME, locked, log
+from .state import CAPTURING, RUNTIME, locked, log, warn_user
 
 #: Submission states (Submission.state).
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
@@ -144,6 +145,20 @@ def submit_plan(stream, uses, plan, config, payload, keep, policy, label):
     return _submit(stream, uses, None, plan, config, payload, keep, policy, label)
 
 
+def escaped_capture(stream, label) -> None:
+    """Warn about a launch onto ``stream`` (not capturing) while this thread captures on
+    another stream of its device: it runs now and is not part of the graph -- as CUDA's
+    thread-local capture mode allows, and almost never what was meant."""
+    for s in getattr(CAPTURING, "streams", ()):
+        if s.device is stream.device and s is not stream and s._capture is not None:
+            from ..errors import SharedMemWarning
+            warn_user(f"{label_text(label)} on {stream} runs now, outside graph "
+                      f"#{s._capture.id} that this thread is capturing on {s}: launch on {s} "
+                      f"(or without stream=) to record it, or launch outside the capture",
+                      SharedMemWarning)
+            return
+
+
 def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     rt = RUNTIME
     if rt.warnings or rt.errors:
@@ -154,6 +169,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         check_policy(policy)
     if not rt.retirer_running:  # (before anything is done: a thread that cannot start
         rt.ensure_retirer()     # fails the submission, which then changed nothing)
+    if rt.captures and plan is not None and stream._capture is None:
+        escaped_capture(stream, label)
     impl = stream._impl
     if stream._checks:
         throttle = impl.throttle
@@ -522,11 +539,17 @@ def add_callback(sub, cb) -> None:
 
 
 def wait(sub, timeout=None) -> bool:
-    """Block until ``sub`` finished (True) or ``timeout`` passed (False)."""
+    """Block until ``sub`` retired -- finished, or its completion known unknown -- (True) or
+    ``timeout`` passed (False)."""
     if sub.state == _PENDING:
         if not sub.marker.wait(timeout):
             return False
         sweep(sub.stream)
+        delay = 1e-5
+        while sub.state == _PENDING:  # (a sweep on another thread is retiring it: finish)
+            _sleep(delay)
+            delay = min(delay * 2, 1e-3)
+            sweep(sub.stream)
     return True
 
 

@@ -1,0 +1,263 @@
+"""dask.distributed: Buffer, Tensor and DeviceBox in distributed's serialization families.
+
+Importing this module registers them (idempotent). You rarely need to: sharedmem does it by
+itself in every process where both sharedmem and distributed are imported, whichever comes
+first (:func:`sharedmem.pickling.hook_distributed`) -- so worker processes, which import
+distributed and then sharedmem when a task or a Tensor arrives, always have the handlers.
+Without any of it Tensors still travel: distributed falls back to pickle, which is a host
+copy with out-of-band buffers (:mod:`sharedmem.pickling`).
+
+* ``dask`` family (the default, ``serializers=["dask", "pickle"]``): a host copy. The header
+  names the kind (Buffer, Tensor, DeviceBox), dtype and shape; one frame holds the values
+  (``to_host()``: taken after every pending write to the bytes, in C order).
+* ``cuda`` family (``serializers=["cuda", "dask", "pickle"]``, as dask-cuda uses with UCX):
+  one *device frame* for memory on a CUDA device -- an object with
+  ``__cuda_array_interface__`` over the sent bytes, never a copy (a strided Tensor is first
+  copied to a contiguous one on the device). The frame holds a read-only view of the bytes,
+  and exports it as a CAI export does (a read hold on the consumers' streams): while the
+  comm keeps the frame, the sender's memory is never freed, reused or moved. Pending writes
+  to the bytes are waited for (on the host) before the frame is handed over, because UCX
+  sends without stream ordering. On Python >= 3.12 the frame also has the buffer protocol
+  (PEP 688), read as a host copy, so the same frame goes over TCP; on older Pythons, and for
+  memory on the host device, the frame is a host copy unless a UCX comm is loaded.
+
+The receiver always makes a **new allocation**: from host frames on its
+:func:`~sharedmem.default_device` (a copy from host memory), from device frames (received by
+UCX into an RMM or Numba buffer) on that buffer's device by a device-to-device copy. Tensors
+arrive C-contiguous; read-only views arrive writable (as with pickle).
+
+What is not promised: a launch on the sending worker that *writes* the bytes while they are
+in transit is not ordered after the comm's read (the comm is not stream-ordered; under the
+``"reject"`` policy such a launch on another stream raises instead). Dask treats task results
+as immutable: write into new tensors, not into a task's inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from dask.sizeof import sizeof
+from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+from sharedmem.buffer import Buffer, DeviceBox, new_buffer
+from sharedmem.runtime.submission import order_consumer
+from sharedmem.tensor import Tensor
+
+__all__ = ["DeviceFrame", "register"]
+
+_KINDS = {Buffer: "Buffer", Tensor: "Tensor", DeviceBox: "DeviceBox"}
+_U8 = np.dtype(np.uint8)
+
+
+# -- headers and values -------------------------------------------------------------------------
+def _header(x) -> tuple:
+    """``(header, view)`` of a Buffer, Tensor or DeviceBox (``view``: the Buffer or Tensor whose
+    bytes are sent). Raises MovedError / ReleasedError for a dead view."""
+    kind = next(name for cls, name in _KINDS.items() if isinstance(x, cls))
+    view = x.buffer if kind == "DeviceBox" else x
+    view._live_token()
+    return {"kind": kind, "dtype": view.dtype.str, "shape": list(view.shape)}, view
+
+
+def _host_frame(view) -> memoryview:
+    """The values of ``view`` as one host frame (a copy, after pending writes, C order)."""
+    return memoryview(view.to_host().reshape(-1).view(np.uint8))
+
+
+def _rebuild(header, make_values):
+    """The received object of ``header``'s kind, in a new allocation that
+    ``make_values(dtype, shape)`` makes and fills (it returns a Tensor; ``dtype``: the
+    sender's, which host frames are written in)."""
+    kind = header["kind"]
+    t = make_values(np.dtype(header["dtype"]), tuple(header["shape"]))
+    if kind == "Tensor":
+        return t
+    buf = t.into_buffer()  # (nothing else holds the new allocation: a move, no copy)
+    if kind == "Buffer":
+        return buf
+    box = DeviceBox.__new__(DeviceBox)
+    box.buffer = buf
+    return box
+
+
+def _from_host_frame(frame):
+    """``make_values`` for a host frame: a new Tensor on the default device."""
+
+    def make(dtype, shape):
+        t = Tensor.empty(shape, dtype.newbyteorder("="))
+        if t.size:
+            a = np.frombuffer(memoryview(frame).cast("B"), dtype=dtype)
+            with t.as_buffer() as b:
+                b.copy_from(a)  # (converts a sender's other byte order)
+        return t
+
+    return make
+
+
+# -- the dask family: host copies ----------------------------------------------------------------
+def dask_dumps(x):
+    """Header and one host frame (a copy of the values, after pending writes)."""
+    header, view = _header(x)
+    header["frame"] = "host"
+    return header, [_host_frame(view)]
+
+
+def dask_loads(header, frames):
+    """A new allocation on the default device holding the frame's values."""
+    (frame,) = frames
+    return _rebuild(header, _from_host_frame(frame))
+
+
+# -- the cuda family: device frames ----------------------------------------------------------------
+class DeviceFrame:
+    """One device frame for distributed's comm: the sent bytes, zero-copy.
+
+    Holds a read-only ``uint8`` view of the bytes -- its own view token: while the frame
+    lives the allocation is neither freed nor reused, and cannot be moved (the frame is a
+    live alias) -- and exports it through ``__cuda_array_interface__`` (memory on a CUDA
+    device only; which also puts a read hold on the consumers' streams, as every CAI export
+    does). The comm drops the frame when it is done with it; then the view is released.
+    ``nbytes`` and ``len()`` give the size; on Python >= 3.12 the buffer protocol reads the
+    bytes as a host copy (for a TCP comm)."""
+
+    __slots__ = ("_view", "_cai", "__weakref__")
+
+    def __init__(self, view):
+        """``view``: a live, contiguous Buffer or Tensor (the frame takes a view of its bytes
+        of its own; ``view`` may be released afterwards)."""
+        tok = view._live_token()
+        lo = view._offset
+        hi = lo + view.nbytes
+        t = tok.allocation.new_token("dask device frame (read-only)", lo, hi, False, tok.keep,
+                                     source=view)
+        self._view = new_buffer(t, _U8, hi - lo)
+        self._cai = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._view.nbytes
+
+    def __len__(self) -> int:
+        return self._view.nbytes
+
+    @property
+    def device(self):
+        return self._view.device
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self._view.device.kind != "cuda":
+            raise AttributeError("__cuda_array_interface__: this frame is on the host device")
+        cai = self._cai
+        if cai is None:  # one export per frame (its hold lasts as long as the frame)
+            cai = self._cai = self._view.__cuda_array_interface__
+        return cai
+
+    def __buffer__(self, flags):  # PEP 688 (Python >= 3.12): a TCP comm reads a host copy
+        return memoryview(self._view.to_host())
+
+    def __repr__(self) -> str:
+        return f"<DeviceFrame {self.nbytes} bytes of {self._view!r}>"
+
+
+def _ucx_loaded() -> bool:
+    return "distributed_ucxx" in sys.modules or "ucxx" in sys.modules
+
+
+def _device_frames_ok(view) -> bool:
+    """Whether a device frame can go to whatever comm sends it: UCX takes it as device memory;
+    TCP needs the buffer protocol (Python >= 3.12)."""
+    if view.device.kind != "cuda":
+        return False
+    return sys.version_info >= (3, 12) or _ucx_loaded()
+
+
+def device_frame(view) -> DeviceFrame:
+    """A :class:`DeviceFrame` of ``view``'s values in C order, once the pending writes to
+    them are done (waited for on the host: UCX reads the bytes without stream ordering). A
+    strided Tensor is first copied to a contiguous one on its device."""
+    if isinstance(view, Tensor) and not view.is_contiguous():
+        view = view.copy()  # (a new allocation that only the frame keeps)
+    frame = DeviceFrame(view)
+    order_consumer(frame._view._token, _wait, blocking=True)
+    return frame
+
+
+def _wait(marker) -> None:
+    marker.wait()
+
+
+def cuda_dumps(x):
+    """Header and one frame: a :class:`DeviceFrame` for memory on a CUDA device (when the
+    comm can take one), else a host copy."""
+    header, view = _header(x)
+    if _device_frames_ok(view):
+        header["frame"] = "device"
+        return header, [device_frame(view)]
+    header["frame"] = "host"
+    return header, [_host_frame(view)]
+
+
+def cuda_loads(header, frames):
+    """A new allocation holding the received values: device frames (anything with
+    ``__cuda_array_interface__``) are copied on their device, host frames from the host to
+    the default device."""
+    (frame,) = frames
+    if not hasattr(frame, "__cuda_array_interface__"):
+        return _rebuild(header, _from_host_frame(frame))
+
+    def make(dtype, shape):
+        if not math.prod(shape):
+            return Tensor.empty(shape, dtype)
+        src = _import_frame(frame, dtype, shape)
+        t = Tensor.empty(shape, dtype, device=src.device)
+        if t.size:
+            with t.as_buffer() as d, src.as_buffer() as s:
+                d.copy_from(s)
+        src.release()
+        return t
+
+    return _rebuild(header, make)
+
+
+class _Typed:
+    """``frame`` (a received byte buffer with ``__cuda_array_interface__``) seen as an array of
+    ``dtype`` and ``shape``, C order: what :func:`sharedmem.from_cuda_array_interface` imports."""
+
+    __slots__ = ("frame", "__cuda_array_interface__")
+
+    def __init__(self, frame, dtype, shape):
+        cai = frame.__cuda_array_interface__
+        self.frame = frame  # kept alive by the import (its producer)
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": dtype.str, "data": (int(cai["data"][0]), False),
+            "strides": None, "version": 3, "stream": cai.get("stream")}
+
+
+def _import_frame(frame, dtype, shape):
+    from sharedmem.bridges import from_cuda_array_interface
+    return from_cuda_array_interface(_Typed(frame, dtype, shape))
+
+
+# -- registration ------------------------------------------------------------------------------
+def _sizeof(x) -> int:
+    view = x.buffer if isinstance(x, DeviceBox) else x
+    return view.nbytes if view.is_live else 0
+
+
+def register() -> None:
+    """Register Buffer, Tensor and DeviceBox in distributed's ``dask`` and ``cuda``
+    families, and their sizes (``nbytes``) with ``dask.sizeof``. Idempotent."""
+    for cls in _KINDS:
+        dask_serialize.register(cls, dask_dumps)
+        dask_deserialize.register(cls, dask_loads)
+        cuda_serialize.register(cls, cuda_dumps)
+        cuda_deserialize.register(cls, cuda_loads)
+        sizeof.register(cls, _sizeof)
+
+
+register()

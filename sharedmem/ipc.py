@@ -1,0 +1,534 @@
+"""CUDA IPC: sharedmem memory shared with other processes of the host, ownership kept.
+
+``ex = sm.ipc.export(view)`` shares a view's bytes; ``ex.handle`` (an :class:`IpcHandle`,
+picklable: send it through ``multiprocessing``, a pipe or a socket) is opened once, in
+another process, by ``sm.ipc.open(handle)``, which returns a Buffer or Tensor of the same
+bytes (zero-copy) on the importer's device. What holds:
+
+* **Ordered on arrival.** The export records an interprocess event after every write to the
+  bytes pending then (on any stream); the importer's stream waits for it on the device
+  before its first use. Never a host synchronize.
+* **Never freed under the importer.** Until the importer is done, the exporter holds a view
+  of the bytes (``CUDA IPC export`` in AliasError messages): its memory is neither freed nor
+  moved, whatever the exporter drops.
+* **Released in stream order.** The importer is done when its last view *and* the last of
+  its launches that used them have finished -- its retirement sees that with event queries,
+  as for any memory, and only then writes "released" into a slot of a small shared-memory
+  file the exporter polls (every ``POLL`` seconds, on a thread of its own). No host
+  synchronize on either side.
+* **A dead importer does not pin memory forever.** With the slot the importer writes its pid
+  and start time; once that process is gone (or a zombie) for ``GRACE`` seconds, the exporter
+  releases its hold. Bound: ``POLL + GRACE`` (0.52 s) after the kernel has torn the importer
+  down (``kill -9`` included); tested.
+
+Not guaranteed: ordering between the exporter's *later* work and the importer's (they share
+the bytes: order them with events or a protocol of your own); an exporter that exits while an
+importer still uses the memory (CUDA unmaps it: keep the exporter alive, as torch requires).
+A handle opens once. The importer maps the whole driver allocation holding the bytes (CuPy's
+pool puts several blocks in one): treat the processes as one trust domain.
+
+Why legacy CUDA IPC over CuPy's pool blocks, not a cuda.core IPC pool or VMM with POSIX fds:
+the memory users export is the memory sharedmem already has (CuPy's pool) -- exporting it
+costs no copy and no second allocator; the handle is 64 bytes that pickle anywhere (no fd
+passing over a Unix socket); it works on every driver CUDA 12 supports. The price: legacy IPC
+maps whole allocations and needs the exporter alive; both are documented above.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import fcntl
+import mmap
+import os
+import struct
+import tempfile
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from .errors import BackendUnavailableError, SharedMemError
+from .runtime.state import at_fork_child, fork_safe, locked, log
+
+__all__ = ["IpcExport", "IpcHandle", "export", "open", "exports", "POLL", "GRACE"]
+
+#: Seconds between the exporter's looks at its slots.
+POLL = 0.02
+#: Seconds an importer must have been gone before its memory is released (the driver tears a
+#: dead process's context down as its files close; this covers the rest).
+GRACE = 0.5
+
+# One slot per export, in files of SLOTS slots: state, generation, importer pid, importer
+# start time (a reused pid is not the same process).
+_SLOT = struct.Struct("<IIIIQ")
+SLOTS = 128
+FREE, EXPORTED, OPEN, RELEASED = 0, 1, 2, 3
+
+
+class IpcHandle:
+    """What an importer needs to open an export (picklable; holds no resource). Attributes:
+    ``kind`` ("buffer" or "tensor"), ``dtype``, ``shape``, ``strides`` (elements),
+    ``nbytes``, ``device_uuid``, ``exporter_pid``."""
+
+    __slots__ = ("kind", "dtype", "shape", "strides", "nbytes", "first", "writable",
+                 "device_uuid", "mem", "region", "offset", "event", "slots", "slot",
+                 "generation", "exporter_pid")
+
+    def __reduce__(self):
+        return (_rebuild_handle, (tuple(getattr(self, k) for k in IpcHandle.__slots__),))
+
+    def __repr__(self) -> str:
+        return (f"<IpcHandle {self.kind} {self.dtype} shape={self.shape} from pid "
+                f"{self.exporter_pid}, {self.nbytes} bytes>")
+
+
+def _rebuild_handle(values):
+    h = IpcHandle.__new__(IpcHandle)
+    for k, v in zip(IpcHandle.__slots__, values):
+        setattr(h, k, v)
+    return h
+
+
+class IpcExport:
+    """The exporter's side of one export: ``handle`` to send, ``state`` ("exported", "open",
+    "released", "importer died", "revoked"), :meth:`revoke` and :meth:`wait_released`."""
+
+    __slots__ = ("handle", "_token", "_slot", "_event", "_state", "_dead_since", "_done",
+                 "__weakref__")
+
+    def __repr__(self) -> str:
+        return f"<IpcExport {self._state}: {self.handle!r}>"
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def revoke(self) -> bool:
+        """End an export nobody opened yet (its memory is released now); False when an
+        importer already opened it (then it ends when the importer is done)."""
+        with _lock:
+            if self._done.is_set():
+                return True
+            slot = self._slot
+            with _SlotLock(slot[4], slot[1]):
+                if _read(slot)[0] != EXPORTED:
+                    return False
+                _finish_locked(self, "revoked")
+        return True
+
+    def wait_released(self, timeout: float | None = None) -> bool:
+        """Block until the export ended (importer done or gone, or revoked); False on timeout."""
+        return self._done.wait(timeout)
+
+
+# -- slots ---------------------------------------------------------------------------------
+_lock = fork_safe(threading.Lock())  # guards _files, _free, _exports, _thread
+_files: list = []  # (path, mmap, fd) of this process's slot files
+_free: list = []  # (file index, slot index) not in use
+_generation = itertools.count(1)
+_exports: list = []  # live IpcExport objects (the poller's work)
+_thread = None
+_opened: dict = {}  # path -> (mmap, fd), the importer's view of exporters' slot files
+_opened_lock = fork_safe(threading.Lock())
+
+
+def _dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _take_slot_locked():
+    if not _free:
+        fd, path = tempfile.mkstemp(prefix=f"sharedmem-ipc-{os.getpid()}-", dir=_dir())
+        try:
+            os.ftruncate(fd, SLOTS * _SLOT.size)
+            mm = mmap.mmap(fd, SLOTS * _SLOT.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        _files.append((path, mm, fd))  # (the fd stays open: its record locks are the slots')
+        _free.extend((len(_files) - 1, i) for i in range(SLOTS - 1, -1, -1))
+    f, i = _free.pop()
+    path, mm, fd = _files[f]
+    gen = next(_generation) & 0xFFFFFFFF
+    return (mm, i * _SLOT.size, f, i, fd), path, i, gen
+
+
+class _SlotLock:
+    """A slot's state changes under a record lock of its bytes (``fcntl.lockf``): the
+    exporter's and the importer's transitions exclude each other across processes, and a
+    process that dies holding it releases it. (Within one process, threads are kept apart by
+    the module's locks.)"""
+
+    __slots__ = ("fd", "off")
+
+    def __init__(self, fd, off):
+        self.fd, self.off = fd, off
+
+    def __enter__(self):
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, _SLOT.size, self.off, os.SEEK_SET)
+
+    def __exit__(self, *exc):
+        fcntl.lockf(self.fd, fcntl.LOCK_UN, _SLOT.size, self.off, os.SEEK_SET)
+
+
+def _read(slot):
+    mm, off = slot[0], slot[1]
+    return _SLOT.unpack_from(mm, off)
+
+
+def _cleanup_files() -> None:
+    for path, _, _ in _files:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+import atexit  # noqa: E402
+
+atexit.register(_cleanup_files)
+
+
+# -- the exporter ------------------------------------------------------------------------------
+def export(view, stream=None) -> IpcExport:
+    """Share ``view``'s bytes with another process (see the module docstring). ``stream``:
+    where the export's event is recorded (default: the current stream of the view's device);
+    it is ordered after every pending write to the bytes, on any stream."""
+    from .runtime.submission import submit
+    from .stream import resolve_stream
+    tok = view._live_token()
+    dev = tok.allocation.device
+    if dev.kind != "cuda":
+        raise BackendUnavailableError(f"CUDA IPC shares CUDA device memory; {view!r} is on {dev} "
+                                      f"(pickle it instead: a copy through host memory)")
+    backend = dev.backend
+    ptr = tok.allocation.ptr + tok.start
+    info = backend.pointer_info(ptr)
+    if info is None:
+        raise SharedMemError(f"cannot export {view!r} by CUDA IPC: the driver does not know "
+                             f"its memory as a device allocation")
+    base, size, _ = info
+    mem = backend.ipc_mem_handle(base)
+    s = resolve_stream(stream, dev)
+    impl = s._impl
+
+    pair = backend.ipc_event()  # (pooled: creating one and its handle costs ~100 us)
+
+    def enqueue():  # under the core lock, after the waits for pending writes
+        backend.record_event(pair[0], impl)
+        return backend.submit_marker(impl)
+
+    ex_tok = tok.allocation.new_token(f"CUDA IPC export from pid {os.getpid()}", tok.start,
+                                      tok.stop, tok.writable, tok.keep, source=view)
+    try:
+        submit(s, [(tok, False)], enqueue, label="CUDA IPC export")
+        h = IpcHandle.__new__(IpcHandle)
+        h.kind = view._kind
+        h.dtype = view.dtype.str
+        h.shape = tuple(view.shape)
+        h.strides = tuple(view.strides)
+        h.nbytes = tok.stop - tok.start
+        h.first = view._offset - tok.start  # element 0, from the first byte shared
+        h.writable = tok.writable
+        h.device_uuid = dev.uuid
+        h.mem = mem
+        h.region = (0, size)
+        h.offset = ptr - base
+        h.event = pair[1]
+        h.exporter_pid = os.getpid()
+        ex = IpcExport.__new__(IpcExport)
+        ex.handle = h
+        ex._token = ex_tok
+        ex._event = (backend, pair)
+        ex._state = "exported"
+        ex._dead_since = None
+        ex._done = threading.Event()
+        with _lock:
+            slot, path, index, gen = _take_slot_locked()
+            _SLOT.pack_into(slot[0], slot[1], EXPORTED, gen, 0, 0, 0)
+            h.slots, h.slot, h.generation = path, index, gen
+            ex._slot = slot
+            _exports.append(ex)
+            _ensure_poller_locked()
+    except BaseException:
+        ex_tok.release()
+        backend.ipc_event_done(pair)
+        raise
+    log.debug("CUDA IPC export of %r: %s", view, h)
+    return ex
+
+
+def exports() -> int:
+    """How many exports of this process have not ended."""
+    with _lock:
+        return len(_exports)
+
+
+def _finish_locked(ex, state) -> None:
+    ex._state = state
+    if ex._slot is not None:  # (callers hold the slot's lock, or it is no longer EXPORTED)
+        mm, off, f, i, _ = ex._slot
+        struct.pack_into("<II", mm, off, FREE, 0)
+        _free.append((f, i))
+        ex._slot = None
+    tok, ex._token = ex._token, None
+    if tok is not None:
+        tok.release()  # the exporter's hold ends: the memory may go back once nothing else uses it
+    ev, ex._event = ex._event, None
+    if ev is not None:  # no importer waits for it any more: the next export may record it
+        ev[0].ipc_event_done(ev[1])
+    try:
+        _exports.remove(ex)
+    except ValueError:
+        pass
+    ex._done.set()
+
+
+def _ensure_poller_locked() -> None:
+    global _thread
+    if _thread is None or not _thread.is_alive():
+        _thread = threading.Thread(target=_poll, name="sharedmem-ipc", daemon=True)
+        _thread.start()
+
+
+def _poll() -> None:
+    global _thread
+    while True:
+        time.sleep(POLL)
+        with _lock:
+            if not _exports:
+                _thread = None
+                return
+            now = time.monotonic()
+            for ex in list(_exports):
+                slot = ex._slot
+                state, _, pid, _, start = _read(slot)
+                if state == RELEASED:
+                    _finish_locked(ex, "released")
+                elif state == OPEN:
+                    ex._state = "open"
+                    if _alive(pid, start):
+                        ex._dead_since = None
+                    elif ex._dead_since is None:
+                        ex._dead_since = now
+                    elif now - ex._dead_since >= GRACE:
+                        log.warning("CUDA IPC importer pid %d died holding %r; its memory is "
+                                    "released", pid, ex.handle)
+                        _finish_locked(ex, "importer died")
+
+
+def _start_time(pid: int) -> int:
+    """The process's start time (clock ticks since boot), 0 when unknown; -1 when it is gone
+    or a zombie."""
+    try:
+        with builtins_open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return -1
+    except OSError:
+        return 0
+    if fields[0] in (b"Z", b"X"):
+        return -1
+    return int(fields[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    t = _start_time(pid)
+    if t == 0:  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return t != -1 and (start == 0 or t == start)
+
+
+# -- the importer ------------------------------------------------------------------------------
+import builtins  # noqa: E402
+
+builtins_open = builtins.open
+
+
+class _Mapping:
+    """An exporter's allocation mapped into this process; unmapped when the last import of it
+    is gone (every view and every launch that used one finished)."""
+
+    __slots__ = ("backend", "base", "__weakref__")
+
+    def __del__(self):
+        try:
+            self.backend.ipc_close_mem(self.base)
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+
+
+_mappings: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # (device, mem) -> _Mapping
+
+#: Mappings and opened events kept for the next import of the same exporter allocation (CuPy's
+#: pool hands out blocks of a few long-lived chunks: most imports hit). Opening a mapping costs
+#: hundreds of microseconds, and so does closing it. A cached mapping keeps the exporter's
+#: chunk mapped here -- not its blocks reserved: only exports hold those -- until evicted, or
+#: until its exporter is seen gone. Guarded by _opened_lock.
+CACHED_MAPPINGS = 32
+CACHED_EVENTS = 64
+_recent = collections.OrderedDict()  # (device key, mem handle) -> (_Mapping, exporter pid)
+_events = collections.OrderedDict()  # (device key, event handle) -> (marker, exporter pid)
+_by_uuid: dict = {}
+_swept = [0.0]
+_born: dict = {}  # pid -> its start time (this process's, cached; a fork has a new pid)
+
+
+def _forget_dead_exporters_locked() -> None:
+    now = time.monotonic()
+    if now - _swept[0] < 1.0:
+        return
+    _swept[0] = now
+    for cache in (_recent, _events):
+        for key, (_, pid) in list(cache.items()):
+            if not _alive(pid, 0):
+                del cache[key]
+
+
+def _remember_locked(cache, key, value, pid, limit) -> None:
+    cache[key] = (value, pid)
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
+class _Import:
+    """Kept by the imported views' tokens and by every lease of them: when it dies, the
+    importer is done and the exporter's slot says so."""
+
+    __slots__ = ("mapping", "mm", "fd", "off", "generation", "__weakref__")
+
+    def __del__(self):
+        try:
+            with _SlotLock(self.fd, self.off):
+                if _SLOT.unpack_from(self.mm, self.off)[:2] == (OPEN, self.generation):
+                    struct.pack_into("<I", self.mm, self.off, RELEASED)
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+
+
+def _device_of(handle):
+    d = _by_uuid.get(handle.device_uuid)
+    if d is not None:
+        return d
+    from .device import Device
+    from .backends.cuda import device_count
+    for i in range(device_count()):
+        d = Device(i)
+        _by_uuid[d.uuid] = d
+        if d.uuid == handle.device_uuid:
+            return d
+    raise SharedMemError(f"cannot open {handle!r}: its device ({handle.device_uuid}) is not "
+                         f"visible in this process (CUDA_VISIBLE_DEVICES?)")
+
+
+def _slots_file(path: str):
+    """``(mmap, fd)`` of an exporter's slot file (opened once per process)."""
+    got = _opened.get(path)
+    if got is None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise SharedMemError(f"cannot open a CUDA IPC handle: its exporter's slot file "
+                                 f"{path} is gone (the exporter exited?)") from None
+        try:
+            got = _opened[path] = (mmap.mmap(fd, SLOTS * _SLOT.size), fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    return got
+
+
+def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
+    """Open an export made by another process: a Buffer or Tensor of the same bytes,
+    zero-copy, on the device with the exporter's UUID. ``stream``: the stream that waits for
+    the exporter's writes (default: that device's current stream). Raises SharedMemError for
+    a handle opened before, revoked, or whose exporter is gone."""
+    from .allocation import import_allocation
+    from .buffer import new_buffer
+    from .stream import resolve_stream
+    from .tensor import new_tensor
+    if not isinstance(handle, IpcHandle):
+        raise TypeError(f"sm.ipc.open takes an IpcHandle (IpcExport.handle), got "
+                        f"{type(handle).__name__}")
+    if handle.exporter_pid == os.getpid():
+        raise SharedMemError(f"{handle!r} was exported by this process: use the view itself "
+                             f"(CUDA IPC handles open in other processes)")
+    dev = _device_of(handle)
+    me = os.getpid()
+    born = _born.get(me)
+    if born is None:
+        born = _born[me] = max(_start_time(me), 0)
+    with _opened_lock:
+        mm, fd = _slots_file(handle.slots)
+        off = handle.slot * _SLOT.size
+        with _SlotLock(fd, off):
+            state, gen, *_ = _SLOT.unpack_from(mm, off)
+            if gen != handle.generation or state != EXPORTED:
+                why = {OPEN: "it was opened already (a handle opens once)",
+                       RELEASED: "it was opened and released already"}.get(
+                    state if gen == handle.generation else -1,
+                    "the export ended (revoked, or released)")
+                raise SharedMemError(f"cannot open {handle!r}: {why}")
+            _SLOT.pack_into(mm, off, OPEN, gen, me, 0, born)
+    try:
+        backend = dev.backend
+        pid = handle.exporter_pid
+        with _opened_lock:
+            _forget_dead_exporters_locked()
+            key = (dev.key, handle.mem)
+            hit = _recent.get(key)
+            mapping = hit[0] if hit is not None else _mappings.get(key)
+            if mapping is None:
+                mapping = _Mapping.__new__(_Mapping)
+                mapping.backend = backend
+                mapping.base = backend.ipc_open_mem(handle.mem)
+                _mappings[key] = mapping
+            _remember_locked(_recent, key, mapping, pid, CACHED_MAPPINGS)
+            ekey = (dev.key, handle.event)
+            hit = _events.get(ekey)
+            marker = hit[0] if hit is not None else backend.ipc_open_event(handle.event)
+            _remember_locked(_events, ekey, marker, pid, CACHED_EVENTS)
+        imp = _Import.__new__(_Import)
+        imp.mapping, imp.mm, imp.fd, imp.off, imp.generation = mapping, mm, fd, off, gen
+        ptr = mapping.base + handle.offset
+        s = resolve_stream(stream, dev)
+        # (the exporter pools its events: a cached one is re-recorded only for later exports,
+        # after every import of the earlier one ended)
+        with locked():
+            s._impl.wait_marker(marker)
+        alloc = import_allocation(dev, ptr, handle.nbytes, "CUDA IPC",
+                                  (mapping.base, handle.region[1]))
+        start = ptr - alloc.ptr
+        tok = alloc.new_token("CUDA IPC import", start, start + handle.nbytes, handle.writable,
+                              imp)
+    except BaseException:
+        with _SlotLock(fd, off):
+            _SLOT.pack_into(mm, off, EXPORTED, gen, 0, 0, 0)  # nothing changed: open it again
+        raise
+    dtype = np.dtype(handle.dtype)
+    if handle.kind == "tensor":
+        return new_tensor(tok, dtype, handle.shape, handle.strides, start + handle.first)
+    return new_buffer(tok, dtype, handle.shape[0])
+
+
+def _after_fork_child() -> None:
+    """A forked child shares none of its parent's exports (it did not make them)."""
+    global _thread
+    _exports.clear()
+    _files.clear()
+    _free.clear()
+    _recent.clear()
+    _events.clear()
+    _thread = None
+
+
+at_fork_child(_after_fork_child, 1)

@@ -1,0 +1,186 @@
+"""Several CUDA devices in one process (#18), on the fake driver: peer access, cross-device
+launches (the wait, the lease on the launching stream, the memory kept until both devices are
+done), copies between devices, and the context each call runs in. The ordering itself is
+checked on two real GPUs (test_gpu_multi.py)."""
+
+import gc
+import itertools
+import sys
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from conftest import gc_collect_harder
+
+_keys = itertools.count()
+
+
+@pytest.fixture(params=["bindings", "hot"])
+def two(monkeypatch, request):
+    """Two fake CUDA devices: (dev0, dev1, driver)."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult, FakeDriver, FakeHot, fake_cupy
+    drv = FakeDriver()
+    drv.count = 2
+    monkeypatch.setattr(bc, "cu", drv)
+    monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
+    monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
+    monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if request.param == "hot"
+                        else (lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setattr(bc, "_backends", [0])
+    monkeypatch.setattr(bc, "_current", threading.local())
+    devs = []
+    for ordinal in (0, 1):
+        backend = bc.CudaBackend(ordinal)
+        dev = object.__new__(sm.Device)
+        dev._setup("cuda", ordinal, backend.name, ("fake-cuda", next(_keys)), backend)
+        devs.append(dev)
+    yield devs[0], devs[1], drv
+    sm.synchronize()
+    del devs, dev
+    gc_collect_harder()
+
+
+@pytest.fixture
+def saxpy(two):
+    from fake_cuda import RawKernel, array_at
+    _, _, drv = two
+
+    def fn(a, x, y, out, n):
+        array_at(out, n, np.float32)[:] = a * array_at(x, n, np.float32) + array_at(y, n, np.float32)
+
+    code = """extern "C" __global__ void saxpy(float a, const float* x, const float* y, float* out,
+                                              int n) { }"""
+    return RawKernel(drv, "saxpy", ["f", "Q", "Q", "Q", "i"], fn, code)
+
+
+def test_peer_access_is_explicit(two, saxpy):
+    d0, d1, drv = two
+    x = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=d0)
+    out = sm.Buffer.zeros(8, "float32", device=d1)
+    s1 = d1.create_stream("s1")
+    with pytest.raises(sm.DeviceMismatchError,
+                       match=r"argument 1 .* is on <Device cuda:0 Fake GPU>, but the launch runs "
+                             r"on <Device cuda:1 Fake GPU>; copy it there first .*"
+                             r"enable_peer_access\(<Device cuda:0 Fake GPU>\)"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), 8, stream=s1)
+    assert sm.stats().in_flight == 0 and x.is_live  # a failed launch took nothing
+    assert d1.peers == frozenset() and d1.can_access_peer(d0) and d1.can_access_peer(d1)
+    d1.enable_peer_access(d0)
+    d1.enable_peer_access(d0)  # idempotent
+    assert d1.peers == {d0} and d0.peers == frozenset()  # one way
+    assert [c for c in drv.calls if c[0] == "peer"] == [("peer", 0xC1, 0xC0)]  # in d1's context
+    sm.launch(saxpy, 1, 8, 2.0, sm.In(x), sm.In(x), sm.Out(out), 8, stream=s1).result()
+    np.testing.assert_array_equal(out.to_host(), 3 * np.arange(8))
+    with pytest.raises(sm.DeviceMismatchError, match="runs on <Device cuda:0"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), 8)  # d0 cannot use d1's
+
+
+def test_peer_access_refused_where_the_pair_cannot(two):
+    d0, d1, drv = two
+    drv.no_peer.add((1, 0))
+    assert not d1.can_access_peer(d0)
+    with pytest.raises(sm.PeerAccessError, match=r"cuda:1 Fake GPU> cannot access .*cuda:0.*"
+                                                 r"cuDeviceCanAccessPeer says this pair cannot"):
+        d1.enable_peer_access(d0)
+    assert d1.peers == frozenset() and not [c for c in drv.calls if c[0] == "peer"]
+    assert issubclass(sm.PeerAccessError, sm.DeviceMismatchError)
+    with pytest.raises(sm.PeerAccessError, match="peer access joins two CUDA devices"):
+        d1.enable_peer_access(sm.Device.host())
+    assert not sm.Device.host().can_access_peer(d0)
+    with pytest.raises(TypeError, match="expected a sharedmem.Device, got int"):
+        d1.enable_peer_access(0)
+
+
+def test_cross_device_launch_waits_leases_and_keeps_memory(two, saxpy):
+    d0, d1, drv = two
+    d1.enable_peer_access(d0)
+    s0, s1 = d0.create_stream("s0"), d1.create_stream("s1")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=d0, stream=s0)
+    y = sm.Buffer.zeros(8, "float32", device=d0, stream=s0)
+    out = sm.Buffer.zeros(8, "float32", device=d1, stream=s1)
+    sm.synchronize()
+    drv.holding = True  # events recorded from now on stay pending: work "in flight"
+    try:
+        sm.launch(saxpy, 1, 8, 3.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=s0)  # d0 writes y
+        mark = len(drv.calls)
+        f = sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(out), 8, stream=s1)
+        calls = drv.calls[mark:]
+        # s1 waits on an event recorded on s0 (in d0's context) after the write, then launches
+        # in d1's context
+        rec = [c for c in calls if c[0] == "record" and c[2] == s0.handle]
+        wait = [c for c in calls if c[0] == "wait"]
+        assert len(rec) == 1 and wait == [("wait", s1.handle, rec[0][1])]
+        assert drv.ctx_of[rec[0][1]] == 0xC0
+        launch = [c for c in calls if c[0] == "launch"]
+        assert launch[0][2:] == (s1.handle, 0xC1)
+        assert calls.index(wait[0]) < calls.index(launch[0])
+        # the lease on d0's memory is recorded on d1's stream: y outlives its last handle
+        # until the launch on d1 is done
+        yalloc = weakref.ref(y._token.allocation)
+        del y
+        gc.collect()
+        sm.stats()
+        assert yalloc() is not None and not f.done()
+        assert s1.pending == 1
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    f.result()
+    sm.synchronize()
+    gc_collect_harder()
+    assert yalloc() is None
+    np.testing.assert_array_equal(out.to_host(), np.full(8, 5.0))  # y = 3x + x, out = y + x
+
+
+def test_copies_between_devices(two):
+    d0, d1, drv = two
+    a = np.arange(32, dtype=np.int32)
+    b0 = sm.Buffer.from_host(a, device=d0)
+    b1 = b0.to_device(d1)  # no peer access needed for copies
+    assert b1.device is d1 and b1._token.allocation is not b0._token.allocation
+    np.testing.assert_array_equal(b1.to_host(), a)
+    peer = [c for c in drv.calls if c[0] == "peer copy"]
+    assert peer and peer[-1][1:3] == (0xC1, 0xC0)
+    c0 = sm.Buffer.zeros(32, "int32", device=d0)
+    c0.copy_from(b1, stream=d0.create_stream("on d0"))  # the source's device's stream
+    np.testing.assert_array_equal(c0.to_host(), a)
+    t = sm.Tensor.from_host(a.reshape(4, 8), device=d1)
+    u = t[::2].to_device(d0)  # strided: made contiguous on d1 first
+    assert u.device is d0 and u.is_contiguous()
+    np.testing.assert_array_equal(u.to_host(), a.reshape(4, 8)[::2])
+    h = t.to_device(sm.Device.host())
+    np.testing.assert_array_equal(h.to_host(), a.reshape(4, 8))
+    back = h.to_device(d0)
+    np.testing.assert_array_equal(back.to_host(), a.reshape(4, 8))
+    with pytest.raises(sm.DeviceMismatchError, match="runs on a stream of one of them"):
+        b0.to_device(d1, stream=sm.Device.host().create_stream("h"))
+    with pytest.raises(sm.DeviceMismatchError, match="go through the host"):
+        c0.copy_from(h.into_buffer())
+
+
+def test_a_foreign_context_switch_is_seen(two, saxpy):
+    """With several devices, a thread whose current context another library switched still
+    runs each call in the right context."""
+    d0, d1, drv = two
+    s0 = d0.create_stream("s0")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=d0, stream=s0)
+    drv.cuCtxSetCurrent(0xC1)  # as cupy.cuda.Device(1).use() would
+    sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(x), 8, stream=s0).result()
+    drv.cuCtxSetCurrent(0xC1)
+    np.testing.assert_array_equal(x.to_host(), np.full(8, 2.0))
+
+
+def test_cross_device_event_waits(two):
+    d0, d1, drv = two
+    s0, s1 = d0.create_stream("s0"), d1.create_stream("s1")
+    ev = s0.record()
+    s1.wait(ev)
+    assert drv.calls[-1] == ("wait", s1.handle, ev._marker.handle)
+    with pytest.raises(sm.DeviceMismatchError, match="only CUDA devices wait on each other"):
+        sm.Device.host().create_stream("h").wait(ev)

@@ -1,0 +1,180 @@
+"""Pickling views: a host copy (after pending writes) that arrives as a new allocation."""
+
+import multiprocessing
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from host_kernels import slow_fill
+
+DTYPES = ["float32", "float64", "float16", "complex64", "complex128", "bool", "int8", "uint8",
+          "int16", "int32", "int64", "uint64"]
+
+
+def values(n, dtype):
+    a = np.arange(1, n + 1)
+    if np.dtype(dtype) == np.bool_:
+        return a % 3 == 0
+    a = a.astype(dtype)
+    if np.dtype(dtype).kind == "c":
+        a = a + 1j * a[::-1]
+    return a.astype(dtype)
+
+
+def roundtrip(x, protocol=pickle.HIGHEST_PROTOCOL):
+    return pickle.loads(pickle.dumps(x, protocol=protocol))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_buffer_round_trip_exact(host, dtype):
+    a = values(37, dtype)
+    b = sm.Buffer.from_host(a, device=host)
+    r = roundtrip(b)
+    assert type(r) is sm.Buffer and r.dtype == a.dtype and len(r) == 37
+    np.testing.assert_array_equal(r.to_host(), a)
+    assert r.allocation is not b.allocation and r.allocation.id != b.allocation.id
+    assert r.ptr != b.ptr and b.is_live and not r.readonly
+
+
+@pytest.mark.parametrize("protocol", range(0, pickle.HIGHEST_PROTOCOL + 1))
+def test_every_protocol(host, protocol):
+    t = sm.Tensor.from_host(values(12, "float64").reshape(3, 4), device=host)
+    b = sm.Buffer.from_host(values(5, "int8"), device=host)
+    box = sm.DeviceBox(-2.5, "float32", device=host)
+    rt, rb, rbox = pickle.loads(pickle.dumps((t, b, box), protocol=protocol))
+    np.testing.assert_array_equal(rt.to_host(), t.to_host())
+    np.testing.assert_array_equal(rb.to_host(), b.to_host())
+    assert rbox.get() == -2.5 and rbox.dtype == np.float32
+
+
+def test_buffer_slice_arrives_as_its_elements(host):
+    b = sm.Buffer.from_host(np.arange(100, dtype=np.int32), device=host)
+    r = roundtrip(b[10:25])
+    assert len(r) == 15 and r.allocation.nbytes >= 60
+    np.testing.assert_array_equal(r.to_host(), np.arange(10, 25, dtype=np.int32))
+
+
+def test_tensor_round_trip_and_read_only_arrives_writable(host):
+    a = values(24, "float32").reshape(2, 3, 4)
+    t = sm.Tensor.from_host(a, device=host)
+    r = roundtrip(t)
+    assert type(r) is sm.Tensor and r.shape == (2, 3, 4) and r.is_contiguous()
+    np.testing.assert_array_equal(r.to_host(), a)
+    ro = roundtrip(t.as_readonly())
+    assert not ro.readonly  # a copy nobody else holds: an ordinary allocation
+    np.testing.assert_array_equal(ro.to_host(), a)
+
+
+def test_strided_tensor_arrives_contiguous(host):
+    a = values(12, "int16")
+    buf = sm.Buffer.from_host(a, device=host)
+    t = sm.Tensor.from_buffer(buf, (4, 3), strides=(1, 4))  # the transpose of a 3x4
+    assert not t.is_contiguous()
+    r = roundtrip(t)
+    assert r.shape == (4, 3) and r.strides == (3, 1) and r.is_contiguous()
+    np.testing.assert_array_equal(r.to_host(), a.reshape(3, 4).T)
+
+
+def test_zero_size_and_zero_d(host):
+    for shape in [(0,), (3, 0), ()]:
+        a = np.zeros(shape, np.float32) + 7
+        r = roundtrip(sm.Tensor.from_buffer(sm.Buffer.from_host(a.reshape(-1), device=host),
+                                            shape))
+        assert r.shape == shape
+        np.testing.assert_array_equal(r.to_host(), a)
+    r = roundtrip(sm.Buffer.empty(0, "complex64", device=host))
+    assert len(r) == 0 and r.dtype == np.complex64
+
+
+def test_device_box(host):
+    for value, dtype in [(3, "int64"), (1.5, "float16"), (True, "bool"), (2 - 1j, "complex64")]:
+        box = sm.DeviceBox(value, dtype, device=host)
+        r = roundtrip(box)
+        assert type(r) is sm.DeviceBox and r.dtype == np.dtype(dtype) and r.get() == value
+        assert r.buffer.allocation is not box.buffer.allocation
+
+
+def test_protocol5_buffers_go_out_of_band(host):
+    a = np.arange(100_000, dtype=np.float64)
+    t = sm.Tensor.from_host(a.reshape(1000, 100), device=host)
+    bufs = []
+    payload = pickle.dumps(t, protocol=5, buffer_callback=bufs.append)
+    assert len(bufs) == 1 and isinstance(bufs[0], pickle.PickleBuffer)
+    assert bufs[0].raw().nbytes == a.nbytes
+    assert len(payload) < 500  # the values are not in the stream
+    r = pickle.loads(payload, buffers=bufs)
+    np.testing.assert_array_equal(r.to_host(), a.reshape(1000, 100))
+    # in band, the same payload holds them
+    assert len(pickle.dumps(t, protocol=5)) > a.nbytes
+
+
+def test_pending_writes_on_another_stream_are_waited_for(host, settled):
+    s = host.create_stream()
+    t = sm.Tensor.zeros((64, 8), "float32", device=host)
+    sm.launch(slow_fill, 1, 1, sm.Out(t), 9.0, 0.3, stream=s)  # still writing when pickled
+    r = roundtrip(t)
+    np.testing.assert_array_equal(r.to_host(), np.full((64, 8), 9.0, np.float32))
+    b = sm.Buffer.zeros(10, "int32", device=host)
+    sm.launch(slow_fill, 1, 1, sm.Out(b), 4, 0.2, stream=s)
+    data = pickle.dumps(b)
+    np.testing.assert_array_equal(pickle.loads(data).to_host(), np.full(10, 4, np.int32))
+
+
+def test_moved_and_released_views_raise(host):
+    b = sm.Buffer.from_host(np.arange(6, dtype=np.float32), device=host)
+    t = sm.Tensor.from_buffer(b, (2, 3))
+    with pytest.raises(sm.MovedError):
+        pickle.dumps(b)
+    with pytest.raises(sm.MovedError):
+        pickle.dumps(_box_of(b))  # a box whose buffer was moved
+    t.release()
+    with pytest.raises(sm.ReleasedError):
+        pickle.dumps(t, protocol=2)
+
+
+def _box_of(buf):
+    box = sm.DeviceBox.__new__(sm.DeviceBox)
+    box.buffer = buf
+    return box
+
+
+def test_streams_events_futures_refuse_with_advice(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    fut = b.fill_zero(s)
+    for obj in [s, host.default_stream, s.record(), fut, fut.then(lambda _: 1), b.allocation]:
+        with pytest.raises(TypeError, match=r"cannot pickle a sharedmem \w+: .*Send the data "
+                                            r"instead \(Buffer, Tensor and DeviceBox pickle"):
+            pickle.dumps(obj)
+    assert pickle.loads(pickle.dumps(host)) is host  # devices pickle by ordinal
+    fut.result(5)
+
+
+def _child_sum(payload):
+    # a fresh interpreter: imports sharedmem, unpickles on its own default device
+    import sharedmem as sm_child
+    t = pickle.loads(payload)
+    assert isinstance(t, sm_child.Tensor)
+    return t.shape, str(t.dtype), t.to_host().tolist(), str(t.device)
+
+
+def test_through_a_spawned_process(host):
+    a = values(20, "float32").reshape(4, 5)
+    t = sm.Tensor.from_host(a, device=host)
+    ctx = multiprocessing.get_context("spawn")
+    env_backup = os.environ.get("SHAREDMEM_BACKEND")
+    os.environ["SHAREDMEM_BACKEND"] = "host"
+    try:
+        with ctx.Pool(1) as pool:
+            shape, dtype, got, dev = pool.apply(_child_sum, (pickle.dumps(t, protocol=5),))
+    finally:
+        if env_backup is None:
+            del os.environ["SHAREDMEM_BACKEND"]
+        else:
+            os.environ["SHAREDMEM_BACKEND"] = env_backup
+    assert shape == (4, 5) and dtype == "float32" and dev == "<Device host>"
+    np.testing.assert_array_equal(np.array(got, np.float32), a)

@@ -1,0 +1,142 @@
+"""Tensor views and copies (#16): first-axis indexing, reshape, copy() and contiguous().
+
+Views share the allocation and hold their own token (moves see them as aliases); copies are
+new allocations holding the values in logical order, on the host backend and through the CUDA
+backend's 2-D copies (fake driver here; exact values on the H200 in test_gpu_cuda.py).
+"""
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from sharedmem.backends import copy_pieces
+from sharedmem.errors import AliasError, LayoutError, MovedError
+
+from test_cuda_backend_fake import fake  # noqa: F401  (the fake CUDA device fixture)
+
+
+def _t(shape, dtype=np.float32, device=None):
+    a = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+    return a, sm.Tensor.from_host(a, device=device)
+
+
+def test_first_axis_index_and_slices_are_views():
+    a, t = _t((4, 6))
+    row = t[2]
+    assert row.shape == (6,) and row.ptr == t.ptr + 2 * 6 * 4
+    np.testing.assert_array_equal(row.to_host(), a[2])
+    np.testing.assert_array_equal(t[-1].to_host(), a[-1])
+    np.testing.assert_array_equal(t[1:3].to_host(), a[1:3])
+    every = t[::2]
+    assert every.strides == (12, 1) and not every.is_contiguous()
+    np.testing.assert_array_equal(every.to_host(), a[::2])
+    assert t[4:].shape == (0, 6) and t[4:].to_host().shape == (0, 6)
+    np.testing.assert_array_equal(t[1,].to_host(), a[1])
+    assert every._token.allocation is t._token.allocation
+
+
+def test_views_are_aliases_for_moves():
+    _, t = _t((4, 6))
+    row = t[1]
+    with pytest.raises(AliasError, match=r"tensor view, bytes \[24, 48\) of allocation"):
+        t.into_buffer()
+    assert t.is_live and row.is_live  # nothing changed
+    del row
+    b = t.into_buffer()
+    assert len(b) == 24
+    with pytest.raises(MovedError):
+        t[0]
+
+
+def test_bad_indices():
+    _, t = _t((4, 6))
+    with pytest.raises(IndexError, match="index 4 is out of bounds for the first axis of size 4"):
+        t[4]
+    with pytest.raises(IndexError, match="out of bounds"):
+        t[-5]
+    with pytest.raises(LayoutError, match="positive step"):
+        t[::-1]
+    with pytest.raises(TypeError, match="an int or a slice of the first axis, got tuple"):
+        t[1, 2]
+    with pytest.raises(TypeError, match="got float"):
+        t[1.0]
+    with pytest.raises(TypeError, match="got bool"):
+        t[True]
+    with pytest.raises(IndexError, match="0-d tensor"):
+        t.reshape(24)[3].reshape(())[0]
+
+
+def test_reshape():
+    a, t = _t((4, 6))
+    r = t.reshape(2, -1, 3)
+    assert r.shape == (2, 4, 3) and r.ptr == t.ptr and r.is_contiguous()
+    np.testing.assert_array_equal(r.to_host(), a.reshape(2, 4, 3))
+    assert t.reshape((3, 8)).shape == (3, 8) and t.reshape([24]).shape == (24,)
+    assert t[1].reshape(2, 3).ptr == t.ptr + 24
+    with pytest.raises(LayoutError, match=r"\(24 elements\) to \(5, 5\) \(25 elements\)"):
+        t.reshape(5, 5)
+    with pytest.raises(LayoutError, match="only one size can be -1"):
+        t.reshape(-1, -1)
+    with pytest.raises(LayoutError, match="cannot reshape"):
+        t.reshape(-1, 5)
+    with pytest.raises(LayoutError, match=r"reshape needs a C-contiguous tensor.*contiguous\(\)"):
+        t[::2].reshape(12)
+    with pytest.raises(TypeError, match="shape must be"):
+        t.reshape(2.0, 12)
+
+
+def test_copy_and_contiguous_host():
+    a, t = _t((3, 4, 5), np.int16)
+    s = t[::2]
+    c = s.copy()
+    assert c.is_contiguous() and c._token.allocation is not t._token.allocation
+    np.testing.assert_array_equal(c.to_host(), a[::2])
+    assert t.contiguous() is t
+    d = s.contiguous()
+    assert d is not s and d.strides == (20, 5, 1)
+    np.testing.assert_array_equal(d.to_host(), a[::2])
+    # the copy is a value copy: later writes to the source do not show
+    with t.as_buffer() as b:
+        b.fill_zero()
+    np.testing.assert_array_equal(c.to_host(), a[::2])
+    assert t[3:].copy().shape == (0, 4, 5)
+
+
+def test_copy_waits_for_pending_writes_on_another_stream():
+    import time
+    from host_kernels import slow_fill
+    s1, s2 = sm.Device.host().create_stream("w"), sm.Device.host().create_stream("r")
+    t = sm.Tensor.zeros((8, 8), "float32", device=sm.Device.host())
+    with t.as_buffer() as b:
+        sm.launch(slow_fill, 1, 1, sm.Out(b), 3.0, 0.05, stream=s1)
+    c = t[::2].copy(stream=s2)
+    np.testing.assert_array_equal(c.to_host(), np.full((4, 8), 3.0))
+
+
+@pytest.mark.parametrize("shape,strides", [
+    ((3, 4), (4, 1)), ((3, 4), (1, 3)), ((2, 3, 4), (24, 4, 1)), ((2, 3, 4), (12, 1, 3)),
+    ((5,), (3,)), ((2, 1, 3), (6, 99, 2)), ((4, 0), (1, 1)), ((), ()),
+])
+def test_copy_pieces_match_numpy(shape, strides):
+    src = np.arange(200, dtype=np.float64)
+    view = np.lib.stride_tricks.as_strided(src, shape, tuple(8 * s for s in strides))
+    width, height, pitch, pieces = copy_pieces(shape, tuple(8 * s for s in strides), 8)
+    raw, out = src.view(np.uint8), np.zeros(view.size * 8, np.uint8)
+    for so, do in pieces:
+        for r in range(height):
+            out[do + r * width: do + (r + 1) * width] = raw[so + r * pitch: so + r * pitch + width]
+    np.testing.assert_array_equal(out.view(np.float64), view.ravel())
+
+
+def test_copy_strided_fake_cuda(fake):  # noqa: F811
+    dev, drv = fake
+    a = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+    b = sm.Buffer.from_host(a.ravel(), device=dev)
+    t = sm.Tensor.from_buffer(b, (8, 6), strides=(1, 8))  # the transpose
+    c = t.copy()
+    np.testing.assert_array_equal(c.to_host(), a.T)
+    d = t[1::3].contiguous()
+    np.testing.assert_array_equal(d.to_host(), a.T[1::3])
+    e = c[2:5].copy()
+    np.testing.assert_array_equal(e.to_host(), a.T[2:5])
+    sm.synchronize()
