@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "Cython>=3.0" setuptools
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,dask]'
 	@touch $(STAMP)
 
 # The compiled core, rebuilt in place when a source changed (cythonize skips what is current)
@@ -30,13 +30,9 @@ demo: build
 	$(VPY) examples/pipeline.py
 	$(VPY) examples/mixed_pipeline.py
 
-# Tensors passed between two Dask worker processes (LocalCluster); installs the dask extra once.
-DASK_STAMP := $(VENV)/.dask-installed
-$(DASK_STAMP): $(STAMP)
-	$(VPY) -m pip install -q -e '.[test,dask]'
-	@touch $(DASK_STAMP)
-
-dask-demo: build $(DASK_STAMP)
+# Tensors passed between two Dask worker processes (LocalCluster; the dask extra is part of
+# the development install above).
+dask-demo: build
 	$(VPY) examples/dask_pipeline.py
 
 stress: build
@@ -95,12 +91,14 @@ gpu-wheels:
 	  -d $(GPU_WHEELS) $(GPU_WHEEL_PKGS)
 	@du -sh $(GPU_WHEELS); ls $(GPU_WHEELS)
 
-# On the GPU machine: install the carried wheels, then the Dask tests and the Dask example.
+# On the GPU machine: install the carried wheels, then the Dask tests, the Dask example and the
+# transfer benchmark (a sharedmem Tensor against a CuPy array through the same cluster).
 gpu-dask: speedups
 	$(PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) dask distributed
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) -m pytest -q -rs tests/test_gpu_dask.py tests/test_dask.py \
 	  tests/test_pickle.py
 	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) examples/dask_pipeline.py
+	PYTHONPATH=.:$$PYTHONPATH $(PYTHON) benchmarks/dask_transfer.py
 
 # The GPU tests under compute-sanitizer's memcheck (on the GPU machine; kernels that fault on
 # purpose are left out). API errors are not reported: cuda.bindings and CuPy probe the driver

@@ -64,12 +64,17 @@ def test_peer_access_is_explicit(two, saxpy):
     x = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=d0)
     out = sm.Buffer.zeros(8, "float32", device=d1)
     s1 = d1.create_stream("s1")
+    sm.synchronize()
+    submitted = sm.stats().submitted
     with pytest.raises(sm.DeviceMismatchError,
                        match=r"argument 1 .* is on <Device cuda:0 Fake GPU>, but the launch runs "
                              r"on <Device cuda:1 Fake GPU>; copy it there first .*"
                              r"enable_peer_access\(<Device cuda:0 Fake GPU>\)"):
         sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), 8, stream=s1)
-    assert sm.stats().in_flight == 0 and x.is_live  # a failed launch took nothing
+    # a failed launch took nothing (counted against this test's own start: earlier tests may
+    # keep work whose completion is unknown)
+    assert sm.stats().submitted == submitted and x.is_live
+    assert not x.allocation.tracker and not out.allocation.tracker
     assert d1.peers == frozenset() and d1.can_access_peer(d0) and d1.can_access_peer(d1)
     d1.enable_peer_access(d0)
     d1.enable_peer_access(d0)  # idempotent
