@@ -35,8 +35,10 @@ demo: build
 dask-demo: build
 	$(VPY) examples/dask_pipeline.py
 
+# The long runs: the stress test at full size and the ownership model with 300 programs.
 stress: build
-	SHAREDMEM_STRESS_FULL=1 $(VPY) -m pytest -q tests/test_stress.py -p no:randomly -s
+	SHAREDMEM_STRESS_FULL=1 SHAREDMEM_MODEL=full $(VPY) -m pytest -q tests/test_stress.py \
+	  tests/test_model.py -p no:randomly -s
 
 bench: build
 	$(VPY) benchmarks/run.py

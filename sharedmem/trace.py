@@ -9,6 +9,12 @@ host saw it -- not the kernel's run time on the device; a profiler such as Nsigh
 shows that), an arrow-free marker for each wait on another stream's work, and the leased
 byte ranges in each slice's arguments.
 
+NVTX: where the ``nvtx`` package is installed (``pip install nvtx``), the same block also
+emits NVTX ranges in the ``sharedmem`` domain -- one per submission, started when it is
+submitted and ended when it retires, named by its label (the kernel, the copy, the hold) --
+so Nsight Systems shows sharedmem's work beside the kernels it ran. ``sm.trace(nvtx=True)``
+without a path records NVTX ranges only; ``nvtx=False`` turns them off.
+
 Cost: nothing while no trace is active (one pointer test per submission); while one is,
 a few microseconds per submission. One trace at a time per process.
 """
@@ -19,20 +25,43 @@ import json
 import threading
 import time
 
-from .errors import SharedMemError
+from .errors import BackendUnavailableError, SharedMemError
 from .runtime.state import RUNTIME, locked, log
 
 __all__ = ["trace"]
 
 
+def _nvtx_module(want):
+    """The ``nvtx`` module for ``trace(nvtx=want)``: None when not wanted, or not installed
+    and not asked for explicitly."""
+    if want is False:
+        return None
+    try:
+        import nvtx
+    except ImportError:
+        if want:
+            raise BackendUnavailableError("sm.trace(nvtx=True) needs the nvtx package: "
+                                          "pip install nvtx (or leave nvtx=None: ranges "
+                                          "where it is installed)") from None
+        return None
+    return nvtx
+
+
 class trace:
     """Record a timeline while the ``with`` block runs and write it to ``path`` (Chrome
-    trace JSON; open it in https://ui.perfetto.dev). ``events`` holds the recorded
+    trace JSON; open it in https://ui.perfetto.dev), and emit NVTX ranges for Nsight Systems
+    where the ``nvtx`` package is installed (``nvtx``: None = where installed, True = required,
+    False = off; a path of None with NVTX on writes no file). ``events`` holds the recorded
     events once the block has ended. See the module docstring for what a slice means."""
 
-    def __init__(self, path):
+    def __init__(self, path=None, *, nvtx=None):
+        self._nvtx = _nvtx_module(nvtx)
+        if path is None and self._nvtx is None:
+            raise TypeError("sm.trace needs a path for its JSON timeline, or nvtx=True "
+                            "(NVTX ranges only)")
         self.path = path
         self.events = []
+        self._ranges = {}  # id(submission) -> NVTX range, until it retires (guarded by _lock)
         self._subs = {}  # id(submission) -> event dict, until it retires
         self._tids = {}  # stream -> track id
         self._lock = threading.Lock()  # guards _subs, _tids, events (a leaf lock)
@@ -59,10 +88,16 @@ class trace:
                 ev["args"]["state"] = "in flight at the end of the trace"
                 self.events.append(ev)
             self._subs.clear()
+            ranges, self._ranges = self._ranges, {}
             meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
                      "args": {"name": str(stream)}} for stream, tid in self._tids.items()]
             self._tids.clear()
             self.events = meta + sorted(self.events, key=lambda e: e["ts"])
+        if self._nvtx is not None:  # still in flight: the range ends with the trace
+            for r in ranges.values():
+                self._nvtx.end_range(r)
+        if self.path is None:
+            return
         with open(self.path, "w") as f:
             json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
                        "otherData": {"producer": "sharedmem.trace"}}, f)
@@ -87,6 +122,9 @@ class trace:
             self._subs[id(sub)] = {"ph": "X", "name": sub.label, "cat": "submission", "pid": 0,
                                    "tid": tid, "ts": ts,
                                    "args": {"seq": sub.seq, "leases": leases}}
+            if self._nvtx is not None:
+                self._ranges[id(sub)] = self._nvtx.start_range(
+                    message=f"{sub.label} on {sub.stream}", domain="sharedmem")
             if waits:
                 for other, (seq, _marker) in waits.items():
                     self.events.append({"ph": "i", "s": "t", "cat": "wait", "pid": 0,
@@ -99,6 +137,10 @@ class trace:
         with self._lock:
             for sub in subs:
                 ev = self._subs.pop(id(sub), None)
+                if self._nvtx is not None:
+                    r = self._ranges.pop(id(sub), None)
+                    if r is not None:
+                        self._nvtx.end_range(r)
                 if ev is not None:
                     ev["dur"] = max(0.0, now - ev["ts"])
                     ev["args"]["state"] = ("pending", "retired", "completion unknown")[sub.state]

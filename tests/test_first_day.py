@@ -308,3 +308,71 @@ def test_trace_records_a_consumers_lease_and_the_logger_is_silent_by_default(hos
         sm.synchronize()
     names = [e["name"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert any(n.startswith("use declared on <Stream consumer") for n in names), names
+
+
+class _FakeNvtx:
+    """Records what sm.trace asks of the nvtx package (start_range -> a handle, end_range)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def start_range(self, message=None, color=None, domain=None, category=None, payload=None):
+        self.calls.append(("start", message, domain))
+        return len(self.calls)
+
+    def end_range(self, range_id):
+        self.calls.append(("end", range_id))
+
+
+def test_trace_emits_one_nvtx_range_per_submission_from_submit_to_retirement(host, monkeypatch,
+                                                                             tmp_path):
+    import sys
+    fake = _FakeNvtx()
+    monkeypatch.setitem(sys.modules, "nvtx", fake)
+    s = host.create_stream("nv")
+    x = sm.Buffer.zeros(8, "float32", device=host, stream=s)
+    gate = threading.Event()
+    def slow(v):
+        gate.wait(5)
+    slow = sm.host_kernel(slow)
+    sm.synchronize()
+    label = slow.__qualname__
+    with sm.trace(nvtx=True) as tr:  # NVTX only: no file
+        fut = sm.launch(slow, 1, 1, sm.In(x), stream=s)
+        assert fake.calls == [("start", f"host kernel {label} on {s}", "sharedmem")]
+        gate.set()
+        fut.result(5)
+        sm.synchronize()
+        assert fake.calls == [("start", f"host kernel {label} on {s}", "sharedmem"), ("end", 1)]
+        gate.clear()
+        sm.launch(slow, 1, 1, sm.In(x), stream=s)  # still running when the block ends
+    assert fake.calls[2:] == [("start", f"host kernel {label} on {s}", "sharedmem"), ("end", 3)]
+    gate.set()
+    sm.synchronize()
+    assert len(fake.calls) == 4  # its retirement after the trace ended emits nothing more
+    assert tr.path is None and not (tmp_path / "None").exists()
+    # nvtx=None (the default): ranges where nvtx is installed, beside the JSON file
+    with sm.trace(tmp_path / "both.json"):
+        sm.launch(slow, 1, 1, sm.In(x), stream=s).result(5)
+        sm.synchronize()
+    assert [c[0] for c in fake.calls[4:]] == ["start", "end"]
+    assert (tmp_path / "both.json").exists()
+    with sm.trace(tmp_path / "json-only.json", nvtx=False):
+        sm.launch(slow, 1, 1, sm.In(x), stream=s).result(5)
+        sm.synchronize()
+    assert len(fake.calls) == 6
+
+
+def test_trace_without_nvtx_installed(host, monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx raises ImportError
+    with pytest.raises(sm.BackendUnavailableError,
+                       match=r"^sm\.trace\(nvtx=True\) needs the nvtx package: pip install nvtx"):
+        sm.trace(nvtx=True)
+    with pytest.raises(TypeError, match=r"^sm\.trace needs a path for its JSON timeline, or "
+                                        r"nvtx=True \(NVTX ranges only\)$"):
+        sm.trace()
+    with sm.trace(tmp_path / "t.json"):  # nvtx=None without the package: the JSON file only
+        sm.Buffer.zeros(4, device=host)
+        sm.synchronize()
+    assert (tmp_path / "t.json").exists()

@@ -9,6 +9,7 @@ stream of its own, so the model also predicts every AccessConflictError.
 """
 
 import gc
+import os
 import threading
 import weakref
 
@@ -322,6 +323,14 @@ def _checker(x, tag, corrupt, gate):
         x[:] = tag
 
 
+# How many random programs: the "quick" profile by default (make test, CI: a few seconds),
+# "full" for a thorough run (SHAREDMEM_MODEL=full make test; make stress sets it too), or a
+# number (SHAREDMEM_MODEL=1000).
+MODEL_PROFILES = {"quick": 40, "full": 300}
+_model = os.environ.get("SHAREDMEM_MODEL", "quick")
+MODEL_EXAMPLES = MODEL_PROFILES[_model] if _model in MODEL_PROFILES else int(_model)
+
 TestOwnershipModel = OwnershipMachine.TestCase
-TestOwnershipModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+TestOwnershipModel.settings = settings(max_examples=MODEL_EXAMPLES, stateful_step_count=40,
+                                       deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
