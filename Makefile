@@ -7,7 +7,7 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: build test demo dask-demo stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize \
+.PHONY: build test demo dask-demo wheel-check stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize \
         gpu-wheels gpu-dask clean
 
 $(STAMP): pyproject.toml setup.py
@@ -36,6 +36,25 @@ dask-demo: build
 	$(VPY) examples/dask_pipeline.py
 
 # The long runs: the stress test at full size and the ownership model with 300 programs.
+# What a user gets from the wheel: built here, installed with the dask extra into a fresh venv,
+# then the README example and every example run from a directory outside the checkout (so
+# `import sharedmem` finds the installed, compiled package).
+WHEEL_DIR ?= /tmp/sharedmem-wheel-check
+wheel-check:
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)/dist
+	$(PYTHON) -m pip wheel -q --no-deps -w $(WHEEL_DIR)/dist .
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	whl=$$(ls $(WHEEL_DIR)/dist/sharedmem_gpu-*.whl) && \
+	  $(WHEEL_DIR)/venv/bin/pip install -q "$$whl[dask]"
+	cp -r examples $(WHEEL_DIR)/
+	$(PYTHON) -c "import re,sys; print(re.search(r'\x60\x60\x60python\n(.*?)\x60\x60\x60', \
+	  open('README.md').read(), re.S).group(1))" > $(WHEEL_DIR)/readme_example.py
+	cd $(WHEEL_DIR) && venv/bin/python -c "import sharedmem as sm, sys; \
+	  c = sm.show_config(open('/dev/null', 'w')); print('sharedmem from', sm.__file__, '-', c['core']); \
+	  sys.exit('site-packages' not in sm.__file__)" && \
+	  for f in readme_example.py examples/*.py; do echo "== $$f"; venv/bin/python $$f || exit 1; done
+	@echo "wheel-check: the README example and every example ran from the installed wheel"
+
 stress: build
 	SHAREDMEM_STRESS_FULL=1 SHAREDMEM_MODEL=full $(VPY) -m pytest -q tests/test_stress.py \
 	  tests/test_model.py -p no:randomly -s

@@ -351,10 +351,28 @@ def end_holds_locked(tok) -> None:
         if tok.start >= tok.stop:
             continue
         try:
-            marker = fresh_marker_locked(stream, True)
+            marker = joined_marker_locked(stream)
         except CompletionUnknownError as e:
             marker = FailedMarker(e)
         lease_locked(stream, [(tok, writes)], [tok.keep], f"end of a {tok.kind} hold", marker)
+
+
+def joined_marker_locked(stream):
+    """A marker reached once everything given to ``stream`` so far has finished, for work
+    sharedmem did not enqueue (a hold's end): the stream's open marker where the backend
+    batches them -- recorded later, at the batch's end or when first asked, so after this
+    point: the lease may last a little longer, never shorter -- else one recorded now (a
+    capturing stream: its captured work runs later). A hold's end so costs no driver call.
+    Caller holds core_lock. Raises CompletionUnknownError where recording failed."""
+    impl = stream._impl
+    if getattr(impl, "capturing", False):
+        return fresh_marker_locked(stream, True)
+    try:
+        return stream.device.backend.submit_marker(impl)
+    except Exception as e:
+        raise CompletionUnknownError(
+            f"cannot order after the work on {stream}: recording an event on it failed ({e!r}). "
+            f"Was the consumer's stream destroyed while its hold was open?") from e
 
 
 RUNTIME.end_holds = end_holds_locked
