@@ -38,6 +38,7 @@ cdef class View:
     cdef public ViewToken _token
     cdef public int _state
     cdef public object _moved_to, _derived
+    cdef public long long _dead_id
     cdef public ViewToken _export
     cdef public Py_ssize_t _offset
     cdef object __weakref__
@@ -46,7 +47,7 @@ cdef class View:
     cpdef ViewToken _live_token(self)
     cpdef _raise_dead(self)
 
-    @cython.locals(tok=ViewToken, rt=Runtime, others=list, settled=bint)
+    @cython.locals(tok=ViewToken, rt=Runtime, others=list, settled=bint, alloc=Allocation)
     cpdef ViewToken _move_token(self, str target_kind, str target_name)
 
 @cython.locals(rt=Runtime)

@@ -412,7 +412,9 @@ class View:
     launch path reads the device address as ``allocation.ptr + _offset``).
     """
 
-    __slots__ = ("_token", "_state", "_moved_to", "_derived", "_export", "_offset",
+    # _moved_to: the kind a MOVED handle was moved into ("Tensor", "Buffer"); _dead_id: the
+    # allocation number of a moved or released handle, for its errors (0: unknown)
+    __slots__ = ("_token", "_state", "_moved_to", "_dead_id", "_derived", "_export", "_offset",
                  "__weakref__")
 
     _kind = "view"
@@ -421,6 +423,7 @@ class View:
         self._token = token
         self._state = _LIVE
         self._moved_to = None
+        self._dead_id = 0
         self._derived = None  # see _derived_value
         self._export = None  # see _object_hold; guarded by core_lock
         self._offset = offset
@@ -468,11 +471,11 @@ class View:
 
     def _raise_dead(self):
         name = type(self).__name__
-        which = f" (allocation #{self._moved_to[1]})" if self._moved_to else ""
+        which = f" (allocation #{self._dead_id})" if self._dead_id else ""
         if self._state == _MOVED:
             raise MovedError(
-                f"this {name}{which} was moved into a {self._moved_to[0]} and can no longer be "
-                f"used; use the {self._moved_to[0]} the move returned")
+                f"this {name}{which} was moved into a {self._moved_to} and can no longer be "
+                f"used; use the {self._moved_to} the move returned")
         raise ReleasedError(
             f"this {name}{which} was released and can no longer be used; keep a live view "
             f"(or make a new one) instead")
@@ -508,7 +511,8 @@ class View:
         if self._state == _LIVE:
             tok = self._token
             self._state = _RELEASED
-            self._moved_to = ("", tok.allocation.id) if tok is not None else None
+            if tok is not None:
+                self._dead_id = tok.allocation.id
             self._token = None
             tok.release()
 
@@ -602,11 +606,18 @@ class View:
             try:
                 if self._state != _LIVE:
                     self._raise_dead()
-                others = tok.allocation.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
+                alloc = tok.allocation
+                # (tok is live, so it is among the allocation's views: the only one, or an
+                # empty range, means no alias -- decided without a call or a list)
+                if tok.start >= tok.stop or len(alloc._views) == 1:
+                    others = None
+                else:
+                    others = alloc.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
                 if not others:
                     tok.kind = target_kind
                     self._state = _MOVED
-                    self._moved_to = (target_name, tok.allocation.id)
+                    self._moved_to = target_name
+                    self._dead_id = alloc.id
                     self._token = None  # a moved-from handle keeps nothing alive
                     return tok
                 if settled:

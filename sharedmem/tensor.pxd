@@ -1,7 +1,7 @@
 # Declarations for the compiled build of tensor.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.allocation cimport View, ViewToken
-from sharedmem.buffer cimport Buffer
+from sharedmem.buffer cimport Buffer, new_buffer
 
 cdef class Tensor(View):
     cdef public object _dtype
@@ -9,9 +9,14 @@ cdef class Tensor(View):
     cdef public Py_ssize_t _size
     cdef public bint _contiguous
 
-    @cython.locals(tok=ViewToken, start=Py_ssize_t, stop=Py_ssize_t, nbytes=Py_ssize_t)
     cpdef tuple _dense_range(self, str what)
+
+    @cython.locals(tok=ViewToken, start=Py_ssize_t, stop=Py_ssize_t, nbytes=Py_ssize_t)
+    cpdef _check_dense(self, str what)
 
 @cython.locals(self=Tensor)
 cpdef Tensor new_tensor(ViewToken token, object dtype, tuple shape, tuple strides,
                         Py_ssize_t offset, Py_ssize_t size=*, int contiguous=*)
+
+@cython.locals(cacheable=bint, n=object, hit=tuple)
+cpdef tuple c_layout(object shape)

@@ -81,7 +81,12 @@ def c_layout(shape):
     ints), validated; cached per shape, so a move to the same shape again is a lookup."""
     # Only tuples of exact ints are cached: (2.0, 3) and (True, 3) compare equal to
     # (2, 3) and must still be refused by _shape.
-    cacheable = type(shape) is tuple and all(type(n) is int for n in shape)
+    cacheable = type(shape) is tuple
+    if cacheable:
+        for n in shape:  # (a loop, not all(...): no generator when compiled)
+            if type(n) is not int:
+                cacheable = False
+                break
     if cacheable:
         hit = _layouts.get(shape)
         if hit is not None:
@@ -282,6 +287,12 @@ class Tensor(View):
 
     # -- ownership transfers ------------------------------------------------------
     def _dense_range(self, what: str) -> tuple[int, int]:
+        """``(start, stop)``: the byte range of this C-contiguous tensor, which must be its
+        view's whole range (else LayoutError naming ``what``)."""
+        self._check_dense(what)
+        return self._offset, self._offset + self._size * self._dtype.itemsize
+
+    def _check_dense(self, what: str) -> None:
         tok = self._live_token()
         if not self._contiguous:
             raise LayoutError(f"{what} needs a C-contiguous tensor; {self!r} is not. "
@@ -292,7 +303,6 @@ class Tensor(View):
         if (start != tok.start or stop != tok.stop) and nbytes:
             raise LayoutError(f"{what}: {self!r} covers bytes [{start}, {stop}) but its view "
                               f"holds [{tok.start}, {tok.stop})")
-        return start, stop
 
     def into_buffer(self) -> Buffer:
         """Move this tensor's storage into a 1-D Buffer, zero-copy.
@@ -300,7 +310,7 @@ class Tensor(View):
         Raises AliasError (nothing changed) if another live view of its bytes
         exists, LayoutError if it is not C-contiguous; afterwards this tensor
         raises MovedError."""
-        self._dense_range("into_buffer")
+        self._check_dense("into_buffer")
         n = self._size
         dtype = self._dtype
         tok = self._move_token("buffer", "Buffer")
