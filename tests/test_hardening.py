@@ -506,3 +506,59 @@ def test_a_fork_inside_a_host_kernel_leaves_that_stream_working_in_the_child(hos
         pytest.fail("the child hung")
     assert os.waitstatus_to_exitcode(status) == 0  # no fault, no hang in the child
     assert b.to_host().tolist() == [1, 1, 1, 1]
+
+
+_WORKER_FINALIZER_SCRIPT = r"""
+import gc, threading
+import sharedmem as sm
+host = sm.Device.host()
+
+class Cyc:
+    def __init__(self):
+        self.me = self  # garbage only a collection frees: its finalizer runs wherever one runs
+
+    def __del__(self):
+        try:
+            sm.stats()  # needs the core lock; from a host stream's worker it waits for it
+        except sm.SharedMemError:
+            pass  # (a collection inside this thread's own sharedmem call: refused, never a hang)
+
+@sm.host_kernel
+def k(x):
+    for _ in range(3):
+        Cyc()
+
+s = host.create_stream("victim")
+bufs = [sm.Buffer.zeros(4, device=host) for _ in range(2)]
+sm.synchronize()
+gc.set_threshold(1, 1, 1)
+
+def run(b):
+    for _ in range(1500):
+        Cyc()
+        sm.launch(k, 1, 1, sm.InOut(b), stream=s)
+
+ts = [threading.Thread(target=run, args=(b,)) for b in bufs]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+sm.synchronize()
+gc.set_threshold(700, 10, 10)
+print("finished")
+"""
+
+
+def test_a_finalizer_on_a_host_worker_never_deadlocks_a_submitter():
+    """A host stream's worker took its queue lock around code that allocates (setting a
+    task's marker); a collection there ran a user finalizer that waited for the core lock,
+    while a submitter holding the core lock waited for the queue lock: 2 runs in 3 hung
+    before. Nothing under the queue lock allocates now."""
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _WORKER_FINALIZER_SCRIPT], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["finished"], r.stdout + r.stderr

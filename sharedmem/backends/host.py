@@ -170,21 +170,38 @@ class HostMarker:
 class _Tasks:
     """One host stream's FIFO of ``(fn, marker)`` tasks (None: stop), and the task its worker
     runs. ``lock`` guards both: a task leaves ``items`` and becomes ``running`` in one step,
-    and stops being ``running`` in the step that sets its marker -- so a fork, which takes
-    every ``lock`` first, sees each task exactly once: queued, running, or done."""
+    and stops being ``running`` only after its marker is set -- so a fork, which takes every
+    ``lock`` first, sees each task exactly once: queued, running (its marker set: it is done),
+    or done.
 
-    __slots__ = ("lock", "cond", "items", "running")
+    Nothing under ``lock`` allocates a garbage-collected object, so no finalizer ever runs
+    while it is held: ``lock`` is taken under the core lock (submissions, the fork), and a
+    finalizer that waited for the core lock there would deadlock. The worker sleeps on
+    ``bell``, a raw lock held while nobody rang it (``sleeping``, guarded by ``lock``, says
+    the worker waits for it): ringing is one release, waking one acquire -- unlike a
+    Condition's notify, which builds objects."""
+
+    __slots__ = ("lock", "bell", "sleeping", "items", "running")
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
         self.items = collections.deque()
         self.running = None  # the (fn, marker) the worker runs now; guarded by lock
+        self.new_bell()
+
+    def new_bell(self) -> None:
+        """A bell nobody rang (at start, and in a forked child: the parent's worker may have
+        been sleeping on the old one)."""
+        self.bell = threading.Lock()
+        self.bell.acquire()
+        self.sleeping = False  # guarded by lock
 
     def put(self, item) -> None:
         with self.lock:
             self.items.append(item)
-            self.cond.notify()
+            if self.sleeping:
+                self.sleeping = False
+                self.bell.release()
 
     def qsize(self) -> int:
         return len(self.items)
@@ -222,10 +239,12 @@ class HostStreamImpl:
         so waits on it raise CompletionUnknownError instead of hanging. A fork from inside
         one of this stream's own tasks is the worker itself, which goes on here."""
         q = self._q
-        q.cond = threading.Condition(q.lock)  # (the parent's worker was among its waiters)
         if self._worker_ident == threading.get_ident():
             return
+        q.new_bell()  # (the parent's worker may have been sleeping on the old one)
         running, q.running = q.running, None
+        if running is not None and running[1] is not None and running[1]._event.is_set():
+            running = None  # it had finished: its marker was set before the fork
         if running is not None and self._state["fault"] is None:
             err = CompletionUnknownError(
                 f"{self.name} was running a task when the process forked; in the child its "
@@ -298,20 +317,24 @@ def _noop():
 def _worker(q, state, backend) -> None:
     lock, items = q.lock, q.items
     while True:
-        with lock:
-            while not items:
-                q.cond.wait()
-            item = items.popleft()
-            if item is None:
-                return
-            q.running = item  # (in the same step: see _Tasks)
+        lock.acquire()
+        while not items:
+            q.sleeping = True
+            lock.release()
+            q.bell.acquire()  # (until put() rings: it cleared `sleeping` then)
+            lock.acquire()
+        item = items.popleft()
+        q.running = item  # (in the same step: see _Tasks)
+        lock.release()
+        if item is None:
+            return
         fn, marker = item
         item = None
         if state["fault"] is not None:
+            if marker is not None:
+                marker.error = state["fault"]
+                marker._event.set()  # (outside lock: it allocates; see _Tasks)
             with lock:
-                if marker is not None:
-                    marker.error = state["fault"]
-                    marker._event.set()
                 q.running = None
             continue
         try:
@@ -325,9 +348,9 @@ def _worker(q, state, backend) -> None:
                 if marker is not None:
                     marker.error = e
         fn = None
+        if marker is not None:
+            marker._event.set()  # (outside lock: it allocates; see _Tasks)
         with lock:
-            if marker is not None:
-                marker._event.set()
             q.running = None
         if marker is not None:
             marker = None
