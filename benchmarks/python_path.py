@@ -25,6 +25,7 @@ int launch_stub(void *f, unsigned a, unsigned b, unsigned c, unsigned d, unsigne
 int ctx_get_stub(void **out) { *out = (void *)0xC0; return 0; }
 int record_stub(void *e, void *s) { return 0; }
 int query_stub(void *e) { return 0; }
+int wait_stub(void *s, void *e, unsigned f) { return 0; }
 """
 
 
@@ -57,6 +58,8 @@ class _NullHot:
             self.launch = so.launch_stub
             self.launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp]
             self.record, self.query = so.record_stub, so.query_stub
+            self.wait = so.wait_stub
+            self.wait.argtypes = [vp, vp, ui]
             self.addresses = {n: ctypes.cast(getattr(so, s), vp).value for n, s in
                               (("cuLaunchKernel", "launch_stub"),
                                ("cuCtxGetCurrent", "ctx_get_stub"))}
@@ -64,6 +67,7 @@ class _NullHot:
             self.launch = lambda *a: 0
             self.record = lambda *a: 0
             self.query = lambda *a: 0
+            self.wait = lambda *a: 0
             self.addresses = {}
 
     def graph_launch(self, *a):

@@ -377,6 +377,9 @@ class FakeHot:
     def record(self, ev, stream):
         return int(self._drv.cuEventRecord(CUevent(ev), CUstream(stream))[0])
 
+    def wait(self, stream, ev, flags):
+        return int(self._drv.cuStreamWaitEvent(CUstream(stream), CUevent(ev), flags)[0])
+
     def current_context(self):
         return self._drv.current
 

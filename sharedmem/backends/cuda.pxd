@@ -1,5 +1,7 @@
 # Declarations for the compiled build of cuda.py (Cython pure-Python mode).
 
+ctypedef int (*ctx_get_fn_t)(void**) noexcept nogil
+
 cdef class CudaMarker:
     cdef public object event
     cdef public unsigned long long handle
@@ -20,3 +22,4 @@ cdef class CudaStreamImpl:
     cdef object __weakref__
 
     cpdef object submit_marker(self)
+    cpdef wait_marker(self, marker)

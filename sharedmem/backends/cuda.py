@@ -96,11 +96,14 @@ class _HotDriver:
         self.graph_launch = lib.cuGraphLaunch
         self.graph_launch.argtypes = [vp, vp]
         self.graph_launch.restype = ctypes.c_int
+        self.wait = lib.cuStreamWaitEvent  # (stream, event, flags): the handoffs between streams
+        self.wait.argtypes = [vp, vp, ui]
+        self.wait.restype = ctypes.c_int
         self._ctx_get = lib.cuCtxGetCurrent
         self._ctx_get.argtypes = [ctypes.POINTER(vp)]
         self._ctx_get.restype = ctypes.c_int
         self._vp = vp
-        # for the compiled launch path (sharedmem/_speedups.c): the C entry points themselves
+        # for the compiled paths (launch plans, ensure_context): the C entry points themselves
         self.addresses = {name: ctypes.cast(getattr(lib, name), vp).value
                           for name in ("cuLaunchKernel", "cuCtxGetCurrent")}
 
@@ -315,8 +318,15 @@ class CudaStreamImpl:
         """Make this stream wait for ``marker`` (caller holds core_lock when it may be open)."""
         if marker._open_on is not None:
             marker.close_locked()
-        self._backend.ensure_context()  # (a marker of another device: that one's context)
-        check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")
+        backend = self._backend
+        backend.ensure_context()  # (a marker of another device: that one's context)
+        hot = backend.hot
+        if hot is not None:
+            err = hot.wait(self.handle, marker.handle, 0)
+            if err:
+                check((cu.CUresult(err),), "cuStreamWaitEvent")
+        else:
+            check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")
 
     def synchronize(self) -> None:
         self._backend.ensure_context()
@@ -351,7 +361,8 @@ def device_count() -> int:
     return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
-#: The context this module last made current, per thread (every device's backend shares it).
+#: The context this module last made current, per thread (every device's backend shares it;
+#: compiled with a hot driver, ensure_context asks the driver instead).
 _current = threading.local()
 #: How many devices have a backend. With one, ``_current`` is the truth for our own calls;
 #: with several, ensure_context asks the driver (written under device.py's lock).
@@ -420,6 +431,9 @@ class CudaBackend:
         self.context_handle = int(self.context)
         self.hot = _hot_driver()
         _backends[0] += 1
+        # cuCtxGetCurrent's address, for ensure_context when compiled (0: unknown); it lives
+        # as long as self.hot
+        self.ctx_get_addr = self.hot.addresses.get("cuCtxGetCurrent", 0) if self.hot else 0
         self.ensure_context()
         # Pooled events. list.append / list.pop are atomic under the GIL.
         self._events: list = []
@@ -428,7 +442,17 @@ class CudaBackend:
 
     # -- context ------------------------------------------------------------
     def ensure_context(self) -> None:
-        """Make this device's primary context current in the calling thread, if it is not."""
+        """Make this device's primary context current in the calling thread, if it is not.
+        Compiled, the driver is asked (``cuCtxGetCurrent`` through its address: a few
+        nanoseconds), so a context another library made current is always seen."""
+        if cython.compiled:
+            addr = cython.declare(cython.size_t, self.ctx_get_addr)
+            if addr:
+                ctx = cython.declare(cython.p_void, cython.NULL)
+                cython.cast(ctx_get_fn_t, addr)(cython.address(ctx))
+                if cython.cast(cython.size_t, ctx) != self.context_handle:
+                    self.force_context()
+                return
         if _backends[0] == 1:
             if getattr(_current, "ctx", None) is self.context:
                 return

@@ -39,6 +39,9 @@ cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, pa
 
 cdef list _keep_list(keep)
 
+cdef object _conflicts_locked(AccessTracker tracker, Stream stream, ViewToken tok, bint writes,
+                              policy, label, waits)
+
 @cython.locals(rt=Runtime, seq=cython.longlong, tok=ViewToken, sub=Submission, i=Py_ssize_t,
                u=tuple)
 cpdef Submission lease_locked(Stream stream, list uses, keep, label, marker)
