@@ -62,7 +62,9 @@ class _NullHot:
             self.wait.argtypes = [vp, vp, ui]
             self.addresses = {n: ctypes.cast(getattr(so, s), vp).value for n, s in
                               (("cuLaunchKernel", "launch_stub"),
-                               ("cuCtxGetCurrent", "ctx_get_stub"))}
+                               ("cuCtxGetCurrent", "ctx_get_stub"),
+                               ("cuEventRecord", "record_stub"), ("cuEventQuery", "query_stub"),
+                               ("cuStreamWaitEvent", "wait_stub"))}
         else:
             self.launch = lambda *a: 0
             self.record = lambda *a: 0

@@ -364,11 +364,17 @@ class FakeHot:
             out[0] = drv.current or None  # the fake current context
             return 0
 
-        self._callbacks = (LAUNCH(self.launch), CTX_GET(ctx_get))
+        RECORD = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
+        QUERY = c.CFUNCTYPE(c.c_int, c.c_void_p)
+        WAIT = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p, c.c_uint)
+        self._callbacks = (LAUNCH(self.launch), CTX_GET(ctx_get),
+                           RECORD(lambda e, s: self.record(e or 0, s or 0)),
+                           QUERY(lambda e: self.query(e or 0)),
+                           WAIT(lambda s, e, f: self.wait(s or 0, e or 0, f)))
         self.addresses = {
-            "cuLaunchKernel": c.cast(self._callbacks[0], c.c_void_p).value,
-            "cuCtxGetCurrent": c.cast(self._callbacks[1], c.c_void_p).value,
-        }
+            name: c.cast(cb, c.c_void_p).value for name, cb in zip(
+                ("cuLaunchKernel", "cuCtxGetCurrent", "cuEventRecord", "cuEventQuery",
+                 "cuStreamWaitEvent"), self._callbacks)}
 
     def launch(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         return int(self._drv.cuLaunchKernel(func or 0, gx, gy, gz, bx, by, bz, shared,

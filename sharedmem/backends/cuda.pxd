@@ -1,6 +1,9 @@
 # Declarations for the compiled build of cuda.py (Cython pure-Python mode).
 
 ctypedef int (*ctx_get_fn_t)(void**) noexcept nogil
+ctypedef int (*record_fn_t)(void*, void*) noexcept nogil
+ctypedef int (*query_fn_t)(void*) noexcept nogil
+ctypedef int (*wait_fn_t)(void*, void*, unsigned int) noexcept nogil
 
 cdef class CudaMarker:
     cdef public object event

@@ -105,7 +105,8 @@ class _HotDriver:
         self._vp = vp
         # for the compiled paths (launch plans, ensure_context): the C entry points themselves
         self.addresses = {name: ctypes.cast(getattr(lib, name), vp).value
-                          for name in ("cuLaunchKernel", "cuCtxGetCurrent")}
+                          for name in ("cuLaunchKernel", "cuCtxGetCurrent", "cuEventRecord",
+                                       "cuEventQuery", "cuStreamWaitEvent")}
 
 
     def current_context(self) -> int:
@@ -196,8 +197,14 @@ class CudaMarker:
         backend.ensure_context()  # (the legacy default stream is the current context's)
         h = int(ev)
         hot = backend.hot
-        err = hot.record(h, impl.handle) if hot is not None else \
-            int(backend.cu.cuEventRecord(ev, impl.cu_stream)[0])
+        if cython.compiled and backend.record_addr:
+            err = cython.cast(record_fn_t, cython.cast(cython.size_t, backend.record_addr))(
+                cython.cast(cython.p_void, cython.cast(cython.size_t, h)),
+                cython.cast(cython.p_void, cython.cast(cython.size_t, impl.handle)))
+        elif hot is not None:
+            err = hot.record(h, impl.handle)
+        else:
+            err = int(backend.cu.cuEventRecord(ev, impl.cu_stream)[0])
         if err:
             err = cu.CUresult(err)
             self.error = CudaError(f"cuEventRecord failed: {_name(err)} ({int(err)})", int(err))
@@ -217,7 +224,13 @@ class CudaMarker:
         backend = self._backend
         backend.ensure_context()
         hot = backend.hot
-        err = hot.query(self.handle) if hot is not None else int(cu.cuEventQuery(self.event)[0])
+        if cython.compiled and backend.query_addr:
+            err = cython.cast(query_fn_t, cython.cast(cython.size_t, backend.query_addr))(
+                cython.cast(cython.p_void, cython.cast(cython.size_t, self.handle)))
+        elif hot is not None:
+            err = hot.query(self.handle)
+        else:
+            err = int(cu.cuEventQuery(self.event)[0])
         if err == 0:
             return DONE
         if err == 600:  # CUDA_ERROR_NOT_READY
@@ -321,7 +334,13 @@ class CudaStreamImpl:
         backend = self._backend
         backend.ensure_context()  # (a marker of another device: that one's context)
         hot = backend.hot
-        if hot is not None:
+        if cython.compiled and backend.wait_addr:
+            err = cython.cast(wait_fn_t, cython.cast(cython.size_t, backend.wait_addr))(
+                cython.cast(cython.p_void, cython.cast(cython.size_t, self.handle)),
+                cython.cast(cython.p_void, cython.cast(cython.size_t, marker.handle)), 0)
+            if err:
+                check((cu.CUresult(err),), "cuStreamWaitEvent")
+        elif hot is not None:
             err = hot.wait(self.handle, marker.handle, 0)
             if err:
                 check((cu.CUresult(err),), "cuStreamWaitEvent")
@@ -431,9 +450,13 @@ class CudaBackend:
         self.context_handle = int(self.context)
         self.hot = _hot_driver()
         _backends[0] += 1
-        # cuCtxGetCurrent's address, for ensure_context when compiled (0: unknown); it lives
-        # as long as self.hot
-        self.ctx_get_addr = self.hot.addresses.get("cuCtxGetCurrent", 0) if self.hot else 0
+        # The driver entry points the compiled code calls through their addresses (0: not
+        # known -- then through self.hot, or cuda.bindings); they live as long as self.hot
+        addresses = self.hot.addresses if self.hot is not None else {}
+        self.ctx_get_addr = addresses.get("cuCtxGetCurrent", 0)
+        self.record_addr = addresses.get("cuEventRecord", 0)
+        self.query_addr = addresses.get("cuEventQuery", 0)
+        self.wait_addr = addresses.get("cuStreamWaitEvent", 0)
         self.ensure_context()
         # Pooled events. list.append / list.pop are atomic under the GIL.
         self._events: list = []
