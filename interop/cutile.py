@@ -88,19 +88,41 @@ def _readonly_descriptor(view):
     return _descriptor(view, False)
 
 
+#: Descriptors by what they say -- (address, shape, strides, dtype, writable) -- for views
+#: made anew each launch: a Tensor moved out of a Buffer and back every step has the same
+#: layout every time, and its descriptor is found here instead of built (a descriptor is
+#: plain data: any view with that layout may hand it to cuTile). Bounded: cleared when full.
+#: Lock-free: a racing thread stores an equal value.
+_by_layout: dict = {}
+_BY_LAYOUT_MAX = 512
+
+
 def _view_descriptor(i, view, writes):
-    """The view's cached descriptor (made once per view: its layout never changes while it
-    lives), or KernelError naming argument ``i``."""
+    """The view's descriptor: cached on the view (its layout never changes while it lives),
+    else by layout (see ``_by_layout``), else made -- or KernelError naming argument ``i``."""
     d = view._derived
     if d is not None:  # (the common case, inline: View._derived_value's dict)
         got = d.get(_RW if writes else _RO)
         if got is not None:
             return got
+    tok = view._token
+    if isinstance(view, Tensor):
+        t = cython.cast(Tensor, view)
+        key = (tok.allocation.ptr + view._offset, t._shape, t._strides, t._dtype, writes)
+    else:
+        key = (tok.allocation.ptr + view._offset, view.shape, None, view.dtype, writes)
+    got = _by_layout.get(key)
+    if got is not None:
+        return got
     try:
-        return (view._derived_value(_RW, _writable_descriptor) if writes else
-                view._derived_value(_RO, _readonly_descriptor))
+        got = (view._derived_value(_RW, _writable_descriptor) if writes else
+               view._derived_value(_RO, _readonly_descriptor))
     except KernelError as e:
         raise KernelError(f"argument {i}: {e}") from None
+    if len(_by_layout) >= _BY_LAYOUT_MAX:
+        _by_layout.clear()
+    _by_layout[key] = got
+    return got
 
 
 def _aliased(uses) -> bool:

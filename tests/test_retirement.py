@@ -226,3 +226,37 @@ def test_a_submitter_sweep_leaves_the_unrecorded_tail_alone(n_open):
     assert log == [shared]
     only_open = collections.deque(_Sub(shared) for _ in range(n_open))
     assert _done_prefix_locked(only_open, record=False) == 0
+
+
+def test_the_retirer_leaves_a_bursting_stream_to_its_submitters_and_retires_the_others(host):
+    """While one thread launches in a tight loop on stream A (whose submissions sweep A
+    themselves), finished work on stream B is still retired by the retirer -- without a
+    call on B -- and so is A's tail once the burst ends."""
+    a, b = host.create_stream("burst"), host.create_stream("quiet")
+    x, y = sm.Buffer.zeros(4, device=host), sm.Buffer.zeros(4, device=host)
+    nop = sm.host_kernel(lambda v: None)
+    sm.synchronize()
+    stop = threading.Event()
+
+    def burst():
+        while not stop.is_set():
+            for _ in range(200):
+                sm.launch(nop, 1, 1, sm.InOut(x), stream=a)
+
+    t = threading.Thread(target=burst)
+    t.start()
+    try:
+        time.sleep(0.05)
+        sm.launch(nop, 1, 1, sm.InOut(y), stream=b)
+        deadline = time.monotonic() + 5.0
+        while b.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert b.pending == 0  # retired during the burst, by the retirer
+        assert t.is_alive()
+    finally:
+        stop.set()
+        t.join()
+    deadline = time.monotonic() + 5.0
+    while a.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert a.pending == 0 and not y.allocation.tracker  # the burst's tail too, unasked
