@@ -45,6 +45,8 @@ cdef class RawKernelPlan(KernelPlan):
 @cython.locals(slot=cython.p_char, code=int)
 cdef _emit(out, Param par, v)
 
+cdef object _int_value(Py_ssize_t i, Param p, object a)
+
 cdef _emit_address(out, Param par, unsigned long long ptr)
 
 @cython.locals(params=tuple, n=Py_ssize_t, i=Py_ssize_t, p=Param, c=LaunchConfig,

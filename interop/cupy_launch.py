@@ -258,11 +258,15 @@ def _function_handle(kernel, dev):
         return fn, int(fn.ptr)
 
 
+_BOOLS = (bool, np.bool_)  # (module constants: no attribute lookup on numpy per argument)
+_INTS = (int, np.integer)
+
+
 def _int_value(i, p, a):
     """``a`` as an int for integer (or bool) parameter ``p``, range-checked."""
-    if isinstance(a, (bool, np.bool_)):
+    if isinstance(a, _BOOLS):
         return int(a)
-    if isinstance(a, (int, np.integer)):
+    if isinstance(a, _INTS):
         v = int(a)
         if not p.lo <= v < p.hi:
             raise KernelError(f"argument {i}: {v} does not fit {p.describe()}")

@@ -30,6 +30,8 @@ try:
 except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
+import numpy as np
+
 from .access import ATOMIC, READ, WRITE, check_policy
 from .allocation import View, ViewToken, _module, import_allocation
 from .buffer import DeviceBox
@@ -387,6 +389,9 @@ def check_shared_mem(shared_mem, limit=None) -> int:
 
 
 # -- resolution ----------------------------------------------------------------------------
+_NP_SCALAR = np.generic  # (np.int32(3), np.float32(1.5)...: never arrays)
+
+
 def _as_view(obj):
     if isinstance(obj, View):
         return obj
@@ -433,6 +438,9 @@ def resolve_args(adapter, args, device):
             tok = view._token
             value = view
         else:
+            if intent is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
+                resolved.append(a)
+                continue
             if coerce is None:
                 coerce = adapter.coerce
             got = coerce(obj, device)
