@@ -562,3 +562,49 @@ def test_a_finalizer_on_a_host_worker_never_deadlocks_a_submitter():
     r = subprocess.run([sys.executable, "-c", _WORKER_FINALIZER_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 0 and r.stdout.split() == ["finished"], r.stdout + r.stderr
+
+
+@fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_fork_while_a_worker_sets_a_marker_never_hangs_the_child(host, monkeypatch):
+    """The worker sets a task's marker outside the task lock (nothing allocating runs under
+    it); a fork inside that Event.set() -- the Event's own lock held by a thread the child
+    does not have -- used to leave every wait on that marker hanging in the child. The
+    window is widened with a sleep inside set()."""
+    import time
+    import types
+    from sharedmem.backends import host as hostmod
+    in_set = threading.Event()
+
+    class SlowSetEvent(threading.Event):
+        slow = False
+
+        def set(self):
+            with self._cond:
+                self._flag = True
+                if self.slow:
+                    in_set.set()
+                    time.sleep(0.5)
+                self._cond.notify_all()
+
+    fake = types.SimpleNamespace(**{k: getattr(threading, k) for k in dir(threading)
+                                    if not k.startswith("__")})
+    fake.Event = SlowSetEvent
+    monkeypatch.setattr(hostmod, "threading", fake)
+    s = host.create_stream("fork-in-set")
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(b), stream=s).result(5)
+    time.sleep(0.1)  # (the retirer falls idle: nothing retires the next launch meanwhile)
+    SlowSetEvent.slow = True
+    fut = sm.launch(sm.host_kernel(lambda x: time.sleep(0.3)), 1, 1, sm.In(b), stream=s)
+    assert in_set.wait(5)  # the worker is inside the marker's Event.set()
+
+    def child():
+        t0 = time.monotonic()
+        fut.result(2.0)
+        sm.synchronize()
+        return f"done in {time.monotonic() - t0 < 1.0}"
+
+    assert _in_child(child, timeout=10.0) == "done in True"
+    SlowSetEvent.slow = False
+    fut.result(5)

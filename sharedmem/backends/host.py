@@ -243,18 +243,26 @@ class HostStreamImpl:
             return
         q.new_bell()  # (the parent's worker may have been sleeping on the old one)
         running, q.running = q.running, None
-        if running is not None and running[1] is not None and running[1]._event.is_set():
-            running = None  # it had finished: its marker was set before the fork
-        if running is not None and self._state["fault"] is None:
-            err = CompletionUnknownError(
-                f"{self.name} was running a task when the process forked; in the child its "
-                f"completion is unknown. Use a new stream in the child (or fork when no work "
-                f"is in flight, or use the 'spawn' start method)")
-            self._state["fault"] = err
-            marker = running[1]
-            if marker is not None:
-                marker.error = err
+        marker = running[1] if running is not None else None
+        if marker is not None:
+            # The parent's worker may have been inside this marker's Event.set() (it runs
+            # outside the task lock), holding the Event's own lock, which no thread of the
+            # child will ever release: the marker gets a new Event in the state it reached.
+            finished = marker._event.is_set()
+            marker._event = threading.Event()
+            if finished:  # its work had run: done, as in the parent
                 marker._event.set()
+                running = None
+        if running is not None:
+            if self._state["fault"] is None:
+                self._state["fault"] = CompletionUnknownError(
+                    f"{self.name} was running a task when the process forked; in the child its "
+                    f"completion is unknown. Use a new stream in the child (or fork when no "
+                    f"work is in flight, or use the 'spawn' start method)")
+            if marker is not None and marker.error is None:
+                marker.error = self._state["fault"]
+        if marker is not None and not marker._event.is_set():
+            marker._event.set()  # (unknown -- or failed by an earlier fault: never a hang)
         self._start_worker()
 
     def throttle(self) -> None:
