@@ -261,15 +261,16 @@ def _consumer_wait(view, tok, stream) -> list:
         raise ValueError(f"stream={stream} is not a valid stream handle")
     if stream == -1:  # the consumer orders itself, on a stream it does not name
         return [(s, tok.writable) for s in current_streams(dev)]
-    # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles. Both map to
-    # the device's (legacy) default stream, and work already on it needs no wait: the legacy
-    # stream orders itself, and a per-thread default stream is a blocking stream, which waits
-    # for earlier legacy-stream work implicitly. (So a DLPack consumer exporting again and
-    # again to the default stream -- cupy.from_dlpack in a loop -- enqueues no wait and records
-    # no event for the previous export's hold.)
+    # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles; both map to
+    # the device's (legacy) default stream. For 1, work already on it needs no wait: the
+    # legacy stream orders itself (so cupy.from_dlpack in a loop enqueues no wait for the
+    # previous export's hold). Not for 2: the per-thread default streams of two threads do
+    # not order each other -- only each of them with the legacy stream -- so a consumer on
+    # one thread's waits for what another thread's consumer was given.
     backend = dev.backend
     consumer = consumer_stream(dev, stream)
-    order_consumer(tok, lambda m: backend.wait_on_handle(stream, m), stream=consumer)
+    order_consumer(tok, lambda m: backend.wait_on_handle(stream, m),
+                   stream=consumer if stream != 2 else None)
     return [(consumer, tok.writable)]
 
 

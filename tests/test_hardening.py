@@ -608,3 +608,48 @@ def test_a_fork_while_a_worker_sets_a_marker_never_hangs_the_child(host, monkeyp
     assert _in_child(child, timeout=10.0) == "done in True"
     SlowSetEvent.slow = False
     fut.result(5)
+
+
+_TASK_FREED_UNDER_LOCK_SCRIPT = r"""
+import os, threading, time
+import sharedmem as sm
+
+def watchdog():
+    time.sleep(20)
+    print("hang", flush=True)
+    os._exit(1)
+
+host = sm.Device.host()
+s = host.create_stream()
+b = sm.Buffer.zeros(4, "int32", device=host)
+
+class Holder:  # a plain launch argument: it reaches the task only through the task itself
+    pass
+
+h = Holder()
+h.buf = sm.Buffer.zeros(4, "int32", device=host)
+sm.record_use(h.buf, s)  # its token is a hold on s: its end submits to s
+k = sm.host_kernel(lambda x, holder: time.sleep(0.1))
+fut = sm.launch(k, 1, 1, sm.In(b), h, stream=s)
+del h  # the task is now the Holder's only owner
+threading.Thread(target=watchdog, daemon=True).start()
+time.sleep(0.5)
+fut.result(2)
+s.synchronize()
+print("finished", flush=True)
+"""
+
+
+def test_a_finished_task_is_freed_outside_its_queue_lock():
+    """The worker dropped the last reference to a finished task (its arguments) while it held
+    the queue lock: a Buffer among them whose release ends a hold on the same stream put work
+    on that queue -- the worker waited for its own lock, holding the core lock. Found by
+    review (hung before, in both builds)."""
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _TASK_FREED_UNDER_LOCK_SCRIPT],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["finished"], r.stdout + r.stderr

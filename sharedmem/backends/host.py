@@ -337,13 +337,16 @@ def _worker(q, state, backend) -> None:
         if item is None:
             return
         fn, marker = item
-        item = None
+        # `item` stays referenced until after the lock is let go below: clearing q.running
+        # under the lock must not free the task (its arguments' finalizers may call sharedmem)
         if state["fault"] is not None:
             if marker is not None:
                 marker.error = state["fault"]
                 marker._event.set()  # (outside lock: it allocates; see _Tasks)
+            fn = None
             with lock:
                 q.running = None
+            item = None
             continue
         try:
             fn()
@@ -360,6 +363,7 @@ def _worker(q, state, backend) -> None:
             marker._event.set()  # (outside lock: it allocates; see _Tasks)
         with lock:
             q.running = None
+        item = None  # (the task may be freed here: outside the lock)
         if marker is not None:
             marker = None
             hook = backend.on_progress

@@ -359,13 +359,17 @@ def end_holds_locked(tok) -> None:
 
 def joined_marker_locked(stream):
     """A marker reached once everything given to ``stream`` so far has finished, for work
-    sharedmem did not enqueue (a hold's end): the stream's open marker where the backend
-    batches them -- recorded later, at the batch's end or when first asked, so after this
-    point: the lease may last a little longer, never shorter -- else one recorded now (a
-    capturing stream: its captured work runs later). A hold's end so costs no driver call.
+    sharedmem did not enqueue (a hold's end). On a stream sharedmem owns, or the device's
+    default stream -- streams that outlive the hold and that no other library destroys or
+    captures behind sharedmem's back -- the stream's open marker where the backend batches
+    them: recorded later, at the batch's end or when first asked, so after this point (the
+    lease may last a little longer, never shorter), and a hold's end costs no driver call.
+    On a borrowed stream, and while capturing, one recorded now: its owner may destroy it
+    (a later record would go to a dead handle) or begin a capture on it meanwhile.
     Caller holds core_lock. Raises CompletionUnknownError where recording failed."""
     impl = stream._impl
-    if getattr(impl, "capturing", False):
+    if not (stream.owned or stream is stream.device._default_stream) or \
+            getattr(impl, "capturing", False):
         return fresh_marker_locked(stream, True)
     try:
         return stream.device.backend.submit_marker(impl)

@@ -1,0 +1,106 @@
+"""Consumers' streams at the boundary, on the fake CUDA driver: per-thread default streams of
+two threads are ordered with each other, and a hold's end on a borrowed stream is recorded
+at once (its owner may destroy the stream right after). Found by review of the session that
+made default-stream exports and holds' ends cheaper; each test failed on that version."""
+import gc
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from test_cuda_backend_fake import fake  # noqa: F401  (the fixture)
+from conftest import gc_collect_harder
+
+
+def _in_thread(fn):
+    out = []
+    th = threading.Thread(target=lambda: out.append(fn()))
+    th.start()
+    th.join()
+    return out[0]
+
+
+def test_two_ptds_consumers_on_different_threads_are_ordered(fake):
+    """stream=2 is the *calling thread's* per-thread default stream. Consumer A (thread A) may
+    write through its export; consumer B (thread B) then exports with stream=2. Two per-thread
+    default streams do not synchronize with each other (only with the legacy stream), so B's
+    stream must be made to wait, although both map to dev.default_stream."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    cap_a = _in_thread(lambda: t.__dlpack__(stream=2, max_version=(1, 0)))  # A: open hold
+    mark = len(drv.calls)
+    cap_b = _in_thread(lambda: t.__dlpack__(stream=2, max_version=(1, 0)))  # B
+    waits = [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == 2]
+    del cap_a, cap_b
+    gc_collect_harder()
+    assert waits, "consumer B's per-thread stream was not ordered after consumer A's hold"
+
+
+def test_ptds_consumer_after_another_threads_ended_hold(fake):
+    """Same, with A's hold already ended (its bytes leased on the default stream until the
+    stream passes that point): B on another thread's per-thread stream is not ordered."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    drv.holding = True  # A's work "in flight": events recorded from now on stay pending
+    try:
+        cap_a = _in_thread(lambda: t.__dlpack__(stream=2, max_version=(1, 0)))
+        del cap_a
+        gc_collect_harder()  # A's hold ends: a lease on dev.default_stream
+        mark = len(drv.calls)
+        cap_b = _in_thread(lambda: t.__dlpack__(stream=2, max_version=(1, 0)))
+        waits = [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == 2]
+        del cap_b
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    gc_collect_harder()
+    assert waits, "consumer B's per-thread stream was not ordered after A's ended hold"
+
+
+def test_hold_end_lease_outlives_the_consumer_stream(fake, monkeypatch):
+    """A consumer on its own stream h (a CuPy stream in a `with` block) drops its array -- the
+    hold ends -- and then drops the stream (cuStreamDestroy returns at once; its work may still
+    run). Were the hold's end only to *join* h's open marker, the event would be recorded
+    later (the retirer's next sweep), on the destroyed handle. Modelled here: the driver hands
+    the freed handle out again to a new, idle stream (handles are driver heap pointers): the
+    late record lands on the new stream, completes at once, and the allocation is freed while
+    the old stream's kernel still uses it."""
+    import types, weakref
+    import sharedmem.runtime.retirer as ret
+    import sharedmem.runtime.submission as sub
+    # the retirer thread sweeps nothing during the test (its next pass comes at a time of
+    # its choosing; the test makes that moment "after the consumer destroyed its stream")
+    monkeypatch.setattr(ret, "_sub", types.SimpleNamespace(
+        SWEEP_EVERY=sub.SWEEP_EVERY, _sweep_locked=lambda s, *a: [], finish=sub.finish))
+    dev, drv = fake
+    busy = set()          # streams with work in flight (the old h until "finish")
+    real_record = drv.cuEventRecord
+
+    def record(ev, stream):  # events recorded on a busy stream stay pending
+        r = real_record(ev, stream)
+        if int(stream) in busy:
+            drv.held.add(int(ev))
+        return r
+    drv.cuEventRecord = record
+    ok, h = drv.cuStreamCreate(1)
+    h = int(h)
+    t = sm.Tensor.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    alloc = weakref.ref(t.allocation)
+    cap = t.__dlpack__(stream=h, max_version=(1, 0))
+    busy.add(h)           # the consumer's kernel on h reads the bytes
+    t.release()
+    del t, cap            # the consumer drops its array: the hold ends (the only view left)
+    gc_collect_harder()
+    busy.discard(h)       # the consumer destroys h; the driver reuses the handle for a new,
+    #                       idle stream (the old stream's kernel is still running)
+    from sharedmem.runtime.submission import sweep_all
+    sweep_all()           # a retirement sweep (the retirer's next pass, ~0.2 ms later)
+    gc_collect_harder()
+    freed = alloc() is None
+    drv.finish_held()
+    assert not freed, "the allocation was freed while the consumer's kernel still used it"
