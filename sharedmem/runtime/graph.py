@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+from functools import partial
 from typing import TYPE_CHECKING
 
 from .state import CAPTURING, RUNTIME, locked, log
@@ -38,7 +39,7 @@ from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError
 from . import submission as _sub
-from .future import DeviceFuture
+from .future import DeviceFuture, future_of
 from ..stream import resolve_stream
 
 __all__ = ["Graph", "capture", "graph"]
@@ -132,20 +133,19 @@ class Graph:
         """Run the graph on ``stream`` (default: the device's default stream
         on the host; a CUDA graph needs a created stream or the legacy default
         stream) with fresh leases on everything it touches."""
-        with self._lock:
-            if self._state != "ready":
-                raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
-                                   f"can be replayed")
-            exec_ = self._exec
-            uses, keep, label = self._replay  # (release() drops it: read under the lock)
+        r = self._replay  # (one attribute read: set with the state "ready", dropped by release)
+        if r is None or self._state != "ready":
+            raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
+                               f"can be replayed")
+        uses, keep, label, handle, backend = r
         s = resolve_stream(stream, self.device)
         if s._capture is not None:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
-        backend, impl = self.device.backend, s._impl
-        handle = exec_.handle
-        # keeps the executable and (through the uses) the memory -- not this Graph
-        sub = _sub.submit(s, uses, lambda: backend.launch_graph(handle, impl), keep, policy, label)
-        return DeviceFuture(sub)
+        # keeps the executable and (through the uses) the memory -- not this Graph. (A release
+        # racing this replay makes submit() refuse it: its tokens are checked live there.)
+        sub = _sub.submit(s, uses, partial(backend.launch_graph, handle, s._impl), keep, policy,
+                          label)
+        return future_of(sub)
 
     def describe(self) -> str:
         """How the graph is named in messages (``graph #N``)."""
@@ -260,8 +260,11 @@ class capture:
         g._exec = _Executable(s.device.backend, exec_)
         with locked():
             uses = [(tok, writes) for tok, writes in g._uses.values()]
-        g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}")
         with g._lock:
+            # (uses, keep, label, executable handle, backend): everything a replay reads, in one
+            # tuple published with the state -- replay() reads it once, without the lock
+            g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}",
+                         g._exec.handle, s.device.backend)
             g._state = "ready"
         return False
 
