@@ -433,3 +433,33 @@ def fake_cutile(driver, fail=None):
 
     m.launch = launch
     return m
+
+
+_device_keys = __import__("itertools").count()
+
+
+def install_fake_devices(monkeypatch, hot: bool, count: int = 1):
+    """Make sharedmem's CUDA backend run over a new FakeDriver with ``count`` devices (the
+    per-launch calls through ``backend.hot`` when ``hot``, else every call through the driver
+    module); returns ``(devices, driver)``. Everything is undone by ``monkeypatch``."""
+    import sys
+    import threading
+
+    import sharedmem as sm
+    import sharedmem.backends.cuda as bc
+    drv = FakeDriver()
+    drv.count = count
+    monkeypatch.setattr(bc, "cu", drv)
+    monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
+    monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
+    monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if hot else (lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setattr(bc, "_backends", [0])
+    monkeypatch.setattr(bc, "_current", threading.local())
+    devs = []
+    for ordinal in range(count):
+        backend = bc.CudaBackend(ordinal)
+        dev = object.__new__(sm.Device)
+        dev._setup("cuda", ordinal, backend.name, ("fake-cuda", next(_device_keys)), backend)
+        devs.append(dev)
+    return devs, drv

@@ -2,12 +2,9 @@
 two threads are ordered with each other, and a hold's end on a borrowed stream is recorded
 at once (its owner may destroy the stream right after). Found by review of the session that
 made default-stream exports and holds' ends cheaper; each test failed on that version."""
-import gc
 import threading
-import warnings
 
 import numpy as np
-import pytest
 
 import sharedmem as sm
 from test_cuda_backend_fake import fake  # noqa: F401  (the fixture)

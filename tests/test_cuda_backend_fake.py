@@ -6,9 +6,7 @@ checked by the gpu-marked tests on a real device.
 """
 
 import gc
-import itertools
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -17,7 +15,6 @@ import sharedmem as sm
 
 from conftest import count_plans, gc_collect_harder
 
-_keys = itertools.count()
 
 
 @pytest.fixture(params=["bindings", "hot"])
@@ -25,20 +22,8 @@ def fake(monkeypatch, request):
     """A CUDA device over the fake driver; "bindings": every call through the
     driver module; "hot": the per-launch calls through ``backend.hot`` -- and
     so CuPy launches through the compiled path, when it is built."""
-    import sharedmem.backends.cuda as bc
-    from fake_cuda import CUresult, FakeDriver, FakeHot, fake_cupy
-    drv = FakeDriver()
-    monkeypatch.setattr(bc, "cu", drv)
-    monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
-    monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
-    monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if request.param == "hot"
-                        else (lambda: None))
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
-    monkeypatch.setattr(bc, "_backends", [0])
-    monkeypatch.setattr(bc, "_current", threading.local())
-    backend = bc.CudaBackend(0)
-    dev = object.__new__(sm.Device)
-    dev._setup("cuda", 0, backend.name, ("fake-cuda", next(_keys)), backend)
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, request.param == "hot")
     yield dev, drv
     sm.synchronize()
     del dev

@@ -4,9 +4,6 @@ done), copies between devices, and the context each call runs in. The ordering i
 checked on two real GPUs (test_gpu_multi.py)."""
 
 import gc
-import itertools
-import sys
-import threading
 import weakref
 
 import numpy as np
@@ -16,33 +13,16 @@ import sharedmem as sm
 
 from conftest import gc_collect_harder
 
-_keys = itertools.count()
 
 
 @pytest.fixture(params=["bindings", "hot"])
 def two(monkeypatch, request):
     """Two fake CUDA devices: (dev0, dev1, driver)."""
-    import sharedmem.backends.cuda as bc
-    from fake_cuda import CUresult, FakeDriver, FakeHot, fake_cupy
-    drv = FakeDriver()
-    drv.count = 2
-    monkeypatch.setattr(bc, "cu", drv)
-    monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
-    monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
-    monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if request.param == "hot"
-                        else (lambda: None))
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
-    monkeypatch.setattr(bc, "_backends", [0])
-    monkeypatch.setattr(bc, "_current", threading.local())
-    devs = []
-    for ordinal in (0, 1):
-        backend = bc.CudaBackend(ordinal)
-        dev = object.__new__(sm.Device)
-        dev._setup("cuda", ordinal, backend.name, ("fake-cuda", next(_keys)), backend)
-        devs.append(dev)
+    from fake_cuda import install_fake_devices
+    devs, drv = install_fake_devices(monkeypatch, request.param == "hot", count=2)
     yield devs[0], devs[1], drv
     sm.synchronize()
-    del devs, dev
+    del devs
     gc_collect_harder()
 
 
