@@ -259,31 +259,38 @@ class _Registry:
     Ranges may nest: a foreign allocation over a whole driver allocation (a CuPy pool arena)
     can contain allocations of ours. A lookup returns the innermost live allocation that
     contains the range: a bisection, then a walk back over the entries that start before the
-    range and are long enough to contain it -- bounded by the longest *live* allocation, which
-    is recomputed when the longest one dies (so one huge import does not slow every later
+    range and are long enough to contain it -- bounded by the longest *live* allocation (the
+    last of a sorted list of lengths, so one huge import that died does not slow every later
     lookup). Entries are removed when their allocation dies.
 
     Its lock is a leaf: nothing else is called while it is held, so it may be taken under
-    core_lock.
+    core_lock. Nothing under it allocates a garbage-collected object (tuples and lists are
+    made before it is taken; strong references a lookup takes are dropped after it is let
+    go): no collection, so no finalizer, can start while it is held -- a finalizer calling
+    sharedmem there would wait for a lock its own thread holds. ``live_count`` reads a
+    counter without it.
     """
 
     def __init__(self):
         self._lock = fork_safe(threading.Lock())
-        # device key -> [sorted list of (start, id), {(start, id): (weakref, nbytes)}, max nbytes]
+        # device key -> [sorted (ptr, id) keys, {key: (weakref, nbytes)}, sorted lengths]
         self._maps = {}  # guarded by self._lock
+        self._live = 0  # entries registered and not removed; written under self._lock
 
     def register(self, alloc) -> None:
         key = (alloc.ptr, alloc.id)
         dkey = alloc.device.key
         ref = weakref.ref(alloc, lambda _r, dkey=dkey, key=key: self._remove(dkey, key))
+        value = (ref, alloc.nbytes)
+        fresh = [[], {}, []]  # (made here: nothing is allocated under the lock, see above)
         with self._lock:
             entry = self._maps.get(dkey)
             if entry is None:
-                entry = self._maps[dkey] = [[], {}, 0]
+                entry = self._maps[dkey] = fresh
             bisect.insort(entry[0], key)
-            entry[1][key] = (ref, alloc.nbytes)
-            if alloc.nbytes > entry[2]:
-                entry[2] = alloc.nbytes
+            entry[1][key] = value
+            bisect.insort(entry[2], alloc.nbytes)
+            self._live += 1
 
     def _remove(self, dkey, key) -> None:
         # a weakref callback: runs wherever the allocation died; the lock is a leaf
@@ -298,25 +305,35 @@ class _Registry:
             i = bisect.bisect_left(keys, key)
             if i < len(keys) and keys[i] == key:
                 del keys[i]
-            if got[1] >= entry[2]:  # the longest went: the bound shrinks
-                entry[2] = max((n for _, n in entry[1].values()), default=0)
+            lens = entry[2]
+            j = bisect.bisect_left(lens, got[1])
+            if j < len(lens) and lens[j] == got[1]:
+                del lens[j]  # (the bound shrinks when the longest went)
+            self._live -= 1
 
     def lookup(self, device, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)``."""
+        probe = (ptr, float("inf"))
+        seen = []  # strong references taken under the lock, dropped after it
         with self._lock:
             entry = self._maps.get(device.key)
             if entry is None:
                 return None
-            keys, refs, max_len = entry
-            i = bisect.bisect_right(keys, (ptr, float("inf"))) - 1
+            keys, refs, lens = entry
+            max_len = lens[-1] if lens else 0
+            i = bisect.bisect_right(keys, probe) - 1
             best = None
             while i >= 0 and keys[i][0] + max_len >= ptr:
                 a = refs[keys[i]][0]()
-                if a is not None and a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
-                    if best is None or a.nbytes < best.nbytes:
-                        best = a
+                if a is not None:
+                    seen.append(a)  # (a death here would run _remove under our own lock)
+                    if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                        if best is None or a.nbytes < best.nbytes:
+                            best = a
                 i -= 1
-            return best
+        a = None
+        del seen
+        return best
 
     def lookup_or_create(self, device, ptr, nbytes, factory):
         """Find the allocation containing the range or create one with
@@ -328,8 +345,8 @@ class _Registry:
             return a
 
     def live_count(self) -> int:
-        with self._lock:
-            return sum(1 for e in self._maps.values() for r, _ in e[1].values() if r() is not None)
+        """Live allocations (an int read: no lock, so any finalizer may ask)."""
+        return self._live
 
 
 _registry = _Registry()

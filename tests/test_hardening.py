@@ -653,3 +653,52 @@ def test_a_finished_task_is_freed_outside_its_queue_lock():
     r = subprocess.run([sys.executable, "-c", _TASK_FREED_UNDER_LOCK_SCRIPT],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0 and r.stdout.split() == ["finished"], r.stdout + r.stderr
+
+
+_STATS_IN_FINALIZERS_SCRIPT = r"""
+import gc, threading
+import sharedmem as sm
+host = sm.Device.host()
+keep = [sm.Buffer.zeros(4, device=host) for _ in range(20)]
+
+class Cyc:
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        try:
+            sm.stats()
+        except sm.SharedMemError:
+            pass
+
+gc.set_threshold(1, 1, 1)
+
+def run():
+    for _ in range(3000):
+        Cyc()
+        sm.stats()
+
+ts = [threading.Thread(target=run) for _ in range(2)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+gc.set_threshold(700, 10, 10)
+print("finished")
+"""
+
+
+def test_stats_from_finalizers_never_deadlocks_on_the_registry():
+    """sm.stats() counted live allocations with a generator under the registry's lock: a
+    collection there ran a finalizer calling sm.stats() again, which waited for the lock its
+    own thread held (1 run in 3 hung; the suite's finalizer test hung once in CI). The count
+    is a counter now, and nothing under that lock allocates."""
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _STATS_IN_FINALIZERS_SCRIPT],
+                           capture_output=True, text=True, env=env, timeout=60)
+        assert r.returncode == 0 and r.stdout.split() == ["finished"], r.stdout + r.stderr
