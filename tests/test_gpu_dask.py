@@ -12,7 +12,7 @@ import pytest
 
 import sharedmem as sm
 
-from conftest import cuda_device, gc_collect_harder
+from conftest import gc_collect_harder
 
 pytestmark = pytest.mark.gpu
 
@@ -20,11 +20,9 @@ distributed = pytest.importorskip("distributed")
 
 
 @pytest.fixture(scope="module")
-def cuda():
-    dev = cuda_device()
-    if dev is None:
-        pytest.skip("no usable CUDA GPU")
-    return dev
+def cuda(gpu):
+    """CUDA device 0 (conftest's ``gpu``: skipped without a usable GPU)."""
+    return gpu
 
 
 def test_cuda_family_round_trip_with_a_device_frame(cuda, monkeypatch):

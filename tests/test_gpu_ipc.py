@@ -13,7 +13,7 @@ import pytest
 
 import sharedmem as sm
 
-from conftest import cuda_device, gc_collect_harder
+from conftest import gc_collect_harder
 
 pytestmark = pytest.mark.gpu
 ROUNDS = 50
@@ -21,11 +21,9 @@ N = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def dev():
-    d = cuda_device()
-    if d is None:
-        pytest.skip("no usable CUDA GPU")
-    return d
+def dev(gpu):
+    """CUDA device 0 (conftest's ``gpu``: skipped without a usable GPU)."""
+    return gpu
 
 
 def _pool_used():
