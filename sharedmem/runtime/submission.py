@@ -303,9 +303,13 @@ def fresh_marker_locked(stream, pooled=False):
     try:
         return stream.device.backend.record_marker(stream._impl, pooled)
     except Exception as e:
-        raise CompletionUnknownError(
-            f"cannot order after the work on {stream}: recording an event on it failed ({e!r}). "
-            f"Was the consumer's stream destroyed while its hold was open?") from e
+        raise _unrecordable(stream, e) from e
+
+
+def _unrecordable(stream, e) -> CompletionUnknownError:
+    return CompletionUnknownError(
+        f"cannot order after the work on {stream}: recording an event on it failed ({e!r}). "
+        f"Was the consumer's stream destroyed while its hold was open?")
 
 
 def lease_locked(stream, uses, keep, label, marker):
@@ -374,9 +378,7 @@ def joined_marker_locked(stream):
     try:
         return stream.device.backend.submit_marker(impl)
     except Exception as e:
-        raise CompletionUnknownError(
-            f"cannot order after the work on {stream}: recording an event on it failed ({e!r}). "
-            f"Was the consumer's stream destroyed while its hold was open?") from e
+        raise _unrecordable(stream, e) from e
 
 
 RUNTIME.end_holds = end_holds_locked
