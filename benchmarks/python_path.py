@@ -130,9 +130,16 @@ def this_build():
     def sixteen():
         sm.launch(k16, 8, 128, *many, stream=s)
 
+    tensor = sm.Tensor.from_buffer(sm.Buffer.empty(n, "float32", device=dev), (32, 32))
+
+    def dlpack():  # what cupy.from_dlpack asks of a producer; the capsule dropped at once
+        tensor.__dlpack_device__()
+        tensor.__dlpack__(stream=1, max_version=(1, 0))
+
     rows = [("launch, 4 views reused", reused), ("launch with a move (fresh views)", fresh),
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
-            ("launch, 16 views", sixteen)]
+            ("launch, 16 views", sixteen),
+            ("DLPack export (stream=1) + release", dlpack)]
     print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")
     for name, fn in rows:
         fn()

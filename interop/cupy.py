@@ -152,11 +152,10 @@ def as_cupy(x, stream=None):
     if dev.kind != "cuda":
         raise DeviceMismatchError(f"as_cupy needs memory on a CUDA device; {x!r} is on {dev}")
     consumer = _consumer(stream, dev)
-    handle = consumer.handle
-    backend = dev.backend
-    order_consumer(tok, lambda m: backend.wait_on_handle(handle, m), stream=consumer)
+    order_consumer(tok, dev.backend.wait_on_handle, False, consumer, consumer.handle)
     export = tok.allocation.new_token("CuPy array (as_cupy)", tok.start, tok.stop, tok.writable,
-                                      tok.keep, [(consumer, tok.writable)], source=x)
+                                      tok.keep, source=x,
+                                      consumers=[(consumer, tok.writable)])
     base = tok.allocation.ptr + tok.start
     mem = cp.cuda.UnownedMemory(base, max(tok.stop - tok.start, 1), _ExportOwner(export),
                                 dev.ordinal)

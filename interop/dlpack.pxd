@@ -4,6 +4,8 @@
 # destructor with whatever exception its caller has set: a consumer dropping a capsule on
 # its error path). Both hand the address to dlpack.py's _delete -- the one implementation.
 from cpython.exc cimport PyErr_Fetch, PyErr_Restore
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
 from cpython.ref cimport PyObject
 
@@ -51,3 +53,94 @@ cdef inline object _c_capsule(size_t addr, bint versioned):
         return PyCapsule_New(<void*>addr, b"dltensor_versioned",
                              <PyCapsule_Destructor>_c_capsule_destructor)
     return PyCapsule_New(<void*>addr, b"dltensor", <PyCapsule_Destructor>_c_capsule_destructor)
+
+
+# The DLPack structs (dlpack.h, v1.0), for the compiled export: the managed tensor is made in
+# one PyMem_Malloc block (header, then shape and strides) instead of through ctypes.
+cdef struct _DLDevice:
+    int32_t device_type
+    int32_t device_id
+
+cdef struct _DLDataType:
+    uint8_t code
+    uint8_t bits
+    uint16_t lanes
+
+cdef struct _DLTensor:
+    void* data
+    _DLDevice device
+    int32_t ndim
+    _DLDataType dtype
+    int64_t* shape
+    int64_t* strides
+    uint64_t byte_offset
+
+ctypedef void (*_Deleter)(void*) noexcept
+
+cdef struct _DLManagedTensor:
+    _DLTensor dl_tensor
+    void* manager_ctx
+    _Deleter deleter
+
+cdef struct _DLPackVersion:
+    uint32_t major
+    uint32_t minor
+
+cdef struct _DLManagedTensorVersioned:
+    _DLPackVersion version
+    void* manager_ctx
+    _Deleter deleter
+    uint64_t flags
+    _DLTensor dl_tensor
+
+
+cdef inline size_t _c_managed(bint versioned, size_t ptr, int dev_type, int dev_id, int code,
+                              int bits, tuple shape, tuple strides, uint64_t flags) except 0:
+    # a managed tensor (versioned or legacy) describing the view; freed by _c_free_managed
+    cdef Py_ssize_t ndim = len(shape), i
+    cdef size_t head = sizeof(_DLManagedTensorVersioned) if versioned else sizeof(_DLManagedTensor)
+    cdef char* raw = <char*>PyMem_Malloc(head + 16 * ndim)
+    cdef int64_t* sh
+    cdef int64_t* st
+    cdef _DLTensor* t
+    cdef _DLManagedTensorVersioned* mv
+    cdef _DLManagedTensor* m
+    if raw == NULL:
+        raise MemoryError()
+    sh = <int64_t*>(raw + head)
+    st = sh + ndim
+    try:
+        for i in range(ndim):
+            sh[i] = shape[i]
+            st[i] = strides[i]
+    except BaseException:
+        PyMem_Free(raw)
+        raise
+    if versioned:
+        mv = <_DLManagedTensorVersioned*>raw
+        mv.version.major = 1
+        mv.version.minor = 0
+        mv.manager_ctx = NULL
+        mv.deleter = <_Deleter>_c_deleter
+        mv.flags = flags
+        t = &mv.dl_tensor
+    else:
+        m = <_DLManagedTensor*>raw
+        m.manager_ctx = NULL
+        m.deleter = <_Deleter>_c_deleter
+        t = &m.dl_tensor
+    t.data = <void*>ptr
+    t.device.device_type = dev_type
+    t.device.device_id = dev_id
+    t.ndim = <int32_t>ndim
+    t.dtype.code = <uint8_t>code
+    t.dtype.bits = <uint8_t>bits
+    t.dtype.lanes = 1
+    t.shape = sh
+    t.strides = st
+    t.byte_offset = 0
+    return <size_t>raw
+
+
+cdef inline void _c_free_managed(size_t addr) noexcept:
+    PyMem_Free(<void*>addr)

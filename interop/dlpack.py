@@ -150,10 +150,11 @@ def _np_dtype(t: DLDataType) -> np.dtype:
 
 # -- export --------------------------------------------------------------------------------
 class _Export:
-    """Keeps an exported managed tensor alive and holds its view token until
-    the consumer's deleter (or the unused capsule's destructor) runs."""
+    """Holds an exported managed tensor's view token until the consumer's deleter (or the
+    unused capsule's destructor) runs, and keeps the managed tensor alive (``managed``: its
+    ctypes buffer; None when compiled, where it is a C block freed by ``_delete``)."""
 
-    __slots__ = ("managed", "shape", "strides", "token")
+    __slots__ = ("managed", "token")
 
 
 _exports: dict = {}  # address of the managed struct -> _Export; guarded by _exports_lock
@@ -164,6 +165,8 @@ def _delete(addr) -> None:
     with _exports_lock:
         ex = _exports.pop(addr, None)
     if ex is not None:
+        if ex.managed is None:
+            _c_free_managed(addr)  # (dlpack.pxd; compiled exports only)
         ex.token.release()
 
 
@@ -235,11 +238,10 @@ _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 def dlpack_device(view) -> tuple[int, int]:
     """The DLPack ``(device_type, device_id)`` of a view: ``(kDLCPU, 0)`` or ``(kDLCUDA,
     ordinal)``."""
-    dev = view.device
-    return (kDLCPU, 0) if dev.kind == "host" else (kDLCUDA, dev.ordinal)
+    return view._live_token().allocation.device.dlpack_device
 
 
-def _consumer_wait(view, tok, stream) -> list:
+def _consumer_wait(tok, stream) -> list:
     """Order the consumer's stream after our pending work (see module docstring); returns
     the export's consumers, ``(Stream, writes)`` pairs for its hold."""
     dev = tok.allocation.device
@@ -247,12 +249,14 @@ def _consumer_wait(view, tok, stream) -> list:
         if stream is not None:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
         # the consumer is the CPU itself and reads at once: wait for our work here
-        order_consumer(tok, lambda m: m.wait(), blocking=True)
+        order_consumer(tok, _wait_host, True)
         return []
     if stream is None:
         stream = 1
-    if isinstance(stream, bool) or not isinstance(stream, int):
-        raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
+    if type(stream) is not int:
+        if isinstance(stream, bool) or not isinstance(stream, int):
+            raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
+        stream = int(stream)
     if stream == 0:
         raise ValueError("stream=0 is ambiguous in DLPack and not allowed; use 1 for the legacy "
                          "default stream, 2 for the per-thread default stream, -1 for no "
@@ -267,17 +271,25 @@ def _consumer_wait(view, tok, stream) -> list:
     # previous export's hold). Not for 2: the per-thread default streams of two threads do
     # not order each other -- only each of them with the legacy stream -- so a consumer on
     # one thread's waits for what another thread's consumer was given.
-    backend = dev.backend
-    consumer = consumer_stream(dev, stream)
-    order_consumer(tok, lambda m: backend.wait_on_handle(stream, m),
-                   stream=consumer if stream != 2 else None)
+    if stream == 1 or stream == 2:
+        consumer = dev._default_stream  # (made by the first use of dev.default_stream)
+        if consumer is None:
+            consumer = dev.default_stream
+    else:
+        consumer = consumer_stream(dev, stream)
+    order_consumer(tok, dev.backend.wait_on_handle, False, consumer if stream != 2 else None,
+                   stream)
     return [(consumer, tok.writable)]
+
+
+def _wait_host(marker) -> None:
+    marker.wait()
 
 
 def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
     """A DLPack capsule for ``view`` (see the module docstring)."""
     tok = view._live_token()
-    ours = dlpack_device(view)
+    ours = tok.allocation.device.dlpack_device
     if dl_device is not None:
         dl_device = (int(dl_device[0]), int(dl_device[1]))
     if copy is True or (dl_device is not None and dl_device != ours):
@@ -289,7 +301,7 @@ def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
     if not versioned and not tok.writable:
         raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "
                           f"say read-only); the consumer must ask for max_version >= (1, 0)")
-    consumers = _consumer_wait(view, tok, stream)
+    consumers = _consumer_wait(tok, stream)
     return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, consumers)
 
 
@@ -309,18 +321,21 @@ else:
 _dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent writes)
 
 
-def _make_capsule(view, tok, versioned: bool, flags: int, consumers=()):
+def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
     """The capsule; its view token is a hold for ``consumers`` (see interop.streams)."""
     dt = view.dtype
     code_bits = _dtype_cache.get(dt)
     if code_bits is None:
         d = _dl_dtype(dt)
         code_bits = _dtype_cache[dt] = (d.code, d.bits)
-    dl = (view.ptr, *dlpack_device(view), *code_bits, view.shape, view.strides, versioned, flags)
-    export_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, tok.writable,
-                                          tok.keep, consumers, source=view)
+    alloc = tok.allocation
+    where = alloc.device.dlpack_device
+    shape, strides = view.shape, view.strides
+    export_tok = alloc.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep,
+                                 view, consumers)
     try:
-        return _ctypes_capsule(export_tok, *dl)
+        return _ctypes_capsule(export_tok, alloc.ptr + view._offset, where[0], where[1],
+                               code_bits[0], code_bits[1], shape, strides, versioned, flags)
     except BaseException:
         export_tok.release()  # (idempotent)
         raise
@@ -328,20 +343,26 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers=()):
 
 def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, strides, versioned,
                     flags):
-    ndim = len(shape)
-    head = _VERSIONED_FMT if versioned else _LEGACY_FMT
-    raw = ctypes.create_string_buffer(head.size + 16 * ndim)
-    addr = ctypes.addressof(raw)
-    shape_addr = addr + head.size
-    strides_addr = shape_addr + 8 * ndim
-    dl = (ptr, dev_type, dev_id, ndim, code, bits, 1, shape_addr, strides_addr, 0)
-    if versioned:
-        head.pack_into(raw, 0, DLPACK_VERSION[0], DLPACK_VERSION[1], 0, _DELETER_ADDR, flags, *dl)
-    else:
-        head.pack_into(raw, 0, *dl, 0, _DELETER_ADDR)
-    struct.pack_into(f"<{2 * ndim}q", raw, head.size, *shape, *strides)
     ex = _Export()
-    ex.managed, ex.shape, ex.strides, ex.token = raw, None, None, export_tok
+    ex.token = export_tok
+    if cython.compiled:  # the managed tensor in C (dlpack.pxd)
+        ex.managed = None
+        addr = _c_managed(versioned, ptr, dev_type, dev_id, code, bits, shape, strides, flags)
+    else:
+        ndim = len(shape)
+        head = _VERSIONED_FMT if versioned else _LEGACY_FMT
+        raw = ctypes.create_string_buffer(head.size + 16 * ndim)
+        addr = ctypes.addressof(raw)
+        shape_addr = addr + head.size
+        strides_addr = shape_addr + 8 * ndim
+        dl = (ptr, dev_type, dev_id, ndim, code, bits, 1, shape_addr, strides_addr, 0)
+        if versioned:
+            head.pack_into(raw, 0, DLPACK_VERSION[0], DLPACK_VERSION[1], 0, _DELETER_ADDR, flags,
+                           *dl)
+        else:
+            head.pack_into(raw, 0, *dl, 0, _DELETER_ADDR)
+        struct.pack_into(f"<{2 * ndim}q", raw, head.size, *shape, *strides)
+        ex.managed = raw
     with _exports_lock:
         _exports[addr] = ex
     try:
@@ -368,7 +389,7 @@ def _export_copy(view, stream, max_version, target):
         raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
     versioned = max_version is not None and tuple(max_version)[0] >= 1
     stok = src._live_token()
-    consumers = _consumer_wait(src, stok, stream if target[0] == kDLCUDA else None)
+    consumers = _consumer_wait(stok, stream if target[0] == kDLCUDA else None)
     capsule = _make_capsule(src, stok, versioned, FLAG_IS_COPIED if versioned else 0, consumers)
     src.release()  # the capsule's own token keeps the copy alive
     return capsule

@@ -28,6 +28,10 @@ cdef class Allocation:
     cdef public dict _views
     cdef object __weakref__
 
+    @cython.locals(tok=ViewToken)
+    cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
+                              keep, source=*, consumers=*)
+
     @cython.locals(t=ViewToken)
     cpdef list live_tokens_locked(self, Py_ssize_t start, Py_ssize_t stop)
 
@@ -49,6 +53,9 @@ cdef class View:
 
     @cython.locals(tok=ViewToken, rt=Runtime, others=list, settled=bint, alloc=Allocation)
     cpdef ViewToken _move_token(self, str target_kind, str target_name)
+
+cdef _init_token(ViewToken self, Allocation allocation, str kind, Py_ssize_t start,
+                 Py_ssize_t stop, bint writable, keep, origin)
 
 @cython.locals(rt=Runtime)
 cpdef _release_locked(ViewToken tok)

@@ -92,25 +92,7 @@ class ViewToken:
                  "consumers", "use_r", "use_w")
 
     def __init__(self, allocation, kind, start, stop, writable, keep, origin=None):
-        self.allocation = allocation
-        self.kind = kind  # guarded by core_lock (re-labelled by moves)
-        self.start = start
-        self.stop = stop
-        self.writable = writable
-        self.keep = keep
-        self.origin = origin
-        self.live = False  # guarded by core_lock
-        # A *hold*: the streams (and whether each may write) whose work may use these bytes
-        # while this token lives -- a consumer library's stream named at export, or one the
-        # user declared with sharedmem.record_use. Each is an open lease in the allocation's
-        # tracker while the token lives; when it is released, the bytes stay leased on each
-        # stream until the stream passes that point (runtime.submission.end_holds_locked).
-        # None or a list of (Stream, writes); guarded by core_lock.
-        self.consumers = None
-        # The lease pairs (self, False) and (self, True) a launch names (see use()): made once
-        # per view, not per launch. They refer to this token, so release drops them.
-        self.use_r = None
-        self.use_w = None
+        _init_token(self, allocation, kind, start, stop, writable, keep, origin)
 
     def use(self, writes):
         """``(self, writes)``: this token as a lease of ``submit()``'s ``uses``, made once."""
@@ -135,6 +117,28 @@ class ViewToken:
         """Release this token; idempotent, never blocks (see ``runtime.state``)."""
         if self.live:
             RUNTIME.run_or_stage(_release_locked, self)
+
+
+def _init_token(self, allocation, kind, start, stop, writable, keep, origin) -> None:
+    self.allocation = allocation
+    self.kind = kind  # guarded by core_lock (re-labelled by moves)
+    self.start = start
+    self.stop = stop
+    self.writable = writable
+    self.keep = keep
+    self.origin = origin
+    self.live = False  # guarded by core_lock
+    # A *hold*: the streams (and whether each may write) whose work may use these bytes
+    # while this token lives -- a consumer library's stream named at export, or one the
+    # user declared with sharedmem.record_use. Each is an open lease in the allocation's
+    # tracker while the token lives; when it is released, the bytes stay leased on each
+    # stream until the stream passes that point (runtime.submission.end_holds_locked).
+    # None or a list of (Stream, writes); guarded by core_lock.
+    self.consumers = None
+    # The lease pairs (self, False) and (self, True) a launch names (see use()): made once
+    # per view, not per launch. They refer to this token, so release drops them.
+    self.use_r = None
+    self.use_w = None
 
 
 def _release_locked(tok) -> None:
@@ -211,15 +215,17 @@ class Allocation:
             return [t.describe() for t in self._views.values()]
 
     # -- tokens ---------------------------------------------------------
-    def new_token(self, kind, start, stop, writable, keep, consumers=(), source=None):
+    def new_token(self, kind, start, stop, writable, keep, source=None, consumers=()):
         """A new live view token of bytes ``[start, stop)`` of this allocation (its ``kind``
-        names it in AliasError messages; ``keep`` is what it keeps alive). ``consumers``:
-        ``(stream, writes)`` pairs that make it a hold (see ViewToken.consumers), set in the
-        same step. ``source``: the View it derives from (a slice, a borrow, an export), checked
-        live in the same step -- a move or release of ``source`` on another thread between
-        the caller's own check and this one raises its MovedError / ReleasedError here
-        instead of leaving a live view of bytes the source no longer owns."""
-        tok = ViewToken(self, kind, start, stop, writable, keep, _origin())
+        names it in AliasError messages; ``keep`` is what it keeps alive). ``source``: the View it
+        derives from (a slice, a borrow, an export), checked live in the same step -- a move
+        or release of ``source`` on another thread between the caller's own check and this
+        one raises its MovedError / ReleasedError here instead of leaving a live view of bytes
+        the source no longer owns. ``consumers``: ``(stream, writes)`` pairs that make it a
+        hold (see ViewToken.consumers), set in the same step."""
+        tok = ViewToken.__new__(ViewToken)
+        _init_token(tok, self, kind, start, stop, writable, keep,
+                    _origin() if TRACK_ORIGINS else None)
         RUNTIME.acquire()
         try:
             if source is not None and cython.cast(View, source)._state != _LIVE:
@@ -600,7 +606,7 @@ class View:
 
     def __dlpack_device__(self):
         """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""
-        return _module("interop.dlpack").dlpack_device(self)
+        return self._live_token().allocation.device.dlpack_device
 
     @property
     def __cuda_array_interface__(self):

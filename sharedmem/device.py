@@ -30,16 +30,18 @@ class Device:
 
     Attributes: ``kind`` (``"cuda"`` or ``"host"``), ``ordinal`` (CUDA ordinal,
     ``-1`` for the host), ``name``, ``key`` (a hashable identity),
-    ``default_stream``; for CUDA also ``uuid`` and ``compute_capability``.
+    ``default_stream``, ``dlpack_device`` (DLPack's ``(device_type, device_id)``); for CUDA
+    also ``uuid`` and ``compute_capability``.
     """
 
     __slots__ = ("kind", "ordinal", "name", "key", "backend", "_default_stream", "_peers",
-                 "__weakref__")
+                 "dlpack_device", "__weakref__")
     kind: str
     ordinal: int
     name: str
     key: tuple[str, int]
     backend: Any
+    dlpack_device: tuple[int, int]
 
     def __new__(cls, ordinal: int | Device = 0) -> Device:
         if isinstance(ordinal, Device):
@@ -77,6 +79,8 @@ class Device:
         self.name = name
         self.key = key
         self.backend = backend
+        # DLPack's (device_type, device_id): kDLCPU = 1 for the host, kDLCUDA = 2 for CUDA
+        self.dlpack_device = (1, 0) if kind == "host" else (2, ordinal)
         self._default_stream = None
         # The devices whose memory this device's kernels may use (enable_peer_access); replaced
         # whole under _lock, read lock-free by launches (a frozenset: no torn reads)

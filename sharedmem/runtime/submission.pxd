@@ -57,3 +57,11 @@ cpdef list _sweep_locked(Stream stream, bint record=*)
 
 @cython.locals(i=Py_ssize_t, sub=Submission, last=object)
 cpdef _finish(list subs)
+
+@cython.locals(consumers=list, tracker=AccessTracker, c=tuple)
+cpdef end_holds_locked(ViewToken tok)
+
+cpdef joined_marker_locked(Stream stream)
+
+@cython.locals(rt=Runtime, tracker=AccessTracker, markers=list, c=tuple)
+cpdef int order_consumer(ViewToken tok, wait, bint blocking=*, stream=*, handle=*) except? -1

@@ -329,15 +329,27 @@ def lease_locked(stream, uses, keep, label, marker):
         rt.tracer.submitted(sub, None)
     pending = stream._pending
     pending.append(sub)
-    if len(pending) == 1:
-        rt.active.add(stream)
     rt.in_flight += 1
     rt.submitted += 1
     if not rt.retirer_running:
         rt.ensure_retirer()  # (starting a thread waits for nothing that needs core_lock)
-    elif rt.retirer_idle:
-        rt.wake_retirer()
+    if len(pending) == 1:
+        rt.active.add(stream)
+        if rt.retirer_idle:  # (as in submit: only a stream that just became active needs it)
+            rt.wake_retirer()
     return sub
+
+
+class _HoldEnd:
+    """Names the lease of a hold's end, ``(_HOLD_END, kind)`` (see label_text)."""
+
+    __slots__ = ()
+
+    def label(self, kind) -> str:
+        return f"end of a {kind} hold"
+
+
+_HOLD_END = _HoldEnd()
 
 
 def end_holds_locked(tok) -> None:
@@ -350,7 +362,8 @@ def end_holds_locked(tok) -> None:
     consumers = tok.consumers
     tok.consumers = None
     tracker = tok.allocation.tracker
-    for stream, writes in consumers:
+    for c in consumers:
+        stream = c[0]
         tracker.drop_hold_locked(stream, tok)
         if tok.start >= tok.stop:
             continue
@@ -358,7 +371,8 @@ def end_holds_locked(tok) -> None:
             marker = joined_marker_locked(stream)
         except CompletionUnknownError as e:
             marker = FailedMarker(e)
-        lease_locked(stream, [(tok, writes)], [tok.keep], f"end of a {tok.kind} hold", marker)
+        # (the label is formatted only where a message needs it: see label_text)
+        lease_locked(stream, [tok.use(c[1])], [tok.keep], (_HOLD_END, tok.kind), marker)
 
 
 def joined_marker_locked(stream):
@@ -630,7 +644,7 @@ def counters_locked() -> dict:
             "leaked": rt.leaked_count, "leaked_bytes": rt.leaked_bytes}
 
 
-def order_consumer(tok, wait, blocking=False, stream=None) -> int:
+def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
     """Order a consumer outside sharedmem after our unfinished work on the bytes of ``tok``:
     ``wait(marker)`` is called for the newest conflicting submission of every stream --
     pending writes, and also pending reads when the view is writable (the consumer may write
@@ -639,13 +653,16 @@ def order_consumer(tok, wait, blocking=False, stream=None) -> int:
     were made. Used by DLPack / CAI export and ``as_cupy``.
 
     ``wait`` only enqueues (a device-side wait) unless ``blocking``: then it may block the
-    host, and is called after the core lock is released."""
+    host, and is called after the core lock is released. With ``handle`` (the consumer's raw
+    stream), it is called as ``wait(handle, marker)``."""
     markers = []
-    with locked():
+    rt = RUNTIME
+    rt.acquire()
+    try:
         tracker = tok.allocation.tracker
-        if tracker:
-            for other, marker, _seq, _w in tracker.conflicts_locked(stream, tok.writable,
-                                                                     tok.start, tok.stop):
+        if tracker.elsewhere_locked(stream):  # (else nothing to order: the usual case)
+            for c in tracker.conflicts_locked(stream, tok.writable, tok.start, tok.stop):
+                other, marker = c[0], c[1]
                 if marker is None:  # an open hold: whatever its stream was given so far
                     marker = fresh_marker_locked(other)
                 if marker.unknown:
@@ -655,9 +672,14 @@ def order_consumer(tok, wait, blocking=False, stream=None) -> int:
                         f"exported")
                 if blocking:
                     markers.append(marker)
+                elif handle is not None:
+                    wait(handle, marker)
+                    markers.append(None)
                 else:
                     wait(marker)
                     markers.append(None)
+    finally:
+        rt.release()
     if blocking:
         for m in markers:
             wait(m)
