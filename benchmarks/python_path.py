@@ -26,6 +26,7 @@ int ctx_get_stub(void **out) { *out = (void *)0xC0; return 0; }
 int record_stub(void *e, void *s) { return 0; }
 int query_stub(void *e) { return 0; }
 int wait_stub(void *s, void *e, unsigned f) { return 0; }
+int graph_launch_stub(void *g, void *s) { return 0; }
 """
 
 
@@ -64,7 +65,8 @@ class _NullHot:
                               (("cuLaunchKernel", "launch_stub"),
                                ("cuCtxGetCurrent", "ctx_get_stub"),
                                ("cuEventRecord", "record_stub"), ("cuEventQuery", "query_stub"),
-                               ("cuStreamWaitEvent", "wait_stub"))}
+                               ("cuStreamWaitEvent", "wait_stub"),
+                               ("cuGraphLaunch", "graph_launch_stub"))}
         else:
             self.launch = lambda *a: 0
             self.record = lambda *a: 0
@@ -136,10 +138,20 @@ def this_build():
         tensor.__dlpack_device__()
         tensor.__dlpack__(stream=1, max_version=(1, 0))
 
+    gs = dev.create_stream("graph")
+    ga, gb, gc, gd = (sm.Buffer.empty(n, "float32", device=dev) for _ in range(4))
+    with sm.capture(gs) as g:
+        for _ in range(4):
+            sm.launch(k, 8, 128, In(ga), In(gb), Out(gc), Out(gd), n)
+
+    def replay():  # the host time of one replay call (4 captured launches)
+        g.replay(gs)
+
     rows = [("launch, 4 views reused", reused), ("launch with a move (fresh views)", fresh),
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
-            ("DLPack export (stream=1) + release", dlpack)]
+            ("DLPack export (stream=1) + release", dlpack),
+            ("graph replay call", replay)]
     print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")
     for name, fn in rows:
         fn()

@@ -350,8 +350,8 @@ def fake_cupy():
 
 class FakeHot:
     """``backend.hot`` over the fake driver: the per-launch entry points as
-    Python callables, and for the compiled launch path (sharedmem/_speedups.c)
-    C function pointers -- ctypes callbacks into the fake driver."""
+    Python callables, and for the compiled paths (``backend.*_addr``) C function
+    pointers -- ctypes callbacks into the fake driver."""
 
     def __init__(self, drv):
         c = ctypes
@@ -367,14 +367,16 @@ class FakeHot:
         RECORD = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
         QUERY = c.CFUNCTYPE(c.c_int, c.c_void_p)
         WAIT = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p, c.c_uint)
+        GRAPH_LAUNCH = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
         self._callbacks = (LAUNCH(self.launch), CTX_GET(ctx_get),
                            RECORD(lambda e, s: self.record(e or 0, s or 0)),
                            QUERY(lambda e: self.query(e or 0)),
-                           WAIT(lambda s, e, f: self.wait(s or 0, e or 0, f)))
+                           WAIT(lambda s, e, f: self.wait(s or 0, e or 0, f)),
+                           GRAPH_LAUNCH(lambda g, s: self.graph_launch(g or 0, s or 0)))
         self.addresses = {
             name: c.cast(cb, c.c_void_p).value for name, cb in zip(
                 ("cuLaunchKernel", "cuCtxGetCurrent", "cuEventRecord", "cuEventQuery",
-                 "cuStreamWaitEvent"), self._callbacks)}
+                 "cuStreamWaitEvent", "cuGraphLaunch"), self._callbacks)}
 
     def launch(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         return int(self._drv.cuLaunchKernel(func or 0, gx, gy, gz, bx, by, bz, shared,

@@ -4,6 +4,7 @@ ctypedef int (*ctx_get_fn_t)(void**) noexcept nogil
 ctypedef int (*record_fn_t)(void*, void*) noexcept nogil
 ctypedef int (*query_fn_t)(void*) noexcept nogil
 ctypedef int (*wait_fn_t)(void*, void*, unsigned int) noexcept nogil
+ctypedef int (*graph_launch_fn_t)(void*, void*) noexcept nogil
 
 cdef class CudaMarker:
     cdef public object event

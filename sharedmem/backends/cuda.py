@@ -106,7 +106,7 @@ class _HotDriver:
         # for the compiled paths (launch plans, ensure_context): the C entry points themselves
         self.addresses = {name: ctypes.cast(getattr(lib, name), vp).value
                           for name in ("cuLaunchKernel", "cuCtxGetCurrent", "cuEventRecord",
-                                       "cuEventQuery", "cuStreamWaitEvent")}
+                                       "cuEventQuery", "cuStreamWaitEvent", "cuGraphLaunch")}
 
 
     def current_context(self) -> int:
@@ -457,6 +457,7 @@ class CudaBackend:
         self.record_addr = addresses.get("cuEventRecord", 0)
         self.query_addr = addresses.get("cuEventQuery", 0)
         self.wait_addr = addresses.get("cuStreamWaitEvent", 0)
+        self.graph_launch_addr = addresses.get("cuGraphLaunch", 0)
         self.ensure_context()
         # Pooled events. list.append / list.pop are atomic under the GIL.
         self._events: list = []
@@ -740,7 +741,14 @@ class CudaBackend:
     def launch_graph(self, graph_exec, impl: CudaStreamImpl) -> CudaMarker:
         self.ensure_context()
         hot = self.hot
-        if hot is not None:
+        if cython.compiled and self.graph_launch_addr:  # (through its address: no ctypes call)
+            err = cython.cast(graph_launch_fn_t,
+                              cython.cast(cython.size_t, self.graph_launch_addr))(
+                cython.cast(cython.p_void, cython.cast(cython.size_t, graph_exec[2])),
+                cython.cast(cython.p_void, cython.cast(cython.size_t, impl.handle)))
+            if err:
+                check((cu.CUresult(err),), "cuGraphLaunch")
+        elif hot is not None:
             err = hot.graph_launch(graph_exec[2], impl.handle)
             if err:
                 check((cu.CUresult(err),), "cuGraphLaunch")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
-from functools import partial
 from typing import TYPE_CHECKING
 
 from .state import CAPTURING, RUNTIME, locked, log
@@ -55,16 +54,20 @@ if TYPE_CHECKING:
 _ids = itertools.count(1)
 
 
-class _Executable:
+class _Executable(_sub.Work):
     """Owns a backend graph (CUDA: ``CUgraph`` + ``CUgraphExec``; host: the
     recorded tasks) and destroys it when collected: after the Graph is gone
-    and every replay that keeps it has retired."""
+    and every replay that keeps it has retired. As a Work, it launches the graph (a replay
+    submits it, with nothing made per call)."""
 
     __slots__ = ("backend", "handle")
 
     def __init__(self, backend, handle):
         self.backend = backend
         self.handle = handle
+
+    def enqueue(self, stream, config, payload):
+        return self.backend.launch_graph(self.handle, stream._impl)
 
     def __del__(self, _finalizing=sys.is_finalizing):
         try:
@@ -137,15 +140,13 @@ class Graph:
         if r is None or self._state != "ready":
             raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
                                f"can be replayed")
-        uses, keep, label, handle, backend = r
+        uses, keep, label, executable = r
         s = resolve_stream(stream, self.device)
         if s._capture is not None:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
         # keeps the executable and (through the uses) the memory -- not this Graph. (A release
         # racing this replay makes submit() refuse it: its tokens are checked live there.)
-        sub = _sub.submit(s, uses, partial(backend.launch_graph, handle, s._impl), keep, policy,
-                          label)
-        return future_of(sub)
+        return future_of(_sub.submit_plan(s, uses, executable, None, None, keep, policy, label))
 
     def describe(self) -> str:
         """How the graph is named in messages (``graph #N``)."""
@@ -261,10 +262,9 @@ class capture:
         with locked():
             uses = [(tok, writes) for tok, writes in g._uses.values()]
         with g._lock:
-            # (uses, keep, label, executable handle, backend): everything a replay reads, in one
-            # tuple published with the state -- replay() reads it once, without the lock
-            g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}",
-                         g._exec.handle, s.device.backend)
+            # (uses, keep, label, executable): everything a replay reads, in one tuple
+            # published with the state -- replay() reads it once, without the lock
+            g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}", g._exec)
             g._state = "ready"
         return False
 
