@@ -74,8 +74,9 @@ def cai_layout(view, read_only: bool) -> dict:
         shape = t._shape
         strides = None if t._contiguous else tuple([s * dt.itemsize for s in t._strides])
     else:
-        dt = cython.cast(Buffer, view)._dtype
-        shape = (cython.cast(Buffer, view)._length,)
+        b = view
+        dt = b._dtype
+        shape = (b._length,)
         strides = None
     return {"shape": shape, "typestr": typestr(dt), "data": (tok.allocation.ptr + view._offset,
             read_only), "strides": strides, "version": 3}

@@ -368,7 +368,8 @@ class RawKernelPlan(KernelPlan):
                                       f"{_what(a)}")
                 tok = uses[j][0]
                 j += 1
-                _emit_address(out, par, tok.allocation.ptr + cython.cast(View, a)._offset)
+                view = a  # (a typed local, not a cast: interpreted, a cast is a call)
+                _emit_address(out, par, tok.allocation.ptr + view._offset)
                 p += 1
                 continue
             if type(a) is LaunchArg:

@@ -107,7 +107,7 @@ def _view_descriptor(i, view, writes):
             return got
     tok = view._token
     if isinstance(view, Tensor):
-        t = cython.cast(Tensor, view)
+        t = view  # (typed locals here and below, not casts: interpreted, a cast is a call)
         key = (tok.allocation.ptr + view._offset, t._shape, t._strides, t._dtype, writes)
     else:
         key = (tok.allocation.ptr + view._offset, view.shape, None, view.dtype, writes)
