@@ -17,6 +17,9 @@ cdef class ViewToken:
 
     cpdef tuple use(self, bint writes)
 
+    @cython.locals(rt=Runtime)
+    cpdef release(self)
+
 cdef class Allocation:
     cdef readonly long long id
     cdef public object device
@@ -28,7 +31,7 @@ cdef class Allocation:
     cdef public dict _views
     cdef object __weakref__
 
-    @cython.locals(tok=ViewToken)
+    @cython.locals(tok=ViewToken, rt=Runtime, src=View)
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*, consumers=*)
 

@@ -116,7 +116,8 @@ class ViewToken:
     def release(self) -> None:
         """Release this token; idempotent, never blocks (see ``runtime.state``)."""
         if self.live:
-            RUNTIME.run_or_stage(_release_locked, self)
+            rt = RUNTIME
+            rt.run_or_stage(_release_locked, self)
 
 
 def _init_token(self, allocation, kind, start, stop, writable, keep, origin) -> None:
@@ -143,19 +144,21 @@ def _init_token(self, allocation, kind, start, stop, writable, keep, origin) -> 
 
 def _release_locked(tok) -> None:
     if tok.live:
+        rt = RUNTIME
         tok.live = False
         tok.use_r = tok.use_w = None  # (they refer back to the token)
         del tok.allocation._views[id(tok)]
-        RUNTIME.live_views -= 1
+        rt.live_views -= 1
         if tok.consumers is not None:  # a hold ends: stream-ordered, never at once
-            RUNTIME.end_holds(tok)
+            rt.end_holds(tok)
         tok.keep = None
 
 
 def _add_locked(tok):
+    rt = RUNTIME
     tok.live = True
     tok.allocation._views[id(tok)] = tok
-    RUNTIME.live_views += 1
+    rt.live_views += 1
     return tok
 
 
@@ -226,15 +229,18 @@ class Allocation:
         tok = ViewToken.__new__(ViewToken)
         _init_token(tok, self, kind, start, stop, writable, keep,
                     _origin() if TRACK_ORIGINS else None)
-        RUNTIME.acquire()
+        rt = RUNTIME
+        rt.acquire()
         try:
-            if source is not None and cython.cast(View, source)._state != _LIVE:
-                cython.cast(View, source)._raise_dead()
+            if source is not None:
+                src = source  # (a typed local, not a cast: interpreted, a cast is a call)
+                if src._state != _LIVE:
+                    src._raise_dead()
             _add_locked(tok)
             for stream, writes in consumers:
                 add_consumer_locked(tok, stream, writes)
         finally:
-            RUNTIME.release()
+            rt.release()
         return tok
 
     def live_tokens_locked(self, start, stop) -> list:
