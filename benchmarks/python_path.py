@@ -102,6 +102,8 @@ def this_build():
     backend = bc.CudaBackend(0)
     dev = object.__new__(sm.Device)
     dev._setup("cuda", 0, backend.name, ("fake-cuda", 1), backend)
+    import sharedmem.device as sm_device
+    sm_device._devices[("cuda", 0)] = dev  # (Device(0) is this one: CuPy-style arrays name it)
     code = 'extern "C" __global__ void k4(const float* a, const float* b, float* c, float* d, int n) { }\n' \
            'extern "C" __global__ void k16(' + ", ".join(f"float* p{i}" for i in range(16)) + ") { }\n"
     k = RawKernel(drv, "k4", ["Q", "Q", "Q", "Q", "i"], lambda *a: None, code)
@@ -132,6 +134,23 @@ def this_build():
     def sixteen():
         sm.launch(k16, 8, 128, *many, stream=s)
 
+    class _Mem:  # what a launch reads of a CuPy array's memory
+        def __init__(self, ptr, size):
+            self.ptr, self.size, self.mem = ptr, size, self
+
+    class _Array(sys.modules["cupy"].ndarray):  # a CuPy-style array over fresh fake memory
+        def __init__(self, nbytes):
+            self._block = drv_block = sm.Buffer.empty(nbytes // 4, "float32", device=dev)
+            self.data = _Mem(drv_block.ptr, nbytes)
+            self.device = type("D", (), {"id": 0})()
+            self.size, self.shape, self.strides, self.itemsize = nbytes // 4, (nbytes // 4,), (4,), 4
+
+    arrays = [_Array(4 * n) for _ in range(4)]
+
+    def cupy_arrays():  # foreign arrays as arguments (learned on their first launch)
+        sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(arrays[2]), Out(arrays[3]), n,
+                  stream=s)
+
     tensor = sm.Tensor.from_buffer(sm.Buffer.empty(n, "float32", device=dev), (32, 32))
 
     def dlpack():  # what cupy.from_dlpack asks of a producer; the capsule dropped at once
@@ -150,6 +169,7 @@ def this_build():
     rows = [("launch, 4 views reused", reused), ("launch with a move (fresh views)", fresh),
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
+            ("launch, 4 CuPy-style arrays", cupy_arrays),
             ("DLPack export (stream=1) + release", dlpack),
             ("graph replay call", replay)]
     print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")

@@ -60,8 +60,11 @@ cdef class ArrayFacts:
     cdef public ViewToken token
     cdef public Py_ssize_t offset
 
-@cython.locals(f=ArrayFacts)
+@cython.locals(f=ArrayFacts, facts=dict)
 cpdef ArrayFacts array_facts(arr)
 
 @cython.locals(f=ArrayFacts, la=LaunchArg)
 cpdef foreign_array(arr)
+
+@cython.locals(modules=dict)
+cpdef coerce(obj, device)

@@ -605,7 +605,8 @@ def _forget(key, ref):
 
 def array_facts(arr):
     """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
-    f = _facts.get(id(arr))
+    facts = _facts  # (a typed local: a C dict lookup)
+    f = facts.get(id(arr))
     if f is not None and f.ref() is arr:
         return f
     return _learn(arr)
@@ -639,12 +640,14 @@ def foreign_array(arr):
 
 
 _ndarray = [None, None]  # [the cupy module, its ndarray], once CuPy is imported
+_modules = sys.modules
 
 
 def coerce(obj, device):
     """``KernelAdapter.coerce`` of CuPy kernels: a CuPy array argument as a
     :class:`LaunchArg` (see ``KernelAdapter.coerce``); None for anything else."""
-    cp = sys.modules.get("cupy")
+    modules = _modules
+    cp = modules.get("cupy")
     if cp is None:
         return None
     if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)

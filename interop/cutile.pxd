@@ -10,7 +10,7 @@ from sharedmem.stream cimport Stream
                wa=bint, wb=bint)
 cpdef bint _aliased(list uses)
 
-@cython.locals(d=dict, tok=ViewToken, t=Tensor, key=tuple)
+@cython.locals(d=dict, tok=ViewToken, t=Tensor, key=tuple, by_layout=dict)
 cpdef _view_descriptor(Py_ssize_t i, View view, bint writes)
 
 cdef class TilePlan(KernelPlan):

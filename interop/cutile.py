@@ -111,7 +111,8 @@ def _view_descriptor(i, view, writes):
         key = (tok.allocation.ptr + view._offset, t._shape, t._strides, t._dtype, writes)
     else:
         key = (tok.allocation.ptr + view._offset, view.shape, None, view.dtype, writes)
-    got = _by_layout.get(key)
+    by_layout = _by_layout  # (a typed local: a C dict lookup)
+    got = by_layout.get(key)
     if got is not None:
         return got
     try:

@@ -144,3 +144,10 @@ cdef inline size_t _c_managed(bint versioned, size_t ptr, int dev_type, int dev_
 
 cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
+
+
+@cython.locals(cache=dict)
+cpdef _make_capsule(view, tok, bint versioned, int flags, consumers)
+
+@cython.locals(exports=dict)
+cpdef _delete(addr)

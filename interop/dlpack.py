@@ -162,8 +162,9 @@ _exports_lock = fork_safe(threading.Lock())
 
 
 def _delete(addr) -> None:
+    exports = _exports
     with _exports_lock:
-        ex = _exports.pop(addr, None)
+        ex = exports.pop(addr, None)
     if ex is not None:
         if ex.managed is None:
             _c_free_managed(addr)  # (dlpack.pxd; compiled exports only)
@@ -324,7 +325,8 @@ _dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent write
 def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
     """The capsule; its view token is a hold for ``consumers`` (see interop.streams)."""
     dt = view.dtype
-    code_bits = _dtype_cache.get(dt)
+    cache = _dtype_cache  # (a typed local: a C dict lookup)
+    code_bits = cache.get(dt)
     if code_bits is None:
         d = _dl_dtype(dt)
         code_bits = _dtype_cache[dt] = (d.code, d.bits)

@@ -53,7 +53,7 @@ cdef class _HostPlan(KernelPlan):
                with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg)
 cpdef tuple resolve_args(adapter, tuple args, device)
 
-@cython.locals(plan=KernelPlan, sub=Submission, st=Stream)
+@cython.locals(plan=KernelPlan, sub=Submission, st=Stream, adapters=dict)
 cpdef Submission launch_submission(kernel, grid, block, tuple args, stream, shared_mem, policy)
 
 @cython.locals(plan=KernelPlan, plans=dict)

@@ -541,7 +541,8 @@ def launch(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, 
 
 def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
     """:func:`launch` up to its Submission (ops submit through here too)."""
-    adapter = _adapters.get(type(kernel))
+    adapters = _adapters  # (a typed local: a C dict lookup)
+    adapter = adapters.get(type(kernel))
     if adapter is None:
         adapter = adapter_for(kernel)
     if policy is not None:

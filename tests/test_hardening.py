@@ -553,7 +553,9 @@ def test_a_finalizer_on_a_host_worker_never_deadlocks_a_submitter():
     """A host stream's worker took its queue lock around code that allocates (setting a
     task's marker); a collection there ran a user finalizer that waited for the core lock,
     while a submitter holding the core lock waited for the queue lock: 2 runs in 3 hung
-    before. Nothing under the queue lock allocates now."""
+    before. Nothing under the queue lock allocates now. (Later it still hung about 1 run in
+    20, interpreted: ``with lock:``'s exit call allocates its argument tuple when the tuple
+    free list is empty -- with the lock still held. The worker uses acquire/release now.)"""
     import os
     import subprocess
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -98,18 +98,28 @@ class HostPool:
         n = max(nbytes, 1)
         return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
+    # The pool's lock is a leaf taken by HostBlock finalizers (_give_back): nothing under it
+    # may allocate a garbage-collected object, or a collection there could run a finalizer
+    # that waits for it on the same thread -- so acquire()/release(), never `with` (its exit
+    # call allocates its argument tuple while the lock is held), and the free lists made
+    # before it is taken.
     def allocate(self, nbytes: int) -> HostBlock:
         sc = self._size_class(nbytes)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()
+        try:
             lst = self._free.get(sc)
             raw = lst.pop() if lst else None
             self.bytes_in_use += sc
+        finally:
+            lock.release()
         if raw is None:
             try:
                 raw = self._new_block(sc)
             except BaseException:
-                with self._lock:
-                    self.bytes_in_use -= sc  # (nothing was handed out)
+                lock.acquire()
+                self.bytes_in_use -= sc  # (nothing was handed out)
+                lock.release()
                 raise
         base = raw.ctypes.data
         ptr = (base + _ALIGN - 1) // _ALIGN * _ALIGN
@@ -125,14 +135,26 @@ class HostPool:
             return np.empty(sc + _ALIGN, np.uint8)
 
     def _give_back(self, size_class: int, raw) -> None:
-        with self._lock:
-            self._free.setdefault(size_class, []).append(raw)
+        fresh = []  # (a free list made before the lock is taken, used if this size has none)
+        lock = self._lock
+        lock.acquire()
+        try:
+            self._free.setdefault(size_class, fresh).append(raw)
             self.bytes_in_use -= size_class
+        finally:
+            lock.release()
 
     def free_all_blocks(self) -> None:
         """Drop every cached free block (like ``cupy``'s ``free_all_blocks``)."""
-        with self._lock:
-            self._free.clear()
+        empty = {}
+        lock = self._lock
+        lock.acquire()
+        try:
+            blocks = self._free
+            self._free = empty
+        finally:
+            lock.release()
+        blocks.clear()  # (the blocks freed outside the lock)
 
 
 class HostMarker:
@@ -176,7 +198,11 @@ class _Tasks:
 
     Nothing under ``lock`` allocates a garbage-collected object, so no finalizer ever runs
     while it is held: ``lock`` is taken under the core lock (submissions, the fork), and a
-    finalizer that waited for the core lock there would deadlock. The worker sleeps on
+    finalizer that waited for the core lock there would deadlock. That rules out ``with
+    lock:`` too: interpreted, the statement's exit calls ``lock.__exit__(None, None, None)``,
+    and that call builds its argument tuple while the lock is still held (a collection there
+    hung the worker-finalizer test 1 run in 20); ``acquire()`` and ``release()`` allocate
+    nothing. The worker sleeps on
     ``bell``, a raw lock held while nobody rang it (``sleeping``, guarded by ``lock``, says
     the worker waits for it): ringing is one release, waking one acquire -- unlike a
     Condition's notify, which builds objects."""
@@ -197,11 +223,15 @@ class _Tasks:
         self.sleeping = False  # guarded by lock
 
     def put(self, item) -> None:
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # (never `with lock:`: see the class docstring)
+        try:
             self.items.append(item)
             if self.sleeping:
                 self.sleeping = False
                 self.bell.release()
+        finally:
+            lock.release()
 
     def qsize(self) -> int:
         return len(self.items)
@@ -344,8 +374,9 @@ def _worker(q, state, backend) -> None:
                 marker.error = state["fault"]
                 marker._event.set()  # (outside lock: it allocates; see _Tasks)
             fn = None
-            with lock:
-                q.running = None
+            lock.acquire()
+            q.running = None
+            lock.release()
             item = None
             continue
         try:
@@ -361,8 +392,9 @@ def _worker(q, state, backend) -> None:
         fn = None
         if marker is not None:
             marker._event.set()  # (outside lock: it allocates; see _Tasks)
-        with lock:
-            q.running = None
+        lock.acquire()  # (not `with lock:`, whose exit call allocates: see _Tasks)
+        q.running = None
+        lock.release()
         item = None  # (the task may be freed here: outside the lock)
         if marker is not None:
             marker = None
