@@ -194,7 +194,8 @@ class AccessTracker:
         launch path's test: usually there are none, and no range is looked at)."""
         uses = self._uses
         n = len(uses)
-        if n == 0 or (n == 1 and (self._last is stream or stream in uses)):
+        # (stream None: no stream is skipped -- and _last is None once its stream was dropped)
+        if n == 0 or (n == 1 and stream is not None and (self._last is stream or stream in uses)):
             return False
         for s in list(uses):
             if s is not stream and uses[s].prune(s._done):

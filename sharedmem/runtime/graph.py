@@ -61,6 +61,7 @@ class _Executable(_sub.Work):
     submits it, with nothing made per call)."""
 
     __slots__ = ("backend", "handle")
+    capturable = False  # (a replay cannot be captured: no escaped-capture warning)
 
     def __init__(self, backend, handle):
         self.backend = backend

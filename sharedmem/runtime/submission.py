@@ -91,6 +91,10 @@ class Work:
     :func:`submit_plan`)."""
 
     __slots__ = ()
+    #: Whether a capture on another stream of the thread should have recorded this work
+    #: (submit warns that it escaped): launches yes; a graph replay, which cannot be
+    #: captured, no.
+    capturable = True
 
     def enqueue(self, stream, config, payload):  # pragma: no cover - overridden
         raise NotImplementedError
@@ -169,7 +173,7 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         check_policy(policy)
     if not rt.retirer_running:  # (before anything is done: a thread that cannot start
         rt.ensure_retirer()     # fails the submission, which then changed nothing)
-    if rt.captures and plan is not None and stream._capture is None:
+    if rt.captures and plan is not None and plan.capturable and stream._capture is None:
         escaped_capture(stream, label)
     impl = stream._impl
     if stream._checks:
@@ -371,8 +375,10 @@ def end_holds_locked(tok) -> None:
             marker = joined_marker_locked(stream)
         except CompletionUnknownError as e:
             marker = FailedMarker(e)
-        # (the label is formatted only where a message needs it: see label_text)
-        lease_locked(stream, [tok.use(c[1])], [tok.keep], (_HOLD_END, tok.kind), marker)
+        # (a new pair, not tok.use(): the released token keeps no lease pair, which would
+        # refer back to it -- a cycle keeping its allocation until a collection; the label
+        # is formatted only where a message needs it: see label_text)
+        lease_locked(stream, [(tok, c[1])], [tok.keep], (_HOLD_END, tok.kind), marker)
 
 
 def joined_marker_locked(stream):

@@ -1,0 +1,223 @@
+"""DLPack export structs: the managed tensor (a C block when compiled, ctypes interpreted)
+against dlpack.h's layout, read back field by field, round trips, deleters from threads."""
+import ctypes
+import gc
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from interop import dlpack as dl
+
+try:
+    import cython
+    COMPILED = dl.__file__.endswith(".so")
+except ImportError:
+    COMPILED = False
+
+HEADER = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <stdio.h>
+typedef struct { int32_t device_type; int32_t device_id; } DLDevice;
+typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } DLDataType;
+typedef struct { void* data; DLDevice device; int32_t ndim; DLDataType dtype;
+  int64_t* shape; int64_t* strides; uint64_t byte_offset; } DLTensor;
+typedef struct DLManagedTensor { DLTensor dl_tensor; void* manager_ctx;
+  void (*deleter)(struct DLManagedTensor*); } DLManagedTensor;
+typedef struct { uint32_t major; uint32_t minor; } DLPackVersion;
+typedef struct DLManagedTensorVersioned { DLPackVersion version; void* manager_ctx;
+  void (*deleter)(struct DLManagedTensorVersioned*); uint64_t flags; DLTensor dl_tensor; }
+  DLManagedTensorVersioned;
+#define O(T, f) printf(#T "." #f " %zu\n", offsetof(T, f))
+int main(void) {
+  printf("DLTensor %zu\nDLManagedTensor %zu\nDLManagedTensorVersioned %zu\n",
+         sizeof(DLTensor), sizeof(DLManagedTensor), sizeof(DLManagedTensorVersioned));
+  O(DLTensor, data); O(DLTensor, device); O(DLTensor, ndim); O(DLTensor, dtype);
+  O(DLTensor, shape); O(DLTensor, strides); O(DLTensor, byte_offset);
+  O(DLManagedTensor, dl_tensor); O(DLManagedTensor, manager_ctx); O(DLManagedTensor, deleter);
+  O(DLManagedTensorVersioned, version); O(DLManagedTensorVersioned, manager_ctx);
+  O(DLManagedTensorVersioned, deleter); O(DLManagedTensorVersioned, flags);
+  O(DLManagedTensorVersioned, dl_tensor);
+  return 0; }
+"""
+
+
+@pytest.fixture
+def host():
+    return sm.Device.host()
+
+
+def test_ctypes_layout_matches_dlpack_h():
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = os.path.join(d, "l.c"), os.path.join(d, "l")
+        with open(src, "w") as f:
+            f.write(HEADER)
+        subprocess.check_call(["gcc", src, "-o", exe])
+        out = subprocess.check_output([exe]).decode().split("\n")
+    c = dict(l.split() for l in out if l)
+    for name, cls in [("DLTensor", dl.DLTensor), ("DLManagedTensor", dl.DLManagedTensor),
+                      ("DLManagedTensorVersioned", dl.DLManagedTensorVersioned)]:
+        assert ctypes.sizeof(cls) == int(c[name]), name
+        for f, _ in cls._fields_:
+            assert getattr(cls, f).offset == int(c[f"{name}.{f}"]), (name, f)
+    assert dl._VERSIONED_FMT.size == int(c["DLManagedTensorVersioned"])
+    assert dl._LEGACY_FMT.size == int(c["DLManagedTensor"])
+
+
+CASES = [((), None), ((5,), None), ((3, 4), None), ((4, 3), (1, 4)), ((2, 0, 3), None),
+         ((1, 1, 1, 1, 1, 1, 1, 2), None)]
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+@pytest.mark.parametrize("shape,strides", CASES)
+def test_capsule_fields_through_ctypes(host, versioned, shape, strides):
+    n = int(np.prod(shape)) if shape else 1
+    size = 12 if strides else n
+    buf = sm.Buffer.from_host(np.arange(size, dtype=np.float64), device=host)
+    t = sm.Tensor.from_buffer(buf, shape, strides=strides)
+    kw = {"max_version": (1, 0)} if versioned else {}
+    cap = t.__dlpack__(**kw)
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    addr = dl._get_pointer(cap, name)
+    cls = dl.DLManagedTensorVersioned if versioned else dl.DLManagedTensor
+    m = cls.from_address(addr)
+    d = m.dl_tensor
+    if versioned:
+        assert (m.version.major, m.version.minor, m.flags) == (1, 0, 0)
+    assert m.manager_ctx is None
+    assert ctypes.cast(m.deleter, ctypes.c_void_p).value == dl._DELETER_ADDR
+    assert (d.data or 0) == t.ptr
+    assert (d.device.device_type, d.device.device_id) == (dl.kDLCPU, 0)
+    assert d.ndim == len(shape) and d.byte_offset == 0
+    assert (d.dtype.code, d.dtype.bits, d.dtype.lanes) == (dl.kDLFloat, 64, 1)
+    head = ctypes.sizeof(cls)
+    sp = ctypes.cast(d.shape, ctypes.c_void_p).value
+    stp = ctypes.cast(d.strides, ctypes.c_void_p).value
+    assert sp == addr + head and stp == sp + 8 * len(shape)  # one block, shape then strides
+    assert tuple(d.shape[i] for i in range(d.ndim)) == t.shape
+    assert tuple(d.strides[i] for i in range(d.ndim)) == t.strides
+    assert addr in dl._exports and (dl._exports[addr].managed is None) == COMPILED
+    del m, d
+    del cap
+    gc.collect()
+    assert addr not in dl._exports and t.allocation.live_views == 1
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+@pytest.mark.parametrize("shape,strides", CASES)
+def test_roundtrip_own_from_dlpack_and_numpy(host, versioned, shape, strides):
+    n = int(np.prod(shape)) if shape else 1
+    size = 12 if strides else n
+    buf = sm.Buffer.from_host(np.arange(size, dtype=np.int32), device=host)
+    t = sm.Tensor.from_buffer(buf, shape, strides=strides)
+    expect = t.to_host()
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    kw = {"max_version": (1, 0)} if versioned else {}
+    # our own consumer, from a bare capsule
+    cap = t.__dlpack__(**kw)
+    addr = dl._get_pointer(cap, name)
+    back = dl.from_dlpack(cap)
+    assert dl._get_name(cap) == b"used_" + name
+    del cap
+    gc.collect()
+    assert addr in dl._exports  # consumed: alive until the import is gone
+    assert back.allocation is t.allocation and back.shape == t.shape and back.strides == t.strides
+    np.testing.assert_array_equal(back.to_host(), expect)
+    back.release()
+    del back
+    gc.collect()
+    assert addr not in dl._exports and t.allocation.live_views == 1
+    # NumPy as consumer (legacy for numpy<2.1 or when it asks so; versioned otherwise)
+    a = np.from_dlpack(t)
+    np.testing.assert_array_equal(a, expect)
+    del a
+    gc.collect()
+    assert t.allocation.live_views == 1
+
+
+def test_many_threads_call_deleters(host):
+    t = sm.Tensor.from_host(np.arange(64, dtype=np.float32), device=host)
+    caps = [t.__dlpack__(max_version=(1, 0)) for _ in range(200)]
+    addrs = [dl._get_pointer(c, b"dltensor_versioned") for c in caps]
+    dels = []
+    for c, a in zip(caps, addrs):
+        m = dl.DLManagedTensorVersioned.from_address(a)
+        # (a copy of the pointer: m.deleter reads the struct at call time, freed by then)
+        dels.append((dl._DELETER(ctypes.cast(m.deleter, ctypes.c_void_p).value), a))
+        dl._set_name(c, b"used_dltensor_versioned")
+    del caps
+    gc.collect()
+    ths = [threading.Thread(target=lambda chunk=dels[i::8]: [f(a) for f, a in chunk])
+           for i in range(8)]
+    [th.start() for th in ths]
+    [th.join() for th in ths]
+    assert t.allocation.live_views == 1 and not any(a in dl._exports for a in addrs)
+    # a consumer calling the deleter twice: the second call finds no export (no double free)
+    cap = t.__dlpack__(max_version=(1, 0))
+    a = dl._get_pointer(cap, b"dltensor_versioned")
+    f = dl._DELETER(ctypes.cast(dl.DLManagedTensorVersioned.from_address(a).deleter,
+                                ctypes.c_void_p).value)
+    dl._set_name(cap, b"used_dltensor_versioned")
+    del cap
+    f(a)
+    f(a)
+    assert t.allocation.live_views == 1
+
+
+def test_deleter_keeps_pending_exception(host):
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host)
+    def drop():
+        cap = t.__dlpack__(max_version=(1, 0))
+        raise KeyError("mine")
+    with pytest.raises(KeyError, match="mine"):
+        drop()
+    gc.collect()
+    assert t.allocation.live_views == 1
+
+
+@pytest.mark.skipif(not COMPILED, reason="compiled export only")
+def test_compiled_conversion_failure_frees_and_registers_nothing(host):
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host)
+    tok = t._live_token()
+    before = dict(dl._exports)
+    ex_tok = tok.allocation.new_token("DLPack export", tok.start, tok.stop, True, None)
+    for bad in [((4,), (1 << 64,)), ((1 << 63,), (1,)), ((4,), ("x",))]:
+        with pytest.raises((OverflowError, TypeError)):
+            dl._ctypes_capsule(ex_tok, t.ptr, 1, 0, 2, 32, bad[0], bad[1], True, 0)
+    with pytest.raises(TypeError):  # shape must be a tuple in the compiled path
+        dl._ctypes_capsule(ex_tok, t.ptr, 1, 0, 2, 32, [4], [1], True, 0)
+    assert dl._exports == before
+    ex_tok.release()
+    assert t.allocation.live_views == 1
+
+
+def test_cuda_fake_export_roundtrip(monkeypatch):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "."))
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    import sharedmem.device as smd
+    # (from_dlpack resolves kDLCUDA id 0 through Device(0): make that the fake device, or it
+    # builds and caches a second Device over the fake driver for the rest of the session)
+    monkeypatch.setitem(smd._devices, ("cuda", 0), dev)
+    t = sm.Tensor.from_host(np.arange(12, dtype=np.float32).reshape(3, 4), device=dev)
+    for kw in [{}, {"max_version": (1, 0)}, {"stream": 2, "max_version": (1, 0)},
+               {"stream": -1}]:
+        cap = t.__dlpack__(**kw)
+        name = dl._get_name(cap)
+        m = (dl.DLManagedTensorVersioned if name == b"dltensor_versioned"
+             else dl.DLManagedTensor).from_address(dl._get_pointer(cap, name))
+        assert (m.dl_tensor.device.device_type, m.dl_tensor.device.device_id) == (dl.kDLCUDA, 0)
+        back = dl.from_dlpack(cap)
+        assert back.allocation is t.allocation
+        np.testing.assert_array_equal(back.to_host(), np.arange(12).reshape(3, 4))
+        back.release()
+        del back, cap, m
+        gc.collect()
+        dev.default_stream.synchronize()
+    assert t.allocation.live_views == 1

@@ -1,0 +1,204 @@
+"""Exports after partial work: order_consumer's elsewhere check (a consumer that names no
+stream), a hold end's lease (no cycle back to the released token) and its label."""
+import gc
+import sys
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from sharedmem.access import AccessTracker
+from sharedmem.runtime.state import RUNTIME
+from interop import dlpack as dl
+
+
+def test_tracker_elsewhere_none_after_last_dropped():
+    # A has unfinished work; B (recorded last) finished. Pruning B (from stream C's check)
+    # resets _last to None; elsewhere_locked(None) must still see A's unfinished write.
+    host = sm.Device.host()
+    A, B, C = (host.create_stream(n) for n in "ABC")
+    t = AccessTracker()
+    with sm.runtime.state.locked():
+        t.record_locked(A, True, 0, 16, A._seq + 1, "markerA")
+        t.record_locked(B, True, 16, 32, B._seq + 1, "markerB")
+        done_b = B._done
+        B._done = B._seq + 1
+        try:
+            assert t.elsewhere_locked(C)  # prunes B: _last becomes None
+            assert t.conflicts_locked(None, True, 0, 16)  # A still conflicts
+            assert t.elsewhere_locked(None), "elsewhere_locked(None) misses A's unfinished write"
+        finally:
+            B._done = done_b
+
+
+@pytest.fixture
+def host():
+    return sm.Device.host()
+
+
+def test_host_export_waits_after_a_partial_export(host):
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def slow_fill(x):
+        gate.wait(5)
+        x[:] = 7
+
+    @sm.host_kernel
+    def quick_fill(x):
+        x[:] = 9
+
+    a, b = host.create_stream(), host.create_stream()
+    t = sm.Tensor.from_host(np.zeros(8, np.int32), device=host)
+    host.default_stream.synchronize()
+    sm.launch(slow_fill, 1, 1, sm.Out(t[:4]), stream=a)   # pending on A
+    sm.launch(quick_fill, 1, 1, sm.Out(t[4:]), stream=b)  # finished on B (recorded last)
+    b.synchronize()
+    first = np.from_dlpack(t[4:])  # disjoint from A: no wait; prunes B -> tracker._last None
+    assert first.tolist() == [9] * 4
+    timer = threading.Timer(0.5, gate.set)
+    timer.start()
+    try:
+        whole = np.from_dlpack(t)  # must wait for A's slow write
+        got = whole.tolist()
+    finally:
+        gate.set()
+        timer.cancel()
+        a.synchronize()
+    assert got == [7] * 4 + [9] * 4, got
+
+
+def test_hold_end_leaves_no_cycle_on_released_token():
+    from fake_cuda import install_fake_devices
+    mp = pytest.MonkeyPatch()
+    try:
+        (dev,), drv = install_fake_devices(mp, True)
+        t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+        cap = t.__dlpack__(stream=1, max_version=(1, 0))
+        tok = dl._exports[dl._get_pointer(cap, b"dltensor_versioned")].token
+        del cap  # the unconsumed capsule's destructor ends the export: a hold end is leased
+        dev.default_stream.synchronize()
+        assert not tok.live
+        assert tok.use_r is None and tok.use_w is None, \
+            f"released hold token refers to itself again: use_w={tok.use_w!r} use_r={tok.use_r!r}"
+    finally:
+        mp.undo()
+
+
+def test_hold_end_label_in_stats_and_futures():
+    from fake_cuda import install_fake_devices
+    mp = pytest.MonkeyPatch()
+    try:
+        (dev,), drv = install_fake_devices(mp, True)
+        drv.holding = True
+        t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+        cap = t.__dlpack__(stream=1, max_version=(1, 0))
+        del cap
+        labels = [f.label for f in sm.inflight()] if hasattr(sm, "inflight") else []
+        assert any(l == "end of a DLPack export hold" for l in labels), labels
+        assert all(isinstance(l, str) for l in labels)
+        drv.finish_held()
+        dev.default_stream.synchronize()
+    finally:
+        mp.undo()
+
+
+def test_hold_end_cycle_keeps_device_memory_until_gc():
+    from fake_cuda import install_fake_devices
+    mp = pytest.MonkeyPatch()
+    gc.disable()
+    try:
+        (dev,), drv = install_fake_devices(mp, True)
+        t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+        alloc = weakref.ref(t.allocation)
+        cap = t.__dlpack__(stream=1, max_version=(1, 0))
+        del cap
+        t.release()
+        del t
+        dev.default_stream.synchronize()
+        sm.synchronize() if hasattr(sm, "synchronize") else None
+        assert alloc() is None, "allocation kept alive by the (tok, True) <-> tok cycle until gc"
+    finally:
+        gc.enable()
+        gc.collect()
+        mp.undo()
+
+
+def test_cuda_stream2_export_waits_after_a_partial_export(monkeypatch):
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    a, b = dev.create_stream("A"), dev.create_stream("B")
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+    lo, hi = buf[:4], buf[4:]
+    # (holding throughout: A's lazily recorded event is held whenever it is recorded; B's
+    # is released by the synchronize)
+    drv.holding = True
+    lo.copy_from(np.full(4, 1.0), stream=a)  # A's write stays pending
+    hi.copy_from(np.full(4, 2.0), stream=b)  # B's finishes
+    b.synchronize()
+    c1 = hi.__dlpack__(stream=2)  # disjoint from A: nothing to wait for; prunes B
+    n = len(drv.calls)
+    c2 = buf.__dlpack__(stream=2)  # overlaps A's pending write: stream 2 must wait for it
+    waits = [c for c in drv.calls[n:] if c[0] == "wait"]
+    drv.holding = False
+    drv.finish_held()
+    del c1, c2
+    sm.synchronize()
+    assert waits, "no cuStreamWaitEvent for A's pending write before the stream=2 export"
+
+
+def _pending_a_finished_b_then_rejected(monkeypatch):
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    a, b, c = dev.create_stream("A"), dev.create_stream("B"), dev.create_stream("C")
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+    lo, hi = buf[:4], buf[4:]
+    drv.holding = True  # (throughout: see above)
+    lo.copy_from(np.full(4, 1.0), stream=a)  # A's write stays pending
+    hi.copy_from(np.full(4, 2.0), stream=b)  # B's finishes (B recorded last)
+    b.synchronize()
+    sm.set_access_policy("reject")
+    try:
+        with pytest.raises(sm.AccessConflictError):  # prunes B (tracker._last -> None)
+            buf.copy_from(np.zeros(8), stream=c)
+    finally:
+        sm.set_access_policy("order")
+    return dev, drv, buf
+
+
+@pytest.mark.parametrize("how", ["dlpack stream=2", "cai"])
+def test_cuda_export_after_rejected_launch_orders_pending_write(monkeypatch, how):
+    dev, drv, buf = _pending_a_finished_b_then_rejected(monkeypatch)
+    n = len(drv.calls)
+    if how == "cai":
+        cai = buf.__cuda_array_interface__
+        ordered = cai["stream"] is not None
+    else:
+        cap = buf.__dlpack__(stream=2)
+        ordered = any(c[0] == "wait" for c in drv.calls[n:])
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    assert ordered, f"{how}: A's pending write to these bytes was not ordered before the consumer"
+
+
+def test_hold_end_label_in_trace(tmp_path):
+    import json
+    from fake_cuda import install_fake_devices
+    mp = pytest.MonkeyPatch()
+    try:
+        (dev,), drv = install_fake_devices(mp, True)
+        t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+        p = tmp_path / "t.json"
+        with sm.trace(str(p), nvtx=False):
+            cap = t.__dlpack__(stream=1, max_version=(1, 0))
+            del cap
+            sm.synchronize()
+        text = p.read_text()
+        assert "end of a DLPack export hold" in text, text[:500]
+    finally:
+        mp.undo()
