@@ -3,11 +3,13 @@
 # tensor deleter that keep the caller's pending exception (CPython calls a capsule's
 # destructor with whatever exception its caller has set: a consumer dropping a capsule on
 # its error path). Both hand the address to dlpack.py's _delete -- the one implementation.
+cimport cython
 from cpython.exc cimport PyErr_Fetch, PyErr_Restore
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
 from cpython.ref cimport PyObject
+from sharedmem.allocation cimport Allocation, View, ViewToken
 
 cdef extern from "Python.h":
     # (PyObject* forms: the capsule being destroyed has no references left to take)
@@ -146,8 +148,21 @@ cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
 
 
-@cython.locals(cache=dict)
-cpdef _make_capsule(view, tok, bint versioned, int flags, consumers)
+@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken)
+cpdef _make_capsule(View view, ViewToken tok, bint versioned, int flags, consumers)
 
-@cython.locals(exports=dict)
+cdef class _Export:
+    cdef public object managed
+    cdef public ViewToken token
+
+@cython.locals(ex=_Export, exports=dict)
+cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id, int code,
+                      int bits, tuple shape, tuple strides, bint versioned, uint64_t flags)
+
+@cython.locals(tok=ViewToken)
+cpdef export_positional(View view, stream, max_version, dl_device, copy)
+
+cpdef list _consumer_wait(ViewToken tok, stream)
+
+@cython.locals(exports=dict, ex=_Export)
 cpdef _delete(addr)

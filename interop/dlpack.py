@@ -158,13 +158,18 @@ class _Export:
 
 
 _exports: dict = {}  # address of the managed struct -> _Export; guarded by _exports_lock
+# A leaf lock, taken by deleters and capsule destructors (any thread, finalizers): nothing
+# under it allocates, so no collection starts while it is held -- acquire()/release(), not
+# `with` (interpreted, its exit call may allocate its argument tuple with the lock held).
 _exports_lock = fork_safe(threading.Lock())
 
 
 def _delete(addr) -> None:
     exports = _exports
-    with _exports_lock:
-        ex = exports.pop(addr, None)
+    lock = _exports_lock
+    lock.acquire()  # (not `with`: see the note at _exports_lock)
+    ex = exports.pop(addr, None)
+    lock.release()
     if ex is not None:
         if ex.managed is None:
             _c_free_managed(addr)  # (dlpack.pxd; compiled exports only)
@@ -289,6 +294,12 @@ def _wait_host(marker) -> None:
 
 def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
     """A DLPack capsule for ``view`` (see the module docstring)."""
+    return export_positional(view, stream, max_version, dl_device, copy)
+
+
+def export_positional(view, stream, max_version, dl_device, copy):
+    """:func:`export` with positional arguments (what ``View.__dlpack__`` calls: a call
+    without keywords is cheaper)."""
     tok = view._live_token()
     ours = tok.allocation.device.dlpack_device
     if dl_device is not None:
@@ -345,7 +356,7 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
 
 def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, strides, versioned,
                     flags):
-    ex = _Export()
+    ex = _Export.__new__(_Export)
     ex.token = export_tok
     if cython.compiled:  # the managed tensor in C (dlpack.pxd)
         ex.managed = None
@@ -365,8 +376,11 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
             head.pack_into(raw, 0, *dl, 0, _DELETER_ADDR)
         struct.pack_into(f"<{2 * ndim}q", raw, head.size, *shape, *strides)
         ex.managed = raw
-    with _exports_lock:
-        _exports[addr] = ex
+    exports = _exports
+    lock = _exports_lock
+    lock.acquire()
+    exports[addr] = ex  # (a new key in a dict: no garbage-collected allocation)
+    lock.release()
     try:
         if cython.compiled:
             return _c_capsule(addr, versioned)  # (dlpack.pxd)

@@ -607,8 +607,8 @@ class View:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """Export as a DLPack capsule (see :mod:`interop.dlpack` for the stream
         rules). The capsule holds a view token until the consumer deletes it."""
-        return _module("interop.dlpack").export(self, stream=stream, max_version=max_version, dl_device=dl_device,
-                      copy=copy)
+        return _module("interop.dlpack").export_positional(self, stream, max_version, dl_device,
+                                                           copy)
 
     def __dlpack_device__(self):
         """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""
