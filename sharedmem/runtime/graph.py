@@ -38,6 +38,7 @@ from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError
 from . import submission as _sub
+from .submission import Work, submit_plan
 from .future import DeviceFuture, future_of
 from ..stream import resolve_stream
 
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 _ids = itertools.count(1)
 
 
-class _Executable(_sub.Work):
+class _Executable(Work):
     """Owns a backend graph (CUDA: ``CUgraph`` + ``CUgraphExec``; host: the
     recorded tasks) and destroys it when collected: after the Graph is gone
     and every replay that keeps it has retired. As a Work, it launches the graph (a replay
@@ -70,9 +71,9 @@ class _Executable(_sub.Work):
     def enqueue(self, stream, config, payload):
         return self.backend.launch_graph(self.handle, stream._impl)
 
-    def __del__(self, _finalizing=sys.is_finalizing):
+    def __del__(self):
         try:
-            if not _finalizing():
+            if sys is not None and not sys.is_finalizing():
                 self.backend.destroy_graph(self.handle)
         except Exception:  # never raise from a destructor
             pass
@@ -147,7 +148,7 @@ class Graph:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
         # keeps the executable and (through the uses) the memory -- not this Graph. (A release
         # racing this replay makes submit() refuse it: its tokens are checked live there.)
-        return future_of(_sub.submit_plan(s, uses, executable, None, None, keep, policy, label))
+        return future_of(submit_plan(s, uses, executable, None, None, keep, policy, label))
 
     def describe(self) -> str:
         """How the graph is named in messages (``graph #N``)."""
