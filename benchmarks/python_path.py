@@ -151,6 +151,30 @@ def this_build():
         sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(arrays[2]), Out(arrays[3]), n,
                   stream=s)
 
+    # A pipeline step as benchmarks/pipeline.py runs it on a GPU: a cuTile kernel on stream A,
+    # a move, a CuPy kernel on stream B, a move back, a cuTile kernel on A (cuTile's launch a
+    # no-op here: what is timed is sharedmem's work around it)
+    import types
+    tile_mod = types.ModuleType("cuda.tile")
+    tile_mod.launch = lambda stream, grid, kernel, args: None
+    cuda_mod = sys.modules.setdefault("cuda", types.ModuleType("cuda"))
+    cuda_mod.tile = tile_mod
+    sys.modules["cuda.tile"] = tile_mod
+    from fake_cuda import TileKernel
+    matmul, norm = TileKernel(lambda *a: None), TileKernel(lambda *a: None)
+    sa, sb = dev.create_stream("A"), dev.create_stream("B")
+    px, pw, pz = (sm.Tensor.from_buffer(sm.Buffer.empty(n, "float32", device=dev), (32, 32))
+                  for _ in range(3))
+    pipe = {"y": sm.Tensor.from_buffer(sm.Buffer.empty(n, "float32", device=dev), (32, 32))}
+    bias = sm.Buffer.empty(n, "float32", device=dev)
+
+    def pipeline_step():
+        sm.launch(matmul, (4, 4, 1), None, In(px), In(pw), Out(pipe["y"]), stream=sa)
+        yb = pipe["y"].into_buffer()
+        sm.launch(k, 8, 128, In(bias), In(bias), Out(yb), Out(yb), n, stream=sb)
+        pipe["y"] = y = sm.Tensor.from_buffer(yb, (32, 32))
+        sm.launch(norm, (32, 1, 1), None, In(y), Out(pz), stream=sa)
+
     tensor = sm.Tensor.from_buffer(sm.Buffer.empty(n, "float32", device=dev), (32, 32))
 
     def dlpack():  # what cupy.from_dlpack asks of a producer; the capsule dropped at once
@@ -170,6 +194,7 @@ def this_build():
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
             ("launch, 4 CuPy-style arrays", cupy_arrays),
+            ("pipeline step (3 launches, 2 moves, 2 streams)", pipeline_step),
             ("DLPack export (stream=1) + release", dlpack),
             ("graph replay call", replay)]
     print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")
