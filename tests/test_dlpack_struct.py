@@ -78,14 +78,20 @@ CASES = [((), None), ((5,), None), ((3, 4), None), ((4, 3), (1, 4)), ((2, 0, 3),
 
 @pytest.mark.parametrize("versioned", [True, False])
 @pytest.mark.parametrize("shape,strides", CASES)
-def test_capsule_fields_through_ctypes(host, versioned, shape, strides):
+def _case(host, shape, strides, dtype, versioned):
+    """A Tensor of ``shape`` (``strides``) over a fresh host buffer, the capsule's name and
+    the export's keyword arguments."""
     n = int(np.prod(shape)) if shape else 1
     size = 12 if strides else n
-    buf = sm.Buffer.from_host(np.arange(size, dtype=np.float64), device=host)
+    buf = sm.Buffer.from_host(np.arange(size, dtype=dtype), device=host)
     t = sm.Tensor.from_buffer(buf, shape, strides=strides)
-    kw = {"max_version": (1, 0)} if versioned else {}
-    cap = t.__dlpack__(**kw)
     name = b"dltensor_versioned" if versioned else b"dltensor"
+    return t, name, ({"max_version": (1, 0)} if versioned else {})
+
+
+def test_capsule_fields_through_ctypes(host, versioned, shape, strides):
+    t, name, kw = _case(host, shape, strides, np.float64, versioned)
+    cap = t.__dlpack__(**kw)
     addr = dl._get_pointer(cap, name)
     cls = dl.DLManagedTensorVersioned if versioned else dl.DLManagedTensor
     m = cls.from_address(addr)
@@ -114,13 +120,8 @@ def test_capsule_fields_through_ctypes(host, versioned, shape, strides):
 @pytest.mark.parametrize("versioned", [True, False])
 @pytest.mark.parametrize("shape,strides", CASES)
 def test_roundtrip_own_from_dlpack_and_numpy(host, versioned, shape, strides):
-    n = int(np.prod(shape)) if shape else 1
-    size = 12 if strides else n
-    buf = sm.Buffer.from_host(np.arange(size, dtype=np.int32), device=host)
-    t = sm.Tensor.from_buffer(buf, shape, strides=strides)
+    t, name, kw = _case(host, shape, strides, np.int32, versioned)
     expect = t.to_host()
-    name = b"dltensor_versioned" if versioned else b"dltensor"
-    kw = {"max_version": (1, 0)} if versioned else {}
     # our own consumer, from a bare capsule
     cap = t.__dlpack__(**kw)
     addr = dl._get_pointer(cap, name)
