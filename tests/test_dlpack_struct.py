@@ -76,8 +76,6 @@ CASES = [((), None), ((5,), None), ((3, 4), None), ((4, 3), (1, 4)), ((2, 0, 3),
          ((1, 1, 1, 1, 1, 1, 1, 2), None)]
 
 
-@pytest.mark.parametrize("versioned", [True, False])
-@pytest.mark.parametrize("shape,strides", CASES)
 def _case(host, shape, strides, dtype, versioned):
     """A Tensor of ``shape`` (``strides``) over a fresh host buffer, the capsule's name and
     the export's keyword arguments."""
@@ -89,6 +87,8 @@ def _case(host, shape, strides, dtype, versioned):
     return t, name, ({"max_version": (1, 0)} if versioned else {})
 
 
+@pytest.mark.parametrize("versioned", [True, False])
+@pytest.mark.parametrize("shape,strides", CASES)
 def test_capsule_fields_through_ctypes(host, versioned, shape, strides):
     t, name, kw = _case(host, shape, strides, np.float64, versioned)
     cap = t.__dlpack__(**kw)
