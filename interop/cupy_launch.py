@@ -543,16 +543,6 @@ def _launch_compiled(plan, impl, config, packed):
         ptrs, cython.NULL)
 
 
-_ndarray_type = None
-
-
-def _cupy_ndarray():
-    global _ndarray_type
-    if _ndarray_type is None:
-        _ndarray_type = _cupy().ndarray
-    return _ndarray_type
-
-
 def plan_kernel(adapter, kernel, device):
     """The RawKernelPlan of ``kernel`` on ``device``: one per CUfunction (RawModule.get_function
     makes a new object on every call, and each must not be planned again)."""

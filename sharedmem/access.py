@@ -284,8 +284,3 @@ class AccessTracker:
             if uses[s].prune(s._done):
                 self._drop(s)
         return list(uses)
-
-    def use_locked(self, stream):
-        """The :class:`StreamUse` of ``stream`` after pruning, or None (for tests)."""
-        self.streams_locked()
-        return self._uses.get(stream)
