@@ -28,11 +28,11 @@ cdef class AccessTracker:
     cdef StreamUse _use_of(self, stream)
     cdef _drop(self, stream)
 
-    @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse)
+    @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list)
     cpdef bint elsewhere_locked(self, stream)
 
     @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, h=Hold, best=Span,
-                   other_writes=bint)
+                   other_writes=bint, dead=list)
     cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi)
 
     @cython.locals(use=StreamUse, entries=list, e=Span, done=cython.longlong)

@@ -197,8 +197,14 @@ class AccessTracker:
         # (stream None: no stream is skipped -- and _last is None once its stream was dropped)
         if n == 0 or (n == 1 and stream is not None and (self._last is stream or stream in uses)):
             return False
-        for s in list(uses):
-            if s is not stream and uses[s].prune(s._done):
+        dead = None  # (streams whose work all finished: dropped after the walk, not in it)
+        for s, use in uses.items():
+            if s is not stream and use.prune(s._done):
+                if dead is None:
+                    dead = []
+                dead.append(s)
+        if dead is not None:
+            for s in dead:
                 self._drop(s)
         return len(uses) > (1 if stream in uses else 0)
 
@@ -213,12 +219,14 @@ class AccessTracker:
         if lo >= hi:
             return out
         uses = self._uses
-        for s in list(uses):
+        dead = None  # (as in elsewhere_locked)
+        for s, use in uses.items():
             if s is stream:
                 continue
-            use = uses[s]
             if use.prune(s._done):
-                self._drop(s)
+                if dead is None:
+                    dead = []
+                dead.append(s)
                 continue
             held = None
             for h in use.holds:
@@ -233,6 +241,9 @@ class AccessTracker:
                 best = _newest_overlap(use.reads, lo, hi, best)
             if best is not None:
                 out.append((s, best.marker, best.seq, other_writes))
+        if dead is not None:
+            for s in dead:
+                self._drop(s)
         return out
 
     def record_locked(self, stream, writes, lo, hi, seq, marker) -> None:
