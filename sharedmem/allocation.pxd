@@ -67,3 +67,6 @@ cpdef _release_locked(ViewToken tok)
 cpdef ViewToken _add_locked(ViewToken tok)
 
 cpdef add_consumer_locked(ViewToken tok, stream, bint writes)
+
+@cython.locals(modules=dict)
+cpdef _module(str name)

@@ -419,10 +419,14 @@ def _advice(toks) -> str:
     return "; ".join(said)
 
 
+_modules = sys.modules
+
+
 def _module(name):
     """Module ``name``, imported on first use (an import statement costs thousands of
     instructions even when the module is loaded; this is a dict lookup)."""
-    m = sys.modules.get(name)
+    modules = _modules  # (a typed local: a C dict lookup)
+    m = modules.get(name)
     if m is None:
         m = importlib.import_module(name)
     return m
