@@ -754,7 +754,7 @@ class CudaBackend:
                 check((cu.CUresult(err),), "cuGraphLaunch")
         else:
             check(cu.cuGraphLaunch(graph_exec[1], impl.cu_stream), "cuGraphLaunch")
-        return self.submit_marker(impl)
+        return impl.submit_marker()
 
     def destroy_graph(self, graph_exec) -> None:
         """Destroy a graph; never called while a replay of it is in flight
