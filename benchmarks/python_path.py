@@ -147,6 +147,14 @@ def this_build():
 
     arrays = [_Array(4 * n) for _ in range(4)]
 
+    class _ForeignStream:  # a CuPy-style stream object (cupy.cuda.Stream has .ptr)
+        ptr = 0x5151
+
+    foreign = _ForeignStream()
+
+    def borrowed_stream():  # a foreign stream object passed as stream= on every launch
+        sm.launch(k, 8, 128, In(a), In(b), Out(e), Out(d), n, stream=foreign)
+
     def cupy_arrays():  # foreign arrays as arguments (learned on their first launch)
         sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(arrays[2]), Out(arrays[3]), n,
                   stream=s)
@@ -194,6 +202,7 @@ def this_build():
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
             ("launch, 4 CuPy-style arrays", cupy_arrays),
+            ("launch on a CuPy-style stream object", borrowed_stream),
             ("pipeline step (3 launches, 2 moves, 2 streams)", pipeline_step),
             ("DLPack export (stream=1) + release", dlpack),
             ("graph replay call", replay)]

@@ -85,9 +85,15 @@ class Stream:
         The object is kept alive by the returned Stream and never destroyed.
         The same CUDA stream always gives the same Stream while one is alive
         (handle 0 gives the device's default stream)."""
-        from .device import Device, default_device
         if isinstance(obj, Stream):
             return obj
+        if device is None:  # the object borrowed last (a launch loop's stream=): no new borrow
+            ref = _last_borrowed[0]
+            if ref is not None:
+                st = ref()
+                if st is not None and st._external is obj:
+                    return st
+        from .device import Device, default_device
         dev = Device(device) if isinstance(device, int) else (device or default_device())
         if dev.kind != "cuda":
             raise DeviceMismatchError(
@@ -103,6 +109,8 @@ class Stream:
             st = _by_handle.get(key)
             if st is None:
                 st = _by_handle[key] = cls._create(dev, impl, owned=False, external=obj)
+        if device is None and st._external is obj:
+            _last_borrowed[0] = weakref.ref(st)
         return st
 
     @staticmethod
@@ -207,6 +215,12 @@ class Event:
 # (device key, handle) -> the Stream of that CUDA stream, made or borrowed; weak, so a Stream
 # lives only while used
 _by_handle: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # guarded by _by_handle_lock
+# The Stream that Stream.from_external(obj) returned last for a foreign stream object (a
+# CuPy or torch stream passed as stream= in a launch loop): found again without borrowing the
+# object anew. A weak reference: nothing is kept alive by it. The Stream keeps the object --
+# and so its CUDA stream and handle -- alive, so while the Stream lives the object stands for
+# the same stream. Replaced whole: lock-free.
+_last_borrowed = [None]
 _by_handle_lock = fork_safe(threading.Lock())
 
 

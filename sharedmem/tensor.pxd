@@ -18,5 +18,5 @@ cdef class Tensor(View):
 cpdef Tensor new_tensor(ViewToken token, object dtype, tuple shape, tuple strides,
                         Py_ssize_t offset, Py_ssize_t size=*, int contiguous=*)
 
-@cython.locals(cacheable=bint, n=object, hit=tuple)
+@cython.locals(cacheable=bint, n=object, hit=tuple, layouts=dict)
 cpdef tuple c_layout(object shape)

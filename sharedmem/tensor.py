@@ -87,16 +87,17 @@ def c_layout(shape):
             if type(n) is not int:
                 cacheable = False
                 break
+    layouts = _layouts  # (a typed local: a C dict lookup)
     if cacheable:
-        hit = _layouts.get(shape)
+        hit = layouts.get(shape)
         if hit is not None:
             return hit
     sh = _shape(shape)
     hit = (sh, c_strides(sh), math.prod(sh))
     if cacheable:
-        if len(_layouts) >= 1024:
-            _layouts.clear()
-        _layouts[shape] = hit
+        if len(layouts) >= 1024:
+            layouts.clear()
+        layouts[shape] = hit
     return hit
 
 

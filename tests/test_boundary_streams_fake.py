@@ -101,3 +101,28 @@ def test_hold_end_lease_outlives_the_consumer_stream(fake, monkeypatch):
     freed = alloc() is None
     drv.finish_held()
     assert not freed, "the allocation was freed while the consumer's kernel still used it"
+
+
+def test_a_foreign_stream_object_is_borrowed_once_and_not_kept_alive(fake):
+    """Stream.from_external remembers the object it borrowed last (a launch loop passing the
+    same CuPy stream as stream=), through a weak reference: the same Stream comes back while
+    it lives, and the memo keeps neither it nor the object alive."""
+    import weakref
+
+    dev, drv = fake
+
+    class CupyStyleStream:  # what borrow_stream reads of a cupy.cuda.Stream
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    obj = CupyStyleStream(0x7A11)
+    s1 = sm.Stream.from_external(obj)
+    assert sm.Stream.from_external(obj) is s1 and s1.handle == 0x7A11
+    other = CupyStyleStream(0x7A12)
+    s2 = sm.Stream.from_external(other)
+    assert s2 is not s1 and s2.handle == 0x7A12
+    assert sm.Stream.from_external(obj) is s1  # (found by its handle again)
+    alive_stream, alive_obj = weakref.ref(s2), weakref.ref(other)
+    del s2, other
+    gc_collect_harder()
+    assert alive_stream() is None and alive_obj() is None
