@@ -168,8 +168,10 @@ def _delete(addr) -> None:
     exports = _exports
     lock = _exports_lock
     lock.acquire()  # (not `with`: see the note at _exports_lock)
-    ex = exports.pop(addr, None)
-    lock.release()
+    try:
+        ex = exports.pop(addr, None)
+    finally:
+        lock.release()
     if ex is not None:
         if ex.managed is None:
             _c_free_managed(addr)  # (dlpack.pxd; compiled exports only)
@@ -379,8 +381,10 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
     exports = _exports
     lock = _exports_lock
     lock.acquire()
-    exports[addr] = ex  # (a new key in a dict: no garbage-collected allocation)
-    lock.release()
+    try:
+        exports[addr] = ex  # (a new key in a dict: no garbage-collected allocation)
+    finally:
+        lock.release()
     try:
         if cython.compiled:
             return _c_capsule(addr, versioned)  # (dlpack.pxd)

@@ -103,13 +103,18 @@ def test_hold_end_lease_outlives_the_consumer_stream(fake, monkeypatch):
     assert not freed, "the allocation was freed while the consumer's kernel still used it"
 
 
-def test_a_foreign_stream_object_is_borrowed_once_and_not_kept_alive(fake):
+def test_a_foreign_stream_object_is_borrowed_once_and_not_kept_alive(fake, monkeypatch):
     """Stream.from_external remembers the object it borrowed last (a launch loop passing the
     same CuPy stream as stream=), through a weak reference: the same Stream comes back while
     it lives, and the memo keeps neither it nor the object alive."""
     import weakref
 
+    import sharedmem.device as sm_device
+
     dev, drv = fake
+    # from_external(obj) without a device borrows on the default device: the fake one here,
+    # and only for this test (default_device() caches its answer)
+    monkeypatch.setattr(sm_device, "_default", dev)
 
     class CupyStyleStream:  # what borrow_stream reads of a cupy.cuda.Stream
         def __init__(self, ptr):

@@ -118,8 +118,10 @@ class HostPool:
                 raw = self._new_block(sc)
             except BaseException:
                 lock.acquire()
-                self.bytes_in_use -= sc  # (nothing was handed out)
-                lock.release()
+                try:
+                    self.bytes_in_use -= sc  # (nothing was handed out)
+                finally:
+                    lock.release()
                 raise
         base = raw.ctypes.data
         ptr = (base + _ALIGN - 1) // _ALIGN * _ALIGN

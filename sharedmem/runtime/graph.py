@@ -71,6 +71,10 @@ class _Executable(Work):
     def enqueue(self, stream, config, payload):
         return self.backend.launch_graph(self.handle, stream._impl)
 
+    def __reduce__(self):
+        # (no copies: a copy would destroy the backend graph under the live one when it dies)
+        raise TypeError("a graph's executable cannot be copied or pickled")
+
     def __del__(self):
         try:
             if sys is not None and not sys.is_finalizing():
