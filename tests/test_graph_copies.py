@@ -1,6 +1,6 @@
 """A graph's executable as a C Work class (graph.py/graph.pxd): destroyed exactly once, also when
 the Graph is dropped while replays are in flight and at interpreter exit; copies of the private
-executable; escaped-capture warning still suppressed."""
+executable (the escaped-capture warning of a replay: test_graph_replay.py)."""
 import copy
 import gc
 import os
@@ -85,23 +85,6 @@ def test_copy_of_the_executable_destroys_the_graph_under_the_live_graph(counted)
     sm.synchronize()
     collect()
     assert len(destroyed) == 1
-
-
-def test_escaped_capture_warning_still_suppressed(counted):
-    host, _ = counted
-    s, c = host.create_stream(), host.create_stream()
-    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
-    y = sm.Buffer.zeros(4, "int64", device=host, stream=c)
-    sm.synchronize()
-    with sm.capture(s) as g:
-        sm.launch(inc, 1, 1, x, stream=s)
-    assert type(g._exec).capturable is False and g._exec.capturable is False
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        with sm.capture(c):
-            sm.launch(inc, 1, 1, y, stream=c)
-            g.replay(s).result(5)
-    assert [w for w in seen if issubclass(w.category, sm.SharedMemWarning)] == []
 
 
 def test_interpreter_exit_with_live_graph_and_replay(tmp_path):
