@@ -52,7 +52,7 @@ from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
 from interop.streams import consumer_stream, current_streams
 
 
-__all__ = ["export", "dlpack_device", "from_dlpack", "DLPACK_VERSION", "kDLCPU", "kDLCUDA"]
+__all__ = ["export", "from_dlpack", "DLPACK_VERSION", "kDLCPU", "kDLCUDA"]
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
 kDLInt, kDLUInt, kDLFloat, kDLOpaqueHandle, kDLBfloat, kDLComplex, kDLBool = 0, 1, 2, 3, 4, 5, 6
@@ -243,12 +243,6 @@ _deleter = _DELETER(_delete_from_c)  # lives as long as the module: consumers ca
 _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 
 
-def dlpack_device(view) -> tuple[int, int]:
-    """The DLPack ``(device_type, device_id)`` of a view: ``(kDLCPU, 0)`` or ``(kDLCUDA,
-    ordinal)``."""
-    return view._live_token().allocation.device.dlpack_device
-
-
 def _consumer_wait(tok, stream) -> list:
     """Order the consumer's stream after our pending work (see module docstring); returns
     the export's consumers, ``(Stream, writes)`` pairs for its hold."""
@@ -279,12 +273,7 @@ def _consumer_wait(tok, stream) -> list:
     # previous export's hold). Not for 2: the per-thread default streams of two threads do
     # not order each other -- only each of them with the legacy stream -- so a consumer on
     # one thread's waits for what another thread's consumer was given.
-    if stream == 1 or stream == 2:
-        consumer = dev._default_stream  # (made by the first use of dev.default_stream)
-        if consumer is None:
-            consumer = dev.default_stream
-    else:
-        consumer = consumer_stream(dev, stream)
+    consumer = dev.default_stream if stream == 1 or stream == 2 else consumer_stream(dev, stream)
     order_consumer(tok, dev.backend.wait_on_handle, False, consumer if stream != 2 else None,
                    stream)
     return [(consumer, tok.writable)]
@@ -342,7 +331,7 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
     code_bits = cache.get(dt)
     if code_bits is None:
         d = _dl_dtype(dt)
-        code_bits = _dtype_cache[dt] = (d.code, d.bits)
+        code_bits = cache[dt] = (d.code, d.bits)
     alloc = tok.allocation
     where = alloc.device.dlpack_device
     shape, strides = view.shape, view.strides

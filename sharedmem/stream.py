@@ -91,8 +91,9 @@ class Stream:
             ref = _last_borrowed[0]
             if ref is not None:
                 st = ref()
-                if st is not None and st._external is obj and _handle_now(obj) == st.handle:
-                    return st
+                if st is not None and st._external is obj and \
+                        st.device.backend.stream_handle(obj) == st.handle:
+                    return st  # (the object still names that Stream's stream)
         from .device import Device, default_device
         dev = Device(device) if isinstance(device, int) else (device or default_device())
         if dev.kind != "cuda":
@@ -217,19 +218,10 @@ class Event:
 _by_handle: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # guarded by _by_handle_lock
 # The Stream that Stream.from_external(obj) returned last for a foreign stream object (a
 # CuPy or torch stream passed as stream= in a launch loop): found again without borrowing the
-# object anew, while the object still names that Stream's handle (see _handle_now). A weak
+# object anew, while the object still names that Stream's handle. A weak
 # reference: nothing is kept alive by it. Replaced whole: lock-free.
 _last_borrowed = [None]
 
-
-def _handle_now(obj):
-    """The stream handle a CuPy (``ptr``) or torch (``cuda_stream``) stream object names now,
-    or None for other objects (they are borrowed anew each time): the memo above is used only
-    while the object still names the Stream's handle."""
-    h = getattr(obj, "ptr", None)
-    if h is None:
-        h = getattr(obj, "cuda_stream", None)
-    return h
 _by_handle_lock = fork_safe(threading.Lock())
 
 

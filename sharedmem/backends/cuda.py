@@ -552,23 +552,30 @@ class CudaBackend:
         """The legacy default stream (handle 0), as CuPy's default stream."""
         return CudaStreamImpl(self, 0, False, "default")
 
+    @staticmethod
+    def stream_handle(obj) -> int | None:
+        """The raw CUstream handle a foreign stream object names now, or None for an object
+        that is not a stream."""
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            return obj
+        if hasattr(obj, "__cuda_stream__"):
+            v = obj.__cuda_stream__()
+            return int(v[1] if isinstance(v, tuple) else v)
+        if hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
+            return int(obj.cuda_stream)
+        if hasattr(obj, "ptr"):  # cupy.cuda.Stream
+            return int(obj.ptr)
+        if hasattr(obj, "getPtr"):  # cuda.bindings CUstream
+            return int(obj)
+        return None
+
     def borrow_stream(self, obj) -> CudaStreamImpl:
         """A CudaStreamImpl over a foreign stream (kept alive, never destroyed)."""
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            handle = obj
-        elif hasattr(obj, "__cuda_stream__"):
-            v = obj.__cuda_stream__()
-            handle = v[1] if isinstance(v, tuple) else int(v)
-        elif hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
-            handle = obj.cuda_stream
-        elif hasattr(obj, "ptr"):  # cupy.cuda.Stream
-            handle = obj.ptr
-        elif hasattr(obj, "getPtr"):  # cuda.bindings CUstream
-            handle = int(obj)
-        else:
+        handle = self.stream_handle(obj)
+        if handle is None:
             raise TypeError(f"cannot use {obj!r} as a CUDA stream: give a sharedmem.Stream, a CuPy, "
                             f"torch or cuda.core stream, an object with __cuda_stream__, or an int")
-        return CudaStreamImpl(self, int(handle), False, None, external=obj)
+        return CudaStreamImpl(self, handle, False, None, external=obj)
 
     def _event(self):
         try:
