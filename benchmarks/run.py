@@ -7,7 +7,9 @@ ct.launch), moves, DLPack (vs cupy.from_dlpack), retirement. On the host
 backend: moves, launch and retirement of host kernels (absolute numbers).
 
 Run: ``make bench`` (host) or ``make gpu-bench`` on the GPU machine.
-Options: --quick (fewer iterations), --launches N (retirement row).
+Options: --quick (fewer iterations), --launches N (retirement row), --heap (import cuda.tile,
+torch and jax first, as a real pipeline has them). Where the cyclic collector ran while a row
+was timed, its time a call is listed after the table.
 """
 
 # No `from __future__ import annotations`: cuTile evaluates kernel annotations.
@@ -27,6 +29,48 @@ import sharedmem as sm
 ROWS: list[tuple[str, str, str, str]] = []
 
 
+class GcMeter:
+    """Time the cyclic garbage collector takes while each timed function runs: what a loop's
+    surviving objects cost it in a process with a large heap (see ``--heap``)."""
+
+    def __init__(self):
+        self.current = None
+        self.by = {}  # function -> [gc seconds, calls, collections, full collections]
+        self._t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase, info):
+        if self.current is None:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        b = self.by.setdefault(self.current, [0.0, 0, 0, 0])
+        b[0] += time.perf_counter() - self._t0
+        b[2] += 1
+        b[3] += info["generation"] == 2
+
+    def run(self, fn, n):
+        """Call ``fn`` n times, metered."""
+        self.current = fn
+        try:
+            for _ in range(n):
+                fn()
+        finally:
+            self.current = None
+            self.by.setdefault(fn, [0.0, 0, 0, 0])[1] += n
+
+    def note(self, fn) -> str:
+        b = self.by.get(fn)
+        if not b or not b[1]:
+            return ""
+        return f"gc {b[0] / b[1] * 1e6:.2f} us a call ({b[2] / b[1] * 1e4:.1f} collections, " \
+               f"{b[3] / b[1] * 1e4:.2f} full, per 10k)"
+
+
+GC = GcMeter()
+
+
 def per_call_us(fn, n, reps, sync=None, timed_sync=True):
     """Median over ``reps`` of the mean time of one call, in microseconds.
     ``timed_sync=False`` leaves the closing ``sync()`` out of the time (the
@@ -36,8 +80,7 @@ def per_call_us(fn, n, reps, sync=None, timed_sync=True):
         if sync:
             sync()
         t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
+        GC.run(fn, n)
         if sync and timed_sync:
             sync()
         times.append((time.perf_counter() - t0) / n * 1e6)
@@ -64,19 +107,26 @@ def interleaved_us(fns, n, reps, sync):
         for i, fn in enumerate(fns):
             quiesce(sync)
             t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
+            GC.run(fn, n)
             sync()
             times[i].append((time.perf_counter() - t0) / n * 1e6)
     return [statistics.median(t) for t in times]
 
 
-def row(name, ours, raw=None, raw_name="", note=""):
+def row(name, ours, raw=None, raw_name="", note="", fns=()):
+    """One result row; ``fns``: the timed (ours, raw) functions, whose collector time is
+    printed beside it where the collector ran."""
     if raw:
         ROWS.append((name, f"{ours:8.2f} us", f"{raw:8.2f} us {raw_name}", f"{ours / raw:5.2f}x"))
     else:
         ROWS.append((name, f"{ours:8.2f} us", raw_name or "-", note or "-"))
     print(f"  {name}: {ROWS[-1][1]} | {ROWS[-1][2]} | {ROWS[-1][3]}", flush=True)
+    notes = [f"{who}: {GC.note(fn)}" for who, fn in zip(("ours", "raw"), fns) if GC.note(fn)]
+    if notes:
+        GC_ROWS.append((name, "; ".join(notes)))
+
+
+GC_ROWS: list[tuple[str, str]] = []
 
 
 # -- moves ---------------------------------------------------------------------------------
@@ -229,16 +279,19 @@ def bench_launch_gpu(dev, quick):
     t_raw, t_ours, t_fresh, t_cupy, t_op, t_floor, t_raw16, t_ours16 = t[:8]
     sm.synchronize()
     core = sm.show_config(open(os.devnull, "w"))["core"].split(" (")[0]
-    row(f"launch, 4 views reused + scalar, vs CuPy RawKernel call ({core})", t_ours, t_raw, "CuPy")
+    row(f"launch, 4 views reused + scalar, vs CuPy RawKernel call ({core})", t_ours, t_raw, "CuPy",
+        fns=(ours, raw))
     if floor_core is not None:
         row("launch, same, vs cuda.core launch", t_ours, t[8], "cuda.core")
     else:
         ROWS.append(("launch, same, vs cuda.core launch", "n/a", why, "-"))
     row("launch, same, vs cuLaunchKernel floor (cuda.bindings)", t_ours, t_floor, "cuLaunchKernel")
-    row("launch with fresh views (a move between launches) vs CuPy", t_fresh, t_raw, "CuPy")
-    row("launch with CuPy arrays as arguments vs CuPy", t_cupy, t_raw, "CuPy")
-    row("launch, 16 buffers, vs CuPy with 16 arrays", t_ours16, t_raw16, "CuPy")
-    row("op.submit of that launch vs CuPy", t_op, t_raw, "CuPy")
+    row("launch with fresh views (a move between launches) vs CuPy", t_fresh, t_raw, "CuPy",
+        fns=(ours_fresh,))
+    row("launch with CuPy arrays as arguments vs CuPy", t_cupy, t_raw, "CuPy", fns=(ours_cupy,))
+    row("launch, 16 buffers, vs CuPy with 16 arrays", t_ours16, t_raw16, "CuPy",
+        fns=(ours16, raw16))
+    row("op.submit of that launch vs CuPy", t_op, t_raw, "CuPy", fns=(ours_op,))
     return t_ours
 
 
@@ -348,7 +401,7 @@ def bench_cutile(dev, quick):
     nl = 2000 if quick else 10000
     # alternating rounds (raw, ours, raw, ...): a machine's drift falls on both alike
     t_raw, t_ours = interleaved_us([raw, ours], nl, 7, s.synchronize)
-    row("cuTile launch, 3 arrays, vs raw ct.launch", t_ours, t_raw, "ct.launch")
+    row("cuTile launch, 3 arrays, vs raw ct.launch", t_ours, t_raw, "ct.launch", fns=(ours, raw))
 
 
 def bench_graph(dev, quick):
@@ -395,9 +448,14 @@ def bench_dlpack(dev, quick):
     c = cp.ones((64, 64), cp.float32)
     n = 2000 if quick else 20000
     cp.from_dlpack(t)
-    t_raw = per_call_us(lambda: cp.from_dlpack(c), n, 5)
-    t_ours = per_call_us(lambda: cp.from_dlpack(t), n, 5)
-    row("DLPack export consumed by cupy.from_dlpack", t_ours, t_raw, "CuPy->CuPy")
+    def raw():
+        cp.from_dlpack(c)
+
+    def ours():
+        cp.from_dlpack(t)
+    t_raw = per_call_us(raw, n, 5)
+    t_ours = per_call_us(ours, n, 5)
+    row("DLPack export consumed by cupy.from_dlpack", t_ours, t_raw, "CuPy->CuPy", fns=(ours, raw))
 
 
 def bench_host_launch(dev, quick):
@@ -479,7 +537,16 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=None)
     ap.add_argument("--only-launch", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--multi-gpu", action="store_true", help="only the rows for two GPUs")
+    ap.add_argument("--heap", action="store_true",
+                    help="import what a real pipeline has (cuda.tile, torch, jax) first: a large "
+                         "heap makes the collector's full passes costly")
     opts = ap.parse_args()
+    if opts.heap:
+        for mod in ("cuda.tile", "torch", "jax"):
+            try:
+                __import__(mod)
+            except Exception:  # (not installed here)
+                pass
     dev = sm.default_device()
     if opts.only_launch:
         bench_launch_gpu(dev, True)
@@ -514,6 +581,10 @@ def main() -> int:
     print("\n" + "row".ljust(w) + " | sharedmem | raw | ratio / note")
     for r in ROWS:
         print(f"{r[0].ljust(w)} | {r[1]} | {r[2]} | {r[3]}")
+    print(f"\ncollector time while timing ({len(gc.get_objects())} tracked objects"
+          f"{', after --heap imports' if opts.heap else ''}):")
+    for name, note in GC_ROWS or [("(none of the rows)", "no collection ran")]:
+        print(f"  {name}: {note}")
     return 0
 
 

@@ -241,6 +241,8 @@ class Allocation:
                 add_consumer_locked(tok, stream, writes)
         finally:
             rt.release()
+        for c in consumers:  # (a hold's end files a lease there that only a sweep retires)
+            rt.sweep_long(c[0])
         return tok
 
     def live_tokens_locked(self, start, stop) -> list:

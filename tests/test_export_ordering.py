@@ -202,3 +202,37 @@ def test_hold_end_label_in_trace(tmp_path):
         assert "end of a DLPack export hold" in text, text[:500]
     finally:
         mp.undo()
+
+
+def test_hold_ends_of_an_export_loop_die_young(monkeypatch):
+    """A loop of exports (cupy.from_dlpack's pattern) is swept by the exports themselves:
+    nothing else sweeps hold ends but the retirer, which a busy thread lets run only every
+    GIL switch interval -- they piled up, outlived the collector's young generations and set
+    off full collections (4 us an export on an H200 with cuTile imported)."""
+    from fake_cuda import install_fake_devices
+    from sharedmem.runtime import retirer
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+    sm.synchronize()
+    # the retirer parked: only the exports' own sweeps retire anything
+    monkeypatch.setattr(retirer, "BUSY_INTERVAL", 60.0)
+    monkeypatch.setattr(retirer, "POLL_INTERVAL", 60.0)
+    monkeypatch.setattr(retirer, "LINGER", 0.0)
+    monkeypatch.setattr(retirer, "IDLE_INTERVAL", 60.0)
+    retirer.wake()
+    import time
+    time.sleep(0.05)
+    pending = dev.default_stream._pending
+    gc.disable()
+    try:
+        peak = 0
+        for _ in range(5 * SWEEP_EVERY):
+            cap = t.__dlpack__(stream=1, max_version=(1, 0))
+            del cap  # released unconsumed: a hold end is leased on the default stream
+            peak = max(peak, len(pending))
+        assert peak <= SWEEP_EVERY, f"{peak} hold ends pending on the default stream"
+        assert sum(type(o).__name__ == "Submission" for o in gc.get_objects()) <= SWEEP_EVERY + 1
+    finally:
+        gc.enable()
+        retirer.wake()

@@ -74,7 +74,8 @@ def _run() -> None:
     # never contends with a thread launching in a tight loop -- measured on an H200, its
     # passes over such a stream cost that thread 2 us a launch (8.4 against 6.5 us with the
     # retirer parked). It sweeps the stream again once the burst ends, or when nobody else
-    # retired any of its work (leases filed without a submission: holds' ends).
+    # retired any of its work (leases filed without a submission: holds' ends, which wake it
+    # every SWEEP_EVERY-th lease).
     seen = {}
     while not sys.is_finalizing():
         _wake.clear()
@@ -97,6 +98,9 @@ def _run() -> None:
                     done = []
                     for s in todo:
                         done.extend(_sub._sweep_locked(s))
+                        # (after its own sweep: what it retired is not taken for the
+                        # submitters' progress at the next pass)
+                        seen[s] = (s._seq, s._done)
                     for s in rt.active:
                         if s.device.backend.needs_polling:
                             poll = True

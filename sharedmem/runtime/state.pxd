@@ -14,7 +14,7 @@ cdef class Runtime:
     cdef public long long unfinished, live_views
     cdef readonly object warnings, errors
     cdef public bint retirer_running, retirer_idle
-    cdef public object ensure_retirer, wake_retirer, end_holds, tracer
+    cdef public object ensure_retirer, wake_retirer, end_holds, sweep_long, tracer
     cdef public str policy
     cdef public long pid
     cdef public long captures

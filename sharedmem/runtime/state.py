@@ -52,7 +52,8 @@ class Runtime:
     __slots__ = ("lock", "_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
-                 "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "policy", "pid",
+                 "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "sweep_long", "policy",
+                 "pid",
                  "tracer", "captures",
                  "__weakref__")
 
@@ -84,6 +85,7 @@ class Runtime:
         self.ensure_retirer = _nothing  # installed by runtime.retirer
         self.wake_retirer = _nothing
         self.end_holds = None  # installed by runtime.submission: ends a released hold's lease
+        self.sweep_long = None  # installed by runtime.submission: a new hold's consumer sweep
         self.policy = "order"  # the process-wide cross-stream policy (access.set_access_policy)
         self.pid = os.getpid()
         self.tracer = None  # the active sharedmem.trace recorder, or None (see sharedmem.trace)
