@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes
 import struct
 import sys
-import threading
 import weakref
 
 try:
@@ -44,7 +43,6 @@ import numpy as np
 
 from sharedmem.allocation import View, import_allocation
 from sharedmem.device import Device
-from sharedmem.runtime.state import fork_safe
 from sharedmem.runtime.submission import order_consumer, submit
 from sharedmem.stream import Stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
@@ -157,21 +155,15 @@ class _Export:
     __slots__ = ("managed", "token")
 
 
-_exports: dict = {}  # address of the managed struct -> _Export; guarded by _exports_lock
-# A leaf lock, taken by deleters and capsule destructors (any thread, finalizers): nothing
-# under it allocates, so no collection starts while it is held -- acquire()/release(), not
-# `with` (interpreted, its exit call may allocate its argument tuple with the lock held).
-_exports_lock = fork_safe(threading.Lock())
+# Address of the managed struct -> _Export. No lock: a store and a pop(addr, None) are each
+# one atomic dict operation (under the GIL; under the dict's own lock where there is none),
+# so of a deleter and a capsule destructor racing for one export exactly one ends it.
+_exports: dict = {}
 
 
 def _delete(addr) -> None:
-    exports = _exports
-    lock = _exports_lock
-    lock.acquire()  # (not `with`: see the note at _exports_lock)
-    try:
-        ex = exports.pop(addr, None)
-    finally:
-        lock.release()
+    exports = _exports  # (a typed local: a C dict call)
+    ex = exports.pop(addr, None)
     if ex is not None:
         if ex.managed is None:
             _c_free_managed(addr)  # (dlpack.pxd; compiled exports only)
@@ -368,12 +360,7 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
         struct.pack_into(f"<{2 * ndim}q", raw, head.size, *shape, *strides)
         ex.managed = raw
     exports = _exports
-    lock = _exports_lock
-    lock.acquire()
-    try:
-        exports[addr] = ex  # (a new key in a dict: no garbage-collected allocation)
-    finally:
-        lock.release()
+    exports[addr] = ex
     try:
         if cython.compiled:
             return _c_capsule(addr, versioned)  # (dlpack.pxd)

@@ -12,6 +12,12 @@ cdef class Hold:
     cdef public bint writes
     cdef public object token
 
+@cython.locals(e=Span)
+cdef Span _span(Py_ssize_t lo, Py_ssize_t hi, long long seq, marker)
+
+@cython.locals(h=Hold)
+cdef Hold _hold(Py_ssize_t lo, Py_ssize_t hi, bint writes, token)
+
 cdef class StreamUse:
     cdef public list reads, writes, holds
     cdef public long long newest

@@ -98,6 +98,26 @@ class Hold:
         self.token = token
 
 
+# Factories for the two records made under the lock on the hot paths: the fields set directly
+# (compiled, a constructor call parses its arguments: about 500 instructions more a record).
+def _span(lo, hi, seq, marker):
+    e = Span.__new__(Span)
+    e.lo = lo
+    e.hi = hi
+    e.seq = seq
+    e.marker = marker
+    return e
+
+
+def _hold(lo, hi, writes, token):
+    h = Hold.__new__(Hold)
+    h.lo = lo
+    h.hi = hi
+    h.writes = writes
+    h.token = token
+    return h
+
+
 class StreamUse:
     """One stream's unfinished accesses to one allocation: ``reads`` and ``writes``, lists of
     disjoint :class:`Span`; ``holds``, a list of :class:`Hold`; ``newest``, the largest seq
@@ -142,7 +162,7 @@ def _add_range(entries: list, lo, hi, seq, marker, done) -> None:
                 hi = e.hi
         else:
             keep.append(e)
-    keep.append(Span(lo, hi, seq, marker))
+    keep.append(_span(lo, hi, seq, marker))
     entries[:] = keep
 
 
@@ -277,7 +297,7 @@ class AccessTracker:
             if h.token is tok:
                 h.writes = h.writes or writes
                 return
-        use.holds.append(Hold(tok.start, tok.stop, writes, tok))
+        use.holds.append(_hold(tok.start, tok.stop, writes, tok))
 
     def drop_hold_locked(self, stream, tok) -> None:
         """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""
