@@ -15,8 +15,14 @@ cpdef _view_descriptor(Py_ssize_t i, View view, bint writes)
 
 cdef class TilePlan(KernelPlan):
     cdef public object backend, ct_launch
+    cdef public set warmed
+    cdef public list last_sig
 
-    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg)
+    @cython.locals(key=tuple, warmed=set)
+    cpdef warm(self, grid, tuple call_args, list sig)
+
+    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg, sig=list,
+                   call_args=tuple)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(st=Stream, impl=CudaStreamImpl)

@@ -34,6 +34,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from sharedmem.allocation import View, _module
 from sharedmem.errors import BackendUnavailableError, KernelError
+from sharedmem.runtime.state import RUNTIME, log
 from sharedmem.launch import (KernelAdapter, KernelPlan, LaunchArg, array_args, check_dims,
                               register_kernel_adapter)
 from sharedmem.tensor import Tensor
@@ -61,9 +62,10 @@ def _cutile():
 
 class _ArrayDescriptor:
     """What cuTile reads an array argument from: a CUDA Array Interface dict
-    over one of our views. Holds no token; the launch's lease keeps the bytes."""
+    over one of our views. Holds no token; the launch's lease keeps the bytes. ``sig``:
+    what of it cuTile compiles for (see TilePlan.warm)."""
 
-    __slots__ = ("__cuda_array_interface__",)
+    __slots__ = ("__cuda_array_interface__", "sig")
 
 
 _RW, _RO = "cutile-descriptor-rw", "cutile-descriptor-ro"
@@ -76,8 +78,14 @@ def _descriptor(view, writable):
                 raise KernelError(f"{view!r} has negative strides; cuTile assumes strides >= 0 "
                                   f"-- pass a contiguous copy")
     d = _ArrayDescriptor.__new__(_ArrayDescriptor)
-    d.__cuda_array_interface__ = cai_layout(view, not writable)
+    cai = d.__cuda_array_interface__ = cai_layout(view, not writable)
+    d.sig = (cai["typestr"], cai["shape"], cai["strides"], cai["data"][0] % 16)
     return d
+
+
+def _foreign_sig(arr) -> tuple:
+    """A CuPy array argument's ``sig`` (as _ArrayDescriptor's)."""
+    return (arr.dtype.str, arr.shape, arr.strides, arr.data.ptr % 16)
 
 
 def _writable_descriptor(view):
@@ -154,16 +162,49 @@ def _check_no_aliasing(args) -> None:
                     f"is written; cuTile assumes distinct array arguments do not alias")
 
 
+#: Signatures a kernel is warmed up for (see TilePlan.warm); past it, a new one compiles
+#: at its launch, under the core lock, as without the warm-up.
+WARM_MAX = 16
+
+
 class TilePlan(KernelPlan):
     """A cuTile kernel on one device: arrays reach ``ct.launch`` as the views' cached CAI
-    descriptors (or the foreign arrays themselves), scalars as Python scalars."""
+    descriptors (or the foreign arrays themselves), scalars as Python scalars.
 
-    __slots__ = ("backend", "ct_launch")
+    ``warmed``: the argument signatures launched once into a discarded capture (see
+    :meth:`warm`); ``last_sig``: the previous launch's signature (lock-free: a racing thread
+    at worst makes one more set lookup)."""
+
+    __slots__ = ("backend", "ct_launch", "warmed", "last_sig")
 
     def __init__(self, kernel, adapter, device, ct):
         KernelPlan.__init__(self, kernel, adapter, device)
         self.backend = device.backend
         self.ct_launch = ct.launch
+        self.warmed = set()
+        self.last_sig = None
+
+    def warm(self, grid, call_args, sig) -> None:
+        """Compile for this signature before the launch takes the core lock: cuTile compiles
+        a kernel on its first launch with an argument signature (dtypes, layouts, pointer
+        alignment, scalar types, constants), for seconds, and the launch holds the core lock
+        -- every thread's sharedmem calls would wait. So a signature not seen yet is launched
+        once with the same arguments into a capture on a private stream that is destroyed
+        unlaunched (the kernel never runs; cuTile keeps what it compiled), without the lock.
+        ``sig`` tells signatures apart at least as finely as cuTile does (exact shapes,
+        strides and scalar values), so a warmed one never compiles again. At most WARM_MAX a
+        kernel; none during a capture. A failure here is left for the launch itself to meet
+        (and report as it always has)."""
+        key = tuple(sig)
+        warmed = self.warmed
+        if key not in warmed and len(warmed) < WARM_MAX and not RUNTIME.captures:
+            warmed.add(key)  # (first, so that a failure is not retried every launch)
+            try:
+                self.backend.discarded_capture(self.ct_launch, grid, self.kernel, call_args)
+            except Exception as e:
+                log.debug("warm-up of %s failed (its launch will compile it): %r",
+                          self.label, e)
+        self.last_sig = sig
 
     def make_config(self, grid, block, shared_mem):
         if block is not None:
@@ -179,24 +220,38 @@ class TilePlan(KernelPlan):
             _check_no_aliasing(array_args(args, uses))
         n = len(args)
         out = [None] * n
+        sig = []  # (per array its sig; per scalar its type, then itself: 1, 1.0, True differ)
         j = 0
         for i in range(n):
             a = args[i]
             if isinstance(a, View):
-                out[i] = _view_descriptor(i, a, uses[j][1])
+                d = _view_descriptor(i, a, uses[j][1])
+                out[i] = d
+                sig.append(d.sig)
                 j += 1
             elif type(a) is LaunchArg:
                 j += 1
                 la = a
                 if la.view is None:
                     out[i] = la.value  # a foreign array: cuTile reads it itself
+                    sig.append(_foreign_sig(la.value))
                 else:
-                    out[i] = _view_descriptor(i, la.view, la._mode != 0)
-            elif isinstance(a, np.generic):
-                out[i] = a.item()
+                    d = _view_descriptor(i, la.view, la._mode != 0)
+                    out[i] = d
+                    sig.append(d.sig)
             else:
+                if isinstance(a, np.generic):
+                    a = a.item()
                 out[i] = a
-        return tuple(out)
+                t = type(a)
+                sig.append(t)
+                # (a value compared by ==, which for other objects may be anything: those by
+                # identity)
+                sig.append(a if t is int or t is float or t is bool or t is complex else id(a))
+        call_args = tuple(out)
+        if sig != self.last_sig:  # (the same arguments' layouts as last time: nothing to do)
+            self.warm(config, call_args, sig)
+        return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)
         grid, call_args = config, payload

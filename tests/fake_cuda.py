@@ -56,7 +56,8 @@ class FakeDriver:
     CUevent = CUevent
     CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
-    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
+    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1,
+                                                CU_STREAM_CAPTURE_MODE_RELAXED=2)
     CUdevice_attribute = types.SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
@@ -415,21 +416,32 @@ def fake_cutile(driver, fail=None):
     """A module standing in for ``cuda.tile``: ``launch(stream, grid, kernel, args)``
     reads array arguments through their CUDA Array Interface, as cuTile does, and
     runs the kernel on the fake driver's stream (logged as ("tile", stream, grid)).
-    ``fail``: a list; while it holds an exception, launch raises it."""
+    ``fail``: a list; while it holds an exception, launch raises it. As cuTile does, the
+    first launch of a kernel with an argument signature (dtypes, layouts, pointer alignment,
+    scalar types and values) compiles it: ``compile_hook(kernel)`` is called then, and the
+    signature logged in ``compiled``."""
     m = types.ModuleType("cuda.tile")
+    m.compiled = []
+    m.compile_hook = None
 
     def launch(stream, grid, kernel, args):
         if fail:
             raise fail[0]
         assert type(grid) is tuple and len(grid) == 3, grid
-        vals = []
+        vals, sig = [], [id(kernel)]
         for a in args:
             cai = getattr(a, "__cuda_array_interface__", None)
             if cai is None:
                 vals.append(a)
+                sig.append((type(a), a))
                 continue
             n = int(np.prod(cai["shape"]))
             vals.append(array_at(cai["data"][0], n, np.dtype(cai["typestr"])))
+            sig.append((cai["typestr"], cai["shape"], cai["strides"], cai["data"][0] % 16))
+        if tuple(sig) not in m.compiled:
+            if m.compile_hook is not None:
+                m.compile_hook(kernel)
+            m.compiled.append(tuple(sig))
         driver.calls.append(("tile", int(stream), grid))
         driver._run(stream, lambda: kernel.fn(*vals))
 

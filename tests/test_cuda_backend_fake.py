@@ -464,8 +464,8 @@ def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkey
     assert planned == [kern]
     f.result()
     np.testing.assert_array_equal(c.to_host(), np.arange(n, dtype=np.float32) + 5)
-    tiles = [x for x in drv.calls[mark:] if x[0] == "tile"]
-    assert tiles == [("tile", s.handle, (2, 1, 1))] * 5
+    tiles = [x for x in drv.calls[mark:] if x[0] == "tile" and x[1] == s.handle]
+    assert tiles == [("tile", s.handle, (2, 1, 1))] * 5  # (and the warm-ups' elsewhere)
     assert sm.stats().in_flight == 0 and not c.allocation.tracker
 
     with pytest.raises(sm.KernelError, match=r"^arguments 1 and 2 overlap \(bytes \[0, 64\) of "
@@ -513,6 +513,79 @@ def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkey
     sm.synchronize()
     gc_collect_harder()
     assert alloc() is None and sm.stats().in_flight == 0
+
+
+def test_cutile_compiles_outside_the_core_lock(fake, tile, monkeypatch):
+    """A first launch compiles (seconds, for cuTile) in a warm-up launched into a discarded
+    capture before the launch takes the core lock: other threads' sharedmem calls go on
+    meanwhile, the kernel runs once, and a signature seen before is not warmed again."""
+    import threading
+
+    import interop.cutile as icu
+    from fake_cuda import TileKernel
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    mod, fail = tile
+    ran = []
+
+    def vadd(a, b, c, k):
+        ran.append(k)
+        c[:] = a + k * b
+
+    kern = TileKernel(vadd)
+    n = 16
+    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
+    b = sm.Tensor.from_host(np.ones(n, np.float32), device=dev)
+    c = sm.Tensor.zeros((n,), "float32", device=dev)
+    s = dev.create_stream("tile")
+    sm.synchronize()
+    seen = []
+
+    def compiling(kernel):  # what another thread can do while the kernel compiles
+        other = []
+        t = threading.Thread(target=lambda: other.append(
+            sm.Buffer.zeros(4, "float32", device=dev).to_host().sum()))
+        t.start()
+        t.join(5)
+        seen.append((RUNTIME.owner, other))
+    mod.compile_hook = compiling
+    mark = len(drv.calls)
+    sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), 2, stream=s).result()
+    assert seen == [(0, [0.0])], seen  # compiled with the core lock free; the other thread ran
+    assert ran == [2]  # the warm-up's launch was captured, never run
+    np.testing.assert_array_equal(c.to_host(), np.arange(n, dtype=np.float32) + 2)
+    calls = drv.calls[mark:]
+    tiles = [x for x in calls if x[0] == "tile"]
+    assert len(tiles) == 2 and tiles[1] == ("tile", s.handle, (2, 1, 1))
+    assert tiles[0][1] != s.handle and tiles[0][1] not in drv.capturing  # (capture ended)
+    assert not drv.graphs  # the captured graph was destroyed
+
+    # the same signature: no warm-up (fresh views of the same layout included)
+    mark = len(drv.calls)
+    c2 = sm.Tensor.from_buffer(c.into_buffer(), (n,))
+    sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c2), 2, stream=s).result()
+    assert [x for x in drv.calls[mark:] if x[0] == "tile"] == [("tile", s.handle, (2, 1, 1))]
+    # a scalar of another type is another signature (cuTile specializes on it)
+    sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c2), 2.0, stream=s).result()
+    assert len(seen) == 2 and seen[1][0] == 0 and ran == [2, 2, 2.0]
+
+    # a failing warm-up is left to the launch: its error, raised as always, no leases
+    boom = RuntimeError("tile compiler failed")
+    fail.append(boom)
+    with pytest.raises(RuntimeError) as info:
+        sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c2), 5, stream=s)
+    assert info.value is boom and s.pending == 0 and not c2.allocation.tracker
+    fail.clear()
+    del info, boom
+
+    # at most WARM_MAX signatures a kernel are warmed; later ones compile at their launch
+    monkeypatch.setattr(icu, "WARM_MAX", 0)
+    kern2 = TileKernel(vadd)
+    owners = []
+    mod.compile_hook = lambda kernel: owners.append(RUNTIME.owner)
+    sm.launch(kern2, (2,), None, sm.In(a), sm.In(b), sm.Out(c2), 3, stream=s).result()
+    assert owners == [threading.get_ident()]  # compiled in the launch, under the lock
+    mod.compile_hook = None
 
 
 def test_a_marker_is_published_only_once_its_event_is_recorded(fake, monkeypatch):

@@ -132,3 +132,43 @@ def test_cupy_op_and_cutile_op_compose(gpu, vadd):
              .apply(lambda _: "done"))
     assert chain.submit().result() == "done"
     np.testing.assert_array_equal(out.to_host(), np.full(n, 3.25, np.float32))
+
+
+def test_first_launch_compiles_outside_the_core_lock(gpu):
+    """cuTile compiles a kernel on its first launch with a signature (seconds): sharedmem
+    warms it up in a discarded capture before taking the core lock, so another thread's
+    sharedmem calls go on meanwhile -- and the kernel still runs exactly once."""
+    if importlib.util.find_spec("cuda.tile") is None:
+        pytest.skip("cuda.tile is not installed")
+    import threading
+
+    import cuda.tile as ct
+    from sharedmem.runtime.state import RUNTIME
+
+    @ct.kernel
+    def accumulate(a, c, T: ct.Constant[int]):  # c += a: a second run would show
+        i = ct.bid(0)
+        ct.store(c, index=(i,), tile=ct.load(c, index=(i,), shape=(T,))
+                 + ct.load(a, index=(i,), shape=(T,)))
+
+    seen = []
+    real = accumulate._compile
+
+    def compiling(*args, **kwargs):
+        other = []
+        t = threading.Thread(target=lambda: other.append(
+            float(sm.Buffer.zeros(4, "float32", device=gpu).to_host().sum())))
+        t.start()
+        t.join(60)
+        seen.append((RUNTIME.owner, other))
+        return real(*args, **kwargs)
+    accumulate._compile = compiling  # (cuTile's dispatcher looks it up on the kernel)
+    n = TILE * 4
+    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=gpu)
+    c = sm.Tensor.zeros((n,), "float32", device=gpu)
+    sm.launch(accumulate, (n // TILE,), None, sm.In(a), c, TILE).result()
+    assert seen == [(0, [0.0])], seen  # the core lock was free; the other thread's call ran
+    np.testing.assert_array_equal(c.to_host(), np.arange(n, dtype=np.float32))  # ran once
+    sm.launch(accumulate, (n // TILE,), None, sm.In(a), c, TILE).result()
+    assert len(seen) == 1  # compiled once
+    np.testing.assert_array_equal(c.to_host(), 2 * np.arange(n, dtype=np.float32))
