@@ -178,6 +178,14 @@ def add_consumer_locked(tok, stream, writes) -> None:
     tok.allocation.tracker.add_hold_locked(stream, tok, writes)
 
 
+def _sweep_consumers(consumers) -> None:
+    """After a hold is made (outside core_lock): its end will file a lease on each consumer's
+    stream, which only a sweep retires (runtime.submission.sweep_long; never raises)."""
+    rt = RUNTIME
+    for c in consumers:
+        rt.sweep_long(c[0])
+
+
 class Allocation:
     """The identity of one range of device memory.
 
@@ -241,8 +249,12 @@ class Allocation:
                 add_consumer_locked(tok, stream, writes)
         finally:
             rt.release()
-        for c in consumers:  # (a hold's end files a lease there that only a sweep retires)
-            rt.sweep_long(c[0])
+        if consumers:
+            try:
+                _sweep_consumers(consumers)
+            except BaseException:  # (an interrupt: the caller never gets the token)
+                tok.release()
+                raise
         return tok
 
     def live_tokens_locked(self, start, stop) -> list:
@@ -481,6 +493,7 @@ class View:
                 self._export = hold
             for stream, writes in consumers:
                 add_consumer_locked(hold, stream, writes)
+        _sweep_consumers(consumers)
         return hold
 
     def _derived_value(self, key, make):

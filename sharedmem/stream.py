@@ -40,7 +40,8 @@ class Stream:
     sequence number up to it is finished), ``_capture`` (the Graph being captured).
     """
 
-    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_leak_warned",
+    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
+                 "_leak_warned",
                  "_external", "_capture", "_checks", "launch_cache", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
@@ -62,6 +63,7 @@ class Stream:
         self._pending = collections.deque()  # guarded by core_lock
         self._seq = 0  # guarded by core_lock
         self._done = 0  # guarded by core_lock
+        self._swept = 0  # _seq at the last submission.sweep_long; guarded by core_lock
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock

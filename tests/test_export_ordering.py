@@ -204,35 +204,155 @@ def test_hold_end_label_in_trace(tmp_path):
         mp.undo()
 
 
-def test_hold_ends_of_an_export_loop_die_young(monkeypatch):
-    """A loop of exports (cupy.from_dlpack's pattern) is swept by the exports themselves:
-    nothing else sweeps hold ends but the retirer, which a busy thread lets run only every
-    GIL switch interval -- they piled up, outlived the collector's young generations and set
-    off full collections (4 us an export on an H200 with cuTile imported)."""
-    from fake_cuda import install_fake_devices
+def _park_retirer(monkeypatch):
+    """Only the exports' own sweeps retire anything until _unpark."""
+    import time
     from sharedmem.runtime import retirer
-    from sharedmem.runtime.submission import SWEEP_EVERY
-    (dev,), drv = install_fake_devices(monkeypatch, True)
-    t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
-    sm.synchronize()
-    # the retirer parked: only the exports' own sweeps retire anything
     monkeypatch.setattr(retirer, "BUSY_INTERVAL", 60.0)
     monkeypatch.setattr(retirer, "POLL_INTERVAL", 60.0)
     monkeypatch.setattr(retirer, "LINGER", 0.0)
     monkeypatch.setattr(retirer, "IDLE_INTERVAL", 60.0)
     retirer.wake()
-    import time
     time.sleep(0.05)
+
+
+def _unpark(monkeypatch):
+    from sharedmem.runtime import retirer
+    monkeypatch.undo()  # (before the wake: else the retirer may sleep 60 s on)
+    retirer.wake()
+
+
+@pytest.mark.parametrize("how", ["dlpack", "cai"])
+def test_hold_ends_of_an_export_loop_die_young(monkeypatch, how):
+    """A loop of exports (cupy.from_dlpack's pattern; CAI exports of fresh views) is swept by
+    the exports themselves: nothing else sweeps hold ends but the retirer, which a busy thread
+    lets run only every GIL switch interval -- they piled up, outlived the collector's young
+    generations and set off full collections (4 us an export on an H200 with cuTile)."""
+    from fake_cuda import install_fake_devices
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+    sm.synchronize()
+    _park_retirer(monkeypatch)
     pending = dev.default_stream._pending
     gc.disable()
     try:
         peak = 0
         for _ in range(5 * SWEEP_EVERY):
-            cap = t.__dlpack__(stream=1, max_version=(1, 0))
-            del cap  # released unconsumed: a hold end is leased on the default stream
+            if how == "dlpack":
+                cap = t.__dlpack__(stream=1, max_version=(1, 0))
+                del cap  # released unconsumed: a hold end is leased on the default stream
+            else:
+                v = t[:]
+                v.__cuda_array_interface__
+                del v  # the view dies: its CAI hold ends
             peak = max(peak, len(pending))
         assert peak <= SWEEP_EVERY, f"{peak} hold ends pending on the default stream"
         assert sum(type(o).__name__ == "Submission" for o in gc.get_objects()) <= SWEEP_EVERY + 1
     finally:
         gc.enable()
-        retirer.wake()
+        _unpark(monkeypatch)
+
+
+def test_export_loop_with_the_device_behind_sweeps_once_per_sweep_every(monkeypatch):
+    """While nothing retires (the device behind), exports do not sweep every time: each
+    sweep records the stream's open marker, and every export would cost an event record,
+    queries and a new event."""
+    from fake_cuda import install_fake_devices
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+    sm.synchronize()
+    _park_retirer(monkeypatch)
+    drv.holding = True
+    try:
+        n = 4 * SWEEP_EVERY
+        records0, events0 = sum(c[0] == "record" for c in drv.calls), len(drv.events)
+        for _ in range(n):
+            cap = t.__dlpack__(stream=1, max_version=(1, 0))
+            del cap
+        records = sum(c[0] == "record" for c in drv.calls) - records0
+        assert records <= n // 64 + n // SWEEP_EVERY + 2, records
+        assert len(drv.events) - events0 <= n // 64 + n // SWEEP_EVERY + 2
+    finally:
+        drv.holding = False
+        drv.finish_held()
+        sm.synchronize()
+        _unpark(monkeypatch)
+
+
+def test_a_failing_sweep_fails_no_export_and_leaks_no_hold(monkeypatch):
+    """The export's sweep meets a driver error: the export still succeeds (the error is
+    re-raised at a later call), and once its capsule is gone nothing is left live."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult, install_fake_devices
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+    sm.synchronize()
+    _park_retirer(monkeypatch)
+    drv.holding = True  # the device is behind: hold ends stay pending
+    for _ in range(SWEEP_EVERY):
+        del_cap = t.__dlpack__(stream=1, max_version=(1, 0))
+        del del_cap
+    assert len(dev.default_stream._pending) >= SWEEP_EVERY
+    real = drv.cuCtxSetCurrent
+    drv.cuCtxSetCurrent = lambda ctx: (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+    bc._current.ctx = None  # (the next driver call switches context: and fails)
+    try:
+        cap = t.__dlpack__(stream=1, max_version=(1, 0))
+    finally:
+        drv.cuCtxSetCurrent = real
+    del cap
+    drv.holding = False
+    drv.finish_held()
+    try:
+        with pytest.raises(sm.CudaError, match="CUDA_ERROR_INVALID_CONTEXT"):
+            sm.synchronize()  # (the sweep's error, deferred to the next call)
+        sm.synchronize()
+        gc.collect()
+        assert t.allocation.views() == [t._token.describe()]
+        t.into_buffer()  # no export is left to alias it
+    finally:
+        _unpark(monkeypatch)
+
+
+def test_an_export_runs_no_callback_of_other_work(monkeypatch):
+    """The export's sweep retires other work; its done-callbacks go to the callback workers,
+    never run inside __dlpack__ (code that exports under a lock its callback takes would
+    deadlock)."""
+    import threading
+    from fake_cuda import install_fake_devices
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+    b = sm.Buffer.empty(64, "float32", device=dev)
+    sm.synchronize()
+    _park_retirer(monkeypatch)
+    lock = threading.Lock()
+    ran = []
+
+    def on_done(f):
+        ok = lock.acquire(timeout=1.0)  # (a plain acquire would hang forever)
+        ran.append((threading.get_ident(), ok))
+        if ok:
+            lock.release()
+    try:
+        b.fill_zero().add_done_callback(on_done)
+        pending = dev.default_stream._pending
+        while len(pending) < SWEEP_EVERY:
+            cap = t.__dlpack__(stream=1, max_version=(1, 0))
+            del cap
+        assert not ran
+        with lock:  # e.g. a thread-safe wrapper handing its tensor to cupy.from_dlpack
+            cap = t.__dlpack__(stream=1, max_version=(1, 0))
+        del cap
+        sm.synchronize()
+        import time
+        deadline = time.monotonic() + 5
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran and all(ok and ident != threading.get_ident() for ident, ok in ran), ran
+    finally:
+        sm.synchronize()
+        _unpark(monkeypatch)

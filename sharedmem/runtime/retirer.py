@@ -74,8 +74,8 @@ def _run() -> None:
     # never contends with a thread launching in a tight loop -- measured on an H200, its
     # passes over such a stream cost that thread 2 us a launch (8.4 against 6.5 us with the
     # retirer parked). It sweeps the stream again once the burst ends, or when nobody else
-    # retired any of its work (leases filed without a submission: holds' ends, which wake it
-    # every SWEEP_EVERY-th lease).
+    # retired any of its work (leases filed without a submission: holds' ends, which new
+    # holds on the stream also sweep, see submission.sweep_long).
     seen = {}
     while not sys.is_finalizing():
         _wake.clear()

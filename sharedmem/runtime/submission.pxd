@@ -56,7 +56,7 @@ cpdef Py_ssize_t _done_prefix_locked(pending, bint record=*) except -2
 cpdef list _sweep_locked(Stream stream, bint record=*)
 
 @cython.locals(i=Py_ssize_t, sub=Submission, last=object)
-cpdef _finish(list subs)
+cpdef _finish(list subs, bint hand_off=*)
 
 @cython.locals(consumers=list, tracker=AccessTracker, c=tuple)
 cpdef end_holds_locked(ViewToken tok)

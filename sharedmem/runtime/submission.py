@@ -505,17 +505,18 @@ def _sweep_locked(stream, record=True) -> list:
     return out
 
 
-def finish(subs) -> None:
-    """Outside the lock: drop what retired work kept, run its callbacks. Every list a sweep
-    returned goes through here exactly once (settle() counts on it)."""
+def finish(subs, hand_off=False) -> None:
+    """Outside the lock: drop what retired work kept, run its callbacks (``hand_off``: give
+    them to the callback workers instead). Every list a sweep returned goes through here
+    exactly once (settle() counts on it)."""
     try:
-        _finish(subs)
+        _finish(subs, hand_off)
     finally:
         with locked():
             RUNTIME.unfinished -= len(subs)
 
 
-def _finish(subs) -> None:
+def _finish(subs, hand_off=False) -> None:
     last = None
     tracer = RUNTIME.tracer
     if tracer is not None:
@@ -530,7 +531,7 @@ def _finish(subs) -> None:
                 last = m
                 m.recycle()
         if sub.callbacks:
-            if _get_ident() == _callbacks.retirer_ident[0]:
+            if hand_off or _get_ident() == _callbacks.retirer_ident[0]:
                 _callbacks.hand_off(sub)  # (user code never runs on the retirer)
             else:
                 with locked():  # (add_callback appends under the lock until they are taken)
@@ -561,15 +562,29 @@ def sweep(stream) -> None:
 
 
 def sweep_long(stream) -> None:
-    """:func:`sweep` ``stream`` once SWEEP_EVERY submissions are pending on it: what a new
-    hold does for its consumer's stream (Allocation.new_token), as submit() sweeps its own.
-    Nothing else sweeps leases filed without a submission (a hold's end) but the retirer,
-    which in a busy process gets the GIL only every switch interval (5 ms): a loop of
-    cupy.from_dlpack piled up ~600 hold ends between its passes, they outlived the
-    collector's young generations, and the full collections they set off cost 4 us an export
-    on an H200 with cuTile imported (230k objects). Caller does not hold core_lock."""
-    if len(stream._pending) >= _sweep_every:
-        sweep(stream)
+    """What a new hold does for its consumer's stream (Allocation.new_token,
+    View._object_hold), as submit() sweeps its own: once SWEEP_EVERY submissions are pending
+    there, and at most once every SWEEP_EVERY filed since the last such sweep (also while
+    the device is behind and nothing retires: else every export would sweep, and record the
+    stream's open marker). Nothing else sweeps leases filed without a submission (a hold's
+    end) but the retirer, which in a busy process gets the GIL only every switch interval
+    (5 ms): a loop of cupy.from_dlpack piled up ~600 hold ends between its passes, they
+    outlived the collector's young generations, and the full collections they set off cost
+    4 us an export on an H200 with cuTile imported (230k objects).
+
+    Opportunistic, inside an export: it never raises (an error is re-raised at the next API
+    call, as the retirer's are) and runs no user code (callbacks go to the callback
+    workers). Caller does not hold core_lock."""
+    if len(stream._pending) < _sweep_every or stream._seq - stream._swept < _sweep_every:
+        return
+    try:
+        with locked():
+            stream._swept = stream._seq
+            done = _sweep_locked(stream)
+        if done:
+            finish(done, True)
+    except Exception as e:
+        RUNTIME.errors.append(e)
 
 
 RUNTIME.sweep_long = sweep_long
