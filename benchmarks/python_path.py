@@ -183,6 +183,13 @@ def this_build():
         pipe["y"] = y = sm.Tensor.from_buffer(yb, (32, 32))
         sm.launch(norm, (32, 1, 1), None, In(y), Out(pz), stream=sa)
 
+    vadd = TileKernel(lambda *a: None)
+    ta, tb, tc = (sm.Tensor.from_buffer(sm.Buffer.empty(n, "float32", device=dev), (n,))
+                  for _ in range(3))
+
+    def cutile():  # as run.py's cuTile row: 3 tensors and a constant
+        sm.launch(vadd, (4,), None, In(ta), In(tb), Out(tc), 256, stream=sa)
+
     tensor = sm.Tensor.from_buffer(sm.Buffer.empty(n, "float32", device=dev), (32, 32))
 
     def dlpack():  # what cupy.from_dlpack asks of a producer; the capsule dropped at once
@@ -204,6 +211,7 @@ def this_build():
             ("launch, 4 CuPy-style arrays", cupy_arrays),
             ("launch on a CuPy-style stream object", borrowed_stream),
             ("pipeline step (3 launches, 2 moves, 2 streams)", pipeline_step),
+            ("cuTile launch, 3 tensors + a constant", cutile),
             ("DLPack export (stream=1) + release", dlpack),
             ("graph replay call", replay)]
     print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")

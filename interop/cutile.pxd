@@ -16,14 +16,17 @@ cpdef _view_descriptor(Py_ssize_t i, View view, bint writes)
 cdef class TilePlan(KernelPlan):
     cdef public object backend, ct_launch
     cdef public set warmed
-    cdef public list last_sig
+    cdef public tuple last_args
 
     @cython.locals(key=tuple, warmed=set)
-    cpdef warm(self, grid, tuple call_args, list sig)
+    cpdef warm(self, grid, tuple call_args)
 
-    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg, sig=list,
-                   call_args=tuple)
+    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg,
+                   call_args=tuple, foreign=bint)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(st=Stream, impl=CudaStreamImpl)
     cpdef enqueue(self, stream, config, payload)
+
+@cython.locals(n=Py_ssize_t, i=Py_ssize_t)
+cdef bint _same_args(tuple a, tuple b)

@@ -83,9 +83,43 @@ def _descriptor(view, writable):
     return d
 
 
-def _foreign_sig(arr) -> tuple:
-    """A CuPy array argument's ``sig`` (as _ArrayDescriptor's)."""
-    return (arr.dtype.str, arr.shape, arr.strides, arr.data.ptr % 16)
+def _signature(call_args) -> tuple:
+    """What cuTile compiles ``call_args`` for, at least as finely as it tells them apart: an
+    array's dtype, shape, strides and pointer alignment; a scalar's type and value (1, 1.0
+    and True differ); any other object by identity (its == may be anything)."""
+    key = []
+    for x in call_args:
+        t = type(x)
+        if t is _ArrayDescriptor:
+            key.append(x.sig)
+        elif t is int or t is float or t is bool or t is complex:
+            key.append((t, x))
+        elif hasattr(x, "__cuda_array_interface__"):  # a CuPy array
+            key.append((x.dtype.str, x.shape, x.strides, x.data.ptr % 16))
+        else:
+            key.append((t, id(x)))
+    return tuple(key)
+
+
+def _same_args(a, b) -> bool:
+    """Whether arguments ``a`` are ``b``: the same objects, or equal scalars of one type, at
+    every place (a cheap check: no other object's == is called). A miss only means the
+    signature is computed."""
+    if b is None:
+        return False
+    n = len(a)
+    if len(b) != n:
+        return False
+    for i in range(n):
+        x = a[i]
+        y = b[i]
+        if x is y:
+            continue
+        t = type(x)
+        if t is not type(y) or not (t is int or t is float or t is bool or t is complex) or \
+                x != y:
+            return False
+    return True
 
 
 def _writable_descriptor(view):
@@ -172,30 +206,32 @@ class TilePlan(KernelPlan):
     descriptors (or the foreign arrays themselves), scalars as Python scalars.
 
     ``warmed``: the argument signatures launched once into a discarded capture (see
-    :meth:`warm`); ``last_sig``: the previous launch's signature (lock-free: a racing thread
-    at worst makes one more set lookup)."""
+    :meth:`warm`); ``last_args``: the previous launch's arguments for cuTile when they held
+    no foreign array (descriptors and scalars only: nothing large is kept alive), which a
+    launch with the same ones skips the signature for. Both lock-free: a racing thread at
+    worst computes one more signature."""
 
-    __slots__ = ("backend", "ct_launch", "warmed", "last_sig")
+    __slots__ = ("backend", "ct_launch", "warmed", "last_args")
 
     def __init__(self, kernel, adapter, device, ct):
         KernelPlan.__init__(self, kernel, adapter, device)
         self.backend = device.backend
         self.ct_launch = ct.launch
         self.warmed = set()
-        self.last_sig = None
+        self.last_args = None
 
-    def warm(self, grid, call_args, sig) -> None:
+    def warm(self, grid, call_args) -> None:
         """Compile for this signature before the launch takes the core lock: cuTile compiles
         a kernel on its first launch with an argument signature (dtypes, layouts, pointer
         alignment, scalar types, constants), for seconds, and the launch holds the core lock
         -- every thread's sharedmem calls would wait. So a signature not seen yet is launched
         once with the same arguments into a capture on a private stream that is destroyed
         unlaunched (the kernel never runs; cuTile keeps what it compiled), without the lock.
-        ``sig`` tells signatures apart at least as finely as cuTile does (exact shapes,
-        strides and scalar values), so a warmed one never compiles again. At most WARM_MAX a
-        kernel; none during a capture. A failure here is left for the launch itself to meet
-        (and report as it always has)."""
-        key = tuple(sig)
+        The signature (:func:`_signature`) tells them apart at least as finely as cuTile does
+        (exact shapes, strides and scalar values), so a warmed one never compiles again. At
+        most WARM_MAX a kernel; none during a capture. A failure here is left for the launch
+        itself to meet (and report as it always has)."""
+        key = _signature(call_args)
         warmed = self.warmed
         if key not in warmed and len(warmed) < WARM_MAX and not RUNTIME.captures:
             warmed.add(key)  # (first, so that a failure is not retried every launch)
@@ -204,7 +240,6 @@ class TilePlan(KernelPlan):
             except Exception as e:
                 log.debug("warm-up of %s failed (its launch will compile it): %r",
                           self.label, e)
-        self.last_sig = sig
 
     def make_config(self, grid, block, shared_mem):
         if block is not None:
@@ -220,37 +255,29 @@ class TilePlan(KernelPlan):
             _check_no_aliasing(array_args(args, uses))
         n = len(args)
         out = [None] * n
-        sig = []  # (per array its sig; per scalar its type, then itself: 1, 1.0, True differ)
+        foreign = False
         j = 0
         for i in range(n):
             a = args[i]
             if isinstance(a, View):
-                d = _view_descriptor(i, a, uses[j][1])
-                out[i] = d
-                sig.append(d.sig)
+                out[i] = _view_descriptor(i, a, uses[j][1])
                 j += 1
             elif type(a) is LaunchArg:
                 j += 1
                 la = a
                 if la.view is None:
                     out[i] = la.value  # a foreign array: cuTile reads it itself
-                    sig.append(_foreign_sig(la.value))
+                    foreign = True
                 else:
-                    d = _view_descriptor(i, la.view, la._mode != 0)
-                    out[i] = d
-                    sig.append(d.sig)
+                    out[i] = _view_descriptor(i, la.view, la._mode != 0)
+            elif isinstance(a, np.generic):
+                out[i] = a.item()
             else:
-                if isinstance(a, np.generic):
-                    a = a.item()
                 out[i] = a
-                t = type(a)
-                sig.append(t)
-                # (a value compared by ==, which for other objects may be anything: those by
-                # identity)
-                sig.append(a if t is int or t is float or t is bool or t is complex else id(a))
         call_args = tuple(out)
-        if sig != self.last_sig:  # (the same arguments' layouts as last time: nothing to do)
-            self.warm(config, call_args, sig)
+        if foreign or not _same_args(call_args, self.last_args):
+            self.warm(config, call_args)
+            self.last_args = None if foreign else call_args
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)
