@@ -15,11 +15,12 @@ cpdef _view_descriptor(Py_ssize_t i, View view, bint writes)
 
 cdef class TilePlan(KernelPlan):
     cdef public object backend, ct_launch
-    cdef public set warmed
+    cdef public object modes
+    cdef public dict warmed
     cdef public tuple last_args
 
-    @cython.locals(key=tuple, warmed=set)
-    cpdef warm(self, grid, tuple call_args)
+    @cython.locals(key=tuple, warmed=dict)
+    cpdef bint warm(self, tuple call_args) except -1
 
     @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg,
                    call_args=tuple, foreign=bint)

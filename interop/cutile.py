@@ -23,7 +23,9 @@ to install it.
 from __future__ import annotations
 
 import importlib
+import struct
 import sys
+import threading
 
 import numpy as np
 
@@ -62,10 +64,10 @@ def _cutile():
 
 class _ArrayDescriptor:
     """What cuTile reads an array argument from: a CUDA Array Interface dict
-    over one of our views. Holds no token; the launch's lease keeps the bytes. ``sig``:
-    what of it cuTile compiles for (see TilePlan.warm)."""
+    over one of our views. Holds no token; the launch's lease keeps the bytes. ``sig`` and
+    ``bits``: what cuTile compiles it for (see _signature)."""
 
-    __slots__ = ("__cuda_array_interface__", "sig")
+    __slots__ = ("__cuda_array_interface__", "sig", "bits")
 
 
 _RW, _RO = "cutile-descriptor-rw", "cutile-descriptor-ro"
@@ -79,25 +81,115 @@ def _descriptor(view, writable):
                                   f"-- pass a contiguous copy")
     d = _ArrayDescriptor.__new__(_ArrayDescriptor)
     cai = d.__cuda_array_interface__ = cai_layout(view, not writable)
-    d.sig = (cai["typestr"], cai["shape"], cai["strides"], cai["data"][0] % 16)
+    d.sig, d.bits = _array_keys(cai["typestr"], cai["shape"], cai["strides"], cai["data"][0])
     return d
 
 
-def _signature(call_args) -> tuple:
-    """What cuTile compiles ``call_args`` for, at least as finely as it tells them apart: an
-    array's dtype, shape, strides and pointer alignment; a scalar's type and value (1, 1.0
-    and True differ); any other object by identity (its == may be anything)."""
+def _array_keys(typestr, shape, strides, ptr) -> tuple:
+    """An array argument's two keys (see _signature): ``(exact, bits)``. ``bits`` is what
+    cuTile specializes an array on (cext/tile_kernel.cpp, compute_array_specialization_bits):
+    its dtype and rank, the base pointer's 16-byte alignment, whether its elements are
+    disjoint, and per dimension whether the shape is a multiple of 16 or 1 and the stride a
+    multiple of 16 bytes or one element. ``exact`` adds the shape and strides themselves.
+    ``strides`` in bytes, or None (C-contiguous)."""
+    itemsize = int(typestr[2:])
+    ndim = len(shape)
+    if strides is None:
+        st, acc = [0] * ndim, itemsize
+        for k in range(ndim - 1, -1, -1):
+            st[k] = acc
+            acc *= shape[k]
+        strides = tuple(st)
+    dims = tuple((shape[k] % 16 == 0, shape[k] == 1, strides[k] % 16 == 0,
+                  strides[k] == itemsize) for k in range(ndim))
+    # disjoint: along the dimensions of extent > 1, by increasing stride, each stride spans
+    # at least the extent of the ones before it
+    order = sorted((strides[k], shape[k]) for k in range(ndim) if shape[k] > 1)
+    disjoint, span = True, itemsize
+    for stride, extent in order:
+        if stride < span:
+            disjoint = False
+            break
+        span = stride * extent
+    bits = (typestr, ndim, ptr % 16 == 0, disjoint, dims)
+    return (bits, tuple(shape), tuple(strides)), bits
+
+
+class _Ident:
+    """An object in a signature by identity (its == may be anything), kept alive there so
+    that its id is not reused while the signature is remembered."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return type(other) is _Ident and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+def _scalar_key(x):
+    """A constant's value as cuTile tells constants apart: floats by their bits (-0.0 is not
+    0.0; a NaN equals itself), tuples and lists item by item (cuTile unpacks them)."""
+    t = type(x)
+    if t is float:
+        return (t, struct.pack("<d", x))
+    if t is int or t is bool or t is complex or t is str or x is None:
+        return (t, x)
+    if t is tuple or t is list:
+        return (t, tuple([_scalar_key(e) for e in x]))
+    return (t, _Ident(x))
+
+
+def _param_modes(kernel):
+    """How each parameter's argument is keyed, from cuTile's annotations of the kernel:
+    "const" (``ct.Constant``, or a tuple: by value), "array" (an array annotation, which may
+    fix dimensions: the exact layout), "runtime" (a scalar by its type; an array by its
+    specialization bits) -- or None where they cannot be read (cuTile's private structure
+    changed, or not a cuTile kernel): then every argument by value or exact layout, finer
+    than cuTile and never coarser."""
+    try:
+        modes = []
+        for node in kernel._annotated_function.parameter_annotations:
+            if getattr(node, "KIND", None) != "leaf" or node.constant:
+                modes.append("const")
+            elif node.array is not None:
+                modes.append("array")
+            else:
+                modes.append("runtime")
+        return tuple(modes)
+    except Exception:
+        return None
+
+
+def _is_cupy_array(x) -> bool:
+    cp = sys.modules.get("cupy")
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def _signature(call_args, modes) -> tuple:
+    """What cuTile compiles ``call_args`` for, at least as finely as it tells them apart (a
+    warmed signature never compiles again; a coarser one would make a launch compile under
+    the core lock): see _param_modes, _array_keys and _scalar_key."""
     key = []
-    for x in call_args:
+    n = len(call_args)
+    for i in range(n):
+        x = call_args[i]
+        mode = modes[i] if modes is not None and i < len(modes) else None
         t = type(x)
         if t is _ArrayDescriptor:
-            key.append(x.sig)
-        elif t is int or t is float or t is bool or t is complex:
-            key.append((t, x))
-        elif hasattr(x, "__cuda_array_interface__"):  # a CuPy array
-            key.append((x.dtype.str, x.shape, x.strides, x.data.ptr % 16))
+            d = x
+            key.append(d.bits if mode == "runtime" else d.sig)
+        elif mode == "runtime" and (t is int or t is float or t is bool or t is complex):
+            key.append(t)
+        elif _is_cupy_array(x):
+            exact, bits = _array_keys(x.dtype.str, x.shape, x.strides, x.data.ptr)
+            key.append(bits if mode == "runtime" else exact)
         else:
-            key.append((t, id(x)))
+            key.append(_scalar_key(x))
     return tuple(key)
 
 
@@ -117,7 +209,7 @@ def _same_args(a, b) -> bool:
             continue
         t = type(x)
         if t is not type(y) or not (t is int or t is float or t is bool or t is complex) or \
-                x != y:
+                x != y or (t is float and x == 0.0):  # (-0.0 == 0.0, as constants they differ)
             return False
     return True
 
@@ -198,48 +290,65 @@ def _check_no_aliasing(args) -> None:
 
 #: Signatures a kernel is warmed up for (see TilePlan.warm); past it, a new one compiles
 #: at its launch, under the core lock, as without the warm-up.
-WARM_MAX = 16
+WARM_MAX = 64
 
 
 class TilePlan(KernelPlan):
     """A cuTile kernel on one device: arrays reach ``ct.launch`` as the views' cached CAI
     descriptors (or the foreign arrays themselves), scalars as Python scalars.
 
-    ``warmed``: the argument signatures launched once into a discarded capture (see
-    :meth:`warm`); ``last_args``: the previous launch's arguments for cuTile when they held
-    no foreign array (descriptors and scalars only: nothing large is kept alive), which a
-    launch with the same ones skips the signature for. Both lock-free: a racing thread at
-    worst computes one more signature."""
+    ``modes``: how each parameter is keyed in a signature (:func:`_param_modes`);
+    ``warmed``: signature -> Event, set once its compile is done (see :meth:`warm`);
+    ``last_args``: the previous launch's arguments for cuTile once warmed, when they held no
+    foreign array (descriptors and scalars only: nothing large is kept alive) -- a launch
+    with the same ones skips the signature. Lock-free: dict operations are atomic, and a
+    racing thread at worst computes one more signature."""
 
-    __slots__ = ("backend", "ct_launch", "warmed", "last_args")
+    __slots__ = ("backend", "ct_launch", "modes", "warmed", "last_args")
 
     def __init__(self, kernel, adapter, device, ct):
         KernelPlan.__init__(self, kernel, adapter, device)
         self.backend = device.backend
         self.ct_launch = ct.launch
-        self.warmed = set()
+        self.modes = _param_modes(kernel)
+        self.warmed = {}
         self.last_args = None
 
-    def warm(self, grid, call_args) -> None:
-        """Compile for this signature before the launch takes the core lock: cuTile compiles
-        a kernel on its first launch with an argument signature (dtypes, layouts, pointer
-        alignment, scalar types, constants), for seconds, and the launch holds the core lock
-        -- every thread's sharedmem calls would wait. So a signature not seen yet is launched
-        once with the same arguments into a capture on a private stream that is destroyed
-        unlaunched (the kernel never runs; cuTile keeps what it compiled), without the lock.
-        The signature (:func:`_signature`) tells them apart at least as finely as cuTile does
-        (exact shapes, strides and scalar values), so a warmed one never compiles again. At
-        most WARM_MAX a kernel; none during a capture. A failure here is left for the launch
-        itself to meet (and report as it always has)."""
-        key = _signature(call_args)
+    def warm(self, call_args) -> bool:
+        """Compile for these arguments' signature before the launch takes the core lock:
+        cuTile compiles a kernel on its first launch with a signature, for seconds, and the
+        launch holds the core lock -- every thread's sharedmem calls would wait. A signature
+        not seen yet is first launched with the same arguments and a grid of zero blocks on
+        a private stream: cuTile compiles and caches the kernel, then the driver refuses the
+        empty grid (a launch error that leaves nothing behind), so nothing runs. (Were a
+        cuTile to refuse that grid before compiling, the launch would compile as before.) A
+        thread meeting a signature another thread is compiling waits for it, here. At most
+        WARM_MAX a kernel; none during a capture (then False: try again next launch)."""
+        key = _signature(call_args, self.modes)
         warmed = self.warmed
-        if key not in warmed and len(warmed) < WARM_MAX and not RUNTIME.captures:
-            warmed.add(key)  # (first, so that a failure is not retried every launch)
-            try:
-                self.backend.discarded_capture(self.ct_launch, grid, self.kernel, call_args)
-            except Exception as e:
-                log.debug("warm-up of %s failed (its launch will compile it): %r",
-                          self.label, e)
+        ev = warmed.get(key)
+        if ev is None:
+            if RUNTIME.captures:
+                return False
+            if len(warmed) >= WARM_MAX:
+                return True
+            ev = threading.Event()
+            if warmed.setdefault(key, ev) is ev:  # (else another thread's, just put there)
+                try:
+                    self._compile(call_args)
+                finally:
+                    ev.set()
+                return True
+            ev = warmed[key]
+        ev.wait()
+        return True
+
+    def _compile(self, call_args) -> None:
+        try:
+            impl = self.backend.create_stream("cuTile warm-up")
+            self.ct_launch(impl.handle, (0, 1, 1), self.kernel, call_args)
+        except Exception as e:  # (the empty grid's refusal, or whatever the launch will meet)
+            log.debug("warm-up launch of %s: %r", self.label, e)
 
     def make_config(self, grid, block, shared_mem):
         if block is not None:
@@ -276,8 +385,8 @@ class TilePlan(KernelPlan):
                 out[i] = a
         call_args = tuple(out)
         if foreign or not _same_args(call_args, self.last_args):
-            self.warm(config, call_args)
-            self.last_args = None if foreign else call_args
+            if self.warm(call_args):
+                self.last_args = None if foreign else call_args
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)

@@ -56,8 +56,7 @@ class FakeDriver:
     CUevent = CUevent
     CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
-    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1,
-                                                CU_STREAM_CAPTURE_MODE_RELAXED=2)
+    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
     CUdevice_attribute = types.SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
@@ -442,6 +441,8 @@ def fake_cutile(driver, fail=None):
             if m.compile_hook is not None:
                 m.compile_hook(kernel)
             m.compiled.append(tuple(sig))
+        if 0 in grid:  # (cuLaunchKernelEx refuses an empty grid, after the compile)
+            raise RuntimeError("cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE")
         driver.calls.append(("tile", int(stream), grid))
         driver._run(stream, lambda: kernel.fn(*vals))
 

@@ -745,24 +745,6 @@ class CudaBackend:
             raise
         return graph, exec_, int(exec_)
 
-    def discarded_capture(self, fn, *args) -> None:
-        """Call ``fn(stream_handle, *args)`` on a new private stream that captures into a graph
-        destroyed unlaunched: nothing ``fn`` enqueues there ever runs. For work whose side
-        effects on the host are wanted without its device work -- a first launch that
-        compiles (interop.cutile). Relaxed capture mode: ``fn`` may make any driver call (a
-        module load). Raises what ``fn`` or the capture raised; the stream is destroyed when
-        its work is done (it has none)."""
-        self.ensure_context()
-        impl = self.create_stream("discarded capture")
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        check(cu.cuStreamBeginCapture(impl.cu_stream, mode), "cuStreamBeginCapture")
-        try:
-            fn(impl.handle, *args)
-        finally:
-            out = cu.cuStreamEndCapture(impl.cu_stream)
-            if out[0] == _SUCCESS and out[1] is not None:
-                cu.cuGraphDestroy(out[1])
-
     def launch_graph(self, graph_exec, impl: CudaStreamImpl) -> CudaMarker:
         self.ensure_context()
         hot = self.hot

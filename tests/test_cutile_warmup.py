@@ -1,0 +1,240 @@
+"""cuTile's first-launch compile happens before the launch takes the core lock
+(interop.cutile.TilePlan.warm): a warmed signature never compiles again under the lock,
+whatever its arguments (fresh tuples and strings at reused addresses, -0.0, runtime scalars,
+two threads at once), and no capture is open meanwhile. The fake cuTile's own compile key
+(tests/fake_cuda.fake_cutile) compares scalars by ==; where real cuTile keys differently
+(float constants by bit pattern, non-Constant scalars by type only) a wrapper below models
+cuTile's key from its cext/tile_kernel.cpp.
+"""
+
+import struct
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from test_cuda_backend_fake import fake, tile  # noqa: F401  (fixtures)
+
+
+def _setup(dev):
+    n = 16
+    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
+    c = sm.Tensor.zeros((n,), "float32", device=dev)
+    s = dev.create_stream("tile")
+    sm.synchronize()
+    return a, c, s
+
+
+def _owners(mod):
+    """compile_hook recording RUNTIME.owner (0: core lock free) per compile."""
+    from sharedmem.runtime.state import RUNTIME
+    owners = []
+    mod.compile_hook = lambda kernel: owners.append(RUNTIME.owner)
+    return owners
+
+
+def _cutile_keyed(mod, constant_params=None):
+    """Replace the fake's compile key by real cuTile's (tile_kernel.cpp): float Constants by
+    bit pattern (extract_float_constant), strings by interned value, tuples expanded
+    (aggregates), non-Constant bool/int/float by type only (extract_py_long/_float: runtime
+    arguments); arrays by dtype/ndim/specialization bits (approximated by the exact layout,
+    finer than cuTile: fine for these tests)."""
+    from sharedmem.runtime.state import RUNTIME
+    orig = mod.launch
+    seen, owners = set(), _Log()
+
+    def key_of(i, a):
+        if hasattr(a, "__cuda_array_interface__"):
+            cai = a.__cuda_array_interface__
+            return ("array", cai["typestr"], cai["shape"], cai["strides"], cai["data"][0] % 16)
+        if type(a) is tuple:
+            return ("tuple",) + tuple(key_of(i, x) for x in a)
+        const = constant_params is None or i in constant_params
+        if type(a) is float:
+            return (float, struct.pack("<d", a) if const else None)
+        if type(a) in (int, bool):
+            return (type(a), a if const else None)
+        if type(a) is str:
+            return (str, a.encode())  # (the value, without keeping the object)
+        return (type(a), a)
+
+    def launch(stream, grid, kernel, args):
+        if 0 in grid:
+            owners.warmups += 1
+        key = (id(kernel),) + tuple(key_of(i, a) for i, a in enumerate(args))
+        if key not in seen:
+            owners.append(RUNTIME.owner)
+            seen.add(key)
+        mod.compile_hook = None
+        return orig(stream, grid, kernel, args)
+    mod.launch = launch
+    return owners
+
+
+class _Log(list):
+    warmups = 0
+
+
+def _kernel():
+    from fake_cuda import TileKernel
+
+    def k(a, c, x):
+        c[:] = a
+    return TileKernel(k)
+
+
+class _Sink(list):
+    """The fake's own compile log, holding nothing (it would keep the argument alive)."""
+
+    def __contains__(self, x):
+        return True
+
+
+def _at(addr, make):
+    """``make()`` until CPython hands out an object at ``addr`` (its free lists: quickly)."""
+    for _ in range(10000):
+        x = make()
+        if id(x) == addr:
+            return x
+        del x
+    return make()  # (nothing freed it: then no collision to fear either)
+
+
+def _settle():
+    import gc
+    sm.synchronize()
+    gc.collect()
+
+
+def test_a_fresh_tuple_at_a_reused_address_is_warmed(fake, tile):
+    """A new tuple of other contents at a recycled address (the common case for a tuple made
+    per call) is another signature: cuTile expands tuples and keys on their items."""
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    owners = _cutile_keyed(mod)
+    mod.compiled = _Sink()
+    t = tuple([1, 2])
+    addr = id(t)
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), t, stream=s).result()
+    _settle()
+    del t
+    t = _at(addr, lambda: tuple([3, 4]))
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), t, stream=s).result()
+    assert owners == [0, 0], owners  
+
+
+def test_a_fresh_string_at_a_reused_address_is_warmed(fake, tile):
+    """Same with a str Constant, which cuTile keys by value: a "mode-b" at the address of a
+    dead "mode-a" is another signature."""
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    owners = _cutile_keyed(mod)
+    mod.compiled = _Sink()
+    first = sys.intern("".join(["mode-", "a" * 600]))  # (kept, as cuTile's constant_refs do)
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), first, stream=s).result()
+    m = "".join(["mode-", "a" * 600])  # equal, not interned, another object
+    addr = id(m)
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), m, stream=s).result()
+    assert owners == [0]  # (cuTile: the same kernel)
+    _settle()
+    del m
+    m = _at(addr, lambda: "".join(["mode-", "b" * 600]))
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), m, stream=s).result()
+    assert owners == [0, 0], owners  
+
+
+def test_negative_zero_float_constant_is_another_signature(fake, tile):
+    """cuTile keys a float Constant by its bits (extract_float_constant), and -0.0 == 0.0."""
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    owners = _cutile_keyed(mod)
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 0.0, stream=s).result()
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), -0.0, stream=s).result()
+    assert owners == [0, 0], owners  
+
+
+def test_runtime_scalars_do_not_use_up_the_warm_budget(fake, tile):
+    """A non-Constant scalar (a step counter, a learning rate, a fresh NaN) is a runtime
+    argument to cuTile: its value compiles nothing, so it makes no warm-up (else WARM_MAX
+    launches with as many values would use up the budget, and the next new signature --
+    another shape -- would compile under the lock)."""
+    import interop.cutile as icu
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    # (x is not a Constant: as real cuTile kernels say, in _annotated_function)
+    leaf = types.SimpleNamespace(constant=False)
+    kern._annotated_function = types.SimpleNamespace(parameter_annotations=(leaf,) * 3)
+    owners = _cutile_keyed(mod, constant_params=set())
+    for step in range(icu.WARM_MAX):
+        sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), float("nan"), stream=s).result()
+    assert owners == [0]  # cuTile compiled once
+    assert owners.warmups == 1, owners.warmups
+    a2 = sm.Tensor.from_host(np.arange(32, dtype=np.float32), device=dev)
+    c2 = sm.Tensor.zeros((32,), "float32", device=dev)
+    sm.launch(kern, (1,), None, sm.In(a2), sm.Out(c2), 1.0, stream=s).result()
+    assert owners == [0, 0], owners
+
+
+def test_a_second_thread_with_the_same_new_signature_waits_for_its_compile(fake, tile):
+    """A second thread launching a signature another thread is compiling waits for that
+    compile (outside the lock) instead of skipping the warm-up: cuTile has no in-progress
+    entry, and its launch would compile again there, under the core lock, for seconds."""
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    c2 = sm.Tensor.zeros((16,), "float32", device=dev)
+    s2 = dev.create_stream("tile2")
+    kern = _kernel()
+    compiles = []
+    in_a = threading.Event()
+    b_done = threading.Event()
+
+    def hook(kernel):
+        compiles.append((threading.current_thread().name, RUNTIME.owner))
+        if threading.current_thread().name == "A":
+            in_a.set()
+            b_done.wait(1)  # (A's compile takes a while; B arrives meanwhile)
+    mod.compile_hook = hook
+
+    def run_a():
+        sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 2, stream=s).result()
+
+    def run_b():
+        in_a.wait(5)
+        try:
+            sm.launch(kern, (1,), None, sm.In(a), sm.Out(c2), 2, stream=s2).result()
+        finally:
+            b_done.set()
+    ta = threading.Thread(target=run_a, name="A")
+    tb = threading.Thread(target=run_b, name="B")
+    ta.start(), tb.start()
+    ta.join(10), tb.join(10)
+    assert compiles == [("A", 0)], compiles
+
+
+def test_no_capture_is_open_while_the_kernel_compiles(fake, tile):
+    """No stream capture is open while the kernel compiles (seconds, with every other thread
+    running on): CUDA forbids synchronizing 'a broader handle which encompasses an active
+    stream capture, such as a device or context handle' (Programming Guide, Prohibited and
+    Unhandled Operations), so another thread's torch.cuda.synchronize() would fail."""
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    open_during_compile = []
+    mod.compile_hook = lambda kernel: open_during_compile.append(dict(drv.capturing))
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 2, stream=s).result()
+    assert open_during_compile == [{}], open_during_compile
