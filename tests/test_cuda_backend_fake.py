@@ -439,6 +439,16 @@ def tile(fake, monkeypatch):
     return mod, fail
 
 
+def _vadd_operands(dev, n):
+    """a = 0..n-1, b = ones, c = zeros (float32 tensors) and a stream, all settled."""
+    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
+    b = sm.Tensor.from_host(np.ones(n, np.float32), device=dev)
+    c = sm.Tensor.zeros((n,), "float32", device=dev)
+    s = dev.create_stream("tile")
+    sm.synchronize()
+    return a, b, c, s
+
+
 def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkeypatch):
     import weakref
 
@@ -453,11 +463,7 @@ def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkey
 
     kern = TileKernel(vadd)
     n = 16
-    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
-    b = sm.Tensor.from_host(np.ones(n, np.float32), device=dev)
-    c = sm.Tensor.zeros((n,), "float32", device=dev)
-    s = dev.create_stream("tile")
-    sm.synchronize()
+    a, b, c, s = _vadd_operands(dev, n)
     mark = len(drv.calls)
     for k in range(1, 6):
         f = sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), k, stream=s)
@@ -534,11 +540,7 @@ def test_cutile_compiles_outside_the_core_lock(fake, tile, monkeypatch):
 
     kern = TileKernel(vadd)
     n = 16
-    a = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
-    b = sm.Tensor.from_host(np.ones(n, np.float32), device=dev)
-    c = sm.Tensor.zeros((n,), "float32", device=dev)
-    s = dev.create_stream("tile")
-    sm.synchronize()
+    a, b, c, s = _vadd_operands(dev, n)
     seen = []
 
     def compiling(kernel):  # what another thread can do while the kernel compiles

@@ -126,7 +126,7 @@ def test_a_fresh_tuple_at_a_reused_address_is_warmed(fake, tile):
     del t
     t = _at(addr, lambda: tuple([3, 4]))
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), t, stream=s).result()
-    assert owners == [0, 0], owners  
+    assert owners == [0, 0], owners
 
 
 def test_a_fresh_string_at_a_reused_address_is_warmed(fake, tile):
@@ -148,7 +148,7 @@ def test_a_fresh_string_at_a_reused_address_is_warmed(fake, tile):
     del m
     m = _at(addr, lambda: "".join(["mode-", "b" * 600]))
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), m, stream=s).result()
-    assert owners == [0, 0], owners  
+    assert owners == [0, 0], owners
 
 
 def test_negative_zero_float_constant_is_another_signature(fake, tile):
@@ -160,7 +160,7 @@ def test_negative_zero_float_constant_is_another_signature(fake, tile):
     owners = _cutile_keyed(mod)
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 0.0, stream=s).result()
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), -0.0, stream=s).result()
-    assert owners == [0, 0], owners  
+    assert owners == [0, 0], owners
 
 
 def test_runtime_scalars_do_not_use_up_the_warm_budget(fake, tile):
