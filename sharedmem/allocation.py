@@ -309,7 +309,9 @@ class _Registry:
         ref = weakref.ref(alloc, lambda _r, dkey=dkey, key=key: self._remove(dkey, key))
         value = (ref, alloc.nbytes)
         fresh = [[], {}, []]  # (made here: nothing is allocated under the lock, see above)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
+        try:
             entry = self._maps.get(dkey)
             if entry is None:
                 entry = self._maps[dkey] = fresh
@@ -317,46 +319,57 @@ class _Registry:
             entry[1][key] = value
             bisect.insort(entry[2], alloc.nbytes)
             self._live += 1
+        finally:
+            lock.release()
 
     def _remove(self, dkey, key) -> None:
         # a weakref callback: runs wherever the allocation died; the lock is a leaf
-        with self._lock:
-            entry = self._maps.get(dkey)
-            if entry is None:
-                return
-            got = entry[1].pop(key, None)
-            if got is None:
-                return
-            keys = entry[0]
-            i = bisect.bisect_left(keys, key)
-            if i < len(keys) and keys[i] == key:
-                del keys[i]
-            lens = entry[2]
-            j = bisect.bisect_left(lens, got[1])
-            if j < len(lens) and lens[j] == got[1]:
-                del lens[j]  # (the bound shrinks when the longest went)
-            self._live -= 1
+        lock = self._lock
+        lock.acquire()
+        try:
+            self._remove_locked(dkey, key)
+        finally:
+            lock.release()
+
+    def _remove_locked(self, dkey, key) -> None:
+        entry = self._maps.get(dkey)
+        got = entry[1].pop(key, None) if entry is not None else None
+        if got is None:
+            return
+        keys = entry[0]
+        i = bisect.bisect_left(keys, key)
+        if i < len(keys) and keys[i] == key:
+            del keys[i]
+        lens = entry[2]
+        j = bisect.bisect_left(lens, got[1])
+        if j < len(lens) and lens[j] == got[1]:
+            del lens[j]  # (the bound shrinks when the longest went)
+        self._live -= 1
 
     def lookup(self, device, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)``."""
         probe = (ptr, float("inf"))
         seen = []  # strong references taken under the lock, dropped after it
-        with self._lock:
-            entry = self._maps.get(device.key)
-            if entry is None:
-                return None
-            keys, refs, lens = entry
-            max_len = lens[-1] if lens else 0
-            i = bisect.bisect_right(keys, probe) - 1
-            best = None
-            while i >= 0 and keys[i][0] + max_len >= ptr:
-                a = refs[keys[i]][0]()
-                if a is not None:
-                    seen.append(a)  # (a death here would run _remove under our own lock)
-                    if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
-                        if best is None or a.nbytes < best.nbytes:
-                            best = a
-                i -= 1
+        best = None
+        dkey = device.key
+        lock = self._lock
+        lock.acquire()
+        try:
+            entry = self._maps.get(dkey)
+            if entry is not None:
+                keys, refs, lens = entry
+                max_len = lens[-1] if lens else 0
+                i = bisect.bisect_right(keys, probe) - 1
+                while i >= 0 and keys[i][0] + max_len >= ptr:
+                    a = refs[keys[i]][0]()
+                    if a is not None:
+                        seen.append(a)  # (a death here would run _remove under our own lock)
+                        if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                            if best is None or a.nbytes < best.nbytes:
+                                best = a
+                    i -= 1
+        finally:
+            lock.release()
         a = None
         del seen
         return best

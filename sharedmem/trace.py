@@ -22,7 +22,6 @@ a few microseconds per submission. One trace at a time per process.
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 from .errors import BackendUnavailableError, SharedMemError
@@ -61,10 +60,12 @@ class trace:
                             "(NVTX ranges only)")
         self.path = path
         self.events = []
-        self._ranges = {}  # id(submission) -> NVTX range, until it retires (guarded by _lock)
+        # Guarded by the core lock (submitted() and retired() are called under it): no lock of
+        # its own, which a finalizer ending a hold -- and so filing a submission -- while this
+        # thread held it would wait for forever.
+        self._ranges = {}  # id(submission) -> NVTX range, until it retires
         self._subs = {}  # id(submission) -> event dict, until it retires
         self._tids = {}  # stream -> track id
-        self._lock = threading.Lock()  # guards _subs, _tids, events (a leaf lock)
         self._t0 = 0.0
 
     def __enter__(self) -> "trace":
@@ -78,11 +79,10 @@ class trace:
         return self
 
     def __exit__(self, *exc) -> None:
+        now = time.monotonic()
         with locked():
             if RUNTIME.tracer is self:
                 RUNTIME.tracer = None
-        now = time.monotonic()
-        with self._lock:
             for ev in self._subs.values():  # still in flight: ends at the trace's end
                 ev["dur"] = max(0.0, self._us(now) - ev["ts"])
                 ev["args"]["state"] = "in flight at the end of the trace"
@@ -117,31 +117,28 @@ class trace:
         ts = self._us(sub.t0)
         leases = [f"allocation #{tok.allocation.id} bytes [{tok.start}, {tok.stop}) "
                   f"{'write' if w else 'read'}" for tok, w in sub.uses or ()]
-        with self._lock:
-            tid = self._tid(sub.stream)
-            self._subs[id(sub)] = {"ph": "X", "name": sub.label, "cat": "submission", "pid": 0,
-                                   "tid": tid, "ts": ts,
-                                   "args": {"seq": sub.seq, "leases": leases}}
-            if self._nvtx is not None:
-                self._ranges[id(sub)] = self._nvtx.start_range(
-                    message=f"{sub.label} on {sub.stream}", domain="sharedmem")
-            if waits:
-                for other, (seq, _marker) in waits.items():
-                    self.events.append({"ph": "i", "s": "t", "cat": "wait", "pid": 0,
-                                        "tid": tid, "ts": ts,
-                                        "name": f"waits for {other} (up to #{seq})"})
+        tid = self._tid(sub.stream)
+        self._subs[id(sub)] = {"ph": "X", "name": sub.label, "cat": "submission", "pid": 0,
+                               "tid": tid, "ts": ts, "args": {"seq": sub.seq, "leases": leases}}
+        if self._nvtx is not None:
+            self._ranges[id(sub)] = self._nvtx.start_range(
+                message=f"{sub.label} on {sub.stream}", domain="sharedmem")
+        if waits:
+            for other, (seq, _marker) in waits.items():
+                self.events.append({"ph": "i", "s": "t", "cat": "wait", "pid": 0, "tid": tid,
+                                    "ts": ts, "name": f"waits for {other} (up to #{seq})"})
 
     def retired(self, subs) -> None:
-        """Submissions left their stream's FIFO (retired, or kept as of unknown completion)."""
+        """Submissions left their stream's FIFO (retired, or kept as of unknown completion;
+        core lock held)."""
         now = self._us(time.monotonic())
-        with self._lock:
-            for sub in subs:
-                ev = self._subs.pop(id(sub), None)
-                if self._nvtx is not None:
-                    r = self._ranges.pop(id(sub), None)
-                    if r is not None:
-                        self._nvtx.end_range(r)
-                if ev is not None:
-                    ev["dur"] = max(0.0, now - ev["ts"])
-                    ev["args"]["state"] = ("pending", "retired", "completion unknown")[sub.state]
-                    self.events.append(ev)
+        for sub in subs:
+            ev = self._subs.pop(id(sub), None)
+            if self._nvtx is not None:
+                r = self._ranges.pop(id(sub), None)
+                if r is not None:
+                    self._nvtx.end_range(r)
+            if ev is not None:
+                ev["dur"] = max(0.0, now - ev["ts"])
+                ev["args"]["state"] = ("pending", "retired", "completion unknown")[sub.state]
+                self.events.append(ev)

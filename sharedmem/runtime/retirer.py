@@ -37,13 +37,43 @@ BUSY_INTERVAL = 0.005
 BURST = 32
 
 _thread: threading.Thread | None = None
+# Taken without waiting: whoever holds it is starting the thread already. (Starting one
+# allocates; a collection there can run a finalizer that ends a hold, files a lease -- and
+# calls ensure() on this thread again, with the lock held.)
 _start_lock = fork_safe(threading.Lock())
-_wake = threading.Event()
+
+
+class _Bell:
+    """What wakes the retirer: a raw lock, held while nobody rang it. Ringing releases it,
+    sleeping acquires it with a timeout -- neither allocates, so ringing is safe from
+    anywhere, a finalizer run by a collection inside another ring or sleep included (a
+    threading.Event rings under its Condition's lock, whose exit call allocates)."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def ring(self) -> None:
+        lock = self.lock
+        if lock.locked():
+            try:
+                lock.release()
+            except RuntimeError:  # (another ringer got there first)
+                pass
+
+    def sleep(self, timeout) -> None:
+        """Until rung (at once if it was) or ``timeout`` seconds; then it is unrung."""
+        self.lock.acquire(True, timeout)
+
+
+_bell = _Bell()
 
 
 def wake() -> None:
-    """Make the retirer sweep now (lock-free; safe from any thread)."""
-    _wake.set()
+    """Make the retirer sweep now (lock-free; safe from any thread, and from finalizers)."""
+    _bell.ring()
 
 
 def ensure() -> None:
@@ -52,13 +82,17 @@ def ensure() -> None:
     t = _thread
     if t is not None and t.is_alive():
         return
-    with _start_lock:
+    if not _start_lock.acquire(False):
+        return  # (being started: by another thread, or by this one in a frame below)
+    try:
         if _thread is None or not _thread.is_alive():
             t = threading.Thread(target=_run, name="sharedmem-retirer", daemon=True)
             t.start()  # (raises before anything is recorded: the caller's work stays valid)
             _thread = t
             log.debug("retirer thread started")
             RUNTIME.retirer_running = True
+    finally:
+        _start_lock.release()
 
 
 def _run() -> None:
@@ -78,7 +112,6 @@ def _run() -> None:
     # holds on the stream also sweep, see submission.sweep_long).
     seen = {}
     while not sys.is_finalizing():
-        _wake.clear()
         try:
             poll = False
             last, seen = seen, {}
@@ -117,21 +150,22 @@ def _run() -> None:
         last_submitted = submitted
         if poll:
             last_busy = now
+        bell = _bell
         if burst:
-            _wake.wait(BUSY_INTERVAL)
+            bell.sleep(BUSY_INTERVAL)
         elif poll or now - last_busy < LINGER:
-            _wake.wait(POLL_INTERVAL)
+            bell.sleep(POLL_INTERVAL)
         else:
             rt.retirer_idle = True  # submit() wakes us only while this is set
-            _wake.wait(IDLE_INTERVAL)
+            bell.sleep(IDLE_INTERVAL)
             rt.retirer_idle = False
 
 
 def _after_fork_child() -> None:
     # the parent's retirer thread does not exist here; the next submission starts one
-    global _thread, _wake
+    global _thread, _bell
     _thread = None
-    _wake = threading.Event()  # (its condition's lock may be held by a parent thread)
+    _bell = _Bell()  # (the parent's may be in any state)
 
 
 at_fork_child(_after_fork_child, 0)

@@ -502,6 +502,8 @@ def _sweep_locked(stream, record=True) -> list:
     if not pending:
         rt.active.discard(stream)
     rt.unfinished += len(out)
+    if out and rt.tracer is not None:
+        rt.tracer.retired(out)  # (under the lock, as submitted(): it guards the trace's state)
     return out
 
 
@@ -518,9 +520,6 @@ def finish(subs, hand_off=False) -> None:
 
 def _finish(subs, hand_off=False) -> None:
     last = None
-    tracer = RUNTIME.tracer
-    if tracer is not None:
-        tracer.retired(subs)
     for i in range(len(subs)):
         sub = subs[i]
         if sub.state == _RETIRED:

@@ -1,0 +1,133 @@
+"""A finalizer that ends a hold -- a view or DLPack capsule dropped in a garbage collection --
+files a lease on the hold's stream (runtime.submission.end_holds_locked). It must never wait
+for a lock its own thread holds: each case below starts a collection while the thread holds
+one of the locks that path used to take (the tracer's, the retirer's start lock), with only
+such a view or capsule in the garbage, and must finish. Each ran a deadlock before its fix.
+
+The probe: a gc callback that, at the start of the first collection begun while the lock is
+held inside the named function, wraps the victim in a fresh garbage cycle -- the collection
+then runs its finalizer there, as an unlucky allocation would (gc.set_threshold(1): every
+allocation under the lock is tried). Each case runs in its own interpreter, under a timeout,
+in both builds."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE = r'''
+import faulthandler, gc, os, sys, threading
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+import sharedmem as sm
+from sharedmem.runtime.state import RUNTIME
+
+def probe(held, where, victims):
+    """Plant ``victims.pop()`` in garbage once a collection starts while ``held()`` and the
+    stack has a frame of (file, function) ``where``."""
+    fired = []
+    def hook(phase, info):
+        if phase != "start" or fired or not victims or not held():
+            return
+        f = sys._getframe(1)
+        while f is not None and (os.path.basename(f.f_code.co_filename),
+                                 f.f_code.co_name) != where:
+            f = f.f_back
+        if f is None:
+            return
+        fired.append(1)
+        c = [victims.pop()]
+        c.append(c)  # a cycle: this collection frees it, and runs the victim's finalizer
+        del c
+    gc.callbacks.append(hook)
+    faulthandler.dump_traceback_later(30, exit=True)  # (a deadlock: stacks, then exit 1)
+    return fired
+'''
+
+_TRACE = _PROBE + r'''
+import tempfile
+
+@sm.host_kernel
+def inc(x):
+    x += 1
+
+dev = sm.Device.host()
+s = dev.create_stream()
+held = sm.Buffer.zeros(16, device=dev)
+sm.record_use(held, s)  # its token is a hold on s: its end files a submission (traced)
+victims = [held]
+del held
+
+def held():  # what retired() runs under: the core lock (held by the thread the collection
+    # starts on: it runs wherever a sweep does), or the tracer's own lock where it has one
+    lock = getattr(RUNTIME.tracer, "_lock", None)
+    return RUNTIME.owner == threading.get_ident() or (lock is not None and lock.locked())
+
+
+fired = probe(held, ("trace.py", "retired"), victims)
+with sm.trace(os.path.join(tempfile.mkdtemp(), "t.json")):
+    gc.set_threshold(1)
+    for i in range(300):
+        sm.launch(inc, 1, 1, sm.InOut(sm.Buffer.zeros(16, device=dev))).result()
+    gc.set_threshold(700)
+assert fired, "the probe never fired"
+sm.synchronize()
+print("ok")
+'''
+
+_START = _PROBE + r'''
+from _pytest.monkeypatch import MonkeyPatch
+import fake_cuda
+from sharedmem.runtime import retirer
+
+(dev,), drv = fake_cuda.install_fake_devices(MonkeyPatch(), hot=False)
+buf = sm.Buffer.empty(16, device=dev)  # no submission yet: the retirer is not running
+cap = buf.__dlpack__(stream=1)  # an export: a hold on the default stream
+assert not RUNTIME.retirer_running
+victims = [cap]
+del cap
+fired = probe(retirer._start_lock.locked, ("retirer.py", "ensure"), victims)
+gc.set_threshold(1)
+buf.fill_zero()  # the first submission starts the retirer; the capsule dies in there
+gc.set_threshold(700)
+assert fired, "the probe never fired"
+sm.synchronize()
+print("ok")
+'''
+
+
+@pytest.mark.parametrize("build", ["compiled", "interpreted"])
+@pytest.mark.parametrize("case", ["tracer", "retirer start lock"])
+def test_a_hold_ended_by_a_collection_under_a_lock_does_not_deadlock(case, build):
+    from sharedmem import config
+    if build == "compiled" and not config.compiled():
+        pytest.skip("the compiled core is not built here")
+    env = dict(os.environ)
+    env.pop("SHAREDMEM_PURE_PYTHON", None)
+    if build == "interpreted":
+        env["SHAREDMEM_PURE_PYTHON"] = "1"
+    script = ("ROOT = %r\n" % _ROOT) + (_TRACE if case == "tracer" else _START)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_the_retirer_bell():
+    """wake() before a sleep makes it return at once, once; a sleep unrung times out."""
+    import time
+
+    from sharedmem.runtime.retirer import _Bell
+    bell = _Bell()
+    t0 = time.monotonic()
+    bell.sleep(0.05)
+    assert time.monotonic() - t0 >= 0.04  # unrung: the timeout
+    bell.ring()
+    bell.ring()  # (rung twice: still one wake)
+    t0 = time.monotonic()
+    bell.sleep(5)
+    assert time.monotonic() - t0 < 1  # rung: at once
+    t0 = time.monotonic()
+    bell.sleep(0.05)
+    assert time.monotonic() - t0 >= 0.04  # the ring was used up
