@@ -45,7 +45,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from .access import AccessTracker
 from .errors import AliasError, MovedError, ReleasedError
-from .runtime.state import RUNTIME, fork_safe, locked
+from .runtime.state import RUNTIME, OwnedLock, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -389,7 +389,8 @@ class _Registry:
 
 
 _registry = _Registry()
-_create_lock = fork_safe(threading.Lock())  # serializes lookup_or_create; a leaf above _registry._lock
+# serializes lookup_or_create (a leaf above _registry._lock); its section builds an Allocation
+_create_lock = fork_safe(OwnedLock("the lookup or creation of an allocation"))
 
 
 def lookup_allocation(device, ptr, nbytes=1):

@@ -10,19 +10,18 @@ forces the choice.
 from __future__ import annotations
 
 import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 from .errors import BackendUnavailableError
-from .runtime.state import fork_safe
+from .runtime.state import OwnedLock, fork_safe
 
 __all__ = ["Device", "default_device"]
 
 if TYPE_CHECKING:
     from .stream import Stream
 
-_lock = fork_safe(threading.Lock())
-_devices: dict = {}  # key -> Device; guarded by _lock
+_lock = fork_safe(OwnedLock("the creation of a device"))
+_devices: dict = {}  # key -> Device; written under _lock, read lock-free (a dict get)
 
 
 class Device:
@@ -50,6 +49,9 @@ class Device:
             raise ValueError(f"Device(ordinal) takes a CUDA device number >= 0, got {ordinal!r}; "
                              f"use Device.host() for the host device")
         key = ("cuda", ordinal)
+        dev = _devices.get(key)  # (lock-free once made: a dict read)
+        if dev is not None:
+            return dev
         with _lock:
             dev = _devices.get(key)
             if dev is None:
@@ -64,6 +66,9 @@ class Device:
     def host(cls) -> "Device":
         """The host device: memory in host RAM, streams are worker threads."""
         key = ("host", -1)
+        dev = _devices.get(key)
+        if dev is not None:
+            return dev
         with _lock:
             dev = _devices.get(key)
             if dev is None:

@@ -98,9 +98,31 @@ print("ok")
 '''
 
 
+# A user's finalizer that calls sharedmem while this thread builds the host device (the
+# device lock's section allocates: it imports, makes a backend and its worker): a clear
+# SharedMemError in that finalizer, as the core lock gives, not a thread waiting for itself.
+_DEVICE = _PROBE + r'''
+from sharedmem import device as sm_device
+
+class Calls:
+    def __del__(self):
+        sm.Device.host()
+
+victims = [Calls()]
+fired = probe(sm_device._lock.locked, ("device.py", "host"), victims)
+gc.set_threshold(1)
+dev = sm.Device.host()  # the first: made under the lock
+gc.set_threshold(700)
+assert fired, "the probe never fired"
+print("ok")
+'''
+
+_CASES = {"tracer": _TRACE, "retirer start lock": _START, "device lock": _DEVICE}
+
+
 @pytest.mark.parametrize("build", ["compiled", "interpreted"])
-@pytest.mark.parametrize("case", ["tracer", "retirer start lock"])
-def test_a_hold_ended_by_a_collection_under_a_lock_does_not_deadlock(case, build):
+@pytest.mark.parametrize("case", list(_CASES))
+def test_a_finalizer_run_by_a_collection_under_a_lock_does_not_deadlock(case, build):
     from sharedmem import config
     if build == "compiled" and not config.compiled():
         pytest.skip("the compiled core is not built here")
@@ -108,10 +130,14 @@ def test_a_hold_ended_by_a_collection_under_a_lock_does_not_deadlock(case, build
     env.pop("SHAREDMEM_PURE_PYTHON", None)
     if build == "interpreted":
         env["SHAREDMEM_PURE_PYTHON"] = "1"
-    script = ("ROOT = %r\n" % _ROOT) + (_TRACE if case == "tracer" else _START)
+    script = ("ROOT = %r\n" % _ROOT) + _CASES[case]
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        timeout=120, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+    if case == "device lock":
+        assert ("SharedMemError: sharedmem was called from a finalizer (__del__ or a weakref "
+                "callback) that interrupted the creation of a device on the same thread"
+                in r.stderr), r.stderr
 
 
 def test_the_retirer_bell():

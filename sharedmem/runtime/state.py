@@ -252,6 +252,42 @@ def at_fork_child(fn, order: int) -> None:
     _child_hooks.sort(key=lambda h: h[0])
 
 
+class OwnedLock:
+    """A leaf lock that knows which thread holds it (``with lock:``): taken again by that
+    thread -- a finalizer, run by a collection inside the locked section, that calls
+    sharedmem -- it raises SharedMemError instead of waiting for itself forever, as the core
+    lock does. For leaf locks whose sections allocate (they build devices, allocations)."""
+
+    __slots__ = ("_lock", "owner", "what")
+
+    def __init__(self, what: str):
+        self._lock = threading.Lock()
+        self.owner = 0
+        self.what = what
+
+    def __enter__(self):
+        me = _get_ident()
+        if self.owner == me:
+            raise SharedMemError(
+                f"sharedmem was called from a finalizer (__del__ or a weakref callback) that "
+                f"interrupted {self.what} on the same thread; that call would deadlock. Do "
+                f"the work later (queue it for another thread).")
+        self._lock.acquire()
+        self.owner = me
+        return self
+
+    def __exit__(self, *exc):
+        self.owner = 0
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def _at_fork_reinit(self) -> None:
+        self._lock._at_fork_reinit()
+        self.owner = 0
+
+
 def fork_safe(lock):
     """Register a leaf ``threading.Lock`` to be re-initialized in a forked child; returns it."""
     _leaf_locks.append(lock)
