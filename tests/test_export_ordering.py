@@ -356,3 +356,46 @@ def test_an_export_runs_no_callback_of_other_work(monkeypatch):
     finally:
         sm.synchronize()
         _unpark(monkeypatch)
+
+
+def test_a_failing_tracer_loses_no_retired_work(monkeypatch):
+    """The tracer is told of retired work under the core lock, inside the sweep: an error
+    there (an NVTX call failing) is re-raised at a later call, and the sweep's list still
+    reaches finish() -- else what it kept stayed kept and every settle() (a move) waited out
+    its timeout for it."""
+    import types
+    from sharedmem.runtime import submission
+    fake = types.ModuleType("nvtx")
+    calls = [0]
+
+    def end_range(r):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("nvtx end_range failed")
+    fake.start_range = lambda message=None, domain=None: object()
+    fake.end_range = end_range
+    monkeypatch.setitem(sys.modules, "nvtx", fake)
+
+    @sm.host_kernel
+    def inc(x):
+        x += 1
+
+    dev = sm.Device.host()
+    buf = sm.Buffer.zeros(16, device=dev)
+    raised = []
+    with sm.trace(nvtx=True):
+        for _ in range(3):
+            try:
+                sm.launch(inc, 1, 1, sm.InOut(buf)).result()
+            except RuntimeError as e:
+                raised.append(str(e))
+        try:
+            sm.synchronize()
+        except RuntimeError as e:
+            raised.append(str(e))
+    assert raised == ["nvtx end_range failed"]
+    assert RUNTIME.unfinished == 0
+    import time
+    t0 = time.monotonic()
+    submission.settle()
+    assert time.monotonic() - t0 < 0.5

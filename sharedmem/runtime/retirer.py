@@ -127,20 +127,22 @@ def _run() -> None:
                     poll = True  # (still pending work: keep polling)
             last = None
             if todo:
-                with locked():
-                    done = []
-                    for s in todo:
-                        done.extend(_sub._sweep_locked(s))
-                        # (after its own sweep: what it retired is not taken for the
-                        # submitters' progress at the next pass)
-                        seen[s] = (s._seq, s._done)
-                    for s in rt.active:
-                        if s.device.backend.needs_polling:
-                            poll = True
-                            break
-                todo = None
-                if done:
-                    _sub.finish(done)
+                done = []
+                try:
+                    with locked():
+                        for s in todo:
+                            done.extend(_sub._sweep_locked(s))
+                            # (after its own sweep: what it retired is not taken for the
+                            # submitters' progress at the next pass)
+                            seen[s] = (s._seq, s._done)
+                        for s in rt.active:
+                            if s.device.backend.needs_polling:
+                                poll = True
+                                break
+                finally:  # (what the streams before a failing one gave is finished too)
+                    todo = None
+                    if done:
+                        _sub.finish(done)
                     done = None
         except BaseException as e:  # re-raised in a user thread
             rt.errors.append(e)

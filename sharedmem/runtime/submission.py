@@ -503,7 +503,12 @@ def _sweep_locked(stream, record=True) -> list:
         rt.active.discard(stream)
     rt.unfinished += len(out)
     if out and rt.tracer is not None:
-        rt.tracer.retired(out)  # (under the lock, as submitted(): it guards the trace's state)
+        # (under the lock, as submitted(): it guards the trace's state). Never raising: the
+        # list must reach finish(), or what it keeps stays kept and settle() waits for it
+        try:
+            rt.tracer.retired(out)
+        except Exception as e:  # (an NVTX call failing): re-raised at the next API call
+            rt.errors.append(e)
     return out
 
 
@@ -591,12 +596,14 @@ RUNTIME.sweep_long = sweep_long
 
 def sweep_all() -> None:
     """Retire what has finished on every stream with work in flight."""
-    with locked():
-        done = []
-        for s in list(RUNTIME.active):
-            done.extend(_sweep_locked(s))
-    if done:
-        finish(done)
+    done = []
+    try:
+        with locked():
+            for s in list(RUNTIME.active):
+                done.extend(_sweep_locked(s))
+    finally:  # (what the streams before a failing one gave must still be finished)
+        if done:
+            finish(done)
 
 
 def add_callback(sub, cb) -> None:
