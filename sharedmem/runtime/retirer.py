@@ -159,8 +159,18 @@ def _run() -> None:
             bell.sleep(POLL_INTERVAL)
         else:
             rt.retirer_idle = True  # submit() wakes us only while this is set
-            bell.sleep(IDLE_INTERVAL)
+            # (looked at again once it is set: a stream to poll that became active after this
+            # pass saw it unset and did not ring -- its work would wait the idle interval)
+            if not _polled_active(rt):
+                bell.sleep(IDLE_INTERVAL)
             rt.retirer_idle = False
+
+
+def _polled_active(rt) -> bool:
+    for s in list(rt.active):  # (read without the lock, as above)
+        if s.device.backend.needs_polling:
+            return True
+    return False
 
 
 def _after_fork_child() -> None:
