@@ -136,7 +136,7 @@ def test_cupy_op_and_cutile_op_compose(gpu, vadd):
 
 def test_first_launch_compiles_outside_the_core_lock(gpu):
     """cuTile compiles a kernel on its first launch with a signature (seconds): sharedmem
-    warms it up in a discarded capture before taking the core lock, so another thread's
+    warms it up (a launch of an empty grid) before taking the core lock, so another thread's
     sharedmem calls go on meanwhile -- and the kernel still runs exactly once."""
     if importlib.util.find_spec("cuda.tile") is None:
         pytest.skip("cuda.tile is not installed")
