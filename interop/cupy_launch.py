@@ -22,6 +22,7 @@ from sharedmem.allocation import View, ViewToken, import_allocation
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import KernelPlan, LaunchArg, check_dims, check_shared_mem
+from sharedmem.runtime.state import fork_safe
 
 try:
     import cython
@@ -566,7 +567,7 @@ def plan_kernel(adapter, kernel, device):
 
 _by_function = {}  # (CUfunction, device key) -> RawKernelPlan; guarded by _sig_lock
 _SIG_CACHE_MAX = 1024  # kernels remembered (each plan keeps its kernel alive)
-_sig_lock = threading.Lock()
+_sig_lock = fork_safe(threading.Lock())
 
 
 class ArrayFacts:

@@ -45,7 +45,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from .access import AccessTracker
 from .errors import AliasError, MovedError, ReleasedError
-from .runtime.state import RUNTIME, OwnedLock, fork_safe, locked
+from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -389,6 +389,9 @@ class _Registry:
 
 
 _registry = _Registry()
+# Held across a fork (after the core lock): a thread of the parent between the sorted keys'
+# insort and the dict's store would leave the child a registry whose lookups fail
+at_fork_hold(_registry._lock.acquire, _registry._lock.release)
 # serializes lookup_or_create (a leaf above _registry._lock); its section builds an Allocation
 _create_lock = fork_safe(OwnedLock("the lookup or creation of an allocation"))
 

@@ -242,6 +242,35 @@ fork_only = pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no
 
 @fork_only
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_fork_waits_for_the_allocation_registry(host):
+    """The registry's lock is held across a fork: a thread of the parent in the middle of an
+    update (here: holding the lock) finishes it first, so the child's registry is whole."""
+    import time
+
+    from sharedmem.allocation import _registry
+    b = sm.Buffer.zeros(8, "float32", device=host)
+    held, go = threading.Event(), threading.Event()
+
+    def updating():
+        _registry._lock.acquire()
+        held.set()
+        go.wait(5)
+        time.sleep(0.3)
+        _registry._lock.release()
+    t = threading.Thread(target=updating)
+    t.start()
+    held.wait(5)
+    go.set()
+    t0 = time.monotonic()
+    out = _in_child(lambda: (_registry.lookup(host, b.allocation.ptr, 4) is b.allocation,
+                             float(sm.Buffer.zeros(4, "float32", device=host).to_host().sum())))
+    waited = time.monotonic() - t0
+    t.join(5)
+    assert out == str((True, 0.0)) and waited >= 0.2, (out, waited)
+
+
+@fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
 def test_a_forked_child_runs_host_work_and_fails_work_cut_by_the_fork(host):
     s = host.create_stream()
     gate = threading.Event()
