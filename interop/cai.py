@@ -19,7 +19,6 @@ on the device (an event recorded on it), never a host synchronize.
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
@@ -31,7 +30,7 @@ except ImportError:  # interpreted, without Cython installed
 from sharedmem.allocation import View, import_allocation
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
-from sharedmem.runtime.state import fork_safe
+from sharedmem.runtime.state import OwnedLock, fork_safe
 from sharedmem.runtime.submission import order_consumer
 from sharedmem.stream import resolve_stream
 from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
@@ -42,7 +41,8 @@ from interop.streams import current_streams
 __all__ = ["cai_layout", "export_cai", "from_cuda_array_interface"]
 
 _export_streams: dict = {}  # device key -> CudaStreamImpl; guarded by _lock
-_lock = fork_safe(threading.Lock())  # (a fork while another thread held it: new in the child)
+# (its section makes a stream on first use: a finalizer re-entering gets SharedMemError)
+_lock = fork_safe(OwnedLock("the creation of a CAI export stream"))
 
 
 def _export_stream(dev):

@@ -13,7 +13,6 @@ import ctypes
 import re
 import struct
 import sys
-import threading
 import weakref
 
 import numpy as np
@@ -22,7 +21,7 @@ from sharedmem.allocation import View, ViewToken, import_allocation
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import KernelPlan, LaunchArg, check_dims, check_shared_mem
-from sharedmem.runtime.state import fork_safe
+from sharedmem.runtime.state import OwnedLock, fork_safe
 
 try:
     import cython
@@ -567,7 +566,8 @@ def plan_kernel(adapter, kernel, device):
 
 _by_function = {}  # (CUfunction, device key) -> RawKernelPlan; guarded by _sig_lock
 _SIG_CACHE_MAX = 1024  # kernels remembered (each plan keeps its kernel alive)
-_sig_lock = fork_safe(threading.Lock())
+# (a full cache is cleared under it, and dropped plans may run finalizers that launch)
+_sig_lock = fork_safe(OwnedLock("the CuPy kernel plan cache"))
 
 
 class ArrayFacts:

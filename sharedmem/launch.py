@@ -21,7 +21,6 @@ same as reused views), packs them, and runs :func:`~sharedmem.runtime.submission
 from __future__ import annotations
 
 import importlib
-import threading
 from functools import partial
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
@@ -38,7 +37,7 @@ from .buffer import DeviceBox
 from .device import Device
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
-from .runtime.state import fork_safe
+from .runtime.state import OwnedLock, fork_safe
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, current_stream, streams_entered
 
@@ -267,7 +266,8 @@ _adapters = {}  # type -> KernelAdapter; written under _reg_lock, read lock-free
 # "module.QualName" -> KernelAdapter: lets interop modules register a library's kernel
 # type without importing that library. Written under _reg_lock.
 _adapters_by_name = {}
-_reg_lock = fork_safe(threading.Lock())
+# (clearing the plan caches under it may run kernels' finalizers, which may launch)
+_reg_lock = fork_safe(OwnedLock("the kernel adapter registry"))
 # Modules that register adapters, imported on first sight of a kernel whose type lives in the
 # keyed package: adapters register by name, and sharedmem never imports interop at module level.
 _LAZY = {"cupy": "interop.cupy", "cuda": "interop.cutile"}

@@ -27,7 +27,7 @@ from .launch import Intent, _as_view, adapter_for, launch_submission
 from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
-from .runtime.state import fork_safe
+from .runtime.state import OwnedLock, fork_safe
 from .stream import Stream
 
 __all__ = ["DeviceOp", "op", "zip"]
@@ -45,7 +45,7 @@ _C = TypeVar("_C")
 POOL_SIZE = 4
 _pools: dict = {}  # device key -> list of Streams; guarded by _pool_lock
 _pool_next: dict = {}  # device key -> next index; guarded by _pool_lock
-_pool_lock = fork_safe(threading.Lock())
+_pool_lock = fork_safe(OwnedLock("the creation of a device's stream pool"))
 
 
 def pool_stream(device, avoid=None) -> Stream:
