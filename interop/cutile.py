@@ -333,6 +333,7 @@ class TilePlan(KernelPlan):
             if len(warmed) >= WARM_MAX:
                 return True
             ev = threading.Event()
+            ev.compiler = threading.get_ident()
             if warmed.setdefault(key, ev) is ev:  # (else another thread's, just put there)
                 try:
                     self._compile(call_args)
@@ -340,6 +341,8 @@ class TilePlan(KernelPlan):
                     ev.set()
                 return True
             ev = warmed[key]
+        if not ev.is_set() and ev.compiler == threading.get_ident():
+            return True  # (this thread compiles it, frames below: a finalizer's launch; no wait)
         ev.wait()
         return True
 

@@ -238,3 +238,24 @@ def test_no_capture_is_open_while_the_kernel_compiles(fake, tile):
     mod.compile_hook = lambda kernel: open_during_compile.append(dict(drv.capturing))
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 2, stream=s).result()
     assert open_during_compile == [{}], open_during_compile
+
+
+def test_a_launch_from_inside_the_compile_does_not_wait_for_itself(fake, tile):
+    """A launch of the same new signature on the thread that is compiling it (a finalizer run
+    by a collection during the compile) goes on -- it compiles itself, as without the warm-up
+    -- instead of waiting for its own compile forever."""
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    inner = []
+
+    def hook(kernel):
+        if not inner:
+            inner.append(1)
+            sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 7, stream=s).result()
+            inner.append(2)
+    mod.compile_hook = hook
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 7, stream=s).result()
+    assert inner == [1, 2]
+    mod.compile_hook = None
