@@ -60,6 +60,8 @@ cdef class ArrayFacts:
     cdef public ViewToken token
     cdef public Py_ssize_t offset
 
+cdef inline object _id(object obj)
+
 @cython.locals(f=ArrayFacts, facts=dict)
 cpdef ArrayFacts array_facts(arr)
 

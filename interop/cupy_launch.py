@@ -594,10 +594,17 @@ def _forget(key, ref):
         del _facts[key]
 
 
+def _id(obj):
+    """``id(obj)``; compiled, the address itself (the builtin's call is most of a lookup)."""
+    if cython.compiled:
+        return cython.cast(cython.size_t, cython.cast(cython.p_void, obj))
+    return id(obj)
+
+
 def array_facts(arr):
     """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
     facts = _facts  # (a typed local: a C dict lookup)
-    f = facts.get(id(arr))
+    f = facts.get(_id(arr) if cython.compiled else id(arr))
     if f is not None and f.ref() is arr:
         return f
     return _learn(arr)
