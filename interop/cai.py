@@ -19,7 +19,6 @@ on the device (an event recorded on it), never a host synchronize.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 try:

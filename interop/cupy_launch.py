@@ -604,7 +604,7 @@ def _id(obj):
 def array_facts(arr):
     """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
     facts = _facts  # (a typed local: a C dict lookup)
-    f = facts.get(_id(arr) if cython.compiled else id(arr))
+    f = facts.get(_id(arr) if cython.compiled else id(arr))  # (interpreted: no call to _id)
     if f is not None and f.ref() is arr:
         return f
     return _learn(arr)

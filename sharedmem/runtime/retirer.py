@@ -135,10 +135,8 @@ def _run() -> None:
                             # (after its own sweep: what it retired is not taken for the
                             # submitters' progress at the next pass)
                             seen[s] = (s._seq, s._done)
-                        for s in rt.active:
-                            if s.device.backend.needs_polling:
-                                poll = True
-                                break
+                        if _polled_active(rt):
+                            poll = True
                 finally:  # (what the streams before a failing one gave is finished too)
                     todo = None
                     if done:
@@ -167,7 +165,9 @@ def _run() -> None:
 
 
 def _polled_active(rt) -> bool:
-    for s in list(rt.active):  # (read without the lock, as above)
+    """Whether an active stream's backend must be polled (a copy of the set is walked: it is
+    also read without the lock)."""
+    for s in list(rt.active):
         if s.device.backend.needs_polling:
             return True
     return False

@@ -52,9 +52,8 @@ class Runtime:
     __slots__ = ("lock", "_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
-                 "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "sweep_long", "policy",
-                 "pid",
-                 "tracer", "captures",
+                 "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "sweep_long",
+                 "policy", "pid", "tracer", "captures",
                  "__weakref__")
 
     def __init__(self):
