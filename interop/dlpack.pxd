@@ -10,6 +10,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
 from cpython.ref cimport PyObject
 from sharedmem.allocation cimport Allocation, View, ViewToken
+from sharedmem.runtime.submission cimport order_consumer
 
 cdef extern from "Python.h":
     # (PyObject* forms: the capsule being destroyed has no references left to take)
@@ -17,17 +18,22 @@ cdef extern from "Python.h":
     void* _capsule_pointer "PyCapsule_GetPointer" (PyObject* o, const char* name)
 
 
-cdef object _end_export_fn  # dlpack.py's _delete (set there, after its definition)
+cdef class _Export:
+    cdef public object managed
+    cdef public ViewToken token
+
+@cython.locals(exports=dict, ex=_Export)
+cpdef _delete(addr)
 
 
 cdef inline void _end_export(size_t addr) noexcept:
-    # called with the GIL held; the pending exception is set aside around the Python call
+    # called with the GIL held; the pending exception is set aside around the call
     cdef PyObject* et
     cdef PyObject* ev
     cdef PyObject* tb
     PyErr_Fetch(&et, &ev, &tb)
     try:
-        _end_export_fn(addr)
+        _delete(addr)
     except BaseException:  # (never raise out of a destructor; nothing else to report to)
         pass
     PyErr_Restore(et, ev, tb)
@@ -148,12 +154,8 @@ cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
 
 
-@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken)
+@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken, where=tuple)
 cpdef _make_capsule(View view, ViewToken tok, bint versioned, int flags, consumers)
-
-cdef class _Export:
-    cdef public object managed
-    cdef public ViewToken token
 
 @cython.locals(ex=_Export, exports=dict)
 cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id, int code,
@@ -162,6 +164,10 @@ cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id
 @cython.locals(tok=ViewToken)
 cpdef export_positional(View view, stream, max_version, dl_device, copy)
 
+@cython.locals(f=tuple, facts=dict)
+cdef tuple _facts_of(dev)
+
+@cython.locals(facts=tuple)
 cpdef list _consumer_wait(ViewToken tok, stream)
 
 @cython.locals(exports=dict, ex=_Export)

@@ -170,8 +170,6 @@ def _delete(addr) -> None:
         ex.token.release()
 
 
-_end_export_fn = _delete  # (what the compiled entry points of dlpack.pxd call)
-
 
 # The C entry points: the deleter consumers call and the capsule's destructor. Both may be
 # called with an exception set (a consumer dropping a capsule on its error path), which must
@@ -235,11 +233,30 @@ _deleter = _DELETER(_delete_from_c)  # lives as long as the module: consumers ca
 _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 
 
+# Device -> what an export reads of it: (whether it is the host, its default Stream (None for
+# the host), its backend's wait_on_handle, its DLPack (type, id)). A Device's never change:
+# one dict read instead of a property call and four attribute lookups on every export.
+# Lock-free: a racing thread stores an equal tuple.
+_device_facts: dict = {}
+
+
+def _facts_of(dev) -> tuple:
+    facts = _device_facts  # (a typed local: a C dict lookup)
+    f = facts.get(dev)
+    if f is None:
+        host = dev.kind == "host"
+        f = (host, None if host else dev.default_stream,
+             getattr(dev.backend, "wait_on_handle", None), dev.dlpack_device)
+        facts[dev] = f
+    return f
+
+
 def _consumer_wait(tok, stream) -> list:
     """Order the consumer's stream after our pending work (see module docstring); returns
     the export's consumers, ``(Stream, writes)`` pairs for its hold."""
     dev = tok.allocation.device
-    if dev.kind == "host":
+    facts = _facts_of(dev)
+    if facts[0]:  # the host device
         if stream is not None:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
         # the consumer is the CPU itself and reads at once: wait for our work here
@@ -265,9 +282,8 @@ def _consumer_wait(tok, stream) -> list:
     # previous export's hold). Not for 2: the per-thread default streams of two threads do
     # not order each other -- only each of them with the legacy stream -- so a consumer on
     # one thread's waits for what another thread's consumer was given.
-    consumer = dev.default_stream if stream == 1 or stream == 2 else consumer_stream(dev, stream)
-    order_consumer(tok, dev.backend.wait_on_handle, False, consumer if stream != 2 else None,
-                   stream)
+    consumer = facts[1] if stream == 1 or stream == 2 else consumer_stream(dev, stream)
+    order_consumer(tok, facts[2], False, consumer if stream != 2 else None, stream)
     return [(consumer, tok.writable)]
 
 
@@ -284,7 +300,7 @@ def export_positional(view, stream, max_version, dl_device, copy):
     """:func:`export` with positional arguments (what ``View.__dlpack__`` calls: a call
     without keywords is cheaper)."""
     tok = view._live_token()
-    ours = tok.allocation.device.dlpack_device
+    ours = _facts_of(tok.allocation.device)[3]
     if dl_device is not None:
         dl_device = (int(dl_device[0]), int(dl_device[1]))
     if copy is True or (dl_device is not None and dl_device != ours):
@@ -325,7 +341,7 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
         d = _dl_dtype(dt)
         code_bits = cache[dt] = (d.code, d.bits)
     alloc = tok.allocation
-    where = alloc.device.dlpack_device
+    where = _facts_of(alloc.device)[3]
     shape, strides = view.shape, view.strides
     export_tok = alloc.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep,
                                  view, consumers)

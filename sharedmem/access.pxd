@@ -46,7 +46,7 @@ cdef class AccessTracker:
                         long long seq, marker)
 
     @cython.locals(use=StreamUse, h=Hold)
-    cpdef add_hold_locked(self, stream, tok, bint writes)
+    cpdef add_hold_locked(self, stream, tok, Py_ssize_t lo, Py_ssize_t hi, bint writes)
 
     @cython.locals(use=StreamUse, s=Stream)
     cpdef drop_hold_locked(self, Stream stream, tok)

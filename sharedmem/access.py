@@ -288,16 +288,17 @@ class AccessTracker:
                 return
         _add_range(entries, lo, hi, seq, marker, done)
 
-    def add_hold_locked(self, stream, tok, writes) -> None:
-        """Open a hold of ``tok``'s bytes for work on ``stream`` (see ``StreamUse.holds``)."""
-        if tok.start >= tok.stop:
+    def add_hold_locked(self, stream, tok, lo, hi, writes) -> None:
+        """Open a hold of ``tok``, bytes ``[lo, hi)`` (its range), for work on ``stream`` (see
+        ``StreamUse.holds``)."""
+        if lo >= hi:
             return
         use = self._use_of(stream)
         for h in use.holds:
             if h.token is tok:
                 h.writes = h.writes or writes
                 return
-        use.holds.append(_hold(tok.start, tok.stop, writes, tok))
+        use.holds.append(_hold(lo, hi, writes, tok))
 
     def drop_hold_locked(self, stream, tok) -> None:
         """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""

@@ -1,7 +1,7 @@
 # Declarations for the compiled build of allocation.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.access cimport AccessTracker
-from sharedmem.runtime.state cimport Runtime
+from sharedmem.runtime.state cimport Hooks, Runtime
 
 cdef class Allocation
 
@@ -66,7 +66,11 @@ cpdef _release_locked(ViewToken tok)
 @cython.locals(rt=Runtime)
 cpdef ViewToken _add_locked(ViewToken tok)
 
+@cython.locals(cons=list, c=tuple, i=Py_ssize_t)
 cpdef add_consumer_locked(ViewToken tok, stream, bint writes)
+
+@cython.locals(hooks=Hooks, c=tuple)
+cdef _sweep_consumers(consumers)
 
 @cython.locals(modules=dict)
 cpdef _module(str name)

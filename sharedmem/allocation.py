@@ -117,7 +117,13 @@ class ViewToken:
         """Release this token; idempotent, never blocks (see ``runtime.state``)."""
         if self.live:
             rt = RUNTIME
-            rt.run_or_stage(_release_locked, self)
+            if rt.try_enter():  # (Runtime.run_or_stage, with _release_locked a direct call)
+                try:
+                    _release_locked(self)
+                finally:
+                    rt.release()
+            else:
+                rt.staged.append((_release_locked, self))
 
 
 def _init_token(self, allocation, kind, start, stop, writable, keep, origin) -> None:
@@ -150,7 +156,7 @@ def _release_locked(tok) -> None:
         del tok.allocation._views[id(tok)]
         rt.live_views -= 1
         if tok.consumers is not None:  # a hold ends: stream-ordered, never at once
-            rt.end_holds(tok)
+            rt.hooks.end_holds(tok)
         tok.keep = None
 
 
@@ -168,22 +174,23 @@ def add_consumer_locked(tok, stream, writes) -> None:
     cons = tok.consumers
     if cons is None:
         cons = tok.consumers = []
-    for i, (s, w) in enumerate(cons):
-        if s is stream:
-            if writes and not w:
-                cons[i] = (s, True)
-                tok.allocation.tracker.add_hold_locked(stream, tok, True)
+    for i in range(len(cons)):
+        c = cons[i]
+        if c[0] is stream:
+            if writes and not c[1]:
+                cons[i] = (stream, True)
+                tok.allocation.tracker.add_hold_locked(stream, tok, tok.start, tok.stop, True)
             return
     cons.append((stream, writes))
-    tok.allocation.tracker.add_hold_locked(stream, tok, writes)
+    tok.allocation.tracker.add_hold_locked(stream, tok, tok.start, tok.stop, writes)
 
 
 def _sweep_consumers(consumers) -> None:
     """After a hold is made (outside core_lock): its end will file a lease on each consumer's
     stream, which only a sweep retires (runtime.submission.sweep_long; never raises)."""
-    rt = RUNTIME
+    hooks = RUNTIME.hooks
     for c in consumers:
-        rt.sweep_long(c[0])
+        hooks.sweep_long(c[0])
 
 
 class Allocation:

@@ -3,6 +3,10 @@ from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock,
                                PyThread_allocate_lock, PyThread_acquire_lock,
                                PyThread_release_lock, WAIT_LOCK, NOWAIT_LOCK)
 
+cdef class Hooks:
+    cpdef end_holds(self, tok)
+    cpdef sweep_long(self, stream)
+
 cdef class Runtime:
     cdef readonly object lock, _acquire, _release
     cdef PyThread_type_lock _plock
@@ -14,7 +18,8 @@ cdef class Runtime:
     cdef public long long unfinished, live_views
     cdef readonly object warnings, errors
     cdef public bint retirer_running, retirer_idle
-    cdef public object ensure_retirer, wake_retirer, end_holds, sweep_long, tracer
+    cdef public object ensure_retirer, wake_retirer, tracer
+    cdef public Hooks hooks
     cdef public str policy
     cdef public long pid
     cdef public long captures
@@ -23,6 +28,7 @@ cdef class Runtime:
     cpdef acquire(self)
     cpdef release(self)
     cpdef drain_staged(self)
+    cpdef bint try_enter(self) except -1
     cpdef run_or_stage(self, fn, arg)
     cdef bint _try_acquire(self)
     cpdef _new_lock(self)

@@ -35,7 +35,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..errors import SharedMemError
 
-__all__ = ["Runtime", "RUNTIME", "locked", "run_or_stage", "fork_safe", "at_fork_child", "at_fork_hold",
+__all__ = ["Runtime", "Hooks", "RUNTIME", "locked", "run_or_stage", "fork_safe", "at_fork_child", "at_fork_hold",
            "log"]
 
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
@@ -52,8 +52,7 @@ class Runtime:
     __slots__ = ("lock", "_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
-                 "retirer_idle", "ensure_retirer", "wake_retirer", "end_holds", "sweep_long",
-                 "policy", "pid", "tracer", "captures",
+                 "retirer_idle", "ensure_retirer", "wake_retirer", "hooks", "policy", "pid", "tracer", "captures",
                  "__weakref__")
 
     def __init__(self):
@@ -83,8 +82,7 @@ class Runtime:
         self.retirer_idle = False
         self.ensure_retirer = _nothing  # installed by runtime.retirer
         self.wake_retirer = _nothing
-        self.end_holds = None  # installed by runtime.submission: ends a released hold's lease
-        self.sweep_long = None  # installed by runtime.submission: a new hold's consumer sweep
+        self.hooks = Hooks()  # runtime.submission installs its own (see Hooks)
         self.policy = "order"  # the process-wide cross-stream policy (access.set_access_policy)
         self.pid = os.getpid()
         self.tracer = None  # the active sharedmem.trace recorder, or None (see sharedmem.trace)
@@ -146,20 +144,49 @@ class Runtime:
             fn, arg = staged.popleft()
             fn(arg)
 
+    def try_enter(self) -> bool:
+        """Take the lock if it is free now (never waits) and apply staged releases; True if
+        taken (the caller then releases it). Safe from destructors, from any thread, and from
+        inside a critical section of the same thread (there it is busy: False)."""
+        if not self._try_acquire():
+            return False
+        self.owner = _thread_ident()
+        if self.staged:
+            try:
+                self.drain_staged()
+            except BaseException:
+                self.release()
+                raise
+        return True
+
     def run_or_stage(self, fn, arg) -> None:
         """Run ``fn(arg)`` under the lock if it is free now, else stage it (lock-free).
-        Never blocks; safe from destructors, from any thread, and from inside a critical
-        section of the same thread."""
-        if self._try_acquire():
-            self.owner = _thread_ident()
+        Never blocks; safe wherever :meth:`try_enter` is."""
+        if self.try_enter():
             try:
-                if self.staged:
-                    self.drain_staged()
                 fn(arg)
             finally:
                 self.release()
         else:
             self.staged.append((fn, arg))
+
+
+class Hooks:
+    """What the layers below runtime.submission (allocation tokens) call in it, which they
+    cannot import: runtime.submission sets ``RUNTIME.hooks`` to its subclass. Compiled, a call
+    is a C virtual call, not a Python one (it is on every DLPack export and release)."""
+
+    __slots__ = ()
+
+    def end_holds(self, tok) -> None:  # pragma: no cover - overridden
+        """A hold ``tok`` was released: lease its bytes on its consumers' streams until they
+        pass this point (submission.end_holds_locked). Caller holds the core lock."""
+        raise NotImplementedError("sharedmem.runtime.submission is not imported")
+
+    def sweep_long(self, stream) -> None:  # pragma: no cover - overridden
+        """A new hold's consumer stream: sweep it if its leases piled up
+        (submission.sweep_long). Caller does not hold the core lock."""
+        raise NotImplementedError("sharedmem.runtime.submission is not imported")
 
 
 #: Streams this thread is capturing on (runtime.graph keeps the list), innermost last.

@@ -2,7 +2,7 @@
 cimport cython
 from sharedmem.access cimport AccessTracker
 from sharedmem.allocation cimport ViewToken
-from sharedmem.runtime.state cimport Runtime
+from sharedmem.runtime.state cimport Hooks, Runtime
 from sharedmem.stream cimport Stream
 
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
@@ -58,10 +58,17 @@ cpdef list _sweep_locked(Stream stream, bint record=*)
 @cython.locals(i=Py_ssize_t, sub=Submission, last=object)
 cpdef _finish(list subs, bint hand_off=*)
 
-@cython.locals(consumers=list, tracker=AccessTracker, c=tuple)
+@cython.locals(consumers=list, tracker=AccessTracker, c=tuple, stream=Stream)
 cpdef end_holds_locked(ViewToken tok)
 
 cpdef joined_marker_locked(Stream stream)
+
+cdef class _Hooks(Hooks):
+    cpdef end_holds(self, tok)
+    cpdef sweep_long(self, stream)
+
+@cython.locals(done=list)
+cpdef sweep_long(Stream stream)
 
 @cython.locals(rt=Runtime, tracker=AccessTracker, markers=list, c=tuple)
 cpdef int order_consumer(ViewToken tok, wait, bint blocking=*, stream=*, handle=*) except? -1

@@ -38,7 +38,7 @@ from ..access import HOLD_SEQ, check_policy
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError
 from . import callbacks as _callbacks
-from .state import CAPTURING, RUNTIME, locked, log, warn_user
+from .state import CAPTURING, RUNTIME, Hooks, locked, log, warn_user
 
 #: Submission states (Submission.state).
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
@@ -367,7 +367,7 @@ def end_holds_locked(tok) -> None:
     tok.consumers = None
     tracker = tok.allocation.tracker
     for c in consumers:
-        stream = c[0]
+        stream = c[0]  # (a typed local: its fields are C reads)
         tracker.drop_hold_locked(stream, tok)
         if tok.start >= tok.stop:
             continue
@@ -400,8 +400,6 @@ def joined_marker_locked(stream):
     except Exception as e:
         raise _unrecordable(stream, e) from e
 
-
-RUNTIME.end_holds = end_holds_locked
 
 
 # -- retirement ------------------------------------------------------------------------------
@@ -591,7 +589,19 @@ def sweep_long(stream) -> None:
         RUNTIME.errors.append(e)
 
 
-RUNTIME.sweep_long = sweep_long
+class _Hooks(Hooks):
+    """``RUNTIME.hooks``: what allocation tokens call here (see runtime.state.Hooks)."""
+
+    __slots__ = ()
+
+    def end_holds(self, tok) -> None:
+        end_holds_locked(tok)
+
+    def sweep_long(self, stream) -> None:
+        sweep_long(stream)
+
+
+RUNTIME.hooks = _Hooks()
 
 
 def sweep_all() -> None:
