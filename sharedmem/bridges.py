@@ -147,7 +147,7 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
     lease = ViewToken(alloc, "declared use", lo, hi, True, keep)  # never live: a lease's range
     with locked():
         marker = fresh_marker_locked(stream, pooled=True)
-        lease_locked(stream, [(lease, bool(writes))], [keep], f"use declared on {stream}",
+        lease_locked(stream, ((lease, bool(writes)),), keep, f"use declared on {stream}",
                      marker)
         for tok in alloc.live_tokens_locked(lo, hi):
             add_consumer_locked(tok, stream, bool(writes))

@@ -44,7 +44,7 @@ cdef object _conflicts_locked(AccessTracker tracker, Stream stream, ViewToken to
 
 @cython.locals(rt=Runtime, seq=cython.longlong, tok=ViewToken, sub=Submission, i=Py_ssize_t,
                u=tuple)
-cpdef Submission lease_locked(Stream stream, list uses, keep, label, marker)
+cpdef Submission lease_locked(Stream stream, tuple uses, keep, label, marker)
 
 @cython.locals(sub=Submission)
 cpdef Submission new_submission(stream, long long seq, marker, keep, uses, label)

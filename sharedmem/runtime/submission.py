@@ -317,8 +317,8 @@ def _unrecordable(stream, e) -> CompletionUnknownError:
 
 
 def lease_locked(stream, uses, keep, label, marker):
-    """File ``uses`` -- ``(token, writes)`` pairs, live or not -- as leased on ``stream`` until
-    ``marker`` is reached: the bookkeeping half of :func:`submit`, for work sharedmem did not
+    """File ``uses`` -- a tuple of ``(token, writes)`` pairs, live or not -- as leased on
+    ``stream`` until ``marker`` is reached, keeping ``keep`` alive until then: the bookkeeping half of :func:`submit`, for work sharedmem did not
     enqueue itself (a consumer's, see :func:`end_holds_locked` and ``sharedmem.record_use``).
     Caller holds core_lock."""
     rt = RUNTIME
@@ -378,7 +378,7 @@ def end_holds_locked(tok) -> None:
         # (a new pair, not tok.use(): the released token keeps no lease pair, which would
         # refer back to it -- a cycle keeping its allocation until a collection; the label
         # is formatted only where a message needs it: see label_text)
-        lease_locked(stream, [(tok, c[1])], [tok.keep], (_HOLD_END, tok.kind), marker)
+        lease_locked(stream, ((tok, c[1]),), tok.keep, (_HOLD_END, tok.kind), marker)
 
 
 def joined_marker_locked(stream):
