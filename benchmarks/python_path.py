@@ -145,6 +145,7 @@ def this_build():
             self.device = type("D", (), {"id": 0})()
             self.size, self.shape, self.strides, self.itemsize = nbytes // 4, (nbytes // 4,), (4,), 4
 
+    sys.modules["cupy"].ndarray = _Array  # (their type is cupy.ndarray itself, as on a GPU)
     arrays = [_Array(4 * n) for _ in range(4)]
 
     class _ForeignStream:  # a CuPy-style stream object (cupy.cuda.Stream has .ptr)

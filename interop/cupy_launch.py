@@ -637,13 +637,18 @@ def foreign_array(arr):
     return la
 
 
-_ndarray = [None, None]  # [the cupy module, its ndarray], once CuPy is imported
-_modules = sys.modules
+# [the cupy module, its ndarray], once CuPy is imported; and sys.modules (C globals where
+# compiled: no dict lookups)
+_ndarray = cython.declare(list, [None, None])
+_modules = cython.declare(dict, sys.modules)
 
 
 def coerce(obj, device):
     """``KernelAdapter.coerce`` of CuPy kernels: a CuPy array argument as a
     :class:`LaunchArg` (see ``KernelAdapter.coerce``); None for anything else."""
+    nd = _ndarray[1]
+    if nd is not None and type(obj) is nd:  # (the common case: no module lookup)
+        return foreign_array(obj)
     modules = _modules
     cp = modules.get("cupy")
     if cp is None:

@@ -392,10 +392,15 @@ def check_shared_mem(shared_mem, limit=None) -> int:
 _NP_SCALAR = np.generic  # (np.int32(3), np.float32(1.5)...: never arrays)
 
 
+_BOX = cython.declare(object, DeviceBox)  # (C globals where compiled: no dict lookups)
+_SCALAR = cython.declare(object, _NP_SCALAR)
+
+
 def _as_view(obj):
+    """The view ``obj`` stands for (itself, or a DeviceBox's buffer), or None."""
     if isinstance(obj, View):
         return obj
-    if type(obj) is DeviceBox:
+    if type(obj) is _BOX:
         return obj.buffer
     return None
 
@@ -438,7 +443,7 @@ def resolve_args(adapter, args, device):
             tok = view._token
             value = view
         else:
-            if intent is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
+            if intent is None and isinstance(obj, _SCALAR):  # a NumPy scalar: passed as is
                 resolved.append(a)
                 continue
             if coerce is None:
