@@ -6,10 +6,13 @@ ctypedef int (*query_fn_t)(void*) noexcept nogil
 ctypedef int (*wait_fn_t)(void*, void*, unsigned int) noexcept nogil
 ctypedef int (*graph_launch_fn_t)(void*, void*) noexcept nogil
 
+cdef class CudaBackend
+
 cdef class CudaMarker:
     cdef public object event
     cdef public unsigned long long handle
-    cdef public object error, _backend
+    cdef public object error
+    cdef public CudaBackend _backend
     cdef public bint _pooled
     cdef public CudaStreamImpl _open_on
 
@@ -19,7 +22,8 @@ cdef class CudaMarker:
 cdef class CudaStreamImpl:
     cdef public object handle, cu_stream
     cdef public bint owned
-    cdef public object name, _backend, external
+    cdef public object name, external
+    cdef public CudaBackend _backend
     cdef public bint capturing
     cdef public CudaMarker open_marker
     cdef public long open_count
@@ -27,3 +31,16 @@ cdef class CudaStreamImpl:
 
     cpdef object submit_marker(self)
     cpdef wait_marker(self, marker)
+
+cdef class CudaBackend:
+    cdef public object _cupy, cu, ordinal, cu_device, name, uuid, compute_capability, limits
+    cdef public object context, hot, _cupy_device, on_progress
+    cdef public size_t context_handle
+    # driver entry points called through their addresses (0: not known)
+    cdef public size_t ctx_get_addr, record_addr, query_addr, wait_addr, graph_launch_addr
+    cdef public list _events, _ipc_events
+    cdef object __weakref__
+
+    cpdef ensure_context(self)
+    cpdef force_context(self)
+    cpdef _event(self)

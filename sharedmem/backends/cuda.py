@@ -459,8 +459,10 @@ class CudaBackend:
         self.wait_addr = addresses.get("cuStreamWaitEvent", 0)
         self.graph_launch_addr = addresses.get("cuGraphLaunch", 0)
         self.ensure_context()
-        # Pooled events. list.append / list.pop are atomic under the GIL.
-        self._events: list = []
+        # Pooled events, and interprocess ones (ipc_event). list.append / list.pop are atomic
+        # under the GIL.
+        self._events = []
+        self._ipc_events = []
         self._cupy_device = cupy.cuda.Device(ordinal)
         self.on_progress = None
 
@@ -578,11 +580,15 @@ class CudaBackend:
         return CudaStreamImpl(self, handle, False, None, external=obj)
 
     def _event(self):
-        try:
-            return self._events.pop()
-        except IndexError:
-            self.ensure_context()
-            return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        """A pooled event, or a new one when the pool is empty."""
+        events = self._events
+        if events:  # (no exception raised and caught when it is empty: the common case)
+            try:
+                return events.pop()
+            except IndexError:  # another thread took the last one
+                pass
+        self.ensure_context()
+        return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
     def record_marker(self, impl: CudaStreamImpl, pooled: bool = False) -> CudaMarker:
         """A marker recorded on ``impl`` now. ``pooled``: its event goes back to the pool when
@@ -693,7 +699,7 @@ class CudaBackend:
         :meth:`ipc_event_done` once no importer can still be waiting for it."""
         try:
             return self._ipc_events.pop()
-        except (AttributeError, IndexError):
+        except IndexError:
             pass
         self.ensure_context()
         F = cu.CUevent_flags
@@ -703,8 +709,6 @@ class CudaBackend:
 
     def ipc_event_done(self, pair) -> None:
         """Pool an interprocess event for the next export (list.append: atomic)."""
-        if not hasattr(self, "_ipc_events"):
-            self._ipc_events = []
         self._ipc_events.append(pair)
 
     def record_event(self, ev, impl) -> None:
