@@ -54,6 +54,9 @@ cdef class AccessTracker:
     @cython.locals(uses=dict, s=Stream)
     cpdef list streams_locked(self)
 
+@cython.locals(e=Span)
+cdef bint _any_done(list entries, long long done)
+
 @cython.locals(keep=list, e=Span)
 cdef _add_range(list entries, Py_ssize_t lo, Py_ssize_t hi, long long seq, marker,
                 long long done)

@@ -138,12 +138,19 @@ class StreamUse:
                 self.reads = []
             if self.writes:
                 self.writes = []
-        else:
-            if self.reads:
+        else:  # (rebuilt only when a span finished: while the other work runs, no list is made)
+            if self.reads and _any_done(self.reads, done):
                 self.reads = [e for e in self.reads if e.seq > done]
-            if self.writes:
+            if self.writes and _any_done(self.writes, done):
                 self.writes = [e for e in self.writes if e.seq > done]
         return not self.reads and not self.writes and not self.holds
+
+
+def _any_done(entries: list, done) -> bool:
+    for e in entries:
+        if e.seq <= done:
+            return True
+    return False
 
 
 def _add_range(entries: list, lo, hi, seq, marker, done) -> None:

@@ -39,8 +39,9 @@ cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, pa
 
 cdef list _keep_list(keep)
 
-cdef object _conflicts_locked(AccessTracker tracker, Stream stream, ViewToken tok, bint writes,
-                              policy, label, waits)
+@cython.locals(w=tuple, c=tuple)
+cdef dict _conflicts_locked(AccessTracker tracker, Stream stream, ViewToken tok, bint writes,
+                            policy, label, dict waits)
 
 @cython.locals(rt=Runtime, seq=cython.longlong, tok=ViewToken, sub=Submission, i=Py_ssize_t,
                u=tuple)

@@ -251,9 +251,9 @@ def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
     """submit()'s cross-stream rule for one lease: raise for work of unknown completion or
     under policy "reject"; else add the newest conflicting submission of each other stream to
     ``waits`` (other stream -> (seq, marker or None for an open hold))."""
-    for other, marker, seq, other_writes in tracker.conflicts_locked(stream, writes, tok.start,
-                                                                     tok.stop):
-        if marker is not None and marker.unknown:
+    for c in tracker.conflicts_locked(stream, writes, tok.start, tok.stop):
+        other, marker, seq, other_writes = c[0], c[1], c[2], c[3]
+        if marker is not None and marker.error is not None:  # (unknown completion)
             raise CompletionUnknownError(
                 f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
                 f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}, which work of "
