@@ -1,4 +1,5 @@
 # Declarations for the compiled build of cuda.py (Cython pure-Python mode).
+cimport cython
 
 ctypedef int (*ctx_get_fn_t)(void**) noexcept nogil
 ctypedef int (*record_fn_t)(void*, void*) noexcept nogil
@@ -44,3 +45,6 @@ cdef class CudaBackend:
     cpdef ensure_context(self)
     cpdef force_context(self)
     cpdef _event(self)
+
+@cython.locals(m=CudaMarker)
+cdef CudaMarker _open_marker(CudaStreamImpl impl)

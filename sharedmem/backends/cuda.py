@@ -283,6 +283,19 @@ class CudaMarker:
                 pass
 
 
+def _open_marker(impl):
+    """A new open pooled marker on ``impl`` (what ``CudaMarker(None, backend, True)`` with
+    ``_open_on`` set makes, without the constructor call: made on most cross-stream waits)."""
+    m = CudaMarker.__new__(CudaMarker)
+    m.event = None
+    m.handle = 0
+    m.error = None
+    m._backend = impl._backend
+    m._pooled = True
+    m._open_on = impl
+    return m
+
+
 class CudaStreamImpl:
     """A CUDA stream handle; owned streams are destroyed when dropped (the
     driver defers destruction until their work is done: this never blocks)."""
@@ -314,8 +327,7 @@ class CudaStreamImpl:
             return COMPLETE
         m = self.open_marker
         if m is None:
-            m = CudaMarker(None, self._backend, True)
-            m._open_on = self
+            m = _open_marker(self)
             self.open_marker = m
             self.open_count = 1
             return m
