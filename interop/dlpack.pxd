@@ -164,7 +164,7 @@ cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id
 @cython.locals(tok=ViewToken)
 cpdef export_positional(View view, stream, max_version, dl_device, copy)
 
-@cython.locals(f=tuple, facts=dict)
+@cython.locals(f=tuple, cache=dict)
 cdef tuple _facts_of(dev)
 
 @cython.locals(facts=tuple)

@@ -233,21 +233,18 @@ _deleter = _DELETER(_delete_from_c)  # lives as long as the module: consumers ca
 _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 
 
-# Device -> what an export reads of it: (whether it is the host, its default Stream (None for
-# the host), its backend's wait_on_handle, its DLPack (type, id)). A Device's never change:
-# one dict read instead of a property call and four attribute lookups on every export.
-# Lock-free: a racing thread stores an equal tuple.
-_device_facts: dict = {}
-
-
 def _facts_of(dev) -> tuple:
-    facts = _device_facts  # (a typed local: a C dict lookup)
-    f = facts.get(dev)
+    """What an export reads of Device ``dev``: (whether it is the host, its default Stream (None
+    for the host), its backend's wait_on_handle, its DLPack (type, id)). They never change: kept
+    in the device's bridge_cache, one dict read instead of a property call and four attribute
+    lookups on every export."""
+    cache = dev.bridge_cache  # (a typed local: a C dict lookup)
+    f = cache.get("dlpack")
     if f is None:
         host = dev.kind == "host"
         f = (host, None if host else dev.default_stream,
              getattr(dev.backend, "wait_on_handle", None), dev.dlpack_device)
-        facts[dev] = f
+        cache["dlpack"] = f
     return f
 
 

@@ -117,7 +117,12 @@ class ViewToken:
         """Release this token; idempotent, never blocks (see ``runtime.state``)."""
         if self.live:
             rt = RUNTIME
-            if rt.try_enter():  # (Runtime.run_or_stage, with _release_locked a direct call)
+            try:  # (Runtime.run_or_stage, with _release_locked a direct call)
+                entered = rt.try_enter()
+            except BaseException:  # an earlier staged release raised: this one is staged
+                rt.staged.append((_release_locked, self))
+                raise
+            if entered:
                 try:
                     _release_locked(self)
                 finally:

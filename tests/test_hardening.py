@@ -733,3 +733,32 @@ def test_stats_from_finalizers_never_deadlocks_on_the_registry():
         r = subprocess.run([sys.executable, "-c", _STATS_IN_FINALIZERS_SCRIPT],
                            capture_output=True, text=True, env=env, timeout=60)
         assert r.returncode == 0 and r.stdout.split() == ["finished"], r.stdout + r.stderr
+
+
+def test_a_release_is_never_lost_when_an_earlier_staged_release_raises(host):
+    from sharedmem.runtime.state import RUNTIME
+    b = sm.Buffer.zeros(16, device=host)
+    v = b[0:4]
+    tok = v._token
+    views = RUNTIME.live_views
+
+    def boom(arg):
+        raise RuntimeError("boom")
+
+    RUNTIME.staged.append((boom, None))  # (what a destructor stages while the lock is busy)
+    with pytest.raises(RuntimeError, match="boom"):
+        tok.release()
+    assert tok.live  # not released yet: staged behind the failure, not dropped
+    RUNTIME.acquire()  # the next API call drains the stage
+    RUNTIME.release()
+    assert not tok.live
+    assert RUNTIME.live_views == views - 1
+    b[0:4].release()  # the allocation is usable: a slice is made and released as usual
+
+
+def test_the_core_hooks_are_never_unset(host):
+    from sharedmem.runtime.state import RUNTIME
+    before = RUNTIME.hooks
+    with pytest.raises(TypeError, match="must be a Hooks instance, got NoneType"):
+        RUNTIME.install_hooks(None)
+    assert RUNTIME.hooks is before

@@ -13,7 +13,7 @@ cdef class CudaMarker:
     cdef public object event
     cdef public unsigned long long handle
     cdef public object error
-    cdef public CudaBackend _backend
+    cdef readonly CudaBackend _backend
     cdef public bint _pooled
     cdef public CudaStreamImpl _open_on
 
@@ -24,7 +24,7 @@ cdef class CudaStreamImpl:
     cdef public object handle, cu_stream
     cdef public bint owned
     cdef public object name, external
-    cdef public CudaBackend _backend
+    cdef readonly CudaBackend _backend
     cdef public bint capturing
     cdef public CudaMarker open_marker
     cdef public long open_count

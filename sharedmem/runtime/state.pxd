@@ -19,7 +19,7 @@ cdef class Runtime:
     cdef readonly object warnings, errors
     cdef public bint retirer_running, retirer_idle
     cdef public object ensure_retirer, wake_retirer, tracer
-    cdef public Hooks hooks
+    cdef readonly Hooks hooks
     cdef public str policy
     cdef public long pid
     cdef public long captures
@@ -29,6 +29,7 @@ cdef class Runtime:
     cpdef release(self)
     cpdef drain_staged(self)
     cpdef bint try_enter(self) except -1
+    cpdef install_hooks(self, Hooks hooks)
     cpdef run_or_stage(self, fn, arg)
     cdef bint _try_acquire(self)
     cpdef _new_lock(self)

@@ -82,7 +82,7 @@ class Runtime:
         self.retirer_idle = False
         self.ensure_retirer = _nothing  # installed by runtime.retirer
         self.wake_retirer = _nothing
-        self.hooks = Hooks()  # runtime.submission installs its own (see Hooks)
+        self.hooks = Hooks()  # runtime.submission installs its own (see Hooks); never None
         self.policy = "order"  # the process-wide cross-stream policy (access.set_access_policy)
         self.pid = os.getpid()
         self.tracer = None  # the active sharedmem.trace recorder, or None (see sharedmem.trace)
@@ -161,14 +161,27 @@ class Runtime:
 
     def run_or_stage(self, fn, arg) -> None:
         """Run ``fn(arg)`` under the lock if it is free now, else stage it (lock-free).
-        Never blocks; safe wherever :meth:`try_enter` is."""
-        if self.try_enter():
+        Never blocks; safe wherever :meth:`try_enter` is. If an earlier staged operation
+        raises while the stage is drained, ``fn(arg)`` is staged (never lost) and the error
+        raised."""
+        try:
+            entered = self.try_enter()
+        except BaseException:
+            self.staged.append((fn, arg))
+            raise
+        if entered:
             try:
                 fn(arg)
             finally:
                 self.release()
         else:
             self.staged.append((fn, arg))
+
+    def install_hooks(self, hooks) -> None:
+        """Make ``hooks`` (a :class:`Hooks`) what the core calls (runtime.submission does)."""
+        if not isinstance(hooks, Hooks):
+            raise TypeError(f"RUNTIME hooks must be a Hooks instance, got {type(hooks).__name__}")
+        self.hooks = hooks
 
 
 class Hooks:

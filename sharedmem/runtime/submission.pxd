@@ -43,9 +43,8 @@ cdef list _keep_list(keep)
 cdef dict _conflicts_locked(AccessTracker tracker, Stream stream, ViewToken tok, bint writes,
                             policy, label, dict waits)
 
-@cython.locals(rt=Runtime, seq=cython.longlong, tok=ViewToken, sub=Submission, i=Py_ssize_t,
-               u=tuple)
-cpdef Submission lease_locked(Stream stream, tuple uses, keep, label, marker)
+@cython.locals(rt=Runtime, seq=cython.longlong, tok=ViewToken, sub=Submission, u=tuple)
+cpdef Submission lease_locked(Stream stream, uses, keep, label, marker)
 
 @cython.locals(sub=Submission)
 cpdef Submission new_submission(stream, long long seq, marker, keep, uses, label)

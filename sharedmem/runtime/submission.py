@@ -317,15 +317,15 @@ def _unrecordable(stream, e) -> CompletionUnknownError:
 
 
 def lease_locked(stream, uses, keep, label, marker):
-    """File ``uses`` -- a tuple of ``(token, writes)`` pairs, live or not -- as leased on
-    ``stream`` until ``marker`` is reached, keeping ``keep`` alive until then: the bookkeeping half of :func:`submit`, for work sharedmem did not
-    enqueue itself (a consumer's, see :func:`end_holds_locked` and ``sharedmem.record_use``).
-    Caller holds core_lock."""
+    """File ``uses`` -- ``(token, writes)`` pairs (a tuple or a list), live or not -- as leased
+    on ``stream`` until ``marker`` is reached, keeping ``keep`` alive until then: the
+    bookkeeping half of :func:`submit`, for work sharedmem did not enqueue itself (a
+    consumer's, see :func:`end_holds_locked` and ``sharedmem.record_use``). Caller holds
+    core_lock."""
     rt = RUNTIME
     seq = stream._seq + 1
     stream._seq = seq
-    for i in range(len(uses)):
-        u = uses[i]
+    for u in uses:
         tok = u[0]
         tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
     sub = new_submission(stream, seq, marker, keep, uses, label)
@@ -601,7 +601,7 @@ class _Hooks(Hooks):
         sweep_long(stream)
 
 
-RUNTIME.hooks = _Hooks()
+RUNTIME.install_hooks(_Hooks())
 
 
 def sweep_all() -> None:
@@ -717,7 +717,7 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
                 other, marker = c[0], c[1]
                 if marker is None:  # an open hold: whatever its stream was given so far
                     marker = fresh_marker_locked(other)
-                if marker.unknown:
+                if marker.error is not None:  # (unknown completion)
                     raise CompletionUnknownError(
                         f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
                         f"touched by work of unknown completion on {other}; they cannot be "
