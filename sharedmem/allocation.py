@@ -117,18 +117,11 @@ class ViewToken:
         """Release this token; idempotent, never blocks (see ``runtime.state``)."""
         if self.live:
             rt = RUNTIME
-            try:  # (Runtime.run_or_stage, with _release_locked a direct call)
-                entered = rt.try_enter()
-            except BaseException:  # an earlier staged release raised: this one is staged
-                rt.staged.append((_release_locked, self))
-                raise
-            if entered:
+            if rt.enter_or_stage(_release_locked, self):  # (run_or_stage, with a direct call)
                 try:
                     _release_locked(self)
                 finally:
                     rt.release()
-            else:
-                rt.staged.append((_release_locked, self))
 
 
 def _init_token(self, allocation, kind, start, stop, writable, keep, origin) -> None:

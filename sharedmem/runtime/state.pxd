@@ -28,7 +28,7 @@ cdef class Runtime:
     cpdef acquire(self)
     cpdef release(self)
     cpdef drain_staged(self)
-    cpdef bint try_enter(self) except -1
+    cpdef bint enter_or_stage(self, fn, arg) except -1
     cpdef install_hooks(self, Hooks hooks)
     cpdef run_or_stage(self, fn, arg)
     cdef bint _try_acquire(self)

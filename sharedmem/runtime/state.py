@@ -144,38 +144,34 @@ class Runtime:
             fn, arg = staged.popleft()
             fn(arg)
 
-    def try_enter(self) -> bool:
-        """Take the lock if it is free now (never waits) and apply staged releases; True if
-        taken (the caller then releases it). Safe from destructors, from any thread, and from
-        inside a critical section of the same thread (there it is busy: False)."""
-        if not self._try_acquire():
-            return False
-        self.owner = _thread_ident()
-        if self.staged:
+    def enter_or_stage(self, fn, arg) -> bool:
+        """Take the lock if it is free now (never waits) and apply staged operations: True,
+        and the caller runs ``fn(arg)`` and releases the lock. Else ``fn(arg)`` is staged
+        (lock-free): False. If an earlier staged operation raises while the stage is drained,
+        ``fn(arg)`` is staged too (never lost) and the error raised. Safe from destructors,
+        from any thread, and inside a critical section of the same thread (the lock is busy
+        there: staged)."""
+        if self._try_acquire():
+            self.owner = _thread_ident()
             try:
-                self.drain_staged()
+                if self.staged:
+                    self.drain_staged()
             except BaseException:
                 self.release()
+                self.staged.append((fn, arg))
                 raise
-        return True
+            return True
+        self.staged.append((fn, arg))
+        return False
 
     def run_or_stage(self, fn, arg) -> None:
-        """Run ``fn(arg)`` under the lock if it is free now, else stage it (lock-free).
-        Never blocks; safe wherever :meth:`try_enter` is. If an earlier staged operation
-        raises while the stage is drained, ``fn(arg)`` is staged (never lost) and the error
-        raised."""
-        try:
-            entered = self.try_enter()
-        except BaseException:
-            self.staged.append((fn, arg))
-            raise
-        if entered:
+        """Run ``fn(arg)`` under the lock if it is free now, else stage it (see
+        :meth:`enter_or_stage`). Never blocks."""
+        if self.enter_or_stage(fn, arg):
             try:
                 fn(arg)
             finally:
                 self.release()
-        else:
-            self.staged.append((fn, arg))
 
     def install_hooks(self, hooks) -> None:
         """Make ``hooks`` (a :class:`Hooks`) what the core calls (runtime.submission does)."""
