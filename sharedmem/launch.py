@@ -389,11 +389,11 @@ def check_shared_mem(shared_mem, limit=None) -> int:
 
 
 # -- resolution ----------------------------------------------------------------------------
-_NP_SCALAR = np.generic  # (np.int32(3), np.float32(1.5)...: never arrays)
 
 
-_BOX = cython.declare(object, DeviceBox)  # (C globals where compiled: no dict lookups)
-_SCALAR = cython.declare(object, _NP_SCALAR)
+# (C globals where compiled: no dict lookups)
+_BOX = cython.declare(object, DeviceBox)
+_NP_SCALAR = cython.declare(object, np.generic)  # (np.int32(3), np.float32(1.5)...: never arrays)
 
 
 def _as_view(obj):
@@ -443,7 +443,7 @@ def resolve_args(adapter, args, device):
             tok = view._token
             value = view
         else:
-            if intent is None and isinstance(obj, _SCALAR):  # a NumPy scalar: passed as is
+            if intent is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
                 resolved.append(a)
                 continue
             if coerce is None:

@@ -110,15 +110,24 @@ def _settle():
     gc.collect()
 
 
-def test_a_fresh_tuple_at_a_reused_address_is_warmed(fake, tile):
-    """A new tuple of other contents at a recycled address (the common case for a tuple made
-    per call) is another signature: cuTile expands tuples and keys on their items."""
-    dev, drv = fake
+def _keyed(fake, tile, sink=False):
+    """A keyed-compile case: ``(args a, c, stream s, kernel, owners)`` -- ``owners`` logs the
+    core lock's owner at each compile (see _cutile_keyed); ``sink``: the fake's compile log
+    keeps nothing alive (for cases that recycle an argument's address)."""
+    dev, _ = fake
     mod, _ = tile
     a, c, s = _setup(dev)
     kern = _kernel()
     owners = _cutile_keyed(mod)
-    mod.compiled = _Sink()
+    if sink:
+        mod.compiled = _Sink()
+    return a, c, s, kern, owners
+
+
+def test_a_fresh_tuple_at_a_reused_address_is_warmed(fake, tile):
+    """A new tuple of other contents at a recycled address (the common case for a tuple made
+    per call) is another signature: cuTile expands tuples and keys on their items."""
+    a, c, s, kern, owners = _keyed(fake, tile, sink=True)
     t = tuple([1, 2])
     addr = id(t)
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), t, stream=s).result()
@@ -132,12 +141,7 @@ def test_a_fresh_tuple_at_a_reused_address_is_warmed(fake, tile):
 def test_a_fresh_string_at_a_reused_address_is_warmed(fake, tile):
     """Same with a str Constant, which cuTile keys by value: a "mode-b" at the address of a
     dead "mode-a" is another signature."""
-    dev, drv = fake
-    mod, _ = tile
-    a, c, s = _setup(dev)
-    kern = _kernel()
-    owners = _cutile_keyed(mod)
-    mod.compiled = _Sink()
+    a, c, s, kern, owners = _keyed(fake, tile, sink=True)
     first = sys.intern("".join(["mode-", "a" * 600]))  # (kept, as cuTile's constant_refs do)
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), first, stream=s).result()
     m = "".join(["mode-", "a" * 600])  # equal, not interned, another object
@@ -153,11 +157,7 @@ def test_a_fresh_string_at_a_reused_address_is_warmed(fake, tile):
 
 def test_negative_zero_float_constant_is_another_signature(fake, tile):
     """cuTile keys a float Constant by its bits (extract_float_constant), and -0.0 == 0.0."""
-    dev, drv = fake
-    mod, _ = tile
-    a, c, s = _setup(dev)
-    kern = _kernel()
-    owners = _cutile_keyed(mod)
+    a, c, s, kern, owners = _keyed(fake, tile)
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 0.0, stream=s).result()
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), -0.0, stream=s).result()
     assert owners == [0, 0], owners

@@ -594,7 +594,7 @@ class CudaBackend:
     def _event(self):
         """A pooled event, or a new one when the pool is empty."""
         events = self._events
-        if events:  # (no exception raised and caught when it is empty: the common case)
+        if events:  # (asked first: an empty pool then costs no raised and caught IndexError)
             try:
                 return events.pop()
             except IndexError:  # another thread took the last one

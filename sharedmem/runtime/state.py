@@ -35,8 +35,8 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..errors import SharedMemError
 
-__all__ = ["Runtime", "Hooks", "RUNTIME", "locked", "run_or_stage", "fork_safe", "at_fork_child", "at_fork_hold",
-           "log"]
+__all__ = ["Runtime", "Hooks", "RUNTIME", "locked", "run_or_stage", "fork_safe", "at_fork_child",
+           "at_fork_hold", "log"]
 
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
 #: dropped at exit, host kernels that raised) -- never a line per launch.
@@ -52,8 +52,8 @@ class Runtime:
     __slots__ = ("lock", "_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
-                 "retirer_idle", "ensure_retirer", "wake_retirer", "hooks", "policy", "pid", "tracer", "captures",
-                 "__weakref__")
+                 "retirer_idle", "ensure_retirer", "wake_retirer", "hooks", "policy", "pid",
+                 "tracer", "captures", "__weakref__")
 
     def __init__(self):
         import os
