@@ -37,6 +37,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each call of a step, ours and raw (host time)")
     opts = ap.parse_args()
     import cupy as cp
     import cuda.tile as ct
@@ -94,6 +96,48 @@ def main() -> int:
         ca.wait_event(ev_b)
         ct.launch(ha, g_n3, norm, (yc, zc, eps, *c_n))
 
+    def ours_parts():  # ours(), one call a part (the same calls, in the same order)
+        st = {}
+
+        def mm():
+            st["Y"] = box[0]
+            sm.launch(matmul, g_mm, None, In(X), In(W), Out(st["Y"]), *c_mm, stream=a)
+
+        def into():
+            st["y"] = st.pop("Y").into_buffer()
+
+        def br():
+            sm.launch(bias_relu, g_br, b_br, InOut(st["y"]), In(bias), mi, ni, stream=b)
+
+        def frm():
+            box[0] = sm.Tensor.from_buffer(st.pop("y"), (M, N))
+
+        def nrm():
+            sm.launch(norm, g_n, None, In(box[0]), Out(Z), eps, *c_n, stream=a)
+        return [("cuTile matmul launch", mm), ("into_buffer", into), ("CuPy bias_relu launch", br),
+                ("Tensor.from_buffer", frm), ("cuTile norm launch", nrm)]
+
+    def raw_parts():
+        def mm():
+            ct.launch(ha, g_mm3, matmul, (xc, wc, yc, *c_mm))
+
+        def h1():
+            ev_a.record(ca)
+            cb.wait_event(ev_a)
+
+        def br():
+            bias_relu((g_br,), (b_br,), (yc, biasc, mi, ni), stream=cb)
+
+        def h2():
+            ev_b.record(cb)
+            ca.wait_event(ev_b)
+
+        def nrm():
+            ct.launch(ha, g_n3, norm, (yc, zc, eps, *c_n))
+        return [("cuTile matmul launch", mm), ("record + wait_event", h1),
+                ("CuPy bias_relu launch", br), ("record + wait_event", h2),
+                ("cuTile norm launch", nrm)]
+
     def sync():
         a.synchronize()
         b.synchronize()
@@ -128,6 +172,8 @@ def main() -> int:
                 fn()
             host[fn].append((time.perf_counter() - t0) / 10 * 1e6)
     sync()
+    if opts.breakdown:
+        breakdown(ours_parts(), raw_parts(), sync)
     r_e, o_e = statistics.median(e2e[raw]), statistics.median(e2e[ours])
     r_h, o_h = statistics.median(host[raw]), statistics.median(host[ours])
     print(f"pipeline {M}x{K}x{N} float32, matmul + bias_relu + row norm, 2 streams, "
@@ -136,6 +182,30 @@ def main() -> int:
     print(f"pipeline, end to end per iteration | {o_e:8.2f} us | {r_e:8.2f} us raw | {o_e / r_e:5.2f}x")
     print(f"pipeline, host time per iteration | {o_h:8.2f} us | {r_h:8.2f} us raw | {o_h / r_h:5.2f}x")
     return 0
+
+
+def breakdown(ours, raw, sync, steps=10, rounds=40):
+    """Host time of each call of a step, median over rounds of `steps` steps issued after a
+    sync (as the host-time row), ours and raw side by side."""
+    clock = time.perf_counter_ns
+    for parts in (ours, raw):
+        acc = [[] for _ in parts]
+        for _ in range(rounds):
+            sync()
+            tot = [0] * len(parts)
+            for _ in range(steps):
+                for k, (_, fn) in enumerate(parts):
+                    t0 = clock()
+                    fn()
+                    tot[k] += clock() - t0
+            for k in range(len(parts)):
+                acc[k].append(tot[k] / steps / 1e3)
+        sync()
+        side = "sharedmem" if parts is ours else "raw"
+        meds = [statistics.median(x) for x in acc]
+        for (name, _), m in zip(parts, meds):
+            print(f"breakdown {side} | {name} | {m:7.2f} us")
+        print(f"breakdown {side} | sum | {sum(meds):7.2f} us")
 
 
 if __name__ == "__main__":

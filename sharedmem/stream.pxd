@@ -5,7 +5,8 @@ cdef class Stream:
     cdef public bint owned
     cdef public object name
     cdef public object _pending
-    cdef public long long _seq, _done, _swept
+    cdef public long long _seq, _done, _swept, _uid
+    cdef public dict _waited
     cdef public bint _leak_warned, _checks
     cdef public object _external, _capture
     cdef public dict launch_cache

@@ -11,6 +11,7 @@ until the GPU has finished them.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -31,17 +32,21 @@ if TYPE_CHECKING:
     from .device import Device
 
 
+_uids = itertools.count(1)  # (next() is atomic under the GIL)
+
+
 class Stream:
     """An in-order queue of work on one device.
 
     Fields used by the runtime, guarded by the core lock (``sharedmem.runtime.state``):
     ``_pending`` (FIFO of unretired submissions), ``_seq`` (sequence number of the newest
     submission), ``_done`` (that of the newest retired one: every lease of this stream with a
-    sequence number up to it is finished), ``_capture`` (the Graph being captured).
+    sequence number up to it is finished), ``_capture`` (the Graph being captured),
+    ``_waited`` (what this stream is already ordered after: see ``note_waited_locked``).
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
-                 "_leak_warned",
+                 "_uid", "_waited", "_leak_warned",
                  "_external", "_capture", "_checks", "launch_cache", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
@@ -64,6 +69,13 @@ class Stream:
         self._seq = 0  # guarded by core_lock
         self._done = 0  # guarded by core_lock
         self._swept = 0  # _seq at the last submission.sweep_long; guarded by core_lock
+        self._uid = next(_uids)  # never reused (an id() may be, once a Stream is gone)
+        # Other streams' _uid -> the newest of their sequence numbers this stream was made to
+        # wait for on the device: everything enqueued here since is ordered after that work,
+        # so a conflict with it needs no second wait. Guarded by core_lock. Kept only on
+        # streams whose work sharedmem alone enqueues in order (owned ones, the default
+        # stream); None elsewhere: a borrowed stream's owner may capture it behind our back.
+        self._waited = {} if owned or external is None else None
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock

@@ -607,3 +607,41 @@ def test_a_marker_is_published_only_once_its_event_is_recorded(fake, monkeypatch
     assert m.wait() is True
     assert seen == [(True, None)] and m._open_on is None  # (event: recycled by now, maybe)
     sm.synchronize()
+
+
+def test_a_stream_that_waited_for_work_does_not_wait_for_it_again(fake, kernels):
+    """A pipeline's handoff back: B writes y, A reads it (one wait), then A writes y again --
+    ordered after B's write by that wait already, so no second one. Newer work on B is waited
+    for again."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    a, b = dev.create_stream("A"), dev.create_stream("B")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
+    y = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+
+    def waits_on(stream, fn):
+        mark = len(drv.calls)
+        fn()
+        return [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == stream.handle]
+
+    def write(stream):
+        return lambda: sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8,
+                                 stream=stream)
+
+    def read(stream):
+        return lambda: sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(x), 8,
+                                 stream=stream)
+    drv.holding = True  # everything stays in flight
+    try:
+        assert waits_on(b, write(b)) == []
+        assert len(waits_on(a, read(a))) == 1  # A after B's write
+        assert waits_on(a, write(a)) == []  # B's write: waited for already; A's read: same stream
+        assert len(waits_on(b, write(b))) == 1  # B after A's read and write
+        assert len(waits_on(a, read(a))) == 1  # B's newer write: waited for again
+        assert waits_on(a, read(a)) == []
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+    assert sm.stats().in_flight == 0

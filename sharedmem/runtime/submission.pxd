@@ -39,7 +39,10 @@ cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, pa
 
 cdef list _keep_list(keep)
 
-@cython.locals(w=tuple, c=tuple)
+@cython.locals(waited=dict)
+cdef note_waited_locked(Stream stream, Stream other, long long seq)
+
+@cython.locals(w=tuple, c=tuple, other=Stream, seq=cython.longlong, waited=dict)
 cdef dict _conflicts_locked(AccessTracker tracker, Stream stream, ViewToken tok, bint writes,
                             policy, label, dict waits)
 

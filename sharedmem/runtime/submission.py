@@ -210,8 +210,9 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                 continue  # nothing in flight on another stream
             waits = _conflicts_locked(tracker, stream, tok, writes, policy, label, waits)
         if waits is not None:
-            for other, (_, marker) in waits.items():
+            for other, (wseq, marker) in waits.items():
                 impl.wait_marker(marker if marker is not None else fresh_marker_locked(other))
+                note_waited_locked(stream, other, wseq)
         if plan is not None:
             marker = plan.enqueue(stream, config, payload)
         else:
@@ -253,7 +254,10 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
 def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
     """submit()'s cross-stream rule for one lease: raise for work of unknown completion or
     under policy "reject"; else add the newest conflicting submission of each other stream to
-    ``waits`` (other stream -> (seq, marker or None for an open hold))."""
+    ``waits`` (other stream -> (seq, marker or None for an open hold)) -- unless ``stream``
+    already waited for that submission or a later one of its stream (see
+    :func:`note_waited_locked`)."""
+    waited = stream._waited
     for c in tracker.conflicts_locked(stream, writes, tok.start, tok.stop):
         other, marker, seq, other_writes = c[0], c[1], c[2], c[3]
         if marker is not None and marker.error is not None:  # (unknown completion)
@@ -272,12 +276,37 @@ def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
                 f"{who} (policy 'reject'). Wait for that work (future.result() or "
                 f"stream.synchronize()), use one stream for both, or use policy 'order' "
                 f"to order them on the device.")
+        if marker is not None and waited is not None and seq <= waited.get(other._uid, 0):
+            continue  # ordered already: this stream waited for that work or later work
         if waits is None:
             waits = {}
         w = waits.get(other)
         if w is None or seq > w[0]:
             waits[other] = (seq, marker)
     return waits
+
+
+#: Entries of a Stream's ``_waited`` at most; past it the record starts over (then only a
+#: wait that was not needed is made again).
+WAITED_MAX = 64
+
+
+def note_waited_locked(stream, other, seq) -> None:
+    """``stream`` was just made to wait (on the device) for ``other``'s submission ``seq`` and
+    everything before it: its later work needs no wait for any of that (a pipeline's handoff
+    back, whose memory the first handoff already ordered). An open hold's wait (``seq`` is
+    HOLD_SEQ) orders after ``other``'s submissions so far, not after the hold's consumer,
+    whose conflict is therefore never skipped (its marker is None). Caller holds core_lock."""
+    waited = stream._waited
+    if waited is None:
+        return
+    if seq == HOLD_SEQ:
+        seq = other._seq
+    if len(waited) >= WAITED_MAX:
+        waited.clear()
+    key = other._uid
+    if seq > waited.get(key, 0):
+        waited[key] = seq
 
 
 class FailedMarker:
