@@ -37,13 +37,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--host-rounds", type=int, default=41)
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each call of a step, ours and raw (host time)")
+    ap.add_argument("--park-retirer", action="store_true",
+                    help="diagnostic: the retirer thread sleeps seconds between passes (the "
+                         "submitters' own sweeps retire the work)")
     opts = ap.parse_args()
     import cupy as cp
     import cuda.tile as ct
 
     import mixed_pipeline as mp
+    if opts.park_retirer:
+        from sharedmem.runtime import retirer
+        retirer.POLL_INTERVAL = retirer.BUSY_INTERVAL = 2.0
+        retirer.LINGER = 0.0
     mp.M = mp.K = mp.N = 1024
     mp.TM, mp.TN, mp.TK = 128, 128, 32
     M, K, N = mp.M, mp.K, mp.N
@@ -156,7 +164,6 @@ def main() -> int:
 
     n = opts.iters
     e2e = {raw: [], ours: []}
-    host = {raw: [], ours: []}
     for _ in range(opts.rounds):
         for fn in (raw, ours):
             sync()
@@ -165,23 +172,117 @@ def main() -> int:
                 fn()
             sync()
             e2e[fn].append((time.perf_counter() - t0) / n * 1e6)
-            # the host's own time: a few iterations issued (the device queue never fills)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                fn()
-            host[fn].append((time.perf_counter() - t0) / 10 * 1e6)
+    # The host's own time: a few iterations issued after a sync (the device queue never
+    # fills), raw and ours back to back in each of many rounds; the ratio is the median of the
+    # rounds' ratios, so that a slow stretch of a noisy host weighs on both sides alike.
+    from sharedmem.runtime import retirer
+    saved = (retirer.POLL_INTERVAL, retirer.BUSY_INTERVAL, retirer.LINGER)
+
+    def host_time(fn):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        return (time.perf_counter() - t0) / 10 * 1e6
+
+    host = {"raw": [], "ours": [], "parked": []}
+    for _ in range(opts.host_rounds):
+        host["raw"].append(host_time(raw))
+        host["ours"].append(host_time(ours))
+        if opts.breakdown:  # diagnostic: the same with the retirer thread asleep
+            retirer.POLL_INTERVAL = retirer.BUSY_INTERVAL = 2.0
+            retirer.LINGER = 0.0
+            time.sleep(0.001)  # (its pass under way ends and sleeps the new interval)
+            host["parked"].append(host_time(ours))
+            retirer.POLL_INTERVAL, retirer.BUSY_INTERVAL, retirer.LINGER = saved
+            retirer.wake()
     sync()
     if opts.breakdown:
         breakdown(ours_parts(), raw_parts(), sync)
+        tile_rows(norm, g_n3, eps, c_n, box[0], Z, yc, zc, a, ha, sync)
     r_e, o_e = statistics.median(e2e[raw]), statistics.median(e2e[ours])
-    r_h, o_h = statistics.median(host[raw]), statistics.median(host[ours])
+    r_h, o_h = statistics.median(host["raw"]), statistics.median(host["ours"])
+
+    def paired(side):
+        return statistics.median(o / r for o, r in zip(host[side], host["raw"]))
     print(f"pipeline {M}x{K}x{N} float32, matmul + bias_relu + row norm, 2 streams, "
           f"{n} iterations x {opts.rounds} rounds (max |ours - raw| = {diff:.2e})")
     print(f"row | sharedmem | raw | ratio")
     print(f"pipeline, end to end per iteration | {o_e:8.2f} us | {r_e:8.2f} us raw | {o_e / r_e:5.2f}x")
-    print(f"pipeline, host time per iteration | {o_h:8.2f} us | {r_h:8.2f} us raw | {o_h / r_h:5.2f}x")
+    print(f"pipeline, host time per iteration | {o_h:8.2f} us | {r_h:8.2f} us raw | "
+          f"{paired('ours'):5.2f}x (median of {opts.host_rounds} paired rounds)")
+    if host["parked"]:
+        print(f"pipeline, host time, retirer parked (diagnostic) | "
+              f"{statistics.median(host['parked']):8.2f} us | {r_h:8.2f} us raw | "
+              f"{paired('parked'):5.2f}x")
     return 0
+
+
+def tile_rows(norm, grid, eps, consts, Y, Z, yc, zc, a, ha, sync, n=100, rounds=9):
+    """One cuTile launch (the row norm) a call, host time: raw ``ct.launch`` on CuPy arrays and
+    on our descriptors made once; sm.launch with reused views, with a fresh view (a move) each
+    call, and with cuTile's launch stubbed (what sharedmem adds, on this host)."""
+    import cuda.tile as ct
+    from interop.cutile import _view_descriptor
+    In, Out = sm.In, sm.Out
+    shape = Y.shape
+    dy, dz = _view_descriptor(0, Y, False), _view_descriptor(1, Z, True)
+    Yt = sm.Tensor.from_buffer(Y.into_buffer(), shape)
+
+    def raw_cupy():
+        ct.launch(ha, grid, norm, (yc, zc, eps, *consts))
+
+    def raw_desc():
+        ct.launch(ha, grid, norm, (dy, dz, eps, *consts))
+
+    state = [Yt]
+
+    def reused():
+        sm.launch(norm, grid, None, In(state[0]), Out(Z), eps, *consts, stream=a)
+
+    def fresh():
+        t = sm.Tensor.from_buffer(state[0].into_buffer(), shape)
+        state[0] = t
+        sm.launch(norm, grid, None, In(t), Out(Z), eps, *consts, stream=a)
+
+    def move():
+        state[0] = sm.Tensor.from_buffer(state[0].into_buffer(), shape)
+
+    rows = [("raw ct.launch, CuPy arrays", raw_cupy), ("raw ct.launch, descriptors made once", raw_desc),
+            ("sm.launch, reused views", reused), ("sm.launch, a move before it", fresh),
+            ("move pair alone", move)]
+    res = {name: [] for name, _ in rows}
+    clock = time.perf_counter
+    for _ in range(rounds):
+        for name, fn in rows:
+            sync()
+            t0 = clock()
+            for _ in range(n):
+                fn()
+            res[name].append((clock() - t0) / n * 1e6)
+    # sharedmem's own work around cuTile's launch: the same calls with ct.launch a no-op
+    from sharedmem.launch import _plans
+    plans = [_plans[norm]]
+    saved = [(p, p.ct_launch) for p in plans]
+    for p in plans:
+        p.ct_launch = lambda *args: None
+    try:
+        for label, fn in (("sm.launch, reused views, ct.launch stubbed", reused),
+                          ("sm.launch, a move before it, ct.launch stubbed", fresh)):
+            xs = []
+            for _ in range(rounds):
+                sync()
+                t0 = clock()
+                for _ in range(n):
+                    fn()
+                xs.append((clock() - t0) / n * 1e6)
+            res[label] = xs
+    finally:
+        for p, f in saved:
+            p.ct_launch = f
+    sync()
+    for name, xs in res.items():
+        print(f"cutile row | {name} | {statistics.median(xs):7.2f} us")
 
 
 def breakdown(ours, raw, sync, steps=10, rounds=40):
