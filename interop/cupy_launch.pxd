@@ -13,6 +13,9 @@ ctypedef int (*launch_fn_t)(void*, unsigned int, unsigned int, unsigned int, uns
                             void**) noexcept nogil
 ctypedef int (*ctx_get_fn_t)(void**) noexcept nogil
 
+# Param.kcode values (C constants when compiled)
+cdef int _K_PTR, _K_INT, _K_FLOAT, _K_ANY
+
 cdef class Param:
     cdef public str kind
     cdef public int size
@@ -48,7 +51,7 @@ cdef _emit(out, Param par, v)
 
 cdef object _int_value(Py_ssize_t i, Param p, object a)
 
-cdef _emit_address(out, Param par, unsigned long long ptr)
+cdef void _emit_address(out, Param par, unsigned long long ptr) noexcept
 
 @cython.locals(params=tuple, n=Py_ssize_t, i=Py_ssize_t, p=Param, c=LaunchConfig,
                base=cython.p_char)
