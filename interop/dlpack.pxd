@@ -10,6 +10,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
 from cpython.ref cimport PyObject
 from sharedmem.allocation cimport Allocation, View, ViewToken
+from sharedmem.tensor cimport Tensor
 from sharedmem.runtime.submission cimport order_consumer
 
 cdef extern from "Python.h":
@@ -154,7 +155,7 @@ cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
 
 
-@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken, where=tuple)
+@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken, where=tuple, t=Tensor)
 cpdef _make_capsule(View view, ViewToken tok, bint versioned, int flags, consumers)
 
 @cython.locals(ex=_Export, exports=dict)

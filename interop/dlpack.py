@@ -331,7 +331,11 @@ _dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent write
 
 def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
     """The capsule; its view token is a hold for ``consumers`` (see interop.streams)."""
-    dt = view.dtype
+    if type(view) is Tensor:  # (its fields: no property calls)
+        t = view
+        dt, shape, strides = t._dtype, t._shape, t._strides
+    else:
+        dt, shape, strides = view.dtype, view.shape, view.strides
     cache = _dtype_cache  # (a typed local: a C dict lookup)
     code_bits = cache.get(dt)
     if code_bits is None:
@@ -339,7 +343,6 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
         code_bits = cache[dt] = (d.code, d.bits)
     alloc = tok.allocation
     where = _facts_of(alloc.device)[3]
-    shape, strides = view.shape, view.strides
     export_tok = alloc.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep,
                                  view, consumers)
     try:
