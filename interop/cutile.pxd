@@ -3,7 +3,7 @@ cimport cython
 from sharedmem.allocation cimport View, ViewToken
 from sharedmem.tensor cimport Tensor
 from sharedmem.launch cimport KernelPlan, LaunchArg
-from sharedmem.backends.cuda cimport CudaStreamImpl
+from sharedmem.backends.cuda cimport CudaBackend, CudaStreamImpl
 from sharedmem.stream cimport Stream
 
 @cython.locals(n=Py_ssize_t, p=Py_ssize_t, q=Py_ssize_t, ta=ViewToken, tb=ViewToken,
@@ -13,8 +13,11 @@ cpdef bint _aliased(list uses)
 @cython.locals(d=dict, tok=ViewToken, t=Tensor, key=tuple, by_layout=dict)
 cpdef _view_descriptor(Py_ssize_t i, View view, bint writes)
 
+cdef object _NP_GENERIC
+
 cdef class TilePlan(KernelPlan):
-    cdef public object backend, ct_launch
+    cdef public CudaBackend backend
+    cdef public object ct_launch
     cdef public object modes
     cdef public dict warmed
     cdef public tuple last_args
@@ -23,7 +26,7 @@ cdef class TilePlan(KernelPlan):
     cpdef bint warm(self, tuple call_args) except -1
 
     @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg,
-                   call_args=tuple, foreign=bint)
+                   call_args=tuple, foreign=bint, t=type)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(st=Stream, impl=CudaStreamImpl)

@@ -288,6 +288,8 @@ def _check_no_aliasing(args) -> None:
                     f"is written; cuTile assumes distinct array arguments do not alias")
 
 
+_NP_GENERIC = cython.declare(object, np.generic)
+
 #: Signatures a kernel is warmed up for (see TilePlan.warm); past it, a new one compiles
 #: at its launch, under the core lock, as without the warm-up.
 WARM_MAX = 64
@@ -382,10 +384,12 @@ class TilePlan(KernelPlan):
                     foreign = True
                 else:
                     out[i] = _view_descriptor(i, la.view, la._mode != 0)
-            elif isinstance(a, np.generic):
-                out[i] = a.item()
             else:
-                out[i] = a
+                t = type(a)
+                if t is int or t is float or t is bool or not isinstance(a, _NP_GENERIC):
+                    out[i] = a
+                else:
+                    out[i] = a.item()  # a NumPy scalar: as the Python scalar cuTile takes
         call_args = tuple(out)
         if foreign or not _same_args(call_args, self.last_args):
             if self.warm(call_args):
