@@ -31,7 +31,7 @@ cdef class CudaStreamImpl:
     cdef object __weakref__
 
     cpdef object submit_marker(self)
-    cpdef wait_marker(self, marker)
+    cpdef wait_marker(self, CudaMarker marker)
 
 cdef class CudaBackend:
     cdef public object _cupy, cu, ordinal, cu_device, name, uuid, compute_capability, limits

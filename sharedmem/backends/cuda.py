@@ -340,7 +340,8 @@ class CudaStreamImpl:
         return m
 
     def wait_marker(self, marker) -> None:
-        """Make this stream wait for ``marker`` (caller holds core_lock when it may be open)."""
+        """Make this stream wait for ``marker``, a CudaMarker of any device (caller holds
+        core_lock when it may be open)."""
         if marker._open_on is not None:
             marker.close_locked()
         backend = self._backend

@@ -289,6 +289,8 @@ def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
 #: Entries of a Stream's ``_waited`` at most; past it the record starts over (then only a
 #: wait that was not needed is made again).
 WAITED_MAX = 64
+_waited_max = cython.declare(cython.Py_ssize_t, WAITED_MAX)
+_hold_seq = cython.declare(cython.longlong, HOLD_SEQ)
 
 
 def note_waited_locked(stream, other, seq) -> None:
@@ -300,9 +302,9 @@ def note_waited_locked(stream, other, seq) -> None:
     waited = stream._waited
     if waited is None:
         return
-    if seq == HOLD_SEQ:
+    if seq == _hold_seq:
         seq = other._seq
-    if len(waited) >= WAITED_MAX:
+    if len(waited) >= _waited_max:
         waited.clear()
     key = other._uid
     if seq > waited.get(key, 0):
