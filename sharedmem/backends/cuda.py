@@ -36,7 +36,7 @@ import threading
 import time
 
 from ..runtime.state import locked
-from ..errors import BackendUnavailableError, CudaError
+from ..errors import BackendUnavailableError, CompletionUnknownError, CudaError
 from . import COMPLETE, copy_pieces
 
 try:
@@ -283,6 +283,13 @@ class CudaMarker:
                 pass
 
 
+def _unrecorded(marker) -> CompletionUnknownError:
+    e = CompletionUnknownError(f"cannot order after work whose completion event could not be "
+                               f"recorded ({marker.error!r}); its memory is kept")
+    e.__cause__ = marker.error
+    return e
+
+
 def _open_marker(impl):
     """A new open pooled marker on ``impl`` (what ``CudaMarker(None, backend, True)`` with
     ``_open_on`` set makes, without the constructor call: made on most cross-stream waits)."""
@@ -341,9 +348,12 @@ class CudaStreamImpl:
 
     def wait_marker(self, marker) -> None:
         """Make this stream wait for ``marker``, a CudaMarker of any device (caller holds
-        core_lock when it may be open)."""
+        core_lock when it may be open). CompletionUnknownError when the marker could not be
+        recorded (a wait on an event never recorded would wait for nothing)."""
         if marker._open_on is not None:
             marker.close_locked()
+            if marker.error is not None:
+                raise _unrecorded(marker)
         backend = self._backend
         backend.ensure_context()  # (a marker of another device: that one's context)
         hot = backend.hot
@@ -627,9 +637,11 @@ class CudaBackend:
 
     def wait_on_handle(self, stream_handle: int, marker: CudaMarker) -> None:
         """Make a foreign stream (raw handle) wait for ``marker`` (caller holds
-        core_lock when it may be open)."""
+        core_lock when it may be open; CompletionUnknownError as in wait_marker)."""
         if marker._open_on is not None:
             marker.close_locked()
+            if marker.error is not None:
+                raise _unrecorded(marker)
         check(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0), "cuStreamWaitEvent")
 
     def marker_on_handle(self, stream_handle: int) -> CudaMarker:

@@ -40,7 +40,7 @@ cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, pa
 cdef list _keep_list(keep)
 
 @cython.locals(waited=dict)
-cdef note_waited_locked(Stream stream, Stream other, long long seq)
+cdef note_waited_locked(Stream stream, Stream other, long long seq, marker)
 
 @cython.locals(w=tuple, c=tuple, other=Stream, seq=cython.longlong, waited=dict)
 cdef dict _conflicts_locked(AccessTracker tracker, Stream stream, ViewToken tok, bint writes,

@@ -35,6 +35,7 @@ except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
 from ..access import HOLD_SEQ, check_policy
+from ..backends import COMPLETE
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError
 from . import callbacks as _callbacks
@@ -211,8 +212,11 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
             waits = _conflicts_locked(tracker, stream, tok, writes, policy, label, waits)
         if waits is not None:
             for other, (wseq, marker) in waits.items():
-                impl.wait_marker(marker if marker is not None else fresh_marker_locked(other))
-                note_waited_locked(stream, other, wseq)
+                if marker is None:  # an open hold: a marker recorded now (never noted)
+                    impl.wait_marker(fresh_marker_locked(other))
+                else:
+                    impl.wait_marker(marker)
+                    note_waited_locked(stream, other, wseq, marker)
         if plan is not None:
             marker = plan.enqueue(stream, config, payload)
         else:
@@ -290,20 +294,20 @@ def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
 #: wait that was not needed is made again).
 WAITED_MAX = 64
 _waited_max = cython.declare(cython.Py_ssize_t, WAITED_MAX)
-_hold_seq = cython.declare(cython.longlong, HOLD_SEQ)
 
 
-def note_waited_locked(stream, other, seq) -> None:
-    """``stream`` was just made to wait (on the device) for ``other``'s submission ``seq`` and
-    everything before it: its later work needs no wait for any of that (a pipeline's handoff
-    back, whose memory the first handoff already ordered). An open hold's wait (``seq`` is
-    HOLD_SEQ) orders after ``other``'s submissions so far, not after the hold's consumer,
-    whose conflict is therefore never skipped (its marker is None). Caller holds core_lock."""
+def note_waited_locked(stream, other, seq, marker) -> None:
+    """``stream`` was just made to wait (on the device) for ``marker``, that of ``other``'s
+    submission ``seq``, and so for everything before it: its later work needs no wait for any
+    of that (a pipeline's handoff back, whose memory the first handoff already ordered). Not
+    noted where the wait may order after nothing that runs: a marker recorded into a capture
+    of ``other`` (a live stream's wait on it is a no-op), COMPLETE (captured work's), one whose
+    record failed. An open hold's wait is never noted (the caller does not ask). Caller holds
+    core_lock."""
     waited = stream._waited
-    if waited is None:
+    if waited is None or other._capture is not None or marker is COMPLETE or \
+            marker.error is not None:
         return
-    if seq == _hold_seq:
-        seq = other._seq
     if len(waited) >= _waited_max:
         waited.clear()
     key = other._uid

@@ -1,0 +1,288 @@
+"""A stream that waited for another stream's work waits for it once (Stream._waited): the
+cases where a wait must not count as ordering -- a marker whose record failed, one recorded
+into a capture of the other stream, captured work's COMPLETE -- on the fake driver and on the
+host backend (real data)."""
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from test_cuda_backend_fake import fake, kernels  # noqa: F401  (fixtures)
+from conftest import gc_collect_harder
+
+HOST = sm.Device.host()
+
+
+def test_a_stream_that_waited_for_work_does_not_wait_for_it_again(fake, kernels):
+    """A pipeline's handoff back: B writes y, A reads it (one wait), then A writes y again --
+    ordered after B's write by that wait already, so no second one. Newer work on B is waited
+    for again."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    a, b = dev.create_stream("A"), dev.create_stream("B")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
+    y = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+
+    def waits_on(stream, fn):
+        mark = len(drv.calls)
+        fn()
+        return [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == stream.handle]
+
+    def write(stream):
+        return lambda: sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8,
+                                 stream=stream)
+
+    def read(stream):
+        return lambda: sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(x), 8,
+                                 stream=stream)
+    drv.holding = True  # everything stays in flight
+    try:
+        assert waits_on(b, write(b)) == []
+        assert len(waits_on(a, read(a))) == 1  # A after B's write
+        assert waits_on(a, write(a)) == []  # B's write: waited for already; A's read: same stream
+        assert len(waits_on(b, write(b))) == 1  # B after A's read and write
+        assert len(waits_on(a, read(a))) == 1  # B's newer write: waited for again
+        assert waits_on(a, read(a)) == []
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+    assert sm.stats().in_flight == 0
+
+
+def _waits(drv, stream, mark):
+    return [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == stream.handle]
+
+
+def _park_retirer(monkeypatch):
+    """The retirer sweeps nothing (else it may close -- record -- the open marker first)."""
+    from sharedmem.runtime import submission
+    real = submission._sweep_locked
+    parked = [True]
+    monkeypatch.setattr(submission, "_sweep_locked", lambda s, record=True: [] if parked[0] and
+                        threading.current_thread().name == "sharedmem-retirer" else real(s, record))
+    return parked
+
+
+def _setup_failed_close(fake, kernels, monkeypatch):
+    """B writes y (seq 1, marker M1 recorded by a sweep), then z (seq 2, open marker M2); the
+    next cuEventRecord fails (B's handle destroyed by its owner, a sticky error, ...)."""
+    from fake_cuda import CUresult
+    from sharedmem.runtime.submission import sweep
+    dev, drv = fake
+    saxpy, _ = kernels
+    a, b = dev.create_stream("A"), dev.create_stream("B")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
+    y, z, w = (sm.Buffer.zeros(8, "float32", device=dev) for _ in range(3))
+    sm.synchronize()
+    parked = _park_retirer(monkeypatch)
+    drv.holding = True
+    sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=b)  # B seq 1 (M1)
+    sweep(b)  # (any sweep asks M1: recorded now, still pending)
+    sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(z), 8, stream=b)  # B seq 2 (M2 open)
+    real = drv.cuEventRecord
+
+    def fail_once(ev, stream):
+        drv.cuEventRecord = real
+        return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+    drv.cuEventRecord = fail_once
+    return drv, saxpy, a, x, y, z, w, parked
+
+
+def _teardown(drv, parked):
+    drv.holding = False
+    drv.finish_held()
+    parked[0] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sm.synchronize()
+
+
+def test_a_wait_on_a_marker_whose_record_failed_raises_and_orders_nothing(fake, kernels,
+                                                                         monkeypatch):
+    """A reads y and z: one wait, for B's open marker (seq 2), whose record fails inside the
+    wait. A wait on an event never recorded would wait for nothing (the driver says success):
+    the launch raises CompletionUnknownError instead, takes no lease, and nothing counts as
+    waited for -- A's next write of y waits for B's write of it (seq 1)."""
+    drv, saxpy, a, x, y, z, w, parked = _setup_failed_close(fake, kernels, monkeypatch)
+    try:
+        mark = len(drv.calls)
+        with pytest.raises(sm.CompletionUnknownError, match="could not be recorded"):
+            sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(z), sm.Out(w), 8, stream=a)
+        assert _waits(drv, a, mark) == []  # (no wait on the unrecorded event)
+        assert not [c for c in drv.calls[mark:] if c[0] == "launch"]
+        mark = len(drv.calls)
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=a)  # WAW, B seq 1
+        assert _waits(drv, a, mark) != [], "A writes y with no wait for B's pending write of y"
+    finally:
+        _teardown(drv, parked)
+
+
+def test_a_wait_on_a_marker_recorded_into_a_capture_counts_for_nothing(fake, kernels):
+    """S wrote y (seq 1, pending). A consumer on S holds q (a DLPack export naming S).
+    While S captures a graph, a launch on A writes q: its conflict is the open hold, so a
+    fresh marker is recorded on S -- into the capture (a live stream's cuStreamWaitEvent on
+    it returns success and orders after nothing, on an H200 with driver 580). That wait must
+    not count: A's next launch reads y and waits for S's seq 1."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    s, a = dev.create_stream("S"), dev.create_stream("A")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
+    y, w = sm.Buffer.zeros(8, "float32", device=dev), sm.Buffer.zeros(8, "float32", device=dev)
+    q = sm.Tensor.from_host(np.ones(8, np.float32), device=dev)
+    sm.synchronize()
+    in_capture = []  # events recorded on a capturing stream
+    real = drv.cuEventRecord
+
+    def record(ev, stream):
+        if int(stream) in drv.capturing:
+            in_capture.append(int(ev))
+        return real(ev, stream)
+    drv.cuEventRecord = record
+    drv.holding = True
+    try:
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=s)  # S seq 1
+        cap = q.__dlpack__(stream=s.handle, max_version=(1, 0))  # a consumer on S holds q
+        with sm.capture(s):
+            # (another thread: no escaped-capture warning; A is not capturing)
+            th = threading.Thread(target=lambda: sm.launch(
+                saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(q), 8, stream=a))
+            mark = len(drv.calls)
+            th.start()
+            th.join()
+        first = _waits(drv, a, mark)
+        assert first and all(wt[2] in in_capture for wt in first)  # A "waited" on a captured event
+        mark = len(drv.calls)
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(w), 8, stream=a)  # RAW, S seq 1
+        assert _waits(drv, a, mark) != [], "A reads y with no wait for S's pending write of y"
+        del cap
+    finally:
+        drv.holding = False
+        drv.finish_held()
+        drv.cuEventRecord = real
+        sm.synchronize()
+
+
+def test_a_hold_ending_during_a_capture_orders_nothing_later(fake, kernels):
+    """The consumer's hold on S ends while S captures: its lease (S seq 2) gets a marker
+    recorded into the capture. A's write of q, during the capture (another thread), waits on
+    it -- which must not count for S's seq 2 and before: A's later read of y waits for S's
+    pending write (seq 1)."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    s, a = dev.create_stream("S"), dev.create_stream("A")
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
+    y, w = sm.Buffer.zeros(8, "float32", device=dev), sm.Buffer.zeros(8, "float32", device=dev)
+    q = sm.Tensor.from_host(np.ones(8, np.float32), device=dev)
+    sm.synchronize()
+    in_capture = []
+    real = drv.cuEventRecord
+
+    def record(ev, stream):
+        if int(stream) in drv.capturing:
+            in_capture.append(int(ev))
+        return real(ev, stream)
+    drv.cuEventRecord = record
+    drv.holding = True
+    try:
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=s)  # S seq 1
+        cap = q.__dlpack__(stream=s.handle, max_version=(1, 0))
+        with sm.capture(s):
+            del cap  # the consumer is done with q: the hold ends (S seq 2)
+            gc_collect_harder()
+            mark = len(drv.calls)
+            th = threading.Thread(target=lambda: sm.launch(
+                saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(q), 8, stream=a))
+            th.start()
+            th.join()
+            first = _waits(drv, a, mark)
+        assert first and all(wt[2] in in_capture for wt in first)
+        mark = len(drv.calls)
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(w), 8, stream=a)  # RAW, S seq 1
+        assert _waits(drv, a, mark) != [], "A reads y with no wait for S's pending write of y"
+    finally:
+        drv.holding = False
+        drv.finish_held()
+        drv.cuEventRecord = real
+        sm.synchronize()
+
+
+def test_host_a_hold_conflict_during_a_capture_orders_nothing_later():
+    """S writes y (gated: still running). q is in use on S (record_use: a hold on S). While S
+    captures a graph, A writes q: the hold's conflict records a fresh marker on S -- whose impl
+    is the capture recorder, so the marker is COMPLETE -- which must not count as ordering A
+    after S's work. A's next launch copies y: were it not ordered after S's
+    pending write, it would copy zeros."""
+    s, a = HOST.create_stream("S"), HOST.create_stream("A")
+    y, w, q = (sm.Buffer.zeros(64, "float32", device=HOST) for _ in range(3))
+    sm.synchronize()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def gated_write(x):
+        gate.wait(5)
+        x[:] = 1
+
+    @sm.host_kernel
+    def copy(x, out):
+        out[:] = x
+
+    @sm.host_kernel
+    def touch(x):
+        x[:] = 2
+
+    sm.launch(gated_write, 1, 1, sm.Out(y), stream=s)  # S seq 1: running until the gate opens
+    sm.record_use(q, s)  # q is used on S too: a hold on S while q lives
+    with sm.capture(s):
+        th = threading.Thread(target=lambda: sm.launch(touch, 1, 1, sm.Out(q), stream=a))
+        th.start()  # (another thread: A is not captured, and no escaped-capture warning)
+        th.join()
+    sm.launch(copy, 1, 1, sm.In(y), sm.Out(w), stream=a)  # RAW with S seq 1
+    time.sleep(0.3)  # (S's kernel still waits on the gate)
+    gate.set()
+    sm.synchronize()
+    np.testing.assert_array_equal(w.to_host(), np.ones(64, np.float32),
+                                  err_msg="A copied y before S's pending write of y finished")
+
+
+def test_host_a_hold_ending_during_a_capture_orders_nothing_later():
+    """Host variant of the hold's end during a capture: the end's lease on S gets the capture
+    recorder's marker, COMPLETE; A's later write of the bytes waits on it (a no-op), which must
+    not count: A's next launch copies y only after S's pending write."""
+    s, a = HOST.create_stream("S"), HOST.create_stream("A")
+    y, w = (sm.Buffer.zeros(64, "float32", device=HOST) for _ in range(2))
+    q = sm.Buffer.zeros(64, "float32", device=HOST)
+    sm.synchronize()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def gated_write(x):
+        gate.wait(5)
+        x[:] = 1
+
+    @sm.host_kernel
+    def copy(x, out):
+        out[:] = x
+
+    @sm.host_kernel
+    def touch(x):
+        x[:] = 2
+
+    sm.launch(gated_write, 1, 1, sm.Out(y), stream=s)  # S seq 1: running until the gate opens
+    v = q[0:64]
+    sm.record_use(v, s)  # holds on S for the live tokens (q's, v's)
+    later = q[0:64]      # a view made after: no hold of its own
+    with sm.capture(s):
+        v.release()
+        q.release()       # the holds end during the capture
+    sm.launch(touch, 1, 1, sm.Out(later), stream=a)  # waits on the end's marker (COMPLETE)
+    sm.launch(copy, 1, 1, sm.In(y), sm.Out(w), stream=a)  # RAW with S seq 1
+    time.sleep(0.3)
+    gate.set()
+    sm.synchronize()
+    np.testing.assert_array_equal(w.to_host(), np.ones(64, np.float32),
+                                  err_msg="A copied y before S's pending write of y finished")
