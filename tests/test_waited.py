@@ -122,131 +122,139 @@ def test_a_wait_on_a_marker_whose_record_failed_raises_and_orders_nothing(fake, 
         _teardown(drv, parked)
 
 
+class _CaptureCase:
+    """S wrote y (seq 1, pending: events stay pending) and a consumer on S holds q (a DLPack
+    export naming S); events recorded on a capturing stream are listed in ``in_capture``."""
+
+    def __init__(self, fake, kernels):
+        dev, self.drv = fake
+        self.saxpy, _ = kernels
+        self.s, self.a = dev.create_stream("S"), dev.create_stream("A")
+        self.x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
+        self.y, self.w = (sm.Buffer.zeros(8, "float32", device=dev) for _ in range(2))
+        self.q = sm.Tensor.from_host(np.ones(8, np.float32), device=dev)
+        sm.synchronize()
+        self.in_capture = []
+        drv, real = self.drv, self.drv.cuEventRecord
+        self.real_record = real
+
+        def record(ev, stream):
+            if int(stream) in drv.capturing:
+                self.in_capture.append(int(ev))
+            return real(ev, stream)
+        drv.cuEventRecord = record
+        drv.holding = True
+        self.launch(self.x, self.y, self.s)  # S seq 1
+        self.cap = self.q.__dlpack__(stream=self.s.handle, max_version=(1, 0))
+
+    def launch(self, src, dst, stream):
+        return sm.launch(self.saxpy, 1, 8, 1.0, sm.In(src), sm.In(self.x), sm.Out(dst), 8,
+                         stream=stream)
+
+    def write_q_on_a_elsewhere(self):
+        """A writes q from another thread (A is not capturing: no escaped-capture warning);
+        returns A's waits, which must be on events recorded into the capture."""
+        mark = len(self.drv.calls)
+        th = threading.Thread(target=lambda: self.launch(self.x, self.q, self.a))
+        th.start()
+        th.join()
+        waits = _waits(self.drv, self.a, mark)
+        assert waits and all(wt[2] in self.in_capture for wt in waits)
+        return waits
+
+    def check_read_of_y_waits(self):
+        mark = len(self.drv.calls)
+        self.launch(self.y, self.w, self.a)  # RAW with S seq 1
+        assert _waits(self.drv, self.a, mark) != [], \
+            "A reads y with no wait for S's pending write of y"
+
+    def close(self):
+        self.cap = None
+        self.drv.holding = False
+        self.drv.finish_held()
+        self.drv.cuEventRecord = self.real_record
+        sm.synchronize()
+
+
 def test_a_wait_on_a_marker_recorded_into_a_capture_counts_for_nothing(fake, kernels):
-    """S wrote y (seq 1, pending). A consumer on S holds q (a DLPack export naming S).
-    While S captures a graph, a launch on A writes q: its conflict is the open hold, so a
+    """While S captures a graph, a launch on A writes q: its conflict is the open hold, so a
     fresh marker is recorded on S -- into the capture (a live stream's cuStreamWaitEvent on
     it returns success and orders after nothing, on an H200 with driver 580). That wait must
     not count: A's next launch reads y and waits for S's seq 1."""
-    dev, drv = fake
-    saxpy, _ = kernels
-    s, a = dev.create_stream("S"), dev.create_stream("A")
-    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
-    y, w = sm.Buffer.zeros(8, "float32", device=dev), sm.Buffer.zeros(8, "float32", device=dev)
-    q = sm.Tensor.from_host(np.ones(8, np.float32), device=dev)
-    sm.synchronize()
-    in_capture = []  # events recorded on a capturing stream
-    real = drv.cuEventRecord
-
-    def record(ev, stream):
-        if int(stream) in drv.capturing:
-            in_capture.append(int(ev))
-        return real(ev, stream)
-    drv.cuEventRecord = record
-    drv.holding = True
+    case = _CaptureCase(fake, kernels)
     try:
-        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=s)  # S seq 1
-        cap = q.__dlpack__(stream=s.handle, max_version=(1, 0))  # a consumer on S holds q
-        with sm.capture(s):
-            # (another thread: no escaped-capture warning; A is not capturing)
-            th = threading.Thread(target=lambda: sm.launch(
-                saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(q), 8, stream=a))
-            mark = len(drv.calls)
-            th.start()
-            th.join()
-        first = _waits(drv, a, mark)
-        assert first and all(wt[2] in in_capture for wt in first)  # A "waited" on a captured event
-        mark = len(drv.calls)
-        sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(w), 8, stream=a)  # RAW, S seq 1
-        assert _waits(drv, a, mark) != [], "A reads y with no wait for S's pending write of y"
-        del cap
+        with sm.capture(case.s):
+            case.write_q_on_a_elsewhere()
+        case.check_read_of_y_waits()
     finally:
-        drv.holding = False
-        drv.finish_held()
-        drv.cuEventRecord = real
-        sm.synchronize()
+        case.close()
 
 
 def test_a_hold_ending_during_a_capture_orders_nothing_later(fake, kernels):
     """The consumer's hold on S ends while S captures: its lease (S seq 2) gets a marker
-    recorded into the capture. A's write of q, during the capture (another thread), waits on
-    it -- which must not count for S's seq 2 and before: A's later read of y waits for S's
-    pending write (seq 1)."""
-    dev, drv = fake
-    saxpy, _ = kernels
-    s, a = dev.create_stream("S"), dev.create_stream("A")
-    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
-    y, w = sm.Buffer.zeros(8, "float32", device=dev), sm.Buffer.zeros(8, "float32", device=dev)
-    q = sm.Tensor.from_host(np.ones(8, np.float32), device=dev)
-    sm.synchronize()
-    in_capture = []
-    real = drv.cuEventRecord
-
-    def record(ev, stream):
-        if int(stream) in drv.capturing:
-            in_capture.append(int(ev))
-        return real(ev, stream)
-    drv.cuEventRecord = record
-    drv.holding = True
+    recorded into the capture. A's write of q, during the capture, waits on it -- which must
+    not count for S's seq 2 and before: A's later read of y waits for S's pending write."""
+    case = _CaptureCase(fake, kernels)
     try:
-        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=s)  # S seq 1
-        cap = q.__dlpack__(stream=s.handle, max_version=(1, 0))
-        with sm.capture(s):
-            del cap  # the consumer is done with q: the hold ends (S seq 2)
+        with sm.capture(case.s):
+            case.cap = None  # the consumer is done with q: the hold ends (S seq 2)
             gc_collect_harder()
-            mark = len(drv.calls)
-            th = threading.Thread(target=lambda: sm.launch(
-                saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(q), 8, stream=a))
-            th.start()
-            th.join()
-            first = _waits(drv, a, mark)
-        assert first and all(wt[2] in in_capture for wt in first)
-        mark = len(drv.calls)
-        sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(w), 8, stream=a)  # RAW, S seq 1
-        assert _waits(drv, a, mark) != [], "A reads y with no wait for S's pending write of y"
+            case.write_q_on_a_elsewhere()
+        case.check_read_of_y_waits()
     finally:
-        drv.holding = False
-        drv.finish_held()
-        drv.cuEventRecord = real
+        case.close()
+
+
+@sm.host_kernel
+def _copy(x, out):
+    out[:] = x
+
+
+@sm.host_kernel
+def _touch(x):
+    x[:] = 2
+
+
+class _GatedWrite:
+    """Stream S writes ones into ``y`` once the gate opens (until then its work is pending);
+    ``check()`` opens it after A's copy of ``y`` into ``w`` was submitted, and asserts that the
+    copy saw S's write."""
+
+    def __init__(self, s, y, w):
+        self.gate = threading.Event()
+        self.y, self.w = y, w
+        gate = self.gate
+
+        @sm.host_kernel
+        def gated_write(x):
+            gate.wait(5)
+            x[:] = 1
+        sm.launch(gated_write, 1, 1, sm.Out(y), stream=s)  # S seq 1: running until the gate opens
+
+    def check(self, a):
+        sm.launch(_copy, 1, 1, sm.In(self.y), sm.Out(self.w), stream=a)  # RAW with S seq 1
+        time.sleep(0.3)  # (S's kernel still waits on the gate)
+        self.gate.set()
         sm.synchronize()
+        np.testing.assert_array_equal(self.w.to_host(), np.ones(64, np.float32),
+                                      err_msg="A copied y before S's pending write of y finished")
 
 
 def test_host_a_hold_conflict_during_a_capture_orders_nothing_later():
     """S writes y (gated: still running). q is in use on S (record_use: a hold on S). While S
     captures a graph, A writes q: the hold's conflict records a fresh marker on S -- whose impl
     is the capture recorder, so the marker is COMPLETE -- which must not count as ordering A
-    after S's work. A's next launch copies y: were it not ordered after S's
-    pending write, it would copy zeros."""
+    after S's work: A's next launch copies y after S's pending write (else zeros)."""
     s, a = HOST.create_stream("S"), HOST.create_stream("A")
     y, w, q = (sm.Buffer.zeros(64, "float32", device=HOST) for _ in range(3))
     sm.synchronize()
-    gate = threading.Event()
-
-    @sm.host_kernel
-    def gated_write(x):
-        gate.wait(5)
-        x[:] = 1
-
-    @sm.host_kernel
-    def copy(x, out):
-        out[:] = x
-
-    @sm.host_kernel
-    def touch(x):
-        x[:] = 2
-
-    sm.launch(gated_write, 1, 1, sm.Out(y), stream=s)  # S seq 1: running until the gate opens
+    gated = _GatedWrite(s, y, w)
     sm.record_use(q, s)  # q is used on S too: a hold on S while q lives
     with sm.capture(s):
-        th = threading.Thread(target=lambda: sm.launch(touch, 1, 1, sm.Out(q), stream=a))
+        th = threading.Thread(target=lambda: sm.launch(_touch, 1, 1, sm.Out(q), stream=a))
         th.start()  # (another thread: A is not captured, and no escaped-capture warning)
         th.join()
-    sm.launch(copy, 1, 1, sm.In(y), sm.Out(w), stream=a)  # RAW with S seq 1
-    time.sleep(0.3)  # (S's kernel still waits on the gate)
-    gate.set()
-    sm.synchronize()
-    np.testing.assert_array_equal(w.to_host(), np.ones(64, np.float32),
-                                  err_msg="A copied y before S's pending write of y finished")
+    gated.check(a)
 
 
 def test_host_a_hold_ending_during_a_capture_orders_nothing_later():
@@ -254,38 +262,17 @@ def test_host_a_hold_ending_during_a_capture_orders_nothing_later():
     recorder's marker, COMPLETE; A's later write of the bytes waits on it (a no-op), which must
     not count: A's next launch copies y only after S's pending write."""
     s, a = HOST.create_stream("S"), HOST.create_stream("A")
-    y, w = (sm.Buffer.zeros(64, "float32", device=HOST) for _ in range(2))
-    q = sm.Buffer.zeros(64, "float32", device=HOST)
+    y, w, q = (sm.Buffer.zeros(64, "float32", device=HOST) for _ in range(3))
     sm.synchronize()
-    gate = threading.Event()
-
-    @sm.host_kernel
-    def gated_write(x):
-        gate.wait(5)
-        x[:] = 1
-
-    @sm.host_kernel
-    def copy(x, out):
-        out[:] = x
-
-    @sm.host_kernel
-    def touch(x):
-        x[:] = 2
-
-    sm.launch(gated_write, 1, 1, sm.Out(y), stream=s)  # S seq 1: running until the gate opens
+    gated = _GatedWrite(s, y, w)
     v = q[0:64]
     sm.record_use(v, s)  # holds on S for the live tokens (q's, v's)
     later = q[0:64]      # a view made after: no hold of its own
     with sm.capture(s):
         v.release()
         q.release()       # the holds end during the capture
-    sm.launch(touch, 1, 1, sm.Out(later), stream=a)  # waits on the end's marker (COMPLETE)
-    sm.launch(copy, 1, 1, sm.In(y), sm.Out(w), stream=a)  # RAW with S seq 1
-    time.sleep(0.3)
-    gate.set()
-    sm.synchronize()
-    np.testing.assert_array_equal(w.to_host(), np.ones(64, np.float32),
-                                  err_msg="A copied y before S's pending write of y finished")
+    sm.launch(_touch, 1, 1, sm.Out(later), stream=a)  # waits on the end's marker (COMPLETE)
+    gated.check(a)
 
 
 @sm.host_kernel
