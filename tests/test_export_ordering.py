@@ -222,6 +222,10 @@ def _unpark(monkeypatch):
     retirer.wake()
 
 
+def _submissions() -> int:
+    return sum(type(o).__name__ == "Submission" for o in gc.get_objects())
+
+
 @pytest.mark.parametrize("how", ["dlpack", "cai"])
 def test_hold_ends_of_an_export_loop_die_young(monkeypatch, how):
     """A loop of exports (cupy.from_dlpack's pattern; CAI exports of fresh views) is swept by
@@ -237,6 +241,7 @@ def test_hold_ends_of_an_export_loop_die_young(monkeypatch, how):
     pending = dev.default_stream._pending
     gc.disable()
     try:
+        before = _submissions()  # (earlier tests' may still be alive: only new ones count)
         peak = 0
         for _ in range(5 * SWEEP_EVERY):
             if how == "dlpack":
@@ -248,7 +253,7 @@ def test_hold_ends_of_an_export_loop_die_young(monkeypatch, how):
                 del v  # the view dies: its CAI hold ends
             peak = max(peak, len(pending))
         assert peak <= SWEEP_EVERY, f"{peak} hold ends pending on the default stream"
-        assert sum(type(o).__name__ == "Submission" for o in gc.get_objects()) <= SWEEP_EVERY + 1
+        assert _submissions() - before <= SWEEP_EVERY + 1
     finally:
         gc.enable()
         _unpark(monkeypatch)
