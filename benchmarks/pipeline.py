@@ -11,12 +11,15 @@ Per iteration, at 1024 x 1024 float32:
 The raw version calls ``ct.launch`` and the CuPy kernel on CuPy arrays and orders the two
 streams with events placed by hand. sharedmem's version leases every argument, orders the
 streams itself and moves the storage between a Tensor and a Buffer twice an iteration.
-Printed: time per iteration end to end (GPU-bound) and the host's own time per iteration
-(the calls alone), each as a ratio against raw measured in the same run, in alternating
-rounds. Uses the kernels of examples/mixed_pipeline.py (written in the style of cuTile's
-samples) at this size.
+Printed: time per iteration end to end (GPU-bound, alternating rounds) and the host's own
+time per iteration (10 iterations issued after a sync: the calls alone), each as a ratio
+against raw measured in the same run -- the host time as the median of ``--host-rounds``
+paired rounds (raw, then ours). ``--breakdown`` adds the host time of each call of a step,
+ours and raw; a cuTile launch alone, raw and ours, and ours with ``ct.launch`` stubbed (what
+sharedmem adds on this host); and the host time with the retirer thread parked. Uses the
+kernels of examples/mixed_pipeline.py (written in the style of cuTile's samples) at this size.
 
-Run on a GPU with cuTile: ``PYTHONPATH=. python3 benchmarks/pipeline.py [--iters N]``
+Run on a GPU with cuTile: ``PYTHONPATH=. python3 benchmarks/pipeline.py [--iters N] [--breakdown]``
 """
 
 # No `from __future__ import annotations`: cuTile evaluates kernel annotations.
