@@ -74,7 +74,8 @@ class Stream:
         # wait for on the device: everything enqueued here since is ordered after that work,
         # so a conflict with it needs no second wait. Guarded by core_lock. Kept only on
         # streams whose work sharedmem alone enqueues in order (owned ones, the default
-        # stream); None elsewhere: a borrowed stream's owner may capture it behind our back.
+        # stream); None on borrowed ones, which take no part either way: their owner may
+        # capture them behind our back (a marker recorded there then orders nothing).
         self._waited = {} if owned or external is None else None
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive

@@ -317,3 +317,29 @@ def test_random_programs_on_reused_streams_under_policy_order_match_program_orde
     for buf, want in zip(bufs, ref):
         np.testing.assert_array_equal(buf.to_host(), want)
     sm.synchronize()
+
+
+def test_waits_for_a_borrowed_stream_are_made_every_time(fake, kernels):
+    """A borrowed stream's owner may capture it unseen (a marker recorded there would then
+    order nothing): a wait for its work never counts, and the handoff back waits again."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    a = dev.create_stream("A")
+    b = sm.Stream.from_external(dev.backend.create_stream("foreign").handle, device=dev)
+    assert not b.owned and b._waited is None
+    x = sm.Buffer.from_host(np.ones(8, np.float32), device=dev)
+    y = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    drv.holding = True
+    try:
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=b)
+        mark = len(drv.calls)
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(x), sm.Out(x), 8, stream=a)
+        assert len(_waits(drv, a, mark)) == 1
+        mark = len(drv.calls)
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(y), 8, stream=a)
+        assert len(_waits(drv, a, mark)) == 1  # (with an owned B: none, see the first test)
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()

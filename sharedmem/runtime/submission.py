@@ -302,11 +302,11 @@ def note_waited_locked(stream, other, seq, marker) -> None:
     of that (a pipeline's handoff back, whose memory the first handoff already ordered). Not
     noted where the wait may order after nothing that runs: a marker recorded into a capture
     of ``other`` (a live stream's wait on it is a no-op), COMPLETE (captured work's), one whose
-    record failed. An open hold's wait is never noted (the caller does not ask). Caller holds
-    core_lock."""
+    record failed, any marker of a borrowed ``other`` (its owner may be capturing it, unseen).
+    An open hold's wait is never noted (the caller does not ask). Caller holds core_lock."""
     waited = stream._waited
-    if waited is None or other._capture is not None or marker is COMPLETE or \
-            marker.error is not None:
+    if waited is None or other._waited is None or other._capture is not None or \
+            marker is COMPLETE or marker.error is not None:
         return
     if len(waited) >= _waited_max:
         waited.clear()
