@@ -155,21 +155,20 @@ cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
 
 
-@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken, where=tuple, t=Tensor)
-cpdef _make_capsule(View view, ViewToken tok, bint versioned, int flags, consumers)
+@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken, t=Tensor)
+cpdef _make_capsule(View view, ViewToken tok, bint versioned, int flags, consumers, tuple where)
 
 @cython.locals(ex=_Export, exports=dict)
 cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id, int code,
                       int bits, tuple shape, tuple strides, bint versioned, uint64_t flags)
 
-@cython.locals(tok=ViewToken)
+@cython.locals(tok=ViewToken, facts=tuple)
 cpdef export_positional(View view, stream, max_version, dl_device, copy)
 
 @cython.locals(f=tuple, cache=dict)
 cdef tuple _facts_of(dev)
 
-@cython.locals(facts=tuple)
-cpdef list _consumer_wait(ViewToken tok, stream)
+cpdef list _consumer_wait(ViewToken tok, stream, tuple facts)
 
 @cython.locals(exports=dict, ex=_Export)
 cpdef _delete(addr)

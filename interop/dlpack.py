@@ -147,6 +147,8 @@ def _np_dtype(t: DLDataType) -> np.dtype:
 
 
 # -- export --------------------------------------------------------------------------------
+@cython.freelist(16)
+@cython.cclass
 class _Export:
     """Holds an exported managed tensor's view token until the consumer's deleter (or the
     unused capsule's destructor) runs, and keeps the managed tensor alive (``managed``: its
@@ -248,11 +250,11 @@ def _facts_of(dev) -> tuple:
     return f
 
 
-def _consumer_wait(tok, stream) -> list:
+def _consumer_wait(tok, stream, facts) -> list:
     """Order the consumer's stream after our pending work (see module docstring); returns
-    the export's consumers, ``(Stream, writes)`` pairs for its hold."""
+    the export's consumers, ``(Stream, writes)`` pairs for its hold. ``facts``: the
+    :func:`_facts_of` the token's device."""
     dev = tok.allocation.device
-    facts = _facts_of(dev)
     if facts[0]:  # the host device
         if stream is not None:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
@@ -297,7 +299,8 @@ def export_positional(view, stream, max_version, dl_device, copy):
     """:func:`export` with positional arguments (what ``View.__dlpack__`` calls: a call
     without keywords is cheaper)."""
     tok = view._live_token()
-    ours = _facts_of(tok.allocation.device)[3]
+    facts = _facts_of(tok.allocation.device)
+    ours = facts[3]
     if dl_device is not None:
         dl_device = (int(dl_device[0]), int(dl_device[1]))
     if copy is True or (dl_device is not None and dl_device != ours):
@@ -309,8 +312,9 @@ def export_positional(view, stream, max_version, dl_device, copy):
     if not versioned and not tok.writable:
         raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "
                           f"say read-only); the consumer must ask for max_version >= (1, 0)")
-    consumers = _consumer_wait(tok, stream)
-    return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, consumers)
+    consumers = _consumer_wait(tok, stream, facts)
+    return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, consumers,
+                         ours)
 
 
 # Byte layouts of the structs above (x86-64 / aarch64 LP64), packed in one call:
@@ -329,8 +333,9 @@ else:
 _dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent writes)
 
 
-def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
-    """The capsule; its view token is a hold for ``consumers`` (see interop.streams)."""
+def _make_capsule(view, tok, versioned: bool, flags: int, consumers, where):
+    """The capsule; its view token is a hold for ``consumers`` (see interop.streams).
+    ``where``: the token's device, as DLPack's ``(device_type, device_id)``."""
     if type(view) is Tensor:  # (its fields: no property calls)
         t = view
         dt, shape, strides = t._dtype, t._shape, t._strides
@@ -342,7 +347,6 @@ def _make_capsule(view, tok, versioned: bool, flags: int, consumers):
         d = _dl_dtype(dt)
         code_bits = cache[dt] = (d.code, d.bits)
     alloc = tok.allocation
-    where = _facts_of(alloc.device)[3]
     export_tok = alloc.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep,
                                  view, consumers)
     try:
@@ -401,8 +405,10 @@ def _export_copy(view, stream, max_version, target):
         raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
     versioned = max_version is not None and tuple(max_version)[0] >= 1
     stok = src._live_token()
-    consumers = _consumer_wait(stok, stream if target[0] == kDLCUDA else None)
-    capsule = _make_capsule(src, stok, versioned, FLAG_IS_COPIED if versioned else 0, consumers)
+    facts = _facts_of(stok.allocation.device)
+    consumers = _consumer_wait(stok, stream if target[0] == kDLCUDA else None, facts)
+    capsule = _make_capsule(src, stok, versioned, FLAG_IS_COPIED if versioned else 0, consumers,
+                            facts[3])
     src.release()  # the capsule's own token keeps the copy alive
     return capsule
 

@@ -20,6 +20,16 @@ def cast(type_, value, typecheck=False):
     return value
 
 
+def freelist(n):
+    """``cython.freelist``: interpreted, the class as it is."""
+    return cclass
+
+
+def cclass(cls):
+    """``cython.cclass``: interpreted, the class as it is (its .pxd makes it one compiled)."""
+    return cls
+
+
 def declare(type_=None, value=None, **kwargs):
     """``cython.declare``: interpreted, the value (module constants stay Python ints)."""
     return value

@@ -78,6 +78,8 @@ def _origin():
 _ids = itertools.count(1)  # next() on a count is atomic under the GIL
 
 
+@cython.freelist(16)
+@cython.cclass
 class ViewToken:
     """One live view of bytes ``[start, stop)`` of an allocation.
 

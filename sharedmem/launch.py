@@ -61,6 +61,8 @@ _ATOMIC = cython.declare(cython.int, 2)
 _MODE_NAMES = (READ, WRITE, ATOMIC)
 
 
+@cython.freelist(16)
+@cython.cclass
 class Intent:
     """Wraps a launch argument to state how the kernel uses it (``.obj``: the argument).
 
@@ -128,6 +130,8 @@ class Atomic(Intent):
         _init_intent(self, obj, with_length, _ATOMIC)
 
 
+@cython.freelist(16)
+@cython.cclass
 class LaunchArg:
     """One array argument of a launch, resolved: ``view`` (a sharedmem view, or None for a
     foreign array an adapter leased directly), ``value`` (what the plan packs: the view, or
@@ -412,14 +416,15 @@ def resolve_args(adapter, args, device):
     :class:`LaunchArg` (a foreign array leased without a view, or ``with_length``); a plan
     walks it with ``uses`` beside it (see :func:`array_args`). Views an adapter makes of
     foreign arrays are referenced by ``resolved`` (keep it until the leases are taken)."""
-    resolved = []
+    n = len(args)
+    resolved = [None] * n  # (one entry an argument: sized once, not grown)
     uses = []
     coerce = None
-    for i in range(len(args)):
+    for i in range(n):
         a = args[i]
         t = type(a)
         if t is int or t is float or t is bool or a is None:
-            resolved.append(a)
+            resolved[i] = a
             continue
         if isinstance(a, Intent):
             ia = a
@@ -444,7 +449,7 @@ def resolve_args(adapter, args, device):
             value = view
         else:
             if intent is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
-                resolved.append(a)
+                resolved[i] = a
                 continue
             if coerce is None:
                 coerce = adapter.coerce
@@ -453,7 +458,7 @@ def resolve_args(adapter, args, device):
                 if intent is not None:
                     raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
                                       f"DeviceBox or array, got {type(obj).__name__}")
-                resolved.append(a)
+                resolved[i] = a
                 continue
             if type(got) is LaunchArg:  # a foreign array leased without a view
                 la = got
@@ -480,8 +485,9 @@ def resolve_args(adapter, args, device):
             raise KernelError(f"argument {i}: {intent.__name__}({shown!r}) would write through a "
                               f"read-only view; pass it as In(...) or copy it first")
         if view is not None and view is value and not with_length:
-            resolved.append(view)  # the common case: the view itself stands for the argument
-            uses.append(tok.use(mode != _READ))
+            resolved[i] = view  # the common case: the view itself stands for the argument
+            u = tok.use_r if mode == _READ else tok.use_w  # (tok.use() inlined)
+            uses.append(u if u is not None else tok.use(mode != _READ))
             continue
         if la is None:
             la = LaunchArg.__new__(LaunchArg)
@@ -492,7 +498,7 @@ def resolve_args(adapter, args, device):
         la._mode = mode
         la.intent = intent
         la.with_length = with_length
-        resolved.append(la)
+        resolved[i] = la
         uses.append(tok.use(mode != _READ))
     return resolved, uses, device
 

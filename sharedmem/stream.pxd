@@ -2,7 +2,7 @@
 
 cdef class Stream:
     cdef public object device, _impl
-    cdef public bint owned
+    cdef public bint owned, _ours
     cdef public object name
     cdef public object _pending
     cdef public long long _seq, _done, _swept, _uid

@@ -46,7 +46,7 @@ class Stream:
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
-                 "_uid", "_waited", "_leak_warned",
+                 "_uid", "_ours", "_waited", "_leak_warned",
                  "_external", "_capture", "_checks", "launch_cache", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
@@ -70,13 +70,16 @@ class Stream:
         self._done = 0  # guarded by core_lock
         self._swept = 0  # _seq at the last submission.sweep_long; guarded by core_lock
         self._uid = next(_uids)  # never reused (an id() may be, once a Stream is gone)
+        # Owned, or the device's default stream (not borrowed): a stream that outlives what
+        # sharedmem files on it and that no other library destroys or captures behind its back
+        self._ours = owned or external is None
         # Other streams' _uid -> the newest of their sequence numbers this stream was made to
         # wait for on the device: everything enqueued here since is ordered after that work,
         # so a conflict with it needs no second wait. Guarded by core_lock. Kept only on
         # streams whose work sharedmem alone enqueues in order (owned ones, the default
         # stream); None on borrowed ones, which take no part either way: their owner may
         # capture them behind our back (a marker recorded there then orders nothing).
-        self._waited = {} if owned or external is None else None
+        self._waited = {} if self._ours else None
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock

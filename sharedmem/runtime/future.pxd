@@ -2,10 +2,10 @@
 cimport cython
 
 cdef class _FutureBase:
-    pass
+    cdef public object _s  # (DeviceFuture's: here, so a DeviceFuture fits the freelist)
 
 cdef class DeviceFuture(_FutureBase):
-    cdef public object _s
+    pass
 
 @cython.locals(f=DeviceFuture)
 cpdef DeviceFuture future_of(submission)

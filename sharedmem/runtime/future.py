@@ -16,6 +16,11 @@ import threading
 import types
 from typing import TYPE_CHECKING
 
+try:
+    import cython
+except ImportError:  # (interpreted without Cython: see sharedmem/_cython.py)
+    from .. import _cython as cython
+
 from ..errors import CompletionUnknownError, HostKernelError
 from . import callbacks as _callbacks
 from . import submission as _sub
@@ -33,8 +38,10 @@ if TYPE_CHECKING:  # (type checkers read future.pyi, where both futures are Gene
     _U = TypeVar("_U")
 
 
+@cython.freelist(16)  # (a launch makes a DeviceFuture: same size as this, compiled)
+@cython.cclass
 class _FutureBase:
-    __slots__ = ()
+    __slots__ = ("_s",)  # (DeviceFuture's submission; here, so that one fits the freelist)
     # DeviceFuture[None], HostFuture[int]: subscriptable at runtime, as their stubs are generic
     # (a cdef class cannot derive from typing.Generic)
     __class_getitem__ = classmethod(types.GenericAlias)
@@ -128,7 +135,7 @@ class DeviceFuture(_FutureBase):
     known. ``await fut`` works in asyncio. Dropping the future is safe.
     """
 
-    __slots__ = ("_s",)
+    __slots__ = ()
 
     def __init__(self, submission: Submission) -> None:
         self._s = submission

@@ -16,6 +16,7 @@ _T_co = TypeVar("_T_co", covariant=True)
 _U = TypeVar("_U")
 
 class _FutureBase(Generic[_T_co]):
+    __slots__ = ("_s",)  # (DeviceFuture's submission: see future.py)
     @classmethod
     def __class_getitem__(cls, item: Any, /) -> GenericAlias: ...
     def then(self, fn: Callable[[_T_co], _U]) -> HostFuture[_U]: ...

@@ -60,6 +60,8 @@ SWEEP_EVERY = 64
 _sweep_every = cython.declare(cython.longlong, SWEEP_EVERY)
 
 
+@cython.freelist(64)
+@cython.cclass
 class Submission:
     """One piece of enqueued work; see the module docstring for what it keeps."""
 
@@ -430,8 +432,7 @@ def joined_marker_locked(stream):
     (a later record would go to a dead handle) or begin a capture on it meanwhile.
     Caller holds core_lock. Raises CompletionUnknownError where recording failed."""
     impl = stream._impl
-    if not (stream.owned or stream is stream.device._default_stream) or \
-            getattr(impl, "capturing", False):
+    if not stream._ours or getattr(impl, "capturing", False):
         return fresh_marker_locked(stream, True)
     try:
         return stream.device.backend.submit_marker(impl)
