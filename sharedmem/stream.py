@@ -45,7 +45,7 @@ class Stream:
     ``_waited`` (what this stream is already ordered after: see ``note_waited_locked``).
     """
 
-    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
+    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_push", "_seq", "_done", "_swept",
                  "_uid", "_ours", "_waited", "_leak_warned",
                  "_external", "_capture", "_checks", "launch_cache", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
@@ -66,6 +66,7 @@ class Stream:
         self.owned = owned
         self.name = name or getattr(impl, "name", None)
         self._pending = collections.deque()  # guarded by core_lock
+        self._push = self._pending.append  # (a bound method: no lookup of "append" a launch)
         self._seq = 0  # guarded by core_lock
         self._done = 0  # guarded by core_lock
         self._swept = 0  # _seq at the last submission.sweep_long; guarded by core_lock

@@ -239,9 +239,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                              label)
         if rt.tracer is not None:
             rt.tracer.submitted(sub, waits)
-        pending = stream._pending
-        pending.append(sub)
-        became_active = len(pending) == 1
+        stream._push(sub)  # (stream._pending.append)
+        became_active = len(stream._pending) == 1
         if became_active:
             rt.active.add(stream)
         rt.in_flight += 1
@@ -371,13 +370,12 @@ def lease_locked(stream, uses, keep, label, marker):
     sub = new_submission(stream, seq, marker, keep, uses, label)
     if rt.tracer is not None:
         rt.tracer.submitted(sub, None)
-    pending = stream._pending
-    pending.append(sub)
+    stream._push(sub)  # (stream._pending.append)
     rt.in_flight += 1
     rt.submitted += 1
     if not rt.retirer_running:
         rt.ensure_retirer()  # (starting a thread waits for nothing that needs core_lock)
-    if len(pending) == 1:
+    if len(stream._pending) == 1:
         rt.active.add(stream)
         if rt.retirer_idle:  # (as in submit: only a stream that just became active needs it)
             rt.wake_retirer()
