@@ -43,6 +43,8 @@ class Stream:
     submission), ``_done`` (that of the newest retired one: every lease of this stream with a
     sequence number up to it is finished), ``_capture`` (the Graph being captured),
     ``_waited`` (what this stream is already ordered after: see ``note_waited_locked``).
+    Set once: ``_push`` (``_pending.append``, bound), ``_ours`` (owned, or the device's default
+    stream: not borrowed).
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_push", "_seq", "_done", "_swept",
