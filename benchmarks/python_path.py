@@ -7,6 +7,9 @@ views (a move between launches), CuPy-style foreign arrays... Runs anywhere:
 
     python benchmarks/python_path.py            # both builds, each in its own process
     python benchmarks/python_path.py --this     # the build this process imports
+    python benchmarks/python_path.py --this --only dlpack --calls 2000
+                                                # one row, a fixed number of calls (for
+                                                # callgrind: the difference of two counts)
 
 Compare machines by running it on both; compare builds by the two tables.
 """
@@ -216,11 +219,24 @@ def this_build():
             ("DLPack export (stream=1) + release", dlpack),
             ("graph replay call", replay)]
     print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")
+    only = _option("--only")
+    calls = _option("--calls")
     for name, fn in rows:
+        if only is not None and only.lower() not in name.lower():
+            continue
         fn()
         sm.synchronize()
-        print(f"{name:40s} {per_call_us(fn):7.2f} us")
+        if calls is not None:
+            for _ in range(int(calls)):
+                fn()
+        else:
+            print(f"{name:40s} {per_call_us(fn):7.2f} us")
         sm.synchronize()
+
+
+def _option(name):
+    """The value after ``name`` on the command line, or None."""
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
 def main():

@@ -48,7 +48,7 @@ cdef class AccessTracker:
     @cython.locals(use=StreamUse, h=Hold)
     cpdef add_hold_locked(self, stream, tok, Py_ssize_t lo, Py_ssize_t hi, bint writes)
 
-    @cython.locals(use=StreamUse, s=Stream)
+    @cython.locals(use=StreamUse, holds=list, i=Py_ssize_t, h=Hold)
     cpdef drop_hold_locked(self, Stream stream, tok)
 
     @cython.locals(uses=dict, s=Stream)

@@ -312,7 +312,12 @@ class AccessTracker:
         use = self._uses.get(stream)
         if use is None:
             return
-        use.holds = [h for h in use.holds if h.token is not tok]
+        holds = use.holds
+        for i in range(len(holds)):
+            h = holds[i]
+            if h.token is tok:  # (a token holds once per stream: see add_hold_locked)
+                del holds[i]
+                break
         if use.prune(stream._done):
             self._drop(stream)
 

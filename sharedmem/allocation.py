@@ -458,6 +458,8 @@ def _advice(toks) -> str:
 
 
 _modules = sys.modules
+# interop.dlpack.export_positional, once an export imported it (a C global where compiled)
+_dlpack_export = cython.declare(list, [None])
 
 
 def _module(name):
@@ -650,8 +652,10 @@ class View:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """Export as a DLPack capsule (see :mod:`interop.dlpack` for the stream
         rules). The capsule holds a view token until the consumer deletes it."""
-        return _module("interop.dlpack").export_positional(self, stream, max_version, dl_device,
-                                                           copy)
+        export = _dlpack_export[0]
+        if export is None:  # (found once: no module lookup nor attribute lookup an export)
+            export = _dlpack_export[0] = _module("interop.dlpack").export_positional
+        return export(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self):
         """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""

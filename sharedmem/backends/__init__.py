@@ -29,12 +29,15 @@ class Marker(Protocol):
 @runtime_checkable
 class StreamImpl(Protocol):
     """A backend's stream. ``fault``: the error that made its completion unknown, or None;
-    ``throttle``: a callable the core calls (holding no lock) before enqueueing, or None."""
+    ``throttle``: a callable the core calls (holding no lock) before enqueueing, or None;
+    ``submit_marker()``: a marker reached once everything enqueued so far has run (caller
+    holds the core lock; the CUDA backend joins the stream's batched open marker)."""
 
     handle: int
     fault: Any
     throttle: Any
 
+    def submit_marker(self) -> Marker: ...
     def wait_marker(self, marker: Marker) -> None: ...
     def synchronize(self) -> None: ...
 

@@ -325,6 +325,10 @@ class HostStreamImpl:
         self._q.put((fn, m))
         return m
 
+    def submit_marker(self) -> HostMarker:
+        """A marker reached once everything enqueued so far ran (see StreamImpl)."""
+        return self.submit(_noop)
+
     def wait_marker(self, marker: HostMarker) -> None:
         """Make later tasks wait for ``marker`` (a failed marker faults this
         stream too: what it waited for is unknown)."""
@@ -420,6 +424,9 @@ class _CapturingImpl:
     def submit(self, fn, isolated=False):
         self._rec.tasks.append(fn)
         return COMPLETE
+
+    def submit_marker(self):
+        return self.submit(_noop)
 
     def wait_marker(self, marker) -> None:  # pragma: no cover - captures make no waits
         from ..errors import CaptureError
@@ -519,7 +526,9 @@ class HostBackend:
         """A marker reached once everything enqueued so far on ``impl`` ran."""
         return impl.submit(_noop)
 
-    submit_marker = record_marker  # a submission's completion marker (the CUDA name)
+    def submit_marker(self, impl: HostStreamImpl) -> HostMarker:
+        """A submission's completion marker (the CUDA name): ``impl.submit_marker()``."""
+        return impl.submit_marker()
 
     # Copies run as tasks on a stream; each returns the task's marker.
     def copy_htod(self, impl: HostStreamImpl, dst_ptr: int, src: np.ndarray) -> HostMarker:

@@ -406,17 +406,18 @@ def end_holds_locked(tok) -> None:
     tracker = tok.allocation.tracker
     for c in consumers:
         stream = c[0]  # (a typed local: its fields are C reads)
+        if tok.start < tok.stop:
+            try:
+                marker = joined_marker_locked(stream)
+            except CompletionUnknownError as e:
+                marker = FailedMarker(e)
+            # (a new pair, not tok.use(): the released token keeps no lease pair, which would
+            # refer back to it -- a cycle keeping its allocation until a collection; the label
+            # is formatted only where a message needs it: see label_text)
+            lease_locked(stream, ((tok, c[1]),), tok.keep, (_HOLD_END, tok.kind), marker)
+        # (after the lease: the stream's record in the tracker then stays, with the lease's
+        # span, for the next export to that stream to find -- not dropped and made again)
         tracker.drop_hold_locked(stream, tok)
-        if tok.start >= tok.stop:
-            continue
-        try:
-            marker = joined_marker_locked(stream)
-        except CompletionUnknownError as e:
-            marker = FailedMarker(e)
-        # (a new pair, not tok.use(): the released token keeps no lease pair, which would
-        # refer back to it -- a cycle keeping its allocation until a collection; the label
-        # is formatted only where a message needs it: see label_text)
-        lease_locked(stream, ((tok, c[1]),), tok.keep, (_HOLD_END, tok.kind), marker)
 
 
 def joined_marker_locked(stream):
@@ -433,7 +434,7 @@ def joined_marker_locked(stream):
     if not stream._ours or getattr(impl, "capturing", False):
         return fresh_marker_locked(stream, True)
     try:
-        return stream.device.backend.submit_marker(impl)
+        return impl.submit_marker()
     except Exception as e:
         raise _unrecordable(stream, e) from e
 
