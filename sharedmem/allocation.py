@@ -153,7 +153,7 @@ def _release_locked(tok) -> None:
         rt = RUNTIME
         tok.live = False
         tok.use_r = tok.use_w = None  # (they refer back to the token)
-        del tok.allocation._views[id(tok)]
+        del tok.allocation._views[tok]
         rt.live_views -= 1
         if tok.consumers is not None:  # a hold ends: stream-ordered, never at once
             rt.hooks.end_holds(tok)
@@ -163,7 +163,7 @@ def _release_locked(tok) -> None:
 def _add_locked(tok):
     rt = RUNTIME
     tok.live = True
-    tok.allocation._views[id(tok)] = tok
+    tok.allocation._views[tok] = tok  # (keyed by identity: no int made)
     rt.live_views += 1
     return tok
 
@@ -214,7 +214,7 @@ class Allocation:
         self.owner = owner
         self.source = source
         self.tracker = AccessTracker()
-        self._views = {}  # id(token) -> live ViewToken; guarded by core_lock
+        self._views = {}  # live ViewToken -> itself (identity hash); guarded by core_lock
         _registry.register(self)
 
     def __repr__(self) -> str:
