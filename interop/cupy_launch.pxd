@@ -65,7 +65,7 @@ cdef class ArrayFacts:
 
 cdef inline object _id(object obj)
 
-@cython.locals(f=ArrayFacts, facts=dict)
+@cython.locals(f=ArrayFacts, slot=Py_ssize_t, addr=size_t)
 cpdef ArrayFacts array_facts(arr)
 
 @cython.locals(f=ArrayFacts, la=LaunchArg)

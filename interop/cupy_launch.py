@@ -375,8 +375,7 @@ class RawKernelPlan(KernelPlan):
             if type(a) is LaunchArg:
                 j += 1
                 la = a
-                kind = par.kind
-                if kind != "p" and not (kind == "?" and par.size == 8):
+                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 v = la.value
@@ -586,12 +585,21 @@ class ArrayFacts:
 # array dies (its weak reference's callback); a stale id is caught by ``ref() is arr``.
 # Lock-free: single dict operations; a racing thread learns equal facts.
 _facts = {}
+# The facts found last, by a hash of the array's address (compiled: one C list read, before
+# the dict, whose key is an int made per lookup). An entry is used only while its array is
+# the one asked about (``ref() is arr``). Lock-free: single list stores of immutable records.
+_RECENT = cython.declare(cython.Py_ssize_t, 64)
+_recent = cython.declare(list, [None] * 64)
 
 
 def _forget(key, ref):
     f = _facts.get(key)
     if f is not None and f.ref is ref:
         del _facts[key]
+    slot = (key >> 6) % _RECENT  # (the array's address: see array_facts)
+    f = _recent[slot]
+    if f is not None and f.ref is ref:  # (nothing outlives the array: its allocation goes)
+        _recent[slot] = None
 
 
 def _id(obj):
@@ -603,11 +611,21 @@ def _id(obj):
 
 def array_facts(arr):
     """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
-    facts = _facts  # (a typed local: a C dict lookup)
-    f = facts.get(_id(arr) if cython.compiled else id(arr))  # (interpreted: no call to _id)
-    if f is not None and f.ref() is arr:
-        return f
-    return _learn(arr)
+    if cython.compiled:
+        addr = cython.cast(cython.size_t, cython.cast(cython.p_void, arr))
+        slot = (addr >> 6) % _RECENT  # (an array object is some 100 bytes long)
+        f = _recent[slot]
+        if f is not None and f.ref() is arr:
+            return f
+        f = _facts.get(_id(arr))
+    else:
+        slot = 0
+        f = _facts.get(id(arr))
+    if f is None or f.ref() is not arr:
+        f = _learn(arr)
+    if cython.compiled:
+        _recent[slot] = f
+    return f
 
 
 def _learn(arr):

@@ -281,6 +281,9 @@ _plans = {}
 # (id(kernel), device key) -> (kernel, plan) for kernels launched on several devices
 _plans_by_device = {}
 _PLANS_MAX = 1024
+# KernelAdapter -> its coerce method, looked up once (a launch with foreign arrays asks it for
+# each); lock-free: a racing writer stores the same method. Cleared with the plans.
+_coercers = {}
 
 
 def register_kernel_adapter(kernel_type: type | str, adapter: KernelAdapter) -> None:
@@ -293,6 +296,7 @@ def register_kernel_adapter(kernel_type: type | str, adapter: KernelAdapter) -> 
             _adapters[kernel_type] = adapter
         _plans.clear()
         _plans_by_device.clear()
+        _coercers.clear()
 
 
 def _registered(t):
@@ -452,7 +456,9 @@ def resolve_args(adapter, args, device):
                 resolved[i] = a
                 continue
             if coerce is None:
-                coerce = adapter.coerce
+                coerce = _coercers.get(adapter)
+                if coerce is None:  # (an attribute lookup through the adapter's class: once)
+                    coerce = _coercers[adapter] = adapter.coerce
             got = coerce(obj, device)
             if got is None:
                 if intent is not None:
