@@ -23,7 +23,6 @@ cdef class Param:
     cdef public int code, kcode
     cdef public Py_ssize_t offset
     cdef public object lo, hi
-    cdef public long long ilo, ihi
 
 cdef class LaunchConfig:
     cdef public unsigned int gx, gy, gz, bx, by, bz, shm
@@ -62,6 +61,8 @@ cdef class ArrayFacts:
     cdef public object ref
     cdef public ViewToken token
     cdef public Py_ssize_t offset
+    cdef public size_t addr
+    cdef public bint dead
 
 cdef inline object _id(object obj)
 

@@ -110,8 +110,7 @@ class Param:
     not known), ``size`` in bytes (the driver's), ``name`` and ``ctype`` (from the source, or
     None)."""
 
-    __slots__ = ("kind", "size", "name", "ctype", "code", "offset", "kcode", "lo", "hi", "ilo",
-                 "ihi")
+    __slots__ = ("kind", "size", "name", "ctype", "code", "offset", "kcode", "lo", "hi")
 
     def __init__(self, kind, size, name, ctype):
         self.kind, self.size, self.name, self.ctype = kind, size, name, ctype
@@ -121,8 +120,6 @@ class Param:
         self.lo, self.hi = ((0, 2) if kind == "b" else
                             (-(1 << (bits - 1)), 1 << (bits - 1)) if kind == "i" else
                             (0, 1 << bits))
-        # the same as C integers, for parameters of up to 4 bytes (pack's fast path)
-        self.ilo, self.ihi = (self.lo, self.hi) if size < 8 else (0, 0)
         # how the compiled enqueue writes the value pack() made: an unsigned integer of
         # `size` bytes (codes 8, 4, 2, 1: ints and pointers), a float (F32) or a double (F64),
         # else the value's bytes (BYTES: half, and parameters of unknown type)
@@ -260,6 +257,8 @@ def _function_handle(kernel, dev):
 
 _BOOLS = (bool, np.bool_)  # (module constants: no attribute lookup on numpy per argument)
 _INTS = (int, np.integer)
+# NumPy's integer scalar types (np.int32(n), the usual way to pass a C int): found by identity
+_NP_INTS = (np.int32, np.int64, np.uint32, np.uint64, np.int16, np.uint16, np.int8, np.uint8)
 
 
 def _int_value(i, p, a):
@@ -396,7 +395,10 @@ class RawKernelPlan(KernelPlan):
             kc = par.kcode
             t = type(a)
             if kc == _K_INT:
-                if t is int and par.size < 8 and par.ilo <= a < par.ihi:  # (C compares)
+                if t is not int and t in _NP_INTS:
+                    a = int(a)  # (then checked as an int: no isinstance walks)
+                    t = int
+                if t is int and par.lo <= a < par.hi:  # (the bounds as ints: none made here)
                     _emit(out, par, a)
                 else:
                     _emit(out, par, _int_value(i, par, a))
@@ -576,9 +578,12 @@ class ArrayFacts:
     read-only view) and ``offset``, the byte offset of its element 0 in that allocation. A
     CuPy array's data pointer, memory and device are read-only; its shape may be re-set,
     but only to one of the same size over the same bytes. The token keeps the allocation,
-    never the array (that would keep the array alive): a launch keeps the array itself."""
+    never the array (that would keep the array alive): a launch keeps the array itself.
+    ``addr``: the array's address (its id); ``dead``: set by the weak reference's callback,
+    which runs before the array's memory is freed -- so no later object at that address is
+    taken for it."""
 
-    __slots__ = ("ref", "token", "offset")
+    __slots__ = ("ref", "token", "offset", "addr", "dead")
 
 
 # id(array) -> ArrayFacts of the live CuPy arrays passed to launches. An entry goes when its
@@ -595,10 +600,12 @@ _recent = cython.declare(list, [None] * 64)
 def _forget(key, ref):
     f = _facts.get(key)
     if f is not None and f.ref is ref:
+        f.dead = True
         del _facts[key]
     slot = (key >> 6) % _RECENT  # (the array's address: see array_facts)
     f = _recent[slot]
     if f is not None and f.ref is ref:  # (nothing outlives the array: its allocation goes)
+        f.dead = True
         _recent[slot] = None
 
 
@@ -615,13 +622,13 @@ def array_facts(arr):
         addr = cython.cast(cython.size_t, cython.cast(cython.p_void, arr))
         slot = (addr >> 6) % _RECENT  # (an array object is some 100 bytes long)
         f = _recent[slot]
-        if f is not None and f.ref() is arr:
+        if f is not None and f.addr == addr and not f.dead:  # (field reads, no call)
             return f
         f = _facts.get(_id(arr))
     else:
         slot = 0
         f = _facts.get(id(arr))
-    if f is None or f.ref() is not arr:
+    if f is None or f.dead:
         f = _learn(arr)
     if cython.compiled:
         _recent[slot] = f
@@ -638,6 +645,8 @@ def _learn(arr):
     f.token = ViewToken(alloc, "CuPy array argument", lo, hi, writable, alloc)
     f.token.live = True  # a lease's range: never a live view (not in the allocation's views)
     f.offset = arr.data.ptr - alloc.ptr
+    f.addr = key
+    f.dead = False
     f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
     _facts[key] = f
     return f

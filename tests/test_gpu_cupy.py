@@ -133,7 +133,7 @@ def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, 
     gc.collect()
     assert ref() is None
     assert all(f.ref() is not None for f in icl._facts.values())  # its entry went with it
-    assert facts not in icl._facts.values()
+    assert facts not in icl._facts.values() and facts.dead  # (never taken for a new array)
     # and so did the recent-lookup slot that found it (compiled: it would keep the allocation)
     assert facts not in icl._recent
     assert all(f is None or f.ref() is not None for f in icl._recent)

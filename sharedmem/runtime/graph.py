@@ -40,7 +40,7 @@ from ..errors import CaptureError, ReleasedError
 from . import submission as _sub
 from .submission import Work, submit_plan
 from .future import DeviceFuture, future_of
-from ..stream import resolve_stream
+from ..stream import Stream, resolve_stream
 
 __all__ = ["Graph", "capture", "graph"]
 
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
     from ..device import Device
     from ..ops import DeviceOp
-    from ..stream import Stream
 
 _ids = itertools.count(1)
 
@@ -61,15 +60,16 @@ class _Executable(Work):
     and every replay that keeps it has retired. As a Work, it launches the graph (a replay
     submits it, with nothing made per call)."""
 
-    __slots__ = ("backend", "handle")
+    __slots__ = ("backend", "handle", "launch")
     capturable = False  # (a replay cannot be captured: no escaped-capture warning)
 
     def __init__(self, backend, handle):
         self.backend = backend
         self.handle = handle
+        self.launch = backend.launch_graph  # (bound once: no method lookup a replay)
 
     def enqueue(self, stream, config, payload):
-        return self.backend.launch_graph(self.handle, stream._impl)
+        return self.launch(self.handle, stream._impl)
 
     def __reduce__(self):
         # (no copies: a copy would destroy the backend graph under the live one when it dies)
@@ -142,12 +142,15 @@ class Graph:
         """Run the graph on ``stream`` (default: the device's default stream
         on the host; a CUDA graph needs a created stream or the legacy default
         stream) with fresh leases on everything it touches."""
-        r = self._replay  # (one attribute read: set with the state "ready", dropped by release)
-        if r is None or self._state != "ready":
+        r = self._replay  # (one attribute read: set when the capture ends, dropped by release)
+        if r is None:
             raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
                                f"can be replayed")
-        uses, keep, label, executable = r
-        s = resolve_stream(stream, self.device)
+        uses, keep, label, executable, dev = r
+        if type(stream) is Stream and stream.device is dev:
+            s = stream  # (the usual call: nothing to resolve)
+        else:
+            s = resolve_stream(stream, dev)
         if s._capture is not None:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
         # keeps the executable and (through the uses) the memory -- not this Graph. (A release
@@ -270,7 +273,8 @@ class capture:
         with g._lock:
             # (uses, keep, label, executable): everything a replay reads, in one tuple
             # published with the state -- replay() reads it once, without the lock
-            g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}", g._exec)
+            g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}", g._exec,
+                         g.device)
             g._state = "ready"
         return False
 
