@@ -365,15 +365,16 @@ class RawKernelPlan(KernelPlan):
                 if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
-                tok = uses[j][0]
+                # (checked above, and a lease names a ViewToken: compiled, no second type test)
+                tok = cython.cast(ViewToken, uses[j][0]) if cython.compiled else uses[j][0]
                 j += 1
-                view = a  # (a typed local, not a cast: interpreted, a cast is a call)
+                view = cython.cast(View, a) if cython.compiled else a
                 _emit_address(out, par, tok.allocation.ptr + view._offset)
                 p += 1
                 continue
             if type(a) is LaunchArg:
                 j += 1
-                la = a
+                la = cython.cast(LaunchArg, a) if cython.compiled else a
                 if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")

@@ -282,7 +282,7 @@ class AccessTracker:
         use.newest = seq
         entries = use.writes if writes else use.reads
         if len(entries) == 1:  # the common case: the same range again
-            e = entries[0]
+            e = cython.cast(Span, entries[0]) if cython.compiled else entries[0]  # (Spans only)
             if e.seq <= done:  # finished: this access alone is unfinished now
                 e.lo = lo
                 e.hi = hi

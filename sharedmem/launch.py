@@ -431,7 +431,7 @@ def resolve_args(adapter, args, device):
             resolved[i] = a
             continue
         if isinstance(a, Intent):
-            ia = a
+            ia = cython.cast(Intent, a) if cython.compiled else a  # (checked: no 2nd test)
             obj = ia.obj
             mode = ia._mode
             intent = t
@@ -443,7 +443,7 @@ def resolve_args(adapter, args, device):
             with_length = False
         la = None
         if isinstance(obj, View):
-            view = obj
+            view = cython.cast(View, obj) if cython.compiled else obj
         else:
             view = _as_view(obj)
         if view is not None:

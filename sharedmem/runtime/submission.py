@@ -28,6 +28,7 @@ from functools import partial
 from threading import get_ident as _get_ident
 from time import monotonic as _monotonic
 from time import sleep as _sleep
+from typing import TYPE_CHECKING
 
 try:
     import cython
@@ -40,6 +41,9 @@ from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, 
     ReleasedError
 from . import callbacks as _callbacks
 from .state import CAPTURING, RUNTIME, Hooks, locked, log, warn_user
+
+if TYPE_CHECKING:  # (compiled, ViewToken is the type cimported in submission.pxd)
+    from ..allocation import ViewToken
 
 #: Submission states (Submission.state).
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
@@ -203,7 +207,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         n = len(uses)
         for i in range(n):
             u = uses[i]
-            tok = u[0]
+            # (a lease names a ViewToken: compiled, read without a type test)
+            tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]
             writes = u[1]
             if not tok.live:
                 raise ReleasedError(f"a {tok.kind} passed to {label_text(label)} was released "
@@ -228,7 +233,7 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         keeps = None  # what the leases' memory needs beyond the tokens (foreign producers)
         for i in range(n):
             u = uses[i]
-            tok = u[0]
+            tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]
             tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
             k = tok.keep
             if k is not tok.allocation:  # (an allocation of ours is kept by its token)
