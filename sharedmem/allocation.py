@@ -427,7 +427,11 @@ def live_allocation_count() -> int:
 
 
 # -- the handle base -----------------------------------------------------------
-_LIVE, _RELEASED, _MOVED = 0, 1, 2
+# A handle's state (View._state), as C constants where compiled: compared with a C field on
+# every use of a view (as Python ints, each compare boxed the field and looked up the global)
+_LIVE = cython.declare(cython.int, 0)
+_RELEASED = cython.declare(cython.int, 1)
+_MOVED = cython.declare(cython.int, 2)
 
 #: Advice per alias kind, for AliasError messages: how to end that kind of view.
 _ADVICE = (
