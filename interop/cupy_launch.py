@@ -598,6 +598,11 @@ _RECENT = cython.declare(cython.Py_ssize_t, 64)
 _recent = cython.declare(list, [None] * 64)
 
 
+def recent_facts() -> list:
+    """What the recent-lookup table holds now (a copy; compiled, the table is a C global)."""
+    return list(_recent)
+
+
 def _forget(key, ref):
     f = _facts.get(key)
     if f is not None and f.ref is ref:

@@ -281,9 +281,10 @@ _plans = {}
 # (id(kernel), device key) -> (kernel, plan) for kernels launched on several devices
 _plans_by_device = {}
 _PLANS_MAX = 1024
-# KernelAdapter -> its coerce method, looked up once (a launch with foreign arrays asks it for
-# each); lock-free: a racing writer stores the same method. Cleared with the plans.
-_coercers = {}
+# (adapter, its coerce method) of the last launch with a foreign array argument: the next
+# one with that adapter finds the method without an attribute lookup. Identity, not hashing
+# (adapters need not be hashable). Replaced whole: lock-free. Cleared with the plans.
+_last_coerce = cython.declare(list, [None])
 
 
 def register_kernel_adapter(kernel_type: type | str, adapter: KernelAdapter) -> None:
@@ -296,7 +297,7 @@ def register_kernel_adapter(kernel_type: type | str, adapter: KernelAdapter) -> 
             _adapters[kernel_type] = adapter
         _plans.clear()
         _plans_by_device.clear()
-        _coercers.clear()
+        _last_coerce[0] = None
 
 
 def _registered(t):
@@ -456,9 +457,12 @@ def resolve_args(adapter, args, device):
                 resolved[i] = a
                 continue
             if coerce is None:
-                coerce = _coercers.get(adapter)
-                if coerce is None:  # (an attribute lookup through the adapter's class: once)
-                    coerce = _coercers[adapter] = adapter.coerce
+                hit = _last_coerce[0]
+                if hit is not None and hit[0] is adapter:
+                    coerce = hit[1]
+                else:  # (an attribute lookup through the adapter's class: once per adapter)
+                    coerce = adapter.coerce
+                    _last_coerce[0] = (adapter, coerce)
             got = coerce(obj, device)
             if got is None:
                 if intent is not None:

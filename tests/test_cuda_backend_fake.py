@@ -6,7 +6,9 @@ checked by the gpu-marked tests on a real device.
 """
 
 import gc
+import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -608,3 +610,70 @@ def test_a_marker_is_published_only_once_its_event_is_recorded(fake, monkeypatch
     assert seen == [(True, None)] and m._open_on is None  # (event: recycled by now, maybe)
     sm.synchronize()
 
+
+
+def _fake_cupy_arrays(monkeypatch, dev, n, count):
+    """CuPy-style arrays over fresh fake device memory, of type ``cupy.ndarray`` itself (as a
+    launch sees real ones); each keeps its Buffer in ``_block``. ``Device(dev.ordinal)`` is
+    ``dev`` meanwhile (a launch finds an array's device by its ordinal)."""
+    import sharedmem.device as sm_device
+    monkeypatch.setitem(sm_device._devices, ("cuda", dev.ordinal), dev)
+    cp = sys.modules["cupy"]
+
+    class _Mem:
+        def __init__(self, ptr, size):
+            self.ptr, self.size, self.mem = ptr, size, self
+
+    class ndarray(cp.ndarray):
+        def __init__(self, values):
+            self._block = sm.Buffer.from_host(values, device=dev)
+            self.data = _Mem(self._block.ptr, values.nbytes)
+            self.device = types.SimpleNamespace(id=dev.ordinal)
+            self.size, self.shape, self.strides, self.itemsize = n, (n,), (4,), 4
+
+    cp.ndarray = ndarray
+    return [ndarray(np.full(n, i, np.float32)) for i in range(count)]
+
+
+def test_cupy_array_facts_are_found_again_and_forgotten_with_the_array(fake, kernels,
+                                                                        monkeypatch):
+    """A CuPy array argument's facts are learned once and found again (by address, compiled);
+    when the array dies they are marked dead and leave every table, so a later array at the
+    same address is learned anew."""
+    import interop.cupy_launch as icl
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n).result()
+    facts = icl._facts[id(out)]
+    sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), np.int32(n)).result()
+    assert icl._facts[id(out)] is facts and not facts.dead and facts.addr == id(out)
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))
+    if sm.show_config(open(os.devnull, "w"))["core"].startswith("compiled"):
+        assert facts in icl.recent_facts()
+    sm.synchronize()
+    del out
+    gc_collect_harder()
+    assert facts.dead and facts not in icl._facts.values() and facts not in icl.recent_facts()
+
+
+def test_integer_scalars_are_range_checked_whatever_their_type(fake, kernels):
+    dev, drv = fake
+    saxpy, scale_len = kernels
+    n = 8
+    x = sm.Buffer.from_host(np.arange(n, dtype=np.float32), device=dev)
+    out = sm.Buffer.empty(n, "float32", device=dev)
+    for count in (n, np.int32(n), np.int64(n), np.uint8(n), np.uint64(n), np.int16(n)):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), count).result()
+        np.testing.assert_array_equal(out.to_host(), 2 * np.arange(n, dtype=np.float32))
+    for bad in (np.int64(1 << 31), np.uint64(1 << 40), -(1 << 31) - 1):
+        with pytest.raises(sm.KernelError, match=r"^argument 4: -?\d+ does not fit parameter 'n' \(int\)$"):
+            sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), bad)
+    with pytest.raises(sm.KernelError, match=r"^argument 4: parameter 'n' \(int\) takes an int, got float 8\.0"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), 8.0)
+    # a long long parameter takes a NumPy int64 and a bool; its range ends at 2**63
+    sm.launch(scale_len, 1, 8, sm.InOut(x), np.int64(0), 1.0).result()
+    sm.launch(scale_len, 1, 8, sm.InOut(x), True, 1.0).result()
+    with pytest.raises(sm.KernelError, match=r"does not fit parameter 'n' \(long long\)$"):
+        sm.launch(scale_len, 1, 8, sm.InOut(x), 1 << 63, 1.0)

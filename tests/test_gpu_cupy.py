@@ -135,8 +135,9 @@ def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, 
     assert all(f.ref() is not None for f in icl._facts.values())  # its entry went with it
     assert facts not in icl._facts.values() and facts.dead  # (never taken for a new array)
     # and so did the recent-lookup slot that found it (compiled: it would keep the allocation)
-    assert facts not in icl._recent
-    assert all(f is None or f.ref() is not None for f in icl._recent)
+    recent = icl.recent_facts()
+    assert facts not in recent
+    assert all(f is None or f.ref() is not None for f in recent)
 
 
 def test_as_cupy_orders_the_consumer_stream(cp, ic):

@@ -762,3 +762,122 @@ def test_the_core_hooks_are_never_unset(host):
     with pytest.raises(TypeError, match="must be a Hooks instance, got NoneType"):
         RUNTIME.install_hooks(None)
     assert RUNTIME.hooks is before
+
+
+def test_a_hold_whose_end_cannot_be_leased_is_still_dropped(host, monkeypatch):
+    """The end of a hold files a lease and then drops the hold. If filing raises (here the
+    retirer thread cannot start), the hold must go all the same: nothing else could end it,
+    and under policy "reject" every later write from another stream would be refused."""
+    from host_kernels import fill
+    from sharedmem.runtime.state import RUNTIME
+    s, other = host.create_stream("consumer"), host.create_stream("other")
+    b = sm.Buffer.empty(16, "float32", device=host)
+    c = b[:]
+    sm.record_use(c, s)  # holds on b's and c's tokens for work on s
+    later = b[:]  # a view made after: no hold of its own
+    alloc = c.allocation
+
+    def cannot_start():
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(RUNTIME, "retirer_running", False)
+    monkeypatch.setattr(RUNTIME, "ensure_retirer", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        c.release()
+    monkeypatch.undo()
+    b.release()
+    s.synchronize()
+    sm.synchronize()
+    with sm.runtime.state.locked():
+        holds = [h.token.kind for u in alloc.tracker._uses.values() for h in u.holds]
+    assert holds == []
+    sm.launch(fill, 1, 1, later, 1.0, stream=other, policy="reject").result()
+    assert later.to_host().tolist() == [1.0] * 16
+
+
+def _foreign_adapter(fill_value):
+    """A host-kernel adapter that takes ``_Foreign`` objects (coerced to a view of their
+    buffer) and fills its first argument with ``fill_value``; it counts its coerce calls."""
+    from sharedmem.backends.host import ndarray_of
+
+    class Adapter(sm.KernelAdapter):
+        name = "foreign-filling"
+        device_kinds = ("host",)
+
+        def __init__(self):
+            self.calls = 0
+
+        def coerce(self, obj, device):
+            self.calls += 1
+            return obj.buf[:] if isinstance(obj, _Foreign) else None
+
+        def prepare(self, kernel, grid, block, args, shared_mem, stream):
+            arr = ndarray_of(args[0].view, True)
+            return (lambda: stream._impl.submit(lambda: arr.fill(fill_value))), ()
+
+    return Adapter
+
+
+class _Foreign:
+    def __init__(self, buf):
+        self.buf = buf
+
+
+def test_adapters_need_not_be_hashable_and_equal_ones_keep_their_own_coerce(host):
+    import dataclasses
+    b = sm.Buffer.empty(4, "float32", device=host)
+
+    @dataclasses.dataclass  # eq=True: __hash__ is None
+    class Unhashable(_foreign_adapter(7.0)):
+        tag: str = "a"
+
+        def __post_init__(self):
+            self.calls = 0
+
+    class Equal(_foreign_adapter(0.0)):  # every instance equal to every other, one hash
+        def __init__(self, value):
+            super().__init__()
+            self.value = value
+
+        def __eq__(self, other):
+            return isinstance(other, Equal)
+
+        def __hash__(self):
+            return 1
+
+        def prepare(self, kernel, grid, block, args, shared_mem, stream):
+            arr = sm.backends.host.ndarray_of(args[0].view, True)
+            v = self.value
+            return (lambda: stream._impl.submit(lambda: arr.fill(v))), ()
+
+    K1 = type("K1", (), {"__name__": "k1"})
+    K2 = type("K2", (), {"__name__": "k2"})
+    K3 = type("K3", (), {"__name__": "k3"})
+    first, second = Equal(1.0), Equal(2.0)
+    sm.register_kernel_adapter(K1, Unhashable())
+    sm.register_kernel_adapter(K2, first)
+    sm.register_kernel_adapter(K3, second)
+    try:
+        sm.launch(K1(), 1, 1, _Foreign(b)).result()
+        assert b.to_host().tolist() == [7.0] * 4
+        sm.launch(K2(), 1, 1, _Foreign(b)).result()
+        assert b.to_host().tolist() == [1.0] * 4
+        sm.launch(K3(), 1, 1, _Foreign(b)).result()
+        assert b.to_host().tolist() == [2.0] * 4
+        assert (first.calls, second.calls) == (1, 1)
+    finally:
+        from sharedmem import launch as _launch_module  # noqa: F401
+        L = sys.modules["sharedmem.launch"]
+        with L._reg_lock:
+            for k in (K1, K2, K3):
+                L._adapters.pop(k, None)
+
+
+def test_submit_refuses_uses_that_are_not_view_token_pairs(host):
+    from sharedmem.runtime.submission import submit
+    b = sm.Buffer.empty(4, "float32", device=host)
+    s = host.create_stream()
+    for bad in ([(object(), True)], [b._token], [(b._token,)], [[b._token, True]]):
+        with pytest.raises(TypeError, match=r"^submit\(\) takes uses as \(ViewToken, writes\) pairs, got "):
+            submit(s, bad, lambda: None)
+    assert sm.stats().in_flight == 0 and b.allocation.tracker.streams_locked() == []

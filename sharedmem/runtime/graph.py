@@ -142,7 +142,8 @@ class Graph:
         """Run the graph on ``stream`` (default: the device's default stream
         on the host; a CUDA graph needs a created stream or the legacy default
         stream) with fresh leases on everything it touches."""
-        r = self._replay  # (one attribute read: set when the capture ends, dropped by release)
+        r = self._replay  # (one attribute read: set when the capture ends, dropped first thing
+        # by release, under the graph's lock with the state)
         if r is None:
             raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
                                f"can be replayed")
@@ -171,13 +172,13 @@ class Graph:
                 return
             if self._state != "failed":  # a failed capture keeps saying so
                 self._state = "released"
+            self._replay = None  # (first: replay() refuses from here on, whatever follows)
         with locked():
             toks = [e[0] for e in self._uses.values()]
             self._uses = {}
         # Drop everything the captured work needed: a released graph is never replayed
         # again, and its dead tokens would keep their allocations' memory. Replays in
         # flight hold what they need (executable, memory) by themselves.
-        self._replay = None
         self._exec = None
         self._keep = []
         for t in toks:

@@ -28,7 +28,6 @@ from functools import partial
 from threading import get_ident as _get_ident
 from time import monotonic as _monotonic
 from time import sleep as _sleep
-from typing import TYPE_CHECKING
 
 try:
     import cython
@@ -36,14 +35,12 @@ except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
 from ..access import HOLD_SEQ, check_policy
+from ..allocation import ViewToken
 from ..backends import COMPLETE
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError
 from . import callbacks as _callbacks
 from .state import CAPTURING, RUNTIME, Hooks, locked, log, warn_user
-
-if TYPE_CHECKING:  # (compiled, ViewToken is the type cimported in submission.pxd)
-    from ..allocation import ViewToken
 
 #: Submission states (Submission.state).
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
@@ -150,6 +147,9 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     found (policy ``reject`` raises here, having changed nothing); the stream is made to wait
     for the conflicting work; the work is enqueued; the leases are recorded. If anything
     raises, no lease is taken. This is the one algorithm every launch, copy and replay runs."""
+    for u in uses:  # (the compiled core reads them unchecked: a wrong type is refused here)
+        if type(u) is not tuple or len(u) != 2 or not isinstance(u[0], ViewToken):
+            raise TypeError(f"submit() takes uses as (ViewToken, writes) pairs, got {u!r}")
     return _submit(stream, uses, enqueue, None, None, None, keep, policy, label)
 
 
@@ -411,18 +411,21 @@ def end_holds_locked(tok) -> None:
     tracker = tok.allocation.tracker
     for c in consumers:
         stream = c[0]  # (a typed local: its fields are C reads)
-        if tok.start < tok.stop:
-            try:
-                marker = joined_marker_locked(stream)
-            except CompletionUnknownError as e:
-                marker = FailedMarker(e)
-            # (a new pair, not tok.use(): the released token keeps no lease pair, which would
-            # refer back to it -- a cycle keeping its allocation until a collection; the label
-            # is formatted only where a message needs it: see label_text)
-            lease_locked(stream, ((tok, c[1]),), tok.keep, (_HOLD_END, tok.kind), marker)
-        # (after the lease: the stream's record in the tracker then stays, with the lease's
-        # span, for the next export to that stream to find -- not dropped and made again)
-        tracker.drop_hold_locked(stream, tok)
+        try:
+            if tok.start < tok.stop:
+                try:
+                    marker = joined_marker_locked(stream)
+                except CompletionUnknownError as e:
+                    marker = FailedMarker(e)
+                # (a new pair, not tok.use(): the released token keeps no lease pair, which
+                # would refer back to it -- a cycle keeping its allocation until a collection;
+                # the label is formatted only where a message needs it: see label_text)
+                lease_locked(stream, ((tok, c[1]),), tok.keep, (_HOLD_END, tok.kind), marker)
+        finally:
+            # (after the lease: the stream's record in the tracker then stays, with the
+            # lease's span, for the next export to that stream to find -- not dropped and made
+            # again. Whatever the lease raised, the hold goes: nothing else could end it)
+            tracker.drop_hold_locked(stream, tok)
 
 
 def joined_marker_locked(stream):
