@@ -49,8 +49,8 @@ cdef class _PreparedPlan(KernelPlan):
 cdef class _HostPlan(KernelPlan):
     pass
 
-@cython.locals(resolved=list, uses=list, i=Py_ssize_t, n=Py_ssize_t, mode=int, u=tuple, hit=tuple,
-               with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg)
+@cython.locals(resolved=list, uses=list, i=Py_ssize_t, n=Py_ssize_t, mode=int, u=tuple,
+               hit=tuple, with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg)
 cpdef tuple resolve_args(adapter, tuple args, device)
 
 @cython.locals(plan=KernelPlan, sub=Submission, st=Stream, adapters=dict)

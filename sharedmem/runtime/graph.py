@@ -272,7 +272,7 @@ class capture:
         with locked():
             uses = [(tok, writes) for tok, writes in g._uses.values()]
         with g._lock:
-            # (uses, keep, label, executable): everything a replay reads, in one tuple
+            # (uses, keep, label, executable, device): everything a replay reads, in one tuple
             # published with the state -- replay() reads it once, without the lock
             g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}", g._exec,
                          g.device)
