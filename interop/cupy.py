@@ -155,7 +155,7 @@ def as_cupy(x, stream=None):
     order_consumer(tok, dev.backend.wait_on_handle, False, consumer, consumer.handle)
     export = tok.allocation.new_token("CuPy array (as_cupy)", tok.start, tok.stop, tok.writable,
                                       tok.keep, source=x,
-                                      consumers=[(consumer, tok.writable)])
+                                      consumers=((consumer, tok.writable),))
     base = tok.allocation.ptr + tok.start
     mem = cp.cuda.UnownedMemory(base, max(tok.stop - tok.start, 1), _ExportOwner(export),
                                 dev.ordinal)

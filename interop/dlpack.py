@@ -237,22 +237,31 @@ _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 
 def _facts_of(dev) -> tuple:
     """What an export reads of Device ``dev``: (whether it is the host, its default Stream (None
-    for the host), its backend's wait_on_handle, its DLPack (type, id)). They never change: kept
-    in the device's bridge_cache, one dict read instead of a property call and four attribute
-    lookups on every export."""
+    for the host), its backend's wait_on_handle, its DLPack (type, id), and the consumers of an
+    export to the default stream -- ``((default, True),)`` and ``((default, False),)`` -- made
+    once). They never change: kept in the device's bridge_cache, and the last device's in
+    ``_last_facts`` -- one identity test on every export instead of a dict read."""
+    last = _last_facts[0]  # ((device, facts), replaced whole: never a torn pair across threads)
+    if last is not None and last[0] is dev:
+        return last[1]
     cache = dev.bridge_cache  # (a typed local: a C dict lookup)
     f = cache.get("dlpack")
     if f is None:
         host = dev.kind == "host"
-        f = (host, None if host else dev.default_stream,
-             getattr(dev.backend, "wait_on_handle", None), dev.dlpack_device)
+        default = None if host else dev.default_stream
+        f = (host, default, getattr(dev.backend, "wait_on_handle", None), dev.dlpack_device,
+             ((default, True),), ((default, False),))
         cache["dlpack"] = f
+    _last_facts[0] = (dev, f)
     return f
 
 
-def _consumer_wait(tok, stream, facts) -> list:
+_last_facts = cython.declare(list, [None])  # (a C global where compiled)
+
+
+def _consumer_wait(tok, stream, facts) -> tuple:
     """Order the consumer's stream after our pending work (see module docstring); returns
-    the export's consumers, ``(Stream, writes)`` pairs for its hold. ``facts``: the
+    the export's consumers, a tuple of ``(Stream, writes)`` pairs for its hold. ``facts``: the
     :func:`_facts_of` the token's device."""
     dev = tok.allocation.device
     if facts[0]:  # the host device
@@ -260,7 +269,7 @@ def _consumer_wait(tok, stream, facts) -> list:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
         # the consumer is the CPU itself and reads at once: wait for our work here
         order_consumer(tok, _wait_host, True)
-        return []
+        return ()
     if stream is None:
         stream = 1
     if type(stream) is not int:
@@ -274,16 +283,19 @@ def _consumer_wait(tok, stream, facts) -> list:
     if stream < -1:
         raise ValueError(f"stream={stream} is not a valid stream handle")
     if stream == -1:  # the consumer orders itself, on a stream it does not name
-        return [(s, tok.writable) for s in current_streams(dev)]
+        return tuple([(s, tok.writable) for s in current_streams(dev)])
     # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles; both map to
     # the device's (legacy) default stream. For 1, work already on it needs no wait: the
     # legacy stream orders itself (so cupy.from_dlpack in a loop enqueues no wait for the
     # previous export's hold). Not for 2: the per-thread default streams of two threads do
     # not order each other -- only each of them with the legacy stream -- so a consumer on
     # one thread's waits for what another thread's consumer was given.
-    consumer = facts[1] if stream == 1 or stream == 2 else consumer_stream(dev, stream)
-    order_consumer(tok, facts[2], False, consumer if stream != 2 else None, stream)
-    return [(consumer, tok.writable)]
+    if stream == 1 or stream == 2:
+        order_consumer(tok, facts[2], False, facts[1] if stream == 1 else None, stream)
+        return facts[4] if tok.writable else facts[5]
+    consumer = consumer_stream(dev, stream)
+    order_consumer(tok, facts[2], False, consumer, stream)
+    return ((consumer, tok.writable),)
 
 
 def _wait_host(marker) -> None:

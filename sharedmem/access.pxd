@@ -7,16 +7,11 @@ cdef class Span:
     cdef public long long seq
     cdef public object marker
 
-cdef class Hold:
-    cdef public Py_ssize_t lo, hi
-    cdef public bint writes
-    cdef public object token
-
 @cython.locals(e=Span)
 cdef Span _span(Py_ssize_t lo, Py_ssize_t hi, long long seq, marker)
 
-@cython.locals(h=Hold)
-cdef Hold _hold(Py_ssize_t lo, Py_ssize_t hi, bint writes, token)
+@cython.locals(c=tuple)
+cdef bint _hold_writes(tok, stream)
 
 cdef class StreamUse:
     cdef public list reads, writes, holds
@@ -37,7 +32,7 @@ cdef class AccessTracker:
     @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list)
     cpdef bint elsewhere_locked(self, stream)
 
-    @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, h=Hold, best=Span,
+    @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, best=Span, hw=bint,
                    other_writes=bint, dead=list)
     cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi)
 
@@ -45,10 +40,10 @@ cdef class AccessTracker:
     cpdef record_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,
                         long long seq, marker)
 
-    @cython.locals(use=StreamUse, h=Hold)
-    cpdef add_hold_locked(self, stream, tok, Py_ssize_t lo, Py_ssize_t hi, bint writes)
+    @cython.locals(holds=list)
+    cpdef add_hold_locked(self, stream, tok, Py_ssize_t lo, Py_ssize_t hi)
 
-    @cython.locals(use=StreamUse, holds=list, i=Py_ssize_t, h=Hold)
+    @cython.locals(use=StreamUse, holds=list, i=Py_ssize_t)
     cpdef drop_hold_locked(self, Stream stream, tok)
 
     @cython.locals(uses=dict, s=Stream)

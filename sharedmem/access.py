@@ -85,20 +85,7 @@ class Span:
         self.marker = marker
 
 
-class Hold:
-    """An open hold of ``token``'s bytes ``[lo, hi)`` by a consumer on one stream (``writes``:
-    it may write them). guarded by core_lock."""
-
-    __slots__ = ("lo", "hi", "writes", "token")
-
-    def __init__(self, lo, hi, writes, token):
-        self.lo = lo
-        self.hi = hi
-        self.writes = writes
-        self.token = token
-
-
-# Factories for the two records made under the lock on the hot paths: the fields set directly
+# The factory of the record made under the lock on the hot paths: the fields set directly
 # (compiled, a constructor call parses its arguments: about 500 instructions more a record).
 def _span(lo, hi, seq, marker):
     e = Span.__new__(Span)
@@ -109,18 +96,23 @@ def _span(lo, hi, seq, marker):
     return e
 
 
-def _hold(lo, hi, writes, token):
-    h = Hold.__new__(Hold)
-    h.lo = lo
-    h.hi = hi
-    h.writes = writes
-    h.token = token
-    return h
+def _hold_writes(tok, stream) -> bool:
+    """Whether the consumer on ``stream`` may write through hold ``tok``: its entry in the
+    token's ``consumers`` (a hold that is ending counts as writing: the safe answer)."""
+    cons = tok.consumers
+    if cons is None:
+        return True
+    for c in cons:
+        if c[0] is stream:
+            return c[1]
+    return True
 
 
 class StreamUse:
     """One stream's unfinished accesses to one allocation: ``reads`` and ``writes``, lists of
-    disjoint :class:`Span`; ``holds``, a list of :class:`Hold`; ``newest``, the largest seq
+    disjoint :class:`Span`; ``holds``, the view tokens open as holds for work on this stream
+    (each once; bytes ``[tok.start, tok.stop)``, its mode its ``consumers`` entry for the
+    stream: see :func:`_hold_writes`); ``newest``, the largest seq
     recorded (when it is finished, every span is). guarded by core_lock."""
 
     __slots__ = ("reads", "writes", "holds", "newest")
@@ -257,8 +249,10 @@ class AccessTracker:
                 continue
             held = None
             for h in use.holds:
-                if h.lo < hi and lo < h.hi and (writes or h.writes):
-                    held = h.writes if held is None else (held or h.writes)
+                if h.start < hi and lo < h.stop:
+                    hw = _hold_writes(h, s)
+                    if writes or hw:
+                        held = hw if held is None else (held or hw)
             if held is not None:
                 out.append((s, None, HOLD_SEQ, held))
                 continue
@@ -295,30 +289,30 @@ class AccessTracker:
                 return
         _add_range(entries, lo, hi, seq, marker, done)
 
-    def add_hold_locked(self, stream, tok, lo, hi, writes) -> None:
+    def add_hold_locked(self, stream, tok, lo, hi) -> None:
         """Open a hold of ``tok``, bytes ``[lo, hi)`` (its range), for work on ``stream`` (see
-        ``StreamUse.holds``)."""
+        ``StreamUse.holds``; its mode is the token's consumer entry, set by the caller)."""
         if lo >= hi:
             return
-        use = self._use_of(stream)
-        for h in use.holds:
-            if h.token is tok:
-                h.writes = h.writes or writes
+        holds = self._use_of(stream).holds
+        for h in holds:
+            if h is tok:  # (held already: a stronger mode is in its entry)
                 return
-        use.holds.append(_hold(lo, hi, writes, tok))
+        holds.append(tok)
 
     def drop_hold_locked(self, stream, tok) -> None:
         """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""
-        use = self._uses.get(stream)
+        use = self._last_use if self._last is stream else self._uses.get(stream)
         if use is None:
             return
         holds = use.holds
         for i in range(len(holds)):
-            h = holds[i]
-            if h.token is tok:  # (a token holds once per stream: see add_hold_locked)
+            if holds[i] is tok:  # (a token holds once per stream: see add_hold_locked)
                 del holds[i]
                 break
-        if use.prune(stream._done):
+        # (newest unfinished: a span of it is left, so the use stays -- as after the lease a
+        # hold's end files there -- and is not pruned now)
+        if use.newest <= stream._done and use.prune(stream._done):
             self._drop(stream)
 
     def streams_locked(self) -> list:

@@ -12,7 +12,7 @@ cdef class ViewToken:
     cdef public bint writable
     cdef public object origin, keep
     cdef public bint live
-    cdef public list consumers
+    cdef public tuple consumers
     cdef public tuple use_r, use_w
 
     cpdef tuple use(self, bint writes)
@@ -66,8 +66,11 @@ cpdef _release_locked(ViewToken tok)
 @cython.locals(rt=Runtime)
 cpdef ViewToken _add_locked(ViewToken tok)
 
-@cython.locals(cons=list, c=tuple, i=Py_ssize_t)
+@cython.locals(cons=tuple, c=tuple, i=Py_ssize_t)
 cpdef add_consumer_locked(ViewToken tok, stream, bint writes)
+
+@cython.locals(c=tuple)
+cdef _hold_locked(ViewToken tok, tuple consumers)
 
 @cython.locals(hooks=Hooks, c=tuple)
 cdef _sweep_consumers(consumers)

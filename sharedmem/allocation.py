@@ -140,7 +140,8 @@ def _init_token(self, allocation, kind, start, stop, writable, keep, origin) -> 
     # user declared with sharedmem.record_use. Each is an open lease in the allocation's
     # tracker while the token lives; when it is released, the bytes stay leased on each
     # stream until the stream passes that point (runtime.submission.end_holds_locked).
-    # None or a list of (Stream, writes); guarded by core_lock.
+    # None or a tuple of (Stream, writes), replaced, never changed in place (an exporter may
+    # give many tokens one tuple); guarded by core_lock.
     self.consumers = None
     # The lease pairs (self, False) and (self, True) a launch names (see use()): made once
     # per view, not per launch. They refer to this token, so release drops them.
@@ -173,16 +174,27 @@ def add_consumer_locked(tok, stream, writes) -> None:
     Caller holds core_lock. A stream named twice keeps the stronger mode."""
     cons = tok.consumers
     if cons is None:
-        cons = tok.consumers = []
-    for i in range(len(cons)):
-        c = cons[i]
-        if c[0] is stream:
-            if writes and not c[1]:
-                cons[i] = (stream, True)
-                tok.allocation.tracker.add_hold_locked(stream, tok, tok.start, tok.stop, True)
-            return
-    cons.append((stream, writes))
-    tok.allocation.tracker.add_hold_locked(stream, tok, tok.start, tok.stop, writes)
+        tok.consumers = ((stream, writes),)
+    else:
+        for i in range(len(cons)):
+            c = cons[i]
+            if c[0] is stream:  # (held already: at most a stronger mode)
+                if writes and not c[1]:
+                    tok.consumers = cons[:i] + ((stream, True),) + cons[i + 1:]
+                return
+        tok.consumers = cons + ((stream, writes),)
+    tok.allocation.tracker.add_hold_locked(stream, tok, tok.start, tok.stop)
+
+
+def _hold_locked(tok, consumers) -> None:
+    """Make new live token ``tok`` a hold for ``consumers``, a tuple of ``(stream, writes)``
+    pairs; one pair (an export to one stream) is taken as it is, not copied."""
+    if len(consumers) == 1 and tok.consumers is None:
+        tok.consumers = consumers
+        tok.allocation.tracker.add_hold_locked(consumers[0][0], tok, tok.start, tok.stop)
+        return
+    for c in consumers:
+        add_consumer_locked(tok, c[0], c[1])
 
 
 def _sweep_consumers(consumers) -> None:
@@ -240,7 +252,7 @@ class Allocation:
         or release of ``source`` on another thread between the caller's own check and this
         one raises its MovedError / ReleasedError here instead of leaving a live view of bytes
         the source no longer owns. ``consumers``: ``(stream, writes)`` pairs that make it a
-        hold (see ViewToken.consumers), set in the same step."""
+        hold (see ViewToken.consumers), set in the same step: a tuple."""
         tok = ViewToken.__new__(ViewToken)
         _init_token(tok, self, kind, start, stop, writable, keep,
                     _origin() if TRACK_ORIGINS else None)
@@ -252,8 +264,8 @@ class Allocation:
                 if src._state != _LIVE:
                     src._raise_dead()
             _add_locked(tok)
-            for stream, writes in consumers:
-                add_consumer_locked(tok, stream, writes)
+            if consumers:
+                _hold_locked(tok, consumers if type(consumers) is tuple else tuple(consumers))
         finally:
             rt.release()
         if consumers:

@@ -44,11 +44,11 @@ class Stream:
     sequence number up to it is finished), ``_capture`` (the Graph being captured),
     ``_waited`` (what this stream is already ordered after: see ``note_waited_locked``).
     Set once: ``_push`` (``_pending.append``, bound), ``_ours`` (owned, or the device's default
-    stream: not borrowed).
+    stream: not borrowed), ``_join`` (on those, the impl's ``submit_marker``, bound).
     """
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_push", "_seq", "_done", "_swept",
-                 "_uid", "_ours", "_waited", "_leak_warned",
+                 "_uid", "_ours", "_join", "_waited", "_leak_warned",
                  "_external", "_capture", "_checks", "launch_cache", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
@@ -76,6 +76,9 @@ class Stream:
         # Owned, or the device's default stream (not borrowed): a stream that outlives what
         # sharedmem files on it and that no other library destroys or captures behind its back
         self._ours = owned or external is None
+        # (bound once: a hold's end on such a stream joins its open marker through it --
+        # submission.joined_marker_locked; a capture swaps the impl only while _capture is set)
+        self._join = getattr(impl, "submit_marker", None) if self._ours else None
         # Other streams' _uid -> the newest of their sequence numbers this stream was made to
         # wait for on the device: everything enqueued here since is ordered after that work,
         # so a conflict with it needs no second wait. Guarded by core_lock. Kept only on

@@ -286,21 +286,33 @@ def test_export_loop_with_the_device_behind_sweeps_once_per_sweep_every(monkeypa
         _unpark(monkeypatch)
 
 
+def _export_until_the_next_sweeps(t, stream) -> None:
+    """Export ``t`` to ``stream`` (capsules dropped) until the next export's hold sweeps the
+    stream (submission.sweep_long): SWEEP_EVERY seqs given out since the last sweep, and more
+    than the newest submission pending. Hold ends share a submission per completion marker,
+    so that takes more than SWEEP_EVERY exports."""
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    n = 0
+    while stream._seq - stream._swept < SWEEP_EVERY or len(stream._pending) < 2:
+        cap = t.__dlpack__(stream=1, max_version=(1, 0))
+        del cap
+        n += 1
+        assert n < 4 * SWEEP_EVERY, "no sweep came"
+    ends = sum(len(s.uses) for s in stream._pending if isinstance(s.uses, list))
+    assert ends >= SWEEP_EVERY - 1 and len(stream._pending) < ends  # (ends joined submissions)
+
+
 def test_a_failing_sweep_fails_no_export_and_leaks_no_hold(monkeypatch):
     """The export's sweep meets a driver error: the export still succeeds (the error is
     re-raised at a later call), and once its capsule is gone nothing is left live."""
     import sharedmem.backends.cuda as bc
     from fake_cuda import CUresult, install_fake_devices
-    from sharedmem.runtime.submission import SWEEP_EVERY
     (dev,), drv = install_fake_devices(monkeypatch, False)
     t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
     sm.synchronize()
     _park_retirer(monkeypatch)
     drv.holding = True  # the device is behind: hold ends stay pending
-    for _ in range(SWEEP_EVERY):
-        del_cap = t.__dlpack__(stream=1, max_version=(1, 0))
-        del del_cap
-    assert len(dev.default_stream._pending) >= SWEEP_EVERY
+    _export_until_the_next_sweeps(t, dev.default_stream)
     real = drv.cuCtxSetCurrent
     drv.cuCtxSetCurrent = lambda ctx: (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
     bc._current.ctx = None  # (the next driver call switches context: and fails)
@@ -328,7 +340,6 @@ def test_an_export_runs_no_callback_of_other_work(monkeypatch):
     deadlock)."""
     import threading
     from fake_cuda import install_fake_devices
-    from sharedmem.runtime.submission import SWEEP_EVERY
     (dev,), drv = install_fake_devices(monkeypatch, True)
     t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
     b = sm.Buffer.empty(64, "float32", device=dev)
@@ -344,10 +355,7 @@ def test_an_export_runs_no_callback_of_other_work(monkeypatch):
             lock.release()
     try:
         b.fill_zero().add_done_callback(on_done)
-        pending = dev.default_stream._pending
-        while len(pending) < SWEEP_EVERY:
-            cap = t.__dlpack__(stream=1, max_version=(1, 0))
-            del cap
+        _export_until_the_next_sweeps(t, dev.default_stream)
         assert not ran
         with lock:  # e.g. a thread-safe wrapper handing its tensor to cupy.from_dlpack
             cap = t.__dlpack__(stream=1, max_version=(1, 0))

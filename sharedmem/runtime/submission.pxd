@@ -61,8 +61,11 @@ cpdef list _sweep_locked(Stream stream, bint record=*)
 @cython.locals(i=Py_ssize_t, sub=Submission, last=object)
 cpdef _finish(list subs, bint hand_off=*)
 
-@cython.locals(consumers=list, tracker=AccessTracker, c=tuple, stream=Stream)
+@cython.locals(consumers=tuple, tracker=AccessTracker, c=tuple, stream=Stream)
 cpdef end_holds_locked(ViewToken tok)
+
+@cython.locals(last=Submission, label=object, seq=cython.longlong)
+cdef _lease_hold_end_locked(Stream stream, ViewToken tok, bint writes, marker)
 
 cpdef joined_marker_locked(Stream stream)
 

@@ -74,7 +74,9 @@ class Submission:
         self.seq = seq
         self.marker = marker
         self.keep = keep
-        self.uses = uses  # the (token, writes) pairs it leased; never mutated
+        # the (token, writes) pairs it leased; never mutated, but for the lists of hold ends
+        # that later ends join while it is its stream's newest (_lease_hold_end_locked)
+        self.uses = uses
         self.state = PENDING  # written under core_lock
         self.callbacks = None  # list of callables; guarded by core_lock
         self.value = None
@@ -417,15 +419,43 @@ def end_holds_locked(tok) -> None:
                     marker = joined_marker_locked(stream)
                 except CompletionUnknownError as e:
                     marker = FailedMarker(e)
-                # (a new pair, not tok.use(): the released token keeps no lease pair, which
-                # would refer back to it -- a cycle keeping its allocation until a collection;
-                # the label is formatted only where a message needs it: see label_text)
-                lease_locked(stream, ((tok, c[1]),), tok.keep, (_HOLD_END, tok.kind), marker)
+                _lease_hold_end_locked(stream, tok, c[1], marker)
         finally:
             # (after the lease: the stream's record in the tracker then stays, with the
             # lease's span, for the next export to that stream to find -- not dropped and made
             # again. Whatever the lease raised, the hold goes: nothing else could end it)
             tracker.drop_hold_locked(stream, tok)
+
+
+def _lease_hold_end_locked(stream, tok, writes, marker) -> None:
+    """File the lease of the end of hold ``tok`` on ``stream`` until ``marker``. Ends given the
+    same marker one after another -- ``cupy.from_dlpack`` in a loop: each export's end joins the
+    stream's open marker -- share one submission. While it is the stream's newest and its marker
+    is theirs, the next end of a hold of the same kind adds its pair to its ``uses`` and its
+    ``keep`` (lists, made for this) and records its bytes under its seq: a list entry and a
+    tracker record instead of a submission filed, swept and finished. What they keep is dropped
+    together when that marker is reached, as separate submissions with that marker would be.
+    Not while tracing: a trace shows every end. Caller holds core_lock."""
+    pending = stream._pending
+    if pending and RUNTIME.tracer is None:
+        last = cython.cast(Submission, pending[-1]) if cython.compiled else pending[-1]
+        label = last._label
+        if last.marker is marker and type(label) is tuple and label[0] is _HOLD_END and \
+                label[1] == tok.kind:
+            # (a seq of its own, which the submission takes: seqs still grow along the FIFO,
+            # and each end counts for sweep_long. Safe while the marker is open: nothing has
+            # waited for it, so no stream noted an older seq of this submission as waited for)
+            seq = stream._seq + 1
+            stream._seq = seq
+            last.seq = seq
+            last.uses.append((tok, writes))
+            last.keep.append(tok.keep)
+            tok.allocation.tracker.record_locked(stream, writes, tok.start, tok.stop, seq, marker)
+            return
+    # (a new pair, not tok.use(): the released token keeps no lease pair, which would refer
+    # back to it -- a cycle keeping its allocation until a collection; the label is formatted
+    # only where a message needs it: see label_text)
+    lease_locked(stream, [(tok, writes)], [tok.keep], (_HOLD_END, tok.kind), marker)
 
 
 def joined_marker_locked(stream):
@@ -438,11 +468,13 @@ def joined_marker_locked(stream):
     On a borrowed stream, and while capturing, one recorded now: its owner may destroy it
     (a later record would go to a dead handle) or begin a capture on it meanwhile.
     Caller holds core_lock. Raises CompletionUnknownError where recording failed."""
-    impl = stream._impl
-    if not stream._ours or getattr(impl, "capturing", False):
+    # (stream._capture is set and cleared under core_lock with the impl's capture: a C field
+    # read where compiled, not an attribute lookup on the impl; _join, its submit_marker bound)
+    join = stream._join
+    if join is None or stream._capture is not None:
         return fresh_marker_locked(stream, True)
     try:
-        return impl.submit_marker()
+        return join()
     except Exception as e:
         raise _unrecordable(stream, e) from e
 
@@ -611,24 +643,26 @@ def sweep(stream) -> None:
 
 def sweep_long(stream) -> None:
     """What a new hold does for its consumer's stream (Allocation.new_token,
-    View._object_hold), as submit() sweeps its own: once SWEEP_EVERY submissions are pending
-    there, and at most once every SWEEP_EVERY filed since the last such sweep (also while
-    the device is behind and nothing retires: else every export would sweep, and record the
-    stream's open marker). Nothing else sweeps leases filed without a submission (a hold's
-    end) but the retirer, which in a busy process gets the GIL only every switch interval
-    (5 ms): a loop of cupy.from_dlpack piled up ~600 hold ends between its passes, they
-    outlived the collector's young generations, and the full collections they set off cost
-    4 us an export on an H200 with cuTile imported (230k objects).
+    View._object_hold), as submit() sweeps its own: once SWEEP_EVERY seqs were given out there
+    since the last such sweep (each hold's end takes one, also where it joins a submission:
+    see _lease_hold_end_locked), and only while something older than the newest submission is
+    pending -- the one thing a sweep that leaves the open marker unrecorded can retire (as
+    submit()'s: recording it here would close it after every SWEEP_EVERY exports, and make
+    the next end file a submission of its own). Nothing else sweeps leases filed without a
+    launch (a hold's end) but the retirer, which in a busy process gets the GIL only every
+    switch interval (5 ms): a loop of cupy.from_dlpack piled up ~600 hold ends between its
+    passes, they outlived the collector's young generations, and the full collections they
+    set off cost 4 us an export on an H200 with cuTile imported (230k objects).
 
     Opportunistic, inside an export: it never raises (an error is re-raised at the next API
     call, as the retirer's are) and runs no user code (callbacks go to the callback
     workers). Caller does not hold core_lock."""
-    if len(stream._pending) < _sweep_every or stream._seq - stream._swept < _sweep_every:
+    if stream._seq - stream._swept < _sweep_every or len(stream._pending) < 2:
         return
     try:
         with locked():
             stream._swept = stream._seq
-            done = _sweep_locked(stream)
+            done = _sweep_locked(stream, False)
         if done:
             finish(done, True)
     except Exception as e:
