@@ -92,11 +92,11 @@ class Runtime:
 
     # -- the lock -------------------------------------------------------------------------
     def _new_lock(self) -> None:
-        """Make the core lock (at start, and in a forked child). Compiled, a PyThread lock taken
-        through the C API (the same primitive threading.Lock wraps, without a method call per
-        launch); interpreted, threading.Lock."""
+        """Make the core lock (at start, and in a forked child). Compiled, a pthread mutex
+        taken through C (state.pxd: no method call per launch, and no clock read per acquire
+        as CPython's own lock makes); interpreted, threading.Lock."""
         if cython.compiled:
-            self._plock = PyThread_allocate_lock()  # (a child leaks its parent's: 1 lock)
+            self._plock = sm_lock_new()  # (a child leaks its parent's: 1 lock)
             if not self._plock:
                 raise MemoryError("cannot allocate sharedmem's core lock")
             self.lock = None
@@ -116,9 +116,9 @@ class Runtime:
                 "or see half-updated state. Do the work later (queue it for another thread) or "
                 "use only release() in finalizers, which is always safe.")
         if cython.compiled:
-            if not PyThread_acquire_lock(self._plock, NOWAIT_LOCK):
+            if not sm_lock_try(self._plock):
                 with cython.nogil:  # (the holder may need the GIL to finish)
-                    PyThread_acquire_lock(self._plock, WAIT_LOCK)
+                    sm_lock_wait(self._plock)
         else:
             self._acquire()
         self.owner = me
@@ -128,13 +128,13 @@ class Runtime:
     def release(self) -> None:
         self.owner = 0
         if cython.compiled:
-            PyThread_release_lock(self._plock)
+            sm_lock_release(self._plock)
         else:
             self._release()
 
     def _try_acquire(self) -> bool:
         if cython.compiled:
-            return PyThread_acquire_lock(self._plock, NOWAIT_LOCK) != 0
+            return sm_lock_try(self._plock)
         return self._acquire(False)
 
     def drain_staged(self) -> None:
