@@ -165,7 +165,7 @@ cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id
 @cython.locals(tok=ViewToken, facts=tuple)
 cpdef export_positional(View view, stream, max_version, dl_device, copy)
 
-@cython.locals(f=tuple, cache=dict, last=tuple)
+@cython.locals(f=tuple)
 cdef tuple _facts_of(dev)
 
 cpdef tuple _consumer_wait(ViewToken tok, stream, tuple facts)

@@ -239,24 +239,16 @@ def _facts_of(dev) -> tuple:
     """What an export reads of Device ``dev``: (whether it is the host, its default Stream (None
     for the host), its backend's wait_on_handle, its DLPack (type, id), and the consumers of an
     export to the default stream -- ``((default, True),)`` and ``((default, False),)`` -- made
-    once). They never change: kept in the device's bridge_cache, and the last device's in
-    ``_last_facts`` -- one identity test on every export instead of a dict read."""
-    last = _last_facts[0]  # ((device, facts), replaced whole: never a torn pair across threads)
-    if last is not None and last[0] is dev:
-        return last[1]
-    cache = dev.bridge_cache  # (a typed local: a C dict lookup)
-    f = cache.get("dlpack")
+    once). They never change: kept in the device's ``bridge_facts`` (a slot read on every
+    export, not a property call and four attribute lookups), so they live and die with it."""
+    f = dev.bridge_facts
     if f is None:
         host = dev.kind == "host"
         default = None if host else dev.default_stream
         f = (host, default, getattr(dev.backend, "wait_on_handle", None), dev.dlpack_device,
              ((default, True),), ((default, False),))
-        cache["dlpack"] = f
-    _last_facts[0] = (dev, f)
+        dev.bridge_facts = f  # (lock-free: a racing export stores equal facts)
     return f
-
-
-_last_facts = cython.declare(list, [None])  # (a C global where compiled)
 
 
 def _consumer_wait(tok, stream, facts) -> tuple:

@@ -34,14 +34,14 @@ class Device:
     """
 
     __slots__ = ("kind", "ordinal", "name", "key", "backend", "_default_stream", "_peers",
-                 "dlpack_device", "bridge_cache", "__weakref__")
+                 "dlpack_device", "bridge_facts", "__weakref__")
     kind: str
     ordinal: int
     name: str
     key: tuple[str, int]
     backend: Any
     dlpack_device: tuple[int, int]
-    bridge_cache: dict
+    bridge_facts: Any
 
     def __new__(cls, ordinal: int | Device = 0) -> Device:
         if isinstance(ordinal, Device):
@@ -91,10 +91,10 @@ class Device:
         # The devices whose memory this device's kernels may use (enable_peer_access); replaced
         # whole under _lock, read lock-free by launches (a frozenset: no torn reads)
         self._peers = frozenset()
-        # For interop bridges: what is constant about exporting from this device (interop.dlpack
-        # keeps its export facts here), so it lives and dies with the device. Lock-free: entries
-        # are immutable and a racing writer stores an equal one.
-        self.bridge_cache = {}
+        # For interop bridges: what is constant about exporting from this device, read on every
+        # export (interop.dlpack keeps its facts here: a slot read, not a dict lookup), so it
+        # lives and dies with the device. Lock-free: a racing writer stores equal facts.
+        self.bridge_facts = None
         from .runtime.retirer import attach_backend
         attach_backend(backend)
 

@@ -789,11 +789,70 @@ def test_a_hold_whose_end_cannot_be_leased_is_still_dropped(host, monkeypatch):
     s.synchronize()
     sm.synchronize()
     with sm.runtime.state.locked():
-        holds = [h.token.kind for u in alloc.tracker._uses.values() for h in u.holds]
+        holds = [h.kind for u in alloc.tracker._uses.values() for h in u.holds]
     assert holds == []
     sm.launch(fill, 1, 1, later, 1.0, stream=other, policy="reject").result()
     assert later.to_host().tolist() == [1.0] * 16
 
+
+
+def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypatch):
+    """A read hold on two streams whose end cannot be leased on the first: the second's hold
+    is ended too (it was left open, and -- its token's consumers cleared -- counted as a
+    write hold: under "reject" every later read from another stream was refused)."""
+    from host_kernels import total
+    from sharedmem.runtime.state import RUNTIME, locked
+    s1, s2, other = (host.create_stream(n) for n in ("s1", "s2", "other"))
+    b = sm.Buffer.zeros(16, "float32", device=host)
+    c = b[:]
+    sm.record_use(c, s1, writes=False)  # c's token: a read hold on s1 and on s2
+    sm.record_use(c, s2, writes=False)
+    sm.synchronize()
+    held = c._live_token()
+    calls = []
+
+    def cannot_start():
+        calls.append(1)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(RUNTIME, "retirer_running", False)
+    monkeypatch.setattr(RUNTIME, "ensure_retirer", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        c.release()
+    monkeypatch.undo()
+    assert len(calls) == 2  # (both ends were filed: the first error raised after the second)
+    sm.synchronize()
+    with locked():  # (b's own holds stay while b lives: read holds, which a read passes)
+        assert not any(h is held for u in b.allocation.tracker._uses.values() for h in u.holds)
+    box = sm.DeviceBox(0.0, "float64", device=host)
+    sm.synchronize()
+    sm.launch(total, 1, 1, sm.In(b), sm.Out(box), stream=other, policy="reject").result()
+    assert box.get() == 0.0
+    assert sm.stats().in_flight == 0  # (the two leases filed stand, on active streams: retired)
+
+
+def test_the_export_facts_cache_keeps_no_device_alive(monkeypatch):
+    """interop.dlpack caches the facts of the last device it exported from; the device (its
+    streams, backend and driver) still goes once nothing else refers to it."""
+    import gc
+    import weakref
+    from fake_cuda import install_fake_devices
+    mp = pytest.MonkeyPatch()
+    try:
+        (dev,), drv = install_fake_devices(mp, True)
+        t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+        cap = t.__dlpack__(stream=1, max_version=(1, 0))
+        del cap
+        t.release()
+        del t
+        sm.synchronize()
+        assert sm.stats().in_flight == 0
+        ref = weakref.ref(dev)
+        del dev, drv
+    finally:
+        mp.undo()
+    gc_collect_harder()
+    assert ref() is None
 
 def _foreign_adapter(fill_value):
     """A host-kernel adapter that takes ``_Foreign`` objects (coerced to a view of their

@@ -380,12 +380,14 @@ def lease_locked(stream, uses, keep, label, marker):
     stream._push(sub)  # (stream._pending.append)
     rt.in_flight += 1
     rt.submitted += 1
-    if not rt.retirer_running:
-        rt.ensure_retirer()  # (starting a thread waits for nothing that needs core_lock)
     if len(stream._pending) == 1:
         rt.active.add(stream)
         if rt.retirer_idle:  # (as in submit: only a stream that just became active needs it)
             rt.wake_retirer()
+    if not rt.retirer_running:
+        # (last: the lease stands when it raises, and its stream is active -- a sweep retires
+        # it; starting a thread waits for nothing that needs core_lock)
+        rt.ensure_retirer()
     return sub
 
 
@@ -407,10 +409,11 @@ def end_holds_locked(tok) -> None:
     never a host synchronize. Caller holds core_lock; runs wherever the release happened (a
     DLPack deleter, a finalizer, any thread), so it never raises: a marker that cannot be
     recorded makes the lease's completion unknown, and the memory is kept (leaked on purpose,
-    reported once)."""
+    reported once). Filing a lease can still fail (the retirer thread cannot start): every
+    hold is dropped all the same, and the first such error raised after the last."""
     consumers = tok.consumers
-    tok.consumers = None
     tracker = tok.allocation.tracker
+    error = None
     for c in consumers:
         stream = c[0]  # (a typed local: its fields are C reads)
         try:
@@ -420,11 +423,18 @@ def end_holds_locked(tok) -> None:
                 except CompletionUnknownError as e:
                     marker = FailedMarker(e)
                 _lease_hold_end_locked(stream, tok, c[1], marker)
+        except BaseException as e:  # (the other streams' holds must end too)
+            if error is None:
+                error = e
         finally:
             # (after the lease: the stream's record in the tracker then stays, with the
             # lease's span, for the next export to that stream to find -- not dropped and made
             # again. Whatever the lease raised, the hold goes: nothing else could end it)
             tracker.drop_hold_locked(stream, tok)
+    # (only now: while the holds are open their modes are read from it, access._hold_writes)
+    tok.consumers = None
+    if error is not None:
+        raise error
 
 
 def _lease_hold_end_locked(stream, tok, writes, marker) -> None:
