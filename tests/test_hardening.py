@@ -764,27 +764,36 @@ def test_the_core_hooks_are_never_unset(host):
     assert RUNTIME.hooks is before
 
 
+def _release_without_a_retirer(view, monkeypatch) -> int:
+    """Release ``view`` while the retirer thread cannot start (filing a lease raises
+    RuntimeError); returns how many times a start was tried."""
+    from sharedmem.runtime.state import RUNTIME
+    tries = []
+
+    def cannot_start():
+        tries.append(1)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(RUNTIME, "retirer_running", False)
+    monkeypatch.setattr(RUNTIME, "ensure_retirer", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        view.release()
+    monkeypatch.undo()
+    return len(tries)
+
+
 def test_a_hold_whose_end_cannot_be_leased_is_still_dropped(host, monkeypatch):
     """The end of a hold files a lease and then drops the hold. If filing raises (here the
     retirer thread cannot start), the hold must go all the same: nothing else could end it,
     and under policy "reject" every later write from another stream would be refused."""
     from host_kernels import fill
-    from sharedmem.runtime.state import RUNTIME
     s, other = host.create_stream("consumer"), host.create_stream("other")
     b = sm.Buffer.empty(16, "float32", device=host)
     c = b[:]
     sm.record_use(c, s)  # holds on b's and c's tokens for work on s
     later = b[:]  # a view made after: no hold of its own
     alloc = c.allocation
-
-    def cannot_start():
-        raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(RUNTIME, "retirer_running", False)
-    monkeypatch.setattr(RUNTIME, "ensure_retirer", cannot_start)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
-        c.release()
-    monkeypatch.undo()
+    _release_without_a_retirer(c, monkeypatch)
     b.release()
     s.synchronize()
     sm.synchronize()
@@ -801,7 +810,7 @@ def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypa
     is ended too (it was left open, and -- its token's consumers cleared -- counted as a
     write hold: under "reject" every later read from another stream was refused)."""
     from host_kernels import total
-    from sharedmem.runtime.state import RUNTIME, locked
+    from sharedmem.runtime.state import locked
     s1, s2, other = (host.create_stream(n) for n in ("s1", "s2", "other"))
     b = sm.Buffer.zeros(16, "float32", device=host)
     c = b[:]
@@ -809,18 +818,8 @@ def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypa
     sm.record_use(c, s2, writes=False)
     sm.synchronize()
     held = c._live_token()
-    calls = []
-
-    def cannot_start():
-        calls.append(1)
-        raise RuntimeError("can't start new thread")
-
-    monkeypatch.setattr(RUNTIME, "retirer_running", False)
-    monkeypatch.setattr(RUNTIME, "ensure_retirer", cannot_start)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
-        c.release()
-    monkeypatch.undo()
-    assert len(calls) == 2  # (both ends were filed: the first error raised after the second)
+    # (both ends were filed: the first error raised after the second)
+    assert _release_without_a_retirer(c, monkeypatch) == 2
     sm.synchronize()
     with locked():  # (b's own holds stay while b lives: read holds, which a read passes)
         assert not any(h is held for u in b.allocation.tracker._uses.values() for h in u.holds)
