@@ -259,6 +259,59 @@ def test_hold_ends_of_an_export_loop_die_young(monkeypatch, how):
         _unpark(monkeypatch)
 
 
+
+def test_hold_ends_share_a_submission_and_keep_all_they_held(monkeypatch):
+    """Hold ends that join their stream's open completion event one after another share one
+    submission (a loop of cupy.from_dlpack files one per 64 exports), and it keeps what each
+    of them kept -- here three allocations no view refers to any more -- until the device has
+    passed that point. Other work on the stream between two ends starts a new one."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    ts = [sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
+          for _ in range(4)]
+    other = sm.Buffer.empty(64, "float32", device=dev)
+    sm.synchronize()
+    # The retirer thread sweeps nothing during the test: a pass of it records the open event,
+    # and the next end then files a submission of its own -- as it should, but this test
+    # counts them.
+    import types
+    import sharedmem.runtime.retirer as ret
+    import sharedmem.runtime.submission as sub_mod
+    monkeypatch.setattr(ret, "_sub", types.SimpleNamespace(
+        SWEEP_EVERY=sub_mod.SWEEP_EVERY, _sweep_locked=lambda s, *a: [], finish=sub_mod.finish))
+    pending = dev.default_stream._pending
+    live = sm.stats().live_allocations
+    drv.holding = True  # the device is behind: nothing finishes until finish_held()
+    try:
+        n = len(pending)
+        for t in ts[:3]:
+            cap = t.__dlpack__(stream=1, max_version=(1, 0))
+            del cap  # released unconsumed: its hold ends
+        assert len(pending) == n + 1
+        shared = pending[-1]
+        assert shared.label == "end of a DLPack export hold"
+        assert [(u[0].allocation.id, u[1]) for u in shared.uses] == \
+            [(t.allocation.id, True) for t in ts[:3]]
+        other.fill_zero()  # work between two ends: the next end files its own submission
+        cap = ts[3].__dlpack__(stream=1, max_version=(1, 0))
+        del cap
+        assert len(pending) == n + 3 and pending[-1] is not shared
+        ids = {t.allocation.id for t in ts}
+        for t in ts:
+            t.release()
+        del t, ts
+        gc.collect()
+        assert sm.stats().live_allocations == live  # kept by the ends' leases, not freed
+        leased = {lease[0] for e in sm.inflight() if e.stream is dev.default_stream
+                  and e.label == "end of a DLPack export hold" for lease in e.leases}
+        assert leased == ids
+    finally:
+        drv.holding = False
+        drv.finish_held()
+        sm.synchronize()  # (it sweeps every stream itself: the retirer is not needed)
+    gc.collect()
+    assert sm.stats().live_allocations == live - 4 and sm.stats().in_flight == 0
+
 def test_export_loop_with_the_device_behind_sweeps_once_per_sweep_every(monkeypatch):
     """While nothing retires (the device behind), exports do not sweep every time: each
     sweep records the stream's open marker, and every export would cost an event record,
