@@ -64,7 +64,6 @@ cdef class ArrayFacts:
     cdef public size_t addr
     cdef public bint dead
 
-cdef inline object _id(object obj)
 
 @cython.locals(f=ArrayFacts, slot=Py_ssize_t, addr=size_t)
 cpdef ArrayFacts array_facts(arr)

@@ -588,12 +588,13 @@ class ArrayFacts:
 
 
 # id(array) -> ArrayFacts of the live CuPy arrays passed to launches. An entry goes when its
-# array dies (its weak reference's callback); a stale id is caught by ``ref() is arr``.
-# Lock-free: single dict operations; a racing thread learns equal facts.
+# array dies (its weak reference's callback, which also marks it ``dead``: a later array at
+# the same address is learned anew). Lock-free: single dict operations; a racing thread
+# learns equal facts.
 _facts = {}
 # The facts found last, by a hash of the array's address (compiled: one C list read, before
-# the dict, whose key is an int made per lookup). An entry is used only while its array is
-# the one asked about (``ref() is arr``). Lock-free: single list stores of immutable records.
+# the dict, whose key is an int made per lookup). An entry is used only while it is the
+# array's (``addr`` equal, not ``dead``). Lock-free: single list stores of immutable records.
 _RECENT = cython.declare(cython.Py_ssize_t, 64)
 _recent = cython.declare(list, [None] * 64)
 
@@ -615,13 +616,6 @@ def _forget(key, ref):
         _recent[slot] = None
 
 
-def _id(obj):
-    """``id(obj)``; compiled, the address itself (the builtin's call is most of a lookup)."""
-    if cython.compiled:
-        return cython.cast(cython.size_t, cython.cast(cython.p_void, obj))
-    return id(obj)
-
-
 def array_facts(arr):
     """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
     if cython.compiled:
@@ -630,7 +624,7 @@ def array_facts(arr):
         f = _recent[slot]
         if f is not None and f.addr == addr and not f.dead:  # (field reads, no call)
             return f
-        f = _facts.get(_id(arr))
+        f = _facts.get(addr)  # (the key id() would give, without the builtin's call)
     else:
         slot = 0
         f = _facts.get(id(arr))
