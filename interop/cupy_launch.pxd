@@ -4,7 +4,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from libc.string cimport memcpy
 from sharedmem.allocation cimport View, ViewToken
-from sharedmem.launch cimport KernelPlan, LaunchArg
+from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
 from sharedmem.backends.cuda cimport CudaStreamImpl
 from sharedmem.stream cimport Stream
 
@@ -39,7 +39,7 @@ cdef class RawKernelPlan(KernelPlan):
 
     @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, p=Py_ssize_t, j=Py_ssize_t,
                    i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, tok=ViewToken,
-                   view=View)
+                   view=View, fa=ArrayFacts)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(impl=CudaStreamImpl, c=LaunchConfig, err=int, st=Stream)
@@ -57,10 +57,8 @@ cdef void _emit_address(out, Param par, unsigned long long ptr) noexcept
 cdef int _launch_compiled(RawKernelPlan plan, CudaStreamImpl impl, config,
                           bytes packed) except? -1
 
-cdef class ArrayFacts:
+cdef class ArrayFacts(ForeignArray):
     cdef public object ref
-    cdef public ViewToken token
-    cdef public Py_ssize_t offset
     cdef public size_t addr
     cdef public bint dead
 

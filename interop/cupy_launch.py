@@ -2,8 +2,9 @@
 
 :class:`RawKernelPlan` is a CuPy kernel on one device, planned once: its ``CUfunction``, its
 parameters (sizes from the driver, types read from the kernel's CUDA source), the device's
-launch limits and ``cuLaunchKernel``. ``foreign_array`` leases a CuPy array passed to a launch
-without making a view of it. ``interop.cupy`` is the public face (wrap, adopt, as_cupy, the
+launch limits and ``cuLaunchKernel``. A CuPy array passed to a launch is leased without a
+view of it: ``coerce`` gives CuPy kernels its :class:`ArrayFacts`, ``foreign_array`` gives
+cuTile a :class:`LaunchArg`. ``interop.cupy`` is the public face (wrap, adopt, as_cupy, the
 adapter); this module holds what runs on every launch. Importing it imports no GPU library.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 from sharedmem.allocation import View, ViewToken, import_allocation
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
-from sharedmem.launch import KernelPlan, LaunchArg, check_dims, check_shared_mem
+from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
 from sharedmem.runtime.state import OwnedLock, fork_safe
 
 try:
@@ -372,6 +373,15 @@ class RawKernelPlan(KernelPlan):
                 _emit_address(out, par, tok.allocation.ptr + view._offset)
                 p += 1
                 continue
+            if type(a) is ArrayFacts:  # a CuPy array (see coerce): its lease, as for a view
+                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
+                    raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
+                                      f"a CuPy array")
+                j += 1
+                fa = cython.cast(ArrayFacts, a) if cython.compiled else a
+                _emit_address(out, par, fa.token.allocation.ptr + fa.offset)
+                p += 1
+                continue
             if type(a) is LaunchArg:
                 j += 1
                 la = cython.cast(LaunchArg, a) if cython.compiled else a
@@ -572,7 +582,7 @@ _SIG_CACHE_MAX = 1024  # kernels remembered (each plan keeps its kernel alive)
 _sig_lock = fork_safe(OwnedLock("the CuPy kernel plan cache"))
 
 
-class ArrayFacts:
+class ArrayFacts(ForeignArray):
     """What a launch needs of a CuPy array, which cannot change while the array lives: the
     lease token of its bytes (``token``: their range in the allocation they belong to, kept
     alive here, and whether they may be written -- not for an ``as_cupy`` export of a
@@ -584,7 +594,7 @@ class ArrayFacts:
     which runs before the array's memory is freed -- so no later object at that address is
     taken for it."""
 
-    __slots__ = ("ref", "token", "offset", "addr", "dead")
+    __slots__ = ("ref", "addr", "dead")
 
 
 # id(array) -> ArrayFacts of the live CuPy arrays passed to launches. An entry goes when its
@@ -653,8 +663,9 @@ def _learn(arr):
 
 
 def foreign_array(arr):
-    """A CuPy array as a launch argument: a lease of its bytes (no view token: nothing but
-    the launch holds it); the launch keeps the array alive until its work is done."""
+    """A CuPy array as a :class:`LaunchArg` for plans that take the array itself (cuTile's):
+    a lease of its bytes (no view token: nothing but the launch holds it); the launch keeps
+    the array alive until its work is done. CuPy kernels take its :class:`ArrayFacts`."""
     f = array_facts(arr)
     la = LaunchArg.__new__(LaunchArg)
     la.view = None
@@ -671,11 +682,13 @@ _modules = cython.declare(dict, sys.modules)
 
 
 def coerce(obj, device):
-    """``KernelAdapter.coerce`` of CuPy kernels: a CuPy array argument as a
-    :class:`LaunchArg` (see ``KernelAdapter.coerce``); None for anything else."""
+    """``KernelAdapter.coerce`` of CuPy kernels: a CuPy array argument as its
+    :class:`ArrayFacts` (a :class:`~sharedmem.launch.ForeignArray`: a lease of its bytes
+    with no view token, made on its first launch; the launch keeps the array alive until its
+    work is done); None for anything else."""
     nd = _ndarray[1]
     if nd is not None and type(obj) is nd:  # (the common case: no module lookup)
-        return foreign_array(obj)
+        return array_facts(obj)
     modules = _modules
     cp = modules.get("cupy")
     if cp is None:
@@ -684,7 +697,7 @@ def coerce(obj, device):
         _ndarray[1] = cp.ndarray
         _ndarray[0] = cp
     if isinstance(obj, _ndarray[1]):
-        return foreign_array(obj)
+        return array_facts(obj)
     return None
 
 

@@ -31,6 +31,10 @@ cdef class LaunchArg:
     cdef public bint with_length
     cdef public Py_ssize_t offset
 
+cdef class ForeignArray:
+    cdef public ViewToken token
+    cdef public Py_ssize_t offset
+
 cdef class KernelPlan(Work):
     cdef public object kernel, adapter, device, label
     cdef public dict _configs
@@ -50,7 +54,8 @@ cdef class _HostPlan(KernelPlan):
     pass
 
 @cython.locals(resolved=list, uses=list, i=Py_ssize_t, n=Py_ssize_t, mode=int, u=tuple,
-               hit=tuple, with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg)
+               hit=tuple, with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg,
+               fa=ForeignArray, foreign=list)
 cpdef tuple resolve_args(adapter, tuple args, device)
 
 @cython.locals(plan=KernelPlan, sub=Submission, st=Stream, adapters=dict)
@@ -61,7 +66,5 @@ cpdef KernelPlan plan_for(adapter, kernel, device)
 
 cpdef _as_view(obj)
 
-@cython.locals(foreign=list)
-cpdef _with_foreign(keep, list resolved)
 
 cdef _init_intent(Intent self, obj, bint with_length, int mode)

@@ -42,7 +42,8 @@ from .runtime.submission import Work, submit_plan
 from .stream import Stream, current_stream, streams_entered
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
-           "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "array_args"]
+           "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "ForeignArray",
+           "array_args"]
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -160,6 +161,19 @@ class LaunchArg:
         return self._mode != _READ
 
 
+@cython.cclass
+class ForeignArray:
+    """A foreign array's lease, prepared once per array by an adapter's ``coerce`` and shared
+    by every launch that passes that array: ``token`` (its bytes' range in their allocation,
+    a lease token -- never a live view -- which must not keep the array alive) and ``offset``
+    (of element 0 in the token's allocation). Read-only to the launch: ``resolve_args`` puts
+    it in ``resolved`` as it is and keeps the array itself until the work is done. Only an
+    adapter whose plans' ``pack`` takes it returns one (``RawKernelPlan``'s does); otherwise
+    return a :class:`LaunchArg`."""
+
+    __slots__ = ("token", "offset")
+
+
 class KernelPlan(Work):
     """What is constant about launching one kernel on one device, decided once by the
     kernel's adapter (``KernelAdapter.plan``) and cached: parameter layout, entry point,
@@ -224,8 +238,9 @@ class KernelAdapter:
     lease -- a :class:`LaunchArg` with ``view`` None, ``value`` (what the plan packs),
     ``token`` (a lease token, never a live view; it must not keep ``value`` alive -- the
     launch does) and ``offset`` (of element 0 in the token's allocation); ``resolve_args``
-    fills in the rest -- or into a sharedmem view made for this launch only, or return None:
-    the argument is then passed as a scalar.
+    fills in the rest -- or into a :class:`ForeignArray` prepared once per array, if this
+    adapter's plans pack those -- or into a sharedmem view made for this launch only, or
+    return None: the argument is then passed as a scalar.
     """
 
     name = "kernel"
@@ -415,15 +430,20 @@ def _as_view(obj):
 
 
 def resolve_args(adapter, args, device):
-    """Resolve launch arguments; returns ``(resolved, uses, device)``. Raises before anything
-    is leased. ``uses``: the ``(token, writes)`` lease of each array argument, in order.
-    ``resolved``: the arguments, each array argument as its view (the common case) or as a
+    """Resolve launch arguments; returns ``(resolved, uses, device, foreign)``. Raises before
+    anything is leased. ``uses``: the ``(token, writes)`` lease of each array argument, in
+    order. ``resolved``: the arguments, each array argument as its view (the common case), as
+    the :class:`ForeignArray` an adapter prepared for a foreign array, or as a
     :class:`LaunchArg` (a foreign array leased without a view, or ``with_length``); a plan
-    walks it with ``uses`` beside it (see :func:`array_args`). Views an adapter makes of
-    foreign arrays are referenced by ``resolved`` (keep it until the leases are taken)."""
+    walks it with ``uses`` beside it (see :func:`array_args`). ``foreign``: None, or a list
+    whose first entry is free (the launch puts its own ``keep`` there) followed by the foreign
+    arrays leased -- their lease tokens do not keep them; the work must. Views an adapter
+    makes of foreign arrays are referenced by ``resolved`` (keep it until the leases are
+    taken)."""
     n = len(args)
     resolved = [None] * n  # (one entry an argument: sized once, not grown)
     uses = []
+    foreign = None
     coerce = None
     for i in range(n):
         a = args[i]
@@ -443,10 +463,13 @@ def resolve_args(adapter, args, device):
             intent = None
             with_length = False
         la = None
+        fa = None
         if isinstance(obj, View):
             view = cython.cast(View, obj) if cython.compiled else obj
+        elif type(obj) is _BOX:
+            view = obj.buffer
         else:
-            view = _as_view(obj)
+            view = None
         if view is not None:
             if view._state:
                 view._raise_dead()
@@ -474,6 +497,10 @@ def resolve_args(adapter, args, device):
                 la = got
                 tok = la.token
                 value = la.value
+            elif isinstance(got, ForeignArray):  # prepared once for this array: not written
+                fa = got
+                tok = fa.token
+                value = obj
             else:  # a view made for this launch
                 view = got
                 tok = view._token
@@ -494,11 +521,28 @@ def resolve_args(adapter, args, device):
             shown = view if view is not None else obj
             raise KernelError(f"argument {i}: {intent.__name__}({shown!r}) would write through a "
                               f"read-only view; pass it as In(...) or copy it first")
+        u = tok.use_r if mode == _READ else tok.use_w  # (tok.use() inlined)
+        if u is None:
+            u = tok.use(mode != _READ)
         if view is not None and view is value and not with_length:
             resolved[i] = view  # the common case: the view itself stands for the argument
-            u = tok.use_r if mode == _READ else tok.use_w  # (tok.use() inlined)
-            uses.append(u if u is not None else tok.use(mode != _READ))
+            uses.append(u)
             continue
+        if view is None:  # a foreign array: the work keeps it (its lease token does not)
+            if foreign is None:
+                foreign = [None, value]
+            else:
+                foreign.append(value)
+            if fa is not None:
+                if not with_length:
+                    resolved[i] = fa
+                    uses.append(u)
+                    continue
+                la = LaunchArg.__new__(LaunchArg)
+                la.view = None
+                la.value = value
+                la.token = tok
+                la.offset = fa.offset
         if la is None:
             la = LaunchArg.__new__(LaunchArg)
             la.view = view
@@ -509,19 +553,8 @@ def resolve_args(adapter, args, device):
         la.intent = intent
         la.with_length = with_length
         resolved[i] = la
-        uses.append(tok.use(mode != _READ))
-    return resolved, uses, device
-
-
-def _with_foreign(keep, resolved):
-    """``keep`` and the foreign arrays in ``resolved``, or ``keep`` when there are none."""
-    foreign = None
-    for a in resolved:
-        if type(a) is LaunchArg and cython.cast(LaunchArg, a).view is None:
-            if foreign is None:
-                foreign = [keep]
-            foreign.append(cython.cast(LaunchArg, a).value)
-    return foreign if foreign is not None else keep
+        uses.append(u)
+    return resolved, uses, device, foreign
 
 
 def array_args(resolved, uses):
@@ -537,6 +570,11 @@ def array_args(resolved, uses):
             j += 1
         elif type(a) is LaunchArg:
             out.append(a)
+            j += 1
+        elif isinstance(a, ForeignArray):  # (the array itself is not at hand here)
+            tok, writes = uses[j]
+            out.append(LaunchArg(None, None, tok, _WRITE if writes else _READ, None, False,
+                                 a.offset))
             j += 1
         else:
             out.append(a)
@@ -575,7 +613,7 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         device = st.device
     else:
         device = None
-    resolved, uses, device = resolve_args(adapter, args, device)
+    resolved, uses, device, foreign = resolve_args(adapter, args, device)
     if stream is None and streams_entered():
         stream = current_stream(device)  # the innermost `with stream:` on that device, or None
         if stream is not None:
@@ -593,7 +631,9 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
     # the work keeps the plan (and so the kernel), each lease's `keep`, and the foreign arrays
     # leased (their lease tokens do not keep them)
     keep = plan if not isinstance(plan, _PreparedPlan) else [plan, *payload[1]]
-    keep = _with_foreign(keep, resolved)
+    if foreign is not None:
+        foreign[0] = keep
+        keep = foreign
     # `resolved` stays referenced until the leases are taken: views an adapter made of
     # foreign arrays live only as long as it does
     sub = submit_plan(stream, uses, plan, config, payload, keep, policy, plan.label)

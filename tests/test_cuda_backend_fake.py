@@ -9,6 +9,7 @@ import gc
 import os
 import sys
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -280,8 +281,6 @@ def test_an_open_marker_is_recorded_after_all_the_work_that_joined_it(fake, kern
 
 
 def test_cupy_launches_are_planned_once_per_kernel(fake, kernels, monkeypatch):
-    import weakref
-
     import interop.cupy as ic
     from fake_cuda import RawKernel
     dev, drv = fake
@@ -452,8 +451,6 @@ def _vadd_operands(dev, n):
 
 
 def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkeypatch):
-    import weakref
-
     import interop.cutile as icu
     from fake_cuda import TileKernel
     dev, drv = fake
@@ -677,3 +674,51 @@ def test_integer_scalars_are_range_checked_whatever_their_type(fake, kernels):
     sm.launch(scale_len, 1, 8, sm.InOut(x), True, 1.0).result()
     with pytest.raises(sm.KernelError, match=r"does not fit parameter 'n' \(long long\)$"):
         sm.launch(scale_len, 1, 8, sm.InOut(x), 1 << 63, 1.0)
+
+
+def test_cupy_array_arguments_are_their_facts_and_kept_alive_by_the_work(fake, kernels,
+                                                                          monkeypatch):
+    """A CuPy array argument reaches the plan as its facts (one object for every launch that
+    passes that array: nothing made per launch), and the work keeps the array itself -- the
+    facts do not -- until the device has passed it, when nothing keeps it any more. With
+    ``with_length`` it still packs a pointer and a length; in a scalar slot it is refused
+    by name, and nothing is leased."""
+    import interop.cupy_launch as icl
+    from sharedmem.launch import ForeignArray, adapter_for, resolve_args
+    dev, drv = fake
+    saxpy, scale_len = kernels
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    adapter = adapter_for(saxpy)
+    args = (2.0, sm.In(x), sm.In(y), sm.Out(out), n)
+    first = resolve_args(adapter, args, None)
+    again = resolve_args(adapter, args, None)
+    fx = icl._facts[id(x)]
+    assert type(fx) is icl.ArrayFacts and isinstance(fx, ForeignArray)
+    assert first[0][1] is fx and again[0][1] is fx and first[0][3] is icl._facts[id(out)]
+    assert [u[1] for u in first[1]] == [False, False, True]
+    assert first[3][1:] == [x, y, out] and first[2] is dev
+    del first, again, args
+
+    drv.holding = True  # from here on, the work stays in flight
+    gone = weakref.ref(out)
+    fut = sm.launch(saxpy, 1, 16, 3.0, sm.In(x), sm.In(y), sm.Out(out), n)
+    facts = icl._facts[id(out)]
+    del out
+    gc_collect_harder()
+    assert gone() is not None and not facts.dead and not fut.done()  # kept by the work alone
+    drv.holding = False
+    drv.finish_held()
+    fut.result()
+    sm.synchronize()
+    gc_collect_harder()
+    assert gone() is None and facts.dead
+
+    x_dev = x._block.to_host()
+    sm.launch(scale_len, 1, 16, sm.InOut(x, with_length=True), 2.0).result()
+    np.testing.assert_array_equal(x._block.to_host(), 2 * x_dev)
+    leased = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 4: parameter 'n' \(int\) is not a "
+                                             r"pointer, got a CuPy array$"):
+        sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(y), sm.In(x))
+    assert sm.stats().submitted == leased
