@@ -18,5 +18,8 @@ cdef class Tensor(View):
 cpdef Tensor new_tensor(ViewToken token, object dtype, tuple shape, tuple strides,
                         Py_ssize_t offset, Py_ssize_t size=*, int contiguous=*)
 
-@cython.locals(cacheable=bint, n=object, hit=tuple, layouts=dict)
+@cython.locals(cacheable=bint, n=object, hit=tuple, layouts=dict, last=tuple)
 cpdef tuple c_layout(object shape)
+
+@cython.locals(last=tuple)
+cdef Py_ssize_t _itemsize(dtype) except -1

@@ -73,7 +73,15 @@ def _shape(shape) -> tuple[int, ...]:
     return tuple(out)
 
 
-_layouts = {}  # shape as given -> (shape, C strides, size); lock-free (idempotent writes)
+# shape as given -> (shape, C strides, size); lock-free (idempotent writes). C globals where
+# compiled: no module dict lookups.
+_layouts = cython.declare(dict, {})
+# [(shape object, its layout)] of the last cached lookup: the same tuple again (a literal in
+# the caller's code, or a tensor's .shape) is found by identity, without hashing it. Replaced
+# whole: lock-free.
+_last_layout = cython.declare(list, [None])
+# [(dtype, its itemsize)] of the last dense check (a dtype's itemsize never changes)
+_last_itemsize = cython.declare(list, [None])
 
 
 def c_layout(shape):
@@ -87,18 +95,33 @@ def c_layout(shape):
             if type(n) is not int:
                 cacheable = False
                 break
-    layouts = _layouts  # (a typed local: a C dict lookup)
     if cacheable:
-        hit = layouts.get(shape)
+        last = _last_layout[0]
+        if last is not None and (last[0] is shape or last[0] == shape):  # (no hashing)
+            return last[1]
+        hit = _layouts.get(shape)
         if hit is not None:
+            _last_layout[0] = (shape, hit)
             return hit
     sh = _shape(shape)
     hit = (sh, c_strides(sh), math.prod(sh))
     if cacheable:
+        layouts = _layouts
         if len(layouts) >= 1024:
             layouts.clear()
         layouts[shape] = hit
+        _last_layout[0] = (shape, hit)
     return hit
+
+
+def _itemsize(dtype):
+    """``dtype.itemsize``, found without an attribute lookup when ``dtype`` was the last."""
+    last = _last_itemsize[0]
+    if last is not None and last[0] is dtype:
+        return last[1]
+    n = dtype.itemsize
+    _last_itemsize[0] = (dtype, n)
+    return n
 
 
 def _is_c_contiguous(shape, strides) -> bool:
@@ -155,7 +178,7 @@ class Tensor(View):
         n = b._length
         if strides is None:
             shape, strides, size = c_layout(shape)
-            if size != n:
+            if cython.cast(cython.Py_ssize_t, size) != n if cython.compiled else size != n:
                 raise LayoutError(f"shape {shape} holds {size} elements but {buf!r} "
                                   f"has {n}; pass a slice of the buffer or a matching shape")
             dtype = b._dtype
@@ -291,7 +314,7 @@ class Tensor(View):
         """``(start, stop)``: the byte range of this C-contiguous tensor, which must be its
         view's whole range (else LayoutError naming ``what``)."""
         self._check_dense(what)
-        return self._offset, self._offset + self._size * self._dtype.itemsize
+        return self._offset, self._offset + self._size * _itemsize(self._dtype)
 
     def _check_dense(self, what: str) -> None:
         tok = self._live_token()
@@ -299,7 +322,7 @@ class Tensor(View):
             raise LayoutError(f"{what} needs a C-contiguous tensor; {self!r} is not. "
                               f"Copy it into a contiguous tensor first")
         start = self._offset
-        nbytes = self._size * self._dtype.itemsize
+        nbytes = self._size * _itemsize(self._dtype)
         stop = start + nbytes
         if (start != tok.start or stop != tok.stop) and nbytes:
             raise LayoutError(f"{what}: {self!r} covers bytes [{start}, {stop}) but its view "

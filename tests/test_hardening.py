@@ -48,6 +48,28 @@ def test_shapes_must_be_ints_and_at_most_64_dimensions(host):
     assert sm.Tensor.empty((1,) * 64, "float32", device=host).ndim == 64
 
 
+def test_a_move_to_a_shape_equal_to_the_last_one_is_still_checked(host):
+    """from_buffer remembers the last shape it laid out; a shape that merely compares equal
+    to it ((2.0, 3) == (2, 3)) is refused all the same, and a list is laid out as a tuple."""
+    b = sm.Buffer.zeros(6, "float32", device=host)
+    t = sm.Tensor.from_buffer(b, (2, 3))  # remembered
+    b = t.into_buffer()
+    for bad in ((2.0, 3), (True, 6), (np.float32(2), 3)):
+        with pytest.raises(TypeError, match=r"^shape must be an int or a sequence of ints"):
+            sm.Tensor.from_buffer(b, bad)
+        assert b.is_live  # refused before the move
+    t = sm.Tensor.from_buffer(b, [3, 2])
+    assert t.shape == (3, 2) and t.strides == (2, 1)
+    b = t.into_buffer()
+    shape = (2, 3)
+    for _ in range(2):  # the same tuple again: found by identity
+        t = sm.Tensor.from_buffer(b, shape)
+        assert t.shape == (2, 3) and t.strides == (3, 1) and t.size == 6
+        b = t.into_buffer()
+    with pytest.raises(sm.LayoutError, match=r"^shape \(2, 2\) holds 4 elements but "):
+        sm.Tensor.from_buffer(b, (2, 2))
+
+
 # -- byte order -------------------------------------------------------------------------------
 def test_non_native_byte_order_is_converted_on_the_way_in_and_never_exported_as_native(host):
     big = np.arange(5, dtype=">f4")
