@@ -19,10 +19,12 @@ import weakref
 import numpy as np
 
 from sharedmem.allocation import View, ViewToken, import_allocation
+from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
 from sharedmem.runtime.state import OwnedLock, fork_safe
+from sharedmem.tensor import Tensor
 
 try:
     import cython
@@ -259,6 +261,9 @@ def _function_handle(kernel, dev):
 _BOOLS = (bool, np.bool_)  # (module constants: no attribute lookup on numpy per argument)
 _INTS = (int, np.integer)
 # NumPy's integer scalar types (np.int32(n), the usual way to pass a C int): found by identity
+# the view types themselves: tested by identity before isinstance (C globals where compiled)
+_BUFFER = cython.declare(object, Buffer)
+_TENSOR = cython.declare(object, Tensor)
 _NP_INTS = (np.int32, np.int64, np.uint32, np.uint64, np.int16, np.uint16, np.int8, np.uint8)
 
 
@@ -362,7 +367,8 @@ class RawKernelPlan(KernelPlan):
         for i in range(len(args)):
             a = args[i]
             par = params[p]
-            if isinstance(a, View):  # (its token: the lease's, taken before any release)
+            t = type(a)
+            if t is _BUFFER or t is _TENSOR or isinstance(a, View):  # (its token: the lease's)
                 if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
@@ -404,7 +410,6 @@ class RawKernelPlan(KernelPlan):
                     p += 1
                 continue
             kc = par.kcode
-            t = type(a)
             if kc == _K_INT:
                 if t is not int and t in _NP_INTS:
                     a = int(a)  # (then checked as an int: no isinstance walks)

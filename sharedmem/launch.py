@@ -33,13 +33,14 @@ import numpy as np
 
 from .access import ATOMIC, READ, WRITE, check_policy
 from .allocation import View, ViewToken, _module, import_allocation
-from .buffer import DeviceBox
+from .buffer import Buffer, DeviceBox
 from .device import Device
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, current_stream, streams_entered
+from .tensor import Tensor
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
            "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "ForeignArray",
@@ -417,6 +418,9 @@ def check_shared_mem(shared_mem, limit=None) -> int:
 
 # (C globals where compiled: no dict lookups)
 _BOX = cython.declare(object, DeviceBox)
+# the view types themselves: tested by identity before isinstance (a walk of the type's MRO)
+_BUFFER = cython.declare(object, Buffer)
+_TENSOR = cython.declare(object, Tensor)
 _NP_SCALAR = cython.declare(object, np.generic)  # (np.int32(3), np.float32(1.5)...: never arrays)
 
 
@@ -451,12 +455,13 @@ def resolve_args(adapter, args, device):
         if t is int or t is float or t is bool or a is None:
             resolved[i] = a
             continue
-        if isinstance(a, Intent):
+        if t is not _BUFFER and t is not _TENSOR and isinstance(a, Intent):
             ia = cython.cast(Intent, a) if cython.compiled else a  # (checked: no 2nd test)
             obj = ia.obj
             mode = ia._mode
             intent = t
             with_length = ia.with_length
+            t = type(obj)
         else:
             obj = a
             mode = -1
@@ -464,7 +469,7 @@ def resolve_args(adapter, args, device):
             with_length = False
         la = None
         fa = None
-        if isinstance(obj, View):
+        if t is _BUFFER or t is _TENSOR or isinstance(obj, View):
             view = cython.cast(View, obj) if cython.compiled else obj
         elif type(obj) is _BOX:
             view = obj.buffer
