@@ -58,7 +58,6 @@ cdef int _launch_compiled(RawKernelPlan plan, CudaStreamImpl impl, config,
                           bytes packed) except? -1
 
 cdef class ArrayFacts(ForeignArray):
-    cdef public object ref
     cdef public size_t addr
     cdef public bint dead
 

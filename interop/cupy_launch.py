@@ -599,7 +599,7 @@ class ArrayFacts(ForeignArray):
     which runs before the array's memory is freed -- so no later object at that address is
     taken for it."""
 
-    __slots__ = ("ref", "addr", "dead")
+    __slots__ = ("addr", "dead")
 
 
 # id(array) -> ArrayFacts of the live CuPy arrays passed to launches. An entry goes when its

@@ -166,13 +166,14 @@ class LaunchArg:
 class ForeignArray:
     """A foreign array's lease, prepared once per array by an adapter's ``coerce`` and shared
     by every launch that passes that array: ``token`` (its bytes' range in their allocation,
-    a lease token -- never a live view -- which must not keep the array alive) and ``offset``
-    (of element 0 in the token's allocation). Read-only to the launch: ``resolve_args`` puts
-    it in ``resolved`` as it is and keeps the array itself until the work is done. Only an
-    adapter whose plans' ``pack`` takes it returns one (``RawKernelPlan``'s does); otherwise
-    return a :class:`LaunchArg`."""
+    a lease token -- never a live view -- which must not keep the array alive), ``offset``
+    (of element 0 in the token's allocation) and ``ref``, a weak reference to the array.
+    Read-only to the launch: ``resolve_args`` puts it in ``resolved`` as it is and keeps the
+    array itself until the work is done. A plan's ``pack`` reads it as it is
+    (``RawKernelPlan``'s does); :func:`array_args` gives a plan that wants ``LaunchArg``
+    objects one with the array as ``value``."""
 
-    __slots__ = ("token", "offset")
+    __slots__ = ("token", "offset", "ref")
 
 
 class KernelPlan(Work):
@@ -493,6 +494,9 @@ def resolve_args(adapter, args, device):
                     _last_coerce[0] = (adapter, coerce)
             got = coerce(obj, device)
             if got is None:
+                if isinstance(obj, (ForeignArray, LaunchArg)):  # (made by and for a launch)
+                    raise KernelError(f"argument {i}: a {type(obj).__name__} is what a launch "
+                                      f"makes of an array argument; pass the array itself")
                 if intent is not None:
                     raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
                                       f"DeviceBox or array, got {type(obj).__name__}")
@@ -576,9 +580,9 @@ def array_args(resolved, uses):
         elif type(a) is LaunchArg:
             out.append(a)
             j += 1
-        elif isinstance(a, ForeignArray):  # (the array itself is not at hand here)
+        elif isinstance(a, ForeignArray):  # (its array: alive, the launch holds it)
             tok, writes = uses[j]
-            out.append(LaunchArg(None, None, tok, _WRITE if writes else _READ, None, False,
+            out.append(LaunchArg(None, a.ref(), tok, _WRITE if writes else _READ, None, False,
                                  a.offset))
             j += 1
         else:

@@ -178,7 +178,14 @@ class Tensor(View):
         n = b._length
         if strides is None:
             shape, strides, size = c_layout(shape)
-            if cython.cast(cython.Py_ssize_t, size) != n if cython.compiled else size != n:
+            if cython.compiled:  # (compared in C; no int made of n)
+                try:
+                    differs = cython.cast(cython.Py_ssize_t, size) != n
+                except OverflowError:  # (more elements than any buffer holds)
+                    differs = True
+            else:
+                differs = size != n
+            if differs:
                 raise LayoutError(f"shape {shape} holds {size} elements but {buf!r} "
                                   f"has {n}; pass a slice of the buffer or a matching shape")
             dtype = b._dtype

@@ -722,3 +722,49 @@ def test_cupy_array_arguments_are_their_facts_and_kept_alive_by_the_work(fake, k
                                              r"pointer, got a CuPy array$"):
         sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(y), sm.In(x))
     assert sm.stats().submitted == leased
+
+
+def test_an_adapter_on_prepare_gets_cupy_arrays_themselves_and_launch_records_are_refused(
+        fake, kernels, monkeypatch):
+    """A CuPy adapter subclass on the ``prepare`` interface still sees each CuPy array as a
+    LaunchArg whose value is the array (array_args finds it through the facts' weak
+    reference). What a launch makes of an array -- its facts, a LaunchArg -- passed as an
+    argument itself is refused, naming the argument, and nothing is leased."""
+    import interop.cupy as ic
+    import interop.cupy_launch as icl
+    from sharedmem.launch import LaunchArg
+    L = sys.modules["sharedmem.launch"]  # (sm.launch is the function)
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    seen = []
+
+    class Mine:
+        __name__ = "mine"
+
+    class OnPrepare(ic.RawKernelAdapter):
+        name = "mine"
+
+        def plan(self, kernel, device):
+            return sm.KernelAdapter.plan(self, kernel, device)
+
+        def prepare(self, kernel, grid, block, args, shared_mem, stream):
+            seen.extend((a.value, a.writes) for a in args if type(a) is LaunchArg)
+            return (lambda: stream._impl.submit_marker()), ()
+
+    monkeypatch.setitem(L._adapters, Mine, OnPrepare())
+    sm.launch(Mine(), 1, 1, sm.In(x), sm.Out(out)).result()
+    assert seen == [(x, False), (out, True)]
+
+    facts = icl.array_facts(out)
+    la = icl.foreign_array(out)
+    leased = sm.stats().submitted
+    for i, bad, name in ((3, facts, "ArrayFacts"), (1, la, "LaunchArg")):
+        args = [2.0, sm.In(x), sm.In(y), sm.Out(out), n]
+        args[i] = bad
+        with pytest.raises(sm.KernelError, match=rf"^argument {i}: a {name} is what a launch "
+                                                 rf"makes of an array argument; pass the array "
+                                                 rf"itself$"):
+            sm.launch(saxpy, 1, 16, *args)
+    assert sm.stats().submitted == leased

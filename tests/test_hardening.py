@@ -68,6 +68,10 @@ def test_a_move_to_a_shape_equal_to_the_last_one_is_still_checked(host):
         b = t.into_buffer()
     with pytest.raises(sm.LayoutError, match=r"^shape \(2, 2\) holds 4 elements but "):
         sm.Tensor.from_buffer(b, (2, 2))
+    with pytest.raises(sm.LayoutError, match=r"^shape \(4294967296, 4294967296\) holds "
+                                             r"18446744073709551616 elements but "):
+        sm.Tensor.from_buffer(b, (2**32, 2**32))  # (more than a C ssize_t: compiled alike)
+    assert b.is_live
 
 
 # -- byte order -------------------------------------------------------------------------------
