@@ -4,7 +4,8 @@ cdef class Stream:
     cdef public object device, _impl
     cdef public bint owned, _ours
     cdef public object name
-    cdef public object _pending, _push, _join
+    cdef public list _pending
+    cdef public object _join
     cdef public long long _seq, _done, _swept, _uid
     cdef public dict _waited
     cdef public bint _leak_warned, _checks

@@ -10,7 +10,6 @@ until the GPU has finished them.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
 import weakref
@@ -43,11 +42,11 @@ class Stream:
     submission), ``_done`` (that of the newest retired one: every lease of this stream with a
     sequence number up to it is finished), ``_capture`` (the Graph being captured),
     ``_waited`` (what this stream is already ordered after: see ``note_waited_locked``).
-    Set once: ``_push`` (``_pending.append``, bound), ``_ours`` (owned, or the device's default
-    stream: not borrowed), ``_join`` (on those, the impl's ``submit_marker``, bound).
+    Set once: ``_ours`` (owned, or the device's default stream: not borrowed), ``_join`` (on
+    those, the impl's ``submit_marker``, bound).
     """
 
-    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_push", "_seq", "_done", "_swept",
+    __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
                  "_uid", "_ours", "_join", "_waited", "_leak_warned",
                  "_external", "_capture", "_checks", "launch_cache", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
@@ -67,8 +66,9 @@ class Stream:
         self._impl = impl
         self.owned = owned
         self.name = name or getattr(impl, "name", None)
-        self._pending = collections.deque()  # guarded by core_lock
-        self._push = self._pending.append  # (a bound method: no lookup of "append" a launch)
+        # guarded by core_lock. A list: appended at the end, the finished front cut off in one
+        # slice deletion by a sweep (compiled, C list operations; no per-entry method call)
+        self._pending = []
         self._seq = 0  # guarded by core_lock
         self._done = 0  # guarded by core_lock
         self._swept = 0  # _seq at the last submission.sweep_long; guarded by core_lock

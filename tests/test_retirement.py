@@ -180,12 +180,11 @@ class _Sub:
 def test_retirement_finds_the_finished_prefix_in_few_queries(n, done):
     """A stream finishes in order, so retiring n submissions costs at most
     2 + log2(n) event queries, not one per submission."""
-    import collections
     import math
     from sharedmem.runtime.submission import _done_prefix_locked
     log = []
-    subs = collections.deque(_Sub(_CountingMarker(log)) for _ in range(n))
-    for s in list(subs)[:done]:
+    subs = [_Sub(_CountingMarker(log)) for _ in range(n)]  # (a stream's FIFO is a list)
+    for s in subs[:done]:
         s.marker.state = 1
     assert _done_prefix_locked(subs) == done
     assert len(log) <= 2 + math.ceil(math.log2(n))
@@ -194,11 +193,10 @@ def test_retirement_finds_the_finished_prefix_in_few_queries(n, done):
 
 
 def test_retirement_walks_one_by_one_after_an_unknown_query():
-    import collections
     from sharedmem.runtime.submission import _done_prefix_locked
     log = []
-    subs = collections.deque(_Sub(_CountingMarker(log)) for _ in range(8))
-    for s in list(subs)[:3]:
+    subs = [_Sub(_CountingMarker(log)) for _ in range(8)]
+    for s in subs[:3]:
         s.marker.state = 1
     subs[-1].marker.state = 2  # the newest query failed: the caller must walk the FIFO
     assert _done_prefix_locked(subs) == -1
@@ -209,7 +207,6 @@ def test_a_submitter_sweep_leaves_the_unrecorded_tail_alone(n_open):
     """Submissions sharing a marker not yet recorded (the FIFO's tail) count as
     unfinished when the submitter sweeps (record=False): it is never asked --
     asking would record it just to hear "not yet". The retirer (record=True) asks."""
-    import collections
     from sharedmem.runtime.submission import _done_prefix_locked
     log = []
     closed = [_Sub(_CountingMarker(log)) for _ in range(10)]
@@ -218,13 +215,13 @@ def test_a_submitter_sweep_leaves_the_unrecorded_tail_alone(n_open):
     shared = _CountingMarker(log)
     shared.recorded = False
     shared.state = 1  # (even if it were done)
-    subs = collections.deque(closed + [_Sub(shared) for _ in range(n_open)])
+    subs = closed + [_Sub(shared) for _ in range(n_open)]
     assert _done_prefix_locked(subs, record=False) == 7
     assert shared not in log
     log.clear()
     assert _done_prefix_locked(subs) == len(subs)  # the retirer asks the newest first
     assert log == [shared]
-    only_open = collections.deque(_Sub(shared) for _ in range(n_open))
+    only_open = [_Sub(shared) for _ in range(n_open)]
     assert _done_prefix_locked(only_open, record=False) == 0
 
 

@@ -33,7 +33,8 @@ cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payloa
 
 @cython.locals(rt=Runtime, tok=ViewToken, tracker=AccessTracker, sub=Submission,
                seq=cython.longlong, became_active=bint, keeps=list, writes=bint, waits=object,
-               retired=list, impl=object, marker=object, n=Py_ssize_t, i=Py_ssize_t, u=tuple)
+               retired=list, impl=object, marker=object, n=Py_ssize_t, i=Py_ssize_t, u=tuple,
+               pending=list)
 cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
                         policy, label)
 
@@ -53,9 +54,10 @@ cpdef Submission lease_locked(Stream stream, uses, keep, label, marker)
 cpdef Submission new_submission(stream, long long seq, marker, keep, uses, label)
 
 @cython.locals(n=Py_ssize_t, lo=Py_ssize_t, hi=Py_ssize_t, mid=Py_ssize_t, st=int)
-cpdef Py_ssize_t _done_prefix_locked(pending, bint record=*) except -2
+cpdef Py_ssize_t _done_prefix_locked(list pending, bint record=*) except -2
 
-@cython.locals(rt=Runtime, out=list, k=Py_ssize_t, sub=Submission, i=Py_ssize_t, st=int)
+@cython.locals(rt=Runtime, out=list, k=Py_ssize_t, sub=Submission, i=Py_ssize_t, st=int,
+               pending=list)
 cpdef list _sweep_locked(Stream stream, bint record=*)
 
 @cython.locals(i=Py_ssize_t, sub=Submission, last=object)

@@ -8,7 +8,7 @@ A :class:`Submission` holds, until the device has finished the work:
 * its leases: entries in the access trackers of the allocations it touches,
   tagged with ``(stream, seq)``.
 
-Each stream keeps its unretired submissions in a FIFO (``Stream._pending``).
+Each stream keeps its unretired submissions in a FIFO (``Stream._pending``, a list).
 Retirement pops a FIFO from the front while the front's completion marker says
 *done*, advances the stream's ``_done`` (which ends its leases: see
 :mod:`sharedmem.access`) and drops ``keep`` -- the only way memory used by GPU
@@ -246,8 +246,9 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                              label)
         if rt.tracer is not None:
             rt.tracer.submitted(sub, waits)
-        stream._push(sub)  # (stream._pending.append)
-        became_active = len(stream._pending) == 1
+        pending = stream._pending
+        pending.append(sub)
+        became_active = len(pending) == 1
         if became_active:
             rt.active.add(stream)
         rt.in_flight += 1
@@ -377,7 +378,7 @@ def lease_locked(stream, uses, keep, label, marker):
     sub = new_submission(stream, seq, marker, keep, uses, label)
     if rt.tracer is not None:
         rt.tracer.submitted(sub, None)
-    stream._push(sub)  # (stream._pending.append)
+    stream._pending.append(sub)
     rt.in_flight += 1
     rt.submitted += 1
     if len(stream._pending) == 1:
@@ -548,18 +549,19 @@ def _sweep_locked(stream, record=True) -> list:
     if not pending:
         rt.active.discard(stream)
         return []
-    out = []
     k = _done_prefix_locked(pending, record)
     if k > 0:
-        popleft, append = pending.popleft, out.append
-        for _ in range(k):
-            sub = popleft()
+        out = pending[:k]
+        del pending[:k]
+        for i in range(k):
+            sub = cython.cast(Submission, out[i]) if cython.compiled else out[i]
             sub.state = _RETIRED
-            append(sub)
         stream._done = sub.seq  # ends every lease of this stream up to it (see access)
         rt.retired += k
         rt.in_flight -= k
-    elif k < 0:  # a failed query: retire what finished, leak from the first unknown on
+    else:
+        out = []
+    if k < 0:  # a failed query: retire what finished, leak from the first unknown on
         while pending:
             sub = pending[0]
             if not record and not sub.marker.recorded:
@@ -567,7 +569,7 @@ def _sweep_locked(stream, record=True) -> list:
             st = sub.marker.query()
             if st == _M_PENDING:
                 break
-            pending.popleft()
+            del pending[0]
             if st == _M_DONE:
                 sub.state = _RETIRED
                 stream._done = sub.seq
