@@ -6,7 +6,8 @@ strides; ``stream`` names a stream on which all our pending writes to these
 bytes (and pending reads, for a writable view) are complete -- a per-device
 export stream made to wait on them on the device -- or is None when nothing is
 pending. CAI has no lifetime protocol: the consumer keeps the view object
-alive, and with it a *hold* (``View._object_hold``): while the object lives the
+alive, and with it a *hold* (made in one step with the ordering:
+``runtime.submission.object_export_hold``): while the object lives the
 view cannot be moved, and when it is collected the bytes stay leased on the
 consumer's likely streams (the current streams of CuPy and torch, and the
 legacy default stream: ``interop.streams.current_streams``) until they pass
@@ -30,7 +31,7 @@ from sharedmem.allocation import View, import_allocation
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.runtime.state import OwnedLock, fork_safe
-from sharedmem.runtime.submission import order_consumer
+from sharedmem.runtime.submission import object_export_hold
 from sharedmem.stream import resolve_stream
 from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
 
@@ -95,8 +96,8 @@ def export_cai(view) -> dict:
     tok = view._live_token()
     dev = tok.allocation.device
     impl = _export_stream(dev)
-    n = order_consumer(tok, impl.wait_marker)
-    view._object_hold(EXPORT_KIND, [(s, tok.writable) for s in current_streams(dev)])
+    n = object_export_hold(view, EXPORT_KIND, [(s, tok.writable) for s in current_streams(dev)],
+                           impl.wait_marker)
     cai = cai_layout(view, not tok.writable)
     cai["descr"] = [("", cai["typestr"])]
     cai["stream"] = impl.handle if n else None

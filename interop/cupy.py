@@ -38,7 +38,7 @@ from sharedmem.device import Device
 from sharedmem.errors import (AliasError, DeviceMismatchError,
                               LayoutError)
 from sharedmem.launch import KernelAdapter, register_kernel_adapter
-from sharedmem.runtime.submission import order_consumer
+from sharedmem.runtime.submission import export_hold
 from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, new_tensor
 
@@ -152,10 +152,8 @@ def as_cupy(x, stream=None):
     if dev.kind != "cuda":
         raise DeviceMismatchError(f"as_cupy needs memory on a CUDA device; {x!r} is on {dev}")
     consumer = _consumer(stream, dev)
-    order_consumer(tok, dev.backend.wait_on_handle, False, consumer, consumer.handle)
-    export = tok.allocation.new_token("CuPy array (as_cupy)", tok.start, tok.stop, tok.writable,
-                                      tok.keep, source=x,
-                                      consumers=((consumer, tok.writable),))
+    export = export_hold(tok, "CuPy array (as_cupy)", x, ((consumer, tok.writable),),
+                         dev.backend.wait_on_handle, False, consumer, consumer.handle)
     base = tok.allocation.ptr + tok.start
     mem = cp.cuda.UnownedMemory(base, max(tok.stop - tok.start, 1), _ExportOwner(export),
                                 dev.ordinal)

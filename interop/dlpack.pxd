@@ -11,7 +11,7 @@ from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
 from cpython.ref cimport PyObject
 from sharedmem.allocation cimport Allocation, View, ViewToken
 from sharedmem.tensor cimport Tensor
-from sharedmem.runtime.submission cimport order_consumer
+from sharedmem.runtime.submission cimport export_hold
 
 cdef extern from "Python.h":
     # (PyObject* forms: the capsule being destroyed has no references left to take)
@@ -155,20 +155,20 @@ cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
 
 
-@cython.locals(cache=dict, alloc=Allocation, export_tok=ViewToken, t=Tensor)
-cpdef _make_capsule(View view, ViewToken tok, bint versioned, int flags, consumers, tuple where)
+@cython.locals(cache=dict, t=Tensor)
+cpdef _make_capsule(View view, ViewToken export_tok, bint versioned, int flags, tuple where)
 
 @cython.locals(ex=_Export, exports=dict)
 cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id, int code,
                       int bits, tuple shape, tuple strides, bint versioned, uint64_t flags)
 
-@cython.locals(tok=ViewToken, facts=tuple)
+@cython.locals(tok=ViewToken, facts=tuple, export_tok=ViewToken)
 cpdef export_positional(View view, stream, max_version, dl_device, copy)
 
 @cython.locals(f=tuple)
 cdef tuple _facts_of(dev)
 
-cpdef tuple _consumer_wait(ViewToken tok, stream, tuple facts)
+cpdef ViewToken _export_hold(View view, ViewToken tok, stream, tuple facts)
 
 @cython.locals(exports=dict, ex=_Export)
 cpdef _delete(addr)

@@ -43,7 +43,7 @@ import numpy as np
 
 from sharedmem.allocation import View, import_allocation
 from sharedmem.device import Device
-from sharedmem.runtime.submission import order_consumer, submit
+from sharedmem.runtime.submission import export_hold, submit
 from sharedmem.stream import Stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
 
@@ -251,17 +251,15 @@ def _facts_of(dev) -> tuple:
     return f
 
 
-def _consumer_wait(tok, stream, facts) -> tuple:
-    """Order the consumer's stream after our pending work (see module docstring); returns
-    the export's consumers, a tuple of ``(Stream, writes)`` pairs for its hold. ``facts``: the
-    :func:`_facts_of` the token's device."""
-    dev = tok.allocation.device
+def _export_hold(view, tok, stream, facts):
+    """The export's token: a hold of ``tok``'s bytes for the consumer's stream (see module
+    docstring), made in one step with the consumer's ordering after our pending work
+    (``export_hold``). ``facts``: the :func:`_facts_of` the token's device."""
     if facts[0]:  # the host device
         if stream is not None:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
         # the consumer is the CPU itself and reads at once: wait for our work here
-        order_consumer(tok, _wait_host, True)
-        return ()
+        return export_hold(tok, _KIND, view, (), _wait_host, True)
     if stream is None:
         stream = 1
     if type(stream) is not int:
@@ -275,7 +273,9 @@ def _consumer_wait(tok, stream, facts) -> tuple:
     if stream < -1:
         raise ValueError(f"stream={stream} is not a valid stream handle")
     if stream == -1:  # the consumer orders itself, on a stream it does not name
-        return tuple([(s, tok.writable) for s in current_streams(dev)])
+        dev = tok.allocation.device
+        return export_hold(tok, _KIND, view, tuple([(s, tok.writable) for s in current_streams(dev)]),
+                           None)
     # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles; both map to
     # the device's (legacy) default stream. For 1, work already on it needs no wait: the
     # legacy stream orders itself (so cupy.from_dlpack in a loop enqueues no wait for the
@@ -283,11 +283,14 @@ def _consumer_wait(tok, stream, facts) -> tuple:
     # not order each other -- only each of them with the legacy stream -- so a consumer on
     # one thread's waits for what another thread's consumer was given.
     if stream == 1 or stream == 2:
-        order_consumer(tok, facts[2], False, facts[1] if stream == 1 else None, stream)
-        return facts[4] if tok.writable else facts[5]
-    consumer = consumer_stream(dev, stream)
-    order_consumer(tok, facts[2], False, consumer, stream)
-    return ((consumer, tok.writable),)
+        return export_hold(tok, _KIND, view, facts[4] if tok.writable else facts[5], facts[2],
+                           False, facts[1] if stream == 1 else None, stream)
+    consumer = consumer_stream(tok.allocation.device, stream)
+    return export_hold(tok, _KIND, view, ((consumer, tok.writable),), facts[2], False, consumer,
+                       stream)
+
+
+_KIND = "DLPack export"  # (the export token's kind: how AliasError names it)
 
 
 def _wait_host(marker) -> None:
@@ -316,9 +319,8 @@ def export_positional(view, stream, max_version, dl_device, copy):
     if not versioned and not tok.writable:
         raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "
                           f"say read-only); the consumer must ask for max_version >= (1, 0)")
-    consumers = _consumer_wait(tok, stream, facts)
-    return _make_capsule(view, tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, consumers,
-                         ours)
+    export_tok = _export_hold(view, tok, stream, facts)
+    return _make_capsule(view, export_tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, ours)
 
 
 # Byte layouts of the structs above (x86-64 / aarch64 LP64), packed in one call:
@@ -337,25 +339,24 @@ else:
 _dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent writes)
 
 
-def _make_capsule(view, tok, versioned: bool, flags: int, consumers, where):
-    """The capsule; its view token is a hold for ``consumers`` (see interop.streams).
-    ``where``: the token's device, as DLPack's ``(device_type, device_id)``."""
+def _make_capsule(view, export_tok, versioned: bool, flags: int, where):
+    """The capsule of ``view``, which owns ``export_tok`` (its hold: see :func:`_export_hold`;
+    released here if the capsule cannot be made). ``where``: the token's device, as DLPack's
+    ``(device_type, device_id)``."""
     if type(view) is Tensor:  # (its fields: no property calls)
         t = view
         dt, shape, strides = t._dtype, t._shape, t._strides
     else:
         dt, shape, strides = view.dtype, view.shape, view.strides
-    cache = _dtype_cache  # (a typed local: a C dict lookup)
-    code_bits = cache.get(dt)
-    if code_bits is None:
-        d = _dl_dtype(dt)
-        code_bits = cache[dt] = (d.code, d.bits)
-    alloc = tok.allocation
-    export_tok = alloc.new_token("DLPack export", tok.start, tok.stop, tok.writable, tok.keep,
-                                 view, consumers)
     try:
-        return _ctypes_capsule(export_tok, alloc.ptr + view._offset, where[0], where[1],
-                               code_bits[0], code_bits[1], shape, strides, versioned, flags)
+        cache = _dtype_cache  # (a typed local: a C dict lookup)
+        code_bits = cache.get(dt)
+        if code_bits is None:
+            d = _dl_dtype(dt)
+            code_bits = cache[dt] = (d.code, d.bits)
+        return _ctypes_capsule(export_tok, export_tok.allocation.ptr + view._offset, where[0],
+                               where[1], code_bits[0], code_bits[1], shape, strides, versioned,
+                               flags)
     except BaseException:
         export_tok.release()  # (idempotent)
         raise
@@ -410,8 +411,8 @@ def _export_copy(view, stream, max_version, target):
     versioned = max_version is not None and tuple(max_version)[0] >= 1
     stok = src._live_token()
     facts = _facts_of(stok.allocation.device)
-    consumers = _consumer_wait(stok, stream if target[0] == kDLCUDA else None, facts)
-    capsule = _make_capsule(src, stok, versioned, FLAG_IS_COPIED if versioned else 0, consumers,
+    export_tok = _export_hold(src, stok, stream if target[0] == kDLCUDA else None, facts)
+    capsule = _make_capsule(src, export_tok, versioned, FLAG_IS_COPIED if versioned else 0,
                             facts[3])
     src.release()  # the capsule's own token keeps the copy alive
     return capsule

@@ -31,7 +31,7 @@ cdef class Allocation:
     cdef public dict _views
     cdef object __weakref__
 
-    @cython.locals(tok=ViewToken, rt=Runtime, src=View)
+    @cython.locals(tok=ViewToken, rt=Runtime)
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*, consumers=*)
 
@@ -57,6 +57,9 @@ cdef class View:
     @cython.locals(tok=ViewToken, rt=Runtime, others=list, settled=bint, alloc=Allocation)
     cpdef ViewToken _move_token(self, str target_kind, str target_name)
 
+    @cython.locals(tok=ViewToken, hold=ViewToken)
+    cpdef ViewToken _object_hold_locked(self, str kind, consumers)
+
 cdef _init_token(ViewToken self, Allocation allocation, str kind, Py_ssize_t start,
                  Py_ssize_t stop, bint writable, keep, origin)
 
@@ -73,7 +76,14 @@ cpdef add_consumer_locked(ViewToken tok, stream, bint writes)
 cdef _hold_locked(ViewToken tok, tuple consumers)
 
 @cython.locals(hooks=Hooks, c=tuple)
-cdef _sweep_consumers(consumers)
+cpdef _sweep_consumers(consumers)
+
+@cython.locals(tok=ViewToken)
+cpdef ViewToken unregistered_token(Allocation allocation, str kind, Py_ssize_t start,
+                                   Py_ssize_t stop, bint writable, keep)
+
+@cython.locals(src=View)
+cpdef register_token_locked(ViewToken tok, source, consumers)
 
 @cython.locals(modules=dict)
 cpdef _module(str name)

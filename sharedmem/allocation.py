@@ -197,6 +197,28 @@ def _hold_locked(tok, consumers) -> None:
         add_consumer_locked(tok, c[0], c[1])
 
 
+def unregistered_token(allocation, kind, start, stop, writable, keep):
+    """A view token of bytes ``[start, stop)`` of ``allocation``, not live yet: what
+    :meth:`Allocation.new_token` makes before :func:`register_token_locked` registers it."""
+    tok = ViewToken.__new__(ViewToken)
+    _init_token(tok, allocation, kind, start, stop, writable, keep,
+                _origin() if TRACK_ORIGINS else None)
+    return tok
+
+
+def register_token_locked(tok, source, consumers) -> None:
+    """Make new token ``tok`` live (a hold for ``consumers`` when given), after checking that
+    ``source``, the View it derives from, is live: :meth:`Allocation.new_token`'s step under
+    the core lock (the caller holds it)."""
+    if source is not None:
+        src = source  # (a typed local, not a cast: interpreted, a cast is a call)
+        if src._state != _LIVE:
+            src._raise_dead()
+    _add_locked(tok)
+    if consumers:
+        _hold_locked(tok, consumers if type(consumers) is tuple else tuple(consumers))
+
+
 def _sweep_consumers(consumers) -> None:
     """After a hold is made (outside core_lock): its end will file a lease on each consumer's
     stream, which only a sweep retires (runtime.submission.sweep_long; never raises)."""
@@ -253,19 +275,11 @@ class Allocation:
         one raises its MovedError / ReleasedError here instead of leaving a live view of bytes
         the source no longer owns. ``consumers``: ``(stream, writes)`` pairs that make it a
         hold (see ViewToken.consumers), set in the same step: a tuple."""
-        tok = ViewToken.__new__(ViewToken)
-        _init_token(tok, self, kind, start, stop, writable, keep,
-                    _origin() if TRACK_ORIGINS else None)
+        tok = unregistered_token(self, kind, start, stop, writable, keep)
         rt = RUNTIME
         rt.acquire()
         try:
-            if source is not None:
-                src = source  # (a typed local, not a cast: interpreted, a cast is a call)
-                if src._state != _LIVE:
-                    src._raise_dead()
-            _add_locked(tok)
-            if consumers:
-                _hold_locked(tok, consumers if type(consumers) is tuple else tuple(consumers))
+            register_token_locked(tok, source, consumers)
         finally:
             rt.release()
         if consumers:
@@ -514,28 +528,29 @@ class View:
         self._moved_to = None
         self._dead_id = 0
         self._derived = None  # see _derived_value
-        self._export = None  # see _object_hold; guarded by core_lock
+        self._export = None  # see _object_hold_locked; guarded by core_lock
         self._offset = offset
 
-    def _object_hold(self, kind, consumers):
+    def _object_hold_locked(self, kind, consumers):
         """The hold this view keeps for consumers that keep *the view object itself* as their
         reference to the memory (the CUDA Array Interface: the protocol has no end of use,
         the consumer just keeps the object). One token, made on first use and a hold for
         every ``(stream, writes)`` in ``consumers`` given since; it lasts until this object
         is garbage collected -- ``release()`` does not end it, because the consumer may still
-        reach the bytes through the object. Meanwhile it is an alias: the view cannot be moved."""
-        tok = self._live_token()
-        with locked():
-            if self._state != _LIVE:
-                self._raise_dead()
-            hold = self._export
-            if hold is None:
-                hold = _add_locked(ViewToken(tok.allocation, kind, tok.start, tok.stop,
-                                             tok.writable, tok.keep, _origin()))
-                self._export = hold
-            for stream, writes in consumers:
-                add_consumer_locked(hold, stream, writes)
-        _sweep_consumers(consumers)
+        reach the bytes through the object. Meanwhile it is an alias: the view cannot be moved.
+        Caller holds core_lock (the export's ordering is made in the same step: see
+        runtime.submission.object_export_hold), and sweeps the consumers' streams after it
+        (_sweep_consumers)."""
+        tok = self._token
+        if self._state != _LIVE:
+            self._raise_dead()
+        hold = self._export
+        if hold is None:
+            hold = _add_locked(ViewToken(tok.allocation, kind, tok.start, tok.stop,
+                                         tok.writable, tok.keep, _origin()))
+            self._export = hold
+        for stream, writes in consumers:
+            add_consumer_locked(hold, stream, writes)
         return hold
 
     def _derived_value(self, key, make):

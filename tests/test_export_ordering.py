@@ -465,3 +465,63 @@ def test_a_failing_tracer_loses_no_retired_work(monkeypatch):
     t0 = time.monotonic()
     submission.settle()
     assert time.monotonic() - t0 < 0.5
+
+
+@pytest.mark.parametrize("export", ["DLPack", "CUDA Array Interface"])
+def test_an_export_orders_its_consumer_and_makes_its_hold_in_one_step(monkeypatch, export):
+    """No work can come between the consumer's ordering and the export's hold. A copy started
+    on another thread while the export orders its consumer (from inside the wait it enqueues,
+    under the core lock) runs after the export has its hold: under policy 'reject' it is
+    refused because the consumer holds the bytes. In a gap it would have found only A's read
+    (no conflict with a read), run, and raced the consumer, which may write."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    a, c = dev.create_stream("A"), dev.create_stream("C")
+    buf, out, other = (sm.Buffer.zeros(8, "float64", device=dev) for _ in range(3))
+    dev.default_stream.synchronize()
+    drv.holding = True  # (throughout: A's read stays pending, so the export waits for it)
+    out.copy_from(buf, stream=a)  # A reads buf
+    consumer = dev.create_stream("consumer")
+    outcome, threads = [], []
+
+    def copy_on_c():
+        try:
+            other.copy_from(buf, stream=c)  # reads buf
+            outcome.append("ran")
+        except sm.AccessConflictError as e:
+            outcome.append(str(e))
+
+    real_wait = drv.cuStreamWaitEvent
+
+    def wait(stream, ev, flags):
+        if not threads:  # the export's wait, under the core lock: start the copy now
+            t = threading.Thread(target=copy_on_c)
+            threads.append(t)
+            t.start()
+            t.join(0.2)
+            assert t.is_alive()  # (it cannot take the core lock while the export holds it)
+        return real_wait(stream, ev, flags)
+
+    monkeypatch.setattr(drv, "cuStreamWaitEvent", wait)
+    sm.set_access_policy("reject")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (a gap after the ordering would let the copy in at once)
+    try:
+        if export == "DLPack":
+            cap = buf.__dlpack__(stream=consumer.handle, max_version=(1, 0))
+        else:
+            cap = buf.__cuda_array_interface__
+        threads[0].join(5)
+    finally:
+        sys.setswitchinterval(interval)
+        sm.set_access_policy("order")
+    assert len(outcome) == 1, outcome
+    if export == "DLPack":
+        assert f"a consumer on {consumer} holds them (may write)" in outcome[0], outcome
+    else:  # (the consumer's likely streams: here the device's default stream)
+        assert f"a consumer on {dev.default_stream} holds them (may write)" in outcome[0], \
+            outcome
+    del cap
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()

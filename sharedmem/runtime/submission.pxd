@@ -1,7 +1,7 @@
 # Declarations for the compiled build of submission.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.access cimport AccessTracker
-from sharedmem.allocation cimport ViewToken
+from sharedmem.allocation cimport View, ViewToken, _sweep_consumers, register_token_locked, unregistered_token
 from sharedmem.runtime.state cimport Hooks, Runtime
 from sharedmem.stream cimport Stream
 
@@ -78,5 +78,15 @@ cdef class _Hooks(Hooks):
 @cython.locals(done=list)
 cpdef sweep_long(Stream stream)
 
-@cython.locals(rt=Runtime, tracker=AccessTracker, markers=list, c=tuple)
+@cython.locals(rt=Runtime, markers=list)
 cpdef int order_consumer(ViewToken tok, wait, bint blocking=*, stream=*, handle=*) except? -1
+
+@cython.locals(hold=ViewToken, rt=Runtime, markers=list)
+cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bint blocking=*,
+                            stream=*, handle=*)
+
+@cython.locals(rt=Runtime, markers=list, tok=ViewToken)
+cpdef int object_export_hold(View view, str kind, consumers, wait) except? -1
+
+@cython.locals(tracker=AccessTracker, c=tuple)
+cdef _order_locked(ViewToken tok, wait, bint blocking, stream, handle, list markers)

@@ -35,7 +35,7 @@ except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
 from ..access import HOLD_SEQ, check_policy
-from ..allocation import ViewToken
+from ..allocation import ViewToken, _sweep_consumers, register_token_locked, unregistered_token
 from ..backends import COMPLETE
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError
@@ -655,7 +655,7 @@ def sweep(stream) -> None:
 
 def sweep_long(stream) -> None:
     """What a new hold does for its consumer's stream (Allocation.new_token,
-    View._object_hold), as submit() sweeps its own: once SWEEP_EVERY seqs were given out there
+    object_export_hold), as submit() sweeps its own: once SWEEP_EVERY seqs were given out there
     since the last such sweep (each hold's end takes one, also where it joins a submission:
     see _lease_hold_end_locked), and only while something older than the newest submission is
     pending -- the one thing a sweep that leaves the open marker unrecorded can retire (as
@@ -794,7 +794,10 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
     pending writes, and also pending reads when the view is writable (the consumer may write
     through it) -- and for the open holds of other consumers. Work on ``stream`` (the
     consumer's own, where known) is skipped: the stream orders it. Returns how many waits
-    were made. Used by DLPack / CAI export and ``as_cupy``.
+    were made. An export that leaves its consumer a hold makes the hold in the same step as
+    the ordering (:func:`export_hold`, :func:`object_export_hold`): a submission that came
+    in between would be ordered neither before the consumer (the waits were made) nor after
+    it (no hold yet).
 
     ``wait`` only enqueues (a device-side wait) unless ``blocking``: then it may block the
     host, and is called after the core lock is released. With ``handle`` (the consumer's raw
@@ -803,25 +806,7 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
     rt = RUNTIME
     rt.acquire()
     try:
-        tracker = tok.allocation.tracker
-        if tracker.elsewhere_locked(stream):  # (else nothing to order: the usual case)
-            for c in tracker.conflicts_locked(stream, tok.writable, tok.start, tok.stop):
-                other, marker = c[0], c[1]
-                if marker is None:  # an open hold: whatever its stream was given so far
-                    marker = fresh_marker_locked(other)
-                if marker.error is not None:  # (unknown completion)
-                    raise CompletionUnknownError(
-                        f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
-                        f"touched by work of unknown completion on {other}; they cannot be "
-                        f"exported")
-                if blocking:
-                    markers.append(marker)
-                elif handle is not None:
-                    wait(handle, marker)
-                    markers.append(None)
-                else:
-                    wait(marker)
-                    markers.append(None)
+        _order_locked(tok, wait, blocking, stream, handle, markers)
     finally:
         rt.release()
     if blocking:
@@ -830,7 +815,78 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
     return len(markers)
 
 
+def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None, handle=None):
+    """An export's hold: a new live token ``kind`` of ``tok``'s bytes (its view ``source``
+    checked live, as :meth:`Allocation.new_token` does) held for ``consumers`` (``(stream,
+    writes)`` pairs: see ViewToken.consumers), made under the core lock in one step with the
+    consumer's ordering after our unfinished work (:func:`order_consumer`'s arguments).
+    ``wait`` None: no ordering (a consumer that orders itself)."""
+    hold = unregistered_token(tok.allocation, kind, tok.start, tok.stop, tok.writable, tok.keep)
+    markers = []
+    rt = RUNTIME
+    rt.acquire()
+    try:
+        if wait is not None:
+            _order_locked(tok, wait, blocking, stream, handle, markers)
+        register_token_locked(hold, source, consumers)
+    finally:
+        rt.release()
+    try:
+        if blocking:
+            for m in markers:
+                wait(m)
+        if consumers:
+            _sweep_consumers(consumers)
+    except BaseException:  # (the caller never gets the token)
+        hold.release()
+        raise
+    return hold
+
+
+def object_export_hold(view, kind, consumers, wait) -> int:
+    """A CUDA Array Interface export's ordering and hold, in one step under the core lock:
+    :func:`order_consumer` for ``view``'s bytes with ``wait`` (device-side), then
+    ``view``'s object hold for ``consumers`` (``View._object_hold_locked``: it lasts as long
+    as the view object). Returns how many waits were made."""
+    markers = []
+    rt = RUNTIME
+    rt.acquire()
+    try:
+        tok = view._live_token()
+        _order_locked(tok, wait, False, None, None, markers)
+        view._object_hold_locked(kind, consumers)
+    finally:
+        rt.release()
+    _sweep_consumers(consumers)
+    return len(markers)
+
+
+def _order_locked(tok, wait, blocking, stream, handle, markers) -> None:
+    """order_consumer's step under the core lock: each marker to wait for after the lock is
+    released (``blocking``) is appended to ``markers``; otherwise None for each wait made."""
+    tracker = tok.allocation.tracker
+    if not tracker.elsewhere_locked(stream):  # nothing on other streams: the usual case
+        return
+    for c in tracker.conflicts_locked(stream, tok.writable, tok.start, tok.stop):
+        other, marker = c[0], c[1]
+        if marker is None:  # an open hold: whatever its stream was given so far
+            marker = fresh_marker_locked(other)
+        if marker.error is not None:  # (unknown completion)
+            raise CompletionUnknownError(
+                f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
+                f"touched by work of unknown completion on {other}; they cannot be "
+                f"exported")
+        if blocking:
+            markers.append(marker)
+        elif handle is not None:
+            wait(handle, marker)
+            markers.append(None)
+        else:
+            wait(marker)
+            markers.append(None)
+
+
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
-__all__ = ["Submission", "Work", "submit", "submit_plan", "lease_locked", "end_holds_locked", "order_consumer",
-           "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
+__all__ = ["Submission", "Work", "submit", "submit_plan", "lease_locked", "end_holds_locked",
+           "order_consumer", "export_hold", "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
            "FailedMarker", "fresh_marker_locked", "label_text", "PENDING", "RETIRED", "UNKNOWN"]
