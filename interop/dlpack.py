@@ -343,12 +343,12 @@ def _make_capsule(view, export_tok, versioned: bool, flags: int, where):
     """The capsule of ``view``, which owns ``export_tok`` (its hold: see :func:`_export_hold`;
     released here if the capsule cannot be made). ``where``: the token's device, as DLPack's
     ``(device_type, device_id)``."""
-    if type(view) is Tensor:  # (its fields: no property calls)
-        t = view
-        dt, shape, strides = t._dtype, t._shape, t._strides
-    else:
-        dt, shape, strides = view.dtype, view.shape, view.strides
-    try:
+    try:  # (a view released meanwhile -- the hold keeps its bytes -- raises from its properties)
+        if type(view) is Tensor:  # (its fields: no property calls)
+            t = view
+            dt, shape, strides = t._dtype, t._shape, t._strides
+        else:
+            dt, shape, strides = view.dtype, view.shape, view.strides
         cache = _dtype_cache  # (a typed local: a C dict lookup)
         code_bits = cache.get(dt)
         if code_bits is None:

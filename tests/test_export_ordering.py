@@ -525,3 +525,41 @@ def test_an_export_orders_its_consumer_and_makes_its_hold_in_one_step(monkeypatc
     drv.holding = False
     drv.finish_held()
     sm.synchronize()
+
+
+def test_a_view_released_while_its_export_waits_leaves_no_hold():
+    """A host export waits for the pending write after its hold is made; a release of the
+    Buffer meanwhile makes the export raise ReleasedError -- and the hold goes with it: the
+    allocation is left with no live view (a hold left behind would make it unmovable)."""
+    host = sm.Device.host()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def slow_fill(x):
+        gate.wait(5)
+        x[:] = 7
+
+    s = host.create_stream()
+    buf = sm.Buffer.from_host(np.zeros(8, np.int32), device=host)
+    whole = buf.allocation
+    sm.launch(slow_fill, 1, 1, sm.Out(buf), stream=s)  # a pending write: the export waits
+    seen = []
+
+    def release_then_finish():
+        for _ in range(500):  # (until the export's hold is there: it is waiting now)
+            if len(whole.views()) == 2:
+                break
+            threading.Event().wait(0.01)
+        seen.append(whole.views())
+        buf.release()
+        gate.set()
+
+    t = threading.Thread(target=release_then_finish)
+    t.start()
+    with pytest.raises(sm.ReleasedError, match="this Buffer .* was released"):
+        np.from_dlpack(buf)
+    t.join()
+    s.synchronize()
+    assert seen == [[f"buffer, bytes [0, 32) of allocation #{whole.id}",
+                     f"DLPack export, bytes [0, 32) of allocation #{whole.id}"]]
+    assert whole.views() == []
