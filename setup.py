@@ -29,6 +29,7 @@ COMPILED = [
     "interop/cutile.py",
     "interop/cai.py",
     "interop/dlpack.py",
+    "interop/streams.py",
 ]
 
 REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "") not in ("", "0")

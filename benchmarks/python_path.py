@@ -200,6 +200,9 @@ def this_build():
         tensor.__dlpack_device__()
         tensor.__dlpack__(stream=1, max_version=(1, 0))
 
+    def cai():  # what cupy.asarray asks of a producer (it reads the property more than once)
+        return tensor.__cuda_array_interface__
+
     gs = dev.create_stream("graph")
     ga, gb, gc, gd = (sm.Buffer.empty(n, "float32", device=dev) for _ in range(4))
     with sm.capture(gs) as g:
@@ -217,6 +220,7 @@ def this_build():
             ("pipeline step (3 launches, 2 moves, 2 streams)", pipeline_step),
             ("cuTile launch, 3 tensors + a constant", cutile),
             ("DLPack export (stream=1) + release", dlpack),
+            ("CUDA Array Interface export", cai),
             ("graph replay call", replay)]
     print(f"# {sm.show_config(open(os.devnull, 'w'))['core']}")
     only = _option("--only")

@@ -45,7 +45,17 @@ _export_streams: dict = {}  # device key -> CudaStreamImpl; guarded by _lock
 _lock = fork_safe(OwnedLock("the creation of a CAI export stream"))
 
 
+_last_export = [None]  # (device, its export stream): the last one asked for, lock-free
+
+
 def _export_stream(dev):
+    last = _last_export[0]
+    if last is not None and last[0] is dev:
+        return last[1]
+    impl = _export_streams.get(dev.key)  # (lock-free once made: it is never replaced)
+    if impl is not None:
+        _last_export[0] = (dev, impl)
+        return impl
     with _lock:
         impl = _export_streams.get(dev.key)
         if impl is None:
@@ -98,10 +108,14 @@ def export_cai(view) -> dict:
     impl = _export_stream(dev)
     n = object_export_hold(view, EXPORT_KIND, [(s, tok.writable) for s in current_streams(dev)],
                            impl.wait_marker)
-    cai = cai_layout(view, not tok.writable)
+    cai = dict(view._derived_value("cai", _layout))  # (a dict of its own for each consumer)
     cai["descr"] = [("", cai["typestr"])]
     cai["stream"] = impl.handle if n else None
     return cai
+
+
+def _layout(view) -> dict:
+    return cai_layout(view, not view._token.writable)
 
 
 def from_cuda_array_interface(obj, *, stream=None):

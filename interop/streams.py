@@ -80,9 +80,11 @@ def current_streams(dev) -> list:
     out = [dev.default_stream]
     for obj in (_cupy_current(dev), _torch_current(dev)):
         h = _handle_of(obj)
-        if h is None:
-            continue
-        st = dev.default_stream if h in (0, 1, 2) else Stream.from_external(obj, dev)
-        if all(st is not s for s in out):
+        if h is None or h == 0 or h == 1 or h == 2:
+            continue  # (none, or the default stream: already in)
+        st = Stream.lookup(dev, h)  # (a Stream of that stream is alive: it keeps the object)
+        if st is None:
+            st = Stream.from_external(obj, dev)
+        if st not in out:
             out.append(st)
     return out

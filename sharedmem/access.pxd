@@ -34,7 +34,7 @@ cdef class AccessTracker:
 
     @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, best=Span, hw=bint,
                    other_writes=bint, dead=list)
-    cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi)
+    cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi, exclude)
 
     @cython.locals(use=StreamUse, entries=list, e=Span, done=cython.longlong)
     cpdef record_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,

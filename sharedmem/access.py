@@ -227,13 +227,14 @@ class AccessTracker:
                 self._drop(s)
         return len(uses) > (1 if stream in uses else 0)
 
-    def conflicts_locked(self, stream, writes, lo, hi) -> list:
+    def conflicts_locked(self, stream, writes, lo, hi, exclude) -> list:
         """For each *other* stream with unfinished work that conflicts with an access
         ``[lo, hi)`` (a write when ``writes``) on ``stream``: the tuple
         ``(other_stream, marker, seq, other_writes)`` of its newest conflicting submission --
         or, for an open hold (a consumer's work of unknown extent),
         ``(other_stream, None, HOLD_SEQ, hold_writes)``: the caller records a marker on that
-        stream now. Empty ranges conflict with nothing."""
+        stream now. Empty ranges conflict with nothing. ``exclude``: a hold token that
+        conflicts with nothing (None: every hold counts)."""
         out = []
         if lo >= hi:
             return out
@@ -249,7 +250,7 @@ class AccessTracker:
                 continue
             held = None
             for h in use.holds:
-                if h.start < hi and lo < h.stop:
+                if h.start < hi and lo < h.stop and h is not exclude:
                     hw = _hold_writes(h, s)
                     if writes or hw:
                         held = hw if held is None else (held or hw)

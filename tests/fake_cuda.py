@@ -340,10 +340,21 @@ def array_at(ptr, n, dtype):
     return np.frombuffer((ctypes.c_ubyte * (n * dt.itemsize)).from_address(ptr), dtype=dt)
 
 
+class _CurrentStream:
+    """What ``cupy.cuda.get_current_stream`` returns: an object whose ``ptr`` is the raw
+    handle (0: the default stream, until a test sets another)."""
+
+    def __init__(self):
+        self.ptr = 0
+
+
 def fake_cupy():
-    """A module standing in for CuPy: ``cuda.Device`` and ``cuda.alloc`` only."""
+    """A module standing in for CuPy: ``cuda.Device``, ``cuda.alloc`` and
+    ``cuda.get_current_stream`` (one current stream for every device: ``m.current``)."""
     m = types.ModuleType("cupy")
-    m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock)
+    m.current = _CurrentStream()
+    m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock,
+                                   get_current_stream=lambda device_id=-1: m.current)
     m.ndarray = type("ndarray", (), {})  # no fake arrays: nothing is one
     return m
 

@@ -27,7 +27,7 @@ def test_tracker_elsewhere_none_after_last_dropped():
         B._done = B._seq + 1
         try:
             assert t.elsewhere_locked(C)  # prunes B: _last becomes None
-            assert t.conflicts_locked(None, True, 0, 16)  # A still conflicts
+            assert t.conflicts_locked(None, True, 0, 16, None)  # A still conflicts
             assert t.elsewhere_locked(None), "elsewhere_locked(None) misses A's unfinished write"
         finally:
             B._done = done_b
@@ -563,3 +563,58 @@ def test_a_view_released_while_its_export_waits_leaves_no_hold():
     assert seen == [[f"buffer, bytes [0, 32) of allocation #{whole.id}",
                      f"DLPack export, bytes [0, 32) of allocation #{whole.id}"]]
     assert whole.views() == []
+
+
+def test_a_cai_read_again_is_not_ordered_after_its_own_hold(monkeypatch):
+    """``cupy.asarray`` reads ``__cuda_array_interface__`` more than once. The view's own hold
+    (its earlier reads' consumers, who reach the bytes through the same object) is not waited
+    for: nothing pending, no event recorded, no wait, ``stream`` None each time. Work that is
+    pending -- a write on another stream, or another consumer's hold -- still is, every read."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+    n = len(drv.calls)
+    cais = [buf.__cuda_array_interface__ for _ in range(3)]
+    assert [c["stream"] for c in cais] == [None, None, None]
+    assert [c for c in drv.calls[n:] if c[0] in ("record", "wait")] == []
+    assert cais[0] == cais[2] and cais[0] is not cais[2]  # (a dict of its own each time)
+    assert cais[0]["descr"] is not cais[2]["descr"]
+    # another consumer's hold, on another stream: ordered after, on every read
+    other = dev.create_stream("other")
+    cap = buf.__dlpack__(stream=other.handle, max_version=(1, 0))
+    export_stream = cais[0]["stream"]
+    for _ in range(2):
+        n = len(drv.calls)
+        cai = buf.__cuda_array_interface__
+        assert cai["stream"] is not None
+        records = [c for c in drv.calls[n:] if c[0] == "record"]
+        assert [c[2] for c in records] == [other.handle]  # a marker of the other consumer's work
+        assert ("wait", cai["stream"], records[0][1]) in drv.calls[n:]
+    del cap
+    # a pending write on another stream: ordered after, on every read
+    a = dev.create_stream("A")
+    drv.holding = True
+    buf.copy_from(np.ones(8), stream=a)
+    for _ in range(2):
+        assert buf.__cuda_array_interface__["stream"] is not None
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    assert export_stream is None
+
+
+def test_the_consumers_streams_are_found_without_borrowing_again(monkeypatch):
+    """A CAI export's likely consumer streams: the default stream and CuPy's current one --
+    a Stream sharedmem has for that CUDA stream is found by its handle (no new borrow)."""
+    from fake_cuda import install_fake_devices
+    from interop.streams import current_streams
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    s = dev.create_stream("consumer")
+    cupy = sys.modules["cupy"]
+    assert current_streams(dev) == [dev.default_stream]
+    cupy.current.ptr = s.handle
+    assert current_streams(dev) == [dev.default_stream, s]
+    assert current_streams(dev)[1] is s
+    cupy.current.ptr = 1  # (the legacy default stream's handle: no second entry)
+    assert current_streams(dev) == [dev.default_stream]

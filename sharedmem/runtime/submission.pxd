@@ -89,4 +89,5 @@ cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bi
 cpdef int object_export_hold(View view, str kind, consumers, wait) except? -1
 
 @cython.locals(tracker=AccessTracker, c=tuple)
-cdef _order_locked(ViewToken tok, wait, bint blocking, stream, handle, list markers)
+cdef _order_locked(ViewToken tok, wait, bint blocking, stream, handle, list markers,
+                   exclude)

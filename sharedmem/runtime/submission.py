@@ -271,7 +271,7 @@ def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
     already waited for that submission or a later one of its stream (see
     :func:`note_waited_locked`)."""
     waited = stream._waited
-    for c in tracker.conflicts_locked(stream, writes, tok.start, tok.stop):
+    for c in tracker.conflicts_locked(stream, writes, tok.start, tok.stop, None):
         other, marker, seq, other_writes = c[0], c[1], c[2], c[3]
         if marker is not None and marker.error is not None:  # (unknown completion)
             raise CompletionUnknownError(
@@ -806,7 +806,7 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
     rt = RUNTIME
     rt.acquire()
     try:
-        _order_locked(tok, wait, blocking, stream, handle, markers)
+        _order_locked(tok, wait, blocking, stream, handle, markers, None)
     finally:
         rt.release()
     if blocking:
@@ -827,7 +827,7 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     rt.acquire()
     try:
         if wait is not None:
-            _order_locked(tok, wait, blocking, stream, handle, markers)
+            _order_locked(tok, wait, blocking, stream, handle, markers, None)
         register_token_locked(hold, source, consumers)
     finally:
         rt.release()
@@ -847,13 +847,16 @@ def object_export_hold(view, kind, consumers, wait) -> int:
     """A CUDA Array Interface export's ordering and hold, in one step under the core lock:
     :func:`order_consumer` for ``view``'s bytes with ``wait`` (device-side), then
     ``view``'s object hold for ``consumers`` (``View._object_hold_locked``: it lasts as long
-    as the view object). Returns how many waits were made."""
+    as the view object). Returns how many waits were made. The view's own hold -- its earlier
+    exports' consumers, who reach the bytes through this same object -- is not waited for:
+    a consumer that reads the dict again (``cupy.asarray`` reads it more than once) would
+    otherwise be told to synchronize with what it was given itself."""
     markers = []
     rt = RUNTIME
     rt.acquire()
     try:
         tok = view._live_token()
-        _order_locked(tok, wait, False, None, None, markers)
+        _order_locked(tok, wait, False, None, None, markers, view._export)
         view._object_hold_locked(kind, consumers)
     finally:
         rt.release()
@@ -861,13 +864,14 @@ def object_export_hold(view, kind, consumers, wait) -> int:
     return len(markers)
 
 
-def _order_locked(tok, wait, blocking, stream, handle, markers) -> None:
+def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None:
     """order_consumer's step under the core lock: each marker to wait for after the lock is
-    released (``blocking``) is appended to ``markers``; otherwise None for each wait made."""
+    released (``blocking``) is appended to ``markers``; otherwise None for each wait made.
+    ``exclude``: a hold token not to order after, or None."""
     tracker = tok.allocation.tracker
     if not tracker.elsewhere_locked(stream):  # nothing on other streams: the usual case
         return
-    for c in tracker.conflicts_locked(stream, tok.writable, tok.start, tok.stop):
+    for c in tracker.conflicts_locked(stream, tok.writable, tok.start, tok.stop, exclude):
         other, marker = c[0], c[1]
         if marker is None:  # an open hold: whatever its stream was given so far
             marker = fresh_marker_locked(other)
