@@ -36,7 +36,7 @@ from sharedmem.stream import resolve_stream
 from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
 
 from interop.dlpack import ProducerAlias
-from interop.streams import current_streams
+from interop.streams import current_streams, ordered_among
 
 __all__ = ["cai_layout", "export_cai", "from_cuda_array_interface"]
 
@@ -106,16 +106,18 @@ def export_cai(view) -> dict:
     tok = view._live_token()
     dev = tok.allocation.device
     impl = _export_stream(dev)
-    n = object_export_hold(view, EXPORT_KIND, [(s, tok.writable) for s in current_streams(dev)],
-                           impl.wait_marker)
+    # (the layout first: a view released meanwhile raises with no hold made)
     cai = dict(view._derived_value("cai", _layout))  # (a dict of its own for each consumer)
+    streams = current_streams(dev)
+    n = object_export_hold(view, EXPORT_KIND, [(s, tok.writable) for s in streams],
+                           impl.wait_marker, ordered_among(streams))
     cai["descr"] = [("", cai["typestr"])]
     cai["stream"] = impl.handle if n else None
     return cai
 
 
 def _layout(view) -> dict:
-    return cai_layout(view, not view._token.writable)
+    return cai_layout(view, not view._live_token().writable)
 
 
 def from_cuda_array_interface(obj, *, stream=None):

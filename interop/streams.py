@@ -25,7 +25,7 @@ import sys
 
 from sharedmem.stream import Stream
 
-__all__ = ["consumer_stream", "current_streams"]
+__all__ = ["consumer_stream", "current_streams", "ordered_among"]
 
 
 def _cupy_current(dev):
@@ -88,3 +88,16 @@ def current_streams(dev) -> list:
         if st not in out:
             out.append(st)
     return out
+
+
+def ordered_among(streams) -> bool:
+    """Whether work on any of ``streams`` follows earlier work on every other: one stream,
+    or the legacy default stream with streams that synchronize with it (CuPy's streams are
+    made that way; torch's and sharedmem's are not). A consumer known only to be on one of
+    them is then ordered after anything given to any of them."""
+    if len(streams) == 1:
+        return True
+    for st in streams:
+        if not st._impl.syncs_with_legacy():
+            return False
+    return True

@@ -233,8 +233,9 @@ class AccessTracker:
         ``(other_stream, marker, seq, other_writes)`` of its newest conflicting submission --
         or, for an open hold (a consumer's work of unknown extent),
         ``(other_stream, None, HOLD_SEQ, hold_writes)``: the caller records a marker on that
-        stream now. Empty ranges conflict with nothing. ``exclude``: a hold token that
-        conflicts with nothing (None: every hold counts)."""
+        stream now. Empty ranges conflict with nothing. ``exclude``: None (every hold
+        counts), or ``(hold, streams)``: that hold token conflicts with nothing on those
+        streams."""
         out = []
         if lo >= hi:
             return out
@@ -249,8 +250,11 @@ class AccessTracker:
                 dead.append(s)
                 continue
             held = None
+            ex = None
+            if exclude is not None and use.holds and s in exclude[1]:
+                ex = exclude[0]
             for h in use.holds:
-                if h.start < hi and lo < h.stop and h is not exclude:
+                if h.start < hi and lo < h.stop and h is not ex:
                     hw = _hold_writes(h, s)
                     if writes or hw:
                         held = hw if held is None else (held or hw)

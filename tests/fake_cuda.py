@@ -80,6 +80,7 @@ class FakeDriver:
         self.graphs = {}  # graph handle -> operations
         self.execs = {}  # exec handle -> operations
         self.events = set()
+        self.stream_flags = {}  # stream handle -> the flags it was made with
         self.destroyed_events = 0
         self.calls = []
         # While `holding`, recorded events stay pending (work "in flight") until
@@ -164,7 +165,13 @@ class FakeDriver:
     def cuStreamCreate(self, flags):
         h = CUstream(next(self._ids))
         self.ctx_of[int(h)] = self.current
+        self.stream_flags[int(h)] = int(flags)
         return (OK, h)
+
+    def cuStreamGetFlags(self, stream):
+        """A stream made here: its flags; any other handle (a foreign stream a test names by
+        number): 0, a blocking stream."""
+        return (OK, self.stream_flags.get(int(stream), 0))
 
     def cuStreamDestroy(self, stream):
         return (OK,)

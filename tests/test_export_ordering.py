@@ -3,6 +3,7 @@ stream), a hold end's lease (no cycle back to the released token) and its label.
 import gc
 import sys
 import threading
+import types
 import weakref
 
 import numpy as np
@@ -602,6 +603,89 @@ def test_a_cai_read_again_is_not_ordered_after_its_own_hold(monkeypatch):
     drv.finish_held()
     sm.synchronize()
     assert export_stream is None
+
+
+def _records_and_waits(drv, n):
+    return [c for c in drv.calls[n:] if c[0] in ("record", "wait")]
+
+
+def test_a_cai_read_for_a_consumer_on_another_stream_is_ordered_after_the_first(monkeypatch):
+    """The view's own hold is skipped only on streams this read's consumer is ordered after:
+    CuPy's current stream X for the first consumer, Z for the second -- the second read is
+    ordered after whatever X was given (a marker recorded on X, the export stream waits on
+    it), and a read again under Z is not ordered after its own consumer."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+    cupy = sys.modules["cupy"]
+    x, z = types.SimpleNamespace(ptr=0x7001), types.SimpleNamespace(ptr=0x7002)  # (blocking)
+    cupy.current = x
+    n = len(drv.calls)
+    assert buf.__cuda_array_interface__["stream"] is None  # nothing pending
+    assert buf.__cuda_array_interface__["stream"] is None  # (read again: its own consumer)
+    assert _records_and_waits(drv, n) == []
+    cupy.current = z
+    n = len(drv.calls)
+    cai = buf.__cuda_array_interface__
+    assert cai["stream"] is not None
+    records = [c for c in drv.calls[n:] if c[0] == "record"]
+    assert [c[2] for c in records] == [x.ptr]  # (the default stream's hold: Z follows it)
+    assert _records_and_waits(drv, n) == [records[0], ("wait", cai["stream"], records[0][1])]
+    # read again under Z: X's consumer is still waited for, Z's own is not
+    n = len(drv.calls)
+    assert buf.__cuda_array_interface__["stream"] is not None
+    assert [c[2] for c in drv.calls[n:] if c[0] == "record"] == [x.ptr]
+    del cai, buf  # (the hold ends while the fake driver is installed)
+    gc.collect()
+    sm.synchronize()
+
+
+def test_a_cai_read_under_a_non_blocking_stream_is_ordered_after_its_own_hold(monkeypatch):
+    """With CuPy's current stream a non-blocking one (torch's and sharedmem's streams are),
+    the consumer may be on it or on the legacy default stream, which are not ordered with
+    each other: a read again waits for the hold on both."""
+    from fake_cuda import install_fake_devices
+    from interop.streams import ordered_among
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+    x = dev.create_stream("non-blocking")
+    sys.modules["cupy"].current.ptr = x.handle
+    assert not ordered_among([dev.default_stream, x])
+    assert ordered_among([x]) and ordered_among([dev.default_stream])
+    assert buf.__cuda_array_interface__["stream"] is None
+    n = len(drv.calls)
+    cai = buf.__cuda_array_interface__
+    assert cai["stream"] is not None
+    assert sorted(c[2] for c in drv.calls[n:] if c[0] == "record") == sorted([0, x.handle])
+    del cai, buf  # (the hold ends while the fake driver is installed)
+    gc.collect()
+    sm.synchronize()
+
+
+def test_a_view_released_while_its_cai_layout_is_made_raises(monkeypatch):
+    """A release from another thread landing as the CAI layout is made (simulated with a
+    profile hook, interpreted build) raises the documented error, not AttributeError, and
+    leaves no hold behind."""
+    from fake_cuda import install_fake_devices
+    import interop.cai as cai_mod
+    if not isinstance(cai_mod._layout, types.FunctionType):
+        pytest.skip("compiled: no Python frame to hook")
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code is cai_mod._layout.__code__:
+            buf.release()
+    sys.setprofile(prof)
+    try:
+        with pytest.raises(sm.errors.ReleasedError):
+            buf.__cuda_array_interface__
+    finally:
+        sys.setprofile(None)
+    assert buf._export is None
 
 
 def test_the_consumers_streams_are_found_without_borrowing_again(monkeypatch):

@@ -8,6 +8,8 @@ rounds of 20). Now the bytes stay leased on C until C has passed the point where
 consumer's hold ended: 0 corrupted rounds, and the memory goes back once C is done.
 """
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,58 @@ def test_torch_consumer_is_never_overwritten(cp):
         del fresh
     assert bad == 0, f"torch: {bad} of {ROUNDS} rounds read memory reused under the consumer"
     settle_and_check_vram(cp, used0, a, ts)
+
+
+@pytest.mark.parametrize("second_non_blocking", [False, True])
+def test_a_second_cai_consumer_on_another_stream_sees_the_first_ones_writes(cp,
+                                                                           second_non_blocking):
+    """Two ``cupy.asarray`` of one Tensor under two CuPy streams: the first consumer writes
+    it slowly on X; the second, under Z, reads it. The second export is ordered after X's
+    work (the view's own hold on X is waited for: Z is not ordered after X), whether Z is a
+    blocking stream or not -- a read again under the same stream is not."""
+    import gpu_kernels as K
+    dev = cuda_device()
+    x = cp.cuda.Stream(non_blocking=True)
+    z = cp.cuda.Stream(non_blocking=second_non_blocking)
+    src = cp.empty(N, cp.float32)
+    bad = 0
+    for r in range(ROUNDS // 5):
+        t = sm.Tensor.from_buffer(sm.Buffer.zeros(N, "float32", device=dev), (N,))
+        sm.synchronize()
+        src.fill(r + 1)
+        cp.cuda.Device().synchronize()
+        with x:
+            first = cp.asarray(t)
+            K.kernel("slow_copy")((256,), (256,), (src, first, np.int32(N),
+                                                     np.int64(K.cycles(SPIN_MS))))
+        with z:
+            second = cp.asarray(t)
+            got = second.copy()
+        z.synchronize()
+        bad += int(not (cp.asnumpy(got) == r + 1).all())
+        x.synchronize()
+        del first, second, t
+    assert bad == 0, f"{bad} of {ROUNDS // 5} rounds read before the first consumer's write"
+
+
+def test_which_streams_follow_the_legacy_default_stream(cp):
+    """``syncs_with_legacy``, asked of the driver: CuPy's streams are blocking unless made
+    non-blocking; torch's and sharedmem's are non-blocking; the default stream is itself."""
+    from interop.streams import ordered_among
+    dev = cuda_device()
+    blocking = sm.Stream.from_external(cp.cuda.Stream(), dev)
+    non_blocking = sm.Stream.from_external(cp.cuda.Stream(non_blocking=True), dev)
+    own = dev.create_stream("own")
+    assert dev.default_stream._impl.syncs_with_legacy()
+    assert blocking._impl.syncs_with_legacy()
+    assert not non_blocking._impl.syncs_with_legacy()
+    assert not own._impl.syncs_with_legacy()
+    assert ordered_among([dev.default_stream, blocking])
+    assert not ordered_among([dev.default_stream, non_blocking])
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        ts = sm.Stream.from_external(torch.cuda.Stream(), dev)
+        assert not ts._impl.syncs_with_legacy()
 
 
 def test_jax_consumer_is_never_overwritten(cp):

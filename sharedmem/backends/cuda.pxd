@@ -28,6 +28,7 @@ cdef class CudaStreamImpl:
     cdef public bint capturing
     cdef public CudaMarker open_marker
     cdef public long open_count
+    cdef object _blocking
     cdef object __weakref__
 
     cpdef object submit_marker(self)

@@ -308,7 +308,7 @@ class CudaStreamImpl:
     driver defers destruction until their work is done: this never blocks)."""
 
     __slots__ = ("handle", "cu_stream", "owned", "name", "_backend", "external", "capturing",
-                 "open_marker", "open_count", "__weakref__")
+                 "open_marker", "open_count", "_blocking", "__weakref__")
 
     def __init__(self, backend, handle, owned, name=None, external=None):
         self.capturing = False  # set by begin_capture / end_capture
@@ -322,6 +322,9 @@ class CudaStreamImpl:
         self.owned = owned
         self.name = name
         self.external = external  # a borrowed foreign stream object, kept alive
+        # Whether the stream is ordered with the legacy default stream (None: not asked yet).
+        # Streams made here are non-blocking; a borrowed one is asked on first use.
+        self._blocking = True if handle == 0 else (False if owned else None)
 
     fault = None  # a CUDA stream has no per-stream fault; sticky errors surface in queries
     throttle = None  # (submit() bounds the work queued per stream itself)
@@ -369,6 +372,19 @@ class CudaStreamImpl:
                 check((cu.CUresult(err),), "cuStreamWaitEvent")
         else:
             check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")
+
+    def syncs_with_legacy(self) -> bool:
+        """Whether work on this stream and on the legacy default stream is ordered both ways
+        (the legacy default stream itself, or a stream made without CU_STREAM_NON_BLOCKING).
+        False when the driver cannot say."""
+        b = self._blocking
+        if b is None:
+            self._backend.ensure_context()
+            res = cu.cuStreamGetFlags(self.cu_stream)
+            b = res[0] == _SUCCESS and \
+                not int(res[1]) & int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            self._blocking = b  # (idempotent: a race writes the same answer)
+        return b
 
     def synchronize(self) -> None:
         self._backend.ensure_context()

@@ -86,7 +86,7 @@ cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bi
                             stream=*, handle=*)
 
 @cython.locals(rt=Runtime, markers=list, tok=ViewToken)
-cpdef int object_export_hold(View view, str kind, consumers, wait) except? -1
+cpdef int object_export_hold(View view, str kind, consumers, wait, bint ordered) except? -1
 
 @cython.locals(tracker=AccessTracker, c=tuple)
 cdef _order_locked(ViewToken tok, wait, bint blocking, stream, handle, list markers,

@@ -843,20 +843,27 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     return hold
 
 
-def object_export_hold(view, kind, consumers, wait) -> int:
+def object_export_hold(view, kind, consumers, wait, ordered) -> int:
     """A CUDA Array Interface export's ordering and hold, in one step under the core lock:
     :func:`order_consumer` for ``view``'s bytes with ``wait`` (device-side), then
     ``view``'s object hold for ``consumers`` (``View._object_hold_locked``: it lasts as long
-    as the view object). Returns how many waits were made. The view's own hold -- its earlier
-    exports' consumers, who reach the bytes through this same object -- is not waited for:
-    a consumer that reads the dict again (``cupy.asarray`` reads it more than once) would
-    otherwise be told to synchronize with what it was given itself."""
+    as the view object). Returns how many waits were made.
+
+    ``ordered``: whether the consumer's work, on whichever of ``consumers``' streams it runs,
+    follows earlier work on any of them (one stream; or the legacy default stream and
+    streams that synchronize with it). Then the view's own hold on those streams -- its
+    earlier exports' consumers, who reach the bytes through this same object -- is not
+    waited for: a consumer that reads the dict again (``cupy.asarray`` reads it more than
+    once) would otherwise be told to synchronize with what it was given itself. Its hold on
+    any other stream (an earlier consumer elsewhere) is waited for, as any hold is."""
     markers = []
     rt = RUNTIME
     rt.acquire()
     try:
         tok = view._live_token()
-        _order_locked(tok, wait, False, None, None, markers, view._export)
+        own = view._export
+        _order_locked(tok, wait, False, None, None, markers,
+                      (own, [c[0] for c in consumers]) if ordered and own is not None else None)
         view._object_hold_locked(kind, consumers)
     finally:
         rt.release()
@@ -867,7 +874,7 @@ def object_export_hold(view, kind, consumers, wait) -> int:
 def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None:
     """order_consumer's step under the core lock: each marker to wait for after the lock is
     released (``blocking``) is appended to ``markers``; otherwise None for each wait made.
-    ``exclude``: a hold token not to order after, or None."""
+    ``exclude``: as for ``AccessTracker.conflicts_locked``."""
     tracker = tok.allocation.tracker
     if not tracker.elsewhere_locked(stream):  # nothing on other streams: the usual case
         return
