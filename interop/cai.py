@@ -36,7 +36,7 @@ from sharedmem.stream import resolve_stream
 from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
 
 from interop.dlpack import ProducerAlias
-from interop.streams import current_streams, ordered_among
+from interop.streams import current_consumers
 
 __all__ = ["cai_layout", "export_cai", "from_cuda_array_interface"]
 
@@ -108,9 +108,9 @@ def export_cai(view) -> dict:
     impl = _export_stream(dev)
     # (the layout first: a view released meanwhile raises with no hold made)
     cai = dict(view._derived_value("cai", _layout))  # (a dict of its own for each consumer)
-    streams = current_streams(dev)
+    streams, ordered = current_consumers(dev)
     n = object_export_hold(view, EXPORT_KIND, [(s, tok.writable) for s in streams],
-                           impl.wait_marker, ordered_among(streams))
+                           impl.wait_marker, ordered)
     cai["descr"] = [("", cai["typestr"])]
     cai["stream"] = impl.handle if n else None
     return cai

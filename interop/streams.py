@@ -25,7 +25,7 @@ import sys
 
 from sharedmem.stream import Stream
 
-__all__ = ["consumer_stream", "current_streams", "ordered_among"]
+__all__ = ["consumer_stream", "current_consumers", "current_streams", "ordered_among"]
 
 
 def _cupy_current(dev):
@@ -77,27 +77,48 @@ def current_streams(dev) -> list:
     """The conservative set of consumer streams on ``dev`` when the consumer names none:
     CuPy's and torch's current streams (where imported and initialized) and the legacy
     default stream, each once."""
+    return _current(dev)[0]
+
+
+def current_consumers(dev) -> tuple:
+    """``(current_streams(dev), ordered)``: ``ordered`` whether a consumer on any of those
+    streams is ordered after earlier work on any of them (:func:`ordered_among`) -- never
+    where a library's current stream is the per-thread default stream, which stands for a
+    different stream in each thread."""
+    out, per_thread = _current(dev)
+    return out, not per_thread and ordered_among(out)
+
+
+def _current(dev) -> tuple:
     out = [dev.default_stream]
+    per_thread = False
     for obj in (_cupy_current(dev), _torch_current(dev)):
         h = _handle_of(obj)
-        if h is None or h == 0 or h == 1 or h == 2:
-            continue  # (none, or the default stream: already in)
+        if h is None or h == 0 or h == 1:
+            continue  # (none, or the legacy default stream: already in)
+        if h == 2:  # the calling thread's default stream: ordered after by the legacy one
+            per_thread = True
+            continue
         st = Stream.lookup(dev, h)  # (a Stream of that stream is alive: it keeps the object)
         if st is None:
             st = Stream.from_external(obj, dev)
         if st not in out:
             out.append(st)
-    return out
+    return out, per_thread
 
 
 def ordered_among(streams) -> bool:
     """Whether work on any of ``streams`` follows earlier work on every other: one stream,
-    or the legacy default stream with streams that synchronize with it (CuPy's streams are
-    made that way; torch's and sharedmem's are not). A consumer known only to be on one of
-    them is then ordered after anything given to any of them."""
-    if len(streams) == 1:
+    or the legacy default stream and one stream that synchronizes with it (a blocking
+    stream: CuPy's are made that way; torch's and sharedmem's are not). Two blocking streams
+    are not ordered with each other. A consumer known only to be on one of them is then
+    ordered after anything given to any of them."""
+    n = len(streams)
+    if n == 1:
         return True
-    for st in streams:
-        if not st._impl.syncs_with_legacy():
-            return False
-    return True
+    if n != 2:
+        return False
+    a, b = streams[0], streams[1]
+    if b is b.device.default_stream:
+        a, b = b, a
+    return a is a.device.default_stream and b._impl.syncs_with_legacy()

@@ -664,6 +664,91 @@ def test_a_cai_read_under_a_non_blocking_stream_is_ordered_after_its_own_hold(mo
     sm.synchronize()
 
 
+def _fake_torch(monkeypatch, handle):
+    """torch imported and initialized, its current stream ``handle``."""
+    cur = types.SimpleNamespace(cuda_stream=handle)
+    m = types.ModuleType("torch")
+    m.cuda = types.SimpleNamespace(is_initialized=lambda: True,
+                                   current_stream=lambda ordinal=None: cur)
+    monkeypatch.setitem(sys.modules, "torch", m)
+    return cur
+
+
+def test_a_cai_read_under_two_blocking_current_streams_is_ordered_after_its_own_hold(
+        monkeypatch):
+    """CuPy's current stream X and torch's Y both blocking: each synchronizes with the legacy
+    default stream, not with the other. A consumer on Y (torch.as_tensor) after one on X
+    (cupy.asarray, writing) is ordered after X's work: the view's own hold is waited for."""
+    from fake_cuda import install_fake_devices
+    from interop.streams import current_consumers
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+    sys.modules["cupy"].current = types.SimpleNamespace(ptr=0x7001)  # (fake: blocking)
+    _fake_torch(monkeypatch, 0x7002)
+    streams, ordered = current_consumers(dev)
+    assert [s.handle for s in streams] == [0, 0x7001, 0x7002] and not ordered
+    assert buf.__cuda_array_interface__["stream"] is None
+    n = len(drv.calls)
+    cai = buf.__cuda_array_interface__
+    assert cai["stream"] is not None
+    assert sorted(c[2] for c in drv.calls[n:] if c[0] == "record") == [0, 0x7001, 0x7002]
+    del cai, streams, buf
+    gc.collect()
+    sm.synchronize()
+
+
+def test_a_cai_read_under_per_thread_default_streams_is_ordered_after_its_own_hold(
+        monkeypatch):
+    """CuPy's current stream the per-thread default stream (handle 2) in two threads: they are
+    two streams, not ordered with each other. Thread B's read is ordered after thread A's
+    consumer through the legacy default stream (a marker there follows every blocking
+    stream's work, the per-thread ones included)."""
+    from fake_cuda import install_fake_devices
+    from interop.streams import current_consumers
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    buf = sm.Buffer.zeros(8, "float64", device=dev)
+    dev.default_stream.synchronize()
+    sys.modules["cupy"].current.ptr = 2
+    assert current_consumers(dev) == ([dev.default_stream], False)
+    out = {}
+
+    def read(key):
+        n = len(drv.calls)
+        out[key] = (buf.__cuda_array_interface__["stream"],
+                    [c[2] for c in drv.calls[n:] if c[0] == "record"])
+
+    for key in ("A", "B"):
+        t = threading.Thread(target=read, args=(key,))
+        t.start()
+        t.join()
+    assert out["A"] == (None, [])
+    assert out["B"][0] is not None and out["B"][1] == [0]
+    del buf
+    gc.collect()
+    sm.synchronize()
+
+
+def test_whether_a_stream_borrowed_as_a_bare_handle_is_blocking_is_asked_each_time(
+        monkeypatch):
+    """A stream borrowed from an object that owns it (a CuPy stream) is asked once whether it
+    is blocking; one borrowed as a bare handle each time: the stream may be destroyed and a
+    non-blocking one get its handle."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+
+    class Owned:  # (a CuPy stream, to sharedmem)
+        ptr = 0x7003
+
+    bare = sm.Stream.from_external(0x7001, dev)
+    owned_obj = Owned()
+    owned = sm.Stream.from_external(owned_obj, dev)
+    assert bare._impl.syncs_with_legacy() and owned._impl.syncs_with_legacy()
+    drv.stream_flags[0x7001] = drv.stream_flags[0x7003] = 1  # (made non-blocking)
+    assert not bare._impl.syncs_with_legacy()
+    assert owned._impl.syncs_with_legacy()  # (its owner keeps that stream: remembered)
+
+
 def test_a_view_released_while_its_cai_layout_is_made_raises(monkeypatch):
     """A release from another thread landing as the CAI layout is made (simulated with a
     profile hook, interpreted build) raises the documented error, not AttributeError, and

@@ -831,6 +831,23 @@ def test_a_hold_whose_end_cannot_be_leased_is_still_dropped(host, monkeypatch):
 
 
 
+def test_a_host_stream_finalized_and_then_used_again_runs_its_work_in_order(host):
+    """The collector may finalize a stream in the same collection as a view whose hold ends
+    on it: the hold's end then files work on the stream whose worker its finalizer stopped
+    (seen as ``sm.synchronize()`` hanging). That work runs, after what the stream was given
+    before."""
+    s = host.create_stream("revived")
+    order = []
+    gate = threading.Event()
+    s._impl.submit(lambda: (gate.wait(5), order.append("before")))
+    s._impl.__del__()  # (what the collector's finalization does; the object lives on)
+    m = s._impl.submit(lambda: order.append("after"))
+    gate.set()
+    assert m.wait(5)
+    assert order == ["before", "after"]
+    s.synchronize()
+
+
 def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypatch):
     """A read hold on two streams whose end cannot be leased on the first: the second's hold
     is ended too (it was left open, and -- its token's consumers cleared -- counted as a

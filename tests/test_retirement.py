@@ -257,3 +257,34 @@ def test_the_retirer_leaves_a_bursting_stream_to_its_submitters_and_retires_the_
     while a.pending and time.monotonic() < deadline:
         time.sleep(0.005)
     assert a.pending == 0 and not y.allocation.tracker  # the burst's tail too, unasked
+
+
+def test_an_idle_retirer_keeps_no_borrowed_stream_alive(monkeypatch):
+    """The retirer remembers each active stream's progress between passes by the stream's
+    uid, and a pass's locals die with the pass: once the user drops a borrowed stream (and
+    with it the foreign stream object it keeps), nothing of the retirer's keeps the object
+    (or its device) alive while the retirer sleeps."""
+    import weakref
+    from fake_cuda import install_fake_devices
+    from sharedmem.runtime import retirer
+    from sharedmem.runtime.state import RUNTIME
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+
+    class ForeignStream:  # (what a CuPy stream looks like to sharedmem: a ``ptr``)
+        ptr = 0x7001
+
+    obj = ForeignStream()
+    st = sm.Stream.from_external(obj, dev)
+    buf = sm.Buffer.empty(8, "float64", device=dev)
+    drv.holding = True
+    buf.copy_from(np.ones(8), stream=st)
+    seen, poll = retirer._pass(RUNTIME, {})  # (a pass while the copy is pending)
+    assert poll and st._uid in seen
+    assert all(type(k) is int for k in seen)  # (uids: no stream kept)
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    ref = weakref.ref(obj)
+    del st, obj, buf
+    gc_collect_harder()
+    assert ref() is None

@@ -49,3 +49,5 @@ cdef class CudaBackend:
 
 @cython.locals(m=CudaMarker)
 cdef CudaMarker _open_marker(CudaStreamImpl impl)
+
+cdef _stream_wait(CudaBackend backend, stream_handle, CudaMarker marker)

@@ -290,6 +290,30 @@ def _unrecorded(marker) -> CompletionUnknownError:
     return e
 
 
+def _stream_wait(backend, stream_handle, marker) -> None:
+    """Make stream ``stream_handle`` of ``backend``'s device wait for ``marker`` (a
+    CudaMarker of any device; recorded first if open: caller holds core_lock then)."""
+    if marker._open_on is not None:
+        marker.close_locked()
+        if marker.error is not None:
+            raise _unrecorded(marker)
+    backend.ensure_context()  # (a marker of another device: that one's context)
+    hot = backend.hot
+    if cython.compiled and backend.wait_addr:
+        err = cython.cast(wait_fn_t, cython.cast(cython.size_t, backend.wait_addr))(
+            cython.cast(cython.p_void, cython.cast(cython.size_t, stream_handle)),
+            cython.cast(cython.p_void, cython.cast(cython.size_t, marker.handle)), 0)
+        if err:
+            check((cu.CUresult(err),), "cuStreamWaitEvent")
+    elif hot is not None:
+        err = hot.wait(stream_handle, marker.handle, 0)
+        if err:
+            check((cu.CUresult(err),), "cuStreamWaitEvent")
+    else:
+        check(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0),
+              "cuStreamWaitEvent")
+
+
 def _open_marker(impl):
     """A new open pooled marker on ``impl`` (what ``CudaMarker(None, backend, True)`` with
     ``_open_on`` set makes, without the constructor call: made on most cross-stream waits)."""
@@ -323,7 +347,7 @@ class CudaStreamImpl:
         self.name = name
         self.external = external  # a borrowed foreign stream object, kept alive
         # Whether the stream is ordered with the legacy default stream (None: not asked yet).
-        # Streams made here are non-blocking; a borrowed one is asked on first use.
+        # Streams made here are non-blocking; a borrowed one is asked (see syncs_with_legacy).
         self._blocking = True if handle == 0 else (False if owned else None)
 
     fault = None  # a CUDA stream has no per-stream fault; sticky errors surface in queries
@@ -353,37 +377,23 @@ class CudaStreamImpl:
         """Make this stream wait for ``marker``, a CudaMarker of any device (caller holds
         core_lock when it may be open). CompletionUnknownError when the marker could not be
         recorded (a wait on an event never recorded would wait for nothing)."""
-        if marker._open_on is not None:
-            marker.close_locked()
-            if marker.error is not None:
-                raise _unrecorded(marker)
-        backend = self._backend
-        backend.ensure_context()  # (a marker of another device: that one's context)
-        hot = backend.hot
-        if cython.compiled and backend.wait_addr:
-            err = cython.cast(wait_fn_t, cython.cast(cython.size_t, backend.wait_addr))(
-                cython.cast(cython.p_void, cython.cast(cython.size_t, self.handle)),
-                cython.cast(cython.p_void, cython.cast(cython.size_t, marker.handle)), 0)
-            if err:
-                check((cu.CUresult(err),), "cuStreamWaitEvent")
-        elif hot is not None:
-            err = hot.wait(self.handle, marker.handle, 0)
-            if err:
-                check((cu.CUresult(err),), "cuStreamWaitEvent")
-        else:
-            check(cu.cuStreamWaitEvent(self.cu_stream, marker.event, 0), "cuStreamWaitEvent")
+        _stream_wait(self._backend, self.handle, marker)
 
     def syncs_with_legacy(self) -> bool:
         """Whether work on this stream and on the legacy default stream is ordered both ways
         (the legacy default stream itself, or a stream made without CU_STREAM_NON_BLOCKING).
-        False when the driver cannot say."""
+        False when the driver cannot say. Remembered when the stream was borrowed from an
+        object that owns it (a CuPy, torch or cuda.core stream, kept alive here); asked each
+        time of one borrowed as a bare handle, which may be destroyed and its handle reused."""
         b = self._blocking
         if b is None:
             self._backend.ensure_context()
             res = cu.cuStreamGetFlags(self.cu_stream)
             b = res[0] == _SUCCESS and \
                 not int(res[1]) & int(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            self._blocking = b  # (idempotent: a race writes the same answer)
+            ext = self.external
+            if not isinstance(ext, int) and not hasattr(ext, "getPtr"):
+                self._blocking = b  # (idempotent: a race writes the same answer)
         return b
 
     def synchronize(self) -> None:
@@ -632,17 +642,22 @@ class CudaBackend:
     def record_marker(self, impl: CudaStreamImpl, pooled: bool = False) -> CudaMarker:
         """A marker recorded on ``impl`` now. ``pooled``: its event goes back to the pool when
         the marker is recycled; else the marker owns it. Raises CudaError (keeping no event)."""
+        if pooled:  # (recorded as an open marker is: the pool, and the driver's entry point)
+            m = _open_marker(impl)
+            m.close_locked()
+            if m.error is not None:
+                if m.event is not None:
+                    self._events.append(m.event)
+                raise m.error
+            return m
         self.ensure_context()
-        ev = self._event() if pooled else check(
+        ev = check(
             cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         err = cu.cuEventRecord(ev, impl.cu_stream)[0]
         if err != _SUCCESS:
-            if pooled:
-                self._events.append(ev)
-            else:
-                cu.cuEventDestroy(ev)
+            cu.cuEventDestroy(ev)
             check((err,), "cuEventRecord")
-        return CudaMarker(ev, self, pooled)
+        return CudaMarker(ev, self, False)
 
     def submit_marker(self, impl: CudaStreamImpl) -> CudaMarker:
         """The completion marker of work just enqueued on ``impl``: the stream's
@@ -654,11 +669,7 @@ class CudaBackend:
     def wait_on_handle(self, stream_handle: int, marker: CudaMarker) -> None:
         """Make a foreign stream (raw handle) wait for ``marker`` (caller holds
         core_lock when it may be open; CompletionUnknownError as in wait_marker)."""
-        if marker._open_on is not None:
-            marker.close_locked()
-            if marker.error is not None:
-                raise _unrecorded(marker)
-        check(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0), "cuStreamWaitEvent")
+        _stream_wait(self, stream_handle, marker)
 
     def marker_on_handle(self, stream_handle: int) -> CudaMarker:
         """A marker recorded now on a foreign stream (raw handle)."""

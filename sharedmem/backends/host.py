@@ -262,7 +262,9 @@ class HostStreamImpl:
         t = threading.Thread(target=_worker, args=(self._q, self._state, self._backend),
                              name=self.name, daemon=True)
         t.start()
+        self._worker = t
         self._worker_ident = t.ident
+        self._finalized = False  # (set by __del__: its worker was told to stop)
 
     def _after_fork_child(self) -> None:
         """In a forked child (the fork held this stream's task lock: see _Tasks): a new worker
@@ -322,6 +324,8 @@ class HostStreamImpl:
         """Enqueue ``fn()``; returns its marker. Never blocks. ``isolated``: an exception of
         ``fn`` fails this task only (host kernels), instead of faulting the stream."""
         m = HostMarker(isolated)
+        if self._finalized:
+            self._revive()
         self._q.put((fn, m))
         return m
 
@@ -337,6 +341,8 @@ class HostStreamImpl:
             if marker.error is not None:
                 raise CompletionUnknownError(
                     f"this stream waited for work whose completion is unknown: {marker.error!r}")
+        if self._finalized:
+            self._revive()
         self._q.put((_wait, None))
 
     def synchronize(self) -> None:
@@ -349,13 +355,30 @@ class HostStreamImpl:
 
     def __del__(self):
         try:
+            self._finalized = True
             self._q.put(None)
         except Exception:
             pass
 
+    def _revive(self) -> None:
+        """Work for a stream whose finalizer already stopped its worker: the garbage
+        collector finalized it in the same collection as an object whose finalizer then
+        used it (a view's hold ending on it files a lease here) and so brought it back. A
+        new worker, which first waits for the old one to finish what it was given (FIFO)."""
+        with _revive_lock:  # (two threads using it at once: one new worker)
+            if not self._finalized:
+                return
+            old = self._worker
+            self._q = _Tasks()
+            self._q.put((old.join, None))
+            self._start_worker()
+
 
 def _noop():
     pass
+
+
+_revive_lock = threading.Lock()
 
 
 def _worker(q, state, backend) -> None:

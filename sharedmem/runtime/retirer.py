@@ -109,41 +109,16 @@ def _run() -> None:
     # passes over such a stream cost that thread 2 us a launch (8.4 against 6.5 us with the
     # retirer parked). It sweeps the stream again once the burst ends, or when nobody else
     # retired any of its work (leases filed without a submission: holds' ends, which new
-    # holds on the stream also sweep, see submission.sweep_long).
+    # holds on the stream also sweep, see submission.sweep_long). Keyed by the streams' uids,
+    # not the streams: an idle retirer keeps no stream (nor its device, nor a borrowed CuPy
+    # or torch stream object) alive.
     seen = {}
     while not sys.is_finalizing():
         try:
-            poll = False
-            last, seen = seen, {}
-            todo = []
-            for s in list(rt.active):  # (read without the lock: a stale view only delays)
-                now_seen = (s._seq, s._done)
-                seen[s] = now_seen
-                prev = last.get(s)
-                if prev is None or now_seen[0] - prev[0] < _sub.SWEEP_EVERY or \
-                        now_seen[1] == prev[1]:
-                    todo.append(s)
-                else:
-                    poll = True  # (still pending work: keep polling)
-            last = None
-            if todo:
-                done = []
-                try:
-                    with locked():
-                        for s in todo:
-                            done.extend(_sub._sweep_locked(s))
-                            # (after its own sweep: what it retired is not taken for the
-                            # submitters' progress at the next pass)
-                            seen[s] = (s._seq, s._done)
-                        if _polled_active(rt):
-                            poll = True
-                finally:  # (what the streams before a failing one gave is finished too)
-                    todo = None
-                    if done:
-                        _sub.finish(done)
-                    done = None
+            seen, poll = _pass(rt, seen)
         except BaseException as e:  # re-raised in a user thread
             rt.errors.append(e)
+            seen, poll = {}, True
         now = time.monotonic()
         submitted = rt.submitted
         burst = submitted - last_submitted >= BURST
@@ -162,6 +137,38 @@ def _run() -> None:
             if not _polled_active(rt):
                 bell.sleep(IDLE_INTERVAL)
             rt.retirer_idle = False
+
+
+def _pass(rt, last):
+    """One pass of the retirer over the active streams: ``(seen, poll)``, ``seen`` to pass to
+    the next one (see _run), ``poll`` whether work is still pending. A function of its own
+    so that nothing it touched stays referenced from the loop while the retirer sleeps."""
+    poll = False
+    seen = {}
+    todo = []
+    for s in list(rt.active):  # (read without the lock: a stale view only delays)
+        now_seen = (s._seq, s._done)
+        seen[s._uid] = now_seen
+        prev = last.get(s._uid)
+        if prev is None or now_seen[0] - prev[0] < _sub.SWEEP_EVERY or now_seen[1] == prev[1]:
+            todo.append(s)
+        else:
+            poll = True  # (still pending work: keep polling)
+    if todo:
+        done = []
+        try:
+            with locked():
+                for s in todo:
+                    done.extend(_sub._sweep_locked(s))
+                    # (after its own sweep: what it retired is not taken for the submitters'
+                    # progress at the next pass)
+                    seen[s._uid] = (s._seq, s._done)
+                if _polled_active(rt):
+                    poll = True
+        finally:  # (what the streams before a failing one gave is finished too)
+            if done:
+                _sub.finish(done)
+    return seen, poll
 
 
 def _polled_active(rt) -> bool:

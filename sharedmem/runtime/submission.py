@@ -222,7 +222,11 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         if waits is not None:
             for other, (wseq, marker) in waits.items():
                 if marker is None:  # an open hold: a marker recorded now (never noted)
-                    impl.wait_marker(fresh_marker_locked(other))
+                    marker = fresh_marker_locked(other, True)
+                    try:
+                        impl.wait_marker(marker)
+                    finally:  # (the wait is enqueued: its event may be recorded again)
+                        marker.recycle()
                 else:
                     impl.wait_marker(marker)
                     note_waited_locked(stream, other, wseq, marker)
@@ -880,8 +884,10 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
         return
     for c in tracker.conflicts_locked(stream, tok.writable, tok.start, tok.stop, exclude):
         other, marker = c[0], c[1]
-        if marker is None:  # an open hold: whatever its stream was given so far
-            marker = fresh_marker_locked(other)
+        fresh = marker is None
+        if fresh:  # an open hold: whatever its stream was given so far
+            # (pooled where only a device-side wait uses it: back to the pool once enqueued)
+            marker = fresh_marker_locked(other, not blocking)
         if marker.error is not None:  # (unknown completion)
             raise CompletionUnknownError(
                 f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
@@ -889,12 +895,16 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
                 f"exported")
         if blocking:
             markers.append(marker)
-        elif handle is not None:
-            wait(handle, marker)
-            markers.append(None)
-        else:
-            wait(marker)
-            markers.append(None)
+            continue
+        try:
+            if handle is not None:
+                wait(handle, marker)
+            else:
+                wait(marker)
+        finally:
+            if fresh:
+                marker.recycle()
+        markers.append(None)
 
 
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
