@@ -854,8 +854,8 @@ def object_export_hold(view, kind, consumers, wait, ordered) -> int:
     as the view object). Returns how many waits were made.
 
     ``ordered``: whether the consumer's work, on whichever of ``consumers``' streams it runs,
-    follows earlier work on any of them (one stream; or the legacy default stream and
-    streams that synchronize with it). Then the view's own hold on those streams -- its
+    follows earlier work on any of them (one stream; or the legacy default stream and one
+    stream that synchronizes with it: ``interop.streams.ordered_among``). Then the view's own hold on those streams -- its
     earlier exports' consumers, who reach the bytes through this same object -- is not
     waited for: a consumer that reads the dict again (``cupy.asarray`` reads it more than
     once) would otherwise be told to synchronize with what it was given itself. Its hold on
