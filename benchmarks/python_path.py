@@ -59,8 +59,7 @@ class _NullHot:
         self._so = so
         vp, ui = ctypes.c_void_p, ctypes.c_uint
         if so is not None:
-            self.launch = so.launch_stub
-            self.launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp]
+            self.launch = so.launch_stub  # (no argtypes: as backend.hot's, see _HotDriver)
             self.record, self.query = so.record_stub, so.query_stub
             self.wait = so.wait_stub
             self.wait.argtypes = [vp, vp, ui]

@@ -298,7 +298,7 @@ class RawKernelPlan(KernelPlan):
     the buffer at once) writes the values and launches."""
 
     __slots__ = ("func", "params", "fmt", "slots", "ptrs", "ptrs_addr", "backend", "launch_addr",
-                 "ctx_addr", "context", "limits", "fn", "nbytes")
+                 "ctx_addr", "context", "limits", "fn", "nbytes", "c_func", "c_ptrs")
 
     def __init__(self, kernel, adapter, device, fn, func, params):
         KernelPlan.__init__(self, kernel, adapter, device)
@@ -323,6 +323,7 @@ class RawKernelPlan(KernelPlan):
         base = ctypes.addressof(self.slots)
         self.ptrs = (ctypes.c_void_p * max(len(params), 1))(*[base + o for o in offsets])
         self.ptrs_addr = ctypes.addressof(self.ptrs)
+        self.c_func, self.c_ptrs = ctypes.c_void_p(int(func)), ctypes.c_void_p(self.ptrs_addr)
         backend = device.backend
         self.backend = backend
         addresses = getattr(backend.hot, "addresses", None) or {}
@@ -348,8 +349,9 @@ class RawKernelPlan(KernelPlan):
 
     def pack(self, args, uses, config, stream):
         """The parameters, converted to their types, checked (KernelError names the first
-        argument that does not fit, before any lease is taken) and packed: bytes laid out as
-        the plan's slots."""
+        argument that does not fit, before any lease is taken) and packed: compiled, bytes
+        laid out as the plan's slots; interpreted, the values in order (``enqueue`` packs them
+        into the slots with ``struct.pack_into``: no bytes made in between)."""
         params = self.params
         n = len(params)
         need = len(args)
@@ -447,9 +449,7 @@ class RawKernelPlan(KernelPlan):
                         f"neither is the type); got {_what(a)}. Pass a NumPy scalar of the "
                         f"parameter's type, e.g. np.int32(n) or np.float32(x)")
             p += 1
-        if cython.compiled:
-            return out
-        return struct.pack(self.fmt, *out)
+        return out  # (interpreted: the values, packed into the slots by enqueue)
 
     def _count_error(self, args):
         n = len(self.params)
@@ -472,12 +472,15 @@ class RawKernelPlan(KernelPlan):
                 return impl.submit_marker()
         backend = self.backend
         c = config
-        ctypes.memmove(self.slots, values, len(values))
+        if cython.compiled:
+            ctypes.memmove(self.slots, values, len(values))
+        else:
+            struct.pack_into(self.fmt, self.slots, 0, *values)
         backend.ensure_context()
         hot = backend.hot
         if hot is not None:
-            err = hot.launch(self.func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm, impl.handle,
-                             self.ptrs_addr, None)
+            err = hot.launch(self.c_func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm,
+                             impl.c_handle, self.c_ptrs, None)
         else:
             cu = backend.cu
             err = int(cu.cuLaunchKernel(self.func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm,

@@ -386,7 +386,7 @@ class FakeHot:
         QUERY = c.CFUNCTYPE(c.c_int, c.c_void_p)
         WAIT = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p, c.c_uint)
         GRAPH_LAUNCH = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
-        self._callbacks = (LAUNCH(self.launch), CTX_GET(ctx_get),
+        self._callbacks = (LAUNCH(self._launch), CTX_GET(ctx_get),
                            RECORD(lambda e, s: self.record(e or 0, s or 0)),
                            QUERY(lambda e: self.query(e or 0)),
                            WAIT(lambda s, e, f: self.wait(s or 0, e or 0, f)),
@@ -397,6 +397,15 @@ class FakeHot:
                  "cuStreamWaitEvent", "cuGraphLaunch"), self._callbacks)}
 
     def launch(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        """As libcuda's through ctypes with no ``argtypes`` (see _HotDriver): the pointers must
+        come as ``c_void_p`` (a plain int would be passed as a 32-bit C int)."""
+        for name, p in (("func", func), ("stream", stream), ("params", params)):
+            if type(p) is not ctypes.c_void_p:
+                raise ctypes.ArgumentError(f"launch(): {name} must be a c_void_p, got {p!r}")
+        return self._launch(func.value, gx, gy, gz, bx, by, bz, shared, stream.value,
+                            params.value, extra)
+
+    def _launch(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         return int(self._drv.cuLaunchKernel(func or 0, gx, gy, gz, bx, by, bz, shared,
                                             CUstream(stream or 0), params or 0, extra)[0])
 

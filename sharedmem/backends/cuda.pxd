@@ -21,7 +21,7 @@ cdef class CudaMarker:
     cpdef int query(self) except -1
 
 cdef class CudaStreamImpl:
-    cdef public object handle, cu_stream
+    cdef public object handle, cu_stream, c_handle
     cdef public bint owned
     cdef public object name, external
     cdef readonly CudaBackend _backend

@@ -31,6 +31,7 @@ Imported only when a CUDA device is asked for; raises
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 import time
@@ -78,14 +79,18 @@ class _HotDriver:
     launch of 5.8 us on an H200). Handles and pointers are plain ints. The
     calls keep the GIL (``PyDLL``): they return in microseconds, and releasing
     the GIL around each one let the retirer thread interleave with every launch
-    (measured: 54 us a launch instead of 25). Everything else uses cuda.bindings."""
+    (measured: 54 us a launch instead of 25). Everything else uses cuda.bindings.
+
+    ``launch`` has no ``argtypes``: its pointer arguments are ``ctypes.c_void_p`` objects the
+    caller made once (a plan's function and parameter array, a stream's ``c_handle``), its
+    ints plain ints -- converting eleven arguments through ``argtypes`` cost 1.4 us of an
+    interpreted launch's 11 (measured on the benchmark's C no-op)."""
 
     def __init__(self):
         import ctypes
         lib = ctypes.PyDLL("libcuda.so.1")
         vp, ui = ctypes.c_void_p, ctypes.c_uint
         self.launch = lib.cuLaunchKernel
-        self.launch.argtypes = [vp, ui, ui, ui, ui, ui, ui, ui, vp, vp, vp]
         self.launch.restype = ctypes.c_int
         self.record = lib.cuEventRecord
         self.record.argtypes = [vp, vp]
@@ -331,8 +336,8 @@ class CudaStreamImpl:
     """A CUDA stream handle; owned streams are destroyed when dropped (the
     driver defers destruction until their work is done: this never blocks)."""
 
-    __slots__ = ("handle", "cu_stream", "owned", "name", "_backend", "external", "capturing",
-                 "open_marker", "open_count", "_blocking", "__weakref__")
+    __slots__ = ("handle", "cu_stream", "c_handle", "owned", "name", "_backend", "external",
+                 "capturing", "open_marker", "open_count", "_blocking", "__weakref__")
 
     def __init__(self, backend, handle, owned, name=None, external=None):
         self.capturing = False  # set by begin_capture / end_capture
@@ -343,6 +348,7 @@ class CudaStreamImpl:
         self._backend = backend
         self.handle = handle
         self.cu_stream = cu.CUstream(handle)
+        self.c_handle = ctypes.c_void_p(handle)  # (for backend.hot.launch: see _HotDriver)
         self.owned = owned
         self.name = name
         self.external = external  # a borrowed foreign stream object, kept alive
