@@ -46,11 +46,11 @@ cdef class RawKernelPlan(KernelPlan):
     cpdef enqueue(self, stream, config, payload)
 
 @cython.locals(slot=cython.p_char, code=int)
-cdef _emit(out, Param par, v)
+cdef _emit(bytes out, Param par, v)
 
 cdef object _int_value(Py_ssize_t i, Param p, object a)
 
-cdef void _emit_address(out, Param par, unsigned long long ptr) noexcept
+cdef void _emit_address(bytes out, Param par, unsigned long long ptr) noexcept
 
 @cython.locals(params=tuple, n=Py_ssize_t, i=Py_ssize_t, p=Param, c=LaunchConfig,
                base=cython.p_char)

@@ -347,6 +347,8 @@ class RawKernelPlan(KernelPlan):
         b = tuple(b) + (1,) * (3 - len(b))
         return LaunchConfig(g, b, shm)
 
+    @cython.boundscheck(False)  # (every index below its list's length by construction)
+    @cython.wraparound(False)
     def pack(self, args, uses, config, stream):
         """The parameters, converted to their types, checked (KernelError names the first
         argument that does not fit, before any lease is taken) and packed: compiled, bytes

@@ -30,6 +30,16 @@ def cclass(cls):
     return cls
 
 
+def boundscheck(flag):
+    """``cython.boundscheck``: interpreted, the function as it is (indexing is checked)."""
+    return cclass
+
+
+def wraparound(flag):
+    """``cython.wraparound``: interpreted, the function as it is."""
+    return cclass
+
+
 def declare(type_=None, value=None, **kwargs):
     """``cython.declare``: interpreted, the value (module constants stay Python ints)."""
     return value

@@ -434,6 +434,8 @@ def _as_view(obj):
     return None
 
 
+@cython.boundscheck(False)  # (every index below its list's length by construction)
+@cython.wraparound(False)
 def resolve_args(adapter, args, device):
     """Resolve launch arguments; returns ``(resolved, uses, device, foreign)``. Raises before
     anything is leased. ``uses``: the ``(token, writes)`` lease of each array argument, in
