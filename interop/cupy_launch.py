@@ -377,7 +377,8 @@ class RawKernelPlan(KernelPlan):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 # (checked above, and a lease names a ViewToken: compiled, no second type test)
-                tok = cython.cast(ViewToken, uses[j][0]) if cython.compiled else uses[j][0]
+                tok = (cython.cast(ViewToken, cython.cast(tuple, uses[j])[0]) if cython.compiled
+                       else uses[j][0])
                 j += 1
                 view = cython.cast(View, a) if cython.compiled else a
                 _emit_address(out, par, tok.allocation.ptr + view._offset)

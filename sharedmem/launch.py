@@ -89,7 +89,8 @@ class Intent:
 
 
 def _init_intent(self, obj, with_length, mode) -> None:
-    if isinstance(obj, Intent):
+    t = type(obj)
+    if t is not _BUFFER and t is not _TENSOR and isinstance(obj, Intent):  # (views: no MRO walk)
         raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
     self.obj = obj
     self._mode = mode

@@ -175,6 +175,8 @@ def escaped_capture(stream, label) -> None:
             return
 
 
+@cython.boundscheck(False)  # (every index below its list's length by construction)
+@cython.wraparound(False)
 def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     rt = RUNTIME
     if rt.warnings or rt.errors:
