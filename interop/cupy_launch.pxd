@@ -39,7 +39,7 @@ cdef class RawKernelPlan(KernelPlan):
 
     @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, p=Py_ssize_t, j=Py_ssize_t,
                    i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, tok=ViewToken,
-                   view=View, fa=ArrayFacts)
+                   view=View, fa=ArrayFacts, fv=cython.double)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(impl=CudaStreamImpl, c=LaunchConfig, err=int, st=Stream)
@@ -49,6 +49,9 @@ cdef class RawKernelPlan(KernelPlan):
 cdef _emit(bytes out, Param par, v)
 
 cdef object _int_value(Py_ssize_t i, Param p, object a)
+
+@cython.locals(x=object)
+cdef object _float_value(Py_ssize_t i, Param p, object a)
 
 cdef void _emit_address(bytes out, Param par, unsigned long long ptr) noexcept
 

@@ -127,7 +127,7 @@ class Param:
         # `size` bytes (codes 8, 4, 2, 1: ints and pointers), a float (F32) or a double (F64),
         # else the value's bytes (BYTES: half, and parameters of unknown type)
         fmt = _FORMATS.get((kind, size))
-        self.code = (_BYTES if fmt is None or fmt == "e" else _F32 if fmt == "f" else
+        self.code = (_BYTES if fmt is None else _F32 if fmt == "f" else
                      _F64 if fmt == "d" else size)
         self.offset = 0  # in the packing buffer (set by the plan)
 
@@ -212,7 +212,7 @@ _KCODES = {"p": _K_PTR, "i": _K_INT, "u": _K_INT, "b": _K_INT, "f": _K_FLOAT, "?
 _STACK_PARAMS = 4096
 
 _FORMATS = {("p", 8): "Q", ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
-            ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q", ("f", 2): "e",
+            ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q",
             ("f", 4): "f", ("f", 8): "d", ("b", 1): "?"}
 
 
@@ -278,6 +278,29 @@ def _int_value(i, p, a):
         return v
     raise KernelError(f"argument {i}: {p.describe()} takes an int, got {_what(a)}; "
                       f"{'convert it with int() if that is meant' if isinstance(a, (float, np.floating)) else 'pass an int'}")
+
+
+#: Where a double stops rounding to a finite float32: FLT_MAX plus half its last place.
+_F32_LIMIT = cython.declare(cython.double, 3.4028235677973366e38)
+
+
+def _float_value(i, p, a):
+    """``a`` as floating-point parameter ``p``'s value: a float (``float``, ``double``) or
+    the two bytes of a ``half``. KernelError for what is not a number, or for a finite value
+    beyond the parameter's range (which C would turn into an infinity); NaN and the
+    infinities pass as they are."""
+    if not isinstance(a, (float, int, np.floating, np.integer)) or isinstance(a, (bool, np.bool_)):
+        raise KernelError(f"argument {i}: {p.describe()} takes a number, got {_what(a)}")
+    try:
+        x = float(a)
+        if p.size == 2:
+            return struct.pack("<e", x)
+    except OverflowError:
+        x = None
+    if x is not None and (p.size == 8 or x != x or -_F32_LIMIT < x < _F32_LIMIT or
+                          x == float("inf") or x == float("-inf")):
+        return x
+    raise KernelError(f"argument {i}: {a!r} is out of range for {p.describe()}")
 
 
 def _what(a) -> str:
@@ -424,13 +447,12 @@ class RawKernelPlan(KernelPlan):
                 else:
                     _emit(out, par, _int_value(i, par, a))
             elif kc == _K_FLOAT:
-                if t is float:
+                fv = a if t is float else 0.0  # (compiled, a C double: no float made)
+                if t is float and (par.code == _F64 or
+                                   (par.code == _F32 and -_F32_LIMIT < fv < _F32_LIMIT)):
                     _emit(out, par, a)
-                elif isinstance(a, (float, int, np.floating, np.integer)) and not isinstance(a, bool):
-                    _emit(out, par, float(a))
                 else:
-                    raise KernelError(f"argument {i}: {par.describe()} takes a number, got "
-                                      f"{_what(a)}")
+                    _emit(out, par, _float_value(i, par, a))
             elif kc == _K_PTR:
                 if a is None:
                     _emit(out, par, 0)

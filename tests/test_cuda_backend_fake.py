@@ -179,6 +179,53 @@ def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
     np.testing.assert_array_equal(got[:10], 0.5 * np.arange(10, dtype=np.float32) + 1)
 
 
+def test_floating_point_arguments_are_checked_before_anything_is_enqueued(fake, kernels):
+    """half, float and double parameters take their values in both builds (a half as its two
+    bytes); a finite value beyond the parameter's range is a KernelError raised before the
+    launch waits for anything or takes a lease (C would have made it an infinity)."""
+    from fake_cuda import RawKernel, array_at
+    dev, drv = fake
+    saxpy, _ = kernels
+
+    def take(h, f, d, out):
+        array_at(out, 3, np.float64)[:] = (h, f, d)
+
+    code = 'extern "C" __global__ void take(half h, float f, double d, double* out) { }'
+    k = RawKernel(drv, "take", ["e", "f", "d", "Q"], take, code)
+    out = sm.Buffer.zeros(3, "float64", device=dev)
+    for h, f, d in ((1.5, 2.5, 1e300), (65504.0, 3.4028234663852886e38, -0.0), (-2, 7, 3),
+                    (np.float16(0.25), np.float64(0.75), np.float32(1.25))):
+        sm.launch(k, 1, 1, h, f, d, sm.Out(out)).result()
+        assert out.to_host().tolist() == [float(h), float(f), float(d)]
+    sm.launch(k, 1, 1, float("inf"), float("nan"), float("-inf"), sm.Out(out)).result()
+    got = out.to_host()
+    assert got[0] == np.inf and np.isnan(got[1]) and got[2] == -np.inf
+    # refused before the launch is ordered after unfinished work of another stream
+    s1, s2 = dev.create_stream("s1"), dev.create_stream("s2")
+    drv.holding = True
+    sm.launch(k, 1, 1, 0.0, 0.0, 0.0, sm.Out(out), stream=s1)  # a write in flight on s1
+    waits = [c for c in drv.calls if c[0] == "wait"]
+    for args, message in (
+            ((1e5, 0.0, 0.0), "argument 0: 100000.0 is out of range for parameter 'h' (half)"),
+            ((0.0, 1e39, 0.0), "argument 1: 1e+39 is out of range for parameter 'f' (float)"),
+            ((0.0, 3.4028235677973366e38, 0.0), "argument 1: 3.4028235677973366e+38 is out of "
+                                                 "range for parameter 'f' (float)"),
+            ((0.0, 0.0, 10 ** 400), f"argument 2: {10 ** 400} is out of range for parameter "
+                                    f"'d' (double)"),
+            ((0.0, "1", 0.0), "argument 1: parameter 'f' (float) takes a number, got str '1'"),
+            ((True, 0.0, 0.0), "argument 0: parameter 'h' (half) takes a number, got bool "
+                               "True")):
+        with pytest.raises(sm.KernelError) as info:
+            sm.launch(k, 1, 1, *args, sm.Out(out), stream=s2)
+        assert str(info.value) == message
+        assert [c for c in drv.calls if c[0] == "wait"] == waits  # nothing enqueued
+        assert out.allocation.tracker.streams_locked() == [s1]  # no lease on s2
+    del info
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+
+
 def test_captured_cupy_launches_replay(fake, kernels):
     dev, drv = fake
     saxpy, _ = kernels

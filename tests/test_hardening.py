@@ -4,8 +4,11 @@ Each test fails on the code before its fix: a silent wrong value, a hang, a leak
 became a clear error of a documented type that leaves nothing half-done."""
 
 import ctypes
+import gc
+import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -846,6 +849,61 @@ def test_a_host_stream_finalized_and_then_used_again_runs_its_work_in_order(host
     assert m.wait(5)
     assert order == ["before", "after"]
     s.synchronize()
+
+
+def _host_workers(name):
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def test_a_host_stream_revived_in_a_collection_stops_its_worker_when_it_dies(host):
+    """A real collection finalizes a stream's impl, then (same collection) a finalizer uses
+    it. Its new worker is stopped once the impl really dies (its finalizer does not run
+    twice), and while it lives it is among the streams fork and exit look after."""
+    from sharedmem.backends import host as H
+    ran, order = [], []
+
+    class User:
+        def __del__(self):
+            order.append("user")
+            self.impl.submit(lambda: ran.append(1)).wait(5)
+            seen.append(self.impl in H._impls)
+
+    class Impl(H.HostStreamImpl):
+        def __del__(self):
+            order.append("impl")
+            H.HostStreamImpl.__del__(self)
+
+    seen = []
+    gc.collect()
+    gc.disable()  # (the cycle is collected below, where the order is known)
+    try:
+        impl = Impl(host.backend, "revived-in-a-collection")
+        user = User()
+        impl.cycle, user.impl = user, impl  # the impl first in the collector's list
+        del impl, user
+        gc.collect()
+    finally:
+        gc.enable()
+    assert order == ["impl", "user"] and ran == [1] and seen == [True]
+    gc.collect()  # (the user's finalizer resurrected the impl: this collection frees it)
+    deadline = time.monotonic() + 5
+    while _host_workers("revived-in-a-collection") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _host_workers("revived-in-a-collection") == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_revived_host_stream_runs_its_work_in_a_forked_child(host):
+    from sharedmem.backends import host as H
+    impl = host.backend.create_stream("revived-then-forked")
+    H._impls.discard(impl)  # (what the collector does before it finalizes the impl)
+    impl.__del__()
+    assert impl.submit(lambda: None).wait(5)  # (revived: a new worker)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if impl.submit(lambda: None).wait(5) else 3)
+    assert os.WEXITSTATUS(os.waitpid(pid, 0)[1]) == 0
+    impl.close()
 
 
 def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypatch):

@@ -364,14 +364,19 @@ class HostStreamImpl:
         """Work for a stream whose finalizer already stopped its worker: the garbage
         collector finalized it in the same collection as an object whose finalizer then
         used it (a view's hold ending on it files a lease here) and so brought it back. A
-        new worker, which first waits for the old one to finish what it was given (FIFO)."""
+        new worker, which first waits for the old one to finish what it was given (FIFO).
+        A finalizer runs once (PEP 442): the new worker is stopped when this object really
+        dies by a weakref callback; and the collector took it out of ``_impls`` before
+        finalizing it, so it is put back (fork restarts its worker, exit finishes its work)."""
         with _revive_lock:  # (two threads using it at once: one new worker)
             if not self._finalized:
                 return
             old = self._worker
-            self._q = _Tasks()
-            self._q.put((old.join, None))
+            q = self._q = _Tasks()
+            q.put((old.join, None))
             self._start_worker()
+            weakref.finalize(self, q.put, None).atexit = False  # (exit: see _finish_at_exit)
+            _impls.add(self)
 
 
 def _noop():
