@@ -276,7 +276,7 @@ class AccessTracker:
         """Record an access by submission ``seq`` on ``stream``."""
         if lo >= hi:
             return
-        use = self._use_of(stream)
+        use = self._last_use if self._last is stream else self._use_of(stream)  # (no call)
         done = stream._done
         use.newest = seq
         entries = use.writes if writes else use.reads
