@@ -3,7 +3,7 @@ cimport cython
 from sharedmem.allocation cimport View, ViewToken
 from sharedmem.runtime.submission cimport Submission, Work, submit_plan
 from sharedmem.runtime.future cimport future_of
-from sharedmem.stream cimport Stream, streams_entered
+from sharedmem.stream cimport Stream, as_stream, streams_entered
 
 cdef class Intent:
     cdef public object obj

@@ -39,7 +39,7 @@ from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe
 from .runtime.submission import Work, submit_plan
-from .stream import Stream, current_stream, streams_entered
+from .stream import Stream, as_stream, current_stream, streams_entered
 from .tensor import Tensor
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
@@ -620,7 +620,7 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         check_policy(policy)
     if stream is not None:
         if type(stream) is not Stream:
-            stream = Stream.from_external(stream)
+            stream = as_stream(stream)
         st = stream
         device = st.device
     else:

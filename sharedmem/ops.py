@@ -28,7 +28,7 @@ from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
 from .runtime.state import OwnedLock, fork_safe
-from .stream import Stream
+from .stream import Stream, as_stream
 
 __all__ = ["DeviceOp", "op", "zip"]
 
@@ -91,7 +91,7 @@ class DeviceOp(Generic[_T_co]):
             from .device import default_device
             stream = pool_stream(self._device() or default_device())
         elif not isinstance(stream, Stream):
-            stream = Stream.from_external(stream)
+            stream = as_stream(stream)
         return self._submit_on(stream)
 
     # -- implemented by the node types --------------------------------------

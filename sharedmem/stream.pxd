@@ -1,4 +1,5 @@
 # Declarations for the compiled build of stream.py (Cython pure-Python mode).
+cimport cython
 
 cdef class Stream:
     cdef public object device, _impl
@@ -14,3 +15,8 @@ cdef class Stream:
     cdef object __weakref__
 
 cpdef bint streams_entered()
+
+@cython.locals(st=Stream)
+cdef Stream _borrowed_last(obj)
+
+cpdef Stream as_stream(obj)

@@ -112,12 +112,9 @@ class Stream:
         if isinstance(obj, Stream):
             return obj
         if device is None:  # the object borrowed last (a launch loop's stream=): no new borrow
-            ref = _last_borrowed[0]
-            if ref is not None:
-                st = ref()
-                if st is not None and st._external is obj and \
-                        st.device.backend.stream_handle(obj) == st.handle:
-                    return st  # (the object still names that Stream's stream)
+            st = _borrowed_last(obj)
+            if st is not None:
+                return st
         from .device import Device, default_device
         dev = Device(device) if isinstance(device, int) else (device or default_device())
         if dev.kind != "cuda":
@@ -251,6 +248,27 @@ _by_handle_lock = fork_safe(threading.Lock())
 
 _current = threading.local()  # .stack: the streams entered with `with stream:`, innermost last
 _entered = False  # True once any thread entered a stream (until then no lookup is needed)
+
+
+def _borrowed_last(obj):
+    """The Stream :meth:`Stream.from_external` borrowed last, if it was from ``obj`` and
+    ``obj`` still names its stream; else None."""
+    ref = _last_borrowed[0]
+    if ref is not None:
+        st = ref()
+        if st is not None and st._external is obj and st._impl.named_by(obj):
+            return st
+    return None
+
+
+def as_stream(obj) -> Stream:
+    """``obj`` as a :class:`Stream`: itself, or the foreign stream it is, borrowed (see
+    :meth:`Stream.from_external`). A launch loop given the same foreign stream object each
+    time finds its Stream in a few field reads."""
+    if type(obj) is Stream:
+        return obj
+    st = _borrowed_last(obj)
+    return st if st is not None else Stream.from_external(obj)
 
 
 def streams_entered() -> bool:

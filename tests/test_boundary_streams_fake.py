@@ -127,6 +127,16 @@ def test_a_foreign_stream_object_is_borrowed_once_and_not_kept_alive(fake, monke
     s2 = sm.Stream.from_external(other)
     assert s2 is not s1 and s2.handle == 0x7A12
     assert sm.Stream.from_external(obj) is s1  # (found by its handle again)
+    # an object that names another stream now is borrowed anew, not taken for the one it
+    # named (as_stream, which launches use, and from_external alike)
+    from sharedmem.stream import as_stream
+    assert as_stream(obj) is s1 and as_stream(s1) is s1
+    obj.ptr = 0x7A13
+    s3 = as_stream(obj)
+    assert s3 is not s1 and s3.handle == 0x7A13 and sm.Stream.from_external(obj) is s3
+    obj.ptr = 0x7A11
+    assert as_stream(obj) is s1
+    del s3
     alive_stream, alive_obj = weakref.ref(s2), weakref.ref(other)
     del s2, other
     gc_collect_harder()

@@ -28,11 +28,12 @@ cdef class CudaStreamImpl:
     cdef public bint capturing
     cdef public CudaMarker open_marker
     cdef public long open_count
-    cdef object _blocking
+    cdef object _blocking, _read_handle
     cdef object __weakref__
 
     cpdef object submit_marker(self)
     cpdef wait_marker(self, CudaMarker marker)
+    cpdef bint named_by(self, obj) except -1
 
 cdef class CudaBackend:
     cdef public object _cupy, cu, ordinal, cu_device, name, uuid, compute_capability, limits

@@ -332,12 +332,43 @@ def _open_marker(impl):
     return m
 
 
+def _handle_reader(obj):
+    """How foreign stream object ``obj`` names its CUstream handle -- a function of the object
+    that reads it -- or None for an object that is not a stream. Found once per borrow: a
+    launch given the same object again reads only that (see CudaStreamImpl.named_by)."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return int
+    if hasattr(obj, "__cuda_stream__"):
+        return _protocol_handle
+    if hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
+        return _torch_handle
+    if hasattr(obj, "ptr"):  # cupy.cuda.Stream
+        return _ptr_handle
+    if hasattr(obj, "getPtr"):  # cuda.bindings CUstream
+        return int
+    return None
+
+
+def _protocol_handle(obj) -> int:
+    v = obj.__cuda_stream__()
+    return int(v[1] if isinstance(v, tuple) else v)
+
+
+def _torch_handle(obj) -> int:
+    return int(obj.cuda_stream)
+
+
+def _ptr_handle(obj) -> int:
+    return int(obj.ptr)
+
+
 class CudaStreamImpl:
     """A CUDA stream handle; owned streams are destroyed when dropped (the
     driver defers destruction until their work is done: this never blocks)."""
 
     __slots__ = ("handle", "cu_stream", "c_handle", "owned", "name", "_backend", "external",
-                 "capturing", "open_marker", "open_count", "_blocking", "__weakref__")
+                 "capturing", "open_marker", "open_count", "_blocking", "_read_handle",
+                 "__weakref__")
 
     def __init__(self, backend, handle, owned, name=None, external=None):
         self.capturing = False  # set by begin_capture / end_capture
@@ -355,6 +386,7 @@ class CudaStreamImpl:
         # Whether the stream is ordered with the legacy default stream (None: not asked yet).
         # Streams made here are non-blocking; a borrowed one is asked (see syncs_with_legacy).
         self._blocking = True if handle == 0 else (False if owned else None)
+        self._read_handle = None  # (borrowed: how `external` names the handle, see named_by)
 
     fault = None  # a CUDA stream has no per-stream fault; sticky errors surface in queries
     throttle = None  # (submit() bounds the work queued per stream itself)
@@ -384,6 +416,12 @@ class CudaStreamImpl:
         core_lock when it may be open). CompletionUnknownError when the marker could not be
         recorded (a wait on an event never recorded would wait for nothing)."""
         _stream_wait(self._backend, self.handle, marker)
+
+    def named_by(self, obj) -> bool:
+        """Whether foreign stream object ``obj`` -- the one this stream was borrowed from --
+        still names this stream, read the way it was when borrowed (no protocol search)."""
+        read = self._read_handle
+        return read is not None and read(obj) == self.handle
 
     def syncs_with_legacy(self) -> bool:
         """Whether work on this stream and on the legacy default stream is ordered both ways
@@ -613,26 +651,18 @@ class CudaBackend:
     def stream_handle(obj) -> int | None:
         """The raw CUstream handle a foreign stream object names now, or None for an object
         that is not a stream."""
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            return obj
-        if hasattr(obj, "__cuda_stream__"):
-            v = obj.__cuda_stream__()
-            return int(v[1] if isinstance(v, tuple) else v)
-        if hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
-            return int(obj.cuda_stream)
-        if hasattr(obj, "ptr"):  # cupy.cuda.Stream
-            return int(obj.ptr)
-        if hasattr(obj, "getPtr"):  # cuda.bindings CUstream
-            return int(obj)
-        return None
+        read = _handle_reader(obj)
+        return None if read is None else read(obj)
 
     def borrow_stream(self, obj) -> CudaStreamImpl:
         """A CudaStreamImpl over a foreign stream (kept alive, never destroyed)."""
-        handle = self.stream_handle(obj)
-        if handle is None:
+        read = _handle_reader(obj)
+        if read is None:
             raise TypeError(f"cannot use {obj!r} as a CUDA stream: give a sharedmem.Stream, a CuPy, "
                             f"torch or cuda.core stream, an object with __cuda_stream__, or an int")
-        return CudaStreamImpl(self, handle, False, None, external=obj)
+        impl = CudaStreamImpl(self, read(obj), False, None, external=obj)
+        impl._read_handle = read
+        return impl
 
     def _event(self):
         """A pooled event, or a new one when the pool is empty."""
