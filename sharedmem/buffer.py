@@ -183,6 +183,18 @@ class Buffer(View):
         from .pickling import reduce_buffer
         return reduce_buffer(self, protocol)
 
+    def __copy__(self) -> "Buffer":
+        """``copy.copy(buf)``: a new buffer of the same values on the same device (as NumPy
+        and CuPy copy arrays; a second view of the same bytes is ``buf[:]``)."""
+        tok = self._live_token()
+        out = Buffer.empty(self._length, self._dtype, device=tok.allocation.device)
+        out.copy_from(self)
+        return out
+
+    def __deepcopy__(self, memo) -> "Buffer":
+        """``copy.deepcopy(buf)``: as ``copy.copy`` (a buffer holds no Python objects)."""
+        return self.__copy__()
+
     # -- views ----------------------------------------------------------------
     def __getitem__(self, key) -> "Buffer":
         """``buf[a:b]``: a view of elements ``a..b`` (same allocation, own token)."""

@@ -96,7 +96,7 @@ class IpcExport:
     "released", "importer died", "revoked"), :meth:`revoke` and :meth:`wait_released`."""
 
     __slots__ = ("handle", "_token", "_slot", "_event", "_state", "_dead_since", "_done",
-                 "__weakref__")
+                 "_pid", "__weakref__")
 
     def __repr__(self) -> str:
         return f"<IpcExport {self._state}: {self.handle!r}>"
@@ -105,9 +105,18 @@ class IpcExport:
     def state(self) -> str:
         return self._state
 
+    def _check_owner(self, what) -> None:
+        if self._pid != os.getpid():
+            raise SharedMemError(
+                f"{what} of {self!r} in process {os.getpid()}: the export belongs to process "
+                f"{self._pid}, which made it (a forked child shares none of its parent's "
+                f"exports); call it there")
+
     def revoke(self) -> bool:
         """End an export nobody opened yet (its memory is released now); False when an
-        importer already opened it (then it ends when the importer is done)."""
+        importer already opened it (then it ends when the importer is done). SharedMemError
+        in another process than the exporter (a forked child)."""
+        self._check_owner("revoke()")
         with _lock:
             if self._done.is_set():
                 return True
@@ -119,7 +128,9 @@ class IpcExport:
         return True
 
     def wait_released(self, timeout: float | None = None) -> bool:
-        """Block until the export ended (importer done or gone, or revoked); False on timeout."""
+        """Block until the export ended (importer done or gone, or revoked); False on timeout.
+        SharedMemError in another process than the exporter (nothing there would end it)."""
+        self._check_owner("wait_released()")
         return self._done.wait(timeout)
 
 
@@ -245,6 +256,7 @@ def export(view, stream=None) -> IpcExport:
         ex._state = "exported"
         ex._dead_since = None
         ex._done = threading.Event()
+        ex._pid = os.getpid()
         with _lock:
             slot, path, index, gen = _take_slot_locked()
             _SLOT.pack_into(slot[0], slot[1], EXPORTED, gen, 0, 0, 0)
@@ -404,12 +416,18 @@ class _Import:
     """Kept by the imported views' tokens and by every lease of them: when it dies, the
     importer is done and the exporter's slot says so."""
 
-    __slots__ = ("mapping", "mm", "fd", "off", "generation", "__weakref__")
+    __slots__ = ("mapping", "mm", "fd", "off", "generation", "pid", "__weakref__")
 
     def __del__(self):
+        # Only the process that opened the slot releases it (a forked child that drops the
+        # views it inherited must not end its parent's import: the file is shared), and only
+        # an import that was made (one whose open failed is disarmed: generation None)
+        if self.generation is None or self.pid != os.getpid():
+            return
         try:
             with _SlotLock(self.fd, self.off):
-                if _SLOT.unpack_from(self.mm, self.off)[:2] == (OPEN, self.generation):
+                state, gen, pid = _SLOT.unpack_from(self.mm, self.off)[:3]
+                if (state, gen, pid) == (OPEN, self.generation, self.pid):
                     struct.pack_into("<I", self.mm, self.off, RELEASED)
         except Exception:  # pragma: no cover - interpreter teardown
             pass
@@ -498,7 +516,8 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
             marker = hit[0] if hit is not None else backend.ipc_open_event(handle.event)
             _remember_locked(_events, ekey, marker, pid, CACHED_EVENTS)
         imp = _Import.__new__(_Import)
-        imp.mapping, imp.mm, imp.fd, imp.off, imp.generation = mapping, mm, fd, off, gen
+        imp.mapping, imp.mm, imp.fd, imp.off, imp.generation = mapping, mm, fd, off, None
+        imp.pid = me  # (armed below, once nothing can fail: see the except clause)
         ptr = mapping.base + handle.offset
         s = resolve_stream(stream, dev)
         # (the exporter pools its events: a cached one is re-recorded only for later exports,
@@ -510,7 +529,10 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         start = ptr - alloc.ptr
         tok = alloc.new_token("CUDA IPC import", start, start + handle.nbytes, handle.writable,
                               imp)
+        imp.generation = gen  # armed: its end releases the slot
     except BaseException:
+        # (an _Import made before the failure is never armed: kept alive by the traceback,
+        # its end must not release a later, successful open of the same handle)
         with _SlotLock(fd, off):
             _SLOT.pack_into(mm, off, EXPORTED, gen, 0, 0, 0)  # nothing changed: open it again
         raise

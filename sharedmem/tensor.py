@@ -316,6 +316,15 @@ class Tensor(View):
         from .pickling import reduce_tensor
         return reduce_tensor(self, protocol)
 
+    def __copy__(self) -> "Tensor":
+        """``copy.copy(t)``: :meth:`copy` -- a new C-contiguous tensor of the same values on
+        the same device (as NumPy and CuPy copy arrays; a second view is ``t[:]``)."""
+        return self.copy()
+
+    def __deepcopy__(self, memo) -> "Tensor":
+        """``copy.deepcopy(t)``: as ``copy.copy`` (a tensor holds no Python objects)."""
+        return self.copy()
+
     # -- ownership transfers ------------------------------------------------------
     def _dense_range(self, what: str) -> tuple[int, int]:
         """``(start, stop)``: the byte range of this C-contiguous tensor, which must be its

@@ -54,7 +54,7 @@ class FakeDriver:
     CUresult = CUresult
     CUstream = CUstream
     CUevent = CUevent
-    CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2)
+    CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2, CU_EVENT_INTERPROCESS=4)
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
     CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
     CUdevice_attribute = types.SimpleNamespace(
@@ -95,6 +95,12 @@ class FakeDriver:
         self.ctx_of = {}  # stream or event handle -> its context
         self.no_peer = set()  # (device, peer) pairs cuDeviceCanAccessPeer refuses
         self.peer_enabled = set()  # (context, peer context)
+        # CUDA IPC, simulated in one process: the driver allocations a test declares
+        # (base -> size: what cuPointerGetAttributes answers for them; others are unknown to
+        # it), and the "other process's" mappings of them (fresh host memory: the bookkeeping
+        # is what is tested, not shared bytes)
+        self.ranges = {}
+        self.ipc_maps = {}  # mapped base -> its memory
 
     def finish_held(self):
         self.held.clear()
@@ -159,7 +165,35 @@ class FakeDriver:
         return (OK, 1 << 30, 1 << 31)
 
     def cuPointerGetAttributes(self, n, attrs, ptr):
+        for base, size in self.ranges.items():
+            if base <= int(ptr) < base + size:
+                return (OK, [base, size, 0, self.CUmemorytype.CU_MEMORYTYPE_DEVICE])
         return (OK, [0, 0, 0, 0])
+
+    # -- CUDA IPC (handles: the base address or event, in the first 8 of 64 bytes) ----------
+    CUipcMemHandle = CUipcEventHandle = types.SimpleNamespace
+
+    def cuIpcGetMemHandle(self, base):
+        return (OK, types.SimpleNamespace(reserved=int(base).to_bytes(8, "little") + bytes(56)))
+
+    def cuIpcOpenMemHandle(self, handle, flags):
+        size = self.ranges[int.from_bytes(handle.reserved[:8], "little")]
+        mem = np.zeros(size + 256, np.uint8)
+        base = (mem.ctypes.data + 255) // 256 * 256
+        self.ipc_maps[base] = mem
+        self.calls.append(("ipc_open", base))
+        return (OK, base)
+
+    def cuIpcCloseMemHandle(self, base):
+        del self.ipc_maps[int(base)]
+        self.calls.append(("ipc_close", int(base)))
+        return (OK,)
+
+    def cuIpcGetEventHandle(self, ev):
+        return (OK, types.SimpleNamespace(reserved=int(ev).to_bytes(8, "little") + bytes(56)))
+
+    def cuIpcOpenEventHandle(self, handle):
+        return self.cuEventCreate(0)
 
     # -- streams and events --------------------------------------------------------
     def cuStreamCreate(self, flags):

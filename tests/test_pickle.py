@@ -178,3 +178,31 @@ def test_through_a_spawned_process(host):
             os.environ["SHAREDMEM_BACKEND"] = env_backup
     assert shape == (4, 5) and dtype == "float32" and dev == "<Device host>"
     np.testing.assert_array_equal(np.array(got, np.float32), a)
+
+
+def test_copy_and_deepcopy_make_a_copy_on_the_same_device(monkeypatch):
+    """copy.copy / copy.deepcopy of a view: a new allocation with the same values on the
+    view's own device (as NumPy and CuPy copy arrays) -- not a pickle round trip, which lands
+    on the default device (a GPU here) and goes through host memory."""
+    import copy
+
+    import sharedmem.device as sm_device
+    from conftest import gc_collect_harder
+    from fake_cuda import install_fake_devices
+    (gpu,), drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setattr(sm_device, "_default", gpu)  # (the default device: the fake GPU)
+    for dev in (sm.Device.host(), gpu):
+        b = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=dev)
+        t = sm.Tensor.from_host(np.arange(12, dtype=np.int16).reshape(3, 4), device=dev)[::2]
+        for c in (copy.copy(b), copy.deepcopy(b), copy.copy(t), copy.deepcopy(t)):
+            src = b if isinstance(c, sm.Buffer) else t
+            assert type(c) is type(src) and c.device is dev and c.dtype == src.dtype
+            assert c.shape == src.shape and c.allocation is not src.allocation
+            np.testing.assert_array_equal(c.to_host(), src.to_host())
+            assert b.allocation.live_views == 1  # (no alias of the source was made)
+        ro = b.as_readonly()
+        c = copy.deepcopy(ro)  # (a copy is new memory: writable, as NumPy's)
+        assert ro.readonly and not c.readonly and c.device is dev
+        del b, t, c, src, ro
+    sm.synchronize()
+    gc_collect_harder()
