@@ -141,7 +141,7 @@ _free: list = []  # (file index, slot index) not in use
 _generation = itertools.count(1)
 _exports: list = []  # live IpcExport objects (the poller's work)
 _thread = None
-_opened: dict = {}  # path -> (mmap, fd), the importer's view of exporters' slot files
+_opened: dict = {}  # path -> _SlotFile, the importer's view of exporters' slot files
 _opened_lock = fork_safe(threading.Lock())
 
 
@@ -403,6 +403,9 @@ def _forget_dead_exporters_locked() -> None:
         for key, (_, pid) in list(cache.items()):
             if not _alive(pid, 0):
                 del cache[key]
+    for path, f in list(_opened.items()):  # (closed once its imports are gone too)
+        if not _alive(f.pid, 0):
+            del _opened[path]
 
 
 def _remember_locked(cache, key, value, pid, limit) -> None:
@@ -412,11 +415,29 @@ def _remember_locked(cache, key, value, pid, limit) -> None:
         cache.popitem(last=False)
 
 
+class _SlotFile:
+    """An exporter's slot file, mapped in this importer: its descriptor and mapping are
+    closed when nothing uses them -- neither the cache of files (``_opened``, which forgets
+    a dead exporter's) nor an import of a slot in it."""
+
+    __slots__ = ("mm", "fd", "pid")
+
+    def __del__(self):
+        try:
+            self.mm.close()
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+        try:
+            os.close(self.fd)
+        except Exception:  # pragma: no cover
+            pass
+
+
 class _Import:
     """Kept by the imported views' tokens and by every lease of them: when it dies, the
     importer is done and the exporter's slot says so."""
 
-    __slots__ = ("mapping", "mm", "fd", "off", "generation", "pid", "__weakref__")
+    __slots__ = ("mapping", "file", "mm", "fd", "off", "generation", "pid", "__weakref__")
 
     def __del__(self):
         # Only the process that opened the slot releases it (a forked child that drops the
@@ -448,8 +469,8 @@ def _device_of(handle):
                          f"visible in this process (CUDA_VISIBLE_DEVICES?)")
 
 
-def _slots_file(path: str):
-    """``(mmap, fd)`` of an exporter's slot file (opened once per process)."""
+def _slots_file(path: str, pid: int) -> _SlotFile:
+    """Exporter ``pid``'s slot file at ``path`` (opened once per process while it lives)."""
     got = _opened.get(path)
     if got is None:
         try:
@@ -458,10 +479,13 @@ def _slots_file(path: str):
             raise SharedMemError(f"cannot open a CUDA IPC handle: its exporter's slot file "
                                  f"{path} is gone (the exporter exited?)") from None
         try:
-            got = _opened[path] = (mmap.mmap(fd, SLOTS * _SLOT.size), fd)
+            mm = mmap.mmap(fd, SLOTS * _SLOT.size)
         except BaseException:
             os.close(fd)
             raise
+        got = _SlotFile.__new__(_SlotFile)
+        got.mm, got.fd, got.pid = mm, fd, pid
+        _opened[path] = got
     return got
 
 
@@ -486,7 +510,8 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
     if born is None:
         born = _born[me] = max(_start_time(me), 0)
     with _opened_lock:
-        mm, fd = _slots_file(handle.slots)
+        slots = _slots_file(handle.slots, handle.exporter_pid)
+        mm, fd = slots.mm, slots.fd
         off = handle.slot * _SLOT.size
         with _SlotLock(fd, off):
             state, gen, *_ = _SLOT.unpack_from(mm, off)
@@ -517,6 +542,7 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
             _remember_locked(_events, ekey, marker, pid, CACHED_EVENTS)
         imp = _Import.__new__(_Import)
         imp.mapping, imp.mm, imp.fd, imp.off, imp.generation = mapping, mm, fd, off, None
+        imp.file = slots  # (its descriptor stays open while this import may write the slot)
         imp.pid = me  # (armed below, once nothing can fail: see the except clause)
         ptr = mapping.base + handle.offset
         s = resolve_stream(stream, dev)

@@ -24,6 +24,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(ipc, "_by_uuid", {dev.uuid: dev})
     monkeypatch.setattr(ipc, "_recent", collections.OrderedDict())
     monkeypatch.setattr(ipc, "_events", collections.OrderedDict())
+    monkeypatch.setattr(ipc, "_opened", {})  # (each test's "exporter" is another process)
     yield dev, drv
     sm.synchronize()
     gc_collect_harder()
@@ -133,3 +134,31 @@ def test_revoke_ends_an_export_nobody_opened(fake):
     assert ex.revoke() and ex.state == "revoked" and ex.wait_released(0)
     with pytest.raises(sm.SharedMemError, match="the export ended"):
         ipc.open(_as_received(ex.handle))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_an_importer_closes_the_slot_file_of_an_exporter_seen_gone(fake, monkeypatch):
+    """The importer keeps each exporter's slot file open while it lives; once the exporter is
+    gone and no import of its slots is left, the descriptor and the mapping are closed (they
+    were kept for good: one descriptor per exporter ever seen)."""
+    dev, drv = fake
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # (a pid that is gone: the exporter, as this importer sees it)
+    b, ex = _exported(dev, drv)
+    h = _as_received(ex.handle)
+    h.exporter_pid = pid
+    v = ipc.open(h)
+    fd = v._live_token().keep.file.fd  # (the import's slot file)
+    monkeypatch.setattr(ipc, "_swept", [0.0])
+    with ipc._opened_lock:
+        ipc._forget_dead_exporters_locked()  # forgotten: its import still keeps it open
+    assert h.slots not in ipc._opened
+    os.fstat(fd)
+    del v
+    gc_collect_harder()
+    sm.synchronize()
+    assert ex.wait_released(5)  # the import wrote its release before the file closed
+    with pytest.raises(OSError):
+        os.fstat(fd)
