@@ -50,6 +50,14 @@ def _state_after_polls(ex):
     return ex.state
 
 
+def _released(ex) -> bool:
+    """Whether ``ex`` ends once the import's views (dropped by the caller) are collected and
+    their work is done."""
+    gc_collect_harder()
+    sm.synchronize()
+    return ex.wait_released(5) and ex.state == "released"
+
+
 def test_an_import_ends_the_export_once_its_views_and_work_are_done(fake):
     dev, drv = fake
     b, ex = _exported(dev, drv)
@@ -58,9 +66,7 @@ def test_an_import_ends_the_export_once_its_views_and_work_are_done(fake):
     assert _state_after_polls(ex) == "open" and not ex.wait_released(0)
     assert [c[0] for c in drv.calls if c[0] == "ipc_open"] == ["ipc_open"]
     del v
-    gc_collect_harder()
-    sm.synchronize()
-    assert ex.wait_released(5) and ex.state == "released" and ipc.exports() == 0
+    assert _released(ex) and ipc.exports() == 0
 
 
 def test_an_open_that_failed_does_not_end_the_open_that_succeeded_after_it(fake):
@@ -79,9 +85,7 @@ def test_an_open_that_failed_does_not_end_the_open_that_succeeded_after_it(fake)
     gc_collect_harder()
     assert _state_after_polls(ex) == "open" and v.is_live
     del v
-    gc_collect_harder()
-    sm.synchronize()
-    assert ex.wait_released(5) and ex.state == "released"
+    assert _released(ex)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -98,9 +102,7 @@ def test_a_forked_child_dropping_an_imported_view_does_not_end_the_parents_impor
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert _state_after_polls(ex) == "open" and held[0].is_live
     held.clear()
-    gc_collect_harder()
-    sm.synchronize()
-    assert ex.wait_released(5) and ex.state == "released"
+    assert _released(ex)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -123,9 +125,7 @@ def test_an_export_is_revoked_or_waited_for_only_in_the_process_that_made_it(fak
     v = ipc.open(_as_received(ex.handle))
     assert _state_after_polls(ex) == "open"
     del v
-    gc_collect_harder()
-    sm.synchronize()
-    assert ex.wait_released(5)
+    assert _released(ex)
 
 
 def test_revoke_ends_an_export_nobody_opened(fake):
@@ -157,8 +157,6 @@ def test_an_importer_closes_the_slot_file_of_an_exporter_seen_gone(fake, monkeyp
     assert h.slots not in ipc._opened
     os.fstat(fd)
     del v
-    gc_collect_harder()
-    sm.synchronize()
-    assert ex.wait_released(5)  # the import wrote its release before the file closed
+    assert _released(ex)  # the import wrote its release before the file closed
     with pytest.raises(OSError):
         os.fstat(fd)
