@@ -22,10 +22,11 @@ a few microseconds per submission. One trace at a time per process.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from .errors import BackendUnavailableError, SharedMemError
-from .runtime.state import RUNTIME, locked, log
+from .runtime.state import RUNTIME, at_fork_child, locked, log
 
 __all__ = ["trace"]
 
@@ -67,6 +68,7 @@ class trace:
         self._subs = {}  # id(submission) -> event dict, until it retires
         self._tids = {}  # stream -> track id
         self._t0 = 0.0
+        self._pid = 0  # the process recording (a forked child does not: see _after_fork_child)
 
     def __enter__(self) -> "trace":
         with locked():
@@ -74,11 +76,15 @@ class trace:
                 raise SharedMemError("a sharedmem.trace is already recording in this process; "
                                      "end it first (one trace at a time)")
             self._t0 = time.monotonic()
+            self._pid = os.getpid()
+            self.events = []  # (a trace used again records anew)
             RUNTIME.tracer = self
         log.debug("trace to %s begins", self.path)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._pid != os.getpid():  # a forked child leaving the block: the parent's trace
+            return
         now = time.monotonic()
         with locked():
             if RUNTIME.tracer is self:
@@ -142,3 +148,11 @@ class trace:
                 ev["dur"] = max(0.0, now - ev["ts"])
                 ev["args"]["state"] = ("pending", "retired", "completion unknown")[sub.state]
                 self.events.append(ev)
+
+
+def _after_fork_child() -> None:
+    # A trace records the process that began it: a child starts untraced (and may trace).
+    RUNTIME.tracer = None
+
+
+at_fork_child(_after_fork_child, 0)

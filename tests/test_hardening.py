@@ -1040,3 +1040,99 @@ def test_submit_refuses_uses_that_are_not_view_token_pairs(host):
         with pytest.raises(TypeError, match=r"^submit\(\) takes uses as \(ViewToken, writes\) pairs, got "):
             submit(s, bad, lambda: None)
     assert sm.stats().in_flight == 0 and b.allocation.tracker.streams_locked() == []
+
+
+def test_a_trace_hook_that_fails_leaves_the_launch_tracked(host, monkeypatch, tmp_path):
+    """The trace hears of a submission after the work is enqueued: an NVTX call (or an
+    adapter's label) that raises there left the launch running with no submission keeping
+    its memory. Now the submission stands and the error comes at the next API call."""
+    import types
+
+    from host_kernels import slow_fill
+
+    def broken(**kw):
+        raise RuntimeError("nvtx broke")
+
+    monkeypatch.setitem(sys.modules, "nvtx", types.SimpleNamespace(
+        start_range=broken, end_range=lambda r: None))
+    s = host.create_stream("traced")
+    b = sm.Buffer.zeros(8, "float32", device=host)
+    sm.synchronize()
+    with sm.trace(None, nvtx=True):
+        fut = sm.launch(slow_fill, 1, 1, sm.Out(b), 3.0, 0.2, stream=s)  # (does not raise)
+        with pytest.raises(RuntimeError, match="^nvtx broke$"):
+            sm.stats()  # (the next API call)
+        assert sm.stats().in_flight == 1 and not fut.done()  # tracked while it runs
+    fut.result(5)
+    assert b.to_host().tolist() == [3.0] * 8
+    sm.synchronize()
+
+
+def test_a_host_future_callback_that_raises_changes_neither_it_nor_the_others(host):
+    """A HostFuture's callbacks run each on its own: one that raises does not overwrite the
+    future's value, nor keep the callbacks after it from running; its error comes at the
+    next API call."""
+    from host_kernels import fill
+    f = sm.launch(fill, 1, 1, sm.Out(sm.Buffer.zeros(4, "float32", device=host)), 1.0)
+    h = f.then(lambda _: 42)
+    h.result(5)
+    ran = []
+
+    def boom(_f):
+        raise ValueError("callback boom")
+
+    h2 = f.then(lambda _: 7)
+    h2.result(5)
+    g = sm.HostFuture() if hasattr(sm, "HostFuture") else type(h)()
+    g.add_done_callback(boom)
+    g.add_done_callback(lambda fut: ran.append(fut.result()))
+    g._set("value", None)
+    g._set("second", None)  # (set once: ignored)
+    assert g.result() == "value" and ran == ["value"] and h.result() == 42
+    with pytest.raises(ValueError, match="^callback boom$"):
+        sm.stats()  # (the next API call re-raises it)
+    sm.synchronize()
+
+
+def test_a_callback_worker_keeps_no_callback_alive_once_it_ran(host):
+    """The callbacks a worker ran are dropped at once, not kept until the next batch: a view
+    a callback captured can be moved as soon as the callback has run (nobody waits on the
+    future: the retirer hands its callbacks to a worker)."""
+    from host_kernels import slow_fill
+    s = host.create_stream("handed off")
+    buf = sm.Buffer.zeros(8, "float32", device=host)
+    head = buf[0:4]
+    ran = threading.Event()
+    f = sm.launch(slow_fill, 1, 1, head, 1.0, 0.05, stream=s)
+    f.add_done_callback(lambda _f, v=head: ran.set())
+    del head, f
+    assert ran.wait(5)
+    time.sleep(0.2)  # (the worker unwinds the callback's frame)
+    gc.collect()
+    assert sm.Tensor.from_buffer(buf, (8,)).shape == (8,)  # (AliasError while kept)
+    sm.synchronize()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_trace_belongs_to_the_process_that_began_it(host, tmp_path):
+    """A child forked inside ``with sm.trace(path):`` starts untraced (it may trace), and
+    leaving the block there writes nothing over the parent's file; a trace object used
+    again records anew."""
+    path = tmp_path / "t.json"
+    tr = sm.trace(str(path))
+    with tr:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                with sm.trace(str(tmp_path / "child.json")):
+                    pass
+                tr.__exit__(None, None, None)
+                os._exit(0 if not (tmp_path / "t.json").exists() else 3)
+            except BaseException:
+                os._exit(4)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert path.exists() and (tmp_path / "child.json").exists()
+    with tr:  # (used again)
+        pass
+    assert path.exists()
+

@@ -89,6 +89,9 @@ def _work(first: bool) -> None:
             if cbs:
                 _run_on_worker(cbs)
         finally:
+            # (nothing of the batch stays referenced while this worker waits for the next:
+            # a callback's closure may keep views alive, and moves of them would be refused)
+            cbs = sub = None
             with _lock:
                 _running -= 1
                 _cond.notify_all()  # (an exit drain waits for the queue to empty)
@@ -102,6 +105,7 @@ class _Rest:
 
 def _run_on_worker(cbs) -> None:
     rest = collections.deque(cbs)
+    cbs = None
     _local.rest = rest  # (waiting() hands what is left to another worker)
     errors = RUNTIME.errors
     try:
@@ -111,6 +115,7 @@ def _run_on_worker(cbs) -> None:
                 cb()
             except BaseException as e:
                 errors.append(e)
+            cb = None
     finally:
         _local.rest = None
 

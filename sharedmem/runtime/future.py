@@ -24,6 +24,7 @@ except ImportError:  # (interpreted without Cython: see sharedmem/_cython.py)
 from ..errors import CompletionUnknownError, HostKernelError
 from . import callbacks as _callbacks
 from . import submission as _sub
+from .state import RUNTIME
 
 __all__ = ["DeviceFuture", "HostFuture"]
 
@@ -228,12 +229,20 @@ class HostFuture(_FutureBase):
         return f"<HostFuture done: {v if len(v) <= 60 else v[:57] + '...'}>"
 
     def _set(self, value, error) -> None:
-        self._value, self._error = value, error
+        """Set the value or the error, once (a second call does nothing), then run the
+        callbacks in order, each on its own: one that raises neither stops the others nor
+        changes this future; its error is re-raised at the next API call."""
         with self._lock:
+            if self._callbacks is None:
+                return
+            self._value, self._error = value, error
             self._event.set()
             cbs, self._callbacks = self._callbacks, None
         for cb in cbs:
-            cb(self)
+            try:
+                cb(self)
+            except BaseException as e:
+                RUNTIME.errors.append(e)
 
     def done(self) -> bool:
         """True once the value (or the error) is set; never blocks."""
@@ -242,8 +251,10 @@ class HostFuture(_FutureBase):
     def result(self, timeout: float | None = None) -> _T:
         """The value once set (blocking up to ``timeout``); raises the error it failed with, or
         TimeoutError."""
-        with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
-            done = self._event.wait(timeout)
+        done = self._event.is_set()
+        if not done:
+            with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
+                done = self._event.wait(timeout)
         if not done:
             raise TimeoutError(f"the host function did not finish within {timeout} s")
         if self._error is not None:

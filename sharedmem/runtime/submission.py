@@ -250,10 +250,10 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                 keeps.append(k)
         sub = new_submission(stream, seq, marker, keep if keeps is None else keeps, uses,
                              label)
-        if rt.tracer is not None:
-            rt.tracer.submitted(sub, waits)
         pending = stream._pending
         pending.append(sub)
+        if rt.tracer is not None:
+            _traced_locked(rt, sub, waits)
         became_active = len(pending) == 1
         if became_active:
             rt.active.add(stream)
@@ -268,6 +268,16 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     if became_active and rt.retirer_idle:
         rt.wake_retirer()  # it is sleeping its idle interval
     return sub
+
+
+def _traced_locked(rt, sub, waits) -> None:
+    """Tell the trace about ``sub``, filed already. Never raising: the work is enqueued and
+    its leases taken, and what keeps its memory is the submission in its stream's FIFO (an
+    NVTX call or an adapter's label that fails is re-raised at the next API call)."""
+    try:
+        rt.tracer.submitted(sub, waits)
+    except Exception as e:
+        rt.errors.append(e)
 
 
 def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
@@ -382,9 +392,9 @@ def lease_locked(stream, uses, keep, label, marker):
         tok = u[0]
         tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
     sub = new_submission(stream, seq, marker, keep, uses, label)
-    if rt.tracer is not None:
-        rt.tracer.submitted(sub, None)
     stream._pending.append(sub)
+    if rt.tracer is not None:
+        _traced_locked(rt, sub, None)
     rt.in_flight += 1
     rt.submitted += 1
     if len(stream._pending) == 1:
