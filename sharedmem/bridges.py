@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .runtime.state import locked
 from .allocation import View, ViewToken, add_consumer_locked, lookup_allocation
 from .errors import AliasError
@@ -49,6 +51,16 @@ def _refs_held_once(x) -> int:
 _REFS_HELD_ONCE = None  # what getrefcount says inside adopt() when its caller holds one reference
 
 
+def _is_array(obj, root) -> bool:
+    """Whether ``obj``, of a type from library ``root``, is one of its arrays (not a scalar,
+    a dtype or another object of the library)."""
+    if root == "numpy":
+        return isinstance(obj, np.ndarray)
+    if root == "torch":
+        return isinstance(obj, sys.modules["torch"].Tensor)
+    return type(obj).__name__ == "ndarray"  # cupy.ndarray
+
+
 def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     """Import ``obj`` zero-copy and take its memory over: unlike :func:`from_dlpack`, the
     producer is not counted as an alias, so the returned Tensor can be moved.
@@ -66,7 +78,7 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     t = type(obj)
     name = f"{t.__module__.split('.')[0]}.{t.__qualname__}"
     root = t.__module__.split(".")[0]
-    if root not in ("numpy", "cupy", "torch"):
+    if root not in ("numpy", "cupy", "torch") or not _is_array(obj, root):
         raise AliasError(
             f"cannot adopt a {name}: sharedmem can show that nothing else reaches the memory "
             f"only for NumPy, CuPy and torch arrays. Import it with sharedmem.from_dlpack (the "

@@ -1136,3 +1136,27 @@ def test_a_trace_belongs_to_the_process_that_began_it(host, tmp_path):
         pass
     assert path.exists()
 
+
+
+def test_a_callback_error_no_api_call_re_raised_is_reported_at_exit(tmp_path):
+    """An error a callback raised is re-raised at the next API call; when none comes, the
+    interpreter's exit says so (it was dropped without a word)."""
+    import subprocess
+    script = tmp_path / "late_error.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path[:0] = [{os.path.dirname(__file__)!r}, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}]\n"
+        "import sharedmem as sm\n"
+        "from host_kernels import slow_fill\n"
+        "dev = sm.Device.host()\n"
+        "b = sm.Buffer.zeros(4, 'float32', device=dev)\n"
+        "sm.synchronize()\n"
+        "f = sm.launch(slow_fill, 1, 1, sm.Out(b), 1.0, 0.05, stream=dev.create_stream('x'))\n"
+        "f.add_done_callback(lambda _f: 1 / 0)\n"
+        "del f\n"
+        "time.sleep(0.5)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ("RuntimeWarning: sharedmem: 1 error(s) raised in callbacks (then(), "
+            "add_done_callback) or trace hooks were never re-raised, for no API call came "
+            "after them: ZeroDivisionError('division by zero')") in r.stderr

@@ -169,6 +169,18 @@ def _drain_at_exit() -> None:
     if dropped:
         log.warning("exit: callbacks of %d retired submissions dropped after %s s", dropped,
                     EXIT_TIMEOUT)
+    # Errors deferred to an API call that never came (a callback's, a trace hook's): said
+    # once here rather than lost
+    errors = list(RUNTIME.errors)
+    RUNTIME.errors.clear()
+    if errors:
+        import warnings
+        shown = "; ".join(repr(e) for e in errors[:5]) + (" ..." if len(errors) > 5 else "")
+        log.error("exit: %d error(s) raised in sharedmem callbacks were never re-raised: %s",
+                  len(errors), shown)
+        warnings.warn(f"sharedmem: {len(errors)} error(s) raised in callbacks (then(), "
+                      f"add_done_callback) or trace hooks were never re-raised, for no API call "
+                      f"came after them: {shown}", RuntimeWarning, stacklevel=1)
 
 
 atexit.register(_drain_at_exit)
