@@ -1160,3 +1160,16 @@ def test_a_callback_error_no_api_call_re_raised_is_reported_at_exit(tmp_path):
     assert ("RuntimeWarning: sharedmem: 1 error(s) raised in callbacks (then(), "
             "add_done_callback) or trace hooks were never re-raised, for no API call came "
             "after them: ZeroDivisionError('division by zero')") in r.stderr
+
+
+def test_a_callback_run_inline_may_wait_for_one_queued_after_it(host):
+    """A user thread (or a host stream's worker) that retires work runs its callbacks inline;
+    one that waits for a future a later callback sets handed nothing on there and waited its
+    whole timeout. It hands the rest to the callback workers, as a worker does."""
+    from sharedmem.runtime import callbacks
+    later = sm.HostFuture()
+    got = []
+    t0 = time.monotonic()
+    callbacks.run([lambda: got.append(later.result(5)), lambda: later._set(7, None)])
+    assert got == [7] and time.monotonic() - t0 < 2
+    sm.stats()  # (no deferred error: nothing timed out)

@@ -5,9 +5,9 @@ stream's worker -- except the retirer thread: the submissions it retires with ca
 handed to the callback workers (``sharedmem-callbacks-N``), so a continuation that blocks (on
 another continuation's result, on I/O) never stops retirement for everyone else.
 
-A continuation may wait for another one queued behind it. A callback worker that waits on a
-future says so (:func:`waiting`); when every worker is waiting and work is queued, another
-worker starts (as a fork-join pool compensates a blocked thread), so the queue always drains
+A continuation may wait for another one queued behind it. A callback that waits on a future
+says so (:func:`waiting`): the callbacks after it go to the workers, wherever it runs; when
+every worker is waiting and work is queued, another worker starts (as a fork-join pool compensates a blocked thread), so the queue always drains
 and a waiter's timeout is its own. Workers beyond the first leave after ``IDLE_EXIT`` idle
 seconds. The callbacks of one submission run in the order they were added: a callback added
 while the others are queued joins them (see ``submission.add_callback``).
@@ -44,13 +44,9 @@ retirer_ident = [0]
 
 def run(cbs) -> None:
     """Run callbacks in this thread, in order; their errors surface at the next API call of a
-    user thread (``submission.raise_deferred``)."""
-    errors = RUNTIME.errors
-    for cb in cbs:
-        try:
-            cb()
-        except BaseException as e:
-            errors.append(e)
+    user thread (``submission.raise_deferred``). One that waits on a future hands the ones
+    after it to the workers (see :class:`waiting`), as on a worker."""
+    _run_list(cbs)
 
 
 def hand_off(sub) -> None:
@@ -103,10 +99,11 @@ class _Rest:
     __slots__ = ("callbacks",)
 
 
-def _run_on_worker(cbs) -> None:
+def _run_list(cbs) -> None:
     rest = collections.deque(cbs)
     cbs = None
-    _local.rest = rest  # (waiting() hands what is left to another worker)
+    outer = getattr(_local, "rest", None)  # (a callback that retired work runs its callbacks)
+    _local.rest = rest  # (waiting() hands what is left to a worker)
     errors = RUNTIME.errors
     try:
         while rest:
@@ -117,7 +114,10 @@ def _run_on_worker(cbs) -> None:
                 errors.append(e)
             cb = None
     finally:
-        _local.rest = None
+        _local.rest = outer
+
+
+_run_on_worker = _run_list
 
 
 def on_worker() -> bool:
@@ -126,16 +126,18 @@ def on_worker() -> bool:
 
 
 class waiting:
-    """``with waiting():`` around a blocking wait: on a callback worker, lets another worker
-    take the queue meanwhile (nothing on other threads)."""
+    """``with waiting():`` around a blocking wait: inside a callback, the callbacks after it
+    go to the workers (it may wait for one of them: a user thread or a host stream's worker
+    that retired the work runs them inline); on a callback worker, another worker takes the
+    queue meanwhile. Nothing elsewhere."""
 
     __slots__ = ("_on",)
 
     def __enter__(self) -> None:
         global _blocked
         self._on = on_worker()
-        if self._on:
-            rest = getattr(_local, "rest", None)
+        rest = getattr(_local, "rest", None)
+        if self._on or rest:
             with _lock:
                 if rest:  # the callbacks after this one must not wait for it
                     held = _Rest()
@@ -143,8 +145,9 @@ class waiting:
                     rest.clear()
                     _queue.appendleft(held)
                     _cond.notify()
-                _blocked += 1
-                if _queue and _workers == _blocked:
+                if self._on:
+                    _blocked += 1
+                if _queue and _workers == _blocked:  # (no worker free to take them)
                     _start_locked()
 
     def __exit__(self, *exc) -> None:
