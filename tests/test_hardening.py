@@ -1173,3 +1173,28 @@ def test_a_callback_run_inline_may_wait_for_one_queued_after_it(host):
     callbacks.run([lambda: got.append(later.result(5)), lambda: later._set(7, None)])
     assert got == [7] and time.monotonic() - t0 < 2
     sm.stats()  # (no deferred error: nothing timed out)
+
+
+def test_a_move_inside_a_callback_does_not_wait_for_its_own_batch(host):
+    """A move that meets an alias first lets finished work drop what it kept (settle()); run
+    inside a callback, it waited its whole second for the very batch whose callbacks it runs."""
+    from host_kernels import fill
+    s = host.create_stream("moves in callbacks")
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    x = sm.Buffer.zeros(8, "float32", device=host)
+    alias = x[0:2]
+    took = []
+
+    def cb(_f):
+        t0 = time.monotonic()
+        with pytest.raises(sm.AliasError):
+            sm.Tensor.from_buffer(x, (8,))
+        took.append(time.monotonic() - t0)
+
+    for _ in range(3):
+        f = sm.launch(fill, 1, 1, sm.Out(b), 1.0, stream=s)
+        f.add_done_callback(cb)
+        f.result(5)
+    sm.synchronize()
+    assert len(took) == 3 and max(took) < 0.5, took
+    del alias

@@ -23,6 +23,7 @@ retired submission kept is dropped after it (:func:`finish`), never under it.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from functools import partial
 from threading import get_ident as _get_ident
@@ -616,15 +617,24 @@ def _sweep_locked(stream, record=True) -> list:
     return out
 
 
+#: Per thread: how many retired submissions this thread is finishing now (settle() does not
+#: wait for those: a move inside a callback they run would wait for itself).
+_finishing = threading.local()
+
+
 def finish(subs, hand_off=False) -> None:
     """Outside the lock: drop what retired work kept, run its callbacks (``hand_off``: give
     them to the callback workers instead). Every list a sweep returned goes through here
     exactly once (settle() counts on it)."""
+    n = len(subs)
+    mine = getattr(_finishing, "n", 0)
+    _finishing.n = mine + n
     try:
         _finish(subs, hand_off)
     finally:
+        _finishing.n = mine
         with locked():
-            RUNTIME.unfinished -= len(subs)
+            RUNTIME.unfinished -= n
 
 
 def _finish(subs, hand_off=False) -> None:
@@ -653,11 +663,12 @@ def settle(timeout=1.0) -> None:
     has dropped what it kept -- so that a decision that counts live views (a move) never sees
     a view kept only by work that is done. Never waits for the device."""
     sweep_all()
-    if not RUNTIME.unfinished:  # (a plain read of an int written under the lock)
+    mine = getattr(_finishing, "n", 0)  # (this thread's: finished after the caller returns)
+    if RUNTIME.unfinished <= mine:  # (a plain read of an int written under the lock)
         return
     import time
     deadline = time.monotonic() + timeout
-    while RUNTIME.unfinished > 0 and time.monotonic() < deadline:
+    while RUNTIME.unfinished > mine and time.monotonic() < deadline:
         time.sleep(20e-6)
 
 
