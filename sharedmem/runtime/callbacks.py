@@ -7,10 +7,11 @@ another continuation's result, on I/O) never stops retirement for everyone else.
 
 A continuation may wait for another one queued behind it. A callback that waits on a future
 says so (:func:`waiting`): the callbacks after it go to the workers, wherever it runs; when
-every worker is waiting and work is queued, another worker starts (as a fork-join pool compensates a blocked thread), so the queue always drains
-and a waiter's timeout is its own. Workers beyond the first leave after ``IDLE_EXIT`` idle
-seconds. The callbacks of one submission run in the order they were added: a callback added
-while the others are queued joins them (see ``submission.add_callback``).
+every worker is waiting and work is queued, another worker starts (as a fork-join pool
+compensates a blocked thread), so the queue always drains and a waiter's timeout is its own.
+Workers beyond the first leave after ``IDLE_EXIT`` idle seconds. The callbacks of one
+submission run in the order they were added: a callback added while the others are queued
+joins them (see ``submission.add_callback``).
 """
 
 from __future__ import annotations
