@@ -437,7 +437,7 @@ class _Import:
     """Kept by the imported views' tokens and by every lease of them: when it dies, the
     importer is done and the exporter's slot says so."""
 
-    __slots__ = ("mapping", "file", "mm", "fd", "off", "generation", "pid", "__weakref__")
+    __slots__ = ("mapping", "file", "off", "generation", "pid", "__weakref__")
 
     def __del__(self):
         # Only the process that opened the slot releases it (a forked child that drops the
@@ -446,10 +446,11 @@ class _Import:
         if self.generation is None or self.pid != os.getpid():
             return
         try:
-            with _SlotLock(self.fd, self.off):
-                state, gen, pid = _SLOT.unpack_from(self.mm, self.off)[:3]
+            f = self.file
+            with _SlotLock(f.fd, self.off):
+                state, gen, pid = _SLOT.unpack_from(f.mm, self.off)[:3]
                 if (state, gen, pid) == (OPEN, self.generation, self.pid):
-                    struct.pack_into("<I", self.mm, self.off, RELEASED)
+                    struct.pack_into("<I", f.mm, self.off, RELEASED)
         except Exception:  # pragma: no cover - interpreter teardown
             pass
 
@@ -541,7 +542,7 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
             marker = hit[0] if hit is not None else backend.ipc_open_event(handle.event)
             _remember_locked(_events, ekey, marker, pid, CACHED_EVENTS)
         imp = _Import.__new__(_Import)
-        imp.mapping, imp.mm, imp.fd, imp.off, imp.generation = mapping, mm, fd, off, None
+        imp.mapping, imp.off, imp.generation = mapping, off, None
         imp.file = slots  # (its descriptor stays open while this import may write the slot)
         imp.pid = me  # (armed below, once nothing can fail: see the except clause)
         ptr = mapping.base + handle.offset

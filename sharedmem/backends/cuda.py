@@ -647,13 +647,6 @@ class CudaBackend:
         """The legacy default stream (handle 0), as CuPy's default stream."""
         return CudaStreamImpl(self, 0, False, "default")
 
-    @staticmethod
-    def stream_handle(obj) -> int | None:
-        """The raw CUstream handle a foreign stream object names now, or None for an object
-        that is not a stream."""
-        read = _handle_reader(obj)
-        return None if read is None else read(obj)
-
     def borrow_stream(self, obj) -> CudaStreamImpl:
         """A CudaStreamImpl over a foreign stream (kept alive, never destroyed)."""
         read = _handle_reader(obj)

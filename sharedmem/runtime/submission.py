@@ -878,11 +878,12 @@ def object_export_hold(view, kind, consumers, wait, ordered) -> int:
 
     ``ordered``: whether the consumer's work, on whichever of ``consumers``' streams it runs,
     follows earlier work on any of them (one stream; or the legacy default stream and one
-    stream that synchronizes with it: ``interop.streams.ordered_among``). Then the view's own hold on those streams -- its
-    earlier exports' consumers, who reach the bytes through this same object -- is not
-    waited for: a consumer that reads the dict again (``cupy.asarray`` reads it more than
-    once) would otherwise be told to synchronize with what it was given itself. Its hold on
-    any other stream (an earlier consumer elsewhere) is waited for, as any hold is."""
+    stream that synchronizes with it: ``interop.streams.ordered_among``). Then the view's own
+    hold on those streams -- its earlier exports' consumers, who reach the bytes through this
+    same object -- is not waited for: a consumer that reads the dict again (``cupy.asarray``
+    reads it more than once) would otherwise be told to synchronize with what it was given
+    itself. Its hold on any other stream (an earlier consumer elsewhere) is waited for, as any
+    hold is."""
     markers = []
     rt = RUNTIME
     rt.acquire()
