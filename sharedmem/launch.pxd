@@ -67,5 +67,3 @@ cpdef KernelPlan plan_for(adapter, kernel, device)
 
 cpdef _as_view(obj)
 
-
-cdef _init_intent(Intent self, obj, bint with_length, int mode)

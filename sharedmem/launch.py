@@ -77,7 +77,13 @@ class Intent:
         with_length: bool
 
     def __init__(self, obj: object, with_length: bool = False) -> None:
-        _init_intent(self, obj, with_length, _WRITE)
+        t = type(obj)
+        if t is not _BUFFER and t is not _TENSOR and isinstance(obj, Intent):  # (views: no MRO walk)
+            raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
+        self.obj = obj
+        c = type(self)  # (the subclasses have no __init__ of their own: one call, not two)
+        self._mode = _READ if c is In else _WRITE if c is Out else _mode_of(c)
+        self.with_length = with_length
 
     @property
     def mode(self) -> str:
@@ -88,13 +94,9 @@ class Intent:
         return f"{type(self).__name__}({self.obj!r}{', with_length=True' if self.with_length else ''})"
 
 
-def _init_intent(self, obj, with_length, mode) -> None:
-    t = type(obj)
-    if t is not _BUFFER and t is not _TENSOR and isinstance(obj, Intent):  # (views: no MRO walk)
-        raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
-    self.obj = obj
-    self._mode = mode
-    self.with_length = with_length
+def _mode_of(cls) -> int:
+    """The lease mode an Intent class states (a subclass of In reads; of Atomic, atomics)."""
+    return _READ if issubclass(cls, In) else _ATOMIC if issubclass(cls, Atomic) else _WRITE
 
 
 class In(Intent):
@@ -102,17 +104,11 @@ class In(Intent):
 
     __slots__ = ()
 
-    def __init__(self, obj: object, with_length: bool = False) -> None:
-        _init_intent(self, obj, with_length, _READ)
-
 
 class Out(Intent):
     """The kernel writes this argument (a write lease)."""
 
     __slots__ = ()
-
-    def __init__(self, obj: object, with_length: bool = False) -> None:
-        _init_intent(self, obj, with_length, _WRITE)
 
 
 class InOut(Intent):
@@ -120,17 +116,11 @@ class InOut(Intent):
 
     __slots__ = ()
 
-    def __init__(self, obj: object, with_length: bool = False) -> None:
-        _init_intent(self, obj, with_length, _WRITE)
-
 
 class Atomic(Intent):
     """The kernel updates this argument with atomics (tracked as a write)."""
 
     __slots__ = ()
-
-    def __init__(self, obj: object, with_length: bool = False) -> None:
-        _init_intent(self, obj, with_length, _ATOMIC)
 
 
 @cython.freelist(16)

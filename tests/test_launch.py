@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import sharedmem as sm
+from sharedmem.launch import Intent
 
 
 @sm.host_kernel
@@ -210,6 +211,12 @@ def test_intents_wrap_one_argument_once(host):
         sm.Out(b, b, b)
     with pytest.raises(TypeError):
         sm.In(b, with_lenght=True)
+    # a subclass states its base's mode (the bases have one __init__ between them)
+    modes = {sm.In: "read", sm.Out: "write", sm.InOut: "write", sm.Atomic: "atomic",
+             Intent: "write"}
+    for base, mode in modes.items():
+        sub = type("My" + base.__name__, (base,), {})
+        assert sub(b).mode == mode and sub(b, with_length=True).with_length
     w = sm.InOut(b, with_length=True)
     assert w.with_length and repr(w) == f"InOut({b!r}, with_length=True)"
 
