@@ -28,7 +28,7 @@ from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
 from .runtime.state import OwnedLock, fork_safe
-from .stream import Stream, as_stream
+from .stream import Stream, as_stream, current_stream, streams_entered
 
 __all__ = ["DeviceOp", "op", "zip"]
 
@@ -86,10 +86,13 @@ class DeviceOp(Generic[_T_co]):
 
     def submit(self, stream: Stream | object | None = None) -> DeviceFuture[_T_co]:
         """Submit the work; returns a DeviceFuture (as :func:`launch` does).
-        ``stream=None``: a stream of the pool of the op's device."""
+        ``stream=None``: the current stream of the op's device (``with stream:``), else a
+        stream of that device's pool."""
         if stream is None:
             from .device import default_device
-            stream = pool_stream(self._device() or default_device())
+            device = self._device()
+            current = current_stream(device) if streams_entered() else None
+            stream = current or pool_stream(device or default_device())
         elif not isinstance(stream, Stream):
             stream = as_stream(stream)
         return self._submit_on(stream)

@@ -10,6 +10,7 @@ until the GPU has finished them.
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import threading
 import weakref
@@ -20,7 +21,7 @@ try:
 except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
-from .errors import CompletionUnknownError, DeviceMismatchError
+from .errors import CaptureError, CompletionUnknownError, DeviceMismatchError, SharedMemError
 from .runtime.state import fork_safe
 
 __all__ = ["Stream", "Event"]
@@ -108,7 +109,8 @@ class Stream:
         object with ``__cuda_stream__``, or a raw ``CUstream`` handle (int).
         The object is kept alive by the returned Stream and never destroyed.
         The same CUDA stream always gives the same Stream while one is alive
-        (handle 0 gives the device's default stream)."""
+        (handles 0, 1 and 2 -- the legacy and the per-thread default streams -- give the
+        device's default stream)."""
         if isinstance(obj, Stream):
             return obj
         if device is None:  # the object borrowed last (a launch loop's stream=): no new borrow
@@ -121,7 +123,13 @@ class Stream:
             raise DeviceMismatchError(
                 f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams")
         impl = dev.backend.borrow_stream(obj)
-        if impl.handle in (0, 1):  # 0: the legacy default stream; 1: CU_STREAM_LEGACY
+        if impl.handle in (0, 1, 2):
+            # 0: the legacy default stream; 1: CU_STREAM_LEGACY. 2, CU_STREAM_PER_THREAD (CuPy's
+            # Stream.ptds), names a different stream in each thread that enqueues on it, and
+            # the events of this Stream are recorded by whichever thread comes next (its
+            # batched markers, the retirer): one Stream for it would order nothing. The legacy
+            # stream stands in, as for a DLPack consumer on stream 2: work there is ordered
+            # with every blocking stream, every thread's per-thread default stream included.
             return dev.default_stream
         # One Stream per CUDA stream: leases compare streams by identity, so two
         # wrappers of one stream would look like two streams to each other. A stream
@@ -129,8 +137,14 @@ class Stream:
         key = (dev.key, impl.handle)
         with _by_handle_lock:
             st = _by_handle.get(key)
-            if st is None:
-                st = _by_handle[key] = cls._create(dev, impl, owned=False, external=obj)
+        stale = None
+        if st is not None and st._external is not obj and not _names_its_stream(st):
+            stale, st = st, None  # its object's stream was destroyed, the handle reused
+        if st is None:
+            with _by_handle_lock:
+                st = _by_handle.get(key)
+                if st is None or st is stale:
+                    st = _by_handle[key] = cls._create(dev, impl, owned=False, external=obj)
         if device is None and st._external is obj:
             _last_borrowed[0] = weakref.ref(st)
         return st
@@ -140,26 +154,27 @@ class Stream:
         """The live Stream (made by sharedmem, or borrowed) of CUDA stream ``handle`` on
         ``device``, or None."""
         with _by_handle_lock:
-            return _by_handle.get((device.key, handle))
+            st = _by_handle.get((device.key, handle))
+        return st if st is not None and _names_its_stream(st) else None
 
     def __enter__(self) -> Stream:
-        """``with stream:`` makes this the current stream of its device in this thread:
+        """``with stream:`` makes this the current stream of its device in this thread (in
+        this asyncio task, where one runs: the streams entered live in a context variable):
         ``launch``, ``op.submit``, allocations and copies given ``stream=None`` use it (as
         ``with cupy_stream:`` and ``with torch.cuda.stream(s):`` do for those libraries)."""
         global _entered
         _entered = True
-        stack = getattr(_current, "stack", None)
-        if stack is None:
-            stack = _current.stack = []
-        stack.append(self)
+        _entered_streams.set(_entered_streams.get() + (self,))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stack = _current.stack
+        stack = _entered_streams.get()
         for i in range(len(stack) - 1, -1, -1):  # the innermost entry of this stream
             if stack[i] is self:
-                del stack[i]
-                break
+                _entered_streams.set(stack[:i] + stack[i + 1:])
+                return
+        raise SharedMemError(f"{self} was not entered in this thread or task: a `with stream:` "
+                             f"block begins and ends in the same one")
 
     def __repr__(self) -> str:
         kind = "owned" if self.owned else "borrowed"
@@ -176,20 +191,33 @@ class Stream:
         return (0, self._impl.handle)
 
     def synchronize(self) -> None:
-        """Block until all work on this stream has finished, then retire it."""
+        """Block until all work on this stream has finished -- on a borrowed stream, its
+        owner's too -- then retire it. (``sm.synchronize()`` and ``device.synchronize()``
+        wait for sharedmem's work only: a borrowed stream's owner may be capturing it.)"""
         from .runtime.submission import synchronize_stream
         synchronize_stream(self)
+        if not self._ours:
+            self._impl.synchronize()
 
     def record(self) -> Event:
-        """An :class:`Event` marking the work submitted so far on this stream."""
+        """An :class:`Event` marking the work submitted so far on this stream (CaptureError
+        while it captures a graph: that work has not run)."""
+        if self._capture is not None:
+            raise CaptureError(f"{self} is capturing a graph: its work has not run, so an event "
+                               f"recorded now would mark nothing; record it after the capture "
+                               f"ends")
         return Event(self, self.device.backend.record_marker(self._impl))
 
     def wait(self, event_or_stream: Event | Stream) -> None:
         """Make later work on this stream wait (on the device, without blocking
-        the host) for an :class:`Event` or for all current work of a stream."""
+        the host) for an :class:`Event` or for all current work of a stream (CaptureError
+        where either captures a graph)."""
         ev = event_or_stream.record() if isinstance(event_or_stream, Stream) else event_or_stream
         if not isinstance(ev, Event):
             raise TypeError(f"Stream.wait takes an Event or a Stream, got {type(ev).__name__}")
+        if self._capture is not None:
+            raise CaptureError(f"{self} is capturing a graph: it cannot wait for work outside "
+                               f"the capture; make the wait before the capture begins")
         other = ev.stream.device
         if other is not self.device and (other.kind != "cuda" or self.device.kind != "cuda"):
             raise DeviceMismatchError(f"cannot make {self} wait for an event on {other} "
@@ -222,16 +250,25 @@ class Event:
         return f"<Event on {self.stream}: {state}>"
 
     def query(self) -> bool:
-        """True once the work recorded before this event has finished (never blocks)."""
+        """True once the work recorded before this event has finished (never blocks);
+        CompletionUnknownError where that cannot be known (a kernel before it faulted)."""
         state = self._marker.query()
         if state == 2:
-            raise CompletionUnknownError(f"completion of work before this event on {self.stream} is "
-                                 f"unknown: {self._marker.error!r}")
+            raise self._unknown()
         return state == 1
 
     def synchronize(self, timeout: float | None = None) -> bool:
-        """Block until that work finished; False if ``timeout`` passed first."""
-        return self._marker.wait(timeout)
+        """Block until that work finished; False if ``timeout`` passed first;
+        CompletionUnknownError as for :meth:`query`."""
+        if not self._marker.wait(timeout):
+            return False
+        if self._marker.query() == 2:
+            raise self._unknown()
+        return True
+
+    def _unknown(self) -> CompletionUnknownError:
+        return CompletionUnknownError(f"completion of work before this event on {self.stream} "
+                                      f"is unknown: {self._marker.error!r}")
 
 
 # (device key, handle) -> the Stream of that CUDA stream, made or borrowed; weak, so a Stream
@@ -246,8 +283,26 @@ _last_borrowed = [None]
 _by_handle_lock = fork_safe(threading.Lock())
 
 
-_current = threading.local()  # .stack: the streams entered with `with stream:`, innermost last
+# The streams entered with `with stream:` in this thread or asyncio task, innermost last (a
+# tuple: a task's context copy never shares it with another)
+_entered_streams: "contextvars.ContextVar[tuple]" = contextvars.ContextVar(
+    "sharedmem_entered_streams", default=())
 _entered = False  # True once any thread entered a stream (until then no lookup is needed)
+
+
+def _names_its_stream(st) -> bool:
+    """Whether Stream ``st``, found by its handle, still is that CUDA stream: one sharedmem
+    made (or the default stream), or a borrowed one whose object still names the handle. The
+    object's owner may have destroyed its stream (cuda.core's ``Stream.close()``; a raw
+    handle cannot tell), and the driver may have given the handle to another stream since.
+    Foreign code runs here: never call it under ``_by_handle_lock``."""
+    ext = st._external
+    if ext is None:
+        return True
+    try:
+        return st._impl.named_by(ext)
+    except Exception:  # (a closed stream object may raise when asked its handle)
+        return False
 
 
 def _borrowed_last(obj):
@@ -279,7 +334,7 @@ def streams_entered() -> bool:
 def current_stream(device=None):
     """The innermost stream entered with ``with stream:`` in this thread on ``device`` (on any
     device when None), or None."""
-    stack = getattr(_current, "stack", None)
+    stack = _entered_streams.get()
     if not stack:
         return None
     for i in range(len(stack) - 1, -1, -1):

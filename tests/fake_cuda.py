@@ -211,6 +211,7 @@ class FakeDriver:
         return (OK,)
 
     def cuStreamSynchronize(self, stream):
+        self.calls.append(("stream_sync", int(stream)))
         return (OK,)
 
     def cuEventCreate(self, flags):

@@ -8,6 +8,7 @@ checked by the gpu-marked tests on a real device.
 import gc
 import os
 import sys
+import threading
 import types
 import weakref
 
@@ -68,6 +69,72 @@ def test_foreign_streams_are_one_stream(fake):
     assert sm.Stream.from_external(0x77, device=dev) is s1 and not s1.owned
     assert sm.Stream.from_external(0, device=dev) is dev.default_stream
     assert s1.__cuda_stream__() == (0, 0x77)
+    # the legacy stream (1) and the per-thread default stream (2, CuPy's Stream.ptds: another
+    # stream in each thread) are the default stream, in every thread
+    class Ptds:
+        ptr = 2
+    got = []
+    t = threading.Thread(target=lambda: got.append(sm.Stream.from_external(Ptds(), device=dev)))
+    t.start()
+    t.join()
+    assert got == [dev.default_stream]
+    for h in (1, 2, Ptds()):
+        assert sm.Stream.from_external(h, device=dev) is dev.default_stream
+    assert sm.Stream.lookup(dev, 2) is None
+
+
+
+def test_a_destroyed_borrowed_stream_is_not_found_for_its_reused_handle(fake):
+    # cuda.core's Stream.close() destroys the stream; the driver may give its handle to the next
+    # stream made, with other flags. The old Stream, still alive (an access record keeps it),
+    # must not stand for the new stream.
+    dev, drv = fake
+
+    class CoreStream:  # like cuda.core's Stream: __cuda_stream__, and close()
+        def __init__(self, h):
+            self.h, self.closed = h, False
+
+        def __cuda_stream__(self):
+            if self.closed:
+                raise RuntimeError("stream closed")
+            return (0, self.h)
+
+    h = 0x7A11
+    a = CoreStream(h)
+    b = sm.Buffer.from_host(np.ones(4, np.float32), device=dev)
+    sa = sm.Stream.from_external(a, dev)
+    b.fill_zero(stream=sa)
+    sm.synchronize()
+    assert sa._impl.syncs_with_legacy() is True  # (the fake's unknown handles: blocking)
+    old = weakref.ref(sa)
+    del sa
+    a.closed = True
+    assert old() is not None  # (b's access record keeps it)
+    assert sm.Stream.lookup(dev, h) is None
+    drv.stream_flags[h] = 1  # the handle reused for a non-blocking stream
+    c = CoreStream(h)
+    sc = sm.Stream.from_external(c, dev)
+    assert sc is not old() and sc._external is c  # (the new object kept alive by its Stream)
+    assert sc._impl.syncs_with_legacy() is False
+    assert sm.Stream.from_external(c, dev) is sc and sm.Stream.lookup(dev, h) is sc
+    del sc
+    gc_collect_harder()
+
+
+
+def test_synchronize_of_a_borrowed_stream_waits_for_its_owners_work_too(fake):
+    dev, drv = fake
+
+    class CupyStream:  # a CuPy stream its owner enqueued kernels of their own on
+        ptr = 0x5150
+    st = sm.Stream.from_external(CupyStream(), dev)
+    n = len(drv.calls)
+    st.synchronize()
+    assert ("stream_sync", 0x5150) in drv.calls[n:]
+    n = len(drv.calls)
+    dev.default_stream.synchronize()  # (sharedmem's own streams: its work is all there is)
+    sm.synchronize()
+    assert not any(c[0] == "stream_sync" for c in drv.calls[n:])
 
 
 def test_graph_capture_and_replay(fake):

@@ -156,7 +156,22 @@ def test_capture_errors_end_the_capture(host):
             x.to_host(stream=s)
         with pytest.raises(sm.CaptureError, match=r"^apply\(\) cannot be captured"):
             sm.op(inc, 1, 1, x).apply(print).submit(s)
+        # events: none recorded into a capture, no wait into one or on one
+        other = host.create_stream("other")
+        before = other.record()
+        with pytest.raises(sm.CaptureError, match=r"^<Stream .*> is capturing a graph: its work "
+                                                  r"has not run, so an event recorded now would "
+                                                  r"mark nothing; record it after the capture ends$"):
+            s.record()
+        with pytest.raises(sm.CaptureError, match=r"is capturing a graph: its work has not run"):
+            other.wait(s)
+        with pytest.raises(sm.CaptureError, match=r"^<Stream .*> is capturing a graph: it cannot "
+                                                  r"wait for work outside the capture; make the "
+                                                  r"wait before the capture begins$"):
+            s.wait(before)
     assert s._capture is None
+    s.wait(before)
+    assert s.record().synchronize(5) is True
 
 
 def test_graph_of_an_op_chain(host):

@@ -288,3 +288,28 @@ def test_an_idle_retirer_keeps_no_borrowed_stream_alive(monkeypatch):
     del st, obj, buf
     gc_collect_harder()
     assert ref() is None
+
+
+def test_an_event_after_a_fault_says_so_on_synchronize_as_on_query(host):
+    s = host.create_stream("faults")
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def faulting(x):
+        gate.wait(5)
+        raise HostFault("illegal address (simulated)")
+
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    fut = sm.launch(faulting, 1, 1, b, stream=s)
+    ev = s.record()
+    assert ev.synchronize(0) is False
+    gate.set()
+    msg = (r"^completion of work before this event on <Stream faults on <Device host> "
+           r"\(owned\)> is unknown: HostFault\('illegal address \(simulated\)'\)$")
+    with pytest.raises(sm.CompletionUnknownError, match=msg):
+        ev.synchronize(5)
+    with pytest.raises(sm.CompletionUnknownError, match=msg):
+        ev.query()
+    with pytest.warns(sm.LeakWarning):
+        with pytest.raises(sm.CompletionUnknownError):
+            fut.result(5)

@@ -213,3 +213,96 @@ def test_a_full_host_stream_makes_submitters_wait(host, monkeypatch):
     sm.launch(fan_out, 1, 1, x, s, stream=s).result(10)
     s.synchronize()
     assert x.to_host()[0] == 32
+
+
+@pytest.mark.parametrize("how", ["stream", "all", "result", "event"])
+def test_a_host_kernel_waiting_for_work_behind_it_on_its_stream_is_refused(host, how):
+    # (that work cannot start before the kernel returns: the wait would never end)
+    s = host.create_stream("self-wait")
+    other = host.create_stream("other")
+    later = []
+
+    @sm.host_kernel
+    def inner(x):
+        x[:] += 1
+
+    @sm.host_kernel
+    def outer(x):
+        if how == "stream":
+            s.synchronize()
+        elif how == "all":
+            sm.synchronize()
+        elif how == "result":
+            later.append(sm.launch(inner, 1, 1, sm.Buffer.zeros(4, device=host, stream=s),
+                                   stream=s))
+            later[-1].result()
+        else:
+            s.record().synchronize()
+
+    x = sm.Buffer.zeros(4, device=host, stream=s)
+    f = sm.launch(outer, 1, 1, x, stream=s)
+    with pytest.raises(sm.HostKernelError) as ei:
+        f.result(timeout=10)
+    cause = ei.value.__cause__
+    assert type(cause) is sm.SharedMemError
+    assert str(cause) == (
+        "a host kernel on host stream 'self-wait' waits for work queued behind it on its own "
+        "stream, which cannot start before the kernel returns: it would wait forever. Wait "
+        "outside the kernel, or submit that work to another stream")
+    # the stream goes on: the work behind ran, and a wait from another stream's kernel is fine
+    assert all(g.result(timeout=10) is None for g in later)
+    g = sm.launch(sm.host_kernel(lambda y: s.synchronize()), 1, 1, sm.Buffer.zeros(4, device=host),
+                  stream=other)
+    assert g.result(timeout=10) is None
+    s.synchronize()
+
+
+def test_with_stream_makes_it_current_for_launches_and_ops_in_this_thread_or_task(host):
+    import asyncio
+
+    from host_kernels import fill
+    a, b = host.create_stream("a"), host.create_stream("b")
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=a)
+    a.synchronize()
+    o = sm.op(fill, 1, 1, sm.Out(x), 3)
+    with a:
+        assert sm.launch(fill, 1, 1, sm.Out(x), 1).stream is a
+        assert o.submit().stream is a  # (as api.md says: `with stream:` covers op.submit)
+        with b:
+            assert sm.launch(fill, 1, 1, sm.Out(x), 2).stream is b and o.submit().stream is b
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(o.submit().stream))
+            t.start()
+            t.join()
+            assert seen[0] not in (a, b)  # another thread: its own (none entered)
+        assert o.submit().stream is a
+    assert o.submit().stream not in (a, b)
+
+    async def task(s, out):  # each asyncio task has its own current stream across awaits
+        with s:
+            await asyncio.sleep(0.01)
+            out.append(o.submit().stream)
+
+    got_a, got_b = [], []
+
+    async def both():
+        await asyncio.gather(task(a, got_a), task(b, got_b))
+    asyncio.run(both())
+    assert got_a == [a] and got_b == [b]
+    # a `with` that ends in another thread than it began in
+    a.__enter__()
+    err = []
+
+    def leave():
+        try:
+            a.__exit__(None, None, None)
+        except sm.SharedMemError as e:
+            err.append(str(e))
+    t = threading.Thread(target=leave)
+    t.start()
+    t.join()
+    assert err == [f"{a!r} was not entered in this thread or task: a `with stream:` block "
+                   f"begins and ends in the same one"]
+    a.__exit__(None, None, None)
+    sm.synchronize()
+    np.testing.assert_array_equal(x.to_host(), [3, 3, 3, 3])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import itertools
 import math
 import ctypes
 import sys
@@ -35,7 +36,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import CompletionUnknownError
+from ..errors import CompletionUnknownError, SharedMemError
 from ..runtime.state import at_fork_child, at_fork_hold, fork_safe, log
 from . import COMPLETE
 
@@ -165,14 +166,15 @@ class HostMarker:
     ``query()`` returns 0 (pending), 1 (done) or 2 (unknown: the task, or an
     earlier one on its stream, raised; ``error`` holds why)."""
 
-    __slots__ = ("_event", "error", "failure", "isolated")
+    __slots__ = ("_event", "error", "failure", "isolated", "tasks")
     recorded = True  # (markers of other backends may be recorded lazily)
 
-    def __init__(self, isolated=False):
+    def __init__(self, isolated=False, tasks=None):
         self._event = threading.Event()
         self.error = None  # why completion is unknown (the stream faulted)
         self.failure = None  # the exception an isolated task (a host kernel) ended with
         self.isolated = isolated  # an exception fails this task only (see the module docstring)
+        self.tasks = tasks  # the _Tasks of its stream: whose worker runs it
 
     def query(self) -> int:
         if not self._event.is_set():
@@ -184,8 +186,19 @@ class HostMarker:
         return self.error is not None
 
     def wait(self, timeout=None) -> bool:
-        """Block until the task ran (or failed); False on timeout."""
-        return self._event.wait(timeout)
+        """Block until the task ran (or failed); False on timeout. SharedMemError where the
+        caller is the worker that would run it: a task waiting for one queued behind it on
+        its own stream would wait forever."""
+        ev = self._event
+        if timeout != 0 and not ev.is_set():
+            q = self.tasks
+            if q is not None and q.worker == threading.get_ident():
+                raise SharedMemError(
+                    f"a host kernel on host stream {q.name!r} waits for work queued behind it "
+                    f"on its own stream, which cannot start before the kernel returns: it would "
+                    f"wait forever. Wait outside the kernel, or submit that work to another "
+                    f"stream")
+        return ev.wait(timeout)
 
     def recycle(self) -> None:
         pass
@@ -209,12 +222,14 @@ class _Tasks:
     the worker waits for it): ringing is one release, waking one acquire -- unlike a
     Condition's notify, which builds objects."""
 
-    __slots__ = ("lock", "bell", "sleeping", "items", "running")
+    __slots__ = ("lock", "bell", "sleeping", "items", "running", "worker", "name")
 
-    def __init__(self):
+    def __init__(self, name):
         self.lock = threading.Lock()
         self.items = collections.deque()
         self.running = None  # the (fn, marker) the worker runs now; guarded by lock
+        self.worker = None  # the worker thread's ident (set as it starts; a new one after a fork)
+        self.name = name  # the stream's (for messages)
         self.new_bell()
 
     def new_bell(self) -> None:
@@ -246,12 +261,11 @@ class HostStreamImpl:
     so dropping the Stream is never blocked by its work.
     """
 
-    _count = 0
+    _numbers = itertools.count(1)  # (next() is atomic under the GIL: no two streams share one)
 
     def __init__(self, backend: "HostBackend", name: str | None = None):
-        HostStreamImpl._count += 1
-        self.name = name or f"sharedmem-host-stream-{HostStreamImpl._count}"
-        self._q = _Tasks()
+        self.name = name or f"sharedmem-host-stream-{next(HostStreamImpl._numbers)}"
+        self._q = _Tasks(self.name)
         self._state = {"fault": None}
         self._backend = backend
         self._closed = False
@@ -263,7 +277,7 @@ class HostStreamImpl:
                              name=self.name, daemon=True)
         t.start()
         self._worker = t
-        self._worker_ident = t.ident
+        self._worker_ident = self._q.worker = t.ident
         self._finalized = False  # (set by __del__: its worker was told to stop)
 
     def _after_fork_child(self) -> None:
@@ -323,7 +337,7 @@ class HostStreamImpl:
     def submit(self, fn, isolated=False) -> HostMarker:
         """Enqueue ``fn()``; returns its marker. Never blocks. ``isolated``: an exception of
         ``fn`` fails this task only (host kernels), instead of faulting the stream."""
-        m = HostMarker(isolated)
+        m = HostMarker(isolated, self._q)
         if self._finalized:
             self._revive()
         self._q.put((fn, m))
@@ -372,7 +386,7 @@ class HostStreamImpl:
             if not self._finalized:
                 return
             old = self._worker
-            q = self._q = _Tasks()
+            q = self._q = _Tasks(self.name)
             q.put((old.join, None))
             self._start_worker()
             weakref.finalize(self, q.put, None).atexit = False  # (exit: see _finish_at_exit)
@@ -383,7 +397,7 @@ def _noop():
     pass
 
 
-_revive_lock = threading.Lock()
+_revive_lock = fork_safe(threading.Lock())
 
 
 def _worker(q, state, backend) -> None:
