@@ -176,6 +176,12 @@ class Stream:
         raise SharedMemError(f"{self} was not entered in this thread or task: a `with stream:` "
                              f"block begins and ends in the same one")
 
+    def __copy__(self) -> Stream:
+        return self  # (one Stream per stream: leases compare streams by identity)
+
+    def __deepcopy__(self, memo) -> Stream:
+        return self
+
     def __repr__(self) -> str:
         kind = "owned" if self.owned else "borrowed"
         return f"<Stream {self.name or hex(self.handle)} on {self.device} ({kind})>"
@@ -241,6 +247,12 @@ class Event:
     def __init__(self, stream: Stream, marker: Any) -> None:
         self.stream = stream
         self._marker = marker
+
+    def __copy__(self) -> Event:
+        return self  # (a point in a stream's work: the same point)
+
+    def __deepcopy__(self, memo) -> Event:
+        return self
 
     def __repr__(self) -> str:
         try:

@@ -151,6 +151,12 @@ def test_streams_events_futures_refuse_with_advice(host):
                                             r"instead \(Buffer, Tensor and DeviceBox pickle"):
             pickle.dumps(obj)
     assert pickle.loads(pickle.dumps(host)) is host  # devices pickle by ordinal
+    # a copy of a stream or an event is itself (one Stream per stream), as a device's is
+    import copy
+    ev = s.record()
+    for obj in (s, host.default_stream, ev, host):
+        assert copy.copy(obj) is obj and copy.deepcopy(obj) is obj
+    assert copy.deepcopy({"stream": s, "x": [1]})["stream"] is s
     fut.result(5)
 
 

@@ -310,6 +310,7 @@ def test_an_event_after_a_fault_says_so_on_synchronize_as_on_query(host):
         ev.synchronize(5)
     with pytest.raises(sm.CompletionUnknownError, match=msg):
         ev.query()
-    with pytest.warns(sm.LeakWarning):
+    with pytest.warns(sm.LeakWarning) as warned:
         with pytest.raises(sm.CompletionUnknownError):
             fut.result(5)
+    assert [w.filename for w in warned] == [__file__]  # (the user's line, not sharedmem's)

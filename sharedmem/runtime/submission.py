@@ -24,7 +24,6 @@ retired submission kept is dropped after it (:func:`finish`), never under it.
 from __future__ import annotations
 
 import threading
-import warnings
 from functools import partial
 from threading import get_ident as _get_ident
 from time import monotonic as _monotonic
@@ -799,7 +798,7 @@ def raise_deferred() -> None:
         except IndexError:
             break
         log.warning("%s", msg)
-        warnings.warn(msg, LeakWarning, stacklevel=3)
+        warn_user(msg, LeakWarning)  # (attributed to the user's line, compiled or not)
     if rt.errors:
         try:
             e = rt.errors.popleft()
