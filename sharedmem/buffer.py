@@ -128,11 +128,13 @@ class Buffer(View):
     @property
     def dtype(self) -> np.dtype:
         """The element type (a NumPy dtype)."""
+        self._live_token()
         return self._dtype
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
+        self._live_token()
         return self._dtype.itemsize
 
     def __len__(self) -> int:
@@ -152,11 +154,13 @@ class Buffer(View):
     @property
     def strides(self) -> tuple[int]:
         """``(1,)``: strides in elements, as for a Tensor."""
+        self._live_token()
         return (1,)
 
     @property
     def byte_strides(self) -> tuple[int]:
         """``(itemsize,)``: a Buffer is contiguous."""
+        self._live_token()
         return (self._dtype.itemsize,)
 
     @property

@@ -49,7 +49,9 @@ _pool_lock = fork_safe(OwnedLock("the creation of a device's stream pool"))
 
 
 def pool_stream(device, avoid=None) -> Stream:
-    """A stream of ``device``'s pool (round robin), other than ``avoid``."""
+    """A stream of ``device``'s pool (round robin), other than ``avoid`` and not one that
+    captures a graph (work given to it would be recorded, not run); a new stream when every
+    pool stream is one of those."""
     with _pool_lock:
         pool = _pools.get(device.key)
         if pool is None:
@@ -59,9 +61,10 @@ def pool_stream(device, avoid=None) -> Stream:
         for _ in range(POOL_SIZE):
             i = _pool_next[device.key]
             _pool_next[device.key] = (i + 1) % POOL_SIZE
-            if pool[i] is not avoid:
-                return pool[i]
-    return pool[0]  # pragma: no cover - POOL_SIZE > 1
+            st = pool[i]
+            if st is not avoid and st._capture is None:
+                return st
+    return device.create_stream("sharedmem-pool-extra")
 
 
 class DeviceOp(Generic[_T_co]):

@@ -73,6 +73,18 @@ def _shape(shape) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _check_strides(strides) -> tuple[int, ...]:
+    """Strides as given (elements), checked as ``_shape`` checks a shape."""
+    bad = isinstance(strides, (str, bytes)) or not hasattr(strides, "__iter__")
+    out = () if bad else tuple(strides)
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            bad = True
+    if bad:
+        raise TypeError(f"strides must be a sequence of ints (elements), got {strides!r}")
+    return tuple(int(s) for s in out)
+
+
 # shape as given -> (shape, C strides, size); lock-free (idempotent writes). C globals where
 # compiled: no module dict lookups.
 _layouts = cython.declare(dict, {})
@@ -192,7 +204,7 @@ class Tensor(View):
             tok = b._move_token("tensor", "Tensor")
             return new_tensor(tok, dtype, shape, strides, tok.start, size, 1)
         shape = _shape(shape)
-        strides = tuple(int(s) for s in strides)
+        strides = _check_strides(strides)
         if len(strides) != len(shape):
             raise LayoutError(f"strides {strides} do not match shape {shape}")
         if any(s < 0 for s in strides):
@@ -263,16 +275,19 @@ class Tensor(View):
     @property
     def dtype(self) -> np.dtype:
         """The element type (a NumPy dtype)."""
+        self._live_token()
         return self._dtype
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
+        self._live_token()
         return self._dtype.itemsize
 
     @property
     def ndim(self) -> int:
         """Number of dimensions."""
+        self._live_token()
         return len(self._shape)
 
     @property
@@ -407,7 +422,9 @@ class Tensor(View):
             raise TypeError(f"Tensor indexing takes an int or a slice of the first axis, got "
                             f"{type(key).__name__}; copy to the host (to_host()) for other "
                             f"indexing")
-        offset = self._offset + (start * self._strides[0] * isz if n else 0)
+        # (an empty result stays at this tensor's element 0: a start past the end would put
+        # its pointer, and its token, outside the allocation)
+        offset = self._offset if 0 in shape else self._offset + start * self._strides[0] * isz
         lo, hi = extent(shape, strides)
         t = tok.allocation.new_token("tensor view", offset + lo * isz, offset + hi * isz,
                                      tok.writable, tok.keep, source=self)

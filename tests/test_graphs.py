@@ -274,3 +274,99 @@ def test_launch_escaping_a_capture_warns(host):
     np.testing.assert_array_equal(x.to_host(), [0, 0, 0, 0])  # captured, not run
     g.replay(stream=s1).result()
     np.testing.assert_array_equal(x.to_host(), [2, 2, 2, 2])
+
+
+def test_a_graph_cannot_be_released_while_it_is_captured(host):
+    # (what was captured so far would replay without the memory it needs)
+    s = host.create_stream("cap")
+    a = sm.Buffer.zeros(16, "int64", device=host, stream=s)
+    s.synchronize()
+    with sm.capture(s) as g:
+        sm.launch(inc, 1, 1, sm.Out(a), stream=s)
+        with pytest.raises(sm.CaptureError, match=rf"^graph #{g.id} is being captured; release it "
+                                                  rf"after the capture ends$"):
+            g.release()
+    assert a.allocation.live_views == 2  # the graph's alias, kept
+    with pytest.raises(sm.AliasError, match=rf"graph #{g.id}"):
+        sm.Tensor.from_buffer(a, (4, 4))
+    g.replay(s).result(5)
+    np.testing.assert_array_equal(a.to_host(), np.ones(16))
+    g.release()
+    assert a.allocation.live_views == 1
+
+
+def test_a_graph_that_writes_bytes_it_first_read_read_only_holds_a_writable_alias(host):
+    s = host.create_stream("cap")
+    buf = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    s.synchronize()
+    ro = buf.as_readonly()
+
+    @sm.host_kernel
+    def read(x):
+        pass
+
+    with sm.capture(s) as g:
+        sm.launch(read, 1, 1, sm.In(ro), stream=s)  # the range's first use: a read-only view
+        sm.launch(inc, 1, 1, sm.Out(buf), stream=s)  # then written
+    buf.release()
+    # a read-only move of bytes the graph writes is refused, as in the other order
+    with pytest.raises(sm.AliasError, match=rf"graph #{g.id}"):
+        sm.Tensor.from_buffer(ro, (2, 2))
+    g.release()
+    t = sm.Tensor.from_buffer(ro, (2, 2))
+    assert t.readonly
+
+
+def test_submissions_without_a_stream_are_never_captured_by_another_threads_graph(host):
+    x = sm.Buffer.zeros(1, "int64", device=host)
+    y = sm.Buffer.zeros(1, "int64", device=host)
+    host.default_stream.synchronize()
+    op = sm.op(inc, 1, 1, sm.Out(x))
+    # a pool stream that another thread captures on is skipped by op.submit() (its work would
+    # be recorded); in the capturing thread, op.submit() is captured (the current stream)
+    p = op.submit().stream
+    began, done, graphs = threading.Event(), threading.Event(), []
+
+    def capture_on_p():
+        with sm.capture(p) as g:
+            graphs.append(g)
+            op.submit()
+            began.set()
+            done.wait(5)
+    t = threading.Thread(target=capture_on_p)
+    t.start()
+    began.wait(5)
+    try:
+        assert all(op.submit().stream is not p for _ in range(8))
+    finally:
+        done.set()
+        t.join()
+    assert graphs[0].launches == 1
+    graphs[0].release()
+    # sm.graph captures on a stream of its own: no op.submit() of another thread lands in it
+    chain = sm.op(inc, 1, 1, sm.Out(y))
+    for _ in range(50):
+        chain = chain.and_then(sm.op(inc, 1, 1, sm.Out(y)))
+    stop = threading.Event()
+
+    def capturer():
+        while not stop.is_set():
+            sm.graph(chain).release()
+    t = threading.Thread(target=capturer)
+    t.start()
+    try:
+        futures = [op.submit() for _ in range(300)]
+    finally:
+        stop.set()
+        t.join()
+    assert all(f.stream is not None for f in futures)  # (a captured submission has none)
+    sm.synchronize()
+    assert x.to_host()[0] == 1 + 8 + 300
+    assert y.to_host()[0] == 0  # (the graphs were captured, never replayed)
+
+
+def test_graph_of_something_else_than_an_op_is_a_type_error(host):
+    with pytest.raises(TypeError, match=r"^sm.graph takes a DeviceOp \(sm.op\(...\), and_then, "
+                                        r"zip\), got function; to capture launches, use `with "
+                                        r"sm.capture\(stream\)`$"):
+        sm.graph(lambda: None)

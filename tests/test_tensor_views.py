@@ -140,3 +140,37 @@ def test_copy_strided_fake_cuda(fake):  # noqa: F811
     e = c[2:5].copy()
     np.testing.assert_array_equal(e.to_host(), a.T[2:5])
     sm.synchronize()
+
+
+def test_an_empty_slice_stays_inside_its_allocation():
+    buf = sm.Buffer.from_host(np.arange(18, dtype=np.int32), device=sm.Device.host())
+    t = sm.Tensor.from_buffer(buf, (4, 3), strides=(5, 1))  # reaches element 17, the last
+    for e in (t[4:], t[9:], t[2:2], t[3:1]):
+        assert e.shape[0] == 0 and e.shape[1:] == (3,)
+        assert e.ptr == t.ptr and e._token.start == e._token.stop == t._token.start
+        assert e.to_host().shape == e.shape and e.copy().shape == e.shape
+    assert t[3:].ptr == t.ptr + 3 * 5 * 4  # (a non-empty slice: where its first row is)
+
+
+def test_moved_views_answer_no_property():
+    b = sm.Buffer.zeros(4, "float32", device=sm.Device.host())
+    t = sm.Tensor.from_buffer(b, (2, 2))
+    for name in ("dtype", "itemsize", "strides", "byte_strides", "shape", "size"):
+        with pytest.raises(MovedError):
+            getattr(b, name)
+    b2 = t.into_buffer()
+    for name in ("dtype", "itemsize", "ndim", "strides", "byte_strides", "shape", "size"):
+        with pytest.raises(MovedError):
+            getattr(t, name)
+    assert b2.dtype == np.float32 and b2.itemsize == 4
+
+
+def test_strides_are_checked_as_a_shape_is():
+    b = sm.Buffer.zeros(8, "float32", device=sm.Device.host())
+    for bad in ((1.7, 1), (True, 1), "ab", 3, (None, 1)):
+        with pytest.raises(TypeError, match=r"^strides must be a sequence of ints \(elements\), "
+                                            r"got "):
+            sm.Tensor.from_buffer(b, (2, 2), strides=bad)
+        assert b.is_live  # (a refused move leaves the source as it was)
+    t = sm.Tensor.from_buffer(b, (2, 2), strides=(np.int64(4), 1))
+    assert t.strides == (4, 1)

@@ -819,10 +819,16 @@ class CudaBackend:
         return impl
 
     def end_capture(self, impl: CudaStreamImpl):
-        """``(CUgraph, CUgraphExec, native exec handle)`` of the capture on ``impl``."""
+        """The CUgraph captured on ``impl`` (caller holds core_lock: a launch of another
+        thread is either in the capture or after it, never enqueued into it after its end)."""
         self.ensure_context()
         impl.capturing = False
-        graph = check(cu.cuStreamEndCapture(impl.cu_stream), "cuStreamEndCapture")
+        return check(cu.cuStreamEndCapture(impl.cu_stream), "cuStreamEndCapture")
+
+    def instantiate_graph(self, graph):
+        """``(CUgraph, CUgraphExec, native exec handle)`` of a captured graph (no lock held:
+        instantiation can take long)."""
+        self.ensure_context()
         try:
             exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         except Exception:

@@ -269,6 +269,7 @@ class HostStreamImpl:
         self._state = {"fault": None}
         self._backend = backend
         self._closed = False
+        self.recording = None  # while capturing: the tasks recorded (see begin_capture)
         self._start_worker()
         _impls.add(self)
 
@@ -336,7 +337,12 @@ class HostStreamImpl:
 
     def submit(self, fn, isolated=False) -> HostMarker:
         """Enqueue ``fn()``; returns its marker. Never blocks. ``isolated``: an exception of
-        ``fn`` fails this task only (host kernels), instead of faulting the stream."""
+        ``fn`` fails this task only (host kernels), instead of faulting the stream. While the
+        stream captures a graph, ``fn`` is recorded instead (see ``begin_capture``)."""
+        rec = self.recording
+        if rec is not None:
+            rec.append(fn)
+            return COMPLETE
         m = HostMarker(isolated, self._q)
         if self._finalized:
             self._revive()
@@ -350,6 +356,10 @@ class HostStreamImpl:
     def wait_marker(self, marker: HostMarker) -> None:
         """Make later tasks wait for ``marker`` (a failed marker faults this
         stream too: what it waited for is unknown)."""
+        if self.recording is not None:  # pragma: no cover - captures make no waits
+            from ..errors import CaptureError
+            raise CaptureError("a capturing stream cannot wait for work outside the capture")
+
         def _wait():
             marker.wait()
             if marker.error is not None:
@@ -360,6 +370,9 @@ class HostStreamImpl:
         self._q.put((_wait, None))
 
     def synchronize(self) -> None:
+        if self.recording is not None:
+            from ..errors import CaptureError
+            raise CaptureError("a capturing stream cannot be synchronized")
         m = self.submit(_noop)
         m.wait()
 
@@ -449,43 +462,6 @@ def _worker(q, state, backend) -> None:
             hook = backend.on_progress
             if hook is not None:
                 hook()
-
-
-class _CapturingImpl:
-    """Stands in for a host stream while it captures: tasks are recorded."""
-
-    __slots__ = ("_rec", "handle", "name")
-    fault = None
-    throttle = None  # recording queues nothing
-
-    def __init__(self, rec, real):
-        self._rec = rec
-        self.handle = real.handle
-        self.name = real.name
-
-    def submit(self, fn, isolated=False):
-        self._rec.tasks.append(fn)
-        return COMPLETE
-
-    def submit_marker(self):
-        return self.submit(_noop)
-
-    def wait_marker(self, marker) -> None:  # pragma: no cover - captures make no waits
-        from ..errors import CaptureError
-        raise CaptureError("a capturing stream cannot wait for work outside the capture")
-
-    def synchronize(self) -> None:
-        from ..errors import CaptureError
-        raise CaptureError("a capturing stream cannot be synchronized")
-
-
-class _HostRecorder:
-    __slots__ = ("real", "impl", "tasks")
-
-    def __init__(self, real):
-        self.real = real
-        self.tasks = []
-        self.impl = _CapturingImpl(self, real)
 
 
 _impls = weakref.WeakSet()  # every host stream's impl (fork restarts their workers)
@@ -609,11 +585,18 @@ class HostBackend:
 
     # Graphs: a capture records the tasks submitted to the stream; a replay
     # submits them again, in order, to the replaying stream.
-    def begin_capture(self, impl: HostStreamImpl) -> "_HostRecorder":
-        return _HostRecorder(impl)
+    def begin_capture(self, impl: HostStreamImpl) -> HostStreamImpl:
+        """From here on ``impl`` records what is submitted to it (caller holds core_lock,
+        as for ``end_capture``: the tasks of one submission are all recorded or all run)."""
+        impl.recording = []
+        return impl
 
-    def end_capture(self, recorder: "_HostRecorder") -> tuple:
-        return tuple(recorder.tasks)
+    def end_capture(self, impl: HostStreamImpl) -> tuple:
+        tasks, impl.recording = impl.recording, None
+        return tuple(tasks)
+
+    def instantiate_graph(self, tasks: tuple) -> tuple:
+        return tasks
 
     def launch_graph(self, tasks: tuple, impl: HostStreamImpl) -> HostMarker:
         for fn in tasks:

@@ -127,8 +127,11 @@ class Graph:
                 own = _add_locked(ViewToken(tok.allocation, kind, tok.start, tok.stop,
                                             tok.writable, tok.keep))
                 self._uses[key] = [own, writes]
-            elif writes:
-                entry[1] = True
+            else:
+                if writes:
+                    entry[1] = True
+                if tok.writable:  # a later use through a writable view: as writable an alias
+                    entry[0].writable = True  # (guarded by core_lock, as every token's fields)
         self._keep.extend(keep)
         self.launches += 1
         sub = _sub.Submission(None, 0, COMPLETE, None, None,
@@ -166,10 +169,14 @@ class Graph:
     def release(self) -> None:
         """Give back the graph's view tokens now: captured memory can be moved
         again. Replays in flight keep their own leases; the backend graph is
-        destroyed once none is left. Idempotent."""
+        destroyed once none is left. Idempotent. CaptureError while it is being captured
+        (what is captured so far would run without the memory it needs)."""
         with self._lock:
             if self._state == "released":
                 return
+            if self._state == "capturing":
+                raise CaptureError(f"graph #{self.id} is being captured; release it after the "
+                                   f"capture ends")
             if self._state != "failed":  # a failed capture keeps saying so
                 self._state = "released"
             self._replay = None  # (first: replay() refuses from here on, whatever follows)
@@ -229,9 +236,6 @@ class capture:
             g._recorder = s.device.backend.begin_capture(s._impl)
             s._capture = g
             RUNTIME.captures += 1
-            swap = getattr(g._recorder, "impl", None)
-            if swap is not None:  # host backend: the stream records instead of running
-                s._impl = swap
         self.graph = g
         mine = getattr(CAPTURING, "streams", None)
         if mine is None:
@@ -246,15 +250,20 @@ class capture:
         s, g = self.stream, self.graph
         s.__exit__(exc_type, exc, tb)
         CAPTURING.streams.remove(s)
-        with locked():
+        backend = s.device.backend
+        ended = None
+        with locked():  # (the capture ends with the stream's: no launch of another thread
+            try:        # is enqueued into it after its end, none runs while _capture is set)
+                captured = backend.end_capture(g._recorder)
+            except Exception as e:
+                ended = e
             s._capture = None
             RUNTIME.captures -= 1
-            real = getattr(g._recorder, "real", None)
-            if real is not None:
-                s._impl = real
-        recorder, g._recorder = g._recorder, None
+            g._recorder = None
         try:
-            exec_ = s.device.backend.end_capture(recorder)
+            if ended is not None:
+                raise ended
+            exec_ = backend.instantiate_graph(captured)
         except Exception as e:
             with g._lock:
                 g._state = "failed"
@@ -282,10 +291,17 @@ class capture:
 
 def graph(op: DeviceOp[Any], stream: Stream | None = None) -> Graph:
     """Capture an op chain (``sm.op(...).and_then(...)``) into a Graph.
-    ``stream``: the capturing stream (default: one of the device's pool)."""
+    ``stream``: the capturing stream (default: a new stream of the op's device, so that no
+    other thread's work is captured with it)."""
     from ..device import default_device
-    from ..ops import pool_stream
-    s = stream if stream is not None else pool_stream(op._device() or default_device())
+    from ..ops import DeviceOp
+    if not isinstance(op, DeviceOp):
+        raise TypeError(f"sm.graph takes a DeviceOp (sm.op(...), and_then, zip), got "
+                        f"{type(op).__name__}; to capture launches, use `with sm.capture(stream)`")
+    if stream is None:
+        s = (op._device() or default_device()).create_stream("sharedmem-graph")
+    else:
+        s = stream if isinstance(stream, Stream) else Stream.from_external(stream)
     with capture(s) as g:
         op._submit_on(s)
     return g
