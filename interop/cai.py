@@ -28,7 +28,7 @@ except ImportError:  # interpreted, without Cython installed
     from sharedmem import _cython as cython
 
 from sharedmem.allocation import View, import_allocation
-from sharedmem.buffer import Buffer
+from sharedmem.buffer import Buffer, as_dtype
 from sharedmem.device import Device
 from sharedmem.runtime.state import OwnedLock, fork_safe
 from sharedmem.runtime.submission import object_export_hold
@@ -144,8 +144,7 @@ def from_cuda_array_interface(obj, *, stream=None):
         ptr, readonly = desc["data"]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed __cuda_array_interface__: {e}") from None
-    if dtype.hasobject or dtype.fields is not None:
-        raise TypeError(f"dtype {dtype} is not supported")
+    dtype = as_dtype(dtype)  # (TypeError for what device memory cannot hold, as everywhere)
     isz = dtype.itemsize
     raw = desc.get("strides")
     if raw is None:
@@ -174,7 +173,10 @@ def from_cuda_array_interface(obj, *, stream=None):
     s = resolve_stream(stream, dev)
     producer = desc.get("stream")
     if producer is not None and version >= 3:
-        if producer == 0 or isinstance(producer, bool) or not isinstance(producer, int):
+        if isinstance(producer, bool) or not isinstance(producer, int):
+            raise TypeError(f"__cuda_array_interface__ stream must be an int or None, got "
+                            f"{type(producer).__name__}")
+        if producer <= 0:
             raise ValueError(f"__cuda_array_interface__ stream {producer!r} is not valid (0 is "
                              f"disallowed by the protocol)")
         s._impl.wait_marker(dev.backend.marker_on_handle(producer))

@@ -95,8 +95,13 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
             raise AliasError("cannot adopt a torch tensor whose storage other tensors (views) "
                              "share; drop them first, or copy.", ("torch storage",))
     elif getattr(obj, "base", None) is not None:
+        base = obj.base
+        if not hasattr(base, "shape"):  # (np.frombuffer of bytes, an mmap...)
+            raise AliasError(f"cannot adopt a {name} over memory a {type(base).__name__} "
+                             f"owns: that object still reaches it. Copy it instead.",
+                             (f"{type(base).__name__} owning the memory",))
         raise AliasError(f"cannot adopt a view of another {name} (shape "
-                         f"{tuple(obj.base.shape)}): the base still owns the memory. Adopt the "
+                         f"{tuple(base.shape)}): the base still owns the memory. Adopt the "
                          f"base array, or copy.", (f"{name} base array",))
     if extra > 0:
         raise AliasError(

@@ -206,6 +206,8 @@ class Buffer(View):
             raise TypeError(f"Buffer indexing takes a slice (buf[a:b]), got {type(key).__name__}; "
                             f"use to_host() to read elements")
         tok = self._live_token()
+        if key.step == 0:  # (slice.indices would raise a plain ValueError)
+            raise LayoutError("Buffer slices must be contiguous (step 1), got step 0")
         start, stop, step = key.indices(self._length)
         if step != 1:
             raise LayoutError(f"Buffer slices must be contiguous (step 1), got step {step}")
@@ -353,8 +355,12 @@ def _on(stream, device) -> bool:
 
 
 def _length(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"a buffer length must be an int >= 0, got {n!r}")
+    """A buffer length as given, checked as a tensor's shape is: TypeError for what is not an
+    int, LayoutError (a ValueError) for a negative one."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"a buffer length must be an int >= 0, got {n!r}")
+    if n < 0:
+        raise LayoutError(f"a buffer length must be an int >= 0, got {n!r}")
     return int(n)
 
 

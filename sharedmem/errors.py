@@ -13,6 +13,7 @@ __all__ = [
     "AliasError",
     "AccessConflictError",
     "DeviceMismatchError",
+    "PeerAccessError",
     "CompletionUnknownError",
     "BackendUnavailableError",
     "KernelError",

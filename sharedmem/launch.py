@@ -195,11 +195,11 @@ class KernelPlan(Work):
         last = self._last
         if last[0] is grid and last[1] is block and last[2] is shared_mem:
             return last[3]
-        key = (grid, block, shared_mem)
-        try:
-            config = self._configs.get(key)
-        except TypeError:  # unhashable: validated (and refused) below
+        if not (_plain_dims(grid) and _plain_dims(block) and type(shared_mem) is int):
+            # (validated, never looked up: True == 1 and 2.0 == 2 would find another's config)
             return self.make_config(grid, block, shared_mem)
+        key = (grid, block, shared_mem)
+        config = self._configs.get(key)
         if config is None:
             config = self.make_config(grid, block, shared_mem)
             if len(self._configs) < 256:
@@ -372,14 +372,29 @@ def _new_plan(adapter, kernel, device):
 
 
 # -- validation helpers ------------------------------------------------------------------
+def _plain_dims(value) -> bool:
+    """Whether grid or block ``value`` is None, an int or a tuple of ints (exactly those
+    types: a key of ``KernelPlan._configs`` compares equal only to the same dims)."""
+    if value is None or type(value) is int:
+        return True
+    if type(value) is not tuple:
+        return False
+    for d in value:
+        if type(d) is not int:
+            return False
+    return True
+
+
 def check_dims(value, what, allow_none=False, limits=None):
     """``value`` as a tuple of 1 to 3 positive ints, each within ``limits`` (a 3-tuple of
     maxima, when given); KernelError naming ``what`` otherwise."""
     if value is None and allow_none:
         return None
-    dims = (value,) if type(value) is int else value
+    dims = (value,) if type(value) is int or isinstance(value, np.integer) else value
     ok = type(dims) is tuple and 1 <= len(dims) <= 3
     if ok:
+        if any(isinstance(d, np.integer) for d in dims):
+            dims = tuple(int(d) if isinstance(d, np.integer) else d for d in dims)
         for d in dims:
             if type(d) is not int or d < 1:
                 ok = False
@@ -397,6 +412,8 @@ def check_dims(value, what, allow_none=False, limits=None):
 
 def check_shared_mem(shared_mem, limit=None) -> int:
     """``shared_mem`` as a validated int (bytes of dynamic shared memory)."""
+    if isinstance(shared_mem, np.integer):
+        shared_mem = int(shared_mem)
     if type(shared_mem) is not int or shared_mem < 0:
         raise KernelError(f"shared_mem must be an int >= 0, got {shared_mem!r}")
     if limit is not None and shared_mem > limit:

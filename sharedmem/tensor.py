@@ -304,7 +304,7 @@ class Tensor(View):
     def is_contiguous(self) -> bool:
         """True for a C-order dense layout (sizes-1 dimensions ignored)."""
         self._live_token()
-        return self._contiguous
+        return bool(self._contiguous)  # (interpreted, the field holds 0 or 1)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -403,6 +403,9 @@ class Tensor(View):
         if type(key) is tuple and len(key) == 1:
             key = key[0]  # t[i,] as t[i]
         if isinstance(key, slice):
+            if key.step == 0:  # (slice.indices would raise a plain ValueError)
+                raise LayoutError("tensor slices take a positive step (strides stay "
+                                  "non-negative), got step 0")
             start, stop, step = key.indices(n)
             if step <= 0:
                 raise LayoutError(f"tensor slices take a positive step (strides stay "

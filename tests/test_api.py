@@ -93,8 +93,15 @@ def test_moved_and_released_handles_keep_nothing_alive(host):
 def test_dtype_and_length_errors(host):
     with pytest.raises(TypeError, match="cannot live in device memory"):
         sm.Buffer.empty(3, object, device=host)
-    with pytest.raises(ValueError, match=r"^a buffer length must be an int >= 0, got -1$"):
+    with pytest.raises(sm.LayoutError, match=r"^a buffer length must be an int >= 0, got -1$"):
         sm.Buffer.empty(-1, device=host)
+    for bad in (2.0, True, "3", None):
+        with pytest.raises(TypeError, match=r"^a buffer length must be an int >= 0, got "):
+            sm.Buffer.empty(bad, device=host)
+    t = sm.Tensor.empty((2, 2), device=host)
+    assert t.is_contiguous() is True and t[::2].is_contiguous() is True
+    b2 = sm.Buffer.zeros(8, device=host)
+    assert sm.Tensor.from_buffer(b2, (2, 2), strides=(4, 1)).is_contiguous() is False
     with pytest.raises(sm.LayoutError, match="copy_from needs 3 elements, got an array of 2"):
         sm.Buffer.empty(3, device=host).copy_from(np.zeros(2))
     b = sm.Buffer.zeros(8, device=host)

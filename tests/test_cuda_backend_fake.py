@@ -137,6 +137,32 @@ def test_synchronize_of_a_borrowed_stream_waits_for_its_owners_work_too(fake):
     assert not any(c[0] == "stream_sync" for c in drv.calls[n:])
 
 
+
+def test_cai_import_refuses_what_device_memory_cannot_hold_and_bad_streams(fake, monkeypatch):
+    import sharedmem.device as sm_device
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
+    b = sm.Buffer.from_host(np.arange(4, dtype="f4"), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes  # (what cuPointerGetAttribute knows)
+
+    class Producer:
+        def __init__(self, **kw):
+            self.__cuda_array_interface__ = {"shape": (2,), "typestr": "<f4",
+                                             "data": (b.ptr, False), "version": 3, **kw}
+    np.testing.assert_array_equal(sm.from_cuda_array_interface(Producer()).to_host(), [0, 1])
+    for typestr, why in ((">f4", "is not in native byte order"), ("<U1", "cannot live in device"),
+                         ("<M8[s]", "cannot live in device")):
+        with pytest.raises(TypeError, match=why):
+            sm.from_cuda_array_interface(Producer(typestr=typestr))
+    with pytest.raises(TypeError, match=r"^__cuda_array_interface__ stream must be an int or "
+                                        r"None, got str$"):
+        sm.from_cuda_array_interface(Producer(stream="x"))
+    with pytest.raises(ValueError, match=r"stream 0 is not valid \(0 is disallowed"):
+        sm.from_cuda_array_interface(Producer(stream=0))
+    sm.synchronize()
+    assert b.allocation.live_views == 1  # (nothing refused was left imported)
+
+
 def test_graph_capture_and_replay(fake):
     dev, drv = fake
     s = dev.create_stream("capture")

@@ -132,6 +132,10 @@ def test_adopt_takes_the_memory_over(host):
         sm.adopt(base[2:])
     with pytest.raises(sm.AliasError, match=r"^cannot adopt a builtins\.list: sharedmem can show"):
         sm.adopt([1, 2])
+    # an array over memory an object that is not an array owns (bytes, an mmap)
+    with pytest.raises(sm.AliasError, match=r"^cannot adopt a numpy\.ndarray over memory a bytes "
+                                            r"owns: that object still reaches it\. Copy it"):
+        sm.adopt(np.frombuffer(b"abcdefgh", "u1"))
     # objects of the array libraries that are not arrays: refused the same way
     for obj, name in ((np.float64(1), r"numpy\.float64"), (np.dtype("f4"), r"numpy\.\S*Float32DType")):
         with pytest.raises(sm.AliasError, match=rf"^cannot adopt a {name}: sharedmem can show"):

@@ -59,6 +59,10 @@ def test_validation_failures_take_no_leases(host):
         sm.launch(saxpy, 1, 1, b, stream=s, policy="fifo")
     with pytest.raises(sm.KernelError, match="shared_mem must be an int >= 0"):
         sm.launch(saxpy, 1, 1, b, stream=s, shared_mem=-1)
+    for bad in (True, 2.0, [2], (1, 1, 1, 1), np.int64(0)):
+        with pytest.raises(sm.KernelError, match=r"^grid must be a positive int or a tuple of 1 "
+                                                 r"to 3 positive ints, got "):
+            sm.launch(saxpy, bad, 1, b, stream=s)
     released = b[0:1]
     released.release()
     with pytest.raises(sm.ReleasedError):
@@ -245,3 +249,14 @@ def test_launch_is_the_same_function_on_either_path(host):
         sm.launch(fill, 1)
     sm.launch(fill, (1,), 1, sm.Out(b), 2.0, stream=None, shared_mem=0, policy="reject").result()
     np.testing.assert_array_equal(b.to_host(), np.full(4, 2.0))
+
+
+
+def test_grid_block_and_shared_memory_take_numpy_ints(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    seen = []
+    k = sm.host_kernel(lambda x: seen.append(1))
+    sm.launch(k, np.int64(2), np.int32(1), b, stream=s, shared_mem=np.uint16(0)).result(5)
+    sm.launch(k, (np.int64(1), 2), (np.int8(1),), b, stream=s).result(5)
+    assert seen == [1, 1]

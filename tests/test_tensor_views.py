@@ -174,3 +174,14 @@ def test_strides_are_checked_as_a_shape_is():
         assert b.is_live  # (a refused move leaves the source as it was)
     t = sm.Tensor.from_buffer(b, (2, 2), strides=(np.int64(4), 1))
     assert t.strides == (4, 1)
+
+
+
+def test_a_zero_step_is_a_layout_error():
+    b = sm.Buffer.zeros(8, "float32", device=sm.Device.host())
+    with pytest.raises(LayoutError, match=r"^Buffer slices must be contiguous \(step 1\), got "
+                                          r"step 0$"):
+        b[::0]
+    t = sm.Tensor.from_buffer(b, (2, 4))
+    with pytest.raises(LayoutError, match=r"^tensor slices take a positive step .*got step 0$"):
+        t[::0]
