@@ -89,8 +89,10 @@ def cai_layout(view, read_only: bool) -> dict:
         dt = b._dtype
         shape = (b._length,)
         strides = None
-    return {"shape": shape, "typestr": typestr(dt), "data": (tok.allocation.ptr + view._offset,
-            read_only), "strides": strides, "version": 3}
+    # (a zero-size array's pointer is 0, as the protocol asks)
+    ptr = tok.allocation.ptr + view._offset if tok.stop > tok.start else 0
+    return {"shape": shape, "typestr": typestr(dt), "data": (ptr, read_only), "strides": strides,
+            "version": 3}
 
 
 #: The kind of a CAI export's hold, as AliasError messages name it.

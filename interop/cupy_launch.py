@@ -137,6 +137,9 @@ class Param:
         return f"parameter {self.name!r} ({self.ctype})"
 
 
+_COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
 def _split_params(text):
     out, depth, cur = [], 0, []
     for ch in text:
@@ -159,6 +162,9 @@ def param_types(code, name):
     ``code``, or None where it cannot be read (no source, a template, a mangled name)."""
     if not code or not name or not re.fullmatch(r"[A-Za-z_]\w*", name):
         return None
+    # comments out first: one in a parameter list would be read as a type or a name, and a
+    # kernel commented out would be found before the real one
+    code = _COMMENTS.sub(" ", code)
     m = re.search(r"__global__[^;{]*?\b" + re.escape(name) + r"\s*\(", code)
     if m is None:
         return None
@@ -426,6 +432,11 @@ class RawKernelPlan(KernelPlan):
                 _emit_address(out, par, la.token.allocation.ptr + la.offset)
                 p += 1
                 if la.with_length:
+                    if not _dense(v):  # (the kernel takes a pointer and a count of elements)
+                        raise KernelError(f"argument {i}: with_length=True needs a contiguous "
+                                          f"array (a pointer and a count of consecutive "
+                                          f"elements), got a strided {type(v).__name__}; "
+                                          f"pass a contiguous copy (tensor.contiguous())")
                     lp = params[p]
                     length = v.size  # elements (a Buffer's length)
                     if lp.kind in "iu":
@@ -528,6 +539,23 @@ class LaunchConfig:
         self.gx, self.gy, self.gz = g
         self.bx, self.by, self.bz = b
         self.shm = shm
+
+
+def _dense(v) -> bool:
+    """Whether array ``v`` (a view or a CuPy array) holds its elements one after another."""
+    if isinstance(v, Buffer):
+        return True
+    if isinstance(v, Tensor):
+        return v.is_contiguous()
+    flags = getattr(v, "flags", None)
+    if flags is not None:
+        return bool(flags.c_contiguous)
+    step = v.itemsize
+    for n, st in zip(reversed(v.shape), reversed(v.strides)):
+        if n != 1 and st != step:
+            return False
+        step *= n
+    return True
 
 
 def _emit(out, par, v):
@@ -683,7 +711,11 @@ def _learn(arr):
     dev = Device(arr.device.id)
     alloc, lo, hi = _allocation_of(arr, dev)
     export = export_token(arr)
-    writable = export.writable if export is not None else True
+    if export is not None:
+        writable = export.writable
+    else:  # cupy.asarray of a view (its CAI): CuPy's memory names the view as its owner
+        owner = getattr(arr.data.mem, "_owner", None)
+        writable = owner._token.writable if isinstance(owner, View) else True
     f = ArrayFacts()
     f.token = ViewToken(alloc, "CuPy array argument", lo, hi, writable, alloc)
     f.token.live = True  # a lease's range: never a live view (not in the allocation's views)

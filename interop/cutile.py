@@ -379,8 +379,18 @@ class TilePlan(KernelPlan):
             elif type(a) is LaunchArg:
                 j += 1
                 la = a
+                if la.with_length:
+                    raise KernelError(f"argument {i}: with_length=True is for CuPy kernels "
+                                      f"(a pointer and a length); a cuTile kernel takes the "
+                                      f"array itself, with its shape")
                 if la.view is None:
-                    out[i] = la.value  # a foreign array: cuTile reads it itself
+                    v = la.value  # a foreign array: cuTile reads it itself
+                    for st in getattr(v, "strides", ()):
+                        if st < 0:
+                            raise KernelError(f"argument {i}: a {type(v).__name__} with "
+                                              f"negative strides; cuTile assumes strides >= 0 "
+                                              f"-- pass a contiguous copy")
+                    out[i] = v
                     foreign = True
                 else:
                     out[i] = _view_descriptor(i, la.view, la._mode != 0)

@@ -43,6 +43,7 @@ import numpy as np
 
 from sharedmem.allocation import View, import_allocation
 from sharedmem.device import Device
+from sharedmem.errors import DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, submit
 from sharedmem.stream import Stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
@@ -270,7 +271,7 @@ def _export_hold(view, tok, stream, facts):
         raise ValueError("stream=0 is ambiguous in DLPack and not allowed; use 1 for the legacy "
                          "default stream, 2 for the per-thread default stream, -1 for no "
                          "synchronization, or a stream handle")
-    if stream < -1:
+    if stream < -1 or stream >= 1 << 64:
         raise ValueError(f"stream={stream} is not a valid stream handle")
     if stream == -1:  # the consumer orders itself, on a stream it does not name
         dev = tok.allocation.device
@@ -524,6 +525,13 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     handle_arg = None
     if s is not None and not isinstance(s, Stream):
         s = Stream.from_external(s)
+    if s is not None and hasattr(obj, "__dlpack_device__"):  # (before anything is imported)
+        kind, ordinal = obj.__dlpack_device__()
+        on_cuda = kind in (kDLCUDA, kDLCUDAManaged)
+        if (s.device.kind == "cuda") != on_cuda or (on_cuda and s.device.ordinal != ordinal):
+            raise DeviceMismatchError(f"from_dlpack: {s} is on {s.device}, the memory of "
+                                      f"{type(obj).__name__} on DLPack device "
+                                      f"{(int(kind), int(ordinal))}; use a stream of that device")
     if s is not None and s.device.kind == "cuda":
         handle_arg = s.handle or 1
     elif s is None and hasattr(obj, "__dlpack_device__") and \

@@ -118,10 +118,16 @@ class Stream:
             if st is not None:
                 return st
         from .device import Device, default_device
+        named = _device_named_by(obj)
+        if device is None and named is not None:
+            device = named
         dev = Device(device) if isinstance(device, int) else (device or default_device())
         if dev.kind != "cuda":
             raise DeviceMismatchError(
                 f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams")
+        if named is not None and named != dev.ordinal:
+            raise DeviceMismatchError(f"{obj!r} is a stream of CUDA device {named}, not of {dev}; "
+                                      f"use a stream of {dev}")
         impl = dev.backend.borrow_stream(obj)
         if impl.handle in (0, 1, 2):
             # 0: the legacy default stream; 1: CU_STREAM_LEGACY. 2, CU_STREAM_PER_THREAD (CuPy's
@@ -300,6 +306,24 @@ _by_handle_lock = fork_safe(threading.Lock())
 _entered_streams: "contextvars.ContextVar[tuple]" = contextvars.ContextVar(
     "sharedmem_entered_streams", default=())
 _entered = False  # True once any thread entered a stream (until then no lookup is needed)
+
+
+def _device_named_by(obj):
+    """The CUDA device a foreign stream object says it belongs to (CuPy's ``device_id``,
+    torch's ``device.index``, cuda.core's ``device.device_id``), or None where it says none
+    (a raw handle, CuPy's null stream: the current device's)."""
+    if isinstance(obj, int):
+        return None
+    try:
+        d = getattr(obj, "device_id", None)
+        if type(d) is not int:
+            dev = getattr(obj, "device", None)
+            d = getattr(dev, "index", None)
+            if type(d) is not int:
+                d = getattr(dev, "device_id", None)
+    except Exception:  # (a closed or odd stream object: nothing learned)
+        return None
+    return d if type(d) is int and d >= 0 else None
 
 
 def _names_its_stream(st) -> bool:

@@ -163,6 +163,20 @@ def test_cai_import_refuses_what_device_memory_cannot_hold_and_bad_streams(fake,
     assert b.allocation.live_views == 1  # (nothing refused was left imported)
 
 
+
+def test_protocol_edges_of_exports(fake):
+    dev, drv = fake
+    empty = sm.Tensor.empty((0, 3), "float32", device=dev)
+    cai = empty.__cuda_array_interface__
+    assert cai["data"] == (0, False) and cai["shape"] == (0, 3)  # (the protocol: 0 when empty)
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.float32), device=dev)
+    assert t.__cuda_array_interface__["data"][0] == t.ptr
+    for bad in (1 << 64, -2):
+        with pytest.raises(ValueError, match=rf"^stream={bad} is not a valid stream handle$"):
+            t.__dlpack__(stream=bad)
+    sm.synchronize()
+
+
 def test_graph_capture_and_replay(fake):
     dev, drv = fake
     s = dev.create_stream("capture")
@@ -270,6 +284,32 @@ def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
     got = out.to_host()
     np.testing.assert_array_equal(got[10:30], 2 * (0.5 * np.arange(10, 30, dtype=np.float32) + 1))
     np.testing.assert_array_equal(got[:10], 0.5 * np.arange(10, dtype=np.float32) + 1)
+    # a strided tensor has no "pointer and count of consecutive elements": refused, no lease
+    t = sm.Tensor.from_host(np.arange(8, dtype=np.float32), device=dev)
+    leased = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 0: with_length=True needs a contiguous "
+                                             r"array \(a pointer and a count of consecutive "
+                                             r"elements\), got a strided Tensor; pass a "
+                                             r"contiguous copy \(tensor.contiguous\(\)\)$"):
+        sm.launch(scale_len, 1, 32, sm.InOut(t[::2], with_length=True), 2.0)
+    assert sm.stats().submitted == leased
+    sm.launch(scale_len, 1, 32, sm.InOut(t[2:6], with_length=True), 2.0).result()
+    np.testing.assert_array_equal(t.to_host(), [0, 1, 4, 6, 8, 10, 6, 7])
+
+
+
+def test_kernel_parameter_types_are_read_past_comments():
+    from interop.cupy_launch import param_types
+    code = """
+    // extern "C" __global__ void k(float* old_version) { }   (commented out)
+    extern "C" __global__ void k(float* p,  // the output
+                                 long long n /* element count */,
+                                 /* a pointer */ const int* __restrict__ q,
+                                 double f)  // a factor
+    { /* body */ }
+    """
+    assert param_types(code, "k") == [("p", "float*", "p"), ("i", "long long", "n"),
+                                      ("p", "int*", "q"), ("f", "double", "f")]
 
 
 def test_floating_point_arguments_are_checked_before_anything_is_enqueued(fake, kernels):
@@ -624,6 +664,15 @@ def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkey
     gone.release()
     with pytest.raises(sm.ReleasedError, match=r"this Tensor \(allocation #\d+\) was released"):
         sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(gone), 1, stream=s)
+    with pytest.raises(sm.KernelError, match=r"^argument 2: with_length=True is for CuPy kernels"):
+        sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c, with_length=True), 1, stream=s)
+    rev, = _fake_cupy_arrays(monkeypatch, dev, n, 1)  # a CuPy array reversed: arr[::-1]
+    rev.strides = (-4,)
+    rev.data.ptr += 4 * (n - 1)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: a ndarray with negative strides; "
+                                             r"cuTile assumes strides >= 0"):
+        sm.launch(kern, (2,), None, sm.In(rev), sm.In(b), sm.Out(c), 1, stream=s)
+    assert sm.stats().in_flight == 0 and not c.allocation.tracker
     # a NumPy scalar is passed to cuTile as a Python scalar
     sm.launch(kern, 2, None, sm.In(a), sm.In(b), sm.Out(c), np.float32(2), stream=s).result()
     np.testing.assert_array_equal(c.to_host(), np.arange(n, dtype=np.float32) + 2)
@@ -793,6 +842,39 @@ def test_cupy_array_facts_are_found_again_and_forgotten_with_the_array(fake, ker
     del out
     gc_collect_harder()
     assert facts.dead and facts not in icl._facts.values() and facts not in icl.recent_facts()
+
+
+
+def test_a_cupy_array_over_a_read_only_view_is_not_written_by_a_launch(fake, kernels,
+                                                                        monkeypatch):
+    # cupy.asarray(view) reads the CAI and keeps the view as its memory's owner; the
+    # view's read-only flag holds for launches given the array, as for as_cupy's arrays
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 8
+    x, = _fake_cupy_arrays(monkeypatch, dev, n, 1)
+    t = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
+    ro = t.as_readonly()
+    cp = sys.modules["cupy"]
+
+    class Unowned:  # cupy.cuda.UnownedMemory(ptr, size, owner)
+        def __init__(self, ptr, size, owner):
+            self.ptr, self.size, self._owner = ptr, size, owner
+
+    def asarray(view):
+        arr = cp.ndarray.__new__(cp.ndarray)
+        arr.data = types.SimpleNamespace(ptr=view.ptr, mem=Unowned(view.ptr, view.nbytes, view))
+        arr.device = types.SimpleNamespace(id=dev.ordinal)
+        arr.size, arr.shape, arr.strides, arr.itemsize = n, (n,), (4,), 4
+        return arr
+    arr_ro, arr_rw = asarray(ro), asarray(t)
+    leased = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 3: Out\(.*\) would write through a "
+                                             r"read-only view"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(arr_ro), n)
+    assert sm.stats().submitted == leased
+    sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(arr_ro), sm.Out(arr_rw), n).result()
+    np.testing.assert_array_equal(t.to_host(), np.arange(n, dtype=np.float32))  # 0 + t
 
 
 def test_integer_scalars_are_range_checked_whatever_their_type(fake, kernels):

@@ -169,3 +169,37 @@ def test_cross_device_event_waits(two):
     assert drv.calls[-1] == ("wait", s1.handle, ev._marker.handle)
     with pytest.raises(sm.DeviceMismatchError, match="only CUDA devices wait on each other"):
         sm.Device.host().create_stream("h").wait(ev)
+
+
+def test_a_stream_of_another_device_is_refused_before_anything_is_imported(two, monkeypatch):
+    import sharedmem.device as sm_device
+    d0, d1, drv = two
+    for d in (d0, d1):
+        monkeypatch.setitem(sm_device._devices, ("cuda", d.ordinal), d)
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=d0)
+    sm.synchronize()
+    before = sm.stats()
+    for s, where in ((sm.Device.host().create_stream(), r"<Device host>"),
+                     (d1.create_stream(), r"<Device cuda:1 .*>")):
+        with pytest.raises(sm.DeviceMismatchError, match=rf"^from_dlpack: <Stream .*> is on "
+                                                         rf"{where}, the memory of Tensor on "
+                                                         rf"DLPack device \(2, 0\); use a stream"):
+            sm.from_dlpack(t, stream=s)
+        assert t.allocation.live_views == 1  # nothing imported, no hold
+    # a CuPy-style stream object names its device: borrowed there, refused elsewhere
+    class CupyStream:
+        def __init__(self, ptr, device_id):
+            self.ptr, self.device_id = ptr, device_id
+    st = sm.Stream.from_external(CupyStream(0x5511, 1))
+    assert st.device is d1
+    with pytest.raises(sm.DeviceMismatchError, match=r"is a stream of CUDA device 1, not of "
+                                                     r"<Device cuda:0"):
+        sm.Stream.from_external(CupyStream(0x5512, 1), d0)
+    with pytest.raises(sm.DeviceMismatchError):
+        sm.from_dlpack(t, stream=CupyStream(0x5513, 1))
+    u = sm.from_dlpack(t, stream=d0.create_stream())  # (the right device: imported)
+    assert u.allocation is t.allocation
+    del u
+    sm.synchronize()
+    after = sm.stats()
+    assert after.leaked == before.leaked
