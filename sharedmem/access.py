@@ -49,6 +49,9 @@ POLICIES = ("order", "reject")
 #: the marker made for it (recorded on the consumer's stream when the conflict is found) covers
 #: everything that stream has been given so far.
 HOLD_SEQ = 1 << 62
+#: Disjoint byte ranges one stream's unfinished reads (or writes) of an allocation are kept
+#: as, at the most; beyond, they merge into one (see _add_range).
+MAX_SPANS = 32
 
 
 def set_access_policy(policy: str) -> None:
@@ -146,21 +149,32 @@ def _any_done(entries: list, done) -> bool:
 
 
 def _add_range(entries: list, lo, hi, seq, marker, done) -> None:
-    """Record ``[lo, hi)`` as touched by submission ``seq``, merging every entry it overlaps or
-    touches (the merged entry carries the newest seq) and dropping finished ones (seq up to
-    ``done``). Invariant kept: the entries are disjoint (a union of connected intervals is
-    their hull, so one pass suffices)."""
+    """Record ``[lo, hi)`` as touched by submission ``seq`` (newer than every entry's),
+    dropping finished entries (seq up to ``done``). Invariant kept: the entries are disjoint.
+    What ``[lo, hi)`` covers of an older entry now belongs to ``seq`` (work on one stream
+    finishes in order: waiting for ``seq`` waits for the older one too); the older entry's
+    parts outside it keep their own seq, so work on another stream that uses only those
+    waits for no more than it must (chunk i of a buffer written, chunk i-1 read elsewhere).
+    Above MAX_SPANS entries they are merged into their hull, tagged ``seq``: conservative,
+    never a missed conflict, and the walks stay short."""
     keep = []
     for e in entries:
         if e.seq <= done:
             continue
-        if e.lo <= hi and lo <= e.hi:
+        if e.lo < hi and lo < e.hi:  # overlapped: its parts outside [lo, hi) stay its own
+            if e.lo < lo:
+                keep.append(_span(e.lo, lo, e.seq, e.marker))
+            if hi < e.hi:
+                keep.append(_span(hi, e.hi, e.seq, e.marker))
+        else:
+            keep.append(e)
+    if len(keep) >= MAX_SPANS:
+        for e in keep:
             if e.lo < lo:
                 lo = e.lo
             if e.hi > hi:
                 hi = e.hi
-        else:
-            keep.append(e)
+        keep = []
     keep.append(_span(lo, hi, seq, marker))
     entries[:] = keep
 
@@ -288,7 +302,7 @@ class AccessTracker:
                 e.seq = seq
                 e.marker = marker
                 return
-            if e.lo <= lo and hi <= e.hi:
+            if e.lo == lo and e.hi == hi:  # (a range inside it: split, see _add_range)
                 e.seq = seq
                 e.marker = marker
                 return

@@ -149,6 +149,18 @@ def _init_token(self, allocation, kind, start, stop, writable, keep, origin) -> 
     self.use_w = None
 
 
+def _release_view_locked(view) -> None:
+    """``View.release()`` under the core lock: nothing if a move (or another release) got
+    there first."""
+    if view._state == _LIVE:
+        tok = view._token
+        view._state = _RELEASED
+        view._dead_id = tok.allocation.id
+        view._token = None
+        if tok.live:
+            _release_locked(tok)
+
+
 def _release_locked(tok) -> None:
     if tok.live:
         rt = RUNTIME
@@ -612,14 +624,22 @@ class View:
 
     def release(self) -> None:
         """Give this view's token back now. Idempotent; never waits for the
-        GPU (work in flight keeps the memory through its own leases)."""
-        if self._state == _LIVE:
-            tok = self._token
-            self._state = _RELEASED
-            if tok is not None:
-                self._dead_id = tok.allocation.id
-            self._token = None
-            tok.release()
+        GPU (work in flight keeps the memory through its own leases). Under the core lock, so
+        that a move of this view in another thread happens wholly before or after it."""
+        if self._state != _LIVE:
+            return
+        rt = RUNTIME
+        if rt.enter_or_stage(_release_view_locked, self):
+            try:
+                _release_view_locked(self)
+            finally:
+                rt.release()
+        elif rt.owner != threading.get_ident():
+            # the lock was busy in another thread: wait for it, which applies the staged
+            # release (a finalizer inside this thread's own sharedmem call leaves it staged,
+            # applied when that call next takes the lock)
+            rt.acquire()
+            rt.release()
 
     def __enter__(self: _V) -> _V:
         self._live_token()
@@ -722,6 +742,8 @@ class View:
                     others = alloc.conflicts_locked(tok.start, tok.stop, tok.writable, tok)
                 if not others:
                     tok.kind = target_kind
+                    if TRACK_ORIGINS:  # (the view it now backs was made here)
+                        tok.origin = _origin()
                     self._state = _MOVED
                     self._moved_to = target_name
                     self._dead_id = alloc.id

@@ -244,9 +244,8 @@ class Buffer(View):
                 raise LayoutError(f"copy_from copies values of one dtype: {src!r} holds "
                                   f"{src.dtype}, {self!r} {self._dtype}; convert on the host "
                                   f"(copy_from(src.to_host().astype(...))) or in a kernel")
-            if not isinstance(src, Buffer) and not src.is_contiguous():
-                raise LayoutError(f"copy_from needs a C-contiguous source; {src!r} is strided "
-                                  f"(its bytes are not its values in order)")
+            if not isinstance(src, Buffer):  # (its values in order are its view's bytes)
+                src._check_dense("copy_from")
             if stok.stop - stok.start != tok.stop - tok.start:
                 raise LayoutError(f"copy_from needs the same byte size: {src!r} has "
                                   f"{stok.stop - stok.start}, {self!r} has {tok.stop - tok.start}")
@@ -415,4 +414,7 @@ class DeviceBox:
         self.release()
 
     def __repr__(self) -> str:
-        return f"<DeviceBox {self.buffer.dtype} on {self.buffer.device}>"
+        b = self.buffer
+        if not b.is_live:  # (a repr never raises)
+            return f"<DeviceBox ({'moved' if b._state == 2 else 'released'})>"
+        return f"<DeviceBox {b.dtype} on {b.device}>"

@@ -487,9 +487,9 @@ def resolve_args(adapter, args, device):
         else:
             view = None
         if view is not None:
-            if view._state:
+            tok = view._token  # (None once moved or released: read once, then checked)
+            if tok is None:
                 view._raise_dead()
-            tok = view._token
             value = view
         else:
             if intent is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
@@ -691,17 +691,16 @@ def numpy_lease(arr):
     """A NumPy array as a host-kernel argument: a lease of the bytes it spans (the host
     device's memory is host RAM), without a view -- the launch keeps the array alive until
     its work is done, and conflicting work on other streams is ordered as for any view."""
-    lo = hi = 0
-    size = 1
-    for n, st in zip(arr.shape, arr.strides):
-        size *= n
-        if st > 0:
-            hi += (n - 1) * st
-        else:
-            lo += (n - 1) * st
+    lo, nbytes = _numpy_span(arr)
     ptr = arr.ctypes.data
-    nbytes = hi - lo + arr.itemsize if size else 0
-    alloc = import_allocation(Device.host(), ptr + lo, nbytes, "numpy")
+    # (the memory of the array's outermost base: views of one array are one allocation, so
+    # that two streams writing overlapping views of it are ordered like any two views)
+    root = arr
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    rlo, rn = _numpy_span(root)
+    region = (root.ctypes.data + rlo, rn) if rn else None
+    alloc = import_allocation(Device.host(), ptr + lo, nbytes, "numpy", region=region)
     start = ptr + lo - alloc.ptr
     tok = ViewToken(alloc, "NumPy array argument", start, start + nbytes,
                     bool(arr.flags.writeable), alloc)
@@ -712,6 +711,20 @@ def numpy_lease(arr):
     la.value = arr
     la.offset = ptr - alloc.ptr
     return la
+
+
+def _numpy_span(arr) -> tuple:
+    """``(lo, nbytes)``: the bytes NumPy array ``arr`` spans, ``lo`` relative to its data
+    pointer (negative strides reach below it); ``(0, 0)`` when empty."""
+    lo = hi = 0
+    size = 1
+    for n, st in zip(arr.shape, arr.strides):
+        size *= n
+        if st > 0:
+            hi += (n - 1) * st
+        else:
+            lo += (n - 1) * st
+    return (lo, hi - lo + arr.itemsize) if size else (0, 0)
 
 
 def host_kernel(fn: Callable[_P, _R]) -> HostKernel[_P, _R]:

@@ -355,7 +355,9 @@ class Tensor(View):
         start = self._offset
         nbytes = self._size * _itemsize(self._dtype)
         stop = start + nbytes
-        if (start != tok.start or stop != tok.stop) and nbytes:
+        # (an empty tensor matches only an empty view: one over a buffer's bytes would hand
+        # them on as a 0-length Buffer that still reads and writes them)
+        if (start != tok.start or stop != tok.stop) and (nbytes or tok.stop > tok.start):
             raise LayoutError(f"{what}: {self!r} covers bytes [{start}, {stop}) but its view "
                               f"holds [{tok.start}, {tok.stop})")
 
@@ -376,8 +378,8 @@ class Tensor(View):
 
         Use as ``with t.as_buffer() as b: ...`` (or release ``b`` yourself).
         While the borrow lives, moving the tensor raises AliasError naming it."""
+        tok = self._live_token()  # (first: a move on another thread then raises MovedError below)
         start, stop = self._dense_range("as_buffer")
-        tok = self._token
         t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep,
                                      source=self)
         return new_buffer(t, self._dtype, self._size)

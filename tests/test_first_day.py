@@ -180,7 +180,7 @@ def test_copy_from_copies_values_of_one_dtype_in_order(host):
     assert i.to_host().tolist() == [0, 0, 0, 0]  # (was 1065353216 each)
     base = sm.Buffer.from_host(np.arange(6, dtype=np.float32), device=host)
     t = sm.Tensor.from_buffer(base, (3, 2), strides=(1, 3))  # a transposed view
-    with pytest.raises(sm.LayoutError, match=r"^copy_from needs a C-contiguous source; <Tensor "):
+    with pytest.raises(sm.LayoutError, match=r"^copy_from needs a C-contiguous tensor; <Tensor "):
         sm.Buffer.zeros(6, "float32", device=host).copy_from(t)
     ok = sm.Buffer.zeros(4, "float32", device=host)
     ok.copy_from(f).result(5)

@@ -167,6 +167,15 @@ def test_track_origins(monkeypatch, device):
                      str(ei.value)), str(ei.value)
     assert "SHAREDMEM_TRACK_ORIGINS" not in str(ei.value)
     s.release()
+    # a moved view is named where the move made it, not where its source was
+    b2 = sm.Buffer.empty(4, device=device)
+    t = sm.Tensor.from_buffer(b2, (4,)); moved = __import__("inspect").currentframe().f_lineno  # noqa: E702
+    u = t[0:2]
+    with pytest.raises(sm.AliasError) as ei:
+        u.into_buffer()
+    assert re.search(rf"tensor, bytes \[0, 16\) of allocation #\d+ \(created at "
+                     rf"tests/test_moves.py:{moved} in test_track_origins\)", str(ei.value)), \
+        str(ei.value)
 
 
 def test_layout_errors_leave_source_usable(device):
@@ -231,3 +240,51 @@ def test_derived_values_are_computed_once_per_live_view(host):
         b._derived_value("other", make)
     assert t._derived_value("k", lambda v: ("tensor", v.shape)) == ("tensor", (2, 4))
     assert len(calls) == 1
+
+
+def test_a_tensor_over_part_of_its_bytes_is_no_source_of_copies_or_buffers(host):
+    b = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=host)
+    t = sm.Tensor.from_buffer(b, (4,), strides=(1,))  # contiguous, over half of the moved bytes
+    for dst in (sm.Buffer.zeros(8, "float32", device=host),
+                sm.Buffer.zeros(4, "float32", device=host)):
+        with pytest.raises(sm.LayoutError, match=r"^copy_from: <Tensor .*> covers bytes \[0, 16\) "
+                                                 r"but its view holds \[0, 32\)$"):
+            dst.copy_from(t)
+        assert not dst.to_host().any()
+    z = sm.Tensor.from_buffer(sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=host),
+                              (0,), strides=(1,))  # empty, over 8 elements
+    with pytest.raises(sm.LayoutError, match=r"^into_buffer: .* covers bytes \[0, 0\) but its "
+                                             r"view holds \[0, 32\)$"):
+        z.into_buffer()
+    assert z.is_live
+    e = sm.Tensor.empty((0, 3), "float32", device=host)
+    assert len(e.into_buffer()) == 0  # (an empty tensor over no bytes moves)
+
+
+def test_a_release_racing_a_move_has_one_winner(host):
+    import threading
+    for _ in range(200):
+        b = sm.Buffer.zeros(4, "float32", device=host)
+        got = []
+        t = threading.Thread(target=b.release)
+        t.start()
+        try:
+            got.append(sm.Tensor.from_buffer(b, (2, 2)))
+        except sm.ReleasedError:
+            pass
+        t.join()
+        assert not b.is_live
+        if got:  # the move won: the tensor is whole, and the release did nothing to it
+            x = got[0]
+            assert x.is_live and x._token.live and x.allocation.live_views == 1
+            with x.as_buffer() as bb:
+                with pytest.raises(sm.AliasError):
+                    x.into_buffer()
+                assert bb.is_live
+            assert len(x.into_buffer()) == 4
+
+
+def test_a_released_device_box_has_a_repr():
+    box = sm.DeviceBox(1.0, "float32", device=sm.Device.host())
+    box.release()
+    assert repr(box) == "<DeviceBox (released)>"

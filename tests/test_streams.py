@@ -306,3 +306,108 @@ def test_with_stream_makes_it_current_for_launches_and_ops_in_this_thread_or_tas
     a.__exit__(None, None, None)
     sm.synchronize()
     np.testing.assert_array_equal(x.to_host(), [3, 3, 3, 3])
+
+
+def test_a_chunk_written_on_one_stream_is_read_on_another_without_waiting_for_later_chunks(host):
+    # (the tracker keeps adjacent chunks, and the parts of a range a smaller write left, apart:
+    # a reader waits for the work that wrote its bytes, not for the stream's newest)
+    from sharedmem.runtime.submission import sweep_all
+    a, b = host.create_stream("writer"), host.create_stream("reader")
+    gates = [threading.Event() for _ in range(2)]
+
+    @sm.host_kernel
+    def write(x, gate):
+        gate.wait(5)
+        x[:] = 1
+
+    @sm.host_kernel
+    def read(x):
+        pass
+
+    for first, second, probe in ((slice(0, 4), slice(4, 8), slice(0, 4)),  # adjacent chunks
+                                 (slice(0, 16), slice(0, 1), slice(8, 12))):  # a part rewritten
+        x = sm.Buffer.zeros(16, "int32", device=host)
+        x.to_host()
+        for g in gates:
+            g.clear()
+        f1 = sm.launch(write, 1, 1, sm.Out(x[first]), gates[0], stream=a)
+        f2 = sm.launch(write, 1, 1, sm.Out(x[second]), gates[1], stream=a)
+        gates[0].set()
+        f1.result(5)
+        sweep_all()
+        # bytes only the finished write touched: no conflict under "reject", no wait
+        sm.launch(read, 1, 1, sm.In(x[probe]), stream=b, policy="reject").result(5)
+        assert not f2.done()
+        # bytes the unfinished write touches: refused under "reject", ordered under "order"
+        with pytest.raises(sm.AccessConflictError):
+            sm.launch(read, 1, 1, sm.In(x[second]), stream=b, policy="reject")
+        fb = sm.launch(read, 1, 1, sm.In(x[second]), stream=b)
+        time.sleep(0.05)
+        assert not fb.done()
+        gates[1].set()
+        fb.result(5)
+    sm.synchronize()
+
+
+def test_many_distinct_ranges_in_flight_merge_past_a_bound(host):
+    from sharedmem.access import MAX_SPANS
+    s = host.create_stream()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def wait_then_write(x):
+        gate.wait(5)
+
+    x = sm.Buffer.zeros(4 * MAX_SPANS, "int32", device=host)
+    x.to_host()
+    for i in range(2 * MAX_SPANS):
+        sm.launch(wait_then_write, 1, 1, sm.Out(x[(2 * i) % (4 * MAX_SPANS):][:1]), stream=s)
+    writes = x.allocation.tracker._uses[s].writes
+    assert len(writes) <= MAX_SPANS
+    gate.set()
+    s.synchronize()
+    assert not x.allocation.tracker
+
+
+def test_overlapping_numpy_views_given_to_host_kernels_on_two_streams_are_ordered(host):
+    a, b = host.create_stream("A"), host.create_stream("B")
+    base = np.zeros(16, np.int64)
+    order = []
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def first(x):
+        order.append("A start")
+        gate.wait(5)
+        x[:] = 1
+        order.append("A end")
+
+    @sm.host_kernel
+    def second(x):
+        order.append("B")
+        x[:] = 2
+
+    fa = sm.launch(first, 1, 1, sm.Out(base[0:10]), stream=a)
+    deadline = time.monotonic() + 5
+    while not order and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(sm.AccessConflictError):  # (views of one array: one allocation)
+        sm.launch(second, 1, 1, sm.Out(base[5:15]), stream=b, policy="reject")
+    fb = sm.launch(second, 1, 1, sm.Out(base[5:15]), stream=b)
+    time.sleep(0.05)
+    assert order == ["A start"]
+    gate.set()
+    fb.result(5)
+    assert fa.done() and order == ["A start", "A end", "B"]
+    np.testing.assert_array_equal(base, [1] * 5 + [2] * 10 + [0])
+    # disjoint views of it are not ordered: a launch on the other stream runs at once
+    gate.clear()
+    order.clear()
+    fa = sm.launch(first, 1, 1, sm.Out(base[0:4]), stream=a)
+    deadline = time.monotonic() + 5
+    while not order and time.monotonic() < deadline:
+        time.sleep(0.001)
+    sm.launch(second, 1, 1, sm.Out(base[8:12]), stream=b, policy="reject").result(5)
+    assert order == ["A start", "B"]
+    gate.set()
+    fa.result(5)
