@@ -10,11 +10,17 @@ STAMP  := $(VENV)/.installed
 .PHONY: build test demo dask-demo wheel-check stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize \
         gpu-wheels gpu-dask clean
 
+# With an NVIDIA driver, the CuPy and cuda-bindings extra of its CUDA major version too (else
+# the demo would find no CuPy and run on the host backend); GPU_EXTRA= leaves them out.
+CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | grep -o "CUDA Version: [0-9]*" | grep -o "[0-9]*$$")
+GPU_EXTRA  ?= $(if $(filter 12 13,$(CUDA_MAJOR)),$(addprefix $(comma)cuda,$(CUDA_MAJOR)))
+comma := ,
+
 $(STAMP): pyproject.toml setup.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "Cython>=3.0" setuptools
-	$(VPY) -m pip install -q -e '.[test,dask]'
+	$(VPY) -m pip install -q --upgrade "Cython>=3.0" setuptools
+	$(VPY) -m pip install -q -e '.[test,dask$(GPU_EXTRA)]'
 	@touch $(STAMP)
 
 # The compiled core, rebuilt in place when a source changed (cythonize skips what is current)

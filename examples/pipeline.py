@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 import sharedmem as sm
+from sharedmem.device import host_fallback_reason
 
 ROWS, COLS = 256, 1024
 N = ROWS * COLS
@@ -83,6 +84,9 @@ def host_stages():
 def main() -> int:
     dev = sm.default_device()
     print(f"sharedmem {sm.__version__} on {dev}")
+    why = host_fallback_reason()
+    if why:
+        print(f"  (no GPU used: {why})")
     stages = cuda_stages() if dev.kind == "cuda" else host_stages()
     a_stream, b_stream = dev.create_stream("A"), dev.create_stream("B")
     rng = np.random.default_rng(0)

@@ -89,7 +89,19 @@ def compiled() -> bool:
 
 
 def check_required() -> None:
-    """ImportError when ``SHAREDMEM_REQUIRE_EXTENSION=1`` and the core is not compiled."""
+    """ImportError when ``SHAREDMEM_REQUIRE_EXTENSION=1`` and the core is not compiled; a
+    warning when it is not compiled and nobody asked for that (an install without a C compiler
+    or Cython: pip hides what setup.py prints)."""
+    if not _flag("SHAREDMEM_REQUIRE_EXTENSION") and not compiled() and \
+            not pure_python_requested():
+        import warnings
+
+        from .errors import SharedMemWarning
+        warnings.warn("sharedmem: the compiled core is not built here, so it runs interpreted "
+                      "(about 3x slower per launch). Reinstall with Cython and a C compiler "
+                      "(`make speedups` in a checkout), or set SHAREDMEM_PURE_PYTHON=1 to "
+                      "choose the interpreted core and silence this", SharedMemWarning,
+                      stacklevel=3)
     if _flag("SHAREDMEM_REQUIRE_EXTENSION") and not compiled():
         interpreted = _interpreted()
         raise ImportError(
@@ -98,6 +110,22 @@ def check_required() -> None:
             f"{'; SHAREDMEM_PURE_PYTHON is set' if pure_python_requested() else ''}). "
             f"Build it: pip install Cython and a C compiler, then reinstall sharedmem "
             f"(or `make speedups` in a checkout).")
+
+
+def _default_device_text() -> str:
+    """The default device, and why it is not a GPU where CUDA was tried and was unusable.
+    Asking does not fix the choice when nothing made it yet."""
+    from . import device as _device
+    chosen = _device._default
+    try:
+        dev = _device.default_device()
+        why = _device.host_fallback_reason()
+    except Exception as e:  # (SHAREDMEM_BACKEND=cuda without CUDA: said, not raised)
+        return f"none ({e})"
+    finally:
+        if chosen is None:
+            _device._default = None
+    return f"{dev!r}" + (f" (CUDA unusable: {why})" if why else "")
 
 
 def _version(module: str):
@@ -118,7 +146,8 @@ def _version(module: str):
 def show_config(file=None) -> dict:
     """Print (to ``file``, default stdout) and return which build of the core runs -- compiled
     or interpreted, and why -- with the Python, NumPy, Cython, CuPy, cuda-bindings and
-    cuda.tile versions (None where not installed)."""
+    cuda.tile versions (None where not installed), and the default device (with why CUDA was
+    unusable, where it fell back to the host)."""
     import platform
 
     from . import __version__
@@ -133,6 +162,7 @@ def show_config(file=None) -> dict:
         "cupy": _version("cupy"),
         "cuda-bindings": _version("cuda.bindings"),
         "cuda-tile": _version("cuda.tile"),
+        "default device": _default_device_text(),
     }
     out = file if file is not None else sys.stdout
     width = max(map(len, info))

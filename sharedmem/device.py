@@ -206,7 +206,17 @@ def default_device() -> Device:
     else:
         try:
             dev = Device(0)
-        except BackendUnavailableError:
+        except BackendUnavailableError as e:
+            _fallback[0] = str(e)
             dev = Device.host()
     _default = dev
     return dev
+
+
+_fallback = [None]  # why default_device() fell back to the host (BackendUnavailableError's text)
+
+
+def host_fallback_reason() -> str | None:
+    """Why :func:`default_device` chose the host device although no ``SHAREDMEM_BACKEND``
+    asked for it (CUDA was unusable: the error's message), or None."""
+    return _fallback[0]

@@ -135,3 +135,46 @@ def test_both_backends_implement_the_written_protocols():
     h = sm.Device.host()
     assert isinstance(h.backend, Backend) and isinstance(h.default_stream._impl, StreamImpl)
     assert isinstance(h.backend.record_marker(h.default_stream._impl), Marker)
+
+
+def test_an_uncompiled_install_says_so_at_import_and_why_the_host_was_chosen(tmp_path):
+    # a copy of the sources with no compiled module: what a machine without a C compiler has
+    import os
+    import shutil
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for pkg in ("sharedmem", "interop"):
+        shutil.copytree(os.path.join(root, pkg), tmp_path / pkg,
+                        ignore=shutil.ignore_patterns("*.so", "*.c", "__pycache__"))
+    code = ("import warnings, sharedmem as sm; import sharedmem.device as d; "
+            "print(sm.show_config(open('/dev/null', 'w'))['core'])")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHAREDMEM_PURE_PYTHON", "SHAREDMEM_REQUIRE_EXTENSION")}
+    env["PYTHONPATH"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "interpreted (the compiled modules were not built)"
+    assert "SharedMemWarning: sharedmem: the compiled core is not built here, so it runs " \
+           "interpreted" in r.stderr
+    env["SHAREDMEM_PURE_PYTHON"] = "1"  # asked for: nothing to say
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert r.returncode == 0 and "SharedMemWarning" not in r.stderr, r.stderr
+
+
+def test_show_config_names_the_default_device_and_why_it_is_the_host(monkeypatch):
+    import io
+
+    import sharedmem.device as d
+    monkeypatch.setattr(d, "_default", None)
+    monkeypatch.delenv("SHAREDMEM_BACKEND", raising=False)
+
+    def no_cuda(cls, ordinal=0):
+        raise sm.BackendUnavailableError("the CUDA backend needs cuda-bindings (test)")
+    monkeypatch.setattr(d, "Device", type("D", (), {"__new__": staticmethod(no_cuda),
+                                                    "host": staticmethod(sm.Device.host)}))
+    monkeypatch.setattr(d, "_fallback", [None])
+    info = sm.show_config(io.StringIO())
+    assert info["default device"] == ("<Device host> (CUDA unusable: the CUDA backend needs "
+                                      "cuda-bindings (test))")
+    assert d.host_fallback_reason() == "the CUDA backend needs cuda-bindings (test)"

@@ -125,7 +125,8 @@ _CASES = {"tracer": _TRACE, "retirer start lock": _START, "device lock": _DEVICE
 def test_a_finalizer_run_by_a_collection_under_a_lock_does_not_deadlock(case, build):
     from sharedmem import config
     if build == "compiled" and not config.compiled():
-        pytest.skip("the compiled core is not built here")
+        pytest.skip("the compiled core is switched off (SHAREDMEM_PURE_PYTHON)"
+                    if config.pure_python_requested() else "the compiled core is not built here")
     env = dict(os.environ)
     env.pop("SHAREDMEM_PURE_PYTHON", None)
     if build == "interpreted":
