@@ -31,7 +31,7 @@ from sharedmem.allocation import View, import_allocation
 from sharedmem.buffer import Buffer, as_dtype
 from sharedmem.device import Device
 from sharedmem.runtime.state import OwnedLock, fork_safe
-from sharedmem.runtime.submission import object_export_hold
+from sharedmem.runtime.submission import object_export_hold, record_arrival
 from sharedmem.stream import resolve_stream
 from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
 
@@ -189,6 +189,5 @@ def from_cuda_array_interface(obj, *, stream=None):
     tok = alloc.new_token("tensor", lo, hi, not readonly, (alloc, obj, alias))
     t = new_tensor(tok, dtype, shape, strides, ptr - alloc.ptr)
     if nbytes:
-        from interop.dlpack import _record_arrival  # noqa: F811 (same module as above)
-        _record_arrival(t, tok, s)
+        record_arrival(tok, s)
     return t

@@ -44,7 +44,7 @@ import numpy as np
 from sharedmem.allocation import View, import_allocation
 from sharedmem.device import Device
 from sharedmem.errors import DeviceMismatchError
-from sharedmem.runtime.submission import export_hold, submit
+from sharedmem.runtime.submission import export_hold, record_arrival, submit
 from sharedmem.stream import Stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
 
@@ -606,15 +606,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if not _adopt and not isinstance(obj, View):  # (our own views count as aliases anyway)
         owner.alias = ProducerAlias(alloc, tok.start, tok.stop, None if obj is capsule else obj)
     if dev.kind == "cuda" and nbytes:
-        _record_arrival(t, tok, s)
+        record_arrival(tok, s)
     return t
 
 
-def _record_arrival(view, tok, stream) -> None:
-    """Record the import as a write on ``stream`` (a marker, no work), so that
-    later use on any other stream is ordered after the producer's work."""
-    dev = tok.allocation.device
-    s = stream if stream is not None else dev.default_stream
-    backend, impl = dev.backend, s._impl
-    submit(s, [(tok, True)], lambda: backend.submit_marker(impl), policy="order",
-           label="import")

@@ -51,6 +51,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, SharedMemError
 from .runtime.state import at_fork_child, fork_safe, locked, log
+from .runtime.submission import record_arrival
 
 __all__ = ["IpcExport", "IpcHandle", "export", "open", "exports", "POLL", "GRACE"]
 
@@ -105,6 +106,10 @@ class IpcExport:
     def state(self) -> str:
         return self._state
 
+    def __reduce__(self):
+        raise TypeError(f"cannot pickle {self!r}: an export stays with its exporter; send its "
+                        f"handle (ex.handle), which sm.ipc.open opens in the other process")
+
     def _check_owner(self, what) -> None:
         if self._pid != os.getpid():
             raise SharedMemError(
@@ -118,8 +123,8 @@ class IpcExport:
         in another process than the exporter (a forked child)."""
         self._check_owner("revoke()")
         with _lock:
-            if self._done.is_set():
-                return True
+            if self._done.is_set():  # (ended: revoked before, or opened and released)
+                return self._state == "revoked"
             slot = self._slot
             with _SlotLock(slot[4], slot[1]):
                 if _read(slot)[0] != EXPORTED:
@@ -149,8 +154,26 @@ def _dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _remove_dead_files(directory) -> None:
+    """Unlink the slot files of exporters that are gone (killed: their exit never ran)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if name.startswith("sharedmem-ipc-") and len(parts) > 3 and parts[2].isdigit() and \
+                not _alive(int(parts[2]), 0):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
 def _take_slot_locked():
     if not _free:
+        if not _files:  # (a process's first export: what killed exporters left behind goes)
+            _remove_dead_files(_dir())
         fd, path = tempfile.mkstemp(prefix=f"sharedmem-ipc-{os.getpid()}-", dir=_dir())
         try:
             os.ftruncate(fd, SLOTS * _SLOT.size)
@@ -258,12 +281,12 @@ def export(view, stream=None) -> IpcExport:
         ex._done = threading.Event()
         ex._pid = os.getpid()
         with _lock:
+            _ensure_poller_locked()  # (first: a failure below leaves no export filed)
             slot, path, index, gen = _take_slot_locked()
             _SLOT.pack_into(slot[0], slot[1], EXPORTED, gen, 0, 0, 0)
             h.slots, h.slot, h.generation = path, index, gen
             ex._slot = slot
             _exports.append(ex)
-            _ensure_poller_locked()
     except BaseException:
         ex_tok.release()
         backend.ipc_event_done(pair)
@@ -319,6 +342,9 @@ def _poll() -> None:
                 state, _, pid, _, start = _read(slot)
                 if state == RELEASED:
                     _finish_locked(ex, "released")
+                elif state == EXPORTED:  # (an open that failed put it back)
+                    ex._state = "exported"
+                    ex._dead_since = None
                 elif state == OPEN:
                     ex._state = "open"
                     if _alive(pid, start):
@@ -505,6 +531,9 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
     if handle.exporter_pid == os.getpid():
         raise SharedMemError(f"{handle!r} was exported by this process: use the view itself "
                              f"(CUDA IPC handles open in other processes)")
+    if not _alive(handle.exporter_pid, 0):
+        raise SharedMemError(f"cannot open {handle!r}: its exporter (pid "
+                             f"{handle.exporter_pid}) is gone, and its memory with it")
     dev = _device_of(handle)
     me = os.getpid()
     born = _born.get(me)
@@ -565,8 +594,12 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         raise
     dtype = np.dtype(handle.dtype)
     if handle.kind == "tensor":
-        return new_tensor(tok, dtype, handle.shape, handle.strides, start + handle.first)
-    return new_buffer(tok, dtype, handle.shape[0])
+        view = new_tensor(tok, dtype, handle.shape, handle.strides, start + handle.first)
+    else:
+        view = new_buffer(tok, dtype, handle.shape[0])
+    if handle.nbytes:  # the arrival, a write on `s`: other streams' use is ordered after it
+        record_arrival(tok, s)
+    return view
 
 
 def _after_fork_child() -> None:

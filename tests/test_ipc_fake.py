@@ -149,7 +149,12 @@ def test_an_importer_closes_the_slot_file_of_an_exporter_seen_gone(fake, monkeyp
     b, ex = _exported(dev, drv)
     h = _as_received(ex.handle)
     h.exporter_pid = pid
-    v = ipc.open(h)
+    alive = ipc._alive
+    ipc._alive = lambda p, start: True  # (it was alive when opened: it died since)
+    try:
+        v = ipc.open(h)
+    finally:
+        ipc._alive = alive
     fd = v._live_token().keep.file.fd  # (the import's slot file)
     monkeypatch.setattr(ipc, "_swept", [0.0])
     with ipc._opened_lock:
@@ -160,3 +165,67 @@ def test_an_importer_closes_the_slot_file_of_an_exporter_seen_gone(fake, monkeyp
     assert _released(ex)  # the import wrote its release before the file closed
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_an_import_is_ordered_before_use_on_every_stream(fake):
+    # (as DLPack and CAI imports: the arrival is a write on the opening stream, so a copy on
+    # another stream waits for it -- and so for the exporter's writes)
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    a, other = dev.create_stream("open"), dev.create_stream("other")
+    v = ipc.open(_as_received(ex.handle), stream=a)
+    n = len(drv.calls)
+    dst = sm.Buffer.empty(len(v), "float32", device=dev, stream=other)
+    dst.copy_from(v, stream=other)
+    assert any(c[0] == "wait" and c[1] == other.handle for c in drv.calls[n:])
+    del v, dst
+    assert _released(ex)
+
+
+def test_revoke_after_a_release_and_a_failed_open_say_what_happened(fake):
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    h = _as_received(ex.handle)
+    with pytest.raises(TypeError):
+        ipc.open(h, stream="not a stream")  # an open that failed: the export is as it was
+    assert _state_after_polls(ex) == "exported"
+    v = ipc.open(h)
+    assert _state_after_polls(ex) == "open" and ex.revoke() is False
+    del v
+    assert _released(ex)
+    assert ex.revoke() is False and ex.state == "released"  # (it was opened, not revoked)
+    b2, ex2 = _exported(dev, drv)
+    assert ex2.revoke() is True and ex2.revoke() is True
+
+
+def test_an_export_pickles_not_but_says_to_send_its_handle(fake):
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    with pytest.raises(TypeError, match=r"^cannot pickle <IpcExport exported: .*>: an export "
+                                        r"stays with its exporter; send its handle \(ex\.handle\)"):
+        pickle.dumps(ex)
+    assert ex.revoke()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_gone_exporters_handle_and_files(fake, tmp_path, monkeypatch):
+    dev, drv = fake
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # a pid that is gone
+    b, ex = _exported(dev, drv)
+    h = _as_received(ex.handle)
+    h.exporter_pid = pid
+    with pytest.raises(sm.SharedMemError, match=rf"^cannot open <IpcHandle .*>: its exporter "
+                                                rf"\(pid {pid}\) is gone, and its memory with it$"):
+        ipc.open(h)
+    assert ex.revoke()  # (untouched by the refused open)
+    # a killed exporter's slot files go when a process of the host next exports
+    stale = tmp_path / f"sharedmem-ipc-{pid}-abc"
+    live = tmp_path / f"sharedmem-ipc-{os.getpid()}-abc"
+    other = tmp_path / "sharedmem-ipc-notes"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    ipc._remove_dead_files(str(tmp_path))
+    assert not stale.exists() and live.exists() and other.exists()

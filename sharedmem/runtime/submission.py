@@ -761,6 +761,17 @@ def wait(sub, timeout=None) -> bool:
     return True
 
 
+def record_arrival(tok, stream) -> None:
+    """Record an import's arrival as a write of ``tok``'s bytes on ``stream`` (a marker, no
+    work; None: the device's default stream), made to wait for the producer's writes already:
+    later use on any other stream is ordered after it (DLPack, CAI and IPC imports)."""
+    dev = tok.allocation.device
+    s = stream if stream is not None else dev.default_stream
+    backend, impl = dev.backend, s._impl
+    submit(s, [(tok, True)], lambda: backend.submit_marker(impl), policy="order",
+           label="import")
+
+
 def synchronize_stream(stream) -> None:
     """Wait for everything submitted to ``stream``, retire it, surface deferred errors."""
     with locked():
@@ -931,6 +942,6 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 
 
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
-__all__ = ["Submission", "Work", "submit", "submit_plan", "lease_locked", "end_holds_locked",
+__all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked", "end_holds_locked",
            "order_consumer", "export_hold", "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
            "FailedMarker", "fresh_marker_locked", "label_text", "PENDING", "RETIRED", "UNKNOWN"]
