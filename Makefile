@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+JOBS   := $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: build test demo dask-demo wheel-check stress bench speedups gpu-test gpu-demo gpu-bench gpu-all gpu-sanitize \
         gpu-wheels gpu-dask clean
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml setup.py
 
 # The compiled core, rebuilt in place when a source changed (cythonize skips what is current)
 build: $(STAMP)
-	@$(VPY) setup.py -q build_ext --inplace 2>&1 | grep -v "^warning: .*Strings should no longer" || true
+	@$(VPY) setup.py -q build_ext --inplace -j $(JOBS) 2>&1 | grep -v "^warning: .*Strings should no longer" || true
 
 # The suite twice: on the compiled core, then on the same sources interpreted.
 test: build
