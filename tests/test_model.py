@@ -1,6 +1,7 @@
-"""A hypothesis state machine: create / slice / move / borrow / launch / drop /
-complete / capture / replay / drop a graph, checked against a simple reference
-model of views and leases (a graph's token is a view; a replay is a lease).
+"""A hypothesis state machine: create / slice / move / borrow / launch / chunks on one
+stream / drop / complete / capture / replay / drop a graph, checked against a simple
+reference model of views and leases (a graph's token is a view; a replay is a lease; a
+stream's leases finish in order).
 
 Every allocation is filled with its own tag value and kernels only ever write
 that tag back, so a kernel that reads anything else proves memory was freed
@@ -192,6 +193,56 @@ class OwnershipMachine(RuleBasedStateMachine):
         assert not expect_conflict
         self.leases.append(Lease(fut, gate, h.alloc_key, h.start, h.stop, writes))
 
+    @precondition(lambda self: bool(self.views()))
+    @rule(i=st.integers(0, 99), j=st.integers(0, 99), k=st.integers(0, 99),
+          modes=st.tuples(*[st.sampled_from(["in", "out"])] * 3))
+    def chunks_on_one_stream(self, i, j, k, modes):
+        """A chunked pipeline: two views of one allocation used one after the other on one
+        stream, the first finishes, then a third view of it is used on another stream. The
+        tracker keeps the two ranges apart, so what conflicts is exactly what the model says
+        (merged into one span tagged with the newer work, the first's range would still
+        conflict after it finished)."""
+        h1 = self.pick(i)
+        same = [h for h in self.views() if h.alloc_key == h1.alloc_key]
+        h2, h3 = same[j % len(same)], same[k % len(same)]
+        s = HOST.create_stream()
+        first = None
+        for h, mode in ((h1, modes[0]), (h2, modes[1])):
+            writes = mode == "out"
+            if writes and not h.writable:
+                continue
+            expect_conflict = self._conflicts(h, writes, s)
+            gate = threading.Event()
+            try:
+                fut = sm.launch(_checker, 1, 1, (sm.Out if writes else sm.In)(h.obj),
+                                self.tags[h.alloc_key], self.corrupt, gate, stream=s,
+                                policy="reject")
+            except sm.AccessConflictError:
+                assert expect_conflict
+                continue
+            assert not expect_conflict
+            lease = Lease(fut, gate, h.alloc_key, h.start, h.stop, writes, s)
+            self.leases.append(lease)
+            first = first or lease
+        if first is not None:  # the first finishes (what came before it on s: nothing)
+            first.gate.set()
+            first.fut.result(10)
+            self.leases.remove(first)
+        writes = modes[2] == "out"
+        if writes and not h3.writable:
+            return
+        expect_conflict = self._conflicts(h3, writes)
+        gate = threading.Event()
+        try:
+            fut = sm.launch(_checker, 1, 1, (sm.Out if writes else sm.In)(h3.obj),
+                            self.tags[h3.alloc_key], self.corrupt, gate,
+                            stream=HOST.create_stream(), policy="reject")
+        except sm.AccessConflictError:
+            assert expect_conflict
+            return
+        assert not expect_conflict
+        self.leases.append(Lease(fut, gate, h3.alloc_key, h3.start, h3.stop, writes))
+
     def _conflicts(self, h, writes, stream=None):
         return any(l.alloc_key == h.alloc_key and overlap(l.start, l.stop, h.start, h.stop)
                    and (writes or l.writes) and (stream is None or l.stream is not stream)
@@ -234,11 +285,16 @@ class OwnershipMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.leases))
     @rule(i=st.integers(0, 99))
     def complete(self, i):
-        gate = self.leases[i % len(self.leases)].gate
-        gate.set()  # replays of one graph share its gate: they all finish
-        for lease in [l for l in self.leases if l.gate is gate]:
-            self.leases.remove(lease)
-            lease.fut.result(10)
+        k = i % len(self.leases)
+        lease = self.leases[k]
+        gates = [lease.gate]  # (replays of one graph share its gate: they all finish)
+        if lease.stream is not None:  # a stream runs in order: what came before on it, too
+            gates += [l.gate for l in self.leases[:k] if l.stream is lease.stream]
+        for g in gates:
+            g.set()
+        for done in [l for l in self.leases if any(l.gate is g for g in gates)]:
+            self.leases.remove(done)
+            done.fut.result(10)
 
     @precondition(lambda self: bool(self.views()))
     @rule(i=st.integers(0, 99), mode=st.sampled_from(["in", "out"]))
