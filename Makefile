@@ -17,11 +17,13 @@ CUDA_MAJOR := $(shell nvidia-smi 2>/dev/null | grep -o "CUDA Version: [0-9]*" | 
 GPU_EXTRA  ?= $(if $(filter 12 13,$(CUDA_MAJOR)),$(addprefix $(comma)cuda,$(CUDA_MAJOR)))
 comma := ,
 
+# (editable_mode=compat: the install compiles the core in place, so `build` below finds it
+# current -- one compile on a fresh machine, not two)
 $(STAMP): pyproject.toml setup.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q --upgrade "Cython>=3.0" setuptools
-	$(VPY) -m pip install -q -e '.[test,dask$(GPU_EXTRA)]'
+	$(VPY) -m pip install -q -e '.[test,dask$(GPU_EXTRA)]' --config-settings editable_mode=compat
 	@touch $(STAMP)
 
 # The compiled core, rebuilt in place when a source changed (cythonize skips what is current)
