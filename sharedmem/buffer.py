@@ -206,11 +206,9 @@ class Buffer(View):
             raise TypeError(f"Buffer indexing takes a slice (buf[a:b]), got {type(key).__name__}; "
                             f"use to_host() to read elements")
         tok = self._live_token()
-        if key.step == 0:  # (slice.indices would raise a plain ValueError)
-            raise LayoutError("Buffer slices must be contiguous (step 1), got step 0")
-        start, stop, step = key.indices(self._length)
-        if step != 1:
-            raise LayoutError(f"Buffer slices must be contiguous (step 1), got step {step}")
+        if key.step is not None and key.step != 1:  # (before indices(): 0 raises there)
+            raise LayoutError(f"Buffer slices must be contiguous (step 1), got step {key.step}")
+        start, stop, _ = key.indices(self._length)
         stop = max(stop, start)
         isz = self._dtype.itemsize
         t = tok.allocation.new_token("slice", tok.start + start * isz, tok.start + stop * isz,

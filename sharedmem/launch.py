@@ -393,8 +393,7 @@ def check_dims(value, what, allow_none=False, limits=None):
     dims = (value,) if type(value) is int or isinstance(value, np.integer) else value
     ok = type(dims) is tuple and 1 <= len(dims) <= 3
     if ok:
-        if any(isinstance(d, np.integer) for d in dims):
-            dims = tuple(int(d) if isinstance(d, np.integer) else d for d in dims)
+        dims = tuple([int(d) if isinstance(d, np.integer) else d for d in dims])
         for d in dims:
             if type(d) is not int or d < 1:
                 ok = False

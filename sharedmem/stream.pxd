@@ -11,7 +11,6 @@ cdef class Stream:
     cdef public dict _waited
     cdef public bint _leak_warned, _checks
     cdef public object _external, _capture
-    cdef public dict launch_cache
     cdef object __weakref__
 
 cpdef bint streams_entered()

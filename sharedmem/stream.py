@@ -49,12 +49,11 @@ class Stream:
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
                  "_uid", "_ours", "_join", "_waited", "_leak_warned",
-                 "_external", "_capture", "_checks", "launch_cache", "__weakref__")
+                 "_external", "_capture", "_checks", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
         owned: bool
         name: str | None
-        launch_cache: dict[Any, Any]
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Stream cannot be constructed directly; use device.create_stream(), "
@@ -94,10 +93,6 @@ class Stream:
         # do; a CUDA stream has neither: sticky errors surface in queries)
         self._checks = getattr(impl, "fault", None) is not None or \
             getattr(impl, "throttle", None) is not None or device.kind != "cuda"
-        # For kernel adapters: what is constant about launching a kernel on this stream
-        # (interop.cupy keeps its launchers here), so it lives and dies with the stream.
-        # Lock-free: entries are immutable and a racing writer stores an equivalent one.
-        self.launch_cache = {}
         if owned and device.kind == "cuda":
             with _by_handle_lock:  # so that from_external(handle) finds this very Stream
                 _by_handle[(device.key, impl.handle)] = self

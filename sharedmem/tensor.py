@@ -405,13 +405,10 @@ class Tensor(View):
         if type(key) is tuple and len(key) == 1:
             key = key[0]  # t[i,] as t[i]
         if isinstance(key, slice):
-            if key.step == 0:  # (slice.indices would raise a plain ValueError)
-                raise LayoutError("tensor slices take a positive step (strides stay "
-                                  "non-negative), got step 0")
-            start, stop, step = key.indices(n)
-            if step <= 0:
+            if key.step is not None and key.step <= 0:  # (before indices(): 0 raises there)
                 raise LayoutError(f"tensor slices take a positive step (strides stay "
-                                  f"non-negative), got step {step}")
+                                  f"non-negative), got step {key.step}")
+            start, stop, step = key.indices(n)
             count = len(range(start, stop, step))
             shape = (count,) + self._shape[1:]
             strides = (self._strides[0] * step,) + self._strides[1:]

@@ -36,7 +36,7 @@ import weakref
 
 import numpy as np
 
-from ..errors import CompletionUnknownError, SharedMemError
+from ..errors import CaptureError, CompletionUnknownError, SharedMemError
 from ..runtime.state import at_fork_child, at_fork_hold, fork_safe, log
 from . import COMPLETE
 
@@ -278,7 +278,7 @@ class HostStreamImpl:
                              name=self.name, daemon=True)
         t.start()
         self._worker = t
-        self._worker_ident = self._q.worker = t.ident
+        self._q.worker = t.ident
         self._finalized = False  # (set by __del__: its worker was told to stop)
 
     def _after_fork_child(self) -> None:
@@ -288,7 +288,7 @@ class HostStreamImpl:
         so waits on it raise CompletionUnknownError instead of hanging. A fork from inside
         one of this stream's own tasks is the worker itself, which goes on here."""
         q = self._q
-        if self._worker_ident == threading.get_ident():
+        if self._q.worker == threading.get_ident():
             return
         q.new_bell()  # (the parent's worker may have been sleeping on the old one)
         running, q.running = q.running, None
@@ -319,7 +319,7 @@ class HostStreamImpl:
         the runtime before it takes any lock). Never in the stream's own worker:
         a task that submits to its own stream must not wait for itself."""
         q = self._q
-        if q.qsize() < MAX_QUEUED or threading.get_ident() == self._worker_ident:
+        if q.qsize() < MAX_QUEUED or threading.get_ident() == self._q.worker:
             return
         delay = 50e-6
         while q.qsize() >= MAX_QUEUED and not self._closed:
@@ -357,7 +357,6 @@ class HostStreamImpl:
         """Make later tasks wait for ``marker`` (a failed marker faults this
         stream too: what it waited for is unknown)."""
         if self.recording is not None:  # pragma: no cover - captures make no waits
-            from ..errors import CaptureError
             raise CaptureError("a capturing stream cannot wait for work outside the capture")
 
         def _wait():
@@ -371,7 +370,6 @@ class HostStreamImpl:
 
     def synchronize(self) -> None:
         if self.recording is not None:
-            from ..errors import CaptureError
             raise CaptureError("a capturing stream cannot be synchronized")
         m = self.submit(_noop)
         m.wait()
