@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml setup.py
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q --upgrade "Cython>=3.0" setuptools
+	@echo "installing sharedmem$(if $(GPU_EXTRA), with $(GPU_EXTRA:,%=%),) and compiling its core (Cython, $(JOBS) jobs): a minute or a few"
 	$(VPY) -m pip install -q -e '.[test,dask$(GPU_EXTRA)]' --config-settings editable_mode=compat
 	@touch $(STAMP)
 
