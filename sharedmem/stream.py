@@ -142,6 +142,15 @@ class Stream:
         if st is not None and st._external is not obj and not _names_its_stream(st):
             stale, st = st, None  # its object's stream was destroyed, the handle reused
         if st is None:
+            home = dev.backend.stream_home(impl)  # (a raw handle does not say its device)
+            if home is not None and home != (dev.ordinal, True):
+                if home[0] != dev.ordinal and device is None and named is None:
+                    return cls.from_external(obj, home[0])  # on the device it lives on
+                where = (f"CUDA device {home[0]}" if home[0] != dev.ordinal else
+                         f"a CUDA context of {dev} other than its primary one")
+                raise DeviceMismatchError(
+                    f"{obj!r} is a stream of {where}, not of {dev}'s primary context (the one "
+                    f"sharedmem, CuPy and torch launch in); use a stream of {dev}")
             with _by_handle_lock:
                 st = _by_handle.get(key)
                 if st is None or st is stale:

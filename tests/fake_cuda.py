@@ -142,6 +142,27 @@ class FakeDriver:
     def cuCtxGetCurrent(self):
         return (OK, self.current)
 
+    def cuCtxPushCurrent(self, ctx):
+        self._ctx_stack = getattr(self, "_ctx_stack", []) + [self.current]
+        self.current = int(ctx)
+        return (OK,)
+
+    def cuCtxPopCurrent(self):
+        ctx, self.current = self.current, self._ctx_stack.pop()
+        return (OK, ctx)
+
+    def cuCtxGetDevice(self):
+        """The current context's device (contexts 0xC0 + d are device d's primary ones; a
+        test's other contexts of device d are 0xD00 + d)."""
+        c = self.current
+        return (OK, c - 0xD00 if c >= 0xD00 else c - 0xC0 if c >= 0xC0 else 0)
+
+    def cuStreamGetCtx(self, stream):
+        """The context a stream was made in (``ctx_of``: a test may name other contexts);
+        a handle not made here (a foreign stream a test names by number) is not known."""
+        ctx = self.ctx_of.get(int(stream))
+        return (OK, ctx) if ctx is not None else (CUresult.CUDA_ERROR_INVALID_HANDLE, None)
+
     def cuDeviceCanAccessPeer(self, dev, peer):
         return (OK, int(int(dev) != int(peer) and (int(dev), int(peer)) not in self.no_peer))
 

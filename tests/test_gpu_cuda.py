@@ -207,6 +207,43 @@ def test_trap_means_completion_unknown_and_memory_kept(gpu):
     assert "LeakWarning" in r.stderr and "is unknown" in r.stderr
 
 
+def test_a_raw_stream_handle_is_placed_by_its_context(gpu):
+    """A raw handle says nothing about its device: the driver's answer (cuStreamGetCtx) puts
+    it on its device, and a stream of another context than the primary one is refused before
+    anything is enqueued on it."""
+    import cupy as cp
+    from cuda.bindings import driver as cu
+    raw = cp.cuda.Stream(non_blocking=True)
+    st = sm.Stream.from_external(int(raw.ptr))
+    assert st.device is gpu and st.handle == raw.ptr
+    # a second context of this device (cuCtxCreate pushes it: popped at once)
+    err, dev = cu.cuDeviceGet(gpu.ordinal)
+    try:
+        err, ctx = cu.cuCtxCreate(None, 0, dev)  # (CUDA 13: the params first)
+    except TypeError:
+        err, ctx = cu.cuCtxCreate(0, dev)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    try:
+        err, stream = cu.cuStreamCreate(1)
+        assert err == cu.CUresult.CUDA_SUCCESS
+        cu.cuCtxPopCurrent()
+        h = int(stream)
+        for device in (None, gpu):
+            with pytest.raises(sm.DeviceMismatchError,
+                               match=rf"^{h} is a stream of a CUDA context of {re.escape(str(gpu))} "
+                                     rf"other than its primary one"):
+                sm.Stream.from_external(h, device)
+        assert sm.Stream.lookup(gpu, h) is None
+        assert int(cu.cuCtxGetCurrent()[1]) != int(ctx)  # (the check put back the context)
+        cu.cuCtxPushCurrent(ctx)
+        cu.cuStreamDestroy(stream)
+        cu.cuCtxPopCurrent()
+    finally:
+        cu.cuCtxDestroy(ctx)
+    x = sm.Buffer.zeros(16, "float32", device=gpu)  # (sharedmem's own context works on)
+    assert x.to_host().sum() == 0
+
+
 def test_foreign_streams_are_one_stream(gpu, K):
     import cupy as cp
     cs = cp.cuda.Stream(non_blocking=True)

@@ -197,6 +197,32 @@ def test_a_stream_of_another_device_is_refused_before_anything_is_imported(two, 
         sm.Stream.from_external(CupyStream(0x5512, 1), d0)
     with pytest.raises(sm.DeviceMismatchError):
         sm.from_dlpack(t, stream=CupyStream(0x5513, 1))
+    # a raw handle says nothing: the driver says where its stream lives (cuStreamGetCtx)
+    h1 = int(d1.create_stream()._impl.handle)
+    st1 = sm.Stream.from_external(h1)
+    assert st1.device is d1 and st1 is sm.Stream.from_external(h1, d1)
+    assert drv.current == 0xC0 or drv.current == 0xC1  # (the push was popped)
+    with pytest.raises(sm.DeviceMismatchError, match=rf"^{h1} is a stream of CUDA device 1, not "
+                                                     rf"of <Device cuda:0 .*>'s primary context"):
+        sm.Stream.from_external(h1, d0)
+    with pytest.raises(sm.DeviceMismatchError, match=r"^from_dlpack: <Stream 0x[0-9a-f]+ on "
+                                                     r"<Device cuda:1 .*> \(borrowed\)> is on "
+                                                     r"<Device cuda:1 .*>, the memory of Tensor"):
+        sm.from_dlpack(t, stream=h1)
+    # a stream of a context other than the primary one (cuCtxCreate's): refused on its device
+    h2 = int(drv.cuStreamCreate(0)[1])
+    drv.ctx_of[h2] = 0xD00  # (a second context of device 0)
+    current = drv.current
+    for dev in (None, d0):
+        with pytest.raises(sm.DeviceMismatchError, match=rf"^{h2} is a stream of a CUDA context "
+                                                         rf"of <Device cuda:0 .*> other than its "
+                                                         rf"primary one, not of <Device cuda:0 .*>'s "
+                                                         rf"primary context \(the one sharedmem, "
+                                                         rf"CuPy and torch launch in\); use a "
+                                                         rf"stream of <Device cuda:0 "):
+            sm.Stream.from_external(h2, dev)
+    assert drv.current == current
+    assert t.allocation.live_views == 1
     u = sm.from_dlpack(t, stream=d0.create_stream())  # (the right device: imported)
     assert u.allocation is t.allocation
     del u

@@ -657,6 +657,33 @@ class CudaBackend:
         impl._read_handle = read
         return impl
 
+    def stream_home(self, impl: CudaStreamImpl):
+        """Where the CUDA stream of ``impl`` lives: ``(ordinal, primary)``, its context's
+        device and whether that context is this device's primary one (sharedmem's, as
+        CuPy's and torch's); None where the driver cannot say. A raw handle says nothing
+        else about its device (one driver call, made when a stream is first borrowed)."""
+        ctx = None
+        try:  # (_v2, CUDA 12.5: a green context's stream answers its device's primary context)
+            r = cu.cuStreamGetCtx_v2(impl.cu_stream)
+            if r[0] == _SUCCESS:
+                ctx = r[1]
+        except AttributeError:  # (an older binding)
+            pass
+        if ctx is None:
+            try:
+                ctx = check(cu.cuStreamGetCtx(impl.cu_stream), "cuStreamGetCtx")
+            except (CudaError, AttributeError):  # (not known to the driver: not checked)
+                return None
+        if int(ctx) == self.context_handle:
+            return self.ordinal, True
+        # another context: its device, asked with that context current for a moment (the
+        # pop makes the calling thread's context the one it had, as _current says)
+        check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        try:
+            return int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice")), False
+        finally:
+            cu.cuCtxPopCurrent()
+
     def _event(self):
         """A pooled event, or a new one when the pool is empty."""
         events = self._events
