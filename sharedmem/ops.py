@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from .launch import Intent, _as_view, adapter_for, launch_submission
+from .launch import Intent, _as_view, adapter_for, launch_submission, resolve_args
 from .errors import CaptureError, KernelError
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
@@ -98,10 +98,20 @@ class DeviceOp(Generic[_T_co]):
             stream = current or pool_stream(device or default_device())
         elif not isinstance(stream, Stream):
             stream = as_stream(stream)
+        if type(self) is not _LaunchOp:
+            # A composite op submits its parts one after another: their arguments are checked
+            # first (moved, released, read-only for a write, on another device), so that such
+            # an error leaves no part submitted -- resubmitting the whole op must not run its
+            # first parts twice. (A later part can still fail as it is submitted: a conflict
+            # under "reject", a view another thread moves meanwhile.)
+            self._check(stream.device)
         return self._submit_on(stream)
 
     # -- implemented by the node types --------------------------------------
     def _submit_on(self, stream) -> DeviceFuture:  # pragma: no cover
+        raise NotImplementedError
+
+    def _check(self, device) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def _device(self):  # pragma: no cover
@@ -123,6 +133,9 @@ class _LaunchOp(DeviceOp):
         # argument resolution, leases and the driver call only
         return DeviceFuture(launch_submission(self.kernel, self.grid, self.block, self.args,
                                               stream, self.shared_mem, self.policy))
+
+    def _check(self, device):
+        resolve_args(adapter_for(self.kernel), self.args, device)  # (raises as launch would)
 
     def _device(self):
         for a in self.args:
@@ -146,6 +159,10 @@ class _Then(DeviceOp):
         self.first._submit_on(stream)
         return self.second._submit_on(stream)
 
+    def _check(self, device):
+        self.first._check(device)
+        self.second._check(device)
+
     def _device(self):
         return self.first._device() or self.second._device()
 
@@ -166,6 +183,9 @@ class _Apply(DeviceOp):
         inner = self.inner._submit_on(stream)
         fn = self.fn
         return ComputedFuture(inner._s, lambda: fn(value_when_done(inner)))
+
+    def _check(self, device):
+        self.inner._check(device)
 
     def _device(self):
         return self.inner._device()
@@ -195,6 +215,10 @@ class _Zip(DeviceOp):
         backend, impl = stream.device.backend, stream._impl
         join = _sub.submit(stream, [], lambda: backend.submit_marker(impl), label="zip join")
         return ComputedFuture(join, lambda: tuple(value_when_done(f) for f in futures))
+
+    def _check(self, device):
+        for o in self.ops:
+            o._check(device)
 
     def _device(self):
         for o in self.ops:

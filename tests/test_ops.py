@@ -155,3 +155,38 @@ def test_an_op_kept_around_does_not_keep_released_memory(host):
     assert alloc() is None
     with pytest.raises(sm.ReleasedError):
         o.submit(s)
+
+
+@pytest.mark.parametrize("compose", ["and_then", "zip", "apply"])
+def test_a_composite_op_with_a_bad_argument_submits_no_part(host, compose):
+    """An argument error in a later part is found before the first part is submitted:
+    resubmitting the whole op after fixing it runs every part once."""
+    s = host.create_stream()
+    acc = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    moved = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    t = sm.Tensor.from_buffer(moved, (4,))  # `moved` is moved: a later part names it
+    first = sm.op(inc, 1, 1, sm.Out(acc))
+    later = sm.op(fill, 1, 1, sm.Out(moved), 7)
+    composite = {"and_then": lambda: first.and_then(later),
+                 "zip": lambda: sm.zip(first, later),
+                 "apply": lambda: sm.zip(first, later.apply(lambda v: v))}[compose]()
+    s.synchronize()
+    submitted = sm.stats().submitted
+    with pytest.raises(sm.MovedError, match=r"^this Buffer \(allocation #\d+\) was moved into a Tensor"):
+        composite.submit(s)
+    assert sm.stats().submitted == submitted  # no part ran
+    s.synchronize()
+    np.testing.assert_array_equal(acc.to_host(), np.zeros(4))
+    # a read-only view written by a later part: refused the same way
+    ro = x.as_readonly()
+    submitted = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 0: Out\(.*\) would write through a "
+                                             r"read-only view"):
+        first.and_then(sm.op(fill, 1, 1, sm.Out(ro), 7)).submit(s)
+    assert sm.stats().submitted == submitted
+    moved = t.into_buffer()
+    fixed = first.and_then(sm.op(fill, 1, 1, sm.Out(moved), 7))
+    fixed.submit(s).result(5)
+    np.testing.assert_array_equal(acc.to_host(), np.ones(4))  # the first part ran once
+    np.testing.assert_array_equal(moved.to_host(), np.full(4, 7))
