@@ -198,6 +198,7 @@ def test_a_stream_of_another_device_is_refused_before_anything_is_imported(two, 
     with pytest.raises(sm.DeviceMismatchError):
         sm.from_dlpack(t, stream=CupyStream(0x5513, 1))
     # a raw handle says nothing: the driver says where its stream lives (cuStreamGetCtx)
+    monkeypatch.setattr(sm_device, "_default", d0)  # (CUDA device 0 the default, as on a GPU)
     h1 = int(d1.create_stream()._impl.handle)
     st1 = sm.Stream.from_external(h1)
     assert st1.device is d1 and st1 is sm.Stream.from_external(h1, d1)
