@@ -183,7 +183,11 @@ def device_frame(view) -> DeviceFrame:
     if isinstance(view, Tensor) and not view.is_contiguous():
         view = view.copy()  # (a new allocation that only the frame keeps)
     frame = DeviceFrame(view)
-    order_consumer(frame._view._token, _wait, blocking=True)
+    try:
+        order_consumer(frame._view._token, _wait, blocking=True)
+    except BaseException:
+        frame._view.release()  # (no frame: its view of the bytes goes now, not at a collection)
+        raise
     return frame
 
 

@@ -173,3 +173,30 @@ def test_local_cluster_two_workers(serializers):
         # the first result as well, fetched from worker 1
         np.testing.assert_array_equal(a.result(timeout=30).to_host(),
                                       np.full((16, 4), 2.5, np.float32))
+
+
+def test_a_device_frame_is_refused_when_its_writer_faults_during_the_wait(host):
+    """The frame waits for the pending write on the host; a write that faults meanwhile
+    (completion unknown) gives no frame -- the bytes are not known to be written -- as the
+    dask family (a host copy) refuses them too."""
+    import threading
+    import warnings
+    from sharedmem.backends.host import HostFault
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def faulting_write(x):
+        gate.wait(5)
+        raise HostFault("illegal address (simulated)")
+
+    b = sm.Buffer.zeros(8, "float32", device=host)
+    sm.synchronize()
+    sm.launch(faulting_write, 1, 1, sm.Out(b), stream=host.create_stream())
+    threading.Timer(0.1, gate.set).start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.LeakWarning)  # (the faulted work's, reported once)
+        with pytest.raises(sm.CompletionUnknownError,
+                           match=r"^bytes \[0, 32\) of allocation #\d+ are touched by work whose "
+                                 r"completion became unknown while waited for \(HostFault\("):
+            smdask.device_frame(b)
+    assert b.allocation.live_views == 1  # the frame's own view went with it

@@ -849,6 +849,11 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
     if blocking:
         for m in markers:
             wait(m)
+            if m.error is not None:  # (the wait found the writer faulted: unknown completion)
+                raise CompletionUnknownError(
+                    f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
+                    f"touched by work whose completion became unknown while waited for "
+                    f"({m.error!r}); they cannot be exported")
     return len(markers)
 
 
