@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .errors import BackendUnavailableError
+from .errors import BackendUnavailableError, CudaError
 from .runtime.state import OwnedLock, fork_safe
 
 __all__ = ["Device", "default_device"]
@@ -201,13 +201,17 @@ def default_device() -> Device:
             f"SHAREDMEM_BACKEND={choice!r} is not a backend; use 'host' or 'cuda' (or unset it)")
     if choice == "host":
         dev = Device.host()
-    elif choice == "cuda":
-        dev = Device(0)
     else:
         try:
             dev = Device(0)
-        except BackendUnavailableError as e:
-            _fallback[0] = str(e)
+        except (BackendUnavailableError, CudaError) as e:
+            # CudaError: a GPU the driver sees but cannot use (its primary context refused:
+            # an exclusive-process GPU busy elsewhere, out of memory)
+            why = str(e) if isinstance(e, BackendUnavailableError) else \
+                f"CUDA device 0 is not usable: {e}"
+            if choice == "cuda":
+                raise BackendUnavailableError(f"SHAREDMEM_BACKEND=cuda: {why}") from e
+            _fallback[0] = why
             dev = Device.host()
     _default = dev
     return dev

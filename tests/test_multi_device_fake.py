@@ -230,3 +230,43 @@ def test_a_stream_of_another_device_is_refused_before_anything_is_imported(two, 
     sm.synchronize()
     after = sm.stats()
     assert after.leaked == before.leaked
+
+
+def test_a_gpu_the_driver_cannot_use_falls_back_to_the_host(monkeypatch):
+    """GPU 0 present but its primary context refused (an exclusive-process GPU busy
+    elsewhere): the default device is the host, as for no CUDA at all, and says why;
+    SHAREDMEM_BACKEND=cuda makes it an error. Unpickling lands on the default device."""
+    import pickle
+    import sharedmem.device as sm_device
+    from fake_cuda import install_fake_devices
+    (gpu,), drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setattr(sm_device, "_devices",
+                        {k: v for k, v in sm_device._devices.items() if k[0] != "cuda"})
+    monkeypatch.setattr(sm_device, "_default", None)
+    monkeypatch.setattr(sm_device, "_fallback", [None])
+    monkeypatch.delenv("SHAREDMEM_BACKEND", raising=False)
+    data = pickle.dumps(sm.Buffer.from_host(np.arange(3.0), device=sm.Device.host()))
+    monkeypatch.setattr(drv, "cuDevicePrimaryCtxRetain", lambda dev: (46, None))
+    monkeypatch.setenv("SHAREDMEM_BACKEND", "cuda")
+    with pytest.raises(sm.BackendUnavailableError,
+                       match=r"^SHAREDMEM_BACKEND=cuda: CUDA device 0 is not usable: "
+                             r"cuDevicePrimaryCtxRetain failed"):
+        sm.default_device()
+    monkeypatch.delenv("SHAREDMEM_BACKEND")
+    r = pickle.loads(data)
+    assert r.device is sm.Device.host() and sm.default_device() is sm.Device.host()
+    np.testing.assert_array_equal(r.to_host(), np.arange(3.0))
+    assert sm.device.host_fallback_reason().startswith(
+        "CUDA device 0 is not usable: cuDevicePrimaryCtxRetain failed")
+
+
+def test_a_device_number_past_the_last_gpu_is_a_value_error(monkeypatch):
+    import sharedmem.device as sm_device
+    from fake_cuda import install_fake_devices
+    install_fake_devices(monkeypatch, False)  # one (fake) GPU
+    monkeypatch.setattr(sm_device, "_devices", {})
+    with pytest.raises(ValueError, match=r"^CUDA device 5 does not exist; this machine has 1 "
+                                         r"device\(s\), 0 to 0$") as ei:
+        sm.Device(5)
+    assert not isinstance(ei.value, sm.BackendUnavailableError)
+    assert ("cuda", 5) not in sm_device._devices

@@ -504,9 +504,11 @@ class CudaBackend:
         if err != _SUCCESS:
             raise BackendUnavailableError(f"no usable CUDA driver or GPU here (cuInit: {_name(err)})")
         count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
-        if ordinal >= count:
-            raise BackendUnavailableError(
-                f"CUDA device {ordinal} does not exist; this machine has {count} device(s)")
+        if count == 0:
+            raise BackendUnavailableError("no CUDA device here (cuDeviceGetCount: 0)")
+        if ordinal >= count:  # (a bad argument, as a negative one: errors.md)
+            raise ValueError(f"CUDA device {ordinal} does not exist; this machine has {count} "
+                             f"device(s), 0 to {count - 1}")
         self.ordinal = ordinal
         self.cu_device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
         self.name = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName") \
