@@ -401,6 +401,17 @@ class DeviceBox:
         from .pickling import reduce_box
         return reduce_box(self, protocol)
 
+    def __copy__(self) -> DeviceBox:
+        """``copy.copy(box)``: a new box of the same value on the same device (a copy of its
+        buffer, as for a Buffer; pickling would give the same, through the host)."""
+        box = DeviceBox.__new__(DeviceBox)
+        box.buffer = self.buffer.__copy__()
+        return box
+
+    def __deepcopy__(self, memo) -> DeviceBox:
+        """``copy.deepcopy(box)``: as ``copy.copy``."""
+        return self.__copy__()
+
     def release(self) -> None:
         """Release the box's buffer now (see View.release)."""
         self.buffer.release()

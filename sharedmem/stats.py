@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from . import allocation as _allocation
@@ -36,14 +36,16 @@ class Stats:
     retired: int
 
     def __getitem__(self, key: str) -> int:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
+        if key not in _COUNTERS:  # (the counters only: not methods, not dunders)
+            raise KeyError(key)
+        return getattr(self, key)
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""
         return asdict(self)
+
+
+_COUNTERS = frozenset(f.name for f in fields(Stats))
 
 
 def stats() -> Stats:

@@ -209,6 +209,14 @@ def test_copy_and_deepcopy_make_a_copy_on_the_same_device(monkeypatch):
         ro = b.as_readonly()
         c = copy.deepcopy(ro)  # (a copy is new memory: writable, as NumPy's)
         assert ro.readonly and not c.readonly and c.device is dev
-        del b, t, c, src, ro
+        box = sm.DeviceBox(1.5, "float32", device=dev)  # a box copies its value, too
+        for c in (copy.copy(box), copy.deepcopy(box)):
+            assert type(c) is sm.DeviceBox and c.device is dev and c.dtype == np.float32
+            assert c.buffer.allocation is not box.buffer.allocation
+            c.set(5.0)
+            assert c.get() == 5.0 and box.get() == 1.5
+            c.release()
+            assert box.buffer.is_live
+        del b, t, c, src, ro, box
     sm.synchronize()
     gc_collect_harder()
