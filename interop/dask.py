@@ -44,6 +44,7 @@ from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
 from sharedmem.buffer import Buffer, DeviceBox, new_buffer
+from sharedmem.pickling import values_stream
 from sharedmem.runtime.submission import order_consumer
 from sharedmem.tensor import Tensor
 
@@ -92,7 +93,7 @@ def _from_host_frame(frame):
         if t.size:
             a = np.frombuffer(memoryview(frame).cast("B"), dtype=dtype)
             with t.as_buffer() as b:
-                b.copy_from(a)  # (converts a sender's other byte order)
+                b.copy_from(a, values_stream(b.device))  # (converts a sender's byte order)
         return t
 
     return make
@@ -221,7 +222,7 @@ def cuda_loads(header, frames):
         t = Tensor.empty(shape, dtype, device=src.device)
         if t.size:
             with t.as_buffer() as d, src.as_buffer() as s:
-                d.copy_from(s)
+                d.copy_from(s, values_stream(d.device))
         src.release()
         return t
 

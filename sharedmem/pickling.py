@@ -79,11 +79,22 @@ def _values(dtype, shape, data) -> np.ndarray:
     return a.reshape(shape)
 
 
+def values_stream(device):
+    """The stream a received view's values are copied on: None (the current stream, as for
+    any copy), unless that stream captures a graph -- the copy would be recorded, not run, and
+    the new view would hold no values -- then a stream of the device's pool."""
+    from .ops import pool_stream
+    from .stream import resolve_stream
+    return pool_stream(device) if resolve_stream(None, device)._capture is not None else None
+
+
 def rebuild_buffer(dtype, data):
     """A new Buffer on the default device holding the pickled values."""
     from .buffer import Buffer
+    from .device import default_device
     hook_distributed()
-    return Buffer.from_host(_values(dtype, -1, data))
+    dev = default_device()
+    return Buffer.from_host(_values(dtype, -1, data), dev, values_stream(dev))
 
 
 def rebuild_tensor(dtype, shape, data):
@@ -94,7 +105,7 @@ def rebuild_tensor(dtype, shape, data):
     t = Tensor.empty(a.shape, a.dtype.newbyteorder("="))  # (0-d stays 0-d: no from_host)
     if a.size:
         with t.as_buffer() as b:
-            b.copy_from(a.reshape(-1))
+            b.copy_from(a.reshape(-1), values_stream(b.device))
     return t
 
 

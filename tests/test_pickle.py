@@ -220,3 +220,27 @@ def test_copy_and_deepcopy_make_a_copy_on_the_same_device(monkeypatch):
         del b, t, c, src, ro, box
     sm.synchronize()
     gc_collect_harder()
+
+
+def test_unpickling_inside_a_capture_block_gets_the_values(host):
+    """The copy that fills an unpickled view runs -- it is not recorded into the graph being
+    captured on the current stream (the view would hold no values, and every replay would
+    write it) -- and the graph captures only what the block launched."""
+    import pickle
+    from host_kernels import fill
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    data = [pickle.dumps(x) for x in (sm.Tensor.from_host(a, device=host),
+                                      sm.Buffer.from_host(a.ravel(), device=host),
+                                      sm.DeviceBox(2.5, "float32", device=host))]
+    out = sm.Buffer.zeros(4, "float32", device=host)
+    s = host.create_stream()
+    with sm.capture(s) as g:
+        t, b, box = (pickle.loads(d) for d in data)
+        sm.launch(fill, 1, 1, sm.Out(out), 7.0)
+    np.testing.assert_array_equal(t.to_host(), a)
+    np.testing.assert_array_equal(b.to_host(), a.ravel())
+    assert box.get() == 2.5
+    np.testing.assert_array_equal(out.to_host(), np.zeros(4))  # captured, not run
+    g.replay(s).result(5)
+    np.testing.assert_array_equal(out.to_host(), np.full(4, 7.0))
+    np.testing.assert_array_equal(t.to_host(), a)  # the replay does not write t
