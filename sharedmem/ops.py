@@ -21,13 +21,15 @@ chain like any two launches: every launch takes its own leases.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .launch import Intent, _as_view, adapter_for, launch_submission, resolve_args
 from .errors import CaptureError, KernelError
+from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
-from .runtime.state import OwnedLock, fork_safe
+from .runtime.state import RUNTIME, OwnedLock, fork_safe
 from .stream import Stream, as_stream, current_stream, streams_entered
 
 __all__ = ["DeviceOp", "op", "zip"]
@@ -277,14 +279,15 @@ def value_when_done(fut) -> object:
 class ComputedFuture(DeviceFuture):
     """A DeviceFuture whose value is computed on the host, exactly once, after
     its submission completed: eagerly in the retiring thread, or at the first
-    ``result()``, whichever comes first.
+    ``result()``, whichever comes first. It is done once the value is computed: its
+    callbacks (``then``, ``await``, ``to_concurrent``) run after that.
 
     The function runs outside the lock: computing it may wait for other work,
     and that wait may retire this very submission and run its eager callback
     in the same thread -- which then finds the computation under way and
-    returns (other threads wait for it)."""
+    returns (other threads wait for it, up to their timeout)."""
 
-    __slots__ = ("_fn", "_lock", "_state", "_val", "_ready")
+    __slots__ = ("_fn", "_lock", "_state", "_val", "_ready", "_waiters")
 
     _PENDING, _VALUE, _ERROR, _COMPUTING = 0, 1, 2, 3
 
@@ -295,36 +298,67 @@ class ComputedFuture(DeviceFuture):
         self._state = self._PENDING  # guarded by self._lock
         self._val = None  # written once, before _ready is set
         self._ready = threading.Event()
-        self.add_done_callback(lambda f: f._value(eager=True))
+        self._waiters = []  # add_done_callback's functions; None once ready; guarded by _lock
+        DeviceFuture.add_done_callback(self, lambda f: f._compute(None, eager=True))
 
-    def _value(self, eager=False):
+    def _compute(self, timeout, eager=False) -> bool:
+        """Compute the value if nobody has yet; else wait up to ``timeout`` for whoever
+        computes it (``eager``: never wait). Whether the value is ready."""
         with self._lock:
             state = self._state
             if state == self._PENDING:
                 self._state = self._COMPUTING
-        if state == self._PENDING:
-            fn, self._fn = self._fn, None
-            try:
-                val, state = fn(), self._VALUE
-            except BaseException as e:
-                val, state = e, self._ERROR
-            self._val = val
-            with self._lock:
-                self._state = state
-            self._ready.set()
-        elif state == self._COMPUTING:
+        if state == self._COMPUTING:
             if eager:
-                return None  # someone (maybe this very thread, further up) computes it
-            self._ready.wait()
-            state = self._state
-        if state == self._ERROR and not eager:
-            raise self._val
-        return self._val
+                return False  # someone (maybe this very thread, further up) computes it
+            with _callbacks.waiting():
+                return self._ready.wait(timeout)
+        if state != self._PENDING:
+            return True
+        fn, self._fn = self._fn, None
+        try:
+            val, state = fn(), self._VALUE
+        except BaseException as e:
+            val, state = e, self._ERROR
+        self._val = val
+        with self._lock:
+            self._state = state
+            waiters, self._waiters = self._waiters, None
+        self._ready.set()
+        for w in waiters:  # (each on its own: an error waits for the next API call)
+            try:
+                w(self)
+            except BaseException as e:
+                RUNTIME.errors.append(e)
+        return True
+
+    def done(self) -> bool:
+        """True once the value (or its error) is computed."""
+        return self._ready.is_set()
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(self)`` once the value is computed (at once if it is)."""
+        with self._lock:
+            if self._waiters is not None:
+                self._waiters.append(fn)
+                return
+        fn(self)
+
+    def _wait_done(self, timeout) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        DeviceFuture._wait_done(self, timeout)  # the work, then deferred errors
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._compute(left):
+            raise TimeoutError(f"the value of {self._s.label} on {self._s.stream} was not "
+                               f"computed within {timeout} s")
 
     def result(self, timeout: float | None = None):
-        DeviceFuture.result(self, timeout)  # waits; raises if completion is unknown
-        return self._value()
+        self._wait_done(timeout)  # raises TimeoutError; CompletionUnknownError below
+        return self._peek()
 
     def _peek(self):
-        DeviceFuture._peek(self)
-        return self._value()
+        DeviceFuture._peek(self)  # the work's own outcome first
+        self._compute(None)  # (computed already, or here)
+        if self._state == self._ERROR:
+            raise self._val
+        return self._val

@@ -126,6 +126,12 @@ def on_worker() -> bool:
     return getattr(_local, "worker", False)
 
 
+def in_callback() -> bool:
+    """True while a callback runs in this thread (on a worker, or inline in the thread that
+    retired its work): other work's deferred errors are not for it (see raise_deferred)."""
+    return getattr(_local, "worker", False) or getattr(_local, "rest", None) is not None
+
+
 class waiting:
     """``with waiting():`` around a blocking wait: inside a callback, the callbacks after it
     go to the workers (it may wait for one of them: a user thread or a host stream's worker

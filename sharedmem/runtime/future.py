@@ -68,12 +68,12 @@ class _FutureBase:
         return out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The exception the work ended with, or None."""
+        """The exception the work ended with, or None (a TimeoutError when it has not ended
+        within ``timeout``; as ``result``, errors of other work's callbacks are re-raised)."""
+        self._wait_done(timeout)  # (an interrupt while waiting propagates: not the outcome)
         try:
-            self.result(timeout)
-        except TimeoutError:
-            raise
-        except BaseException as e:
+            self._peek()  # (done: no wait)
+        except BaseException as e:  # its own outcome, whatever its type (TimeoutError too)
             return e
         return None
 
@@ -159,6 +159,18 @@ class DeviceFuture(_FutureBase):
 
     def result(self, timeout: float | None = None) -> _T:
         """Block until the work has finished; see the class docstring."""
+        self._wait_done(timeout)
+        s = self._s
+        if s.state == _sub.UNKNOWN:
+            raise CompletionUnknownError(
+                f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}. Its "
+                f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
+        _raise_failure(s)
+        return s.value
+
+    def _wait_done(self, timeout) -> None:
+        """Until the work finished (TimeoutError after ``timeout``), then other work's
+        deferred warnings and errors (what every API call of a user thread re-raises)."""
         s = self._s
         if s.state == _sub.PENDING:
             with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
@@ -166,12 +178,6 @@ class DeviceFuture(_FutureBase):
             if not done:
                 raise TimeoutError(f"{s.label} on {s.stream} did not finish within {timeout} s")
         _sub.raise_deferred()
-        if s.state == _sub.UNKNOWN:
-            raise CompletionUnknownError(
-                f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}. Its "
-                f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
-        _raise_failure(s)
-        return s.value
 
     def add_done_callback(self, fn: Callable[[DeviceFuture[_T]], object]) -> None:
         """Call ``fn(self)`` once the work has finished (at once if it has)."""
@@ -251,15 +257,17 @@ class HostFuture(_FutureBase):
     def result(self, timeout: float | None = None) -> _T:
         """The value once set (blocking up to ``timeout``); raises the error it failed with, or
         TimeoutError."""
-        done = self._event.is_set()
-        if not done:
-            with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
-                done = self._event.wait(timeout)
-        if not done:
-            raise TimeoutError(f"the host function did not finish within {timeout} s")
+        self._wait_done(timeout)
         if self._error is not None:
             raise self._error
         return self._value
+
+    def _wait_done(self, timeout) -> None:
+        if not self._event.is_set():
+            with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
+                done = self._event.wait(timeout)
+            if not done:
+                raise TimeoutError(f"the host function did not finish within {timeout} s")
 
     def add_done_callback(self, fn: Callable[[HostFuture[_T]], object]) -> None:
         """Call ``fn(self)`` once the value or error is set (at once if it is)."""

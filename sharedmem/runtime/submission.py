@@ -801,8 +801,11 @@ def synchronize_all() -> None:
 
 def raise_deferred() -> None:
     """Emit pending leak warnings and re-raise a deferred failure, in the calling (user)
-    thread."""
+    thread -- not inside a callback, whose caller would take another callback's error for
+    the outcome of what it called (they wait for the next call of a user thread)."""
     rt = RUNTIME
+    if _callbacks.in_callback():
+        return
     while rt.warnings:
         try:
             msg = rt.warnings.popleft()

@@ -1,0 +1,105 @@
+"""Futures at their edges: timeouts of computed values, exception() as concurrent.futures
+has it, other work's callback errors kept out of continuations (host backend)."""
+
+import _thread
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from host_kernels import fill, slow_fill
+
+
+def test_an_applied_value_honours_result_timeout_and_await_does_not_block(host):
+    """result(timeout) of an apply() future whose function still runs raises TimeoutError
+    in time (api.md); awaiting it leaves the event loop running meanwhile."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    started = threading.Event()
+
+    def slow(_):
+        started.set()
+        time.sleep(1.0)
+        return 42
+
+    fut = sm.op(fill, 1, 1, b, 1.0).apply(slow).submit()
+    assert started.wait(5)  # computed eagerly, in the thread that retired the work
+    assert not fut.done()  # (done once the value is)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^the value of .* was not computed within 0.1 s$"):
+        fut.result(timeout=0.1)
+    with pytest.raises(TimeoutError):
+        fut.exception(timeout=0.1)
+    assert time.monotonic() - t0 < 0.9
+    ticks = []
+
+    async def ticker():
+        for _ in range(20):
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.02)
+
+    async def main():
+        t = asyncio.create_task(ticker())
+        v = await fut
+        await t
+        return v
+
+    assert asyncio.run(main()) == 42
+    assert np.diff(ticks).max() < 0.3  # the loop ran while the value was computed
+    assert fut.done() and fut.result(0) == 42 and fut.exception(0) is None
+    assert fut.then(lambda v: v + 1).result(5) == 43
+
+
+def test_exception_returns_the_futures_own_exception_whatever_its_type(host):
+    b = sm.Buffer.zeros(4, "float32", device=host)
+
+    def fn(_):
+        raise TimeoutError("socket timed out")
+
+    h = sm.launch(fill, 1, 1, b, 1.0).then(fn)
+    e = h.exception(5)  # (a stored TimeoutError is the outcome, not a timeout of the wait)
+    assert h.done()
+    assert type(e) is TimeoutError and str(e) == "socket timed out"
+    a = sm.op(fill, 1, 1, b, 1.0).apply(fn).submit()
+    e = a.exception(5)
+    assert type(e) is TimeoutError and str(e) == "socket timed out"
+
+
+def test_an_interrupt_while_exception_waits_propagates(host):
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    f = sm.launch(slow_fill, 1, 1, b, 1.0, 1.0)
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        f.exception()  # Ctrl-C while waiting is not the future's exception
+    assert f.exception() is None
+
+
+def test_other_works_callback_errors_are_raised_not_returned_and_not_in_continuations(host):
+    """An error raised in one submission's callback is re-raised at the next call of a user
+    thread (model.md) -- raised by exception(), not returned as this future's outcome -- and
+    a continuation on a callback worker does not receive it as its own."""
+    a = sm.Buffer.zeros(4, "float32", device=host)
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    c = sm.Buffer.zeros(4, "float32", device=host)
+    g = sm.launch(fill, 1, 1, c, 1.0, stream=host.create_stream())
+    g.result()
+    f1 = sm.launch(slow_fill, 1, 1, a, 1.0, 0.1, stream=host.create_stream())
+    ran = threading.Event()
+
+    def bad(_f):
+        ran.set()
+        raise ValueError("callback of other work")
+
+    f1.add_done_callback(bad)
+    f2 = sm.launch(slow_fill, 1, 1, b, 1.0, 0.3, stream=host.create_stream())
+    h = f2.then(lambda _: g.result())  # g succeeded: the continuation returns None
+    assert ran.wait(5)
+    deadline = time.monotonic() + 5
+    while not h.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert h.done() and h._error is None  # (read directly: not an API call)
+    with pytest.raises(ValueError, match="^callback of other work$"):
+        g.exception()  # the deferred error, re-raised here
+    assert g.exception() is None and h.exception() is None and h.result() is None
