@@ -103,3 +103,30 @@ def test_other_works_callback_errors_are_raised_not_returned_and_not_in_continua
     with pytest.raises(ValueError, match="^callback of other work$"):
         g.exception()  # the deferred error, re-raised here
     assert g.exception() is None and h.exception() is None and h.result() is None
+
+
+@sm.host_kernel
+def _fails_after_writing(x):
+    x[:] = 7
+    raise ValueError("bad input")
+
+
+def test_a_failed_host_kernels_exception_keeps_no_view_of_freed_memory(host):
+    """The future keeps the kernel's exception (HostKernelError's __cause__); its frames'
+    locals -- NumPy views of pool memory that is reused once the work retired -- are cleared,
+    while the traceback still shows where it raised."""
+    import traceback
+    b = sm.Buffer.zeros(1024, "float32", device=host)
+    f = sm.launch(_fails_after_writing, 1, 1, b)
+    cause = f.exception(5).__cause__
+    assert type(cause) is ValueError and str(cause) == "bad input"
+    del b
+    sm.synchronize()
+    c = sm.Buffer.zeros(1024, "float32", device=host)
+    tb = cause.__traceback__
+    while tb.tb_next:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_name == "_fails_after_writing"
+    assert "x" not in tb.tb_frame.f_locals  # (a debugger finds no view of c's bytes)
+    assert 'raise ValueError("bad input")' in "".join(traceback.format_tb(cause.__traceback__))
+    np.testing.assert_array_equal(c.to_host(), np.zeros(1024, np.float32))

@@ -1200,3 +1200,37 @@ def test_a_move_inside_a_callback_does_not_wait_for_its_own_batch(host):
         time.sleep(0.01)
     assert len(took) == 3 and max(took) < 0.5, took
     del alias
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (fork with threads running)
+def test_in_a_forked_child_a_callback_added_to_retired_work_runs_at_once(host):
+    """Work retired in the parent, its callbacks queued for a busy callback worker when the
+    process forks: the child drops the parent's queue (model.md) -- and a callback the child
+    adds to that work runs at once, as for any retired work (it was joined to the dropped
+    list, and a then() or await on it never finished)."""
+    from host_kernels import fill
+    a = sm.Buffer.zeros(4, "float32", device=host)
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    gate, busy = threading.Event(), threading.Event()
+    f1 = sm.launch(fill, 1, 1, a, 1.0, stream=host.create_stream())
+    f1.add_done_callback(lambda _f: (busy.set(), gate.wait(10)))  # occupies the worker
+    assert busy.wait(5)
+    f2 = sm.launch(fill, 1, 1, b, 2.0, stream=host.create_stream())
+    f2.add_done_callback(lambda _f: None)  # queued for the busy worker
+    deadline = time.monotonic() + 5
+    while f2._s.state == 0 and time.monotonic() < deadline:  # (retired)
+        time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            hit = []
+            f2.add_done_callback(lambda _f: hit.append(1))
+            h = f2.then(lambda _: "cont")
+            code = 10 * len(hit) + (h.done() and h.result(0) == "cont")
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    gate.set()
+    assert os.waitstatus_to_exitcode(status) == 11  # the callback ran (10), then() done (1)

@@ -31,6 +31,7 @@ import math
 import ctypes
 import sys
 import threading
+import traceback
 import time
 import weakref
 
@@ -442,6 +443,10 @@ def _worker(q, state, backend) -> None:
             fn()
         except BaseException as e:
             if marker is not None and marker.isolated and isinstance(e, Exception):
+                # Its frames' locals go: they hold the kernel's NumPy views of memory that is
+                # freed and reused once the work retires, and the future keeps the exception
+                # (a debugger or error reporter reading them would touch another view's bytes)
+                traceback.clear_frames(e.__traceback__)
                 marker.failure = e  # this work failed; its completion is known
                 log.info("a host kernel raised %r; its future fails, the stream runs on", e)
             else:  # the stream faulted: sticky, like a CUDA error

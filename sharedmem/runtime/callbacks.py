@@ -199,7 +199,12 @@ atexit.register(_drain_at_exit)
 def _after_fork_child() -> None:
     # The parent's workers do not exist here. What the parent had queued is the parent's to
     # run: dropping it here keeps side effects from happening twice.
+    # Its work stays retired here: a callback the child adds to it runs at once (a list left
+    # on it would be joined, and never run).
     global _cond, _queue, _workers, _blocked, _running
+    for item in _queue:
+        if not isinstance(item, _Rest):
+            item.callbacks = None
     _cond = threading.Condition(_lock)  # (_lock itself is re-initialized by runtime.state)
     _queue = collections.deque()
     _workers = _blocked = _running = 0
