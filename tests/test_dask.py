@@ -191,12 +191,15 @@ def test_a_device_frame_is_refused_when_its_writer_faults_during_the_wait(host):
 
     b = sm.Buffer.zeros(8, "float32", device=host)
     sm.synchronize()
-    sm.launch(faulting_write, 1, 1, sm.Out(b), stream=host.create_stream())
+    f = sm.launch(faulting_write, 1, 1, sm.Out(b), stream=host.create_stream())
     threading.Timer(0.1, gate.set).start()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", sm.LeakWarning)  # (the faulted work's, reported once)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", sm.LeakWarning)
         with pytest.raises(sm.CompletionUnknownError,
                            match=r"^bytes \[0, 32\) of allocation #\d+ are touched by work whose "
                                  r"completion became unknown while waited for \(HostFault\("):
             smdask.device_frame(b)
+        with pytest.raises(sm.CompletionUnknownError):
+            f.result(5)  # (and the faulted work's LeakWarning, reported once: here, not later)
+    assert [w.category for w in seen] == [sm.LeakWarning]
     assert b.allocation.live_views == 1  # the frame's own view went with it
