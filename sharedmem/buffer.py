@@ -6,7 +6,7 @@ import numpy as np
 
 from .allocation import Allocation, View
 from .device import Device, default_device
-from .errors import LayoutError, ReadOnlyError
+from .errors import DeviceMismatchError, LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
 from .runtime.submission import submit
 from .stream import Stream, resolve_stream
@@ -260,6 +260,10 @@ class Buffer(View):
         a = np.ascontiguousarray(src, dtype=self._dtype)
         if a.size != self._length:
             raise LayoutError(f"copy_from needs {self._length} elements, got an array of {a.size}")
+        if s._capture is not None and (a is src or a.base is not None):
+            # captured: the copy reads its source at each replay -- the values of now, as the
+            # host backend's snapshot has them, not whatever the caller's array holds then
+            a = a.copy()
         sub = submit(s, [(tok, True)], lambda: backend.copy_htod(impl, ptr, a), keep=(a,),
                      label="copy_from")
         return DeviceFuture(sub)
@@ -288,25 +292,17 @@ class Buffer(View):
         return new_buffer(tok, self._dtype, self._length)
 
 
-def copy_bytes(dst, src, stream, label):
+def copy_bytes(dst, src, stream, label, policy=None):
     """Enqueue a copy of view token ``src``'s bytes into ``dst``'s (the same size), leased on
     both sides, and return its Submission. Between two CUDA devices a peer copy
     (``stream``: a stream of either device; None: the destination's current stream), else a
     copy on one device; between kinds :class:`DeviceMismatchError`."""
     sdev, ddev = src.allocation.device, dst.allocation.device
     if sdev is not ddev and (sdev.kind != "cuda" or ddev.kind != "cuda"):
-        from .errors import DeviceMismatchError
         raise DeviceMismatchError(f"cannot copy between {sdev} and {ddev} on the device; go "
                                   f"through the host (to_host(), then copy_from / from_host)")
-    s = stream
-    if s is not None and sdev is not ddev:
-        if not isinstance(s, Stream):
-            s = Stream.from_external(s, ddev)
-        if s.device is not sdev and s.device is not ddev:
-            from .errors import DeviceMismatchError
-            raise DeviceMismatchError(f"a copy between {sdev} and {ddev} runs on a stream of "
-                                      f"one of them, not on {s}")
-    else:
+    s = copy_stream(stream, sdev, ddev) if sdev is not ddev else stream
+    if s is None or sdev is ddev:
         s = resolve_stream(s, ddev)
     impl = s._impl
     backend = s.device.backend
@@ -318,18 +314,45 @@ def copy_bytes(dst, src, stream, label):
     else:
         enqueue = lambda: backend.copy_peer(impl, dptr, ddev.backend, sptr,  # noqa: E731
                                             sdev.backend, n)
-    return submit(s, [(src, False), (dst, True)], enqueue, label=label)
+    return submit(s, [(src, False), (dst, True)], enqueue, policy=policy, label=label)
 
 
-def to_device(view, device, stream):
+def copy_stream(stream, a, b):
+    """The Stream a copy between devices ``a`` and ``b`` is given: ``stream`` -- a Stream, or
+    a foreign one, borrowed on whichever of the two it lives on -- when it is of either
+    device; None stays None. DeviceMismatchError otherwise, before anything is done."""
+    if stream is None:
+        return None
+    s = stream
+    if not isinstance(s, Stream):
+        for d in (b, a) if b.kind == "cuda" else (a,):  # (the destination's first)
+            if d.kind != "cuda":
+                continue
+            try:
+                s = Stream.from_external(stream, d)
+                break
+            except DeviceMismatchError:
+                continue
+    if not isinstance(s, Stream) or (s.device is not a and s.device is not b):
+        raise DeviceMismatchError(f"a copy between {a} and {b} runs on a stream of one of "
+                                  f"them, not on {s!r}")
+    return s
+
+
+def to_device(view, device, stream, policy=None):
     """A new allocation on ``device`` holding ``view``'s bytes (C order for tensors): the
-    work of :meth:`Buffer.to_device` and :meth:`Tensor.to_device`. Returns the new token."""
+    work of :meth:`Buffer.to_device` and :meth:`Tensor.to_device`. Returns the new token.
+    ``policy``: of the copy between CUDA devices ("order" where ``view`` is private)."""
     tok = view._live_token()
     dev = _device(device)
     sdev = tok.allocation.device
+    if sdev is not dev:
+        stream = copy_stream(stream, sdev, dev)
+    elif stream is not None:
+        stream = resolve_stream(stream, dev)
     if sdev.kind != dev.kind or (sdev is not dev and dev.kind != "cuda"):
-        raw = view.to_host(stream if stream is not None and _on(stream, sdev) else None)
-        s = resolve_stream(stream if stream is not None and _on(stream, dev) else None, dev)
+        raw = view.to_host(stream if stream is not None and stream.device is sdev else None)
+        s = resolve_stream(stream if stream is not None and stream.device is dev else None, dev)
         alloc = allocate(dev, raw.nbytes, s)
         out = alloc.new_token(view._kind, 0, raw.nbytes, True, alloc)
         backend = dev.backend
@@ -339,16 +362,10 @@ def to_device(view, device, stream):
         return out
     nbytes = tok.stop - tok.start
     s = stream
-    if s is not None and not isinstance(s, Stream):
-        s = Stream.from_external(s, dev)
     alloc = allocate(dev, nbytes, s if s is not None and s.device is dev else None)
     out = alloc.new_token(view._kind, 0, nbytes, True, alloc)
-    copy_bytes(out, tok, s, "to_device")
+    copy_bytes(out, tok, s, "to_device", policy)
     return out
-
-
-def _on(stream, device) -> bool:
-    return isinstance(stream, Stream) and stream.device is device
 
 
 def _length(n) -> int:

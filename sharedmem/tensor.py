@@ -26,7 +26,7 @@ except ImportError:
     from . import _cython as cython
 
 from .allocation import View
-from .buffer import Buffer, _device, allocate, as_dtype, native, new_buffer, to_device
+from .buffer import Buffer, _device, allocate, as_dtype, copy_stream, native, new_buffer, to_device
 from .errors import LayoutError
 from .runtime.submission import submit
 from .stream import Stream, resolve_stream
@@ -496,14 +496,20 @@ class Tensor(View):
         :meth:`Buffer.to_device` for streams, ordering and leases). A strided tensor is first
         made contiguous on its own device."""
         tok = self._live_token()
-        src = self
+        sdev, dev = tok.allocation.device, _device(device)
+        # (the stream checked first: a refused one leaves nothing enqueued)
+        stream = copy_stream(stream, sdev, dev) if sdev is not dev else \
+            resolve_stream(stream, dev) if stream is not None else None
         nbytes = self._size * self._dtype.itemsize
-        if not self._contiguous or (nbytes and (self._offset != tok.start
-                                                or self._offset + nbytes != tok.stop)):
-            sdev = tok.allocation.device
-            own = stream if isinstance(stream, Stream) and stream.device is sdev else None
-            src = self.copy(own)
-        out = to_device(src, device, stream)
+        if nbytes == 0:  # (no bytes to copy, whatever bytes its view holds)
+            return Tensor.empty(self._shape, self._dtype, dev,
+                                stream if stream is not None and stream.device is dev else None)
+        if self._contiguous and self._offset == tok.start and self._offset + nbytes == tok.stop:
+            out = to_device(self, dev, stream)
+        else:  # made contiguous on its own device first: a private temporary, so its copy
+            # to another device is ordered after the making whatever the policy
+            own = stream if stream is not None and stream.device is sdev else None
+            out = to_device(self.copy(own), dev, stream, "order")
         return new_tensor(out, self._dtype, self._shape, c_strides(self._shape), 0, self._size, 1)
 
     # -- data movement ---------------------------------------------------------------

@@ -270,3 +270,100 @@ def test_a_device_number_past_the_last_gpu_is_a_value_error(monkeypatch):
         sm.Device(5)
     assert not isinstance(ei.value, sm.BackendUnavailableError)
     assert ("cuda", 5) not in sm_device._devices
+
+
+class _CupyStream:  # a CuPy-style stream object: .ptr and .device_id
+    def __init__(self, ptr, device_id):
+        self.ptr, self.device_id = ptr, device_id
+
+
+def _foreign_stream(drv, ordinal):
+    h = int(drv.cuStreamCreate(0)[1])
+    drv.ctx_of[h] = 0xC0 + ordinal
+    return _CupyStream(h, ordinal)
+
+
+def test_a_strided_copy_to_another_device_is_not_refused_for_its_own_temporary(two):
+    """Under "reject", the peer copy of the contiguous temporary a strided tensor is first
+    made into is ordered after that making (both are private): no false conflict."""
+    d0, d1, drv = two
+    a = np.arange(32, dtype=np.float32).reshape(4, 8)
+    t = sm.Tensor.from_host(a, device=d0)
+    sm.synchronize()
+    sm.set_access_policy("reject")
+    try:
+        drv.holding = True  # device work stays in flight, as on a busy GPU
+        u = t[::2].to_device(d1)
+        drv.holding = False
+        drv.finish_held()
+    finally:
+        sm.set_access_policy("order")
+    np.testing.assert_array_equal(u.to_host(), a[::2])
+
+
+def test_copies_between_devices_take_a_foreign_stream_of_either_device(two):
+    d0, d1, drv = two
+    a = np.arange(8, dtype=np.float32)
+    b0 = sm.Buffer.from_host(a, device=d0)
+    c1 = sm.Buffer.zeros(8, "float32", device=d1)
+    fs0 = _foreign_stream(drv, 0)
+    c1.copy_from(b0, stream=fs0).result()  # (a stream of the source device)
+    np.testing.assert_array_equal(c1.to_host(), a)
+    u = b0.to_device(d1, stream=_foreign_stream(drv, 0).ptr)  # (a raw handle of it)
+    np.testing.assert_array_equal(u.to_host(), a)
+    u = b0.to_device(d1, stream=_foreign_stream(drv, 1))
+    np.testing.assert_array_equal(u.to_host(), a)
+    # host <-> GPU: the foreign stream named is the one used; one of a third device refused
+    hb = sm.Buffer.from_host(a, device=sm.Device.host())
+    sm.synchronize()
+    fs1 = _foreign_stream(drv, 1)
+    drv.holding = True
+    hb.to_device(d1, stream=fs1)
+    assert [i.stream for i in sm.inflight() if i.label == "to_device"] == \
+        [sm.Stream.from_external(fs1, d1)]
+    drv.holding = False
+    drv.finish_held()
+    submitted = sm.stats().submitted
+    for s in (d0.create_stream(), _foreign_stream(drv, 0)):
+        with pytest.raises(sm.DeviceMismatchError, match=r"^a copy between <Device host> and "
+                                                         r"<Device cuda:1 .*> runs on a stream "
+                                                         r"of one of them, not on "):
+            hb.to_device(d1, stream=s)
+    # a strided tensor: the refused stream is found before its contiguous copy is made
+    t = sm.Tensor.from_host(np.arange(32, dtype=np.float32).reshape(4, 8), device=d0)
+    sm.synchronize()
+    submitted = sm.stats().submitted
+    with pytest.raises(sm.DeviceMismatchError, match=r"runs on a stream of one of them"):
+        t[::2].to_device(d1, stream=sm.Device.host().create_stream("h"))
+    assert sm.stats().submitted == submitted
+
+
+@pytest.mark.parametrize("backend", ["host", "cuda"])
+def test_a_captured_copy_from_a_host_array_replays_the_values_it_had(backend, monkeypatch):
+    """Both backends replay the array's values at capture (the host backend snapshots them;
+    on CUDA the captured copy read the caller's array at each replay)."""
+    if backend == "host":
+        dev = sm.Device.host()
+    else:
+        from fake_cuda import install_fake_devices
+        dev = install_fake_devices(monkeypatch, False)[0][0]
+    s = dev.create_stream()
+    b = sm.Buffer.zeros(4, "float32", device=dev)
+    arr = np.full(4, 1, np.float32)
+    sm.synchronize()
+    with sm.capture(s) as g:
+        b.copy_from(arr)
+    arr[:] = 2
+    g.replay().result()
+    np.testing.assert_array_equal(b.to_host(), [1, 1, 1, 1])
+    sm.synchronize()
+
+
+def test_an_empty_tensor_over_bytes_arrives_as_an_empty_contiguous_tensor(two):
+    d0, d1, _ = two
+    for src, dst in ((sm.Device.host(), sm.Device.host()), (d0, d1), (sm.Device.host(), d0)):
+        buf = sm.Buffer.from_host(np.arange(10, dtype=np.float32), device=src)
+        t = sm.Tensor.from_buffer(buf, (0,), (1,))
+        u = t.to_device(dst)
+        assert u.device is dst and u.shape == (0,) and u.is_contiguous() and u.nbytes == 0
+        assert len(u.into_buffer()) == 0
