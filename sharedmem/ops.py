@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .launch import Intent, _as_view, adapter_for, launch_submission, resolve_args
@@ -29,7 +30,7 @@ from .errors import CaptureError, KernelError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
-from .runtime.state import RUNTIME, OwnedLock, fork_safe
+from .runtime.state import OwnedLock, fork_safe
 from .stream import Stream, as_stream, current_stream, streams_entered
 
 __all__ = ["DeviceOp", "op", "zip"]
@@ -325,11 +326,9 @@ class ComputedFuture(DeviceFuture):
             self._state = state
             waiters, self._waiters = self._waiters, None
         self._ready.set()
-        for w in waiters:  # (each on its own: an error waits for the next API call)
-            try:
-                w(self)
-            except BaseException as e:
-                RUNTIME.errors.append(e)
+        if waiters:  # as a submission's callbacks run: each on its own, its error deferred to
+            # a user thread's next call, and one that waits hands the rest to a worker
+            _callbacks.run([partial(w, self) for w in waiters])
         return True
 
     def done(self) -> bool:
@@ -341,8 +340,13 @@ class ComputedFuture(DeviceFuture):
         with self._lock:
             if self._waiters is not None:
                 self._waiters.append(fn)
-                return
-        fn(self)
+                fn = None
+        if fn is not None:
+            fn(self)
+            return
+        # and the computation, once the work retired: the one queued at creation may never
+        # run (a forked child drops the parent's queue); a second one finds it done
+        DeviceFuture.add_done_callback(self, lambda f: f._compute(None, eager=True))
 
     def _wait_done(self, timeout) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -141,16 +141,30 @@ class Stream:
         stale = None
         if st is not None and st._external is not obj and not _names_its_stream(st):
             stale, st = st, None  # its object's stream was destroyed, the handle reused
+        infer = device is None and named is None  # (the device taken from the handle)
+        if st is None and infer:
+            # a raw handle borrowed before on the device it lives on (handles are unique in
+            # the process): found there, without asking the driver again
+            with _by_handle_lock:
+                found = [s for (k, h), s in _by_handle.items() if h == impl.handle]
+            for s in found:
+                if _names_its_stream(s):
+                    _last_borrowed[0] = weakref.ref(s)
+                    return s
         if st is None:
             home = dev.backend.stream_home(impl)  # (a raw handle does not say its device)
-            if home is not None and home != (dev.ordinal, True):
-                if home[0] != dev.ordinal and device is None and named is None:
-                    return cls.from_external(obj, home[0])  # on the device it lives on
-                where = (f"CUDA device {home[0]}" if home[0] != dev.ordinal else
-                         f"a CUDA context of {dev} other than its primary one")
-                raise DeviceMismatchError(
-                    f"{obj!r} is a stream of {where}, not of {dev}'s primary context (the one "
-                    f"sharedmem, CuPy and torch launch in); use a stream of {dev}")
+            if home is not None:
+                ordinal, ctx = home
+                if ordinal != dev.ordinal and infer:  # borrowed on the device it lives on
+                    dev = Device(ordinal)
+                    impl = dev.backend.borrow_stream(obj)
+                    key, stale = (dev.key, impl.handle), None
+                if ordinal != dev.ordinal or ctx != dev.backend.context_handle:
+                    where = (f"CUDA device {ordinal}" if ordinal != dev.ordinal else
+                             f"a CUDA context of {dev} other than its primary one")
+                    raise DeviceMismatchError(
+                        f"{obj!r} is a stream of {where}, not of {dev}'s primary context (the "
+                        f"one sharedmem, CuPy and torch launch in); use a stream of {dev}")
             with _by_handle_lock:
                 st = _by_handle.get(key)
                 if st is None or st is stale:

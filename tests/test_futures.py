@@ -130,3 +130,76 @@ def test_a_failed_host_kernels_exception_keeps_no_view_of_freed_memory(host):
     assert "x" not in tb.tb_frame.f_locals  # (a debugger finds no view of c's bytes)
     assert 'raise ValueError("bad input")' in "".join(traceback.format_tb(cause.__traceback__))
     np.testing.assert_array_equal(c.to_host(), np.zeros(1024, np.float32))
+
+
+def _check_row(x):
+    row = x[:8]  # noqa: F841  (a NumPy view of the kernel's argument, in a helper's frame)
+    raise KeyError("inner")
+
+
+@sm.host_kernel
+def _fails_with_a_cause(x):
+    try:
+        _check_row(x)
+    except KeyError as e:
+        raise ValueError("bad input") from e
+
+
+def test_the_exceptions_chained_to_a_failed_kernels_keep_no_view_either(host):
+    b = sm.Buffer.zeros(1024, "float32", device=host)
+    err = sm.launch(_fails_with_a_cause, 1, 1, b).exception(5).__cause__
+    assert type(err) is ValueError and type(err.__cause__) is KeyError
+    tb = err.__cause__.__traceback__
+    while tb.tb_next:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_name == "_check_row"
+    assert "row" not in tb.tb_frame.f_locals and "x" not in tb.tb_frame.f_locals
+
+
+def _chain(fut):
+    later = []
+    h1 = fut.then(lambda v: later[0].result(timeout=3))  # waits for the continuation after it
+    h2 = fut.then(lambda v: "second")
+    later.append(h2)
+    return h1, h2
+
+
+def test_a_continuation_may_wait_for_a_later_one_of_an_applied_value_too(host):
+    """As for a launch's future: a continuation that waits hands the ones after it to
+    another worker (they ran one after another, and the wait timed out)."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    for f in (sm.launch(slow_fill, 1, 1, b, 1.0, 0.3),
+              sm.op(slow_fill, 1, 1, b, 1.0, 0.3).apply(lambda v: 1).submit()):
+        h1, _ = _chain(f)
+        assert h1.result(10) == "second"
+
+
+def test_continuations_of_a_value_computed_in_result_get_no_other_callbacks_error(host):
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    c = sm.Buffer.zeros(4, "float32", device=host)
+    g = sm.launch(fill, 1, 1, c, 1.0, stream=host.create_stream())
+    g.result()
+    gate = threading.Event()
+    f = sm.op(fill, 1, 1, b, 1.0).apply(lambda v: gate.wait(5) and 1) \
+        .apply(lambda v: v + 1).submit()
+
+    def bad(_f):
+        raise ValueError("callback of other work")
+
+    f.add_done_callback(bad)
+    h = f.then(lambda _: g.result())  # runs after bad; g's result is None
+    threading.Timer(0.3, gate.set).start()
+    seen = []
+    for _ in range(3):  # (bad's error is re-raised at a call of this user thread, once)
+        try:
+            assert f.result(5) == 2
+            assert h.result(5) is None and h.exception() is None
+            break
+        except ValueError as e:
+            seen.append(str(e))
+    if not seen:  # (h ran after bad: bad's error is deferred by now)
+        try:
+            g.result()
+        except ValueError as e:
+            seen.append(str(e))
+    assert seen == ["callback of other work"]

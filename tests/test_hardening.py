@@ -1234,3 +1234,84 @@ def test_in_a_forked_child_a_callback_added_to_retired_work_runs_at_once(host):
     _, status = os.waitpid(pid, 0)
     gate.set()
     assert os.waitstatus_to_exitcode(status) == 11  # the callback ran (10), then() done (1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (fork with threads running)
+def test_a_fork_with_queued_callbacks_of_a_dropped_stream_does_not_hang_the_child(host):
+    """Submissions whose callbacks wait for a busy callback worker when the process forks,
+    their futures and streams kept by nothing else: the child's fork hook drops the parent's
+    queue, and the child must start. (Since 1ffa5e2 it hangs in that hook: `item.callbacks =
+    None` breaks the submission <-> callback cycle, so dropping the queue frees a stream
+    inside the hook, and the stream's finalizer put()s on a task queue whose lock the fork
+    still holds -- host.py's child hook, order 1, releases it after callbacks', order 0.)"""
+    import signal
+    from host_kernels import fill
+    gate, busy = threading.Event(), threading.Event()
+    for _ in range(3):  # the first occupies the worker, the others are queued behind it
+        f = sm.launch(fill, 1, 1, sm.Buffer.zeros(4, "float32", device=host), 1.0,
+                      stream=host.create_stream())
+        f.add_done_callback(lambda _f: (busy.set(), gate.wait(10)))
+    del f
+    assert busy.wait(5)
+    time.sleep(0.3)  # (all retired)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    code = None
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    gate.set()
+    assert code == 7, "the forked child hung in its at-fork hook"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (fork with threads running)
+def test_in_a_forked_child_then_on_an_applied_value_queued_in_the_parent_finishes(host):
+    """As for a launch's future (above): the computation of an apply() value, queued for a
+    busy callback worker when the process forked, is dropped in the child -- a then() the
+    child adds computes it, and finishes."""
+    from host_kernels import fill
+    a = sm.Buffer.zeros(4, "float32", device=host)
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    gate, busy, hold = threading.Event(), threading.Event(), threading.Event()
+
+    @sm.host_kernel
+    def held():
+        hold.wait(5)
+
+    f1 = sm.launch(fill, 1, 1, a, 1.0, stream=host.create_stream())
+    f1.add_done_callback(lambda _f: (busy.set(), gate.wait(10)))  # occupies the worker
+    assert busy.wait(5)
+    s = host.create_stream()
+    sm.launch(held, 1, 1, stream=s)  # (the op's work is pending when its future is made)
+    f2 = sm.op(fill, 1, 1, b, 2.0).apply(lambda v: "value").submit(s)
+    hold.set()
+    deadline = time.monotonic() + 5
+    while f2._s.state == 0 and time.monotonic() < deadline:  # (retired)
+        time.sleep(0.01)
+    time.sleep(0.05)
+    computed_before = f2.done()
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            h = f2.then(lambda v: v + "-cont")
+            try:
+                code = 1 if h.result(2) == "value-cont" else 2
+            except TimeoutError:
+                code = 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    gate.set()
+    assert os.waitstatus_to_exitcode(status) == 1  # 3: the then() never ran
+    assert f2.result(5) == "value"

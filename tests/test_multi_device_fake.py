@@ -367,3 +367,32 @@ def test_an_empty_tensor_over_bytes_arrives_as_an_empty_contiguous_tensor(two):
         u = t.to_device(dst)
         assert u.device is dst and u.shape == (0,) and u.is_contiguous() and u.nbytes == 0
         assert len(u.into_buffer()) == 0
+
+
+def test_a_raw_handle_is_asked_of_the_driver_once_and_an_old_driver_is_not_asked(two,
+                                                                                 monkeypatch):
+    import sharedmem.device as sm_device
+    d0, d1, drv = two
+    monkeypatch.setattr(sm_device, "_default", d0)
+    for d in (d0, d1):
+        monkeypatch.setitem(sm_device._devices, ("cuda", d.ordinal), d)
+    h = 0x7777
+    drv.ctx_of[h] = 0xC1
+    asked = []
+    orig = drv.cuStreamGetCtx
+    monkeypatch.setattr(drv, "cuStreamGetCtx", lambda s: (asked.append(int(s)), orig(s))[1],
+                        raising=False)
+    st = sm.Stream.from_external(h)
+    assert st.device is d1
+    for v in (h, int(str(h))):  # (the same int object, and an equal one)
+        assert sm.Stream.from_external(v) is st
+    assert asked == [h]
+    # cuda-bindings newer than the driver: cuStreamGetCtx_v2 is "not found"; cuStreamGetCtx
+    # answers instead
+    def missing(stream):
+        raise RuntimeError('Function "cuStreamGetCtx_v2" not found')
+    monkeypatch.setattr(drv, "cuStreamGetCtx_v2", missing, raising=False)
+    h2 = 0x7778
+    drv.ctx_of[h2] = 0xC0
+    st2 = sm.Stream.from_external(h2)
+    assert st2.device is d0 and st2.handle == h2

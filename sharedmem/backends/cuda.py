@@ -660,29 +660,28 @@ class CudaBackend:
         return impl
 
     def stream_home(self, impl: CudaStreamImpl):
-        """Where the CUDA stream of ``impl`` lives: ``(ordinal, primary)``, its context's
-        device and whether that context is this device's primary one (sharedmem's, as
-        CuPy's and torch's); None where the driver cannot say. A raw handle says nothing
-        else about its device (one driver call, made when a stream is first borrowed)."""
+        """Where the CUDA stream of ``impl`` lives: ``(ordinal, context)``, its context (as an
+        int) and that context's device; None where the driver cannot say. A raw handle says
+        nothing else about its device (asked when a stream is first borrowed)."""
         ctx = None
         try:  # (_v2, CUDA 12.5: a green context's stream answers its device's primary context)
             r = cu.cuStreamGetCtx_v2(impl.cu_stream)
             if r[0] == _SUCCESS:
                 ctx = r[1]
-        except AttributeError:  # (an older binding)
-            pass
+        except (AttributeError, RuntimeError):  # (an older binding; an older driver: the
+            pass                                # binding raises 'Function ... not found')
         if ctx is None:
             try:
                 ctx = check(cu.cuStreamGetCtx(impl.cu_stream), "cuStreamGetCtx")
-            except (CudaError, AttributeError):  # (not known to the driver: not checked)
+            except (AttributeError, RuntimeError):  # (CudaError too: not checked then)
                 return None
         if int(ctx) == self.context_handle:
-            return self.ordinal, True
+            return self.ordinal, self.context_handle
         # another context: its device, asked with that context current for a moment (the
         # pop makes the calling thread's context the one it had, as _current says)
         check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
         try:
-            return int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice")), False
+            return int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice")), int(ctx)
         finally:
             cu.cuCtxPopCurrent()
 

@@ -446,7 +446,7 @@ def _worker(q, state, backend) -> None:
                 # Its frames' locals go: they hold the kernel's NumPy views of memory that is
                 # freed and reused once the work retires, and the future keeps the exception
                 # (a debugger or error reporter reading them would touch another view's bytes)
-                traceback.clear_frames(e.__traceback__)
+                _clear_frames(e)
                 marker.failure = e  # this work failed; its completion is known
                 log.info("a host kernel raised %r; its future fails, the stream runs on", e)
             else:  # the stream faulted: sticky, like a CUDA error
@@ -465,6 +465,19 @@ def _worker(q, state, backend) -> None:
             hook = backend.on_progress
             if hook is not None:
                 hook()
+
+
+def _clear_frames(e) -> None:
+    """Clear the locals of the frames of ``e``'s traceback and of the exceptions chained to
+    it (``raise ... from``, or raised while handling one)."""
+    todo, seen = [e], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += (e.__cause__, e.__context__)
 
 
 _impls = weakref.WeakSet()  # every host stream's impl (fork restarts their workers)

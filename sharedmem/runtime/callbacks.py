@@ -39,6 +39,7 @@ _workers = 0  # live workers
 _blocked = 0  # workers waiting on a future inside a callback
 _running = 0  # workers running callbacks (blocked ones included)
 _local = threading.local()  # .worker: True on a callback worker
+_fork_dropped = []  # a forked child: the parent's queue and callback lists (see _after_fork_child)
 #: The retirer thread's ident (set by runtime.retirer when it starts); 0 before.
 retirer_ident = [0]
 
@@ -53,6 +54,8 @@ def run(cbs) -> None:
 def hand_off(sub) -> None:
     """Queue ``sub``'s callbacks for the workers (the retirer calls this; it never blocks on
     a callback: the lock is held only to queue)."""
+    if _fork_dropped:  # (a forked child's first hand-off: what the parent had queued goes)
+        _fork_dropped.clear()
     with _lock:
         _queue.append(sub)
         if _workers == _blocked:  # no worker, or every one waits inside a callback
@@ -200,11 +203,15 @@ def _after_fork_child() -> None:
     # The parent's workers do not exist here. What the parent had queued is the parent's to
     # run: dropping it here keeps side effects from happening twice.
     # Its work stays retired here: a callback the child adds to it runs at once (a list left
-    # on it would be joined, and never run).
+    # on it would be joined, and never run). What is dropped stays referenced until the
+    # child next hands work off: freed here, it could free a host stream whose finalizer
+    # takes a lock the fork still holds (host.py's hook runs after this one).
     global _cond, _queue, _workers, _blocked, _running
     for item in _queue:
         if not isinstance(item, _Rest):
+            _fork_dropped.append(item.callbacks)
             item.callbacks = None
+    _fork_dropped.append(_queue)
     _cond = threading.Condition(_lock)  # (_lock itself is re-initialized by runtime.state)
     _queue = collections.deque()
     _workers = _blocked = _running = 0
