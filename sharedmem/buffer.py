@@ -301,9 +301,9 @@ def copy_bytes(dst, src, stream, label, policy=None):
     if sdev is not ddev and (sdev.kind != "cuda" or ddev.kind != "cuda"):
         raise DeviceMismatchError(f"cannot copy between {sdev} and {ddev} on the device; go "
                                   f"through the host (to_host(), then copy_from / from_host)")
-    s = copy_stream(stream, sdev, ddev) if sdev is not ddev else stream
-    if s is None or sdev is ddev:
-        s = resolve_stream(s, ddev)
+    s = copy_stream(stream, sdev, ddev)
+    if s is None:
+        s = resolve_stream(None, ddev)
     impl = s._impl
     backend = s.device.backend
     dptr = dst.allocation.ptr + dst.start
@@ -318,14 +318,17 @@ def copy_bytes(dst, src, stream, label, policy=None):
 
 
 def copy_stream(stream, a, b):
-    """The Stream a copy between devices ``a`` and ``b`` is given: ``stream`` -- a Stream, or
-    a foreign one, borrowed on whichever of the two it lives on -- when it is of either
-    device; None stays None. DeviceMismatchError otherwise, before anything is done."""
+    """The Stream a copy between devices ``a`` and ``b`` (maybe one device) is given:
+    ``stream`` -- a Stream, or a foreign one, borrowed on whichever of the two it lives on --
+    when it is of either device; None stays None. DeviceMismatchError otherwise, before
+    anything is done."""
     if stream is None:
         return None
+    if a is b:
+        return resolve_stream(stream, a)
     s = stream
     if not isinstance(s, Stream):
-        for d in (b, a) if b.kind == "cuda" else (a,):  # (the destination's first)
+        for d in (b, a):  # (the destination's first)
             if d.kind != "cuda":
                 continue
             try:
@@ -346,10 +349,7 @@ def to_device(view, device, stream, policy=None):
     tok = view._live_token()
     dev = _device(device)
     sdev = tok.allocation.device
-    if sdev is not dev:
-        stream = copy_stream(stream, sdev, dev)
-    elif stream is not None:
-        stream = resolve_stream(stream, dev)
+    stream = copy_stream(stream, sdev, dev)
     if sdev.kind != dev.kind or (sdev is not dev and dev.kind != "cuda"):
         raw = view.to_host(stream if stream is not None and stream.device is sdev else None)
         s = resolve_stream(stream if stream is not None and stream.device is dev else None, dev)

@@ -498,8 +498,7 @@ class Tensor(View):
         tok = self._live_token()
         sdev, dev = tok.allocation.device, _device(device)
         # (the stream checked first: a refused one leaves nothing enqueued)
-        stream = copy_stream(stream, sdev, dev) if sdev is not dev else \
-            resolve_stream(stream, dev) if stream is not None else None
+        stream = copy_stream(stream, sdev, dev)
         nbytes = self._size * self._dtype.itemsize
         if nbytes == 0:  # (no bytes to copy, whatever bytes its view holds)
             return Tensor.empty(self._shape, self._dtype, dev,

@@ -132,7 +132,7 @@ def on_worker() -> bool:
 def in_callback() -> bool:
     """True while a callback runs in this thread (on a worker, or inline in the thread that
     retired its work): other work's deferred errors are not for it (see raise_deferred)."""
-    return getattr(_local, "worker", False) or getattr(_local, "rest", None) is not None
+    return on_worker() or getattr(_local, "rest", None) is not None
 
 
 class waiting:

@@ -853,10 +853,8 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
         for m in markers:
             wait(m)
             if m.error is not None:  # (the wait found the writer faulted: unknown completion)
-                raise CompletionUnknownError(
-                    f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
-                    f"touched by work whose completion became unknown while waited for "
-                    f"({m.error!r}); they cannot be exported")
+                raise _unexportable(tok, f"work whose completion became unknown while waited "
+                                         f"for ({m.error!r})")
     return len(markers)
 
 
@@ -917,6 +915,12 @@ def object_export_hold(view, kind, consumers, wait, ordered) -> int:
     return len(markers)
 
 
+def _unexportable(tok, by) -> CompletionUnknownError:
+    return CompletionUnknownError(f"bytes [{tok.start}, {tok.stop}) of allocation "
+                                  f"#{tok.allocation.id} are touched by {by}; they cannot be "
+                                  f"exported")
+
+
 def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None:
     """order_consumer's step under the core lock: each marker to wait for after the lock is
     released (``blocking``) is appended to ``markers``; otherwise None for each wait made.
@@ -931,10 +935,7 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
             # (pooled where only a device-side wait uses it: back to the pool once enqueued)
             marker = fresh_marker_locked(other, not blocking)
         if marker.error is not None:  # (unknown completion)
-            raise CompletionUnknownError(
-                f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id} are "
-                f"touched by work of unknown completion on {other}; they cannot be "
-                f"exported")
+            raise _unexportable(tok, f"work of unknown completion on {other}")
         if blocking:
             markers.append(marker)
             continue
