@@ -35,10 +35,11 @@ except ImportError:  # interpreted, without Cython installed
     from sharedmem import _cython as cython
 
 from sharedmem.allocation import View, _module
+from sharedmem.buffer import DeviceBox
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.runtime.state import RUNTIME, log
-from sharedmem.launch import (KernelAdapter, KernelPlan, LaunchArg, array_args, check_dims,
-                              register_kernel_adapter)
+from sharedmem.launch import (Intent, KernelAdapter, KernelPlan, LaunchArg, array_args,
+                              check_dims, register_kernel_adapter)
 from sharedmem.tensor import Tensor
 
 from interop.cai import cai_layout
@@ -205,9 +206,15 @@ def _same_args(a, b) -> bool:
     for i in range(n):
         x = a[i]
         y = b[i]
+        t = type(x)
+        if t is list:  # (changed in place, the same list is another constant for cuTile)
+            return False
+        if t is tuple:  # (the same tuple may hold a list)
+            if type(y) is not tuple or not _same_args(x, y):
+                return False
+            continue
         if x is y:
             continue
-        t = type(x)
         if t is not type(y) or not (t is int or t is float or t is bool or t is complex) or \
                 x != y or (t is float and x == 0.0):  # (-0.0 == 0.0, as constants they differ)
             return False
@@ -281,11 +288,67 @@ def _check_no_aliasing(args) -> None:
         for j, b in arrays[n + 1:]:
             tb = b.token
             if ta.allocation is tb.allocation and ta.start < tb.stop and tb.start < ta.stop \
-                    and ta.start < ta.stop and tb.start < tb.stop and (a.writes or b.writes):
+                    and ta.start < ta.stop and tb.start < tb.stop and (a.writes or b.writes) \
+                    and _share_elements(a, b):
                 raise KernelError(
                     f"arguments {i} and {j} overlap (bytes [{max(ta.start, tb.start)}, "
                     f"{min(ta.stop, tb.stop)}) of allocation #{ta.allocation.id}) and one of them "
                     f"is written; cuTile assumes distinct array arguments do not alias")
+
+
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError  # (np.exceptions: NumPy 1.25+)
+
+
+class _Layout:
+    """A NumPy array interface over an argument's device memory: read for its layout only
+    (``np.shares_memory`` does arithmetic on it; nothing reads the bytes)."""
+
+    __slots__ = ("__array_interface__",)
+
+
+def _share_elements(a, b) -> bool:
+    """Whether array arguments ``a`` and ``b`` (LaunchArgs whose byte spans overlap) have an
+    element byte in common: interleaved views (``t[0::2]``, ``t[1::2]``) share none. Exact
+    (``np.shares_memory``); where that is too much work, assumed to (refused)."""
+    try:
+        return bool(np.shares_memory(_layout(a), _layout(b), max_work=1 << 16))
+    except _TOO_HARD:
+        return True
+
+
+def _layout(la):
+    v = la.view if la.view is not None else la.value
+    if isinstance(v, Tensor):
+        size = v._dtype.itemsize
+        shape, strides = v._shape, tuple([s * size for s in v._strides])
+    elif isinstance(v, View):  # a Buffer: contiguous
+        size = v._dtype.itemsize
+        shape, strides = (v._length,), (size,)
+    else:  # a CuPy array
+        size = v.itemsize
+        shape, strides = tuple(v.shape), tuple(v.strides)
+    d = _Layout()
+    d.__array_interface__ = {"data": (la.token.allocation.ptr + la.offset, True),
+                             "shape": shape, "strides": strides, "typestr": f"|V{size}",
+                             "version": 3}
+    return np.asarray(d)
+
+
+def _check_no_nested_arrays(i, seq) -> None:
+    """KernelError where tuple or list argument ``i`` holds an array at any depth: cuTile
+    reads the arrays in it, but a launch leases only the arguments themselves (and the
+    warm-up's signature would keep them alive)."""
+    for x in seq:
+        t = type(x)
+        if t is tuple or t is list:
+            _check_no_nested_arrays(i, x)
+        elif t is int or t is float or t is bool or t is complex or t is str or x is None:
+            continue
+        elif isinstance(x, (View, Intent, LaunchArg, DeviceBox)) or _is_cupy_array(x) or \
+                hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
+            raise KernelError(f"argument {i}: a {t.__name__} inside a {type(seq).__name__}; a "
+                              f"launch leases only the arrays passed as arguments themselves "
+                              f"-- pass each array as its own argument")
 
 
 _NP_GENERIC = cython.declare(object, np.generic)
@@ -396,6 +459,8 @@ class TilePlan(KernelPlan):
                     out[i] = _view_descriptor(i, la.view, la._mode != 0)
             else:
                 t = type(a)
+                if t is tuple or t is list:
+                    _check_no_nested_arrays(i, a)
                 if t is int or t is float or t is bool or not isinstance(a, _NP_GENERIC):
                     out[i] = a
                 else:
