@@ -58,10 +58,8 @@ cdef inline size_t _c_deleter_address() noexcept:
 
 
 cdef inline object _c_capsule(size_t addr, bint versioned):
-    if versioned:
-        return PyCapsule_New(<void*>addr, b"dltensor_versioned",
-                             <PyCapsule_Destructor>_c_capsule_destructor)
-    return PyCapsule_New(<void*>addr, b"dltensor", <PyCapsule_Destructor>_c_capsule_destructor)
+    return PyCapsule_New(<void*>addr, b"dltensor_versioned" if versioned else b"dltensor",
+                         <PyCapsule_Destructor>_c_capsule_destructor)
 
 
 # The DLPack structs (dlpack.h, v1.0), for the compiled export: the managed tensor is made in
@@ -169,6 +167,3 @@ cpdef export_positional(View view, stream, max_version, dl_device, copy)
 cdef tuple _facts_of(dev)
 
 cpdef ViewToken _export_hold(View view, ViewToken tok, stream, tuple facts)
-
-@cython.locals(exports=dict, ex=_Export)
-cpdef _delete(addr)

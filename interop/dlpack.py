@@ -114,7 +114,8 @@ _get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_Get
 
 
 # -- dtypes ------------------------------------------------------------------------------
-def _dl_dtype(dt: np.dtype) -> DLDataType:
+def _dl_dtype(dt: np.dtype) -> tuple:
+    """DLPack's ``(code, bits)`` of ``dt`` (one lane)."""
     kind = dt.kind
     code = {"b": kDLBool, "i": kDLInt, "u": kDLUInt, "f": kDLFloat, "c": kDLComplex}.get(kind)
     if dt.name == "bfloat16":
@@ -125,7 +126,7 @@ def _dl_dtype(dt: np.dtype) -> DLDataType:
     if not dt.isnative:  # DLPack has no byte order: a consumer would read native values
         raise BufferError(f"dtype {dt.str!r} is not in native byte order, which DLPack cannot "
                           f"say; copy to {dt.newbyteorder('=').name!r} first")
-    return DLDataType(code, dt.itemsize * 8, 1)
+    return code, dt.itemsize * 8
 
 
 def _np_dtype(t: DLDataType) -> np.dtype:
@@ -311,12 +312,12 @@ def export_positional(view, stream, max_version, dl_device, copy):
     ours = facts[3]
     if dl_device is not None:
         dl_device = (int(dl_device[0]), int(dl_device[1]))
+    versioned = max_version is not None and tuple(max_version)[0] >= 1
     if copy is True or (dl_device is not None and dl_device != ours):
         if dl_device is not None and dl_device != ours and copy is not True:
             raise BufferError(f"cannot export {view!r} to device {dl_device} without a copy "
                               f"(it lives on {ours}); pass copy=True")
-        return _export_copy(view, stream, max_version, dl_device or ours)
-    versioned = max_version is not None and tuple(max_version)[0] >= 1
+        return _export_copy(view, stream, versioned, dl_device or ours)
     if not versioned and not tok.writable:
         raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "
                           f"say read-only); the consumer must ask for max_version >= (1, 0)")
@@ -353,8 +354,7 @@ def _make_capsule(view, export_tok, versioned: bool, flags: int, where):
         cache = _dtype_cache  # (a typed local: a C dict lookup)
         code_bits = cache.get(dt)
         if code_bits is None:
-            d = _dl_dtype(dt)
-            code_bits = cache[dt] = (d.code, d.bits)
+            code_bits = cache[dt] = _dl_dtype(dt)
         return _ctypes_capsule(export_tok, export_tok.allocation.ptr + view._offset, where[0],
                                where[1], code_bits[0], code_bits[1], shape, strides, versioned,
                                flags)
@@ -396,20 +396,17 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
         raise
 
 
-def _export_copy(view, stream, max_version, target):
+def _export_copy(view, stream, versioned, target):
     if target[0] == kDLCPU:
-        data = view.to_host()
-        src = Tensor.from_host(data, device=Device.host())
-        Device.host().default_stream.synchronize()
+        dev = Device.host()
     elif target[0] == kDLCUDA:
         dev = Device(target[1])
         if view.device is not dev and view.device.kind == "cuda":
             raise BufferError(f"copies between CUDA devices are not supported ({view.device} -> {dev})")
-        src = Tensor.from_host(view.to_host(), device=dev)
-        dev.default_stream.synchronize()
     else:
         raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
-    versioned = max_version is not None and tuple(max_version)[0] >= 1
+    src = Tensor.from_host(view.to_host(), device=dev)
+    dev.default_stream.synchronize()
     stok = src._live_token()
     facts = _facts_of(stok.allocation.device)
     export_tok = _export_hold(src, stok, stream if target[0] == kDLCUDA else None, facts)
@@ -491,22 +488,6 @@ def _device_of(dl: DLDevice):
                       f"and CUDA memory")
 
 
-def _capsule_of(obj, stream, device):
-    """Call the producer's ``__dlpack__`` with the right stream; returns a capsule."""
-    if type(obj).__name__ == "PyCapsule":
-        return obj
-    if not hasattr(obj, "__dlpack__"):
-        raise TypeError(f"{type(obj).__name__} does not support DLPack (no __dlpack__)")
-    dev_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
-    kwargs = {}
-    if dev_type in (kDLCUDA, kDLCUDAManaged):
-        kwargs["stream"] = stream
-    try:
-        return obj.__dlpack__(max_version=DLPACK_VERSION, **kwargs)
-    except TypeError:
-        return obj.__dlpack__(**kwargs)  # a producer from before DLPack 1.0
-
-
 def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     """Import ``obj`` (anything with ``__dlpack__``, or a DLPack capsule) as a
     :class:`~sharedmem.Tensor`, zero-copy.
@@ -522,22 +503,28 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     arrays, whose capsules keep them alive: while the import lives). Take the
     memory over with :func:`sharedmem.adopt` instead when nothing else holds it."""
     s = stream
-    handle_arg = None
     if s is not None and not isinstance(s, Stream):
         s = Stream.from_external(s)
-    if s is not None and hasattr(obj, "__dlpack_device__"):  # (before anything is imported)
-        kind, ordinal = obj.__dlpack_device__()
-        on_cuda = kind in (kDLCUDA, kDLCUDAManaged)
-        if (s.device.kind == "cuda") != on_cuda or (on_cuda and s.device.ordinal != ordinal):
+    where = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
+    on_cuda = where is not None and where[0] in (kDLCUDA, kDLCUDAManaged)
+    if s is not None and where is not None:  # (before anything is imported)
+        if (s.device.kind == "cuda") != on_cuda or (on_cuda and s.device.ordinal != where[1]):
             raise DeviceMismatchError(f"from_dlpack: {s} is on {s.device}, the memory of "
                                       f"{type(obj).__name__} on DLPack device "
-                                      f"{(int(kind), int(ordinal))}; use a stream of that device")
-    if s is not None and s.device.kind == "cuda":
-        handle_arg = s.handle or 1
-    elif s is None and hasattr(obj, "__dlpack_device__") and \
-            obj.__dlpack_device__()[0] in (kDLCUDA, kDLCUDAManaged):
-        handle_arg = 1
-    capsule = _capsule_of(obj, handle_arg, device)
+                                      f"{(int(where[0]), int(where[1]))}; use a stream of that "
+                                      f"device")
+    if type(obj).__name__ == "PyCapsule":
+        capsule = obj
+    elif not hasattr(obj, "__dlpack__"):
+        raise TypeError(f"{type(obj).__name__} does not support DLPack (no __dlpack__)")
+    else:
+        # a CUDA producer orders its pending work before our stream (the legacy default
+        # stream, 1, for none or a default stream, whose handle is 0)
+        kwargs = {"stream": (s.handle or 1) if s is not None else 1} if on_cuda else {}
+        try:
+            capsule = obj.__dlpack__(max_version=DLPACK_VERSION, **kwargs)
+        except TypeError:
+            capsule = obj.__dlpack__(**kwargs)  # a producer from before DLPack 1.0
     if _is_valid(capsule, _VERSIONED):
         versioned, name, used = True, _VERSIONED, _USED_VERSIONED
     elif _is_valid(capsule, _LEGACY):
