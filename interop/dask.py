@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -44,7 +45,7 @@ from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
 from sharedmem.buffer import Buffer, DeviceBox, new_buffer
-from sharedmem.pickling import values_stream
+from sharedmem.pickling import rebuild_box, rebuild_tensor, values_stream
 from sharedmem.runtime.submission import order_consumer
 from sharedmem.tensor import Tensor
 
@@ -69,34 +70,21 @@ def _host_frame(view) -> memoryview:
     return memoryview(view.to_host().reshape(-1).view(np.uint8))
 
 
-def _rebuild(header, make_values):
-    """The received object of ``header``'s kind, in a new allocation that
-    ``make_values(dtype, shape)`` makes and fills (it returns a Tensor; ``dtype``: the
-    sender's, which host frames are written in)."""
+def _rebuild(header, t):
+    """The received object of ``header``'s kind around ``t``, the new Tensor holding the
+    received values (a new allocation)."""
     kind = header["kind"]
-    t = make_values(np.dtype(header["dtype"]), tuple(header["shape"]))
     if kind == "Tensor":
         return t
     buf = t.into_buffer()  # (nothing else holds the new allocation: a move, no copy)
-    if kind == "Buffer":
-        return buf
-    box = DeviceBox.__new__(DeviceBox)
-    box.buffer = buf
-    return box
+    return buf if kind == "Buffer" else rebuild_box(buf)
 
 
-def _from_host_frame(frame):
-    """``make_values`` for a host frame: a new Tensor on the default device."""
-
-    def make(dtype, shape):
-        t = Tensor.empty(shape, dtype.newbyteorder("="))
-        if t.size:
-            a = np.frombuffer(memoryview(frame).cast("B"), dtype=dtype)
-            with t.as_buffer() as b:
-                b.copy_from(a, values_stream(b.device))  # (converts a sender's byte order)
-        return t
-
-    return make
+def _from_host_frame(header, frame):
+    """The received object of a host frame: a new allocation on the default device, as
+    unpickling makes (the frame is written in the sender's dtype; converted to native byte
+    order)."""
+    return _rebuild(header, rebuild_tensor(header["dtype"], tuple(header["shape"]), frame))
 
 
 # -- the dask family: host copies ----------------------------------------------------------------
@@ -110,7 +98,7 @@ def dask_dumps(x):
 def dask_loads(header, frames):
     """A new allocation on the default device holding the frame's values."""
     (frame,) = frames
-    return _rebuild(header, _from_host_frame(frame))
+    return _from_host_frame(header, frame)
 
 
 # -- the cuda family: device frames ----------------------------------------------------------------
@@ -165,16 +153,12 @@ class DeviceFrame:
         return f"<DeviceFrame {self.nbytes} bytes of {self._view!r}>"
 
 
-def _ucx_loaded() -> bool:
-    return "distributed_ucxx" in sys.modules or "ucxx" in sys.modules
-
-
 def _device_frames_ok(view) -> bool:
     """Whether a device frame can go to whatever comm sends it: UCX takes it as device memory;
     TCP needs the buffer protocol (Python >= 3.12)."""
-    if view.device.kind != "cuda":
-        return False
-    return sys.version_info >= (3, 12) or _ucx_loaded()
+    return view.device.kind == "cuda" and (sys.version_info >= (3, 12) or
+                                           "distributed_ucxx" in sys.modules or
+                                           "ucxx" in sys.modules)
 
 
 def device_frame(view) -> DeviceFrame:
@@ -213,39 +197,22 @@ def cuda_loads(header, frames):
     the default device."""
     (frame,) = frames
     if not hasattr(frame, "__cuda_array_interface__"):
-        return _rebuild(header, _from_host_frame(frame))
-
-    def make(dtype, shape):
-        if not math.prod(shape):
-            return Tensor.empty(shape, dtype)
-        src = _import_frame(frame, dtype, shape)
-        t = Tensor.empty(shape, dtype, device=src.device)
-        if t.size:
-            with t.as_buffer() as d, src.as_buffer() as s:
-                d.copy_from(s, values_stream(d.device))
-        src.release()
-        return t
-
-    return _rebuild(header, make)
-
-
-class _Typed:
-    """``frame`` (a received byte buffer with ``__cuda_array_interface__``) seen as an array of
-    ``dtype`` and ``shape``, C order: what :func:`sharedmem.from_cuda_array_interface` imports."""
-
-    __slots__ = ("frame", "__cuda_array_interface__")
-
-    def __init__(self, frame, dtype, shape):
-        cai = frame.__cuda_array_interface__
-        self.frame = frame  # kept alive by the import (its producer)
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "typestr": dtype.str, "data": (int(cai["data"][0]), False),
-            "strides": None, "version": 3, "stream": cai.get("stream")}
-
-
-def _import_frame(frame, dtype, shape):
+        return _from_host_frame(header, frame)
+    dtype, shape = np.dtype(header["dtype"]), tuple(header["shape"])
+    if not math.prod(shape):
+        return _rebuild(header, Tensor.empty(shape, dtype))
     from sharedmem.bridges import from_cuda_array_interface
-    return from_cuda_array_interface(_Typed(frame, dtype, shape))
+    cai = frame.__cuda_array_interface__
+    # the frame seen as an array of the sender's dtype and shape, C order (the import keeps
+    # it alive, and the frame with it, as its producer)
+    src = from_cuda_array_interface(SimpleNamespace(frame=frame, __cuda_array_interface__={
+        "shape": shape, "typestr": dtype.str, "data": (int(cai["data"][0]), False),
+        "strides": None, "version": 3, "stream": cai.get("stream")}))
+    t = Tensor.empty(shape, dtype, device=src.device)
+    with t.as_buffer() as d, src.as_buffer() as s:
+        d.copy_from(s, values_stream(d.device))
+    src.release()
+    return _rebuild(header, t)
 
 
 # -- registration ------------------------------------------------------------------------------
