@@ -33,6 +33,7 @@ import sys
 
 import numpy as np
 
+from sharedmem.bridges import refs_held_once, refuse_references
 from sharedmem.buffer import DeviceBox
 from sharedmem.device import Device
 from sharedmem.errors import (AliasError, DeviceMismatchError,
@@ -44,8 +45,6 @@ from sharedmem.tensor import Tensor, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, _extent, coerce, export_token,
                                  foreign_array, plan_kernel)
-
-_export_token = export_token
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
 
@@ -62,7 +61,7 @@ def _tensor_view(arr, kind: str, writable=True):
     if not isinstance(arr, cp.ndarray):
         raise TypeError(f"expected a cupy.ndarray, got {type(arr).__name__}")
     dev = Device(arr.device.id)
-    export = _export_token(arr)
+    export = export_token(arr)
     if export is not None:
         writable = writable and export.writable
     alloc, lo, hi = _allocation_of(arr, dev)
@@ -84,7 +83,7 @@ def wrap(arr) -> Tensor:
     t = _tensor_view(arr, "tensor")
     root = _root(arr)
     alloc = t.allocation
-    if _export_token(arr) is None:
+    if export_token(arr) is None:
         lo, hi = _extent(root)
         start = root.data.ptr + lo - alloc.ptr
         desc = f"CuPy array (shape {tuple(root.shape)}, {root.dtype})"
@@ -94,39 +93,22 @@ def wrap(arr) -> Tensor:
     return t
 
 
-_probe_refs = None
-
-
-def _probe(x):
-    return sys.getrefcount(x)
-
-
 def adopt(arr) -> Tensor:
     """A Tensor that takes over CuPy array ``arr``'s memory (zero-copy).
 
     Refused with AliasError while other references to the array exist --
     further names or containers, or views of it -- or when ``arr`` is itself a
     view. Do not use ``arr`` afterwards."""
-    global _probe_refs
     cp = _cupy()
     if not isinstance(arr, cp.ndarray):
         raise TypeError(f"adopt takes a cupy.ndarray, got {type(arr).__name__}")
-    if _probe_refs is None:
-        one = cp.empty(1)
-        # what getrefcount reports inside a callee when the caller holds exactly one name
-        _probe_refs = _probe(one)
     if arr.base is not None:
         raise AliasError(
             f"cannot adopt a view of another CuPy array (shape {tuple(arr.base.shape)}): the base "
             f"still owns the memory. Adopt the base array, or copy.", ("CuPy base array",))
-    extra = sys.getrefcount(arr) - _probe_refs
-    if extra > 0:
-        raise AliasError(
-            f"cannot adopt CuPy array (shape {tuple(arr.shape)}, {arr.dtype}): {extra} other "
-            f"reference{'s' if extra > 1 else ''} to it (names, containers or views) "
-            f"exist{'s' if extra == 1 else ''}. Drop them first, or use wrap() to share instead.",
-            ("CuPy array reference",) * extra)
-    if _export_token(arr) is not None:
+    extra = sys.getrefcount(arr) - refs_held_once()  # (before arr is anyone's argument)
+    refuse_references(arr, extra, "CuPy array", "wrap()")
+    if export_token(arr) is not None:
         raise AliasError("cannot adopt an array made by as_cupy: its memory already belongs to "
                          "sharedmem; use the view it was made from", ("as_cupy export",))
     t = _tensor_view(arr, "tensor")

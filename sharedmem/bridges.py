@@ -44,11 +44,34 @@ def from_cuda_array_interface(obj: Any, *, stream: Stream | object | None = None
     return _impl(obj, stream=stream)
 
 
-def _refs_held_once(x) -> int:
+def _getrefcount(x) -> int:
     return sys.getrefcount(x)
 
 
-_REFS_HELD_ONCE = None  # what getrefcount says inside adopt() when its caller holds one reference
+_REFS_HELD_ONCE = None
+
+
+def refs_held_once() -> int:
+    """What ``sys.getrefcount(x)`` says inside a function ``f(x)`` whose caller holds one
+    reference to ``x`` (measured once, on a probe passed the same way): an adopt()
+    subtracts it from its argument's count to find the other references."""
+    global _REFS_HELD_ONCE
+    if _REFS_HELD_ONCE is None:
+        probe = object()
+        _REFS_HELD_ONCE = _getrefcount(probe)
+    return _REFS_HELD_ONCE
+
+
+def refuse_references(obj, extra: int, name: str, share: str) -> None:
+    """The AliasError of an adopt() of array ``obj`` (a ``name``) while ``extra`` other
+    references to it exist (none when ``extra`` <= 0): ``share`` names what shares the memory
+    instead."""
+    if extra > 0:
+        raise AliasError(
+            f"cannot adopt {name} (shape {tuple(obj.shape)}, {obj.dtype}): {extra} other "
+            f"reference{'s' if extra > 1 else ''} to it (names, containers or views) "
+            f"exist{'s' if extra == 1 else ''}. Drop them first, or use {share} to share "
+            f"instead.", (f"{name} reference",) * extra)
 
 
 def _is_array(obj, root) -> bool:
@@ -70,11 +93,7 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     another array and that nothing else references: pass it as a temporary, or drop every
     other name, container and view of it first -- and do not use ``obj`` afterwards.
     (``interop.cupy.adopt`` does the same for CuPy arrays without DLPack.)"""
-    global _REFS_HELD_ONCE
-    if _REFS_HELD_ONCE is None:
-        probe = object()
-        _REFS_HELD_ONCE = _refs_held_once(probe)
-    extra = sys.getrefcount(obj) - _REFS_HELD_ONCE
+    extra = sys.getrefcount(obj) - refs_held_once()
     t = type(obj)
     name = f"{t.__module__.split('.')[0]}.{t.__qualname__}"
     root = t.__module__.split(".")[0]
@@ -103,12 +122,7 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
         raise AliasError(f"cannot adopt a view of another {name} (shape "
                          f"{tuple(base.shape)}): the base still owns the memory. Adopt the "
                          f"base array, or copy.", (f"{name} base array",))
-    if extra > 0:
-        raise AliasError(
-            f"cannot adopt {name} (shape {tuple(obj.shape)}, {obj.dtype}): {extra} other "
-            f"reference{'s' if extra > 1 else ''} to it (names, containers or views) "
-            f"exist{'s' if extra == 1 else ''}. Drop them first, or use sharedmem.from_dlpack to "
-            f"share instead.", (f"{name} reference",) * extra)
+    refuse_references(obj, extra, name, "sharedmem.from_dlpack")
     from interop.dlpack import from_dlpack as _impl
     tensor = _impl(obj, stream=stream, _adopt=True)
     tensor.allocation.source = f"{tensor.allocation.source} (adopted)"
@@ -138,14 +152,12 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
         if not isinstance(cai, dict):
             raise TypeError(f"record_use takes a sharedmem view or an array with "
                             f"__cuda_array_interface__, got {type(x).__name__}")
-        from .tensor import extent
-        import numpy as np
+        from .tensor import c_strides, extent
         isz = np.dtype(cai["typestr"]).itemsize
         shape = tuple(cai["shape"])
         strides = cai.get("strides")
-        strides = (tuple(s // isz for s in strides) if strides is not None else None)
-        from .tensor import c_strides
-        e_lo, e_hi = extent(shape, strides if strides is not None else c_strides(shape))
+        strides = c_strides(shape) if strides is None else tuple(s // isz for s in strides)
+        e_lo, e_hi = extent(shape, strides)
         ptr = int(cai["data"][0]) + e_lo * isz
         nbytes = (e_hi - e_lo) * isz
         if not isinstance(stream, Stream):
