@@ -28,31 +28,26 @@ from sharedmem.stream import Stream
 __all__ = ["consumer_stream", "current_consumers", "current_streams", "ordered_among"]
 
 
-def _cupy_current(dev):
-    cp = sys.modules.get("cupy")
-    if cp is None:
-        return None
-    try:
-        return cp.cuda.get_current_stream(dev.ordinal)
-    except Exception:  # a CuPy without that signature, or no CUDA: not a consumer here
-        return None
-
-
-def _torch_current(dev):
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    try:
-        if not torch.cuda.is_initialized():
-            return None
-        return torch.cuda.current_stream(dev.ordinal)
-    except Exception:
-        return None
+def _library_streams(dev) -> list:
+    """The current stream objects on ``dev`` of CuPy and torch, of those imported (torch:
+    and initialized)."""
+    out = []
+    cp, torch = sys.modules.get("cupy"), sys.modules.get("torch")
+    if cp is not None:
+        try:
+            out.append(cp.cuda.get_current_stream(dev.ordinal))
+        except Exception:  # a CuPy without that signature, or no CUDA: not a consumer here
+            pass
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                out.append(torch.cuda.current_stream(dev.ordinal))
+        except Exception:
+            pass
+    return out
 
 
 def _handle_of(obj) -> int | None:
-    if obj is None:
-        return None
     h = getattr(obj, "ptr", None)  # cupy.cuda.Stream
     if h is None:
         h = getattr(obj, "cuda_stream", None)  # torch.cuda.Stream
@@ -67,7 +62,7 @@ def consumer_stream(dev, handle: int) -> Stream:
     st = Stream.lookup(dev, handle)
     if st is not None:
         return st
-    for obj in (_cupy_current(dev), _torch_current(dev)):
+    for obj in _library_streams(dev):
         if _handle_of(obj) == handle:
             return Stream.from_external(obj, dev)
     return Stream.from_external(handle, dev)
@@ -92,10 +87,10 @@ def current_consumers(dev) -> tuple:
 def _current(dev) -> tuple:
     out = [dev.default_stream]
     per_thread = False
-    for obj in (_cupy_current(dev), _torch_current(dev)):
+    for obj in _library_streams(dev):
         h = _handle_of(obj)
         if h is None or h == 0 or h == 1:
-            continue  # (none, or the legacy default stream: already in)
+            continue  # (no handle, or the legacy default stream: already in)
         if h == 2:  # the calling thread's default stream: ordered after by the legacy one
             per_thread = True
             continue
