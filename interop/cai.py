@@ -164,8 +164,7 @@ def from_cuda_array_interface(obj, *, stream=None):
     nbytes = (hi - lo) * isz
     ptr = int(ptr or 0)
     if nbytes and ptr:
-        probe = Device(0)
-        info = probe.backend.pointer_info(ptr)
+        info = Device(0).backend.pointer_info(ptr)  # (any device's driver knows the pointer)
         if info is None:
             raise ValueError(f"0x{ptr:x} is not CUDA device memory")
         dev = Device(info[2])

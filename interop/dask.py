@@ -65,9 +65,13 @@ def _header(x) -> tuple:
     return {"kind": kind, "dtype": view.dtype.str, "shape": list(view.shape)}, view
 
 
-def _host_frame(view) -> memoryview:
-    """The values of ``view`` as one host frame (a copy, after pending writes, C order)."""
-    return memoryview(view.to_host().reshape(-1).view(np.uint8))
+def _dumps(header, view, device: bool) -> tuple:
+    """``header`` and one frame of ``view``'s values: a :class:`DeviceFrame` when ``device``,
+    else a host copy (after pending writes, C order)."""
+    header["frame"] = "device" if device else "host"
+    if device:
+        return header, [device_frame(view)]
+    return header, [memoryview(view.to_host().reshape(-1).view(np.uint8))]
 
 
 def _rebuild(header, t):
@@ -91,8 +95,7 @@ def _from_host_frame(header, frame):
 def dask_dumps(x):
     """Header and one host frame (a copy of the values, after pending writes)."""
     header, view = _header(x)
-    header["frame"] = "host"
-    return header, [_host_frame(view)]
+    return _dumps(header, view, False)
 
 
 def dask_loads(header, frames):
@@ -184,11 +187,7 @@ def cuda_dumps(x):
     """Header and one frame: a :class:`DeviceFrame` for memory on a CUDA device (when the
     comm can take one), else a host copy."""
     header, view = _header(x)
-    if _device_frames_ok(view):
-        header["frame"] = "device"
-        return header, [device_frame(view)]
-    header["frame"] = "host"
-    return header, [_host_frame(view)]
+    return _dumps(header, view, _device_frames_ok(view))
 
 
 def cuda_loads(header, frames):

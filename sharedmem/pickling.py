@@ -74,8 +74,7 @@ def reduce_box(box, protocol):
 # -- receiving ---------------------------------------------------------------------------
 def _values(dtype, shape, data) -> np.ndarray:
     """The payload ``data`` (bytes, bytearray, PickleBuffer, memoryview) as an array."""
-    dt = np.dtype(dtype)
-    a = np.frombuffer(memoryview(data).cast("B"), dtype=dt)
+    a = np.frombuffer(memoryview(data).cast("B"), dtype=dtype)
     return a.reshape(shape)
 
 
