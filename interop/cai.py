@@ -22,13 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    import cython
-except ImportError:  # interpreted, without Cython installed
-    from sharedmem import _cython as cython
-
 from sharedmem.allocation import View, import_allocation
-from sharedmem.buffer import Buffer, as_dtype
+from sharedmem.buffer import as_dtype
 from sharedmem.device import Device
 from sharedmem.runtime.state import OwnedLock, fork_safe
 from sharedmem.runtime.submission import object_export_hold, record_arrival

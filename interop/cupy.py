@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from sharedmem.bridges import refs_held_once, refuse_references
 from sharedmem.buffer import DeviceBox
 from sharedmem.device import Device
@@ -44,7 +42,7 @@ from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, _extent, coerce, export_token,
-                                 foreign_array, plan_kernel)
+                                 plan_kernel)
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
 
@@ -56,20 +54,20 @@ def _root(arr):
     return arr
 
 
-def _tensor_view(arr, kind: str, writable=True):
+def _tensor_view(arr):
+    """A Tensor over CuPy array ``arr``'s memory (read-only where ``arr`` is an as_cupy
+    array of a read-only view)."""
     cp = _cupy()
     if not isinstance(arr, cp.ndarray):
         raise TypeError(f"expected a cupy.ndarray, got {type(arr).__name__}")
     dev = Device(arr.device.id)
     export = export_token(arr)
-    if export is not None:
-        writable = writable and export.writable
     alloc, lo, hi = _allocation_of(arr, dev)
     isz = arr.itemsize
     if any(s % isz for s in arr.strides):
         raise LayoutError(f"a CuPy array with strides {arr.strides} (not multiples of the "
                              f"item size {isz}) cannot be a Tensor")
-    tok = alloc.new_token(kind, lo, hi, writable, (alloc, arr.data))
+    tok = alloc.new_token("tensor", lo, hi, export is None or export.writable, (alloc, arr.data))
     offset = arr.data.ptr - alloc.ptr
     return new_tensor(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
                       offset)
@@ -80,7 +78,7 @@ def wrap(arr) -> Tensor:
 
     The CuPy array stays a live alias: moving that memory raises AliasError
     naming it until the array and every view of it are garbage collected."""
-    t = _tensor_view(arr, "tensor")
+    t = _tensor_view(arr)
     root = _root(arr)
     alloc = t.allocation
     if export_token(arr) is None:
@@ -111,7 +109,7 @@ def adopt(arr) -> Tensor:
     if export_token(arr) is not None:
         raise AliasError("cannot adopt an array made by as_cupy: its memory already belongs to "
                          "sharedmem; use the view it was made from", ("as_cupy export",))
-    t = _tensor_view(arr, "tensor")
+    t = _tensor_view(arr)
     t._token.allocation.source = "cupy (adopted)"
     return t
 

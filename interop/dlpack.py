@@ -44,7 +44,7 @@ import numpy as np
 from sharedmem.allocation import View, import_allocation
 from sharedmem.device import Device
 from sharedmem.errors import DeviceMismatchError
-from sharedmem.runtime.submission import export_hold, record_arrival, submit
+from sharedmem.runtime.submission import export_hold, record_arrival
 from sharedmem.stream import Stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
 
@@ -549,8 +549,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         dlt, flags = DLManagedTensor.from_address(addr).dl_tensor, 0
     dev = _device_of(dlt.device)
     if device is not None:
-        want = device if isinstance(device, Device) else (
-            Device.host() if device == "host" else Device(device))
+        want = Device.host() if device == "host" else Device(device)  # (a Device: itself)
         if want is not dev:
             raise BufferError(f"the producer's memory is on {dev}, not on {want}; sharedmem does "
                               f"not copy on import")
