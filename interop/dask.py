@@ -84,13 +84,6 @@ def _rebuild(header, t):
     return buf if kind == "Buffer" else rebuild_box(buf)
 
 
-def _from_host_frame(header, frame):
-    """The received object of a host frame: a new allocation on the default device, as
-    unpickling makes (the frame is written in the sender's dtype; converted to native byte
-    order)."""
-    return _rebuild(header, rebuild_tensor(header["dtype"], tuple(header["shape"]), frame))
-
-
 # -- the dask family: host copies ----------------------------------------------------------------
 def dask_dumps(x):
     """Header and one host frame (a copy of the values, after pending writes)."""
@@ -99,9 +92,10 @@ def dask_dumps(x):
 
 
 def dask_loads(header, frames):
-    """A new allocation on the default device holding the frame's values."""
+    """A new allocation on the default device holding the frame's values (as unpickling
+    makes it: the frame is in the sender's dtype, converted to native byte order)."""
     (frame,) = frames
-    return _from_host_frame(header, frame)
+    return _rebuild(header, rebuild_tensor(header["dtype"], tuple(header["shape"]), frame))
 
 
 # -- the cuda family: device frames ----------------------------------------------------------------
@@ -196,7 +190,7 @@ def cuda_loads(header, frames):
     the default device."""
     (frame,) = frames
     if not hasattr(frame, "__cuda_array_interface__"):
-        return _from_host_frame(header, frame)
+        return dask_loads(header, frames)
     dtype, shape = np.dtype(header["dtype"]), tuple(header["shape"])
     if not math.prod(shape):
         return _rebuild(header, Tensor.empty(shape, dtype))
