@@ -87,32 +87,23 @@ class _HotDriver:
     interpreted launch's 11 (measured on the benchmark's C no-op)."""
 
     def __init__(self):
-        import ctypes
         lib = ctypes.PyDLL("libcuda.so.1")
         vp, ui = ctypes.c_void_p, ctypes.c_uint
-        self.launch = lib.cuLaunchKernel
-        self.launch.restype = ctypes.c_int
-        self.record = lib.cuEventRecord
-        self.record.argtypes = [vp, vp]
-        self.record.restype = ctypes.c_int
-        self.query = lib.cuEventQuery
-        self.query.argtypes = [vp]
-        self.query.restype = ctypes.c_int
-        self.graph_launch = lib.cuGraphLaunch
-        self.graph_launch.argtypes = [vp, vp]
-        self.graph_launch.restype = ctypes.c_int
-        self.wait = lib.cuStreamWaitEvent  # (stream, event, flags): the handoffs between streams
-        self.wait.argtypes = [vp, vp, ui]
-        self.wait.restype = ctypes.c_int
-        self._ctx_get = lib.cuCtxGetCurrent
-        self._ctx_get.argtypes = [ctypes.POINTER(vp)]
-        self._ctx_get.restype = ctypes.c_int
         self._vp = vp
         # for the compiled paths (launch plans, ensure_context): the C entry points themselves
-        self.addresses = {name: ctypes.cast(getattr(lib, name), vp).value
-                          for name in ("cuLaunchKernel", "cuCtxGetCurrent", "cuEventRecord",
-                                       "cuEventQuery", "cuStreamWaitEvent", "cuGraphLaunch")}
-
+        self.addresses = {}
+        # (attribute, entry point, argtypes: None for launch, see above); all return an int
+        for attr, name, argtypes in (
+                ("launch", "cuLaunchKernel", None), ("record", "cuEventRecord", [vp, vp]),
+                ("query", "cuEventQuery", [vp]), ("graph_launch", "cuGraphLaunch", [vp, vp]),
+                ("wait", "cuStreamWaitEvent", [vp, vp, ui]),  # the handoffs between streams
+                ("_ctx_get", "cuCtxGetCurrent", [ctypes.POINTER(vp)])):
+            fn = getattr(lib, name)
+            if argtypes is not None:
+                fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+            setattr(self, attr, fn)
+            self.addresses[name] = ctypes.cast(fn, vp).value
 
     def current_context(self) -> int:
         """The calling thread's current context (0: none)."""
@@ -136,11 +127,16 @@ def _name(err) -> str:
         return str(err)
 
 
+def _error(err, what: str) -> CudaError:
+    """The CudaError of driver call ``what`` that returned ``err`` (a CUresult)."""
+    return CudaError(f"{what} failed: {_name(err)} ({int(err)})", int(err))
+
+
 def check(result, what: str):
     """Unpack a cuda.bindings result tuple, raising CudaError on failure."""
     err = result[0]
     if err != _SUCCESS:
-        raise CudaError(f"{what} failed: {_name(err)} ({int(err)})", int(err))
+        raise _error(err, what)
     if len(result) == 1:
         return None
     return result[1] if len(result) == 2 else result[1:]
@@ -211,8 +207,7 @@ class CudaMarker:
         else:
             err = int(backend.cu.cuEventRecord(ev, impl.cu_stream)[0])
         if err:
-            err = cu.CUresult(err)
-            self.error = CudaError(f"cuEventRecord failed: {_name(err)} ({int(err)})", int(err))
+            self.error = _error(cu.CUresult(err), "cuEventRecord")
         self.event, self.handle = ev, h
         # Published last: wait() reads _open_on without the lock, and once it is None the
         # event must be the recorded one (an event not recorded yet reads as complete).
@@ -240,8 +235,7 @@ class CudaMarker:
             return DONE
         if err == 600:  # CUDA_ERROR_NOT_READY
             return PENDING
-        err = cu.CUresult(err)
-        self.error = CudaError(f"cuEventQuery failed: {_name(err)} ({int(err)})", int(err))
+        self.error = _error(cu.CUresult(err), "cuEventQuery")
         return UNKNOWN
 
     def wait(self, timeout=None) -> bool:
@@ -257,8 +251,7 @@ class CudaMarker:
                 self._backend.ensure_context()
                 err = cu.cuEventSynchronize(ev)[0]
                 if err != _SUCCESS:
-                    self.error = CudaError(f"cuEventSynchronize failed: {_name(err)} ({int(err)})",
-                                           int(err))
+                    self.error = _error(err, "cuEventSynchronize")
             return True
         deadline = time.monotonic() + timeout
         delay = 20e-6
@@ -308,15 +301,12 @@ def _stream_wait(backend, stream_handle, marker) -> None:
         err = cython.cast(wait_fn_t, cython.cast(cython.size_t, backend.wait_addr))(
             cython.cast(cython.p_void, cython.cast(cython.size_t, stream_handle)),
             cython.cast(cython.p_void, cython.cast(cython.size_t, marker.handle)), 0)
-        if err:
-            check((cu.CUresult(err),), "cuStreamWaitEvent")
     elif hot is not None:
         err = hot.wait(stream_handle, marker.handle, 0)
-        if err:
-            check((cu.CUresult(err),), "cuStreamWaitEvent")
     else:
-        check(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0),
-              "cuStreamWaitEvent")
+        err = int(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0)[0])
+    if err:
+        raise _error(cu.CUresult(err), "cuStreamWaitEvent")
 
 
 def _open_marker(impl):
@@ -441,8 +431,7 @@ class CudaStreamImpl:
         return b
 
     def synchronize(self) -> None:
-        self._backend.ensure_context()
-        check(cu.cuStreamSynchronize(self.cu_stream), "cuStreamSynchronize")
+        self._backend.call("cuStreamSynchronize", self.cu_stream)
 
     def __del__(self):
         if self.owned and self.handle:
@@ -518,28 +507,23 @@ class CudaBackend:
         h = b.hex()
         self.uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
         A = cu.CUdevice_attribute
-        self.compute_capability = (
-            check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-                                          self.cu_device), "cuDeviceGetAttribute"),
-            check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-                                          self.cu_device), "cuDeviceGetAttribute"))
-        def attr(name, default=0):
-            a = getattr(A, name, None)
+        self.compute_capability = tuple(check(cu.cuDeviceGetAttribute(
+            getattr(A, f"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_{m}"), self.cu_device),
+            "cuDeviceGetAttribute") for m in ("MAJOR", "MINOR"))
+
+        def attr(name):  # CU_DEVICE_ATTRIBUTE_<name>, 0 where the driver does not say
+            a = getattr(A, "CU_DEVICE_ATTRIBUTE_" + name, None)
             if a is None:
-                return default
+                return 0
             try:
                 return int(check(cu.cuDeviceGetAttribute(a, self.cu_device), "cuDeviceGetAttribute"))
             except CudaError:
-                return default
+                return 0
         # What a launch may ask for (0: not known, not checked).
-        self.limits = Limits(
-            (attr("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X"), attr("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y"),
-             attr("CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z")),
-            (attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X"),
-             attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y"),
-             attr("CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z")),
-            attr("CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK"),
-            attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
+        self.limits = Limits(tuple(attr("MAX_GRID_DIM_" + d) for d in "XYZ"),
+                             tuple(attr("MAX_BLOCK_DIM_" + d) for d in "XYZ"),
+                             attr("MAX_THREADS_PER_BLOCK"),
+                             attr("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
         # Borrowed: the primary context is retained once and never released.
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain")
         self.context_handle = int(self.context)
@@ -586,6 +570,12 @@ class CudaBackend:
                 return
         self.force_context()
 
+    def call(self, name: str, *args):
+        """``cu.<name>(*args)`` with this device's context current, checked (CudaError on
+        failure) and unpacked as :func:`check` does."""
+        self.ensure_context()
+        return check(getattr(cu, name)(*args), name)
+
     def force_context(self) -> None:
         """Make the context current without asking (a caller found another one current)."""
         check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
@@ -619,8 +609,7 @@ class CudaBackend:
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory (``cuMemGetInfo``)."""
-        self.ensure_context()
-        free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        free, total = self.call("cuMemGetInfo")
         return int(free), int(total)
 
     def pointer_info(self, ptr: int):
@@ -641,8 +630,7 @@ class CudaBackend:
 
     # -- streams and events -------------------------------------------------------
     def create_stream(self, name=None) -> CudaStreamImpl:
-        self.ensure_context()
-        h = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        h = self.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         return CudaStreamImpl(self, int(h), True, name)
 
     def default_stream(self) -> CudaStreamImpl:
@@ -693,8 +681,7 @@ class CudaBackend:
                 return events.pop()
             except IndexError:  # another thread took the last one
                 pass
-        self.ensure_context()
-        return check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        return self.call("cuEventCreate", cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
 
     def record_marker(self, impl: CudaStreamImpl, pooled: bool = False) -> CudaMarker:
         """A marker recorded on ``impl`` now. ``pooled``: its event goes back to the pool when
@@ -707,14 +694,7 @@ class CudaBackend:
                     self._events.append(m.event)
                 raise m.error
             return m
-        self.ensure_context()
-        ev = check(
-            cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        err = cu.cuEventRecord(ev, impl.cu_stream)[0]
-        if err != _SUCCESS:
-            cu.cuEventDestroy(ev)
-            check((err,), "cuEventRecord")
-        return CudaMarker(ev, self, False)
+        return self.marker_on_handle(impl.handle)
 
     def submit_marker(self, impl: CudaStreamImpl) -> CudaMarker:
         """The completion marker of work just enqueued on ``impl``: the stream's
@@ -729,35 +709,32 @@ class CudaBackend:
         _stream_wait(self, stream_handle, marker)
 
     def marker_on_handle(self, stream_handle: int) -> CudaMarker:
-        """A marker recorded now on a foreign stream (raw handle)."""
-        self.ensure_context()
-        ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-        check(cu.cuEventRecord(ev, cu.CUstream(stream_handle)), "cuEventRecord")
+        """A marker recorded now on a stream (a raw handle: a foreign stream's too) that owns
+        its event. Raises CudaError (keeping no event)."""
+        ev = self.call("cuEventCreate", cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        err = cu.cuEventRecord(ev, cu.CUstream(stream_handle))[0]
+        if err != _SUCCESS:
+            cu.cuEventDestroy(ev)
+            raise _error(err, "cuEventRecord")
         return CudaMarker(ev, self, False)
 
     # -- copies: enqueue, then record the submission's marker -------------------------
     def copy_htod(self, impl, dst_ptr: int, src) -> CudaMarker:
-        self.ensure_context()
-        check(cu.cuMemcpyHtoDAsync(dst_ptr, src.ctypes.data, src.nbytes, impl.cu_stream),
-              "cuMemcpyHtoDAsync")
-        return self.submit_marker(impl)
+        self.call("cuMemcpyHtoDAsync", dst_ptr, src.ctypes.data, src.nbytes, impl.cu_stream)
+        return impl.submit_marker()
 
     def copy_dtoh(self, impl, dst, src_ptr: int) -> CudaMarker:
-        self.ensure_context()
-        check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, src_ptr, dst.nbytes, impl.cu_stream),
-              "cuMemcpyDtoHAsync")
-        return self.submit_marker(impl)
+        self.call("cuMemcpyDtoHAsync", dst.ctypes.data, src_ptr, dst.nbytes, impl.cu_stream)
+        return impl.submit_marker()
 
     def copy_dtod(self, impl, dst_ptr: int, src_ptr: int, nbytes: int) -> CudaMarker:
-        self.ensure_context()
-        check(cu.cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, impl.cu_stream), "cuMemcpyDtoDAsync")
-        return self.submit_marker(impl)
+        self.call("cuMemcpyDtoDAsync", dst_ptr, src_ptr, nbytes, impl.cu_stream)
+        return impl.submit_marker()
 
     def copy_strided(self, impl, dst_ptr: int, src_ptr: int, shape, byte_strides,
                      itemsize: int) -> CudaMarker:
         """Copy a strided layout into dense C order at ``dst_ptr``: 2-D copies, one per
         piece of :func:`copy_pieces` (enqueued in one call; the marker follows the last)."""
-        self.ensure_context()
         width, height, pitch, pieces = copy_pieces(shape, byte_strides, itemsize)
         if pieces:
             p = cu.CUDA_MEMCPY2D()
@@ -769,39 +746,34 @@ class CudaBackend:
             for so, do in pieces:
                 p.srcDevice = src_ptr + so
                 p.dstDevice = dst_ptr + do
-                check(cu.cuMemcpy2DAsync(p, impl.cu_stream), "cuMemcpy2DAsync")
-        return self.submit_marker(impl)
+                self.call("cuMemcpy2DAsync", p, impl.cu_stream)
+        return impl.submit_marker()
 
     def copy_peer(self, impl, dst_ptr: int, dst_backend, src_ptr: int, src_backend,
                   nbytes: int) -> CudaMarker:
         """Copy between devices (``cuMemcpyPeerAsync``; no peer access needed) on ``impl``, a
         stream of either device."""
-        self.ensure_context()
-        check(cu.cuMemcpyPeerAsync(dst_ptr, dst_backend.context, src_ptr, src_backend.context,
-                                   nbytes, impl.cu_stream), "cuMemcpyPeerAsync")
-        return self.submit_marker(impl)
+        self.call("cuMemcpyPeerAsync", dst_ptr, dst_backend.context, src_ptr, src_backend.context,
+                  nbytes, impl.cu_stream)
+        return impl.submit_marker()
 
     def memset(self, impl, dst_ptr: int, byte: int, nbytes: int) -> CudaMarker:
-        self.ensure_context()
-        check(cu.cuMemsetD8Async(dst_ptr, byte, nbytes, impl.cu_stream), "cuMemsetD8Async")
-        return self.submit_marker(impl)
+        self.call("cuMemsetD8Async", dst_ptr, byte, nbytes, impl.cu_stream)
+        return impl.submit_marker()
 
     # -- CUDA IPC (sharedmem.ipc) -------------------------------------------------
     def ipc_mem_handle(self, base: int) -> bytes:
         """The 64-byte IPC handle of the driver allocation starting at ``base``."""
-        self.ensure_context()
-        return bytes(check(cu.cuIpcGetMemHandle(base), "cuIpcGetMemHandle").reserved)
+        return bytes(self.call("cuIpcGetMemHandle", base).reserved)
 
     def ipc_open_mem(self, handle: bytes) -> int:
         """Map another process's allocation here (peer access enabled lazily); its base."""
-        self.ensure_context()
         h = cu.CUipcMemHandle()
         h.reserved = handle
-        return int(check(cu.cuIpcOpenMemHandle(h, 1), "cuIpcOpenMemHandle"))  # LAZY_ENABLE_PEER
+        return int(self.call("cuIpcOpenMemHandle", h, 1))  # LAZY_ENABLE_PEER
 
     def ipc_close_mem(self, base: int) -> None:
-        self.ensure_context()
-        check(cu.cuIpcCloseMemHandle(base), "cuIpcCloseMemHandle")
+        self.call("cuIpcCloseMemHandle", base)
 
     def ipc_event(self) -> tuple:
         """An interprocess event: ``(event, 64-byte handle)``; give it back with
@@ -810,11 +782,10 @@ class CudaBackend:
             return self._ipc_events.pop()
         except IndexError:
             pass
-        self.ensure_context()
         F = cu.CUevent_flags
-        ev = check(cu.cuEventCreate(int(F.CU_EVENT_DISABLE_TIMING) | int(F.CU_EVENT_INTERPROCESS)),
-                   "cuEventCreate")
-        return ev, bytes(check(cu.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle").reserved)
+        ev = self.call("cuEventCreate",
+                       int(F.CU_EVENT_DISABLE_TIMING) | int(F.CU_EVENT_INTERPROCESS))
+        return ev, bytes(self.call("cuIpcGetEventHandle", ev).reserved)
 
     def ipc_event_done(self, pair) -> None:
         """Pool an interprocess event for the next export (list.append: atomic)."""
@@ -822,15 +793,13 @@ class CudaBackend:
 
     def record_event(self, ev, impl) -> None:
         """Record event ``ev`` on ``impl`` now (caller holds core_lock)."""
-        self.ensure_context()
-        check(cu.cuEventRecord(ev, impl.cu_stream), "cuEventRecord")
+        self.call("cuEventRecord", ev, impl.cu_stream)
 
     def ipc_open_event(self, handle: bytes) -> CudaMarker:
         """Another process's interprocess event, as a marker that owns the opened event."""
-        self.ensure_context()
         h = cu.CUipcEventHandle()
         h.reserved = handle
-        return CudaMarker(check(cu.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle"), self, False)
+        return CudaMarker(self.call("cuIpcOpenEventHandle", h), self, False)
 
     # -- graphs: stream capture into a CUDA graph --------------------------------
     def begin_capture(self, impl: CudaStreamImpl) -> CudaStreamImpl:
@@ -838,11 +807,10 @@ class CudaBackend:
         if impl.handle in (0, 1, 2):
             raise CaptureError("the default stream cannot be captured; capture on a stream made "
                                "by device.create_stream()")
-        self.ensure_context()
         if impl.open_marker is not None:  # never record an event into the capture
             impl.open_marker.close_locked()
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        check(cu.cuStreamBeginCapture(impl.cu_stream, mode), "cuStreamBeginCapture")
+        self.call("cuStreamBeginCapture", impl.cu_stream, mode)
         impl.capturing = True
         return impl
 
@@ -856,9 +824,8 @@ class CudaBackend:
     def instantiate_graph(self, graph):
         """``(CUgraph, CUgraphExec, native exec handle)`` of a captured graph (no lock held:
         instantiation can take long)."""
-        self.ensure_context()
         try:
-            exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            exec_ = self.call("cuGraphInstantiate", graph, 0)
         except Exception:
             cu.cuGraphDestroy(graph)
             raise
@@ -872,14 +839,12 @@ class CudaBackend:
                               cython.cast(cython.size_t, self.graph_launch_addr))(
                 cython.cast(cython.p_void, cython.cast(cython.size_t, graph_exec[2])),
                 cython.cast(cython.p_void, cython.cast(cython.size_t, impl.handle)))
-            if err:
-                check((cu.CUresult(err),), "cuGraphLaunch")
         elif hot is not None:
             err = hot.graph_launch(graph_exec[2], impl.handle)
-            if err:
-                check((cu.CUresult(err),), "cuGraphLaunch")
         else:
-            check(cu.cuGraphLaunch(graph_exec[1], impl.cu_stream), "cuGraphLaunch")
+            err = int(cu.cuGraphLaunch(graph_exec[1], impl.cu_stream)[0])
+        if err:
+            raise _error(cu.CUresult(err), "cuGraphLaunch")
         return impl.submit_marker()
 
     def destroy_graph(self, graph_exec) -> None:
