@@ -49,35 +49,14 @@ class Device:
         if not isinstance(ordinal, int) or isinstance(ordinal, bool) or ordinal < 0:
             raise ValueError(f"Device(ordinal) takes a CUDA device number >= 0, got {ordinal!r}; "
                              f"use Device.host() for the host device")
-        key = ("cuda", ordinal)
-        dev = _devices.get(key)  # (lock-free once made: a dict read)
-        if dev is not None:
-            return dev
-        with _lock:
-            dev = _devices.get(key)
-            if dev is None:
-                from .backends.cuda import CudaBackend  # imports cuda.bindings lazily
-                backend = CudaBackend(ordinal)
-                dev = object.__new__(cls)
-                dev._setup("cuda", ordinal, backend.name, key, backend)
-                _devices[key] = dev
-        return dev
+        dev = _devices.get(("cuda", ordinal))  # (lock-free once made: a dict read)
+        return dev if dev is not None else _make("cuda", ordinal)
 
     @classmethod
     def host(cls) -> "Device":
         """The host device: memory in host RAM, streams are worker threads."""
-        key = ("host", -1)
-        dev = _devices.get(key)
-        if dev is not None:
-            return dev
-        with _lock:
-            dev = _devices.get(key)
-            if dev is None:
-                from .backends.host import HostBackend
-                dev = object.__new__(cls)
-                dev._setup("host", -1, "host", key, HostBackend())
-                _devices[key] = dev
-        return dev
+        dev = _devices.get(("host", -1))
+        return dev if dev is not None else _make("host", -1)
 
     def _setup(self, kind, ordinal, name, key, backend):
         self.kind = kind
@@ -175,6 +154,24 @@ class Device:
         """Wait for all work sharedmem submitted on this device, then retire it."""
         from .runtime.submission import synchronize_device
         synchronize_device(self)
+
+
+def _make(kind: str, ordinal: int) -> Device:
+    """The device ``(kind, ordinal)``, made (with its backend) unless another thread did."""
+    key = (kind, ordinal)
+    with _lock:
+        dev = _devices.get(key)
+        if dev is None:
+            if kind == "cuda":
+                from .backends.cuda import CudaBackend  # imports cuda.bindings lazily
+                backend = CudaBackend(ordinal)
+            else:
+                from .backends.host import HostBackend
+                backend = HostBackend()
+            dev = object.__new__(Device)
+            dev._setup(kind, ordinal, backend.name, key, backend)
+            _devices[key] = dev
+    return dev
 
 
 def _as_device(d) -> Device:

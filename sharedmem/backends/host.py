@@ -540,7 +540,7 @@ atexit.register(_finish_at_exit)
 class HostBackend:
     """Memory, streams and copies for :meth:`sharedmem.Device.host`."""
 
-    kind = "host"
+    kind = name = "host"
     needs_polling = False  # workers wake the retirer themselves
 
     def __init__(self):
