@@ -251,9 +251,6 @@ class _Tasks:
         finally:
             lock.release()
 
-    def qsize(self) -> int:
-        return len(self.items)
-
 
 class HostStreamImpl:
     """A FIFO of tasks run by one daemon thread (``sharedmem-host-stream-N``).
@@ -320,10 +317,10 @@ class HostStreamImpl:
         the runtime before it takes any lock). Never in the stream's own worker:
         a task that submits to its own stream must not wait for itself."""
         q = self._q
-        if q.qsize() < MAX_QUEUED or threading.get_ident() == self._q.worker:
+        if len(q.items) < MAX_QUEUED or threading.get_ident() == q.worker:
             return
         delay = 50e-6
-        while q.qsize() >= MAX_QUEUED and not self._closed:
+        while len(q.items) >= MAX_QUEUED and not self._closed:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
@@ -372,8 +369,7 @@ class HostStreamImpl:
     def synchronize(self) -> None:
         if self.recording is not None:
             raise CaptureError("a capturing stream cannot be synchronized")
-        m = self.submit(_noop)
-        m.wait()
+        self.submit(_noop).wait()
 
     def close(self) -> None:
         self._closed = True
@@ -429,30 +425,26 @@ def _worker(q, state, backend) -> None:
         fn, marker = item
         # `item` stays referenced until after the lock is let go below: clearing q.running
         # under the lock must not free the task (its arguments' finalizers may call sharedmem)
-        if state["fault"] is not None:
+        fault = state["fault"]
+        if fault is not None:  # a faulted stream runs nothing more: unknown completion
             if marker is not None:
-                marker.error = state["fault"]
-                marker._event.set()  # (outside lock: it allocates; see _Tasks)
-            fn = None
-            lock.acquire()
-            q.running = None
-            lock.release()
-            item = None
-            continue
-        try:
-            fn()
-        except BaseException as e:
-            if marker is not None and marker.isolated and isinstance(e, Exception):
-                # Its frames' locals go: they hold the kernel's NumPy views of memory that is
-                # freed and reused once the work retires, and the future keeps the exception
-                # (a debugger or error reporter reading them would touch another view's bytes)
-                _clear_frames(e)
-                marker.failure = e  # this work failed; its completion is known
-                log.info("a host kernel raised %r; its future fails, the stream runs on", e)
-            else:  # the stream faulted: sticky, like a CUDA error
-                state["fault"] = e
-                if marker is not None:
-                    marker.error = e
+                marker.error = fault
+        else:
+            try:
+                fn()
+            except BaseException as e:
+                if marker is not None and marker.isolated and isinstance(e, Exception):
+                    # Its frames' locals go: they hold the kernel's NumPy views of memory that
+                    # is freed and reused once the work retires, and the future keeps the
+                    # exception (a debugger or error reporter reading them would touch another
+                    # view's bytes)
+                    _clear_frames(e)
+                    marker.failure = e  # this work failed; its completion is known
+                    log.info("a host kernel raised %r; its future fails, the stream runs on", e)
+                else:  # the stream faulted: sticky, like a CUDA error
+                    state["fault"] = e
+                    if marker is not None:
+                        marker.error = e
         fn = None
         if marker is not None:
             marker._event.set()  # (outside lock: it allocates; see _Tasks)
@@ -463,7 +455,7 @@ def _worker(q, state, backend) -> None:
         if marker is not None:
             marker = None
             hook = backend.on_progress
-            if hook is not None:
+            if hook is not None and fault is None:  # (not for work never run: see above)
                 hook()
 
 
@@ -520,7 +512,7 @@ def _finish_at_exit() -> None:
     for impl in list(_impls):
         if impl._state["fault"] is not None or impl._closed:
             continue
-        queued, running = impl._q.qsize(), impl._q.running is not None
+        queued, running = len(impl._q.items), impl._q.running is not None
         if not queued and not running:
             continue
         if not impl.submit(_noop).wait(max(0.0, deadline - time.monotonic())):
