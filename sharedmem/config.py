@@ -75,12 +75,8 @@ def _origin(name: str) -> str:
 
 
 def _interpreted() -> list[str]:
-    out = []
-    for m in COMPILED_MODULES:
-        origin = _origin(m)
-        if not origin or origin.endswith(".py"):
-            out.append(m)
-    return out
+    """The core modules that run (or would run) from their sources (no origin: counted so)."""
+    return [m for m in COMPILED_MODULES if (_origin(m) or ".py").endswith(".py")]
 
 
 def compiled() -> bool:
@@ -92,8 +88,17 @@ def check_required() -> None:
     """ImportError when ``SHAREDMEM_REQUIRE_EXTENSION=1`` and the core is not compiled; a
     warning when it is not compiled and nobody asked for that (an install without a C compiler
     or Cython: pip hides what setup.py prints)."""
-    if not _flag("SHAREDMEM_REQUIRE_EXTENSION") and not compiled() and \
-            not pure_python_requested():
+    interpreted = _interpreted()
+    if not interpreted:
+        return
+    if _flag("SHAREDMEM_REQUIRE_EXTENSION"):
+        raise ImportError(
+            f"SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core is not in use "
+            f"({', '.join(interpreted)} run from source"
+            f"{'; SHAREDMEM_PURE_PYTHON is set' if pure_python_requested() else ''}). "
+            f"Build it: pip install Cython and a C compiler, then reinstall sharedmem "
+            f"(or `make speedups` in a checkout).")
+    if not pure_python_requested():
         import warnings
 
         from .errors import SharedMemWarning
@@ -102,14 +107,6 @@ def check_required() -> None:
                       "(`make speedups` in a checkout), or set SHAREDMEM_PURE_PYTHON=1 to "
                       "choose the interpreted core and silence this", SharedMemWarning,
                       stacklevel=3)
-    if _flag("SHAREDMEM_REQUIRE_EXTENSION") and not compiled():
-        interpreted = _interpreted()
-        raise ImportError(
-            f"SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core is not in use "
-            f"({', '.join(interpreted)} run from source"
-            f"{'; SHAREDMEM_PURE_PYTHON is set' if pure_python_requested() else ''}). "
-            f"Build it: pip install Cython and a C compiler, then reinstall sharedmem "
-            f"(or `make speedups` in a checkout).")
 
 
 def _default_device_text() -> str:
@@ -129,10 +126,7 @@ def _default_device_text() -> str:
 
 
 def _version(module: str):
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
+    from importlib.metadata import PackageNotFoundError, version
     for dist in {"cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"),
                  "cuda.bindings": ("cuda-bindings", "cuda-python"),
                  "cuda.tile": ("cuda-tile",), "numpy": ("numpy",), "Cython": ("Cython",)}[module]:
