@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import itertools
 import fcntl
+import io
 import mmap
 import os
 import struct
@@ -127,7 +128,7 @@ class IpcExport:
                 return self._state == "revoked"
             slot = self._slot
             with _SlotLock(slot[4], slot[1]):
-                if _read(slot)[0] != EXPORTED:
+                if _SLOT.unpack_from(slot[0], slot[1])[0] != EXPORTED:
                     return False
                 _finish_locked(self, "revoked")
         return True
@@ -205,11 +206,6 @@ class _SlotLock:
 
     def __exit__(self, *exc):
         fcntl.lockf(self.fd, fcntl.LOCK_UN, _SLOT.size, self.off, os.SEEK_SET)
-
-
-def _read(slot):
-    mm, off = slot[0], slot[1]
-    return _SLOT.unpack_from(mm, off)
 
 
 def _cleanup_files() -> None:
@@ -339,7 +335,7 @@ def _poll() -> None:
             now = time.monotonic()
             for ex in list(_exports):
                 slot = ex._slot
-                state, _, pid, _, start = _read(slot)
+                state, _, pid, _, start = _SLOT.unpack_from(slot[0], slot[1])
                 if state == RELEASED:
                     _finish_locked(ex, "released")
                 elif state == EXPORTED:  # (an open that failed put it back)
@@ -361,7 +357,7 @@ def _start_time(pid: int) -> int:
     """The process's start time (clock ticks since boot), 0 when unknown; -1 when it is gone
     or a zombie."""
     try:
-        with builtins_open(f"/proc/{pid}/stat", "rb") as f:
+        with io.open(f"/proc/{pid}/stat", "rb") as f:  # (this module's open is sm.ipc.open)
             fields = f.read().rsplit(b")", 1)[1].split()
     except FileNotFoundError:
         return -1
@@ -386,10 +382,6 @@ def _alive(pid: int, start: int) -> bool:
 
 
 # -- the importer ------------------------------------------------------------------------------
-import builtins  # noqa: E402
-
-builtins_open = builtins.open
-
 
 class _Mapping:
     """An exporter's allocation mapped into this process; unmapped when the last import of it
