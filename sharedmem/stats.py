@@ -94,14 +94,9 @@ def inflight() -> list[InFlight]:
     shows one line each."""
     _submission.sweep_all()
     now = time.monotonic()
-    out = []
     with locked():
-        for s in list(RUNTIME.active):
-            for sub in s._pending:
-                out.append(_entry(sub, now, "pending"))
-        for sub in RUNTIME.leaked:
-            out.append(_entry(sub, now, "unknown"))
-    return out
+        return [_entry(sub, now, "pending") for s in list(RUNTIME.active) for sub in s._pending] \
+            + [_entry(sub, now, "unknown") for sub in RUNTIME.leaked]
 
 
 def _entry(sub, now, state) -> InFlight:
