@@ -78,7 +78,6 @@ class CompleteMarker:
 
     __slots__ = ()
     error = None
-    unknown = False
     recorded = True
     handle = 0
 

@@ -171,10 +171,6 @@ class CudaMarker:
         self._open_on = None  # guarded by core_lock
 
     @property
-    def unknown(self) -> bool:
-        return self.error is not None
-
-    @property
     def recorded(self) -> bool:
         """False while the marker is open (no event recorded yet)."""
         return self._open_on is None

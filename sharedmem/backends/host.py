@@ -182,10 +182,6 @@ class HostMarker:
             return PENDING
         return UNKNOWN if self.error is not None else DONE
 
-    @property
-    def unknown(self) -> bool:
-        return self.error is not None
-
     def wait(self, timeout=None) -> bool:
         """Block until the task ran (or failed); False on timeout. SharedMemError where the
         caller is the worker that would run it: a task waiting for one queued behind it on
