@@ -57,6 +57,11 @@ def host_array(ptr: int, nbytes: int) -> np.ndarray:
     return np.frombuffer((ctypes.c_ubyte * nbytes).from_address(ptr), dtype=np.uint8)
 
 
+def _aligned(n: int) -> int:
+    """``n`` rounded up to a multiple of ``_ALIGN``."""
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
 class HostBlock:
     """A block of the host pool. Owns its memory: when the block is garbage
     collected it goes back to the pool (never at interpreter exit)."""
@@ -95,18 +100,13 @@ class HostPool:
         self._free: dict[int, list] = {}  # guarded by self._lock
         self.bytes_in_use = 0  # guarded by self._lock
 
-    @staticmethod
-    def _size_class(nbytes: int) -> int:
-        n = max(nbytes, 1)
-        return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
     # The pool's lock is a leaf taken by HostBlock finalizers (_give_back): nothing under it
     # may allocate a garbage-collected object, or a collection there could run a finalizer
     # that waits for it on the same thread -- so acquire()/release(), never `with` (its exit
     # call allocates its argument tuple while the lock is held), and the free lists made
     # before it is taken.
     def allocate(self, nbytes: int) -> HostBlock:
-        sc = self._size_class(nbytes)
+        sc = _aligned(max(nbytes, 1))  # the size class
         lock = self._lock
         lock.acquire()
         try:
@@ -125,9 +125,7 @@ class HostPool:
                 finally:
                     lock.release()
                 raise
-        base = raw.ctypes.data
-        ptr = (base + _ALIGN - 1) // _ALIGN * _ALIGN
-        return HostBlock(raw, ptr, nbytes, self, sc)
+        return HostBlock(raw, _aligned(raw.ctypes.data), nbytes, self, sc)
 
     def _new_block(self, sc: int):
         """A new raw block; on MemoryError the cached free blocks are dropped and the
@@ -282,7 +280,7 @@ class HostStreamImpl:
         so waits on it raise CompletionUnknownError instead of hanging. A fork from inside
         one of this stream's own tasks is the worker itself, which goes on here."""
         q = self._q
-        if self._q.worker == threading.get_ident():
+        if q.worker == threading.get_ident():
             return
         q.new_bell()  # (the parent's worker may have been sleeping on the old one)
         running, q.running = q.running, None
@@ -290,12 +288,11 @@ class HostStreamImpl:
         if marker is not None:
             # The parent's worker may have been inside this marker's Event.set() (it runs
             # outside the task lock), holding the Event's own lock, which no thread of the
-            # child will ever release: the marker gets a new Event in the state it reached.
-            finished = marker._event.is_set()
-            marker._event = threading.Event()
-            if finished:  # its work had run: done, as in the parent
-                marker._event.set()
+            # child will ever release: the marker gets a new Event, set below (whatever
+            # state it reached).
+            if marker._event.is_set():  # its work had run: done, as in the parent
                 running = None
+            marker._event = threading.Event()
         if running is not None:
             if self._state["fault"] is None:
                 self._state["fault"] = CompletionUnknownError(
@@ -304,8 +301,8 @@ class HostStreamImpl:
                     f"work is in flight, or use the 'spawn' start method)")
             if marker is not None and marker.error is None:
                 marker.error = self._state["fault"]
-        if marker is not None and not marker._event.is_set():
-            marker._event.set()  # (unknown -- or failed by an earlier fault: never a hang)
+        if marker is not None:
+            marker._event.set()  # (done; unknown -- or failed by an earlier fault: never a hang)
         self._start_worker()
 
     def throttle(self) -> None:
