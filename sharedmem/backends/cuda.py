@@ -647,18 +647,17 @@ class CudaBackend:
         """Where the CUDA stream of ``impl`` lives: ``(ordinal, context)``, its context (as an
         int) and that context's device; None where the driver cannot say. A raw handle says
         nothing else about its device (asked when a stream is first borrowed)."""
-        ctx = None
-        try:  # (_v2, CUDA 12.5: a green context's stream answers its device's primary context)
-            r = cu.cuStreamGetCtx_v2(impl.cu_stream)
+        # (_v2, CUDA 12.5: a green context's stream answers its device's primary context)
+        for name in ("cuStreamGetCtx_v2", "cuStreamGetCtx"):
+            try:
+                r = getattr(cu, name)(impl.cu_stream)
+            except (AttributeError, RuntimeError):  # (an older binding; an older driver: the
+                continue                            # binding raises 'Function ... not found')
             if r[0] == _SUCCESS:
                 ctx = r[1]
-        except (AttributeError, RuntimeError):  # (an older binding; an older driver: the
-            pass                                # binding raises 'Function ... not found')
-        if ctx is None:
-            try:
-                ctx = check(cu.cuStreamGetCtx(impl.cu_stream), "cuStreamGetCtx")
-            except (AttributeError, RuntimeError):  # (CudaError too: not checked then)
-                return None
+                break
+        else:  # (neither says)
+            return None
         if int(ctx) == self.context_handle:
             return self.ordinal, self.context_handle
         # another context: its device, asked with that context current for a moment (the
