@@ -112,18 +112,12 @@ class trace:
     def _us(self, t) -> float:
         return round((t - self._t0) * 1e6, 3)
 
-    def _tid(self, stream) -> int:
-        tid = self._tids.get(stream)
-        if tid is None:
-            tid = self._tids[stream] = len(self._tids) + 1
-        return tid
-
     def submitted(self, sub, waits) -> None:
         """A submission was made (core lock held)."""
         ts = self._us(sub.t0)
         leases = [f"allocation #{tok.allocation.id} bytes [{tok.start}, {tok.stop}) "
                   f"{'write' if w else 'read'}" for tok, w in sub.uses or ()]
-        tid = self._tid(sub.stream)
+        tid = self._tids.setdefault(sub.stream, len(self._tids) + 1)  # (a new stream: a new track)
         self._subs[id(sub)] = {"ph": "X", "name": sub.label, "cat": "submission", "pid": 0,
                                "tid": tid, "ts": ts, "args": {"seq": sub.seq, "leases": leases}}
         if self._nvtx is not None:
