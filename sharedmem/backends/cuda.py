@@ -277,20 +277,15 @@ class CudaMarker:
                 pass
 
 
-def _unrecorded(marker) -> CompletionUnknownError:
-    e = CompletionUnknownError(f"cannot order after work whose completion event could not be "
-                               f"recorded ({marker.error!r}); its memory is kept")
-    e.__cause__ = marker.error
-    return e
-
-
 def _stream_wait(backend, stream_handle, marker) -> None:
     """Make stream ``stream_handle`` of ``backend``'s device wait for ``marker`` (a
     CudaMarker of any device; recorded first if open: caller holds core_lock then)."""
     if marker._open_on is not None:
         marker.close_locked()
         if marker.error is not None:
-            raise _unrecorded(marker)
+            raise CompletionUnknownError(f"cannot order after work whose completion event could "
+                                         f"not be recorded ({marker.error!r}); its memory is "
+                                         f"kept") from marker.error
     backend.ensure_context()  # (a marker of another device: that one's context)
     hot = backend.hot
     if cython.compiled and backend.wait_addr:
