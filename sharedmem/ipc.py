@@ -310,10 +310,8 @@ def _finish_locked(ex, state) -> None:
     ev, ex._event = ex._event, None
     if ev is not None:  # no importer waits for it any more: the next export may record it
         ev[0].ipc_event_done(ev[1])
-    try:
+    if ex in _exports:  # (not when finished before)
         _exports.remove(ex)
-    except ValueError:
-        pass
     ex._done.set()
 
 
