@@ -56,9 +56,8 @@ def stats() -> Stats:
     with locked():
         c = _submission.counters_locked()
         views = RUNTIME.live_views
-    return Stats(in_flight=c["in_flight"], live_allocations=live, live_views=views,
-                 leaked=c["leaked"], leaked_bytes=c["leaked_bytes"], submitted=c["submitted"],
-                 retired=c["retired"])
+    # (counters_locked: in_flight, leaked, leaked_bytes, submitted, retired)
+    return Stats(live_allocations=live, live_views=views, **c)
 
 
 def synchronize() -> None:
