@@ -152,8 +152,7 @@ class HostPool:
         lock = self._lock
         lock.acquire()
         try:
-            blocks = self._free
-            self._free = empty
+            blocks, self._free = self._free, empty
         finally:
             lock.release()
         blocks.clear()  # (the blocks freed outside the lock)
