@@ -3,6 +3,8 @@ has it, other work's callback errors kept out of continuations (host backend).""
 
 import _thread
 import asyncio
+import gc
+import sys
 import threading
 import time
 
@@ -154,6 +156,55 @@ def test_the_exceptions_chained_to_a_failed_kernels_keep_no_view_either(host):
         tb = tb.tb_next
     assert tb.tb_frame.f_code.co_name == "_check_row"
     assert "row" not in tb.tb_frame.f_locals and "x" not in tb.tb_frame.f_locals
+
+
+@sm.host_kernel
+def _raises_its_argument(x):
+    x[:] = 7
+    raise AssertionError("not negative", x[:4], {"kept": x})  # (what `assert ok, x` gives)
+
+
+def test_views_in_a_failed_kernels_exception_args_are_copies(host):
+    """An exception whose args hold the kernel's view (``assert ok, x``) holds a copy of it:
+    the values the kernel saw, no alias of memory the pool hands out again."""
+    b = sm.Buffer.zeros(1024, "float32", device=host)
+    ptr = b.ptr
+    err = sm.launch(_raises_its_argument, 1, 1, b).exception(5).__cause__
+    b.release()
+    del b
+    sm.synchronize()
+    gc.collect()
+    c = sm.Buffer.zeros(1024, "float32", device=host)
+    sm.synchronize()  # (its zeros written)
+    assert c.ptr == ptr  # (the pool gave the block out again: what the exception showed)
+    assert err.args[0] == "not negative" and err.args[1].tolist() == [7.0] * 4
+    assert err.args[2]["kept"] is not None  # (a dict inside args: not walked, see model.md)
+    err.args[1][:] = -1  # a reporter writing what the exception shows
+    np.testing.assert_array_equal(c.to_host(), np.zeros(1024, np.float32))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="ExceptionGroup is Python 3.11+")
+def test_the_members_of_a_failed_kernels_exception_group_keep_no_view(host):
+    def check(row):
+        raise ValueError("bad row")
+
+    @sm.host_kernel
+    def k(x):
+        errors = []
+        for i in range(2):
+            try:
+                check(x[4 * i:4 * i + 4])
+            except ValueError as e:
+                errors.append(e)
+        raise ExceptionGroup("rows failed", errors)  # noqa: F821  (3.11+)
+
+    b = sm.Buffer.zeros(64, "float32", device=host)
+    err = sm.launch(k, 1, 1, b).exception(5).__cause__
+    assert [str(e) for e in err.exceptions] == ["bad row", "bad row"]
+    tb = err.exceptions[0].__traceback__
+    while tb.tb_next:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_name == "check" and "row" not in tb.tb_frame.f_locals
 
 
 def _chain(fut):

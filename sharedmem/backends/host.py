@@ -426,11 +426,10 @@ def _worker(q, state, backend) -> None:
                 fn()
             except BaseException as e:
                 if marker is not None and marker.isolated and isinstance(e, Exception):
-                    # Its frames' locals go: they hold the kernel's NumPy views of memory that
-                    # is freed and reused once the work retires, and the future keeps the
-                    # exception (a debugger or error reporter reading them would touch another
-                    # view's bytes)
-                    _clear_frames(e)
+                    # What it holds of the kernel's NumPy views goes: their memory is freed
+                    # and reused once the work retires, and the future keeps the exception (a
+                    # debugger or error reporter reading them would touch another view's bytes)
+                    _detach(e, getattr(fn, "args", ()))
                     marker.failure = e  # this work failed; its completion is known
                     log.info("a host kernel raised %r; its future fails, the stream runs on", e)
                 else:  # the stream faulted: sticky, like a CUDA error
@@ -451,9 +450,18 @@ def _worker(q, state, backend) -> None:
                 hook()
 
 
-def _clear_frames(e) -> None:
-    """Clear the locals of the frames of ``e``'s traceback and of the exceptions chained to
-    it (``raise ... from``, or raised while handling one)."""
+def _detach(e, args) -> None:
+    """Cut what ``e`` -- and the exceptions chained to it (``raise ... from``, or raised while
+    handling one) or grouped in it (an ExceptionGroup's) -- holds of the NumPy arrays among a
+    host kernel's arguments ``args``: its frames' locals are cleared, and an array in its
+    ``args`` or attributes that may share memory with one of them is replaced by a copy (the
+    values the kernel saw)."""
+    views = [a for a in args if isinstance(a, np.ndarray)]
+
+    def detached(x):
+        if isinstance(x, np.ndarray) and any(np.may_share_memory(x, v) for v in views):
+            return x.copy()
+        return x
     todo, seen = [e], set()
     while todo:
         e = todo.pop()
@@ -461,7 +469,16 @@ def _clear_frames(e) -> None:
             continue
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
+        if views:
+            try:
+                e.args = tuple([detached(a) for a in e.args])
+                d = getattr(e, "__dict__", None)
+                for k in list(d or ()):
+                    d[k] = detached(d[k])
+            except Exception:  # (an exception type whose args cannot be set: kept as it is)
+                pass
         todo += (e.__cause__, e.__context__)
+        todo += getattr(e, "exceptions", ())
 
 
 _impls = weakref.WeakSet()  # every host stream's impl (fork restarts their workers)
