@@ -66,7 +66,7 @@ class trace:
         # thread held it would wait for forever.
         self._ranges = {}  # id(submission) -> NVTX range, until it retires
         self._subs = {}  # id(submission) -> event dict, until it retires
-        self._tids = {}  # stream -> track id
+        self._tids = {}  # stream._uid -> (track id, its name): never the stream (kept alive)
         self._t0 = 0.0
         self._pid = 0  # the process recording (a forked child does not: see _after_fork_child)
 
@@ -96,7 +96,7 @@ class trace:
             self._subs.clear()
             ranges, self._ranges = self._ranges, {}
             meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
-                     "args": {"name": str(stream)}} for stream, tid in self._tids.items()]
+                     "args": {"name": name}} for tid, name in self._tids.values()]
             self._tids.clear()
             self.events = meta + sorted(self.events, key=lambda e: e["ts"])
         if self._nvtx is not None:  # still in flight: the range ends with the trace
@@ -117,7 +117,10 @@ class trace:
         ts = self._us(sub.t0)
         leases = [f"allocation #{tok.allocation.id} bytes [{tok.start}, {tok.stop}) "
                   f"{'write' if w else 'read'}" for tok, w in sub.uses or ()]
-        tid = self._tids.setdefault(sub.stream, len(self._tids) + 1)  # (a new stream: a new track)
+        track = self._tids.get(sub.stream._uid)
+        if track is None:  # a new stream: a new track
+            track = self._tids[sub.stream._uid] = (len(self._tids) + 1, str(sub.stream))
+        tid = track[0]
         self._subs[id(sub)] = {"ph": "X", "name": sub.label, "cat": "submission", "pid": 0,
                                "tid": tid, "ts": ts, "args": {"seq": sub.seq, "leases": leases}}
         if self._nvtx is not None:

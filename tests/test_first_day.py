@@ -296,6 +296,29 @@ def test_trace_writes_a_perfetto_timeline_one_track_per_stream(host, tmp_path):
     assert RUNTIME.tracer is None
 
 
+def test_a_trace_keeps_no_stream_alive(host, tmp_path):
+    """A trace names each stream's track, and keeps no Stream: one dropped while the trace
+    records is freed (on the host, its worker thread ends; on CUDA, its CUstream)."""
+    import gc
+    import json
+    import weakref
+    x = sm.Buffer.zeros(16, "float32", device=host)
+    fill = sm.host_kernel(lambda v: v.__setitem__(slice(None), 1.0))
+    with sm.trace(tmp_path / "t.json"):
+        refs = []
+        for i in range(4):
+            s = host.create_stream(f"request-{i}")
+            sm.launch(fill, 1, 1, sm.Out(x), stream=s).result(5)
+            refs.append(weakref.ref(s))
+            del s
+        sm.synchronize()
+        gc.collect()
+        assert [r() for r in refs[:3]] == [None] * 3  # (the newest: a stream memo may keep it)
+    names = [e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+             if e["ph"] == "M"]
+    assert [f"<Stream request-{i} on <Device host> (owned)>" in names for i in range(4)] == [True] * 4
+
+
 def test_trace_records_a_consumers_lease_and_the_logger_is_silent_by_default(host, tmp_path):
     import json
     import logging
