@@ -257,6 +257,54 @@ def test_a_host_kernel_waiting_for_work_behind_it_on_its_stream_is_refused(host,
     s.synchronize()
 
 
+@pytest.mark.parametrize("hops", [1, 2])
+def test_a_host_kernel_waiting_for_work_ordered_after_itself_raises(host, hops):
+    """A kernel on stream a writes x, then launches a reader of x on b (and, with two hops, a
+    reader of what that one writes on c) and waits for it: sharedmem ordered b after this
+    very kernel, so the wait would never end. It raises instead, and every stream runs on."""
+    a, b, c = (host.create_stream(n) for n in ("hop-a", "hop-b", "hop-c"))
+    x, y, z = (sm.Buffer.zeros(4, device=host) for _ in range(3))
+    sm.synchronize()
+    copy = sm.host_kernel(lambda src, dst: dst.__setitem__(slice(None), src))
+    started = []
+
+    @sm.host_kernel
+    def produce(xv):
+        xv[:] = 1
+        f = sm.launch(copy, 1, 1, sm.In(x), sm.Out(y), stream=b)  # waits for this kernel
+        if hops == 2:
+            f = sm.launch(copy, 1, 1, sm.In(y), sm.Out(z), stream=c)  # waits for b's copy
+        started.append(f)
+        f.result(timeout=10)
+
+    fut = sm.launch(produce, 1, 1, sm.Out(x), stream=a)
+    with pytest.raises(sm.HostKernelError) as ei:
+        fut.result(timeout=20)
+    assert type(ei.value.__cause__) is sm.SharedMemError
+    assert str(ei.value.__cause__) == (
+        "a host kernel on host stream 'hop-a' waits for work queued behind it on its own "
+        "stream (through work on another stream that was ordered after it: it uses bytes this "
+        "kernel has yet to finish with), which cannot start before the kernel returns: it "
+        "would wait forever. Wait outside the kernel, or submit that work to another stream")
+    assert started[0].result(timeout=10) is None  # the work it launched ran after it
+    assert z.to_host().tolist() == ([1.0] * 4 if hops == 2 else [0.0] * 4)
+
+
+def test_a_host_kernel_may_wait_for_unrelated_work_on_another_stream(host):
+    a, b = host.create_stream("free-a"), host.create_stream("free-b")
+    x, y = sm.Buffer.zeros(4, device=host), sm.Buffer.zeros(4, device=host)
+    sm.synchronize()
+    fill = sm.host_kernel(lambda v: v.__setitem__(slice(None), 3.0))
+
+    @sm.host_kernel
+    def outer(xv):
+        xv[:] = 1
+        sm.launch(fill, 1, 1, sm.Out(y), stream=b).result(timeout=10)  # other bytes: no order
+
+    sm.launch(outer, 1, 1, sm.Out(x), stream=a).result(timeout=20)
+    assert y.to_host().tolist() == [3.0] * 4
+
+
 def test_with_stream_makes_it_current_for_launches_and_ops_in_this_thread_or_task(host):
     import asyncio
 

@@ -185,13 +185,17 @@ class HostMarker:
         its own stream would wait forever."""
         ev = self._event
         if timeout != 0 and not ev.is_set():
-            q = self.tasks
-            if q is not None and q.worker == threading.get_ident():
+            mine = getattr(_current_worker, "q", None)  # (a worker's own queue, else None)
+            if mine is not None and mine.worker == threading.get_ident() and \
+                    _waits_for(self, mine):
+                how = "" if self.tasks is mine else (
+                    " (through work on another stream that was ordered after it: it uses bytes "
+                    "this kernel has yet to finish with)")
                 raise SharedMemError(
-                    f"a host kernel on host stream {q.name!r} waits for work queued behind it "
-                    f"on its own stream, which cannot start before the kernel returns: it would "
-                    f"wait forever. Wait outside the kernel, or submit that work to another "
-                    f"stream")
+                    f"a host kernel on host stream {mine.name!r} waits for work queued behind "
+                    f"it on its own stream{how}, which cannot start before the kernel returns: "
+                    f"it would wait forever. Wait outside the kernel, or submit that work to "
+                    f"another stream")
         return ev.wait(timeout)
 
     def recycle(self) -> None:
@@ -349,14 +353,9 @@ class HostStreamImpl:
         if self.recording is not None:  # pragma: no cover - captures make no waits
             raise CaptureError("a capturing stream cannot wait for work outside the capture")
 
-        def _wait():
-            marker.wait()
-            if marker.error is not None:
-                raise CompletionUnknownError(
-                    f"this stream waited for work whose completion is unknown: {marker.error!r}")
         if self._finalized:
             self._revive()
-        self._q.put((_wait, None))
+        self._q.put((_WaitTask(marker), None))
 
     def synchronize(self) -> None:
         if self.recording is not None:
@@ -397,10 +396,62 @@ def _noop():
     pass
 
 
+class _WaitTask:
+    """A task that makes its stream wait for ``marker`` (of another stream)."""
+
+    __slots__ = ("marker",)
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __call__(self):
+        marker = self.marker
+        marker.wait()
+        if marker.error is not None:
+            raise CompletionUnknownError(
+                f"this stream waited for work whose completion is unknown: {marker.error!r}")
+
+
+#: The task queue of the host stream whose worker is this thread (None elsewhere).
+_current_worker = threading.local()
+
+
+def _waits_for(marker, mine) -> bool:
+    """Whether ``marker`` is reached only after a task of queue ``mine`` that has not run:
+    it is one of its tasks, or queued behind a wait for one on another host stream (and so
+    on, transitively). Read without the queues' locks (nothing may allocate under them): a
+    race can only miss a dependency, never invent one."""
+    todo, seen = [marker], set()
+    while todo:
+        m = todo.pop()
+        q = getattr(m, "tasks", None)  # (markers of other kinds wait for no host task)
+        if q is None or id(m) in seen or m._event.is_set():
+            continue
+        if q is mine:
+            return True
+        seen.add(id(m))
+        for _ in range(3):
+            try:
+                items = [q.running, *q.items]
+                break
+            except RuntimeError:  # (the deque changed while it was copied)
+                items = ()
+        ahead = []  # (the waits queued before m's task: counted only once it is found)
+        for item in items:
+            if item is not None:
+                if item[1] is m:
+                    todo += ahead
+                    break
+                if type(item[0]) is _WaitTask:
+                    ahead.append(item[0].marker)
+    return False
+
+
 _revive_lock = fork_safe(threading.Lock())
 
 
 def _worker(q, state, backend) -> None:
+    _current_worker.q = q
     lock, items = q.lock, q.items
     while True:
         lock.acquire()
