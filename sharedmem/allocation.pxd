@@ -48,6 +48,7 @@ cdef class View:
     cdef public long long _dead_id
     cdef public ViewToken _export
     cdef public Py_ssize_t _offset
+    cdef public object _dtype
     cdef object __weakref__
 
     cpdef _init_view(self, ViewToken token, Py_ssize_t offset)

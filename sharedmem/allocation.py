@@ -34,6 +34,8 @@ import weakref
 if TYPE_CHECKING:
     from typing import TypeVar
 
+    import numpy as np
+
     from .device import Device
 
     _V = TypeVar("_V", bound="View")
@@ -524,13 +526,14 @@ class View:
     storage was moved to another handle.
 
     ``_offset``: byte offset of element 0 from the start of the allocation (the
-    launch path reads the device address as ``allocation.ptr + _offset``).
+    launch path reads the device address as ``allocation.ptr + _offset``); ``_dtype``: the
+    element type (set by the subclass's constructor).
     """
 
     # _moved_to: the kind a MOVED handle was moved into ("Tensor", "Buffer"); _dead_id: the
     # allocation number of a moved or released handle, for its errors (0: unknown)
     __slots__ = ("_token", "_state", "_moved_to", "_dead_id", "_derived", "_export", "_offset",
-                 "__weakref__")
+                 "_dtype", "__weakref__")
 
     _kind = "view"
 
@@ -621,6 +624,22 @@ class View:
     def readonly(self) -> bool:
         """True for a read-only view: launches may only read it (``In``)."""
         return not self._live_token().writable
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The element type (a NumPy dtype)."""
+        self._live_token()
+        return self._dtype
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        self._live_token()
+        return self._dtype.itemsize
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy(view)``: as ``copy.copy`` (a view holds no Python objects)."""
+        return self.__copy__()
 
     def release(self) -> None:
         """Give this view's token back now. Idempotent; never waits for the
@@ -769,7 +788,3 @@ class View:
             f"view{'s' if n != 1 else ''} of its bytes exist{'s' if n == 1 else ''}:\n{lines}\n"
             f"To move, {_advice(others)}; or copy instead of moving.{hint}",
             tuple(t.describe() for t in others))
-
-    def _describe_short(self) -> str:  # overridden
-        tok = self._token
-        return f"{type(self).__name__} (bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id})"

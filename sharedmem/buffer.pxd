@@ -3,7 +3,6 @@ cimport cython
 from sharedmem.allocation cimport View, ViewToken
 
 cdef class Buffer(View):
-    cdef public object _dtype
     cdef public Py_ssize_t _length
 
 @cython.locals(self=Buffer)

@@ -55,11 +55,14 @@ def _device(device) -> Device:
     return Device(device)
 
 
-def allocate(device: Device, nbytes: int, stream=None) -> Allocation:
-    """A new allocation of ``nbytes`` owned by sharedmem (pool memory)."""
-    impl = stream._impl if stream is not None else None
+def allocate(device: Device, nbytes: int, stream, kind: str):
+    """A live view token of kind ``kind`` over the whole of a new allocation of ``nbytes``
+    owned by sharedmem (pool memory), allocated in order on ``stream`` when given (a Stream
+    or a foreign stream of ``device``)."""
+    impl = resolve_stream(stream, device)._impl if stream is not None else None
     block = device.backend.allocate(nbytes, impl)
-    return Allocation(device, block.ptr, nbytes, owner=block, source="sharedmem")
+    alloc = Allocation(device, block.ptr, nbytes, owner=block, source="sharedmem")
+    return alloc.new_token(kind, 0, nbytes, True, alloc)
 
 
 def new_buffer(token, dtype, length):
@@ -82,7 +85,7 @@ class Buffer(View):
     the memory anyway, through its leases.
     """
 
-    __slots__ = ("_dtype", "_length")
+    __slots__ = ("_length",)
     _kind = "buffer"
 
     def __init__(self, *args, **kwargs):
@@ -98,11 +101,7 @@ class Buffer(View):
         (default: :func:`~sharedmem.default_device`)."""
         dt = as_dtype(dtype)
         n = _length(n)
-        dev = _device(device)
-        s = resolve_stream(stream, dev) if stream is not None else None
-        alloc = allocate(dev, n * dt.itemsize, s)
-        tok = alloc.new_token("buffer", 0, n * dt.itemsize, True, alloc)
-        return new_buffer(tok, dt, n)
+        return new_buffer(allocate(_device(device), n * dt.itemsize, stream, "buffer"), dt, n)
 
     @classmethod
     def zeros(cls, n: int, dtype: np.typing.DTypeLike = "float32",
@@ -124,19 +123,7 @@ class Buffer(View):
         buf.copy_from(a, stream)
         return buf
 
-    # -- properties -----------------------------------------------------------
-    @property
-    def dtype(self) -> np.dtype:
-        """The element type (a NumPy dtype)."""
-        self._live_token()
-        return self._dtype
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element."""
-        self._live_token()
-        return self._dtype.itemsize
-
+    # -- properties (dtype, itemsize: View's) ------------------------------------
     def __len__(self) -> int:
         self._live_token()
         return self._length
@@ -194,10 +181,6 @@ class Buffer(View):
         out = Buffer.empty(self._length, self._dtype, device=tok.allocation.device)
         out.copy_from(self)
         return out
-
-    def __deepcopy__(self, memo) -> "Buffer":
-        """``copy.deepcopy(buf)``: as ``copy.copy`` (a buffer holds no Python objects)."""
-        return self.__copy__()
 
     # -- views ----------------------------------------------------------------
     def __getitem__(self, key) -> "Buffer":
@@ -353,18 +336,15 @@ def to_device(view, device, stream, policy=None):
     if sdev.kind != dev.kind or (sdev is not dev and dev.kind != "cuda"):
         raw = view.to_host(stream if stream is not None and stream.device is sdev else None)
         s = resolve_stream(stream if stream is not None and stream.device is dev else None, dev)
-        alloc = allocate(dev, raw.nbytes, s)
-        out = alloc.new_token(view._kind, 0, raw.nbytes, True, alloc)
-        backend = dev.backend
+        out = allocate(dev, raw.nbytes, s, view._kind)
+        backend, ptr = dev.backend, out.allocation.ptr
         flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-        submit(s, [(out, True)], lambda: backend.copy_htod(s._impl, alloc.ptr, flat), keep=(flat,),
+        submit(s, [(out, True)], lambda: backend.copy_htod(s._impl, ptr, flat), keep=(flat,),
                label="to_device")
         return out
-    nbytes = tok.stop - tok.start
-    s = stream
-    alloc = allocate(dev, nbytes, s if s is not None and s.device is dev else None)
-    out = alloc.new_token(view._kind, 0, nbytes, True, alloc)
-    copy_bytes(out, tok, s, "to_device", policy)
+    out = allocate(dev, tok.stop - tok.start,
+                   stream if stream is not None and stream.device is dev else None, view._kind)
+    copy_bytes(out, tok, stream, "to_device", policy)
     return out
 
 

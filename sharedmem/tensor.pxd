@@ -4,7 +4,6 @@ from sharedmem.allocation cimport View, ViewToken
 from sharedmem.buffer cimport Buffer, new_buffer
 
 cdef class Tensor(View):
-    cdef public object _dtype
     cdef public tuple _shape, _strides
     cdef public Py_ssize_t _size
     cdef public bint _contiguous

@@ -166,7 +166,7 @@ class Tensor(View):
     ``ptr`` (address of element 0), ``ndim``, ``size``, ``nbytes``.
     """
 
-    __slots__ = ("_dtype", "_shape", "_strides", "_size", "_contiguous")
+    __slots__ = ("_shape", "_strides", "_size", "_contiguous")
     _kind = "tensor"
 
     def __init__(self, *args, **kwargs):
@@ -223,11 +223,7 @@ class Tensor(View):
         """An uninitialized C-order tensor."""
         shape = _shape(shape)
         dt = as_dtype(dtype)
-        dev = _device(device)
-        s = resolve_stream(stream, dev) if stream is not None else None
-        nbytes = math.prod(shape) * dt.itemsize
-        alloc = allocate(dev, nbytes, s)
-        tok = alloc.new_token("tensor", 0, nbytes, True, alloc)
+        tok = allocate(_device(device), math.prod(shape) * dt.itemsize, stream, "tensor")
         return new_tensor(tok, dt, shape, c_strides(shape), 0, -1, 1)
 
     @classmethod
@@ -271,18 +267,6 @@ class Tensor(View):
     def byte_strides(self) -> tuple[int, ...]:
         """Strides in bytes (``strides`` times the item size)."""
         return tuple(s * self._dtype.itemsize for s in self.strides)
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The element type (a NumPy dtype)."""
-        self._live_token()
-        return self._dtype
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element."""
-        self._live_token()
-        return self._dtype.itemsize
 
     @property
     def ndim(self) -> int:
@@ -334,10 +318,6 @@ class Tensor(View):
     def __copy__(self) -> "Tensor":
         """``copy.copy(t)``: :meth:`copy` -- a new C-contiguous tensor of the same values on
         the same device (as NumPy and CuPy copy arrays; a second view is ``t[:]``)."""
-        return self.copy()
-
-    def __deepcopy__(self, memo) -> "Tensor":
-        """``copy.deepcopy(t)``: as ``copy.copy`` (a tensor holds no Python objects)."""
         return self.copy()
 
     # -- ownership transfers ------------------------------------------------------
