@@ -8,8 +8,6 @@ cdef class Tensor(View):
     cdef public Py_ssize_t _size
     cdef public bint _contiguous
 
-    cpdef tuple _dense_range(self, str what)
-
     @cython.locals(tok=ViewToken, start=Py_ssize_t, stop=Py_ssize_t, nbytes=Py_ssize_t)
     cpdef _check_dense(self, str what)
 

@@ -55,34 +55,29 @@ def extent(shape, strides) -> tuple[int, int]:
 MAX_NDIM = 64  # NumPy's limit: to_host must be able to hold any tensor
 
 
+def _ints(seq, what) -> tuple[int, ...]:
+    """``seq`` as a tuple of Python ints; TypeError ``what`` (naming ``seq``) unless it is a
+    sequence of ints (bools and strings are not)."""
+    bad = isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__")
+    out = () if bad else tuple(seq)
+    for n in out:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            bad = True
+    if bad:
+        raise TypeError(f"{what}, got {seq!r}")
+    return tuple(int(n) for n in out)
+
+
 def _shape(shape) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
-    out = []
-    for n in shape:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}")
-        if n < 0:
-            raise LayoutError(f"shape must not have negative sizes, got {tuple(shape)}")
-        out.append(int(n))
+    out = _ints(shape, "shape must be an int or a sequence of ints")
+    if any(n < 0 for n in out):
+        raise LayoutError(f"shape must not have negative sizes, got {out}")
     if len(out) > MAX_NDIM:
         raise LayoutError(f"a tensor has at most {MAX_NDIM} dimensions (as in NumPy), got a shape "
                           f"of {len(out)}")
-    return tuple(out)
-
-
-def _check_strides(strides) -> tuple[int, ...]:
-    """Strides as given (elements), checked as ``_shape`` checks a shape."""
-    bad = isinstance(strides, (str, bytes)) or not hasattr(strides, "__iter__")
-    out = () if bad else tuple(strides)
-    for s in out:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            bad = True
-    if bad:
-        raise TypeError(f"strides must be a sequence of ints (elements), got {strides!r}")
-    return tuple(int(s) for s in out)
+    return out
 
 
 # shape as given -> (shape, C strides, size); lock-free (idempotent writes). C globals where
@@ -204,7 +199,7 @@ class Tensor(View):
             tok = b._move_token("tensor", "Tensor")
             return new_tensor(tok, dtype, shape, strides, tok.start, size, 1)
         shape = _shape(shape)
-        strides = _check_strides(strides)
+        strides = _ints(strides, "strides must be a sequence of ints (elements)")
         if len(strides) != len(shape):
             raise LayoutError(f"strides {strides} do not match shape {shape}")
         if any(s < 0 for s in strides):
@@ -321,13 +316,9 @@ class Tensor(View):
         return self.copy()
 
     # -- ownership transfers ------------------------------------------------------
-    def _dense_range(self, what: str) -> tuple[int, int]:
-        """``(start, stop)``: the byte range of this C-contiguous tensor, which must be its
-        view's whole range (else LayoutError naming ``what``)."""
-        self._check_dense(what)
-        return self._offset, self._offset + self._size * _itemsize(self._dtype)
-
     def _check_dense(self, what: str) -> None:
+        """LayoutError naming ``what`` unless this tensor is C-contiguous and its bytes are its
+        view's whole range."""
         tok = self._live_token()
         if not self._contiguous:
             raise LayoutError(f"{what} needs a C-contiguous tensor; {self!r} is not. "
@@ -359,7 +350,9 @@ class Tensor(View):
         Use as ``with t.as_buffer() as b: ...`` (or release ``b`` yourself).
         While the borrow lives, moving the tensor raises AliasError naming it."""
         tok = self._live_token()  # (first: a move on another thread then raises MovedError below)
-        start, stop = self._dense_range("as_buffer")
+        self._check_dense("as_buffer")
+        start = self._offset
+        stop = start + self._size * _itemsize(self._dtype)
         t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep,
                                      source=self)
         return new_buffer(t, self._dtype, self._size)
