@@ -110,15 +110,22 @@ class DeviceOp(Generic[_T_co]):
             self._check(stream.device)
         return self._submit_on(stream)
 
-    # -- implemented by the node types --------------------------------------
+    # -- implemented by the node types; a composite's ``ops`` are its parts ---------------
     def _submit_on(self, stream) -> DeviceFuture:  # pragma: no cover
         raise NotImplementedError
 
-    def _check(self, device) -> None:  # pragma: no cover
-        raise NotImplementedError
+    def _check(self, device) -> None:
+        """Check every part's arguments for ``device`` (raising as launch would)."""
+        for o in self.ops:
+            o._check(device)
 
-    def _device(self):  # pragma: no cover
-        raise NotImplementedError
+    def _device(self):
+        """The device of the first part whose arguments name one, or None."""
+        for o in self.ops:
+            d = o._device()
+            if d is not None:
+                return d
+        return None
 
 
 class _LaunchOp(DeviceOp):
@@ -150,48 +157,36 @@ class _LaunchOp(DeviceOp):
 
 
 class _Then(DeviceOp):
-    __slots__ = ("first", "second")
+    __slots__ = ("ops",)  # (first, second)
 
     def __init__(self, first, second):
-        self.first, self.second = first, second
+        self.ops = (first, second)
 
     def __repr__(self) -> str:
-        return f"{self.first!r}.and_then({self.second!r})"
+        return f"{self.ops[0]!r}.and_then({self.ops[1]!r})"
 
     def _submit_on(self, stream):
-        self.first._submit_on(stream)
-        return self.second._submit_on(stream)
-
-    def _check(self, device):
-        self.first._check(device)
-        self.second._check(device)
-
-    def _device(self):
-        return self.first._device() or self.second._device()
+        self.ops[0]._submit_on(stream)
+        return self.ops[1]._submit_on(stream)
 
 
 class _Apply(DeviceOp):
-    __slots__ = ("inner", "fn")
+    __slots__ = ("ops", "fn")  # ops: (the inner op,)
 
     def __init__(self, inner, fn):
-        self.inner, self.fn = inner, fn
+        self.ops, self.fn = (inner,), fn
 
     def __repr__(self) -> str:
-        return f"{self.inner!r}.apply({getattr(self.fn, '__name__', self.fn)!r})"
+        return f"{self.ops[0]!r}.apply({getattr(self.fn, '__name__', self.fn)!r})"
 
     def _submit_on(self, stream):
         if stream._capture is not None:
             raise CaptureError("apply() cannot be captured into a graph: its host function would "
                                "run once at capture, not at each replay")
-        inner = self.inner._submit_on(stream)
+        inner = self.ops[0]._submit_on(stream)
         fn = self.fn
-        return ComputedFuture(inner._s, lambda: fn(value_when_done(inner)))
-
-    def _check(self, device):
-        self.inner._check(device)
-
-    def _device(self):
-        return self.inner._device()
+        # (the work completed: _peek is safe in the retiring thread)
+        return ComputedFuture(inner._s, lambda: fn(inner._peek()))
 
 
 class _Zip(DeviceOp):
@@ -209,7 +204,7 @@ class _Zip(DeviceOp):
             # stream (independent work may run in any order, so this is a valid
             # schedule); the graph then replays them in that order.
             futures = [o._submit_on(stream) for o in self.ops]
-            return ComputedFuture(futures[-1]._s, lambda: tuple(value_when_done(f) for f in futures))
+            return ComputedFuture(futures[-1]._s, lambda: tuple(f._peek() for f in futures))
         futures = [self.ops[0]._submit_on(stream)]
         for o in self.ops[1:]:
             futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))
@@ -217,18 +212,7 @@ class _Zip(DeviceOp):
             stream.wait(f.stream)  # the join, on the device: no host block
         backend, impl = stream.device.backend, stream._impl
         join = _sub.submit(stream, [], lambda: backend.submit_marker(impl), label="zip join")
-        return ComputedFuture(join, lambda: tuple(value_when_done(f) for f in futures))
-
-    def _check(self, device):
-        for o in self.ops:
-            o._check(device)
-
-    def _device(self):
-        for o in self.ops:
-            d = o._device()
-            if d is not None:
-                return d
-        return None
+        return ComputedFuture(join, lambda: tuple(f._peek() for f in futures))
 
 
 def op(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, ...] | None,
@@ -272,11 +256,6 @@ def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:  # noqa: A001,F811 - 
 
 
 # -- values computed once after completion -----------------------------------------------
-def value_when_done(fut) -> object:
-    """The value of a future whose work completed (safe in the retiring thread)."""
-    return fut._peek()
-
-
 class ComputedFuture(DeviceFuture):
     """A DeviceFuture whose value is computed on the host, exactly once, after
     its submission completed: eagerly in the retiring thread, or at the first
