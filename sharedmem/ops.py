@@ -335,10 +335,6 @@ class ComputedFuture(DeviceFuture):
             raise TimeoutError(f"the value of {self._s.label} on {self._s.stream} was not "
                                f"computed within {timeout} s")
 
-    def result(self, timeout: float | None = None):
-        self._wait_done(timeout)  # raises TimeoutError; CompletionUnknownError below
-        return self._peek()
-
     def _peek(self):
         DeviceFuture._peek(self)  # the work's own outcome first
         self._compute(None)  # (computed already, or here)

@@ -53,18 +53,15 @@ class _FutureBase:
         the returned one fails with the same exception and ``fn`` is not called."""
         out = HostFuture()
 
-        def _cb():
-            try:
-                value = self._peek()  # no deferred warnings or errors: any thread may run this
+        def _cb(_f=None):
+            try:  # (_peek: no deferred warnings or errors, so any thread may run this)
+                value = fn(self._peek())  # (not called when the work failed)
             except BaseException as e:
                 out._set(None, e)
-                return
-            try:
-                out._set(fn(value), None)
-            except BaseException as e:
-                out._set(None, e)
+            else:
+                out._set(value, None)
 
-        self.add_done_callback(lambda _f=None: _cb())
+        self.add_done_callback(_cb)
         return out
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -160,13 +157,7 @@ class DeviceFuture(_FutureBase):
     def result(self, timeout: float | None = None) -> _T:
         """Block until the work has finished; see the class docstring."""
         self._wait_done(timeout)
-        s = self._s
-        if s.state == _sub.UNKNOWN:
-            raise CompletionUnknownError(
-                f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}. Its "
-                f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
-        _raise_failure(s)
-        return s.value
+        return self._peek()
 
     def _wait_done(self, timeout) -> None:
         """Until the work finished (TimeoutError after ``timeout``), then other work's
@@ -184,26 +175,21 @@ class DeviceFuture(_FutureBase):
         _sub.add_callback(self._s, lambda: fn(self))
 
     def _peek(self):
-        """The value of completed work, or its own error; waits for the device
+        """The value of completed work, or its own error (CompletionUnknownError; a
+        HostKernelError when a host kernel raised: see backends.host); waits for the device
         if needed but never surfaces other work's deferred warnings or errors
         (safe in the retiring thread)."""
         s = self._s
         _sub.wait(s, None)
         if s.state == _sub.UNKNOWN:
             raise CompletionUnknownError(
-                f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}") \
-                from s.marker.error
-        _raise_failure(s)
+                f"completion of {s.label} on {s.stream} is unknown: {s.marker.error!r}. Its "
+                f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
+        failure = getattr(s.marker, "failure", None)
+        if failure is not None:
+            raise HostKernelError(f"{s.label} on {s.stream} raised {failure!r}; its leases were "
+                                  f"released and the stream runs on") from failure
         return s.value
-
-
-def _raise_failure(s) -> None:
-    """Raise HostKernelError if the work ended with an exception of its own (a host kernel
-    that raised: see backends.host)."""
-    failure = getattr(s.marker, "failure", None)
-    if failure is not None:
-        raise HostKernelError(f"{s.label} on {s.stream} raised {failure!r}; its leases were "
-                              f"released and the stream runs on") from failure
 
 
 def future_of(submission: Submission) -> DeviceFuture[Any]:
