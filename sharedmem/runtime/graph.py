@@ -161,10 +161,6 @@ class Graph:
         # racing this replay makes submit() refuse it: its tokens are checked live there.)
         return future_of(submit_plan(s, uses, executable, None, None, keep, policy, label))
 
-    def describe(self) -> str:
-        """How the graph is named in messages (``graph #N``)."""
-        return f"graph #{self.id}"
-
     # -- lifetime ----------------------------------------------------------------
     def release(self) -> None:
         """Give back the graph's view tokens now: captured memory can be moved
@@ -215,10 +211,7 @@ class capture:
     __slots__ = ("stream", "graph")
 
     def __init__(self, stream: Stream | object) -> None:
-        from ..stream import Stream
-        if not isinstance(stream, Stream):
-            stream = Stream.from_external(stream)
-        self.stream = stream
+        self.stream = Stream.from_external(stream)  # (a Stream: itself)
         self.graph = None
 
     def __enter__(self) -> Graph:
@@ -260,24 +253,21 @@ class capture:
             s._capture = None
             RUNTIME.captures -= 1
             g._recorder = None
-        try:
-            if ended is not None:
-                raise ended
-            exec_ = backend.instantiate_graph(captured)
-        except Exception as e:
+        if ended is None:
+            try:
+                exec_ = backend.instantiate_graph(captured)
+            except Exception as e:
+                ended = e
+        if ended is not None or exc_type is not None:  # no graph
             with g._lock:
                 g._state = "failed"
+            if ended is None:
+                backend.destroy_graph(exec_)
             g.release()
             if exc_type is None:
-                raise CaptureError(f"capture of graph #{g.id} on {s} failed: {e}") from e
+                raise CaptureError(f"capture of graph #{g.id} on {s} failed: {ended}") from ended
             return False
-        if exc_type is not None:
-            with g._lock:
-                g._state = "failed"
-            s.device.backend.destroy_graph(exec_)
-            g.release()
-            return False
-        g._exec = _Executable(s.device.backend, exec_)
+        g._exec = _Executable(backend, exec_)
         with locked():
             uses = [(tok, writes) for tok, writes in g._uses.values()]
         with g._lock:
@@ -301,7 +291,7 @@ def graph(op: DeviceOp[Any], stream: Stream | None = None) -> Graph:
     if stream is None:
         s = (op._device() or default_device()).create_stream("sharedmem-graph")
     else:
-        s = stream if isinstance(stream, Stream) else Stream.from_external(stream)
+        s = Stream.from_external(stream)  # (a Stream: itself)
     with capture(s) as g:
         op._submit_on(s)
     return g
