@@ -340,8 +340,8 @@ class _Registry:
     core_lock. Nothing under it allocates a garbage-collected object (tuples and lists are
     made before it is taken; strong references a lookup takes are dropped after it is let
     go): no collection, so no finalizer, can start while it is held -- a finalizer calling
-    sharedmem there would wait for a lock its own thread holds. ``live_count`` reads a
-    counter without it.
+    sharedmem there would wait for a lock its own thread holds. ``live_allocation_count``
+    reads its counter without it.
     """
 
     def __init__(self):
@@ -374,24 +374,21 @@ class _Registry:
         lock = self._lock
         lock.acquire()
         try:
-            self._remove_locked(dkey, key)
+            entry = self._maps.get(dkey)
+            got = entry[1].pop(key, None) if entry is not None else None
+            if got is None:
+                return
+            keys = entry[0]
+            i = bisect.bisect_left(keys, key)
+            if i < len(keys) and keys[i] == key:
+                del keys[i]
+            lens = entry[2]
+            j = bisect.bisect_left(lens, got[1])
+            if j < len(lens) and lens[j] == got[1]:
+                del lens[j]  # (the bound shrinks when the longest went)
+            self._live -= 1
         finally:
             lock.release()
-
-    def _remove_locked(self, dkey, key) -> None:
-        entry = self._maps.get(dkey)
-        got = entry[1].pop(key, None) if entry is not None else None
-        if got is None:
-            return
-        keys = entry[0]
-        i = bisect.bisect_left(keys, key)
-        if i < len(keys) and keys[i] == key:
-            del keys[i]
-        lens = entry[2]
-        j = bisect.bisect_left(lens, got[1])
-        if j < len(lens) and lens[j] == got[1]:
-            del lens[j]  # (the bound shrinks when the longest went)
-        self._live -= 1
 
     def lookup(self, device, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)``."""
@@ -430,10 +427,6 @@ class _Registry:
                 a = factory()
             return a
 
-    def live_count(self) -> int:
-        """Live allocations (an int read: no lock, so any finalizer may ask)."""
-        return self._live
-
 
 _registry = _Registry()
 # Held across a fork (after the core lock): a thread of the parent between the sorted keys'
@@ -463,7 +456,8 @@ def import_allocation(device, ptr, nbytes, source, region=None):
 
 
 def live_allocation_count() -> int:
-    return _registry.live_count()
+    """Live allocations (an int read: no lock, so any finalizer may ask)."""
+    return _registry._live
 
 
 # -- the handle base -----------------------------------------------------------

@@ -44,13 +44,6 @@ _fork_dropped = []  # a forked child: the parent's queue and callback lists (see
 retirer_ident = [0]
 
 
-def run(cbs) -> None:
-    """Run callbacks in this thread, in order; their errors surface at the next API call of a
-    user thread (``submission.raise_deferred``). One that waits on a future hands the ones
-    after it to the workers (see :class:`waiting`), as on a worker."""
-    _run_list(cbs)
-
-
 def hand_off(sub) -> None:
     """Queue ``sub``'s callbacks for the workers (the retirer calls this; it never blocks on
     a callback: the lock is held only to queue)."""
@@ -87,7 +80,7 @@ def _work(first: bool) -> None:
             with locked():  # (add_callback appends under the core lock)
                 cbs, sub.callbacks = sub.callbacks, None
             if cbs:
-                _run_on_worker(cbs)
+                run(cbs)
         finally:
             # (nothing of the batch stays referenced while this worker waits for the next:
             # a callback's closure may keep views alive, and moves of them would be refused)
@@ -103,7 +96,10 @@ class _Rest:
     __slots__ = ("callbacks",)
 
 
-def _run_list(cbs) -> None:
+def run(cbs) -> None:
+    """Run callbacks in this thread, in order (a worker runs a submission's so too); their
+    errors surface at the next API call of a user thread (``submission.raise_deferred``). One
+    that waits on a future hands the ones after it to the workers (see :class:`waiting`)."""
     rest = collections.deque(cbs)
     cbs = None
     outer = getattr(_local, "rest", None)  # (a callback that retired work runs its callbacks)
@@ -119,9 +115,6 @@ def _run_list(cbs) -> None:
             cb = None
     finally:
         _local.rest = outer
-
-
-_run_on_worker = _run_list
 
 
 def on_worker() -> bool:
