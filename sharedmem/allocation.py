@@ -631,6 +631,11 @@ class View:
         self._live_token()
         return self._dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes spanned by the elements (``size * itemsize``)."""
+        return self.size * self._dtype.itemsize
+
     def __deepcopy__(self, memo):
         """``copy.deepcopy(view)``: as ``copy.copy`` (a view holds no Python objects)."""
         return self.__copy__()

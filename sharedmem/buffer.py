@@ -118,8 +118,7 @@ class Buffer(View):
         """A new buffer holding a copy of ``array`` (flattened, C order). The
         copy runs on ``stream``; ``array`` may be reused at once."""
         a = native(np.asarray(array))
-        dt = as_dtype(a.dtype)
-        buf = cls.empty(a.size, dt, device, stream)
+        buf = cls.empty(a.size, a.dtype, device, stream)  # (TypeError for what cannot be held)
         buf.copy_from(a, stream)
         return buf
 
@@ -149,11 +148,6 @@ class Buffer(View):
         """``(itemsize,)``: a Buffer is contiguous."""
         self._live_token()
         return (self._dtype.itemsize,)
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return len(self) * self._dtype.itemsize
 
     def __repr__(self) -> str:
         if not self.is_live:

@@ -275,11 +275,6 @@ class Tensor(View):
         self._live_token()
         return self._size
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes spanned by the elements (``size * itemsize``)."""
-        return self.size * self._dtype.itemsize
-
     def is_contiguous(self) -> bool:
         """True for a C-order dense layout (sizes-1 dimensions ignored)."""
         self._live_token()
