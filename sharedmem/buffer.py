@@ -46,10 +46,10 @@ def _scalar(value, dtype):
 
 
 def _device(device) -> Device:
+    """``device`` as a Device: None is the default device, "host" the host device, a Device
+    itself, an int that CUDA device (``Device(device)`` checks the rest)."""
     if device is None:
         return default_device()
-    if isinstance(device, Device):
-        return device
     if device == "host":
         return Device.host()
     return Device(device)
