@@ -33,7 +33,7 @@ cdef class Allocation:
 
     @cython.locals(tok=ViewToken, rt=Runtime)
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
-                              keep, source=*, consumers=*)
+                              keep, source=*)
 
     @cython.locals(t=ViewToken)
     cpdef list live_tokens_locked(self, Py_ssize_t start, Py_ssize_t stop)

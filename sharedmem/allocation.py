@@ -281,27 +281,21 @@ class Allocation:
             return [t.describe() for t in self._views.values()]
 
     # -- tokens ---------------------------------------------------------
-    def new_token(self, kind, start, stop, writable, keep, source=None, consumers=()):
+    def new_token(self, kind, start, stop, writable, keep, source=None):
         """A new live view token of bytes ``[start, stop)`` of this allocation (its ``kind``
         names it in AliasError messages; ``keep`` is what it keeps alive). ``source``: the View it
         derives from (a slice, a borrow, an export), checked live in the same step -- a move
         or release of ``source`` on another thread between the caller's own check and this
         one raises its MovedError / ReleasedError here instead of leaving a live view of bytes
-        the source no longer owns. ``consumers``: ``(stream, writes)`` pairs that make it a
-        hold (see ViewToken.consumers), set in the same step: a tuple."""
+        the source no longer owns. (A hold for consumers' streams, made in the same step:
+        ``runtime.submission.export_hold``.)"""
         tok = unregistered_token(self, kind, start, stop, writable, keep)
         rt = RUNTIME
         rt.acquire()
         try:
-            register_token_locked(tok, source, consumers)
+            register_token_locked(tok, source, None)
         finally:
             rt.release()
-        if consumers:
-            try:
-                _sweep_consumers(consumers)
-            except BaseException:  # (an interrupt: the caller never gets the token)
-                tok.release()
-                raise
         return tok
 
     def live_tokens_locked(self, start, stop) -> list:
