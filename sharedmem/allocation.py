@@ -544,9 +544,7 @@ class View:
         Caller holds core_lock (the export's ordering is made in the same step: see
         runtime.submission.object_export_hold), and sweeps the consumers' streams after it
         (_sweep_consumers)."""
-        tok = self._token
-        if self._state != _LIVE:
-            self._raise_dead()
+        tok = self._live_token()
         hold = self._export
         if hold is None:
             hold = _add_locked(ViewToken(tok.allocation, kind, tok.start, tok.stop,
