@@ -31,10 +31,10 @@ import sys
 import threading
 import weakref
 
+import numpy as np
+
 if TYPE_CHECKING:
     from typing import TypeVar
-
-    import numpy as np
 
     from .device import Device
 
@@ -46,7 +46,7 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 from .access import AccessTracker
-from .errors import AliasError, MovedError, ReleasedError
+from .errors import AliasError, CaptureError, MovedError, ReleasedError
 from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
@@ -689,8 +689,6 @@ class View:
     def _read_bytes(self, stream):
         """This view's token range copied to a new host ``uint8`` array, after
         every pending write to those bytes (ordered whatever the policy)."""
-        import numpy as np
-
         from .runtime.future import DeviceFuture
         from .runtime.submission import submit
         from .stream import resolve_stream
@@ -698,7 +696,6 @@ class View:
         dev = tok.allocation.device
         s = resolve_stream(stream, dev)
         if s._capture is not None:
-            from .errors import CaptureError
             raise CaptureError(f"to_host() on {s} cannot be captured: it reads on the host now, "
                                f"while captured work only runs at replay")
         raw = np.empty(tok.stop - tok.start, np.uint8)

@@ -22,7 +22,7 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 from .errors import CaptureError, CompletionUnknownError, DeviceMismatchError, SharedMemError
-from .runtime.state import fork_safe
+from .runtime.state import fork_safe, locked
 
 __all__ = ["Stream", "Event"]
 
@@ -257,7 +257,6 @@ class Stream:
     @property
     def pending(self) -> int:
         """Number of this stream's launches and copies not yet retired."""
-        from .runtime.state import locked
         with locked():
             return len(self._pending)
 
