@@ -20,6 +20,7 @@ chain like any two launches: every launch takes its own leases.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from functools import partial
@@ -46,8 +47,9 @@ _B = TypeVar("_B")
 _C = TypeVar("_C")
 
 POOL_SIZE = 4
-_pools: dict = {}  # device key -> list of Streams; guarded by _pool_lock
-_pool_next: dict = {}  # device key -> next index; guarded by _pool_lock
+# device key -> (list of Streams, count of the turns taken: the next is count % POOL_SIZE);
+# guarded by _pool_lock
+_pools: dict = {}
 _pool_lock = fork_safe(OwnedLock("the creation of a device's stream pool"))
 
 
@@ -58,13 +60,11 @@ def pool_stream(device, avoid=None) -> Stream:
     with _pool_lock:
         pool = _pools.get(device.key)
         if pool is None:
-            pool = _pools[device.key] = [device.create_stream(f"sharedmem-pool-{i}")
-                                         for i in range(POOL_SIZE)]
-            _pool_next[device.key] = 0
+            pool = _pools[device.key] = ([device.create_stream(f"sharedmem-pool-{i}")
+                                          for i in range(POOL_SIZE)], itertools.count())
+        streams, turns = pool
         for _ in range(POOL_SIZE):
-            i = _pool_next[device.key]
-            _pool_next[device.key] = (i + 1) % POOL_SIZE
-            st = pool[i]
+            st = streams[next(turns) % POOL_SIZE]
             if st is not avoid and st._capture is None:
                 return st
     return device.create_stream("sharedmem-pool-extra")
