@@ -412,21 +412,13 @@ class _Registry:
         del seen
         return best
 
-    def lookup_or_create(self, device, ptr, nbytes, factory):
-        """Find the allocation containing the range or create one with
-        ``factory()``; atomic with respect to other callers."""
-        with _create_lock:
-            a = self.lookup(device, ptr, nbytes)
-            if a is None:
-                a = factory()
-            return a
-
 
 _registry = _Registry()
 # Held across a fork (after the core lock): a thread of the parent between the sorted keys'
 # insort and the dict's store would leave the child a registry whose lookups fail
 at_fork_hold(_registry._lock.acquire, _registry._lock.release)
-# serializes lookup_or_create (a leaf above _registry._lock); its section builds an Allocation
+# serializes import_allocation's lookup and creation (a leaf above _registry._lock); its
+# section builds an Allocation
 _create_lock = fork_safe(OwnedLock("the lookup or creation of an allocation"))
 
 
@@ -443,10 +435,13 @@ def import_allocation(device, ptr, nbytes, source, region=None):
     """The allocation for foreign memory ``[ptr, ptr+nbytes)``: an existing one that contains
     it (so one range imported twice is one allocation), else a new foreign allocation over
     ``region`` (``(start, size)`` of the enclosing driver allocation when known) or over the
-    range itself."""
+    range itself. Atomic with respect to other imports."""
     start, size = region if region is not None else (ptr, nbytes)
-    return _registry.lookup_or_create(
-        device, ptr, nbytes, lambda: Allocation(device, start, size, None, source))
+    with _create_lock:
+        a = _registry.lookup(device, ptr, nbytes)
+        if a is None:
+            a = Allocation(device, start, size, None, source)
+        return a
 
 
 def live_allocation_count() -> int:
