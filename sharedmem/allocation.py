@@ -159,8 +159,7 @@ def _release_view_locked(view) -> None:
         view._state = _RELEASED
         view._dead_id = tok.allocation.id
         view._token = None
-        if tok.live:
-            _release_locked(tok)
+        _release_locked(tok)  # (nothing if the token is not live)
 
 
 def _release_locked(tok) -> None:
