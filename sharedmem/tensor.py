@@ -266,8 +266,7 @@ class Tensor(View):
     @property
     def ndim(self) -> int:
         """Number of dimensions."""
-        self._live_token()
-        return len(self._shape)
+        return len(self.shape)
 
     @property
     def size(self) -> int:
