@@ -38,7 +38,7 @@ cdef class Allocation:
     @cython.locals(t=ViewToken)
     cpdef list live_tokens_locked(self, Py_ssize_t start, Py_ssize_t stop)
 
-    @cython.locals(views=dict, out=list, tok=ViewToken)
+    @cython.locals(out=list, tok=ViewToken)
     cpdef list conflicts_locked(self, Py_ssize_t start, Py_ssize_t stop, bint writable, exclude)
 
 cdef class View:

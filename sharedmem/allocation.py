@@ -304,13 +304,13 @@ class Allocation:
     def conflicts_locked(self, start, stop, writable, exclude) -> list:
         """The live views (other than ``exclude``) that alias bytes ``[start, stop)`` for a
         move that leaves the moved range ``writable`` (or read-only). Caller holds core_lock.
-        O(1) when ``exclude`` is the only live view (the common case); else one pass. Empty
-        ranges conflict with nothing; read-only views do not conflict with a read-only move."""
-        views = self._views
-        if start >= stop or (len(views) == 1 and exclude is not None and exclude.live):
+        One pass: the common case, ``exclude`` the only live view, is decided in O(1) before
+        the call (View._move_token, the caller). Empty ranges conflict with nothing; read-only
+        views do not conflict with a read-only move."""
+        if start >= stop:
             return []
         out = []
-        for tok in views.values():
+        for tok in self._views.values():
             if tok is exclude or tok.start >= tok.stop:
                 continue
             if tok.start < stop and start < tok.stop and (writable or tok.writable):
