@@ -39,9 +39,9 @@ from sharedmem.errors import (AliasError, DeviceMismatchError,
 from sharedmem.launch import KernelAdapter, register_kernel_adapter
 from sharedmem.runtime.submission import export_hold
 from sharedmem.stream import Stream
-from sharedmem.tensor import Tensor, new_tensor
+from sharedmem.tensor import Tensor, extent, new_tensor
 
-from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, _extent, coerce, export_token,
+from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce, export_token,
                                  plan_kernel)
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
@@ -82,7 +82,7 @@ def wrap(arr) -> Tensor:
     root = _root(arr)
     alloc = t.allocation
     if export_token(arr) is None:
-        lo, hi = _extent(root)
+        lo, hi = extent(root.shape, root.strides, root.itemsize)
         start = root.data.ptr + lo - alloc.ptr
         desc = f"CuPy array (shape {tuple(root.shape)}, {root.dtype})"
         alias = alloc.new_token(desc, start, start + hi - lo, True, None)

@@ -24,7 +24,7 @@ from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
 from sharedmem.runtime.state import OwnedLock, fork_safe
-from sharedmem.tensor import Tensor
+from sharedmem.tensor import Tensor, extent
 
 try:
     import cython
@@ -65,19 +65,10 @@ def export_token(arr):
     return owner.token if isinstance(owner, _ExportOwner) else None
 
 
-def _extent(arr) -> tuple[int, int]:
-    """Byte offsets [lo, hi) of the array's elements relative to arr.data.ptr."""
-    if arr.size == 0:
-        return 0, 0
-    lo = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s < 0)
-    hi = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s > 0)
-    return lo, hi + arr.itemsize
-
-
 def _allocation_of(arr, dev):
     """The allocation holding the array's bytes (ours, or foreign over CuPy's
     own memory unit), and the array's byte range in it."""
-    lo, hi = _extent(arr)
+    lo, hi = extent(arr.shape, arr.strides, arr.itemsize)  # (bytes, from arr.data.ptr)
     start = arr.data.ptr + lo
     nbytes = hi - lo
     mem = arr.data.mem

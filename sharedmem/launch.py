@@ -40,7 +40,7 @@ from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, as_stream, current_stream, streams_entered
-from .tensor import Tensor
+from .tensor import Tensor, extent
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
            "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "ForeignArray",
@@ -690,15 +690,16 @@ def numpy_lease(arr):
     """A NumPy array as a host-kernel argument: a lease of the bytes it spans (the host
     device's memory is host RAM), without a view -- the launch keeps the array alive until
     its work is done, and conflicting work on other streams is ordered as for any view."""
-    lo, nbytes = _numpy_span(arr)
+    lo, hi = extent(arr.shape, arr.strides, arr.itemsize)
+    nbytes = hi - lo
     ptr = arr.ctypes.data
     # (the memory of the array's outermost base: views of one array are one allocation, so
     # that two streams writing overlapping views of it are ordered like any two views)
     root = arr
     while isinstance(root.base, np.ndarray):
         root = root.base
-    rlo, rn = _numpy_span(root)
-    region = (root.ctypes.data + rlo, rn) if rn else None
+    rlo, rhi = extent(root.shape, root.strides, root.itemsize)
+    region = (root.ctypes.data + rlo, rhi - rlo) if rhi else None
     alloc = import_allocation(Device.host(), ptr + lo, nbytes, "numpy", region=region)
     start = ptr + lo - alloc.ptr
     tok = ViewToken(alloc, "NumPy array argument", start, start + nbytes,
@@ -710,20 +711,6 @@ def numpy_lease(arr):
     la.value = arr
     la.offset = ptr - alloc.ptr
     return la
-
-
-def _numpy_span(arr) -> tuple:
-    """``(lo, nbytes)``: the bytes NumPy array ``arr`` spans, ``lo`` relative to its data
-    pointer (negative strides reach below it); ``(0, 0)`` when empty."""
-    lo = hi = 0
-    size = 1
-    for n, st in zip(arr.shape, arr.strides):
-        size *= n
-        if st > 0:
-            hi += (n - 1) * st
-        else:
-            lo += (n - 1) * st
-    return (lo, hi - lo + arr.itemsize) if size else (0, 0)
 
 
 def host_kernel(fn: Callable[_P, _R]) -> HostKernel[_P, _R]:

@@ -43,13 +43,14 @@ def c_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def extent(shape, strides) -> tuple[int, int]:
-    """Element offsets ``[lo, hi)`` relative to element 0 that the layout touches."""
+def extent(shape, strides, itemsize=1) -> tuple[int, int]:
+    """Offsets ``[lo, hi)`` relative to element 0 that the layout touches, ``(0, 0)`` when
+    empty: in elements, or in bytes for strides in bytes and the ``itemsize``."""
     if any(n == 0 for n in shape):
         return 0, 0
     lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
     hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
-    return lo, hi + 1
+    return lo, hi + itemsize
 
 
 MAX_NDIM = 64  # NumPy's limit: to_host must be able to hold any tensor
