@@ -312,11 +312,12 @@ def export_positional(view, stream, max_version, dl_device, copy):
     ours = facts[3]
     if dl_device is not None:
         dl_device = (int(dl_device[0]), int(dl_device[1]))
+    elsewhere = dl_device is not None and dl_device != ours
+    if elsewhere and copy is not True:
+        raise BufferError(f"cannot export {view!r} to device {dl_device} without a copy "
+                          f"(it lives on {ours}); pass copy=True")
     versioned = max_version is not None and tuple(max_version)[0] >= 1
-    if copy is True or (dl_device is not None and dl_device != ours):
-        if dl_device is not None and dl_device != ours and copy is not True:
-            raise BufferError(f"cannot export {view!r} to device {dl_device} without a copy "
-                              f"(it lives on {ours}); pass copy=True")
+    if copy is True or elsewhere:
         return _export_copy(view, stream, versioned, dl_device or ours)
     if not versioned and not tok.writable:
         raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "

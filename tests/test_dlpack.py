@@ -79,6 +79,9 @@ def test_stream_and_device_arguments_on_host(host):
         t.__dlpack__(stream=1)
     with pytest.raises(BufferError, match=r"^cannot export <Tensor float64 .* to device \(2, 0\) without a copy"):
         t.__dlpack__(dl_device=(dl.kDLCUDA, 0))
+    for bad in (1, ()):  # (the device is refused first, whatever max_version says)
+        with pytest.raises(BufferError, match=r"^cannot export .* without a copy"):
+            t.__dlpack__(max_version=bad, dl_device=(dl.kDLCUDA, 0))
     assert t.allocation.live_views == 1  # failed exports take no token
 
 

@@ -346,7 +346,6 @@ class FailedMarker:
 
     __slots__ = ("error",)
     recorded = True
-    unknown = True
     handle = 0
 
     def __init__(self, error):
