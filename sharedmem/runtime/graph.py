@@ -18,8 +18,8 @@ While capturing, submissions take no leases and make no cross-stream waits
 (nothing runs; a capture cannot depend on work outside it); launches return
 futures that are already done. Each replay is one ordinary submission with
 fresh leases over every captured range, so a replay that conflicts with other
-work is ordered or refused like any launch, and the graph stays alive until
-the backend graph stays alive until its last replay has finished. Replays keep
+work is ordered or refused like any launch, and the backend graph stays alive
+until its last replay has finished. Replays keep
 the executable and the memory, not the Graph: once the user drops (or
 releases) the Graph, it is no alias any more, even while a replay runs -- the
 replay's leases protect that memory. Leaving the ``with`` block ends the
