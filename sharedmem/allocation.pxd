@@ -86,5 +86,6 @@ cpdef ViewToken unregistered_token(Allocation allocation, str kind, Py_ssize_t s
 @cython.locals(src=View)
 cpdef register_token_locked(ViewToken tok, source, consumers)
 
-@cython.locals(modules=dict)
+cdef dict _imported
+
 cpdef _module(str name)

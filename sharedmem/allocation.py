@@ -427,7 +427,13 @@ def lookup_allocation(device, ptr, nbytes=1):
     if isinstance(device, str) or not hasattr(device, "key"):
         raise TypeError(f"lookup_allocation takes a sharedmem.Device, got {device!r}; use "
                         f"sharedmem.Device.host() or sharedmem.Device(0)")
-    return _registry.lookup(device, ptr, nbytes)
+    for name, v in (("ptr", ptr), ("nbytes", nbytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"lookup_allocation: {name} must be an int, got {v!r}")
+    if nbytes < 0 or ptr < 0:
+        raise ValueError(f"lookup_allocation: a range of {nbytes} bytes at {ptr:#x} is no "
+                         f"range; pass a pointer and a length >= 0")
+    return _registry.lookup(device, int(ptr), int(nbytes))
 
 
 def import_allocation(device, ptr, nbytes, source, region=None):
@@ -483,18 +489,22 @@ def _advice(toks) -> str:
     return "; ".join(said)
 
 
-_modules = sys.modules
+# Modules fully imported, by name (sys.modules holds a module from the start of its import:
+# another thread may still be executing it). Lock-free: a racing thread stores the same module.
+_imported = {}
 # interop.dlpack.export_positional, once an export imported it (a C global where compiled)
 _dlpack_export = cython.declare(list, [None])
 
 
 def _module(name):
     """Module ``name``, imported on first use (an import statement costs thousands of
-    instructions even when the module is loaded; this is a dict lookup)."""
-    modules = _modules  # (a typed local: a C dict lookup)
-    m = modules.get(name)
+    instructions even when the module is loaded; this is a dict lookup). Never a module
+    another thread is still executing: ``import_module`` waits for that import to end."""
+    m = _imported.get(name)
     if m is None:
         m = importlib.import_module(name)
+        if not getattr(m.__spec__, "_initializing", False):  # (not this thread's own import)
+            _imported[name] = m
     return m
 
 

@@ -55,11 +55,18 @@ def _device(device) -> Device:
     return Device(device)
 
 
+#: The most bytes one allocation may ask for (what NumPy and CuPy sizes can express).
+_MAX_BYTES = (1 << 63) - 1 - 512
+
+
 def allocate(device: Device, nbytes: int, stream, kind: str):
     """A live view token of kind ``kind`` over the whole of a new allocation of ``nbytes``
     owned by sharedmem (pool memory), allocated in order on ``stream`` when given (a Stream
     or a foreign stream of ``device``)."""
     impl = resolve_stream(stream, device)._impl if stream is not None else None
+    if nbytes > _MAX_BYTES:  # (NumPy would say ValueError, CuPy's size_t OverflowError)
+        raise MemoryError(f"cannot allocate {nbytes} bytes on {device}: more than any device "
+                          f"memory can hold ({_MAX_BYTES} bytes at most)")
     block = device.backend.allocate(nbytes, impl)
     alloc = Allocation(device, block.ptr, nbytes, owner=block, source="sharedmem")
     return alloc.new_token(kind, 0, nbytes, True, alloc)

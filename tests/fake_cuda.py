@@ -10,6 +10,7 @@ unpacking, capture bookkeeping -- not the driver's semantics.
 import ctypes
 import enum
 import itertools
+import threading
 import types
 
 import numpy as np
@@ -416,7 +417,21 @@ def fake_cupy():
     ``cuda.get_current_stream`` (one current stream for every device: ``m.current``)."""
     m = types.ModuleType("cupy")
     m.current = _CurrentStream()
-    m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock,
+    saved = threading.local()  # (per thread, as CuPy's own stack of current streams)
+
+    class ExternalStream:  # makes its handle CuPy's current stream while entered
+        def __init__(self, ptr, device_id=-1):
+            self.ptr = ptr
+
+        def __enter__(self):
+            saved.__dict__.setdefault("stack", []).append(m.current)
+            m.current = self
+            return self
+
+        def __exit__(self, *a):
+            m.current = saved.stack.pop()
+            return False
+    m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock, ExternalStream=ExternalStream,
                                    get_current_stream=lambda device_id=-1: m.current)
     m.ndarray = type("ndarray", (), {})  # no fake arrays: nothing is one
     return m

@@ -990,3 +990,27 @@ def test_an_adapter_on_prepare_gets_cupy_arrays_themselves_and_launch_records_ar
                                                  rf"itself$"):
             sm.launch(saxpy, 1, 16, *args)
     assert sm.stats().submitted == leased
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_buffers_come_from_an_arena_no_cupy_array_frees_into(fake, monkeypatch, given):
+    """CuPy's pool hands a block a CuPy array freed -- its kernels on the current stream X
+    maybe still reading it -- to the next allocation made while X is current. sharedmem
+    uses its blocks on its own streams, unordered with X: it allocates while a stream of its
+    own, never given work, is CuPy's current one (one for the device, made once)."""
+    dev, drv = fake
+    cp = dev.backend._cupy
+    real, arenas = cp.cuda.alloc, []
+
+    def alloc(n):
+        arenas.append(cp.current.ptr)  # CuPy's pool: the arena of the current stream
+        return real(n)
+    monkeypatch.setattr(cp.cuda, "alloc", alloc)
+    s = dev.create_stream()
+    before = cp.current
+    a = sm.Buffer.empty(1024, "float32", device=dev, stream=s if given else None)
+    b = sm.Tensor.empty((4, 4), "float32", device=dev)
+    arena = dev.backend._arena.ptr
+    assert arenas == [arena, arena] and arena not in (0, s.handle)
+    assert cp.current is before  # (CuPy's current stream is back)
+    assert a.nbytes == 4096 and b.nbytes == 64

@@ -152,3 +152,24 @@ def test_as_cupy_orders_the_consumer_stream(cp, ic):
         arr = ic.as_cupy(t, stream=consumer)
         total = float(arr.sum())  # runs on the consumer stream right away
     assert total == 4.0 * n
+
+
+def test_a_new_buffer_never_takes_the_block_a_cupy_array_just_freed(cp):
+    """CuPy's pool gives a block a CuPy array freed to the next allocation on the current
+    stream at once (its kernels there may still read it: ordered for CuPy's next kernel on
+    that stream, not for sharedmem's on its own). sharedmem's buffers come from an arena of
+    their own."""
+    dev = cuda_device()
+    s = dev.create_stream("arena")
+    for stream in (None, cp.cuda.Stream(non_blocking=True)):
+        with stream if stream is not None else cp.cuda.Device(dev.ordinal):
+            x = cp.empty(1 << 18, dtype=cp.float32)  # (CuPy's current stream's arena)
+            ptr = x.data.ptr
+            del x
+            b = sm.Buffer.empty(1 << 18, "float32", device=dev, stream=s)
+            assert b.ptr != ptr
+            y = cp.empty(1 << 18, dtype=cp.float32)
+            assert y.data.ptr == ptr  # (CuPy itself takes it again, on its stream)
+            del y
+        b.release()
+    sm.synchronize()

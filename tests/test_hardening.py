@@ -446,6 +446,60 @@ def test_a_failed_host_allocation_leaves_the_pool_accounting_alone(host):
     assert pool.bytes_in_use == before
 
 
+@pytest.mark.parametrize("make", [
+    lambda d: sm.Buffer.empty(2 ** 62, "float32", device=d),
+    lambda d: sm.Buffer.empty(2 ** 70, "uint8", device=d),
+    lambda d: sm.Tensor.empty((2 ** 31, 2 ** 31), "float32", device=d)])
+def test_a_size_beyond_the_address_space_is_a_memory_error_naming_it(host, make):
+    """(NumPy said ValueError 'Maximum allowed dimension exceeded', naming nothing.)"""
+    before = sm.stats()
+    with pytest.raises(MemoryError, match=r"^cannot allocate \d+ bytes on <Device host>: more "
+                                          r"than any device memory can hold"):
+        make(host)
+    after = sm.stats()
+    assert (after.live_allocations, after.live_views) == (before.live_allocations,
+                                                          before.live_views)
+
+
+def test_lookup_allocation_takes_a_range_of_ints(host):
+    b = sm.Buffer.empty(64, "uint8", device=host)
+    big = sm.Buffer.empty(1 << 20, "uint8", device=host)  # noqa: F841  (a long one widens the walk)
+    assert sm.lookup_allocation(host, np.uint64(b.ptr), np.int32(64)) is b.allocation
+    with pytest.raises(ValueError, match=r"^lookup_allocation: a range of -32 bytes at 0x"):
+        sm.lookup_allocation(host, b.ptr + 80, -32)  # (found b's allocation, not containing it)
+    with pytest.raises(TypeError, match=r"^lookup_allocation: nbytes must be an int, got 1.5$"):
+        sm.lookup_allocation(host, b.ptr, 1.5)
+    with pytest.raises(TypeError, match=r"^lookup_allocation: ptr must be an int, got True$"):
+        sm.lookup_allocation(host, True)
+
+
+_FIRST_EXPORTS = r"""
+import threading, numpy as np, sharedmem as sm
+bufs = [sm.Buffer.empty(16, "float32", device=sm.Device.host()) for _ in range(8)]
+bar, errs = threading.Barrier(8), []
+def go(b):
+    bar.wait()
+    try:
+        np.from_dlpack(b)
+    except Exception as e:
+        errs.append(repr(e))
+ts = [threading.Thread(target=go, args=(b,)) for b in bufs]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(errs[0] if errs else "OK")
+"""
+
+
+def test_first_exports_from_several_threads_at_once():
+    """The first export imports interop.dlpack; a second thread exporting meanwhile found
+    the module half-executed in sys.modules (AttributeError). Fresh interpreters: the race
+    is on first use only (it showed in about 1 run of 12)."""
+    import subprocess
+    for _ in range(6):
+        out = subprocess.run([sys.executable, "-c", _FIRST_EXPORTS], capture_output=True,
+                             text=True, timeout=120).stdout.strip()
+        assert out == "OK"
+
+
 def test_host_pool_frees_its_cache_and_retries_once_on_out_of_memory(host, monkeypatch):
     import sharedmem.backends.host as hb
     pool = host.backend.pool

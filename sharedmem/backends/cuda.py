@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 
-from ..runtime.state import locked
+from ..runtime.state import fork_safe, locked
 from ..errors import BackendUnavailableError, CompletionUnknownError, CudaError
 from . import COMPLETE, copy_pieces
 
@@ -461,6 +461,9 @@ _current = threading.local()
 _backends = [0]
 
 
+_arena_lock = fork_safe(threading.Lock())  # (makes each device's allocation arena once)
+
+
 class CudaBackend:
     """Memory, streams, events and copies for one CUDA device."""
 
@@ -534,6 +537,7 @@ class CudaBackend:
         self._events = []
         self._ipc_events = []
         self._cupy_device = cupy.cuda.Device(ordinal)
+        self._arena = None  # the CuPy stream whose pool arena sharedmem allocates from
         self.on_progress = None
 
     # -- context ------------------------------------------------------------
@@ -589,13 +593,26 @@ class CudaBackend:
 
     # -- memory ---------------------------------------------------------------
     def allocate(self, nbytes: int, stream_impl=None):
-        """A block of CuPy's pool (a ``cupy.cuda.MemoryPointer``, ``.ptr``).
-
-        Taken from the pool's arena of CuPy's current stream whatever stream
-        the memory will be used on: the block returns to the pool only once
-        every submission that leased it has finished, so no arena can hand it
-        out while our work may still touch it."""
-        with self._cupy_device:
+        """A block of CuPy's pool (a ``cupy.cuda.MemoryPointer``, ``.ptr``), from an arena of
+        sharedmem's own. CuPy's pool keeps a free list per stream and hands a block that a
+        CuPy array freed out again at once to the next allocation made while that stream is
+        current -- ordered only for work on that stream, while CuPy's kernels there may still
+        read it. sharedmem uses its blocks on any stream, so it allocates while a stream of
+        its own is CuPy's current one (made once, never given work): that arena holds only
+        sharedmem's blocks, each returned only once every submission that leased it has
+        finished. (Blocks CuPy frees elsewhere come to sharedmem only through CuPy's own
+        free-and-retry when memory runs out.)"""
+        arena = self._arena
+        if arena is None:
+            h = int(self.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            with _arena_lock:  # (one arena: a racing thread's stream is destroyed again)
+                if self._arena is None:
+                    self._arena = self._cupy.cuda.ExternalStream(h, self.ordinal)
+                    h = 0
+            if h:
+                cu.cuStreamDestroy(cu.CUstream(h))
+            arena = self._arena
+        with self._cupy_device, arena:
             return self._cupy.cuda.alloc(max(nbytes, 1))
 
     def mem_info(self) -> tuple[int, int]:
