@@ -602,18 +602,19 @@ class CudaBackend:
         sharedmem's blocks, each returned only once every submission that leased it has
         finished. (Blocks CuPy frees elsewhere come to sharedmem only through CuPy's own
         free-and-retry when memory runs out.)"""
-        arena = self._arena
-        if arena is None:
-            h = int(self.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-            with _arena_lock:  # (one arena: a racing thread's stream is destroyed again)
-                if self._arena is None:
-                    self._arena = self._cupy.cuda.ExternalStream(h, self.ordinal)
-                    h = 0
-            if h:
-                cu.cuStreamDestroy(cu.CUstream(h))
+        with self._cupy_device:
             arena = self._arena
-        with self._cupy_device, arena:
-            return self._cupy.cuda.alloc(max(nbytes, 1))
+            if arena is None:
+                h = int(self.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+                with _arena_lock:  # (one arena: a racing thread's stream is destroyed again)
+                    if self._arena is None:  # (CuPy's current device: this one)
+                        self._arena = self._cupy.cuda.ExternalStream(h)
+                        h = 0
+                if h:
+                    cu.cuStreamDestroy(cu.CUstream(h))
+                arena = self._arena
+            with arena:
+                return self._cupy.cuda.alloc(max(nbytes, 1))
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory (``cuMemGetInfo``)."""
