@@ -27,7 +27,6 @@ cdef class AccessTracker:
 
     @cython.locals(use=StreamUse)
     cdef StreamUse _use_of(self, stream)
-    cdef _drop(self, stream)
 
     @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list)
     cpdef bint elsewhere_locked(self, stream)
@@ -45,9 +44,6 @@ cdef class AccessTracker:
 
     @cython.locals(use=StreamUse, holds=list, i=Py_ssize_t)
     cpdef drop_hold_locked(self, Stream stream, tok)
-
-    @cython.locals(uses=dict, s=Stream)
-    cpdef list streams_locked(self)
 
 @cython.locals(e=Span)
 cdef bint _any_done(list entries, long long done)
