@@ -15,8 +15,6 @@ cdef class ViewToken:
     cdef public tuple consumers
     cdef public tuple use_r, use_w
 
-    cpdef tuple use(self, bint writes)
-
     @cython.locals(rt=Runtime)
     cpdef release(self)
 
@@ -31,16 +29,6 @@ cdef class Allocation:
     cdef public dict _views
     cdef object __weakref__
 
-    @cython.locals(tok=ViewToken, rt=Runtime)
-    cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
-                              keep, source=*)
-
-    @cython.locals(t=ViewToken)
-    cpdef list live_tokens_locked(self, Py_ssize_t start, Py_ssize_t stop)
-
-    @cython.locals(out=list, tok=ViewToken)
-    cpdef list conflicts_locked(self, Py_ssize_t start, Py_ssize_t stop, bint writable, exclude)
-
 cdef class View:
     cdef public ViewToken _token
     cdef public int _state
@@ -53,7 +41,6 @@ cdef class View:
 
     cpdef _init_view(self, ViewToken token, Py_ssize_t offset)
     cpdef ViewToken _live_token(self)
-    cpdef _raise_dead(self)
 
     @cython.locals(tok=ViewToken, rt=Runtime, others=list, settled=bint, alloc=Allocation)
     cpdef ViewToken _move_token(self, str target_kind, str target_name)
