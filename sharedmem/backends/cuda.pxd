@@ -45,7 +45,6 @@ cdef class CudaBackend:
     cdef object __weakref__
 
     cpdef ensure_context(self)
-    cpdef force_context(self)
     cpdef _event(self)
 
 @cython.locals(m=CudaMarker)
