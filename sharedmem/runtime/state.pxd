@@ -58,11 +58,7 @@ cdef class Runtime:
 
     cpdef acquire(self)
     cpdef release(self)
-    cpdef drain_staged(self)
     cpdef bint enter_or_stage(self, fn, arg) except -1
-    cpdef install_hooks(self, Hooks hooks)
-    cpdef run_or_stage(self, fn, arg)
     cdef bint _try_acquire(self)
-    cpdef _new_lock(self)
 
 cdef unsigned long _thread_ident()
