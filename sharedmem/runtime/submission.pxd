@@ -26,8 +26,6 @@ cdef class Work:
 cdef class FailedMarker:
     cdef public object error
 
-cpdef Submission submit(Stream stream, list uses, enqueue, keep=*, policy=*, label=*)
-
 cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payload, keep, policy,
                              label)
 
@@ -77,9 +75,6 @@ cdef class _Hooks(Hooks):
 
 @cython.locals(done=list)
 cpdef sweep_long(Stream stream)
-
-@cython.locals(rt=Runtime, markers=list)
-cpdef int order_consumer(ViewToken tok, wait, bint blocking=*, stream=*, handle=*) except? -1
 
 @cython.locals(hold=ViewToken, rt=Runtime, markers=list)
 cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bint blocking=*,
