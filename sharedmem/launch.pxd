@@ -65,5 +65,3 @@ cpdef Submission launch_submission(kernel, grid, block, tuple args, stream, shar
 @cython.locals(plan=KernelPlan, plans=dict)
 cpdef KernelPlan plan_for(adapter, kernel, device)
 
-cpdef _as_view(obj)
-
