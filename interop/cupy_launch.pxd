@@ -68,8 +68,5 @@ cdef class ArrayFacts(ForeignArray):
 @cython.locals(f=ArrayFacts, slot=Py_ssize_t, addr=size_t)
 cpdef ArrayFacts array_facts(arr)
 
-@cython.locals(f=ArrayFacts, la=LaunchArg)
-cpdef foreign_array(arr)
-
 @cython.locals(modules=dict)
 cpdef coerce(obj, device)

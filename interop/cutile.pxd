@@ -22,9 +22,6 @@ cdef class TilePlan(KernelPlan):
     cdef public dict warmed
     cdef public tuple last_args
 
-    @cython.locals(key=tuple, warmed=dict)
-    cpdef bint warm(self, tuple call_args) except -1
-
     @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg,
                    call_args=tuple, foreign=bint, t=type)
     cpdef pack(self, list args, list uses, config, stream)
