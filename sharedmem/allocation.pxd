@@ -29,6 +29,14 @@ cdef class Allocation:
     cdef public dict _views
     cdef object __weakref__
 
+    # (every view's creation: slices, as_buffer borrows, exports -- paths users take per launch)
+    @cython.locals(tok=ViewToken, rt=Runtime)
+    cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
+                              keep, source=*)
+
+    @cython.locals(out=list, tok=ViewToken)
+    cpdef list conflicts_locked(self, Py_ssize_t start, Py_ssize_t stop, bint writable, exclude)
+
 cdef class View:
     cdef public ViewToken _token
     cdef public int _state
