@@ -605,14 +605,11 @@ class CudaBackend:
         with self._cupy_device:
             arena = self._arena
             if arena is None:
-                h = int(self.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-                with _arena_lock:  # (one arena: a racing thread's stream is destroyed again)
+                with _arena_lock:  # (a leaf lock: creating a stream waits for no device work)
                     if self._arena is None:  # (CuPy's current device: this one)
-                        self._arena = self._cupy.cuda.ExternalStream(h)
-                        h = 0
-                if h:
-                    cu.cuStreamDestroy(cu.CUstream(h))
-                arena = self._arena
+                        h = self.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+                        self._arena = self._cupy.cuda.ExternalStream(int(h))
+                    arena = self._arena
             with arena:
                 return self._cupy.cuda.alloc(max(nbytes, 1))
 
