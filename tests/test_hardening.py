@@ -300,6 +300,34 @@ def test_a_fork_waits_for_the_allocation_registry(host):
 
 @fork_only
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_fork_waits_for_the_host_pool(host):
+    """The host pool's lock is held across a fork: a thread of the parent between taking a
+    block off a free list and counting it finishes first, so the child's count is whole."""
+    import time
+
+    pool = host.backend.pool
+    before = pool.bytes_in_use
+    held = threading.Event()
+
+    def allocating():  # (a section of HostPool's lock, half done when the fork comes)
+        pool._lock.acquire()
+        pool.bytes_in_use += 256
+        held.set()
+        time.sleep(0.3)
+        pool.bytes_in_use -= 256
+        pool._lock.release()
+    t = threading.Thread(target=allocating)
+    t.start()
+    held.wait(5)
+    t0 = time.monotonic()
+    out = _in_child(lambda: pool.bytes_in_use - before)
+    waited = time.monotonic() - t0
+    t.join(5)
+    assert out == "0" and waited >= 0.2, (out, waited)
+
+
+@fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
 def test_a_forked_child_runs_host_work_and_fails_work_cut_by_the_fork(host):
     s = host.create_stream()
     gate = threading.Event()

@@ -97,6 +97,10 @@ class HostPool:
 
     def __init__(self):
         self._lock = fork_safe(threading.Lock())
+        # held across a fork (after the core lock and the task queues' locks): a thread of the
+        # parent between a free list's pop and the count's update would leave the child's
+        # bytes_in_use a block off
+        at_fork_hold(self._lock.acquire, self._lock.release)
         self._free: dict[int, list] = {}  # guarded by self._lock
         self.bytes_in_use = 0  # guarded by self._lock
 
