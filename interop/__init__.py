@@ -11,3 +11,7 @@ and never pulls in a GPU library:
 The exception is :mod:`interop.dask` (dask.distributed's serialization families): it imports
 distributed, and sharedmem imports it only in processes where distributed is loaded.
 """
+
+# sharedmem first: its build switch (SHAREDMEM_PURE_PYTHON) decides how the compiled modules
+# here load too -- one of them imported first would load compiled next to an interpreted core
+import sharedmem  # noqa: E402,F401

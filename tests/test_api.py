@@ -162,6 +162,25 @@ def test_an_uncompiled_install_says_so_at_import_and_why_the_host_was_chosen(tmp
     assert r.returncode == 0 and "SharedMemWarning" not in r.stderr, r.stderr
 
 
+def test_the_build_switch_holds_when_interop_is_imported_first():
+    """SHAREDMEM_PURE_PYTHON=1 runs interop's compiled modules from source as well, also when
+    a program imports one of them before sharedmem (else a compiled interop module would run
+    beside an interpreted core)."""
+    import glob
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not glob.glob(os.path.join(root, "interop", "dlpack*.so")):
+        pytest.skip("needs the compiled modules (make build)")
+    code = ("import interop.dlpack, sharedmem.allocation as a; "
+            "print(interop.dlpack.__file__.endswith('.py'), a.__file__.endswith('.py'))")
+    env = dict(os.environ, PYTHONPATH=root)
+    for flag, want in (("1", "True True"), ("0", "False False")):
+        env["SHAREDMEM_PURE_PYTHON"] = flag
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, cwd=root, timeout=120)
+        assert (r.returncode, r.stdout.strip()) == (0, want), r.stderr
+
+
 def test_show_config_names_the_default_device_and_why_it_is_the_host(monkeypatch):
     import io
 
