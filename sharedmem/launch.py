@@ -286,7 +286,8 @@ _LAZY = {"cupy": "interop.cupy", "cuda": "interop.cutile"}
 # kernel -> the KernelPlan of its last launch (one device); lock-free: a racing writer stores an
 # equivalent plan. Bounded: each plan keeps its kernel alive.
 _plans = {}
-# (id(kernel), device key) -> (kernel, plan) for kernels launched on several devices
+# (id(kernel), device key) -> (kernel, plan) for kernels launched on several devices, and
+# for unhashable kernels (by identity: not in _plans)
 _plans_by_device = {}
 _PLANS_MAX = 1024
 # (adapter, its coerce method) of the last launch with a foreign array argument: the next
@@ -345,8 +346,8 @@ def plan_for(adapter, kernel, device):
     plans = _plans
     try:
         plan = plans.get(kernel)
-    except TypeError:  # an unhashable kernel object: planned on every launch
-        return _new_plan(adapter, kernel, device)
+    except TypeError:  # an unhashable kernel object: found by identity only, below
+        plan = plans = None
     if plan is not None and plan.device is device:
         return plan
     key = (id(kernel), device.key)
@@ -358,9 +359,10 @@ def plan_for(adapter, kernel, device):
         if len(_plans_by_device) >= _PLANS_MAX:
             _plans_by_device.clear()
         _plans_by_device[key] = (kernel, plan)
-    if len(_plans) >= _PLANS_MAX:
-        _plans.clear()
-    _plans[kernel] = plan
+    if plans is not None:
+        if len(plans) >= _PLANS_MAX:
+            plans.clear()
+        plans[kernel] = plan
     return plan
 
 

@@ -259,3 +259,31 @@ def test_a_launch_from_inside_the_compile_does_not_wait_for_itself(fake, tile):
     sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 7, stream=s).result()
     assert inner == [1, 2]
     mod.compile_hook = None
+
+
+def test_an_unhashable_kernel_is_planned_and_warmed_once_per_signature(fake, tile, monkeypatch):
+    """A kernel object that cannot be hashed (its class defines __eq__ only) keeps its plan,
+    by identity, as a hashable one does: one plan, one warm-up per signature -- not a fresh
+    plan, with an empty warm-up table, at every launch."""
+    import interop.cutile as icu
+    from conftest import count_plans
+    from fake_cuda import TileKernel
+    dev, _ = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+
+    class Unhashable(TileKernel):
+        def __eq__(self, other):
+            return self is other
+
+    def k(a, c, x):
+        c[:] = a
+    kern = Unhashable(k)
+    planned = count_plans(monkeypatch, icu.TileKernelAdapter)
+    owners = _cutile_keyed(mod)
+    for _ in range(3):
+        sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 7, stream=s).result()
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 8, stream=s).result()
+    assert owners == [0, 0], owners
+    assert owners.warmups == 2, owners.warmups
+    assert planned == [kern]
