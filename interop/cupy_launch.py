@@ -110,8 +110,9 @@ class Param:
         self.kind, self.size, self.name, self.ctype = kind, size, name, ctype
         self.kcode = _KCODES[kind]  # the same kind, as a small int for pack()
         bits = 8 * size
-        # the range of an integer parameter's values
-        self.lo, self.hi = ((0, 2) if kind == "b" else
+        # the range of an integer parameter's values: a plain char's is both signed and
+        # unsigned char's (its signedness is the compiler's), packed as its byte
+        self.lo, self.hi = ((0, 2) if kind == "b" else (-128, 256) if ctype == "char" else
                             (-(1 << (bits - 1)), 1 << (bits - 1)) if kind == "i" else
                             (0, 1 << bits))
         # how the compiled enqueue writes the value pack() made: an unsigned integer of
@@ -271,7 +272,8 @@ def _int_value(i, p, a):
     if isinstance(a, _INTS):
         v = int(a)
         if not p.lo <= v < p.hi:
-            raise KernelError(f"argument {i}: {v} does not fit {p.describe()}")
+            raise KernelError(f"argument {i}: {v} does not fit {p.describe()}, which takes "
+                              f"{p.lo}..{p.hi - 1}")
         return v
     raise KernelError(f"argument {i}: {p.describe()} takes an int, got {_what(a)}; "
                       f"{'convert it with int() if that is meant' if isinstance(a, (float, np.floating)) else 'pass an int'}")
@@ -569,6 +571,8 @@ def _emit(out, par, v):
             cython.cast(cython.p_uchar, slot)[0] = PyLong_AsUnsignedLongLongMask(v)
         else:
             memcpy(slot, cython.cast(cython.p_char, v), par.size)
+    elif par.ctype == "char" and v > 127:  # (the same byte, as struct's "b" packs it)
+        out.append(v - 256)
     else:
         out.append(v)
 

@@ -7,6 +7,7 @@ checked by the gpu-marked tests on a real device.
 
 import gc
 import os
+import re
 import sys
 import threading
 import types
@@ -276,7 +277,8 @@ def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
     # the parameter types come from the kernel's source: a float64 for a float is its value
     sm.launch(saxpy, 1, 128, np.float64(0.5), sm.In(x), sm.In(y), sm.Out(out), n).result()
     np.testing.assert_array_equal(out.to_host(), 0.5 * np.arange(n, dtype=np.float32) + 1)
-    with pytest.raises(sm.KernelError, match=r"^argument 4: 4294967296 does not fit parameter 'n' \(int\)$"):
+    with pytest.raises(sm.KernelError, match=r"^argument 4: 4294967296 does not fit parameter 'n' \(int\), "
+                                             r"which takes -2147483648\.\.2147483647$"):
         sm.launch(saxpy, 1, 128, 1.0, sm.In(x), sm.In(y), sm.Out(out), 1 << 32)
     # a Buffer slice where the kernel takes a pointer and a length: said so, never guessed
     part = out[10:30]
@@ -887,15 +889,43 @@ def test_integer_scalars_are_range_checked_whatever_their_type(fake, kernels):
         sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), count).result()
         np.testing.assert_array_equal(out.to_host(), 2 * np.arange(n, dtype=np.float32))
     for bad in (np.int64(1 << 31), np.uint64(1 << 40), -(1 << 31) - 1):
-        with pytest.raises(sm.KernelError, match=r"^argument 4: -?\d+ does not fit parameter 'n' \(int\)$"):
+        with pytest.raises(sm.KernelError, match=r"^argument 4: -?\d+ does not fit parameter 'n' \(int\), "
+                                                 r"which takes -2147483648\.\.2147483647$"):
             sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), bad)
     with pytest.raises(sm.KernelError, match=r"^argument 4: parameter 'n' \(int\) takes an int, got float 8\.0"):
         sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(out), 8.0)
     # a long long parameter takes a NumPy int64 and a bool; its range ends at 2**63
     sm.launch(scale_len, 1, 8, sm.InOut(x), np.int64(0), 1.0).result()
     sm.launch(scale_len, 1, 8, sm.InOut(x), True, 1.0).result()
-    with pytest.raises(sm.KernelError, match=r"does not fit parameter 'n' \(long long\)$"):
+    with pytest.raises(sm.KernelError, match=r"does not fit parameter 'n' \(long long\), which takes "
+                                             r"-9223372036854775808\.\.9223372036854775807$"):
         sm.launch(scale_len, 1, 8, sm.InOut(x), 1 << 63, 1.0)
+
+
+def test_a_plain_char_takes_a_byte_either_way(fake):
+    """Plain ``char`` is signed or unsigned as the compiler chooses: it takes -128..255, as
+    its byte in two's complement (200 and -56 are one byte); ``signed char`` takes -128..127
+    and ``unsigned char`` 0..255. Out of range, the error names the range."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    code = """extern "C" __global__ void bytes(char c, signed char s, unsigned char u) { }"""
+    kern = RawKernel(drv, "bytes", ["B", "B", "B"], lambda c, s, u: got.append((c, s, u)), code)
+    st = dev.create_stream("bytes")
+    sm.launch(kern, 1, 1, 200, -56, 200, stream=st).result()
+    sm.launch(kern, 1, 1, -56, np.int8(-1), np.uint8(255), stream=st).result()
+    sm.launch(kern, 1, 1, np.uint8(255), -128, 0, stream=st).result()
+    assert got == [(200, 200, 200), (200, 255, 255), (255, 128, 0)]
+    for args, msg in (((256, 0, 0), "argument 0: 256 does not fit parameter 'c' (char), "
+                                    "which takes -128..255"),
+                      ((-129, 0, 0), "argument 0: -129 does not fit parameter 'c' (char), "
+                                     "which takes -128..255"),
+                      ((0, 200, 0), "argument 1: 200 does not fit parameter 's' (signed char), "
+                                    "which takes -128..127"),
+                      ((0, 0, -56), "argument 2: -56 does not fit parameter 'u' "
+                                    "(unsigned char), which takes 0..255")):
+        with pytest.raises(sm.KernelError, match="^" + re.escape(msg) + "$"):
+            sm.launch(kern, 1, 1, *args, stream=st)
 
 
 def test_cupy_array_arguments_are_their_facts_and_kept_alive_by_the_work(fake, kernels,
