@@ -278,8 +278,13 @@ class ComputedFuture(DeviceFuture):
         self._state = self._PENDING  # guarded by self._lock
         self._val = None  # written once, before _ready is set
         self._ready = threading.Event()
-        self._waiters = []  # add_done_callback's functions; None once ready; guarded by _lock
-        DeviceFuture.add_done_callback(self, lambda f: f._compute(None, eager=True))
+        # zero-argument callables (add_done_callback's partials); None once ready; guarded by
+        # _lock
+        self._waiters = []
+        DeviceFuture._add_callback(self, self._eager)
+
+    def _eager(self) -> None:
+        self._compute(None, eager=True)
 
     def _compute(self, timeout, eager=False) -> bool:
         """Compute the value if nobody has yet; else wait up to ``timeout`` for whoever
@@ -307,7 +312,7 @@ class ComputedFuture(DeviceFuture):
         self._ready.set()
         if waiters:  # as a submission's callbacks run: each on its own, its error deferred to
             # a user thread's next call, and one that waits hands the rest to a worker
-            _callbacks.run([partial(w, self) for w in waiters])
+            _callbacks.run(waiters)
         return True
 
     def done(self) -> bool:
@@ -316,16 +321,26 @@ class ComputedFuture(DeviceFuture):
 
     def add_done_callback(self, fn) -> None:
         """Call ``fn(self)`` once the value is computed (at once if it is)."""
+        self._add_callback(partial(fn, self))
+
+    def _add_callback(self, cb) -> None:
         with self._lock:
             if self._waiters is not None:
-                self._waiters.append(fn)
-                fn = None
-        if fn is not None:
-            fn(self)
+                self._waiters.append(cb)
+                cb = None
+        if cb is not None:
+            cb()
             return
         # and the computation, once the work retired: the one queued at creation may never
-        # run (a forked child drops the parent's queue); a second one finds it done
-        DeviceFuture.add_done_callback(self, lambda f: f._compute(None, eager=True))
+        # run (a forked child drops the parent's queue); a second one finds it done. Not
+        # while the work is pending: the one queued at creation is still there
+        if self._s.state != _sub.PENDING:
+            DeviceFuture._add_callback(self, self._eager)
+
+    def _discard_callback(self, cb) -> None:
+        with self._lock:
+            if self._waiters is not None and cb in self._waiters:
+                self._waiters.remove(cb)
 
     def _wait_done(self, timeout) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -254,3 +254,54 @@ def test_continuations_of_a_value_computed_in_result_get_no_other_callbacks_erro
         except ValueError as e:
             seen.append(str(e))
     assert seen == ["callback of other work"]
+
+
+def _callbacks_left(fut) -> int:
+    """The callbacks ``fut`` holds that have not run (read directly: no API call)."""
+    if isinstance(fut, sm.HostFuture):
+        return len(fut._callbacks or ())
+    return len(fut._s.callbacks or ()) + len(getattr(fut, "_waiters", None) or ())
+
+
+def test_awaits_that_time_out_leave_no_callback_behind(host):
+    """asyncio.wait_for(fut, t) timing out, again and again on work that does not finish,
+    leaves the future's callbacks as they were (each await takes back the one it added):
+    for a launch's future, an apply() future and a then() future."""
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def blocked(x):
+        gate.wait(30)
+
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    f = sm.launch(blocked, 1, 1, b, stream=s)
+    a = sm.op(fill, 1, 1, b, 1.0).apply(lambda v: 7).submit(s)
+    h = f.then(lambda v: 8)
+    g = sm.launch(fill, 1, 1, b, 2.0, stream=s)  # (no callback but the awaits')
+    futures = (f, a, h, g)
+    before = [_callbacks_left(x) for x in futures]
+
+    async def retry(fut):
+        for _ in range(5):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(fut, 0.01)
+
+    try:
+        for x in futures:
+            asyncio.run(retry(x))
+        assert [_callbacks_left(x) for x in futures] == before
+    finally:
+        gate.set()
+    assert f.result(5) is None and a.result(5) == 7 and h.result(5) == 8 and g.result(5) is None
+
+    async def awaited():
+        return await a, await h
+    assert asyncio.run(awaited()) == (7, 8)
+    ran = []
+    for x in futures:  # (they run, also where every callback was taken back)
+        x.add_done_callback(ran.append)
+    deadline = time.monotonic() + 5  # (on a callback worker where the list awaits one)
+    while len(ran) < len(futures) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(map(id, ran)) == sorted(map(id, futures))

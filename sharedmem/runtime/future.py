@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import threading
 import types
+from functools import partial
 from typing import TYPE_CHECKING
 
 try:
@@ -88,8 +89,12 @@ class _FutureBase:
                 except RuntimeError:  # the loop was closed since: nobody awaits any more
                     pass
 
-            self.add_done_callback(_wake)
-            yield from fut.__await__()
+            self._add_callback(_wake)
+            try:
+                yield from fut.__await__()
+            except BaseException:  # cancelled (a wait_for timed out), or the coroutine closed:
+                self._discard_callback(_wake)  # nothing of this await stays on the future
+                raise
         return self.result(0)
 
     # -- concurrent.futures compatibility -------------------------------------------------
@@ -172,7 +177,16 @@ class DeviceFuture(_FutureBase):
 
     def add_done_callback(self, fn: Callable[[DeviceFuture[_T]], object]) -> None:
         """Call ``fn(self)`` once the work has finished (at once if it has)."""
-        _sub.add_callback(self._s, lambda: fn(self))
+        _sub.add_callback(self._s, partial(fn, self))
+
+    def _add_callback(self, cb) -> None:
+        """Call ``cb()`` once done (at once if it is): ``cb`` as given, for
+        :meth:`_discard_callback` (each future type has the pair)."""
+        _sub.add_callback(self._s, cb)
+
+    def _discard_callback(self, cb) -> None:
+        """Take back ``cb`` if it has not run (nothing if it has)."""
+        _sub.discard_callback(self._s, cb)
 
     def _peek(self):
         """The value of completed work, or its own error (CompletionUnknownError; a
@@ -209,7 +223,7 @@ class HostFuture(_FutureBase):
         self._event = threading.Event()
         self._value = None
         self._error = None
-        self._callbacks = []  # guarded by self._lock
+        self._callbacks = []  # zero-argument callables; None once run; guarded by self._lock
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -232,7 +246,7 @@ class HostFuture(_FutureBase):
             cbs, self._callbacks = self._callbacks, None
         for cb in cbs:
             try:
-                cb(self)
+                cb()
             except BaseException as e:
                 RUNTIME.errors.append(e)
 
@@ -257,11 +271,19 @@ class HostFuture(_FutureBase):
 
     def add_done_callback(self, fn: Callable[[HostFuture[_T]], object]) -> None:
         """Call ``fn(self)`` once the value or error is set (at once if it is)."""
+        self._add_callback(partial(fn, self))
+
+    def _add_callback(self, cb) -> None:
         with self._lock:
             if self._callbacks is not None:
-                self._callbacks.append(fn)
+                self._callbacks.append(cb)
                 return
-        fn(self)
+        cb()
+
+    def _discard_callback(self, cb) -> None:
+        with self._lock:
+            if self._callbacks is not None and cb in self._callbacks:
+                self._callbacks.remove(cb)
 
     def _peek(self):
         return self.result(0)

@@ -646,7 +646,7 @@ def _finish(subs, hand_off=False) -> None:
             if m is not last:  # consecutive submissions often share one marker
                 last = m
                 m.recycle()
-        if sub.callbacks:
+        if sub.callbacks is not None:  # (an empty list too: one taken back by discard_callback)
             if hand_off or _get_ident() == _callbacks.retirer_ident[0]:
                 _callbacks.hand_off(sub)  # (user code never runs on the retirer)
             else:
@@ -743,6 +743,14 @@ def add_callback(sub, cb) -> None:
                 sub.callbacks.append(cb)
             return
     cb()
+
+
+def discard_callback(sub, cb) -> None:
+    """Take ``cb`` back from ``sub``'s callbacks if it has not run (an await given up)."""
+    with locked():
+        cbs = sub.callbacks
+        if cbs and cb in cbs:  # (identity: callbacks are functions, or partials of them)
+            cbs.remove(cb)
 
 
 def wait(sub, timeout=None) -> bool:
