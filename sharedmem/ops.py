@@ -27,7 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .launch import Intent, _as_view, adapter_for, launch_submission, resolve_args
-from .errors import CaptureError, KernelError
+from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture
@@ -256,6 +256,32 @@ def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]:  # noqa: A001,F811 - 
 
 
 # -- values computed once after completion -----------------------------------------------
+#: Thread ident -> the ComputedFuture whose value that thread waits for (dict operations are
+#: atomic: no lock; each thread writes only its own entry).
+_waiting: dict = {}
+
+
+def _waits_for_itself(fut, me) -> bool:
+    """Whether thread ``me``, about to wait for ``fut``'s value (being computed), would wait
+    for itself: ``me`` computes it, or its computing thread waits for a value that ``me``
+    computes, and so on (the wait-for chain of threads and values, as host.py's
+    ``_waits_for`` walks stream queues). Read without locks, each link checked still pending
+    after the next is read: a race can miss a cycle (the thread closing it later finds it) or
+    find one that only a timeout would have broken, never one a finished value breaks."""
+    seen = set()
+    while True:
+        owner = fut._owner
+        if owner == me:
+            return True
+        if owner in seen:  # (a cycle that does not pass through this thread)
+            return False
+        seen.add(owner)
+        nxt = _waiting.get(owner)
+        if nxt is None or fut._ready.is_set():
+            return False
+        fut = nxt
+
+
 class ComputedFuture(DeviceFuture):
     """A DeviceFuture whose value is computed on the host, exactly once, after
     its submission completed: eagerly in the retiring thread, or at the first
@@ -267,7 +293,7 @@ class ComputedFuture(DeviceFuture):
     in the same thread -- which then finds the computation under way and
     returns (other threads wait for it, up to their timeout)."""
 
-    __slots__ = ("_fn", "_lock", "_state", "_val", "_ready", "_waiters")
+    __slots__ = ("_fn", "_lock", "_state", "_val", "_ready", "_waiters", "_owner")
 
     _PENDING, _VALUE, _ERROR, _COMPUTING = 0, 1, 2, 3
 
@@ -276,6 +302,7 @@ class ComputedFuture(DeviceFuture):
         self._fn = fn
         self._lock = threading.Lock()
         self._state = self._PENDING  # guarded by self._lock
+        self._owner = 0  # the ident of the thread computing the value: set with _COMPUTING
         self._val = None  # written once, before _ready is set
         self._ready = threading.Event()
         # zero-argument callables (add_done_callback's partials); None once ready; guarded by
@@ -288,16 +315,38 @@ class ComputedFuture(DeviceFuture):
 
     def _compute(self, timeout, eager=False) -> bool:
         """Compute the value if nobody has yet; else wait up to ``timeout`` for whoever
-        computes it (``eager``: never wait). Whether the value is ready."""
+        computes it (``eager``: never wait). Whether the value is ready. A wait that could
+        only end by its timeout -- for a value this thread computes further up, or one whose
+        computation waits for it (see _waits_for_itself) -- raises SharedMemError."""
+        me = threading.get_ident()
         with self._lock:
             state = self._state
             if state == self._PENDING:
                 self._state = self._COMPUTING
+                self._owner = me
         if state == self._COMPUTING:
             if eager:
                 return False  # someone (maybe this very thread, further up) computes it
-            with _callbacks.waiting():
-                return self._ready.wait(timeout)
+            if timeout == 0:
+                return self._ready.is_set()
+            outer = _waiting.get(me)  # (a finalizer's wait inside another one: put back)
+            _waiting[me] = self  # (before the cycle is looked for: see _waits_for_itself)
+            try:
+                if _waits_for_itself(self, me):
+                    how = "" if self._owner == me else \
+                        ", through a value another thread computes and waits for"
+                    raise SharedMemError(
+                        f"the value of {self._s.label} on {self._s.stream} (an apply() or zip() "
+                        f"value) is waited for by a function it depends on, which cannot return "
+                        f"before the value is computed{how}: it would wait forever. Wait for it "
+                        f"outside apply()'s functions (chain then() after the future instead)")
+                with _callbacks.waiting():
+                    return self._ready.wait(timeout)
+            finally:
+                if outer is None:
+                    del _waiting[me]
+                else:
+                    _waiting[me] = outer
         if state != self._PENDING:
             return True
         fn, self._fn = self._fn, None

@@ -1,7 +1,9 @@
 """Device operations: op / and_then / zip / apply / submit (host backend)."""
 
 import importlib
+import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -190,3 +192,61 @@ def test_a_composite_op_with_a_bad_argument_submits_no_part(host, compose):
     fixed.submit(s).result(5)
     np.testing.assert_array_equal(acc.to_host(), np.ones(4))  # the first part ran once
     np.testing.assert_array_equal(moved.to_host(), np.full(4, 7))
+
+
+_SELF_WAIT = (r"^the value of (host kernel fill|zip join) on .+ \(an apply\(\) or zip\(\) "
+              r"value\) is waited for by a function it depends on, which cannot return before "
+              r"the value is computed(, through a value another thread computes and waits "
+              r"for)?: it would wait forever\. Wait for it outside apply\(\)'s functions \(chain "
+              r"then\(\) after the future instead\)$")
+
+
+def test_an_applied_function_waiting_for_its_own_value_fails_instead_of_hanging(host):
+    """apply(fn) where fn waits for the future apply() gives -- its own value, or that of an
+    apply() or zip() after it, which needs fn's value -- would wait forever: the wait raises
+    SharedMemError, which fails the value (before: each wait ran to its timeout)."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    later = []
+    given = threading.Event()
+
+    def waits(v):
+        assert given.wait(5)
+        return later[0].result(timeout=3)
+
+    own = sm.op(fill, 1, 1, b, 1.0).apply(waits).submit()
+    later.append(own)
+    given.set()
+    e = own.exception(10)
+    assert type(e) is sm.SharedMemError
+    assert re.match(_SELF_WAIT, str(e)), str(e)
+    for compose in (lambda a: a.apply(lambda v: v), lambda a: sm.zip(a)):
+        later.clear()
+        given.clear()
+        outer = compose(sm.op(fill, 1, 1, b, 1.0).apply(waits)).submit()
+        later.append(outer)
+        given.set()
+        e = outer.exception(10)  # (fn's error, or the outer wait's: whichever closes it)
+        assert type(e) is sm.SharedMemError and re.match(_SELF_WAIT, str(e)), str(e)
+
+
+def test_a_self_wait_across_two_threads_is_found_too(host):
+    """The outer value's computation claimed by another thread (here the test's, in
+    result()) that waits for fn's value, while fn waits for the outer value: neither could
+    finish. One of the waits raises SharedMemError (which one: whichever thread closes the
+    cycle)."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    started, go, later = threading.Event(), threading.Event(), []
+
+    def waits(v):
+        started.set()
+        assert go.wait(5)
+        return later[0].result(timeout=3)
+
+    outer = sm.op(fill, 1, 1, b, 1.0).apply(waits).apply(lambda v: v).submit()
+    later.append(outer)
+    assert started.wait(5)  # fn runs on a callback worker (the retirer retired the work)
+    threading.Timer(0.3, go.set).start()  # once this thread waits for fn's value
+    t0 = time.monotonic()
+    e = outer.exception(10)
+    assert type(e) is sm.SharedMemError and re.match(_SELF_WAIT, str(e)), str(e)
+    assert time.monotonic() - t0 < 2.5  # (not a timeout)
