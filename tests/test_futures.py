@@ -4,6 +4,8 @@ has it, other work's callback errors kept out of continuations (host backend).""
 import _thread
 import asyncio
 import gc
+import logging
+import re
 import sys
 import threading
 import time
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 import sharedmem as sm
+from conftest import gc_collect_harder
 from host_kernels import fill, slow_fill
 
 
@@ -305,3 +308,55 @@ def test_awaits_that_time_out_leave_no_callback_behind(host):
     while len(ran) < len(futures) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sorted(map(id, ran)) == sorted(map(id, futures))
+
+
+@sm.host_kernel
+def _nobody_looks(x):
+    raise ValueError("nobody looks")
+
+
+def _never_retrieved(caplog) -> list:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "sharedmem" and r.levelno == logging.ERROR
+            and "never retrieved" in r.getMessage()]
+
+
+def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, caplog):
+    """A host kernel launched and forgotten that raises: once its future's state is
+    garbage-collected with the exception never retrieved, the sharedmem logger says so at
+    ERROR, once (as asyncio does for a future); retrieved in any public way, it says
+    nothing."""
+    caplog.set_level(logging.INFO, logger="sharedmem")
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    sm.launch(_nobody_looks, 1, 1, b, stream=s)  # fire and forget
+    s.synchronize()
+    del b
+    gc_collect_harder()
+    msgs = _never_retrieved(caplog)
+    assert len(msgs) == 1, msgs
+    assert re.match(r"^the exception of host kernel _nobody_looks on host stream "
+                    r"'sharedmem-host-stream-\d+' was never retrieved: ValueError\('nobody "
+                    r"looks'\) \(its future was dropped before result\(\), exception\(\), "
+                    r"await or then\(\) looked at it\)$", msgs[0]), msgs[0]
+
+    def awaited(f):
+        async def main():
+            with pytest.raises(sm.HostKernelError):
+                await f
+        asyncio.run(main())
+
+    def result(f):
+        with pytest.raises(sm.HostKernelError):
+            f.result(5)
+
+    for retrieve in (result, lambda f: f.exception(5), lambda f: f.then(len).exception(5),
+                     awaited, lambda f: f.to_concurrent().exception(5)):
+        caplog.clear()
+        b = sm.Buffer.zeros(4, "float32", device=host)
+        f = sm.launch(_nobody_looks, 1, 1, b, stream=s)
+        retrieve(f)
+        del f, b
+        s.synchronize()
+        gc_collect_harder()
+        assert _never_retrieved(caplog) == []

@@ -168,13 +168,14 @@ class HostMarker:
     ``query()`` returns 0 (pending), 1 (done) or 2 (unknown: the task, or an
     earlier one on its stream, raised; ``error`` holds why)."""
 
-    __slots__ = ("_event", "error", "failure", "isolated", "tasks")
+    __slots__ = ("_event", "error", "failure", "unretrieved", "isolated", "tasks")
     recorded = True  # (markers of other backends may be recorded lazily)
 
     def __init__(self, isolated=False, tasks=None):
         self._event = threading.Event()
         self.error = None  # why completion is unknown (the stream faulted)
         self.failure = None  # the exception an isolated task (a host kernel) ended with
+        self.unretrieved = None  # with failure, until its future's user saw it (retrieved())
         self.isolated = isolated  # an exception fails this task only (see the module docstring)
         self.tasks = tasks  # the _Tasks of its stream: whose worker runs it
 
@@ -204,6 +205,35 @@ class HostMarker:
 
     def recycle(self) -> None:
         pass
+
+    def retrieved(self) -> None:
+        """``failure`` was seen (its future's ``result()``, ``exception()``, ``await``,
+        ``then()``): nothing is reported when the marker goes."""
+        u = self.unretrieved
+        if u is not None:
+            u.error = None
+            self.unretrieved = None
+
+
+class _Unretrieved:
+    """A failed host kernel's exception, kept by its marker (``HostMarker.unretrieved``)
+    until the future's user retrieves it. Garbage-collected before that -- the marker, the
+    work's last trace, went -- it is logged at ERROR, once: the kernel was launched and
+    forgotten (as asyncio logs a future's exception never retrieved)."""
+
+    __slots__ = ("error", "label")
+
+    def __init__(self, error, label):
+        self.error = error
+        self.label = label
+
+    def __del__(self, _finalizing=sys.is_finalizing):
+        e = self.error
+        if e is not None and not _finalizing():
+            self.error = None
+            log.error("the exception of %s was never retrieved: %r (its future was dropped "
+                      "before result(), exception(), await or then() looked at it)",
+                      self.label, e, exc_info=e)
 
 
 class _Tasks:
@@ -486,6 +516,10 @@ def _worker(q, state, backend) -> None:
                     # debugger or error reporter reading them would touch another view's bytes)
                     _detach(e, getattr(fn, "args", ()))
                     marker.failure = e  # this work failed; its completion is known
+                    kernel = getattr(fn, "func", fn)  # (a host kernel's task: a partial)
+                    marker.unretrieved = _Unretrieved(
+                        e, f"host kernel {getattr(kernel, '__qualname__', kernel)} on host "
+                           f"stream {q.name!r}")
                     log.info("a host kernel raised %r; its future fails, the stream runs on", e)
                 else:  # the stream faulted: sticky, like a CUDA error
                     state["fault"] = e

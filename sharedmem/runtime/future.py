@@ -201,6 +201,7 @@ class DeviceFuture(_FutureBase):
                 f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
         failure = getattr(s.marker, "failure", None)
         if failure is not None:
+            s.marker.retrieved()  # (not logged as never retrieved: see backends.host)
             raise HostKernelError(f"{s.label} on {s.stream} raised {failure!r}; its leases were "
                                   f"released and the stream runs on") from failure
         return s.value
