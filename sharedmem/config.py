@@ -26,7 +26,7 @@ COMPILED_MODULES = (
     "sharedmem.runtime.submission", "sharedmem.runtime.future", "sharedmem.runtime.graph",
     "sharedmem.launch", "sharedmem.buffer", "sharedmem.tensor", "sharedmem.backends.cuda",
     "interop.cupy_launch", "interop.cutile", "interop.cai",
-    "interop.dlpack",
+    "interop.dlpack", "interop.streams",
 )
 
 

@@ -181,6 +181,22 @@ def test_the_build_switch_holds_when_interop_is_imported_first():
         assert (r.returncode, r.stdout.strip()) == (0, want), r.stderr
 
 
+def test_the_modules_setup_py_compiles_are_the_ones_config_knows():
+    # config.COMPILED_MODULES decides what SHAREDMEM_PURE_PYTHON loads from source and what
+    # compiled() / SHAREDMEM_REQUIRE_EXTENSION check: a module missing there stays compiled
+    import ast
+    import os
+
+    from sharedmem import config
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    listed = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                  and getattr(n.targets[0], "id", None) == "COMPILED")
+    paths = ast.literal_eval(listed)
+    assert sorted(p[:-3].replace("/", ".") for p in paths) == sorted(config.COMPILED_MODULES)
+
+
 def test_show_config_names_the_default_device_and_why_it_is_the_host(monkeypatch):
     import io
 
