@@ -271,6 +271,8 @@ def _waits_for_itself(fut, me) -> bool:
     seen = set()
     while True:
         owner = fut._owner
+        if fut._ready.is_set():  # (a wait for it ends: e.g. a thread's entry in _waiting
+            return False         # that still names a value just computed -- it wakes soon)
         if owner == me:
             return True
         if owner in seen:  # (a cycle that does not pass through this thread)

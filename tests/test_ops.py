@@ -250,3 +250,56 @@ def test_a_self_wait_across_two_threads_is_found_too(host):
     e = outer.exception(10)
     assert type(e) is sm.SharedMemError and re.match(_SELF_WAIT, str(e)), str(e)
     assert time.monotonic() - t0 < 2.5  # (not a timeout)
+
+
+def test_a_wait_right_after_computing_a_value_another_thread_waits_for_is_no_self_wait(host):
+    """Thread A computes x; thread B computes y, whose function waits for x. A finishes x
+    and at once waits for y: no cycle (x is ready, B wakes and computes y). Before, B's
+    entry in ops._waiting still named x (B had not got the GIL back yet), x's owner is A,
+    and A's wait raised SharedMemError."""
+    import sys
+
+    from sharedmem.ops import ComputedFuture
+
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    done = sm.launch(fill, 1, 1, b, 1.0)
+    done.result(5)  # (retired: a ComputedFuture of it is computed at once, by its maker)
+    x_runs, gx, in_y, box = threading.Event(), threading.Event(), threading.Event(), {}
+
+    def fx():
+        x_runs.set()
+        assert gx.wait(5)
+        return 1
+
+    def fy():
+        in_y.set()
+        return box["x"].result(5) + 1
+
+    def thread_a():
+        x = box["x"] = ComputedFuture.__new__(ComputedFuture)
+        x.__init__(done._s, fx)  # computed here, in A
+        try:
+            box["a"] = box["y"].result(5)
+        except BaseException as e:
+            box["a"] = e
+
+    def thread_b():
+        y = box["y"] = ComputedFuture.__new__(ComputedFuture)
+        y.__init__(done._s, fy)  # computed here, in B: waits for x
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)  # (B wakes once A lets the GIL go: fails at 5 ms too)
+    try:
+        ta = threading.Thread(target=thread_a)
+        ta.start()
+        assert x_runs.wait(5)
+        tb = threading.Thread(target=thread_b)
+        tb.start()
+        assert in_y.wait(5)
+        time.sleep(0.1)  # (B waits for x)
+        gx.set()
+        ta.join(10)
+        tb.join(10)
+    finally:
+        sys.setswitchinterval(old)
+    assert box["a"] == 2, box["a"]
