@@ -1397,3 +1397,60 @@ def test_in_a_forked_child_then_on_an_applied_value_queued_in_the_parent_finishe
     gate.set()
     assert os.waitstatus_to_exitcode(status) == 1  # 3: the then() never ran
     assert f2.result(5) == "value"
+
+
+_FORK_GC = r"""
+import gc, os
+import sharedmem as sm
+from sharedmem.runtime import state
+
+host = sm.Device.host()
+sm.Buffer.zeros(4, "float32", device=host)  # (the host pool exists: its fork hold is filed)
+pool = host.backend.pool
+
+
+class Cycle:
+    pass
+
+
+c = Cycle()
+c.self, c.block = c, pool.allocate(64)  # a HostBlock in a reference cycle
+holder = [c]
+del c
+
+
+def take():  # (after the pool's hold: the fork holds the pool's lock now)
+    holder.clear()  # the cycle is garbage: the next allocation collects it (as one may in
+    gc.set_threshold(1)  # any fork: the hooks and os.fork allocate)
+
+
+state.at_fork_hold(take, lambda: None)
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+gc.set_threshold(700)
+print("child", os.waitpid(pid, 0)[1] >> 8)
+"""
+
+
+@fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_collection_while_a_fork_holds_the_host_pool_does_not_deadlock():
+    """A garbage collection that comes while the fork holds the host pool's lock (an
+    allocation in a fork hook starts it) finalizes a HostBlock, which gives its block back
+    under that lock: the forking thread waited for itself -- parent and child hung (before,
+    in _after_fork_parent's reversed(): HostBlock.__del__ -> _give_back). The collector is
+    off while the fork holds sharedmem's locks."""
+    import os
+    import signal
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", _FORK_GC], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # (the parent and its hung child)
+        p.communicate()
+        pytest.fail("the fork deadlocked: a collection ran HostBlock.__del__ under the pool lock")
+    assert p.returncode == 0 and out.strip() == "child 7", (out, err)

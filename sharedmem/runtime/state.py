@@ -25,6 +25,7 @@ Rules every caller keeps:
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import threading
 
@@ -329,7 +330,16 @@ def fork_safe(lock):
     return lock
 
 
+#: Whether _before_fork turned the collector off (the forking thread only): a collection while
+#: the fork holds the core and leaf locks -- any allocation in the hooks, or in os.fork's own,
+#: may start one -- would run finalizers that take them (a HostBlock's _give_back, a registry
+#: entry's removal) on this very thread, which would wait for itself forever.
+_gc_was_on = [False]
+
+
 def _before_fork() -> None:
+    _gc_was_on[0] = gc.isenabled()
+    gc.disable()
     rt = RUNTIME
     # (a fork from a thread inside a sharedmem call -- a host kernel -- keeps what it holds)
     _fork_held[0] = rt.owner != _thread_ident()
@@ -345,6 +355,9 @@ def _after_fork_parent() -> None:
     if _fork_held[0]:
         _fork_held[0] = False
         RUNTIME.release()
+    if _gc_was_on[0]:
+        _gc_was_on[0] = False
+        gc.enable()
 
 
 def _after_fork_child() -> None:
@@ -360,8 +373,13 @@ def _after_fork_child() -> None:
         lock._at_fork_reinit()
     log.debug("forked: pid %d has a new core lock and %d leaf locks; threads restart on use",
               rt.pid, len(_leaf_locks))
-    for _order, fn in _child_hooks:
-        fn()
+    try:
+        for _order, fn in _child_hooks:  # (the backends' release what the fork still holds)
+            fn()
+    finally:
+        if _gc_was_on[0]:
+            _gc_was_on[0] = False
+            gc.enable()
 
 
 def _register_fork_hooks() -> None:
