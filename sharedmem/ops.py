@@ -204,7 +204,7 @@ class _Zip(DeviceOp):
             # stream (independent work may run in any order, so this is a valid
             # schedule); the graph then replays them in that order.
             futures = [o._submit_on(stream) for o in self.ops]
-            return ComputedFuture(futures[-1]._s, lambda: tuple(f._peek() for f in futures))
+            return ComputedFuture(futures[-1]._s, partial(_values, futures))
         futures = [self.ops[0]._submit_on(stream)]
         for o in self.ops[1:]:
             futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))
@@ -212,7 +212,23 @@ class _Zip(DeviceOp):
             stream.wait(f.stream)  # the join, on the device: no host block
         backend, impl = stream.device.backend, stream._impl
         join = _sub.submit(stream, [], lambda: backend.submit_marker(impl), label="zip join")
-        return ComputedFuture(join, lambda: tuple(f._peek() for f in futures))
+        return ComputedFuture(join, partial(_values, futures))
+
+
+def _values(futures) -> tuple:
+    """The values of a zip's branches, or the first one's error -- each branch's outcome
+    looked at (a failed host kernel's is retrieved: see backends.host), as asyncio.gather
+    retrieves every child's."""
+    values, error = [], None
+    for f in futures:
+        try:
+            values.append(f._peek())
+        except BaseException as e:
+            if error is None:
+                error = e
+    if error is not None:
+        raise error
+    return tuple(values)
 
 
 def op(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, ...] | None,

@@ -360,3 +360,22 @@ def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, c
         s.synchronize()
         gc_collect_harder()
         assert _never_retrieved(caplog) == []
+
+
+def test_a_zip_whose_branches_both_fail_leaves_no_never_retrieved_report(host, caplog):
+    """zip() of two host kernels that both raise: the zip's future raises the first's
+    HostKernelError, and its user retrieved it. The second branch's future is the zip's own
+    (the user never had it): its exception is seen with the first, not logged at ERROR as
+    a future "dropped before result() ... looked at it" (as asyncio.gather retrieves every
+    child's). Before, the second branch's failure was logged as never retrieved."""
+    caplog.set_level(logging.INFO, logger="sharedmem")
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    c = sm.Buffer.zeros(4, "float32", device=host)
+    z = sm.zip(sm.op(_nobody_looks, 1, 1, b), sm.op(_nobody_looks, 1, 1, c)).submit()
+    assert type(z.exception(5)) is sm.HostKernelError
+    del z, b, c
+    sm.synchronize()
+    gc_collect_harder()
+    time.sleep(0.2)
+    gc_collect_harder()
+    assert _never_retrieved(caplog) == []
