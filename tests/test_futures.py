@@ -321,6 +321,36 @@ def _never_retrieved(caplog) -> list:
             and "never retrieved" in r.getMessage()]
 
 
+def test_a_failure_whose_work_lives_to_the_exit_is_reported_at_the_exit(tmp_path):
+    """A script's typical case: the failed kernel's buffer (whose access record keeps the
+    work's marker) lives until the interpreter exits. The exit reports the exception nobody
+    retrieved, once; one that was retrieved is not reported."""
+    import os
+    import subprocess
+    script = tmp_path / "forgot.py"
+    script.write_text(
+        "import logging, sys, sharedmem as sm\n"
+        "logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format='%(message)s')\n"
+        "@sm.host_kernel\n"
+        "def boom(x):\n"
+        "    raise ValueError('forgotten')\n"
+        "b = sm.Buffer.zeros(4, device=sm.Device.host())\n"
+        "f = sm.launch(boom, 1, 1, b)\n"
+        "if sys.argv[1] == 'look':\n"
+        "    assert isinstance(f.exception(5), sm.HostKernelError)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    for how, want in (("forget", 1), ("look", 0)):
+        r = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stdout.splitlines() if "never retrieved" in ln]
+        assert len(lines) == want, (how, r.stdout, r.stderr)
+        if want:
+            assert lines[0].startswith("the exception of host kernel boom on host stream ") \
+                and "ValueError('forgotten')" in lines[0], lines[0]
+
+
 def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, caplog):
     """A host kernel launched and forgotten that raises: once its future's state is
     garbage-collected with the exception never retrieved, the sharedmem logger says so at
@@ -337,8 +367,8 @@ def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, c
     assert len(msgs) == 1, msgs
     assert re.match(r"^the exception of host kernel _nobody_looks on host stream "
                     r"'sharedmem-host-stream-\d+' was never retrieved: ValueError\('nobody "
-                    r"looks'\) \(its future was dropped before result\(\), exception\(\), "
-                    r"await or then\(\) looked at it\)$", msgs[0]), msgs[0]
+                    r"looks'\) \(no result\(\), exception\(\), await or then\(\) of its "
+                    r"future looked at it\)$", msgs[0]), msgs[0]
 
     def awaited(f):
         async def main():

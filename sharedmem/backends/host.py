@@ -221,19 +221,26 @@ class _Unretrieved:
     work's last trace, went -- it is logged at ERROR, once: the kernel was launched and
     forgotten (as asyncio logs a future's exception never retrieved)."""
 
-    __slots__ = ("error", "label")
+    __slots__ = ("error", "label", "__weakref__")
 
     def __init__(self, error, label):
         self.error = error
         self.label = label
+        _unretrieved.add(self)  # (what is left at exit is reported then: see _finish_at_exit)
 
     def __del__(self, _finalizing=sys.is_finalizing):
+        if not _finalizing():  # (during finalization logging may be gone: exit reported it)
+            self.report()
+
+    def report(self) -> None:
         e = self.error
-        if e is not None and not _finalizing():
+        if e is not None:
             self.error = None
-            log.error("the exception of %s was never retrieved: %r (its future was dropped "
-                      "before result(), exception(), await or then() looked at it)",
-                      self.label, e, exc_info=e)
+            log.error("the exception of %s was never retrieved: %r (no result(), exception(), "
+                      "await or then() of its future looked at it)", self.label, e, exc_info=e)
+
+
+_unretrieved = weakref.WeakSet()  # the _Unretrieved alive (reported or retrieved, or not yet)
 
 
 class _Tasks:
@@ -622,6 +629,8 @@ def _finish_at_exit() -> None:
         warnings.warn(f"sharedmem: the interpreter exits with host work unfinished after "
                       f"{EXIT_TIMEOUT} s; dropped: {', '.join(dropped)}. Synchronize "
                       f"(sm.synchronize()) before exit to keep it.", RuntimeWarning, stacklevel=1)
+    for u in list(_unretrieved):  # (failures whose trace lives to the exit: a buffer kept)
+        u.report()
 
 
 atexit.register(_finish_at_exit)
