@@ -370,6 +370,34 @@ def test_a_forked_child_runs_host_work_and_fails_work_cut_by_the_fork(host):
 
 
 @fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_forked_child_does_not_report_the_parents_unretrieved_failures(host):
+    """A failed host kernel's exception the parent has not retrieved yet is the parent's to
+    report (or retrieve): a child that drops its copy of the work logs nothing."""
+    import logging
+
+    @sm.host_kernel
+    def boom(x):
+        raise ValueError("the parent's")
+    s = host.create_stream()
+    held = [sm.Buffer.zeros(4, device=host)]
+    held.append(sm.launch(boom, 1, 1, held[0], stream=s))
+    s.synchronize()
+
+    def child():
+        seen = []
+        handler = logging.Handler(logging.ERROR)
+        handler.emit = lambda r: seen.append(r.getMessage())
+        logging.getLogger("sharedmem").addHandler(handler)
+        held.clear()
+        gc_collect_harder()
+        return [m for m in seen if "never retrieved" in m]
+
+    assert _in_child(child) == "[]"
+    assert isinstance(held[1].exception(5), sm.HostKernelError)  # (retrieved: nothing logged)
+
+
+@fork_only
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_fork_while_other_threads_launch_never_leaves_the_child_locked(host):
     stop = threading.Event()

@@ -597,6 +597,8 @@ def _after_fork_parent() -> None:
 
 def _after_fork_child() -> None:
     _after_fork_parent()  # (held by this thread, which the child has)
+    for u in list(_unretrieved):  # (the parent's failures: the parent reports them)
+        u.error = None
     for impl in list(_impls):
         impl._after_fork_child()
 
