@@ -1482,3 +1482,57 @@ def test_a_collection_while_a_fork_holds_the_host_pool_does_not_deadlock():
         p.communicate()
         pytest.fail("the fork deadlocked: a collection ran HostBlock.__del__ under the pool lock")
     assert p.returncode == 0 and out.strip() == "child 7", (out, err)
+
+
+_FORK_TWO_THREADS = r"""
+import gc, os, threading, time
+import sharedmem as sm
+from sharedmem.runtime import state
+
+rt = state.RUNTIME
+rt.acquire()  # (the core lock busy, as under an API call: both forks wait for it in the hook)
+res = {}
+
+
+def fork(name):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(10 + gc.isenabled())
+    res[name] = os.waitpid(pid, 0)[1] >> 8
+
+
+a = threading.Thread(target=fork, args=("a",))
+a.start()
+time.sleep(0.3)
+b = threading.Thread(target=fork, args=("b",))
+b.start()
+time.sleep(0.3)
+rt.release()
+a.join()
+b.join()
+print(sorted(res.values()), gc.isenabled(), rt._try_acquire())
+"""
+
+
+@fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_two_threads_forking_at_once_leave_the_collector_on_and_the_core_lock_free():
+    """Two threads fork at once (os.register_at_fork's before-hooks run before CPython's import
+    lock, so both enter _before_fork): the second overwrote the first's "gc was on" with False
+    (the first had turned it off) and its "core lock taken" while waiting for that lock --
+    before, the collector stayed off in the parent and both children, and the second fork
+    never gave the core lock back (every later API call hung). The flags are set once the
+    core lock, which serializes the forks, is held."""
+    import os
+    import signal
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", _FORK_TWO_THREADS], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        pytest.fail("two concurrent forks hung")
+    assert p.returncode == 0 and out.strip() == "[11, 11] True True", (out, err)

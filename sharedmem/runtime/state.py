@@ -338,26 +338,32 @@ _gc_was_on = [False]
 
 
 def _before_fork() -> None:
-    _gc_was_on[0] = gc.isenabled()
-    gc.disable()
     rt = RUNTIME
     # (a fork from a thread inside a sharedmem call -- a host kernel -- keeps what it holds)
-    _fork_held[0] = rt.owner != _thread_ident()
-    if _fork_held[0]:
+    held = rt.owner != _thread_ident()
+    if held:
         rt.acquire()
+    # The flags only now: the core lock serializes forks (two threads may run this hook at
+    # once -- CPython takes its import lock after it), so they are this fork's, not another
+    # thread's still waiting above. (A collection before here is one of a critical section.)
+    _fork_held[0] = held
+    _gc_was_on[0] = gc.isenabled()
+    gc.disable()
     for take, _release in _before_hooks:
         take()
 
 
 def _after_fork_parent() -> None:
-    for _take, release in reversed(_before_hooks):
-        release()
-    if _fork_held[0]:
-        _fork_held[0] = False
-        RUNTIME.release()
-    if _gc_was_on[0]:
-        _gc_was_on[0] = False
-        gc.enable()
+    try:
+        for _take, release in reversed(_before_hooks):
+            release()
+        if _fork_held[0]:
+            _fork_held[0] = False
+            RUNTIME.release()
+    finally:
+        if _gc_was_on[0]:
+            _gc_was_on[0] = False
+            gc.enable()
 
 
 def _after_fork_child() -> None:
