@@ -351,6 +351,32 @@ def test_a_failure_whose_work_lives_to_the_exit_is_reported_at_the_exit(tmp_path
                 and "ValueError('forgotten')" in lines[0], lines[0]
 
 
+def test_a_failure_a_then_looks_at_is_not_reported_at_the_exit(tmp_path):
+    """A host kernel still running when the script ends, with then() chained after it: the
+    exit finishes the kernel, and then()'s callback -- which retires after it, and looks at
+    the exception -- runs at the exit too (the callbacks' drain). Before, the host exit hook
+    (registered after the callbacks', so run before them) reported the failure as never
+    retrieved before the then() ran."""
+    import os
+    import subprocess
+    script = tmp_path / "chained.py"
+    script.write_text(
+        "import logging, sys, time, sharedmem as sm\n"
+        "logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format='%(message)s')\n"
+        "@sm.host_kernel\n"
+        "def boom(x):\n"
+        "    time.sleep(0.5)\n"
+        "    raise ValueError('chained')\n"
+        "b = sm.Buffer.zeros(4, device=sm.Device.host())\n"
+        "g = sm.launch(boom, 1, 1, b).then(print)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "never retrieved" not in r.stdout, r.stdout
+
+
 def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, caplog):
     """A host kernel launched and forgotten that raises: once its future's state is
     garbage-collected with the exception never retrieved, the sharedmem logger says so at

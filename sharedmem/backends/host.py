@@ -631,6 +631,15 @@ def _finish_at_exit() -> None:
         warnings.warn(f"sharedmem: the interpreter exits with host work unfinished after "
                       f"{EXIT_TIMEOUT} s; dropped: {', '.join(dropped)}. Synchronize "
                       f"(sm.synchronize()) before exit to keep it.", RuntimeWarning, stacklevel=1)
+    if any(u.error is not None for u in list(_unretrieved)):
+        # What finished is retired, and its callbacks run (this hook, registered once a host
+        # stream exists, runs before the callbacks' own drain): a then() chained after a
+        # failed kernel looks at the exception there -- it is retrieved, not reported.
+        from ..runtime import callbacks, submission
+        try:
+            submission.sweep_all()
+        finally:
+            callbacks._drain_at_exit()
     for u in list(_unretrieved):  # (failures whose trace lives to the exit: a buffer kept)
         u.report()
 
