@@ -321,60 +321,46 @@ def _never_retrieved(caplog) -> list:
             and "never retrieved" in r.getMessage()]
 
 
-def test_a_failure_whose_work_lives_to_the_exit_is_reported_at_the_exit(tmp_path):
-    """A script's typical case: the failed kernel's buffer (whose access record keeps the
-    work's marker) lives until the interpreter exits. The exit reports the exception nobody
-    retrieved, once; one that was retrieved is not reported."""
+def _script_output(tmp_path, body, *argv) -> str:
+    """What a script ``body`` prints, the sharedmem logger's ERROR lines included, when run
+    to its end in its own interpreter (exit hooks and all)."""
     import os
     import subprocess
-    script = tmp_path / "forgot.py"
-    script.write_text(
-        "import logging, sys, sharedmem as sm\n"
-        "logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format='%(message)s')\n"
-        "@sm.host_kernel\n"
-        "def boom(x):\n"
-        "    raise ValueError('forgotten')\n"
-        "b = sm.Buffer.zeros(4, device=sm.Device.host())\n"
-        "f = sm.launch(boom, 1, 1, b)\n"
-        "if sys.argv[1] == 'look':\n"
-        "    assert isinstance(f.exception(5), sm.HostKernelError)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
-    for how, want in (("forget", 1), ("look", 0)):
-        r = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True,
-                           env=env, timeout=120)
-        assert r.returncode == 0, r.stderr
-        lines = [ln for ln in r.stdout.splitlines() if "never retrieved" in ln]
-        assert len(lines) == want, (how, r.stdout, r.stderr)
-        if want:
-            assert lines[0].startswith("the exception of host kernel boom on host stream ") \
-                and "ValueError('forgotten')" in lines[0], lines[0]
-
-
-def test_a_failure_a_then_looks_at_is_not_reported_at_the_exit(tmp_path):
-    """A host kernel still running when the script ends, with then() chained after it: the
-    exit finishes the kernel, and then()'s callback -- which retires after it, and looks at
-    the exception -- runs at the exit too (the callbacks' drain). Before, the host exit hook
-    (registered after the callbacks', so run before them) reported the failure as never
-    retrieved before the then() ran."""
-    import os
-    import subprocess
-    script = tmp_path / "chained.py"
+    script = tmp_path / "script.py"
     script.write_text(
         "import logging, sys, time, sharedmem as sm\n"
         "logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format='%(message)s')\n"
         "@sm.host_kernel\n"
         "def boom(x):\n"
-        "    time.sleep(0.5)\n"
-        "    raise ValueError('chained')\n"
-        "b = sm.Buffer.zeros(4, device=sm.Device.host())\n"
-        "g = sm.launch(boom, 1, 1, b).then(print)\n")
+        "    time.sleep(float(sys.argv[1]))\n"
+        "    raise ValueError('forgotten')\n"
+        "b = sm.Buffer.zeros(4, device=sm.Device.host())\n" + body)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=root)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                       timeout=120)
+    r = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=root), timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "never retrieved" not in r.stdout, r.stdout
+    return r.stdout
+
+
+def test_a_failure_whose_work_lives_to_the_exit_is_reported_at_the_exit(tmp_path):
+    """A script's typical case: the failed kernel's buffer (whose access record keeps the
+    work's marker) lives until the interpreter exits. The exit reports the exception nobody
+    retrieved, once; one that was retrieved is not reported -- nor one a then() chained after
+    a kernel still running at the end looks at (the exit finishes the kernel and runs the
+    then()'s callback before it reports: before, the host exit hook, registered after the
+    callbacks', ran first and reported it)."""
+    body = ("f = sm.launch(boom, 1, 1, b)\n"
+            "if sys.argv[2] == 'look':\n"
+            "    assert isinstance(f.exception(5), sm.HostKernelError)\n"
+            "if sys.argv[2] == 'then':\n"
+            "    g = f.then(print)\n")
+    for how, want in (("forget", 1), ("look", 0), ("then", 0)):
+        out = _script_output(tmp_path, body, "0.5" if how == "then" else "0", how)
+        lines = [ln for ln in out.splitlines() if "never retrieved" in ln]
+        assert len(lines) == want, (how, out)
+        if want:
+            assert lines[0].startswith("the exception of host kernel boom on host stream ") \
+                and "ValueError('forgotten')" in lines[0], lines[0]
 
 
 def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, caplog):
