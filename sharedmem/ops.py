@@ -218,12 +218,13 @@ class _Zip(DeviceOp):
 def _values(futures) -> tuple:
     """The values of a zip's branches, or the first one's error -- each branch's outcome
     looked at (a failed host kernel's is retrieved: see backends.host), as asyncio.gather
-    retrieves every child's."""
+    retrieves every child's. (An interrupt while a branch's value is computed propagates at
+    once: failed work raises Exceptions.)"""
     values, error = [], None
     for f in futures:
         try:
             values.append(f._peek())
-        except BaseException as e:
+        except Exception as e:
             if error is None:
                 error = e
     if error is not None:

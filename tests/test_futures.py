@@ -421,3 +421,11 @@ def test_a_zip_whose_branches_both_fail_leaves_no_never_retrieved_report(host, c
     time.sleep(0.2)
     gc_collect_harder()
     assert _never_retrieved(caplog) == []
+
+    def interrupted(v):
+        raise KeyboardInterrupt
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    c = sm.Buffer.zeros(4, "float32", device=host)
+    z = sm.zip(sm.op(_nobody_looks, 1, 1, b), sm.op(fill, 1, 1, c, 1.0).apply(interrupted))
+    with pytest.raises(KeyboardInterrupt):  # (never hidden behind an earlier branch's error)
+        z.submit().result(5)

@@ -243,6 +243,17 @@ class _Unretrieved:
 _unretrieved = weakref.WeakSet()  # the _Unretrieved alive (reported or retrieved, or not yet)
 
 
+def _unretrieved_now() -> list:
+    """A copy of ``_unretrieved``, taken again where a worker added one meanwhile (iterating
+    a WeakSet whose set changes size raises RuntimeError; at exit, a worker running past
+    EXIT_TIMEOUT may still fail a kernel)."""
+    while True:
+        try:
+            return list(_unretrieved)
+        except RuntimeError:
+            pass
+
+
 class _Tasks:
     """One host stream's FIFO of ``(fn, marker)`` tasks (None: stop), and the task its worker
     runs. ``lock`` guards both: a task leaves ``items`` and becomes ``running`` in one step,
@@ -631,7 +642,7 @@ def _finish_at_exit() -> None:
         warnings.warn(f"sharedmem: the interpreter exits with host work unfinished after "
                       f"{EXIT_TIMEOUT} s; dropped: {', '.join(dropped)}. Synchronize "
                       f"(sm.synchronize()) before exit to keep it.", RuntimeWarning, stacklevel=1)
-    if any(u.error is not None for u in list(_unretrieved)):
+    if any(u.error is not None for u in _unretrieved_now()):
         # What finished is retired, and its callbacks run (this hook, registered once a host
         # stream exists, runs before the callbacks' own drain): a then() chained after a
         # failed kernel looks at the exception there -- it is retrieved, not reported.
@@ -640,7 +651,7 @@ def _finish_at_exit() -> None:
             submission.sweep_all()
         finally:
             callbacks._drain_at_exit()
-    for u in list(_unretrieved):  # (failures whose trace lives to the exit: a buffer kept)
+    for u in _unretrieved_now():  # (failures whose trace lives to the exit: a buffer kept)
         u.report()
 
 
