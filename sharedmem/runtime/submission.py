@@ -646,7 +646,7 @@ def _finish(subs, hand_off=False) -> None:
             if m is not last:  # consecutive submissions often share one marker
                 last = m
                 m.recycle()
-        if sub.callbacks is not None:  # (an empty list too: one taken back by discard_callback)
+        if sub.callbacks:
             if hand_off or _get_ident() == _callbacks.retirer_ident[0]:
                 _callbacks.hand_off(sub)  # (user code never runs on the retirer)
             else:
@@ -751,6 +751,8 @@ def discard_callback(sub, cb) -> None:
         cbs = sub.callbacks
         if cbs and cb in cbs:  # (identity: callbacks are functions, or partials of them)
             cbs.remove(cb)
+            if not cbs:  # (none left: as before any was added -- a later one starts a list)
+                sub.callbacks = None
 
 
 def wait(sub, timeout=None) -> bool:
