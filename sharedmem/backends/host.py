@@ -650,7 +650,7 @@ def _finish_at_exit() -> None:
         try:
             submission.sweep_all()
         finally:
-            callbacks._drain_at_exit()
+            callbacks.drain_at_exit()
     for u in _unretrieved_now():  # (failures whose trace lives to the exit: a buffer kept)
         u.report()
 

@@ -160,8 +160,10 @@ class waiting:
                 _blocked -= 1
 
 
-def _drain_at_exit() -> None:
-    """At exit, let the workers run what was handed off (bounded), or say what was dropped."""
+def drain_at_exit() -> None:
+    """At exit, let the workers run what was handed off (bounded), or say what was dropped.
+    Registered with atexit; the host backend's exit hook calls it earlier too (a second call
+    finds nothing left to run or to say)."""
     if on_worker():
         return
     deadline = time.monotonic() + EXIT_TIMEOUT
@@ -189,7 +191,7 @@ def _drain_at_exit() -> None:
                       f"came after them: {shown}", RuntimeWarning, stacklevel=1)
 
 
-atexit.register(_drain_at_exit)
+atexit.register(drain_at_exit)
 
 
 def _after_fork_child() -> None:
