@@ -207,6 +207,36 @@ def test_a_hold_whose_stream_cannot_record_keeps_the_memory(fake, monkeypatch):
     assert alloc() is not None  # kept, never freed
 
 
+def test_bytes_leased_by_work_of_unknown_completion_cannot_be_exported(fake, monkeypatch):
+    dev, drv = fake
+    consumer = int(drv.cuStreamCreate(1)[1])
+    other = int(drv.cuStreamCreate(1)[1])
+    t = sm.Tensor.from_host(np.arange(8, dtype=np.float32), device=dev)
+    sm.synchronize()
+    kept = t[0:8]  # a view that outlives the export
+    cap = t.__dlpack__(stream=consumer, max_version=(1, 0))
+    del t
+    from fake_cuda import CUresult
+    real = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord", lambda ev, s: (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+                        if int(s) == consumer else real(ev, s))
+    del cap  # its end's lease on `consumer`: completion unknown
+    gc_collect_harder()
+    with pytest.warns(sm.LeakWarning, match="is unknown"):
+        sm.stats()
+    alloc = kept.allocation
+    views = alloc.live_views
+    with pytest.raises(sm.CompletionUnknownError,
+                       match=rf"^bytes \[0, 32\) of allocation #{alloc.id} are touched by work "
+                             rf"of unknown completion on <Stream .*>; they cannot be exported$"):
+        kept.__dlpack__(stream=other, max_version=(1, 0))
+    assert alloc.live_views == views and kept.is_live  # no hold was taken
+    with pytest.raises(sm.CompletionUnknownError, match=r"^to_host on .* would read bytes "
+                                                        r"\[0, 32\) .*which work of unknown "
+                                                        r"completion on .* writes"):
+        kept.to_host()  # (and its contents cannot be trusted)
+
+
 # -- the host backend ------------------------------------------------------------------------
 def test_record_use_on_the_host_keeps_memory_under_foreign_work(host):
     s = host.create_stream("foreign")

@@ -1044,3 +1044,86 @@ def test_buffers_come_from_an_arena_no_cupy_array_frees_into(fake, monkeypatch, 
     assert arenas == [arena, arena] and arena not in (0, s.handle)
     assert cp.current is before  # (CuPy's current stream is back)
     assert a.nbytes == 4096 and b.nbytes == 64
+
+
+def test_a_capture_the_driver_fails_to_end_or_instantiate_leaves_no_graph(fake, monkeypatch):
+    from fake_cuda import CUresult
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    s = dev.create_stream("cap")
+    b = sm.Buffer.zeros(4, device=dev, stream=s)
+    s.synchronize()
+    captures = RUNTIME.captures
+
+    def invalidated(stream):  # as the driver does for a capture it invalidated
+        drv.capturing.pop(int(stream), None)
+        return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+
+    graphs = []
+    for name, bad in (("cuStreamEndCapture", invalidated),
+                      ("cuGraphInstantiate", lambda g, f: (CUresult.CUDA_ERROR_INVALID_VALUE,
+                                                           None))):
+        with monkeypatch.context() as m:
+            m.setattr(drv, name, bad)
+            with pytest.raises(sm.CaptureError, match=rf"^capture of graph #\d+ on {re.escape(str(s))} "
+                                                      rf"failed: .*CUDA_ERROR_INVALID_VALUE") as ei:
+                with sm.capture(s) as g:
+                    graphs.append(g)
+                    b.fill_zero(stream=s)
+        assert isinstance(ei.value.__cause__, sm.CudaError)
+        assert s._capture is None and RUNTIME.captures == captures
+        assert drv.capturing == {} and drv.graphs == {} and drv.execs == {}
+        assert b.allocation.live_views == 1  # the failed graph holds nothing
+        assert repr(g) == f"<Graph #{g.id} on {dev}: 1 captured, 0 ranges, failed>"
+        with pytest.raises(sm.CaptureError, match=r"is failed; only a finished capture"):
+            g.replay(s)
+    b.copy_from(np.arange(4, dtype=np.float32), stream=s).result()  # the stream runs on
+    np.testing.assert_array_equal(b.to_host(), np.arange(4))
+    sm.Tensor.from_buffer(b, (2, 2))  # no graph is an alias
+
+
+def test_device_memory_is_not_an_implicit_numpy_array_and_streams_stay_on_their_device(fake):
+    dev, drv = fake
+    host = sm.Device.host()
+    b = sm.Buffer.zeros(4, device=dev)
+    with pytest.raises(TypeError, match=rf"^implicit conversion of {re.escape(repr(b))} to a "
+                                        rf"NumPy array is not allowed \(it is device memory\); "
+                                        rf"use \.to_host\(\)$"):
+        np.asarray(b)
+    s = dev.create_stream("s")
+    hs = host.create_stream("h")
+    before = sm.stats()
+    with pytest.raises(sm.DeviceMismatchError, match=rf"^{re.escape(str(s))} is on {dev}, but "
+                                                     rf"the memory is on <Device host>$"):
+        sm.Buffer.empty(4, device=host, stream=s)
+    with pytest.raises(sm.DeviceMismatchError, match=rf"^{re.escape(str(hs))} is on <Device "
+                                                     rf"host>, but the memory is on {dev}$"):
+        b.to_host(stream=hs)
+    st = sm.stats()
+    assert st.submitted == before.submitted and st.live_allocations == before.live_allocations
+    # a `with stream:` of another device is not the current stream of this one
+    with hs:
+        fut = b.fill_zero()
+    assert fut.stream is dev.default_stream
+    fut.result()
+
+
+def test_device_synchronize_waits_for_that_device_only(fake):
+    import threading
+    dev, drv = fake
+    host = sm.Device.host()
+    hs = host.create_stream("h")
+    gate = threading.Event()
+    hf = sm.launch(sm.host_kernel(lambda: gate.wait(30)), 1, 1, stream=hs)
+    s = dev.create_stream("s")
+    b = sm.Buffer.empty(4, device=dev)
+    drv.holding = True  # the device's work stays in flight until synchronized
+    b.copy_from(np.arange(4, dtype=np.float32), stream=s)
+    assert s.pending == 1
+    dev.synchronize()
+    assert s.pending == 0 and not hf.done()  # the host's work was not waited for
+    drv.holding = False
+    gate.set()
+    host.synchronize()
+    assert hf.done() and hs.pending == 0
+    np.testing.assert_array_equal(b.to_host(), np.arange(4))

@@ -429,3 +429,21 @@ def test_a_zip_whose_branches_both_fail_leaves_no_never_retrieved_report(host, c
     z = sm.zip(sm.op(_nobody_looks, 1, 1, b), sm.op(fill, 1, 1, c, 1.0).apply(interrupted))
     with pytest.raises(KeyboardInterrupt):  # (never hidden behind an earlier branch's error)
         z.submit().result(5)
+
+
+def test_reprs_of_a_failed_continuation_and_of_an_event_whose_query_fails(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    f = sm.launch(sm.host_kernel(lambda x: None), 1, 1, b, stream=s).then(lambda v: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        f.result(5)
+    assert repr(f) == "<HostFuture failed: ZeroDivisionError('division by zero')>"
+    ev = s.record()
+    ev.synchronize(5)
+
+    class Broken:
+        def query(self):
+            raise RuntimeError("gone")
+
+    ev._marker = Broken()  # (a repr never raises)
+    assert repr(ev) == f"<Event on {s}: unknown (RuntimeError)>"

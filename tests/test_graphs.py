@@ -370,3 +370,42 @@ def test_graph_of_something_else_than_an_op_is_a_type_error(host):
                                         r"zip\), got function; to capture launches, use `with "
                                         r"sm.capture\(stream\)`$"):
         sm.graph(lambda: None)
+
+
+def test_graph_lifetime_protocol_and_replay_policy_check(host):
+    s = host.create_stream()
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    s.synchronize()
+    with sm.capture(s) as g:
+        sm.launch(inc, 1, 1, x, stream=s)
+    assert repr(g) == f"<Graph #{g.id} on <Device host>: 1 captured, 1 ranges, ready>"
+    before = sm.stats()
+    with pytest.raises(sm.SharedMemError, match=r"^unknown access policy 'fifo'; expected one of "
+                                                r"'order', 'reject'$"):
+        g.replay(s, policy="fifo")
+    assert sm.stats().submitted == before.submitted and not x.allocation.tracker
+    g.replay(s, policy="reject").result(5)
+    with g as entered:
+        assert entered is g
+    assert repr(g) == f"<Graph #{g.id} on <Device host>: 1 captured, 0 ranges, released>"
+    g.release()  # idempotent
+    assert x.allocation.live_views == 1
+    np.testing.assert_array_equal(x.to_host(), np.ones(4))
+
+
+def test_a_view_released_while_a_captured_launch_packs_is_not_captured(host):
+    from test_launch import _PreparedKernel
+    s = host.create_stream()
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    s.synchronize()
+    part = x[0:2]
+    with pytest.raises(sm.ReleasedError, match=r"^a slice passed to preparing kernel prepared "
+                                               r"was released before the launch$"):
+        with sm.capture(s) as g:
+            sm.launch(_PreparedKernel(lambda args: args[0].view.release()), 1, 1, part,
+                      stream=s)
+    assert g.launches == 0 and s._capture is None
+    assert x.allocation.live_views == 1  # the failed graph holds nothing
+    with pytest.raises(sm.CaptureError, match=r"is failed"):
+        g.replay(s)
+    sm.launch(inc, 1, 1, x, stream=s).result(5)  # the stream runs on

@@ -260,3 +260,189 @@ def test_grid_block_and_shared_memory_take_numpy_ints(host):
     sm.launch(k, np.int64(2), np.int32(1), b, stream=s, shared_mem=np.uint16(0)).result(5)
     sm.launch(k, (np.int64(1), 2), (np.int8(1),), b, stream=s).result(5)
     assert seen == [1, 1]
+
+
+class _PreparedKernel:
+    """A kernel type launched through _PreparingAdapter: ``act(args)`` runs in ``prepare``
+    (given the LaunchArg list the adapter sees), the work itself does nothing."""
+
+    __name__ = "prepared"
+
+    def __init__(self, act):
+        self.act = act
+
+
+class _PreparingAdapter(sm.KernelAdapter):
+    # no coerce and no label of its own: KernelAdapter's defaults
+    name = "preparing kernel"
+    device_kinds = ("host",)
+
+    def prepare(self, kernel, grid, block, args, shared_mem, stream):
+        kernel.act(args)
+        return (lambda: stream._impl.submit(lambda: None, True)), ()
+
+
+sm.register_kernel_adapter(_PreparedKernel, _PreparingAdapter())
+
+
+def test_adapter_defaults_hand_prepare_launch_args_and_pass_the_rest_as_scalars(host):
+    from sharedmem.launch import LaunchArg
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    seen = []
+
+    def act(args):
+        seen.append([(a.mode, a.with_length, a.view is b, a.offset) if isinstance(a, LaunchArg)
+                     else a for a in args])
+
+    sm.launch(_PreparedKernel(act), 1, 1, sm.In(b, with_length=True), sm.Atomic(b[2:4]),
+              "scalar", stream=s).result(5)
+    # KernelAdapter.coerce (not overridden) makes nothing of a str: it is passed as it is. A
+    # view resolved as itself carries only its lease: Atomic shows as a write (it is leased as
+    # one), its intent is not kept
+    assert seen == [[("read", True, True, 0), ("write", False, False, 8), "scalar"]]
+    assert _PreparingAdapter().label(_PreparedKernel(act)) == "preparing kernel prepared"
+    assert _PreparingAdapter().coerce("scalar", host) is None
+
+
+def test_a_view_released_while_the_launch_packs_is_refused_with_no_lease(host):
+    """A lease is checked live under the core lock: a view released after the arguments were
+    resolved (here by the adapter's prepare) fails the launch, which then took nothing."""
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    s.synchronize()
+    part = b[0:2]
+    before = sm.stats()
+    with pytest.raises(sm.ReleasedError, match=r"^a slice passed to preparing kernel prepared "
+                                               r"was released before the launch$"):
+        sm.launch(_PreparedKernel(lambda args: args[1].view.release()), 1, 1, sm.In(b), part,
+                  stream=s)
+    after = sm.stats()
+    assert after.submitted == before.submitted and after.in_flight == 0
+    assert b.allocation.tracker.streams_locked() == [] and s.pending == 0
+    assert b.allocation.live_views == 1  # the slice is gone, b still usable
+    sm.launch(_PreparedKernel(lambda args: None), 1, 1, b, stream=s).result(5)
+
+
+def test_a_kernel_whose_adapter_does_not_run_on_the_device_is_refused(host):
+    class CudaOnly(sm.KernelAdapter):
+        name = "cuda-only kernel"
+        device_kinds = ("cuda",)
+
+    class Undeclared(sm.KernelAdapter):  # (device_kinds not set: it runs nowhere)
+        name = "undeclared kernel"
+
+    class K1:
+        pass
+
+    class K2:
+        pass
+
+    sm.register_kernel_adapter(K1, CudaOnly())
+    sm.register_kernel_adapter(K2, Undeclared())
+    b = sm.Buffer.zeros(4, device=host)
+    sm.synchronize()
+    before = sm.stats()
+    with pytest.raises(sm.DeviceMismatchError, match=r"^a cuda-only kernel cannot run on "
+                                                     r"<Device host>; it runs on cuda devices$"):
+        sm.launch(K1(), 1, 1, b)
+    with pytest.raises(sm.DeviceMismatchError, match=r"^a undeclared kernel cannot run on "
+                                                     r"<Device host>; its adapter declares no "
+                                                     r"device kinds \(set its device_kinds, "
+                                                     r"e\.g\. \('host',\)\)$"):
+        sm.launch(K2(), 1, 1, b)
+    assert sm.stats().submitted == before.submitted
+    assert not b.allocation.tracker
+
+
+def test_host_kernel_block_none_with_length_and_construction(host):
+    s = host.create_stream()
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.int32), device=host, stream=s)
+    got = []
+
+    @sm.host_kernel
+    def k(x, y):
+        got.append((x.tolist(), x.flags.writeable, y.tolist(), y.flags.writeable))
+        y[:] = 9
+
+    # block=None is accepted (as for cuTile); a with_length argument is still one array
+    sm.launch(k, 1, None, sm.In(b[0:2], with_length=True), sm.Out(b[2:4], with_length=True),
+              stream=s).result(5)
+    assert got == [([0, 1], False, [2, 3], True)]
+    np.testing.assert_array_equal(b.to_host(), [0, 1, 9, 9])
+    with pytest.raises(TypeError, match=r"^host_kernel needs a callable, got 3$"):
+        sm.host_kernel(3)
+    assert repr(k) == f"<host_kernel {k.__qualname__}>" and k.__qualname__.endswith(".k")
+
+
+def test_launch_on_a_foreign_stream_the_host_cannot_borrow(host):
+    class ForeignStream:
+        def __cuda_stream__(self):
+            return (0, 5)
+
+    b = sm.Buffer.zeros(4, device=host)
+    sm.synchronize()
+    before = sm.stats()
+    with pytest.raises(sm.DeviceMismatchError, match=r"^Stream\.from_external\(<.*ForeignStream "
+                                                     r"object at .*>\) needs a CUDA device; "
+                                                     r"<Device host> has no foreign streams$"):
+        sm.launch(saxpy, 1, 1, b, stream=ForeignStream())
+    assert sm.stats().submitted == before.submitted and not b.allocation.tracker
+
+
+def test_a_callback_error_raises_at_the_next_launch_before_it_submits(host):
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    ran = []
+
+    @sm.host_kernel
+    def mark(x):
+        ran.append(1)
+
+    f1 = sm.launch(mark, 1, 1, b, stream=s)
+    f1.add_done_callback(lambda f: 1 / 0)
+    assert sm.launch(mark, 1, 1, b, stream=s).then(lambda v: "ok").result(5) == "ok"
+    from sharedmem.runtime.state import RUNTIME
+    before = RUNTIME.submitted  # (sm.stats() would raise the callback's error itself)
+    with pytest.raises(ZeroDivisionError):
+        sm.launch(mark, 1, 1, b, stream=s)
+    assert RUNTIME.submitted == before and ran == [1, 1]
+    sm.launch(mark, 1, 1, b, stream=s).result(5)  # reported once
+    assert ran == [1, 1, 1]
+
+
+def test_kernels_without_arrays_or_stream_run_on_a_device_of_their_kind(monkeypatch):
+    import sys
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setattr(sys.modules["sharedmem.device"], "_default", dev)
+    assert sm.default_device() is dev
+    seen = []
+    k = sm.host_kernel(lambda: seen.append(threading.current_thread().name))
+    fut = sm.launch(k, 1, 1)  # the default device is CUDA: a host kernel runs on the host
+    fut.result(5)
+    assert fut.stream is sm.Device.host().default_stream and len(seen) == 1
+
+
+def test_a_kernel_finalizer_registering_an_adapter_is_refused_not_deadlocked(host):
+    """register_kernel_adapter clears the plan caches under the registry's lock; a kernel
+    that dies there and whose finalizer calls it again gets SharedMemError, not a deadlock."""
+    from sharedmem.launch import _reg_lock
+    seen = []
+
+    class Dying(_PreparedKernel):
+        def __del__(self):
+            try:
+                sm.register_kernel_adapter(_PreparedKernel, _PreparingAdapter())
+            except sm.SharedMemError as e:
+                seen.append(str(e))
+
+    b = sm.Buffer.zeros(4, device=host)
+    sm.launch(Dying(lambda args: None), 1, 1, b).result(5)
+    sm.synchronize()
+    sm.register_kernel_adapter(_PreparedKernel, _PreparingAdapter())  # the plan (and kernel) go
+    assert seen == ["sharedmem was called from a finalizer (__del__ or a weakref callback) that "
+                    "interrupted the kernel adapter registry on the same thread; that call would "
+                    "deadlock. Do the work later (queue it for another thread)."]
+    assert not _reg_lock.locked()
+    sm.launch(_PreparedKernel(lambda args: None), 1, 1, b).result(5)  # the registry works on

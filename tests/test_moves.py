@@ -288,3 +288,73 @@ def test_a_released_device_box_has_a_repr():
     box = sm.DeviceBox(1.0, "float32", device=sm.Device.host())
     box.release()
     assert repr(box) == "<DeviceBox (released)>"
+
+
+def test_from_buffer_layout_errors_name_the_layout_and_move_nothing(host):
+    b = sm.Buffer.from_host(np.arange(6, dtype=np.int32), device=host)
+    cases = [
+        (((2, -3), None), r"^shape must not have negative sizes, got \(2, -3\)$"),
+        (((2, 3), (3,)), r"^strides \(3,\) do not match shape \(2, 3\)$"),
+        (((2, 3), (4, 1)), r"^shape \(2, 3\) with strides \(4, 1\) reaches element 6, beyond "
+                           r"<Buffer int32 x 6 on <Device host>, bytes \[0, 24\) of allocation "
+                           rf"#{b.allocation.id}>$"),
+    ]
+    for (shape, strides), msg in cases:
+        with pytest.raises(sm.LayoutError, match=msg):
+            sm.Tensor.from_buffer(b, shape, strides)
+        assert b.is_live and b.allocation.live_views == 1  # not moved
+    with pytest.raises(TypeError, match=r"^Tensor\.from_buffer takes a sharedmem\.Buffer, got "
+                                        r"Allocation$"):
+        sm.Tensor.from_buffer(b.allocation, (6,))
+    np.testing.assert_array_equal(b.to_host(), np.arange(6))
+    t = sm.Tensor.from_buffer(b, (2, 3), (3, 1))  # the same layout, valid: moves
+    assert not b.is_live and t.shape == (2, 3)
+
+
+def test_copy_from_a_view_of_another_byte_size_enqueues_nothing(host):
+    s = host.create_stream()
+    dst = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    src = sm.Buffer.from_host(np.arange(6, dtype=np.int32), device=host, stream=s)
+    s.synchronize()
+    before = sm.stats()
+    for part, n in ((src, 24), (src[0:2], 8)):
+        with pytest.raises(sm.LayoutError, match=rf"^copy_from needs the same byte size: "
+                                                 rf"<Buffer int32 x {n // 4} .*> has {n}, "
+                                                 rf"<Buffer int32 x 4 .*> has 16$"):
+            dst.copy_from(part, stream=s)
+    assert sm.stats().submitted == before.submitted and s.pending == 0
+    assert not dst.allocation.tracker and not src.allocation.tracker
+    np.testing.assert_array_equal(dst.to_host(), np.zeros(4))
+    dst.copy_from(src[2:6], stream=s).result(5)
+    np.testing.assert_array_equal(dst.to_host(), [2, 3, 4, 5])
+
+
+def test_device_box_protocol_and_a_host_device_named_by_string(host):
+    b = sm.Buffer.empty(3, "int16", device="host")
+    assert b.device is host and len(b) == 3
+    box = sm.DeviceBox(7, "int64", device="host")
+    assert box.ptr == box.buffer.ptr and box.device is host
+    assert repr(box) == "<DeviceBox int64 on <Device host>>"
+    with box as entered:
+        assert entered is box and box.get() == 7
+    assert repr(box) == "<DeviceBox (released)>"
+    with pytest.raises(sm.ReleasedError):
+        box.ptr
+
+
+def test_release_is_idempotent_and_lookup_needs_a_device(host):
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    alloc = b.allocation
+    assert repr(alloc) == (f"<Allocation #{alloc.id} sharedmem on <Device host> "
+                           f"ptr=0x{alloc.ptr:x} nbytes=16 live_views=1>")
+    part = b[0:2]
+    assert alloc.live_views == 2
+    part.release()
+    part.release()  # a second release gives back nothing more
+    assert alloc.live_views == 1 and repr(part) == "<Buffer (released)>"
+    for bad in ("host", 0, None):
+        with pytest.raises(TypeError, match=rf"^lookup_allocation takes a sharedmem\.Device, "
+                                            rf"got {bad!r}; use sharedmem\.Device\.host\(\) or "
+                                            rf"sharedmem\.Device\(0\)$"):
+            sm.lookup_allocation(bad, alloc.ptr)
+    assert sm.lookup_allocation(host, alloc.ptr) is alloc

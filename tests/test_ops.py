@@ -303,3 +303,66 @@ def test_a_wait_right_after_computing_a_value_another_thread_waits_for_is_no_sel
     finally:
         sys.setswitchinterval(old)
     assert box["a"] == 2, box["a"]
+
+
+def test_op_combinators_check_their_arguments_and_read_back(host):
+    b = sm.Buffer.zeros(4, "int64", device=host)
+    o = sm.op(inc, 1, 1, b)
+    with pytest.raises(TypeError, match=r"^apply takes a callable, got 3$"):
+        o.apply(3)
+    with pytest.raises(TypeError, match=r"^zip takes DeviceOps, got int$"):
+        sm.zip(o, 3)
+
+    class Fn:
+        def __call__(self, v):
+            return v
+
+    assert repr(o) == "<op host kernel inc>"
+    assert repr(o.and_then(o)) == "<op host kernel inc>.and_then(<op host kernel inc>)"
+    assert repr(o.apply(len)) == "<op host kernel inc>.apply('len')"
+    assert re.fullmatch(r"<op host kernel inc>\.apply\(<.*Fn object at 0x[0-9a-f]+>\)",
+                        repr(o.apply(Fn())))
+    assert repr(sm.zip(o, o.apply(len))) == ("zip(<op host kernel inc>, "
+                                             "<op host kernel inc>.apply('len'))")
+    np.testing.assert_array_equal(b.to_host(), np.zeros(4))  # none of these submitted
+
+
+def test_a_composite_op_without_arrays_runs_on_the_default_device(host):
+    ran = []
+    k = sm.host_kernel(lambda tag: ran.append(tag))
+    chain = sm.op(k, 1, 1, "a").and_then(sm.op(k, 1, 1, "b"))
+    fut = chain.submit()
+    fut.result(5)
+    assert ran == ["a", "b"] and fut.stream.device is sm.default_device()
+    assert fut.stream.name.startswith("sharedmem-pool-")
+
+
+def test_a_foreign_stream_the_host_cannot_borrow_submits_nothing(host):
+    class ForeignStream:
+        def __cuda_stream__(self):
+            return (0, 5)
+
+    b = sm.Buffer.zeros(4, "int64", device=host)
+    sm.synchronize()
+    before = sm.stats()
+    for o in (sm.op(inc, 1, 1, b), sm.op(inc, 1, 1, b).and_then(sm.op(inc, 1, 1, b))):
+        with pytest.raises(sm.DeviceMismatchError, match=r"^Stream\.from_external\(.*\) needs a "
+                                                         r"CUDA device; <Device host> has no "
+                                                         r"foreign streams$"):
+            o.submit(ForeignStream())
+    assert sm.stats().submitted == before.submitted
+    np.testing.assert_array_equal(b.to_host(), np.zeros(4))
+
+
+def test_a_zip_given_every_pool_stream_gets_a_stream_of_its_own(host, monkeypatch):
+    import sharedmem.ops as smo
+    s = smo.pool_stream(host)  # (makes the host pool, if no test did)
+    monkeypatch.setattr(smo, "POOL_SIZE", 1)  # round robin over one pool stream
+    s = smo.pool_stream(host)
+    extra = smo.pool_stream(host, avoid=s)
+    assert extra is not s and extra.name == "sharedmem-pool-extra"
+    x = sm.Buffer.zeros(4, "int64", device=host)
+    y = sm.Buffer.zeros(4, "int64", device=host)
+    fut = sm.zip(sm.op(inc, 1, 1, x), sm.op(inc, 1, 1, y)).submit(s)
+    assert fut.result(5) == (None, None)
+    np.testing.assert_array_equal(x.to_host() + y.to_host(), np.full(4, 2))

@@ -1,5 +1,6 @@
 """Cross-stream rules: read+read overlaps, conflicts are ordered or refused."""
 
+import re
 import threading
 import time
 
@@ -459,3 +460,63 @@ def test_overlapping_numpy_views_given_to_host_kernels_on_two_streams_are_ordere
     assert order == ["A start", "B"]
     gate.set()
     fa.result(5)
+
+
+def test_merged_ranges_cover_older_ranges_above_the_newest(host):
+    """Past MAX_SPANS the ranges in flight merge into their hull: also over older ranges that
+    lie above the newest one -- a reader of those on another stream still conflicts."""
+    from sharedmem.access import MAX_SPANS
+    s, other = host.create_stream(), host.create_stream()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def wait_then_write(x):
+        gate.wait(30)
+
+    @sm.host_kernel
+    def read(x):
+        pass
+
+    x = sm.Buffer.zeros(4 * MAX_SPANS, "int32", device=host)
+    x.to_host()
+    try:
+        for i in range(MAX_SPANS + 1):  # downwards: each range below every older one
+            j = 2 * (MAX_SPANS - i)
+            sm.launch(wait_then_write, 1, 1, sm.Out(x[j:j + 1]), stream=s)
+        writes = x.allocation.tracker._uses[s].writes
+        assert len(writes) < MAX_SPANS
+        top = 2 * MAX_SPANS  # the first (oldest) range written: the highest
+        with pytest.raises(sm.AccessConflictError, match=rf"would read bytes \[{4 * top}, "
+                                                         rf"{4 * top + 4}\) of allocation "
+                                                         rf"#{x.allocation.id} while unfinished "
+                                                         rf"work on {re.escape(str(s))} writes"):
+            sm.launch(read, 1, 1, sm.In(x[top:top + 1]), stream=other, policy="reject")
+        sm.launch(read, 1, 1, sm.In(x[top + 1:]), stream=other, policy="reject").result(5)
+    finally:
+        gate.set()
+    s.synchronize()
+    assert not x.allocation.tracker
+
+
+def test_finished_ranges_of_a_stream_are_dropped_as_it_records_more(host):
+    s = host.create_stream()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def wait_then_write(x):
+        gate.wait(30)
+
+    x = sm.Buffer.zeros(8, "int32", device=host)
+    x.to_host()
+    try:
+        sm.launch(wait_then_write, 1, 1, sm.Out(x[0:1]), stream=s)
+        sm.launch(wait_then_write, 1, 1, sm.Out(x[2:3]), stream=s)
+        writes = x.allocation.tracker._uses[s].writes
+        assert [(e.lo, e.hi) for e in writes] == [(0, 4), (8, 12)]
+    finally:
+        gate.set()
+    s.synchronize()
+    sm.launch(wait_then_write, 1, 1, sm.Out(x[4:5]), stream=s).result(5)
+    writes = x.allocation.tracker._uses[s].writes
+    assert [(e.lo, e.hi) for e in writes] == [(16, 20)]  # the finished two are gone
+    assert not x.allocation.tracker

@@ -185,3 +185,26 @@ def test_a_zero_step_is_a_layout_error():
     t = sm.Tensor.from_buffer(b, (2, 4))
     with pytest.raises(LayoutError, match=r"^tensor slices take a positive step .*got step 0$"):
         t[::0]
+
+
+def test_a_0d_tensor_has_no_len_and_dead_tensors_say_why():
+    t = sm.Tensor.from_host(np.array(5.0, np.float32), device=sm.Device.host())
+    assert t.shape == () and t.size == 1
+    with pytest.raises(TypeError, match=r"^len\(\) of a 0-d tensor$"):
+        len(t)
+    t.release()
+    assert repr(t) == "<Tensor (released)>"
+    with pytest.raises(sm.ReleasedError):
+        len(t)
+    m = sm.Tensor.from_host(np.zeros((2, 2), np.float32), device=sm.Device.host())
+    b = m.into_buffer()
+    assert repr(m) == "<Tensor (moved)>" and len(b) == 4
+
+
+def test_the_layout_cache_stays_bounded():
+    import sharedmem.tensor as smt
+    if not hasattr(smt, "_layouts"):  # (compiled: a C global)
+        pytest.skip("the cache is not visible from Python in the compiled build")
+    for n in range(1, 1100):
+        assert smt.c_layout((n, 2)) == ((n, 2), (2, 1), 2 * n)
+    assert 0 < len(smt._layouts) <= 1024
