@@ -367,9 +367,12 @@ def plan_for(adapter, kernel, device):
 
 
 def _new_plan(adapter, kernel, device):
-    if device.kind not in adapter.device_kinds:
-        raise DeviceMismatchError(f"a {adapter.name} cannot run on {device}; it runs on "
-                                  f"{' or '.join(adapter.device_kinds)} devices")
+    kinds = adapter.device_kinds
+    if device.kind not in kinds:
+        raise DeviceMismatchError(
+            f"a {adapter.name} cannot run on {device}; " +
+            (f"it runs on {' or '.join(kinds)} devices" if kinds else
+             "its adapter declares no device kinds (set its device_kinds, e.g. ('host',))"))
     return adapter.plan(kernel, device)
 
 
