@@ -129,8 +129,11 @@ class LaunchArg:
     """One array argument of a launch, resolved: ``view`` (a sharedmem view, or None for a
     foreign array an adapter leased directly), ``value`` (what the plan packs: the view, or
     the foreign array), ``token`` (what is leased), ``mode`` (``"read"``, ``"write"`` or
-    ``"atomic"``), ``intent`` (the Intent class written, or None for a bare argument),
-    ``with_length``, ``offset`` (the byte offset of element 0 in the token's allocation)."""
+    ``"atomic"``), ``intent`` (the Intent class written; ``InOut`` for a bare argument),
+    ``with_length``, ``offset`` (the byte offset of element 0 in the token's allocation).
+    :func:`array_args` makes one of a view the launch resolved as itself from its lease
+    alone: ``mode`` ``"read"`` or ``"write"`` (an ``Atomic`` one is leased, and reads, as a
+    write), ``intent`` None."""
 
     __slots__ = ("view", "value", "token", "_mode", "intent", "with_length", "offset")
 
