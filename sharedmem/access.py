@@ -79,13 +79,7 @@ class Span:
     """Bytes ``[lo, hi)`` touched by submission ``seq`` of one stream (``marker``: its
     completion marker). guarded by core_lock."""
 
-    __slots__ = ("lo", "hi", "seq", "marker")
-
-    def __init__(self, lo, hi, seq, marker):
-        self.lo = lo
-        self.hi = hi
-        self.seq = seq
-        self.marker = marker
+    __slots__ = ("lo", "hi", "seq", "marker")  # (made by _span below: no constructor call)
 
 
 # The factory of the record made under the lock on the hot paths: the fields set directly

@@ -121,7 +121,7 @@ class ViewToken:
         """Release this token; idempotent, never blocks (see ``runtime.state``)."""
         if self.live:
             rt = RUNTIME
-            if rt.enter_or_stage(_release_locked, self):  # (run_or_stage, with a direct call)
+            if rt.enter_or_stage(_release_locked, self):  # (else staged: run by the holder)
                 try:
                     _release_locked(self)
                 finally:

@@ -14,7 +14,7 @@ Rules every caller keeps:
   work on a stream (a driver call that does not wait).
 * Destructors may run in any thread at any time -- also inside a critical section of the same
   thread, when a garbage collection is triggered there. So a destructor never blocks on the
-  lock: :meth:`Runtime.run_or_stage` tries it and, when it is busy, stages the operation; whoever
+  lock: :meth:`Runtime.enter_or_stage` tries it and, when it is busy, stages the operation; whoever
   takes the lock next drains the stage before reading any state (``acquire`` does), so a view
   released before an operation is never seen as live by it.
 * The lock knows its owner. An API call made by a finalizer that interrupted a critical section
@@ -36,7 +36,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..errors import SharedMemError
 
-__all__ = ["Runtime", "Hooks", "RUNTIME", "locked", "run_or_stage", "fork_safe", "at_fork_child",
+__all__ = ["Runtime", "Hooks", "RUNTIME", "locked", "fork_safe", "at_fork_child",
            "at_fork_hold", "log"]
 
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
@@ -165,15 +165,6 @@ class Runtime:
         self.staged.append((fn, arg))
         return False
 
-    def run_or_stage(self, fn, arg) -> None:
-        """Run ``fn(arg)`` under the lock if it is free now, else stage it (see
-        :meth:`enter_or_stage`). Never blocks."""
-        if self.enter_or_stage(fn, arg):
-            try:
-                fn(arg)
-            finally:
-                self.release()
-
     def install_hooks(self, hooks) -> None:
         """Make ``hooks`` (a :class:`Hooks`) what the core calls (runtime.submission does)."""
         if not isinstance(hooks, Hooks):
@@ -251,11 +242,6 @@ _LOCKED = _Locked()
 def locked() -> _Locked:
     """The core lock as a context manager (see :meth:`Runtime.acquire`)."""
     return _LOCKED
-
-
-def run_or_stage(fn, arg) -> None:
-    """:meth:`Runtime.run_or_stage` on the process's runtime."""
-    RUNTIME.run_or_stage(fn, arg)
 
 
 # -- fork -----------------------------------------------------------------------------------
