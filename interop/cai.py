@@ -141,6 +141,8 @@ def from_cuda_array_interface(obj, *, stream=None):
         ptr, readonly = desc["data"]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed __cuda_array_interface__: {e}") from None
+    if any(n < 0 for n in shape):  # (DLPack's import refuses one too)
+        raise ValueError(f"malformed __cuda_array_interface__: negative shape {shape}")
     dtype = as_dtype(dtype)  # (TypeError for what device memory cannot hold, as everywhere)
     isz = dtype.itemsize
     raw = desc.get("strides")
