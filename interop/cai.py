@@ -149,7 +149,10 @@ def from_cuda_array_interface(obj, *, stream=None):
     if raw is None:
         strides = c_strides(shape)
     else:
-        raw = tuple(int(s) for s in raw)
+        try:
+            raw = tuple(int(s) for s in raw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed __cuda_array_interface__: {e}") from None
         if len(raw) != len(shape):
             raise ValueError(f"strides {raw} do not match shape {shape}")
         if any(s < 0 for s in raw):
