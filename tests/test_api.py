@@ -213,3 +213,31 @@ def test_show_config_names_the_default_device_and_why_it_is_the_host(monkeypatch
     assert info["default device"] == ("<Device host> (CUDA unusable: the CUDA backend needs "
                                       "cuda-bindings (test))")
     assert d.host_fallback_reason() == "the CUDA backend needs cuda-bindings (test)"
+
+
+def test_check_required_refuses_or_warns_about_an_interpreted_core(monkeypatch):
+    """Interpreted: ``SHAREDMEM_REQUIRE_EXTENSION=1`` makes it an ImportError naming what
+    runs from source and that SHAREDMEM_PURE_PYTHON is set; unasked for (neither variable),
+    a SharedMemWarning says how to build it; asked for, nothing is said. Compiled: silent."""
+    import warnings
+
+    from sharedmem import config
+    monkeypatch.setattr(config, "_interpreted", lambda: ["sharedmem.access"])
+    monkeypatch.setenv("SHAREDMEM_REQUIRE_EXTENSION", "1")
+    monkeypatch.setenv("SHAREDMEM_PURE_PYTHON", "1")
+    with pytest.raises(ImportError, match=r"^SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core "
+                                          r"is not in use \(sharedmem\.access run from source; "
+                                          r"SHAREDMEM_PURE_PYTHON is set\)\. Build it"):
+        config.check_required()
+    monkeypatch.setenv("SHAREDMEM_REQUIRE_EXTENSION", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.check_required()  # asked for: nothing said
+    monkeypatch.delenv("SHAREDMEM_PURE_PYTHON")
+    with pytest.warns(sm.SharedMemWarning, match=r"^sharedmem: the compiled core is not built "
+                                                 r"here, so it runs interpreted"):
+        config.check_required()
+    monkeypatch.setattr(config, "_interpreted", lambda: [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.check_required()

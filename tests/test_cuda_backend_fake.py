@@ -165,6 +165,98 @@ def test_cai_import_refuses_what_device_memory_cannot_hold_and_bad_streams(fake,
 
 
 
+def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
+    """Each malformed ``__cuda_array_interface__`` is refused with the type errors.md names
+    (TypeError: no protocol; ValueError: a malformed dict), before anything is imported; a
+    negative shape is malformed too (it would make a view of a negative extent)."""
+    import sharedmem.device as sm_device
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
+    b = sm.Buffer.from_host(np.arange(4, dtype="f4"), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+    before = sm.stats()
+
+    class Producer:
+        def __init__(self, cai=None, **kw):
+            self.__cuda_array_interface__ = cai if cai is not None else {
+                "shape": (2,), "typestr": "<f4", "data": (b.ptr, False), "version": 3, **kw}
+    with pytest.raises(TypeError, match=r"^int has no __cuda_array_interface__$"):
+        sm.from_cuda_array_interface(3)
+    with pytest.raises(TypeError, match=r"^__cuda_array_interface__ must be a dict$"):
+        sm.from_cuda_array_interface(Producer([1]))
+    for kw, msg in (
+            ({"version": 4}, r"CUDA Array Interface version 4 is not supported \(0 to 3\)"),
+            ({"version": "3"}, r"CUDA Array Interface version '3' is not supported \(0 to 3\)"),
+            ({"mask": object()}, r"masked CUDA Array Interface arrays are not supported"),
+            ({"data": None}, r"malformed __cuda_array_interface__: cannot unpack non-iterable "
+                             r"NoneType object"),
+            ({"strides": 4}, r"malformed __cuda_array_interface__: 'int' object is not "
+                             r"iterable"),
+            ({"strides": (4, 4)}, r"strides \(4, 4\) do not match shape \(2,\)"),
+            ({"strides": (-4,)}, r"negative strides \(-4,\) are not supported"),
+            ({"strides": (6,)}, r"strides \(6,\) are not multiples of the item size 4"),
+            ({"shape": (-2,)}, r"malformed __cuda_array_interface__: negative shape \(-2,\)"),
+            ({"shape": (2, -1), "strides": (4, 4)},
+             r"malformed __cuda_array_interface__: negative shape \(2, -1\)"),
+            ({"data": (b.ptr + (1 << 40), False)},
+             rf"0x{b.ptr + (1 << 40):x} is not CUDA device memory")):
+        with pytest.raises(ValueError, match="^" + msg + "$"):
+            sm.from_cuda_array_interface(Producer(**kw))
+    assert b.allocation.live_views == 1 and sm.stats() == before  # nothing imported, nothing done
+    # byte strides become element strides; a zero-size array needs no pointer
+    t = sm.from_cuda_array_interface(Producer(shape=(2,), strides=(8,)))
+    assert t.shape == (2,) and t.strides == (2,) and t.allocation is b.allocation
+    np.testing.assert_array_equal(t.to_host(), [0, 2])
+    empty = sm.from_cuda_array_interface(Producer(shape=(0, 3), data=(0, False)))
+    assert empty.shape == (0, 3) and empty.nbytes == 0 and empty.device is dev
+    # a producer's stream: ours waits on an event recorded on it, on the device
+    n = len(drv.calls)
+    sm.from_cuda_array_interface(Producer(stream=0x5150))
+    recorded = [c[1] for c in drv.calls[n:] if c[0] == "record" and c[2] == 0x5150]
+    assert len(recorded) == 1
+    assert ("wait", dev.default_stream.handle, recorded[0]) in drv.calls[n:]
+    sm.synchronize()
+
+
+def test_record_use_of_a_cai_array_leases_its_bytes_or_says_why_not(fake, monkeypatch):
+    """``record_use`` of a foreign array (``__cuda_array_interface__``) over sharedmem memory
+    leases its bytes on the stream (later writes elsewhere are ordered after it); over memory sharedmem does not know it is a
+    ValueError, and on a capturing stream a CaptureError -- neither leases anything."""
+    dev, drv = fake
+    t = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=dev)
+    s = dev.create_stream("consumer")
+    sm.synchronize()
+
+    class Foreign:  # a CuPy array over t's bytes 8..24, as cupy.asarray would make one
+        def __init__(self, ptr, strides=None):
+            self.__cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "strides": strides,
+                                             "data": (ptr, False), "version": 3}
+    before = sm.stats()
+    with pytest.raises(ValueError, match=r"^record_use: the Foreign at 0x3039 is not memory "
+                                         r"sharedmem knows on <Device cuda:0 Fake GPU>; "
+                                         r"nothing to order$"):
+        sm.record_use(Foreign(12345), s)
+    with sm.capture(s):
+        with pytest.raises(sm.CaptureError, match=r"^record_use on <Stream consumer .*: it is "
+                                                  r"capturing a graph, whose work runs only at "
+                                                  r"replay; declare the use on the replaying stream$"):
+            sm.record_use(Foreign(t.ptr + 8, strides=(8,)), s)
+    assert sm.stats().submitted == before.submitted
+    drv.holding = True  # the consumer's work stays in flight
+    sm.record_use(Foreign(t.ptr + 8, strides=(8,)), s, writes=True)  # bytes [8, 20)
+    assert sm.stats().submitted == before.submitted + 1
+    n = len(drv.calls)
+    t[3:4].fill_zero()  # bytes [12, 16) are in the declared range: ordered after s's use
+    recorded = [c[1] for c in drv.calls[n:] if c[0] == "record" and c[2] == s.handle]
+    assert len(recorded) == 1  # (the use's marker, recorded once something waits on it)
+    assert ("wait", dev.default_stream.handle, recorded[0]) in drv.calls[n:]
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+
+
+
 def test_protocol_edges_of_exports(fake):
     dev, drv = fake
     empty = sm.Tensor.empty((0, 3), "float32", device=dev)
@@ -1127,3 +1219,193 @@ def test_device_synchronize_waits_for_that_device_only(fake):
     host.synchronize()
     assert hf.done() and hs.pending == 0
     np.testing.assert_array_equal(b.to_host(), np.arange(4))
+
+
+def test_a_failed_event_query_makes_completion_unknown_and_keeps_the_memory(fake, monkeypatch):
+    """``cuEventQuery`` failing (not NOT_READY): the work's completion is unknown -- its future
+    raises CompletionUnknownError with the CudaError as ``__cause__``, a LeakWarning is said,
+    and the memory is kept, counted in ``stats().leaked``."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    drv.holding = True
+    fut = b.fill_zero(stream=s)
+    drv.holding = False
+    real = drv.cuEventQuery
+    monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (CUresult.CUDA_ERROR_INVALID_HANDLE,))
+    with pytest.warns(sm.LeakWarning, match=r"is unknown \(CudaError\('cuEventQuery failed: "
+                                            r"CUDA_ERROR_INVALID_HANDLE \(400\)'"):
+        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of fill_zero on "
+                           r"<Stream s .* is unknown: CudaError\('cuEventQuery failed: "
+                           r"CUDA_ERROR_INVALID_HANDLE \(400\)', 400\)\. Its memory is kept") as ei:
+            fut.result()
+    assert isinstance(ei.value.__cause__, sm.CudaError) and ei.value.__cause__.code == 400
+    monkeypatch.setattr(drv, "cuEventQuery", real)
+    drv.finish_held()
+    after = sm.stats()
+    assert after.leaked == before.leaked + 1 and after.leaked_bytes == before.leaked_bytes + 32
+
+
+def test_a_failed_graph_instantiation_leaves_no_graph_and_no_hold(fake, monkeypatch):
+    """``cuGraphInstantiate`` failing ends the capture as a failed graph: the CUgraph is
+    destroyed, no exec is made, the stream is no longer capturing, and the captured buffer
+    is held by no graph (it can be moved)."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    s.synchronize()
+    monkeypatch.setattr(drv, "cuGraphInstantiate",
+                        lambda g, f: (CUresult.CUDA_ERROR_INVALID_VALUE, None))
+    with pytest.raises(sm.CaptureError, match=r"^capture of graph #\d+ on <Stream s .* failed: "
+                                              r"cuGraphInstantiate failed: "
+                                              r"CUDA_ERROR_INVALID_VALUE \(1\)"):
+        with sm.capture(s) as g:
+            b.fill_zero(stream=s)
+    assert s._capture is None and drv.capturing == {} and drv.graphs == {} and drv.execs == {}
+    with pytest.raises(sm.CaptureError, match=r"^graph #\d+ is failed; only a finished capture "
+                                              r"can be replayed$"):
+        g.replay(s)
+    assert b.allocation.live_views == 1
+    sm.Tensor.from_buffer(b, (8,))  # no graph holds it
+
+
+def test_a_non_int_dlpack_stream_is_a_type_error(fake):
+    """DLPack's ``stream``: an int or None; a bool, a str, a float or a NumPy integer is a
+    TypeError naming its type (no export made); an int subclass is taken as the int it is."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=dev)
+    sm.synchronize()
+    for bad, name in ((True, "bool"), ("1", "str"), (1.0, "float"), (np.int64(5), "int64")):
+        with pytest.raises(TypeError, match=rf"^stream must be an int or None, got {name}$"):
+            t.__dlpack__(stream=bad)
+    assert t.allocation.live_views == 1
+    consumer = int(drv.cuStreamCreate(1)[1])
+    class Handle(int):
+        pass
+    cap = t.__dlpack__(stream=Handle(consumer))
+    assert t.allocation.live_views == 2
+    del cap
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
+
+
+def test_a_failed_cupy_launch_takes_no_lease(fake, kernels, monkeypatch):
+    """``cuLaunchKernel`` failing is a CudaError naming the call; nothing was submitted or
+    leased, and the argument can be moved at once."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    _, scale_len = kernels
+    x = sm.Buffer.zeros(8, "float32", device=dev)
+    s = dev.create_stream("s")
+    sm.launch(scale_len, 1, 8, x, 8, 1.0, stream=s).result()  # (planned)
+    sm.synchronize()
+    before = sm.stats()
+    monkeypatch.setattr(drv, "cuLaunchKernel", lambda *a: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(sm.CudaError, match=r"^cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\)$") as ei:
+        sm.launch(scale_len, 1, 8, x, 8, 1.0, stream=s)
+    assert ei.value.code == 1
+    assert sm.stats() == before and x.allocation.views() == [
+        f"buffer, bytes [0, 32) of allocation #{x.allocation.id}"]
+    sm.Tensor.from_buffer(x, (8,))
+
+
+def test_cupy_pointer_and_untyped_parameters_take_none_and_raw_addresses(fake, kernels):
+    """A pointer parameter takes None (NULL) and a NumPy uint64/int64 (a raw address, stated
+    as such); a parameter of unknown type takes None where it is 8 bytes. ``with_length``
+    before a float parameter is refused by name, with no lease."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void ptrs(float* p, const int* q, long long n) { }'
+    k = RawKernel(drv, "ptrs", ["Q", "Q", "q"], lambda p, q, n: got.append((p, q, n)), code)
+    st = dev.create_stream("scalars")  # (no array argument names the device: the stream does)
+    sm.launch(k, 1, 1, None, np.uint64(0x1000), 3, stream=st).result()
+    sm.launch(k, 1, 1, None, np.int64(-1), 4, stream=st).result()
+    blind = RawKernel(drv, "blind8", ["Q", "Q", "q"], lambda p, q, n: got.append((p, q, n)))
+    sm.launch(blind, 1, 1, None, np.uint64(0x2000), np.int64(5), stream=st).result()
+    assert got == [(0, 0x1000, 3), (0, (1 << 64) - 1, 4), (0, 0x2000, 5)]
+    _, scale_len = kernels
+    x = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    before = sm.stats()
+    code2 = 'extern "C" __global__ void lenf(float* x, float n) { }'
+    lenf = RawKernel(drv, "lenf", ["Q", "f"], lambda x, n: None, code2)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: with_length=True, but the next "
+                                             r"parameter is parameter 'n' \(float\), not an int$"):
+        sm.launch(lenf, 1, 1, sm.InOut(x, with_length=True))
+    assert sm.stats() == before
+
+
+def test_cupy_kernels_need_the_drivers_parameter_info(fake, monkeypatch):
+    """Without ``cuFuncGetParamInfo`` (a driver before CUDA 12.4) a CuPy launch is a
+    BackendUnavailableError saying so, and nothing is planned; ``cuFuncGetParamCount``, where
+    the bindings have it, gives the count (and where it raises, the sizes are asked one by
+    one)."""
+    import interop.cupy_launch as icl
+    from fake_cuda import RawKernel
+    from sharedmem.launch import adapter_for
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void two(int a, double b) { }'
+    k = RawKernel(drv, "two", ["i", "d"], lambda a, b: got.append((a, b)), code)
+    real = drv.cuFuncGetParamInfo
+    monkeypatch.setattr(drv, "cuFuncGetParamInfo", None, raising=False)
+    with pytest.raises(sm.BackendUnavailableError, match=r"^launching CuPy kernels through "
+                                                         r"sharedmem needs cuFuncGetParamInfo "
+                                                         r"\(CUDA 12\.4\+ driver"):
+        sm.launch(k, 1, 1, 1, 2.0, stream=dev.create_stream())
+    assert (k.kernel.ptr, dev.key) not in icl._by_function
+    monkeypatch.setattr(drv, "cuFuncGetParamInfo", real)
+    from fake_cuda import CUresult
+    counted = []
+    monkeypatch.setattr(drv, "cuFuncGetParamCount",
+                        lambda f: counted.append(int(f)) or (CUresult.CUDA_SUCCESS, 2),
+                        raising=False)
+    assert icl._param_sizes(k.kernel.ptr) == [4, 8] and counted == [k.kernel.ptr]
+
+    def gone(f):
+        raise RuntimeError("Function \"cuFuncGetParamCount\" not found")
+    monkeypatch.setattr(drv, "cuFuncGetParamCount", gone, raising=False)
+    assert icl._param_sizes(k.kernel.ptr) == [4, 8]
+    plan = icl.plan_kernel(adapter_for(k), k, dev)
+    assert [(p.kind, p.size, p.name) for p in plan.params] == [("i", 4, "a"), ("f", 8, "b")]
+
+
+def test_kernel_sources_that_cannot_be_read_leave_the_types_unknown():
+    """``param_types``: templates and parentheses inside a parameter's type do not split it;
+    a kernel not in the source, an unbalanced parameter list, or an unnamed parameter give
+    None (the types are then unknown: only NumPy scalars of the right size are taken);
+    ``(void)`` is no parameter."""
+    from interop.cupy_launch import param_types
+    assert param_types('__global__ void k(Pair<int, float>* p, Arr<float, (2)> a, int n) {}',
+                       "k") == [("p", "Pair<int, float>*", "p"), ("?", "Arr<float, (2)>", "a"),
+                                ("i", "int", "n")]
+    assert param_types("__global__ void other(int n) {}", "k") is None
+    assert param_types("__global__ void k(int n", "k") is None
+    assert param_types("__global__ void k(int) {}", "k") is None
+    assert param_types("__global__ void k(void) {}", "k") == []
+
+
+def test_cutile_launches_take_no_shared_mem_and_a_buffer_argument(fake, tile):
+    """cuTile manages its own shared memory: ``shared_mem`` other than 0 is a KernelError and
+    nothing is leased. A Buffer (not only a Tensor) is a cuTile array argument."""
+    from fake_cuda import TileKernel
+    dev, drv = fake
+    a, b, c, s = _vadd_operands(dev, 8)
+
+    def vadd(x, y, z):
+        z[:] = x + y
+    kern = TileKernel(vadd)
+    before = sm.stats()
+    with pytest.raises(sm.KernelError, match=r"^cuTile kernels manage their own shared memory: "
+                                             r"pass shared_mem=0$"):
+        sm.launch(kern, (1,), None, sm.In(a), sm.In(b), sm.Out(c), stream=s, shared_mem=128)
+    assert sm.stats() == before
+    out = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.launch(kern, (1,), None, sm.In(a), sm.In(b), sm.Out(out), stream=s).result()
+    np.testing.assert_array_equal(out.to_host(), np.arange(8) + 1)

@@ -239,3 +239,77 @@ def test_a_consumer_calls_the_deleter_from_any_thread(host):
         th.start()
         th.join()
         assert alloc.live_views == views
+
+
+@pytest.mark.parametrize("field, value, msg", [
+    ("lanes", 2, r"DLPack dtype with 2 lanes \(vector types\) is not supported"),
+    ("code", 99, r"DLPack dtype \(code 99, 64 bits\) is not supported"),
+    ("bits", 12, r"DLPack dtype \(code 2, 12 bits\) is not supported"),
+    ("bits", 24, r"DLPack dtype \(code 2, 24 bits\) is not supported"),
+    ("device_type", 7, r"DLPack device type 7 \(id 0\) is not supported; sharedmem imports CPU "
+                       r"and CUDA memory"),
+    ("shape", -3, r"DLPack tensor with negative shape \(-3,\)"),
+])
+def test_a_malformed_capsule_is_refused_and_left_unconsumed(host, field, value, msg):
+    """A capsule whose dtype, device or shape sharedmem cannot take is a BufferError; it is
+    left unconsumed (its producer's deleter runs when it is dropped: the export's token goes)."""
+    t = sm.Tensor.from_host(np.arange(3.0), device=host)
+    cap = t.__dlpack__(max_version=(1, 0))
+    d = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
+    if field in ("lanes", "code", "bits"):
+        setattr(d.dtype, field, value)
+    elif field == "device_type":
+        d.device.device_type = value
+    else:
+        d.shape[0] = value
+    with pytest.raises(BufferError, match="^" + msg + "$"):
+        sm.from_dlpack(cap)
+    assert dl._is_valid(cap, b"dltensor_versioned") and t.allocation.live_views == 2
+    del cap
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
+
+
+def test_a_capsule_without_strides_is_c_contiguous(host):
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.int32).reshape(2, 3), device=host)
+    cap = t.__dlpack__()
+    dl.DLManagedTensor.from_address(dl._get_pointer(cap, b"dltensor")).dl_tensor.strides = None
+    back = sm.from_dlpack(cap)
+    assert back.shape == (2, 3) and back.strides == (3, 1) and back.ptr == t.ptr
+    np.testing.assert_array_equal(back.to_host(), np.arange(6).reshape(2, 3))
+
+
+def test_producers_old_and_odd(host):
+    """A producer from before DLPack 1.0 (no ``max_version``) is asked again without it; one
+    whose ``__dlpack__`` returns no capsule is a BufferError; ``device=`` must be the
+    producer's; ``interop.dlpack.export`` is ``__dlpack__``; a copy to a device that is
+    neither CPU nor CUDA is refused."""
+    class Old:
+        def __init__(self, a):
+            self.a, self.asked = a, []
+
+        def __dlpack__(self, stream=None):
+            self.asked.append(stream)
+            return self.a.__dlpack__()
+    old = Old(np.arange(4.0))
+    t = sm.from_dlpack(old)
+    np.testing.assert_array_equal(t.to_host(), np.arange(4.0))
+    assert old.asked == [None] and t.ptr == old.a.ctypes.data
+
+    class NoCapsule:
+        def __dlpack__(self, **kw):
+            return 5
+    with pytest.raises(BufferError, match=r"^not a DLPack capsule \(capsule name None\)$"):
+        sm.from_dlpack(NoCapsule())
+    a = np.arange(2.0)
+    assert sm.from_dlpack(a, device="host").device is host
+    assert sm.from_dlpack(a, device=host).ptr == a.ctypes.data
+    x = sm.Tensor.from_host(np.arange(3.0), device=host)
+    cap = dl.export(x, max_version=(1, 0))
+    assert dl._is_valid(cap, b"dltensor_versioned") and x.allocation.live_views == 2
+    del cap
+    gc_collect_harder()
+    with pytest.raises(BufferError, match=r"^cannot copy to DLPack device \(9, 0\); only CPU and "
+                                          r"CUDA are supported$"):
+        x.__dlpack__(dl_device=(9, 0), copy=True)
+    assert x.allocation.live_views == 1

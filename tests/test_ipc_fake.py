@@ -229,3 +229,32 @@ def test_a_gone_exporters_handle_and_files(fake, tmp_path, monkeypatch):
         f.write_bytes(b"x")
     ipc._remove_dead_files(str(tmp_path))
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_what_cannot_be_exported_or_opened_is_refused_with_nothing_made(fake):
+    """An export of host memory is a BackendUnavailableError (pickle it instead), of memory
+    the driver does not know as an allocation a SharedMemError -- neither takes a token or a
+    slot. ``open`` takes an IpcHandle only (TypeError) and refuses one this process exported."""
+    dev, drv = fake
+    h = sm.Buffer.zeros(4, device=sm.Device.host())
+    with pytest.raises(sm.BackendUnavailableError, match=r"^CUDA IPC shares CUDA device memory; "
+                                                         r"<Buffer float32 x 4 on <Device host>.* "
+                                                         r"is on <Device host> \(pickle it instead"):
+        ipc.export(h)
+    b = sm.Buffer.zeros(4, device=dev)
+    with pytest.raises(sm.SharedMemError, match=r"^cannot export <Buffer float32 x 4 on <Device "
+                                                r"cuda:0 Fake GPU>.* by CUDA IPC: the driver "
+                                                r"does not know its memory as a device "
+                                                r"allocation$"):
+        ipc.export(b)
+    assert ipc.exports() == 0 and h.allocation.live_views == 1 and b.allocation.live_views == 1
+    with pytest.raises(TypeError, match=r"^sm\.ipc\.open takes an IpcHandle \(IpcExport\.handle\), "
+                                        r"got int$"):
+        ipc.open(5)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    ex = ipc.export(b)
+    with pytest.raises(sm.SharedMemError, match=r"^<IpcHandle buffer <f4 shape=\(4,\) .* was "
+                                                r"exported by this process: use the view itself"):
+        ipc.open(ex.handle)
+    assert ex.state == "exported" and not [c for c in drv.calls if c[0] == "ipc_open"]
+    assert ex.revoke() is True and ipc.exports() == 0

@@ -396,3 +396,33 @@ def test_a_raw_handle_is_asked_of_the_driver_once_and_an_old_driver_is_not_asked
     drv.ctx_of[h2] = 0xC0
     st2 = sm.Stream.from_external(h2)
     assert st2.device is d0 and st2.handle == h2
+
+
+def test_a_failed_peer_enable_is_a_cuda_error_and_changes_nothing(two, monkeypatch):
+    from fake_cuda import CUresult
+    d0, d1, drv = two
+    monkeypatch.setattr(drv, "cuCtxEnablePeerAccess",
+                        lambda ctx, flags: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(sm.CudaError, match=r"^cuCtxEnablePeerAccess failed: "
+                                           r"CUDA_ERROR_INVALID_VALUE \(1\)$"):
+        d0.enable_peer_access(d1)
+    assert d0.peers == frozenset()
+
+
+def test_a_driver_without_a_usable_gpu_is_backend_unavailable(monkeypatch):
+    """``cuInit`` failing, or no device: the CUDA backend cannot be made
+    (BackendUnavailableError, saying which) and ``device_count()`` is 0."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult, install_fake_devices
+    _, drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setattr(drv, "cuInit", lambda flags: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(sm.BackendUnavailableError, match=r"^no usable CUDA driver or GPU here "
+                                                         r"\(cuInit: CUDA_ERROR_INVALID_VALUE\)$"):
+        bc.CudaBackend(0)
+    assert bc.device_count() == 0
+    monkeypatch.setattr(drv, "cuInit", lambda flags: (CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(drv, "cuDeviceGetCount", lambda: (CUresult.CUDA_SUCCESS, 0))
+    with pytest.raises(sm.BackendUnavailableError, match=r"^no CUDA device here "
+                                                         r"\(cuDeviceGetCount: 0\)$"):
+        bc.CudaBackend(0)
+    assert bc.device_count() == 0

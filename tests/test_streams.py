@@ -520,3 +520,23 @@ def test_finished_ranges_of_a_stream_are_dropped_as_it_records_more(host):
     writes = x.allocation.tracker._uses[s].writes
     assert [(e.lo, e.hi) for e in writes] == [(16, 20)]  # the finished two are gone
     assert not x.allocation.tracker
+
+
+def test_device_synchronize_waits_for_the_devices_work_and_retires_it(host):
+    gate = threading.Event()
+    seen = []
+
+    @sm.host_kernel
+    def gated(x):
+        gate.wait()
+        x[:] = 5
+        seen.append(True)
+
+    s = host.create_stream("gated")
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    fut = sm.launch(gated, 1, 1, b, stream=s)
+    assert not fut.done() and sm.stats().in_flight >= 1
+    gate.set()
+    host.synchronize()
+    assert seen == [True] and fut.done() and sm.stats().in_flight == 0
+    np.testing.assert_array_equal(b.to_host(), np.full(4, 5))
