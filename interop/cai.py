@@ -117,6 +117,15 @@ def _layout(view) -> dict:
     return cai_layout(view, not view._live_token().writable)
 
 
+def _ints(value, key, what) -> tuple:
+    """``value`` (a CAI entry) as a tuple of ints, or ValueError naming ``key``."""
+    try:
+        return tuple(int(n) for n in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"malformed __cuda_array_interface__: {key!r} must be {what}, got "
+                         f"{value!r}") from None
+
+
 def from_cuda_array_interface(obj, *, stream=None):
     """Import an object exposing ``__cuda_array_interface__`` (v0-v3) as a
     :class:`~sharedmem.Tensor`, zero-copy, keeping ``obj`` alive.
@@ -135,24 +144,29 @@ def from_cuda_array_interface(obj, *, stream=None):
         raise ValueError(f"CUDA Array Interface version {version!r} is not supported (0 to 3)")
     if desc.get("mask") is not None:
         raise ValueError("masked CUDA Array Interface arrays are not supported")
-    try:
-        shape = tuple(int(n) for n in desc["shape"])
-        dtype = np.dtype(desc["typestr"])
-        ptr, readonly = desc["data"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"malformed __cuda_array_interface__: {e}") from None
+    for key in ("shape", "typestr", "data"):
+        if key not in desc:
+            raise ValueError(f"malformed __cuda_array_interface__: no {key!r}")
+    shape = _ints(desc["shape"], "shape", "a tuple of ints")
     if any(n < 0 for n in shape):  # (DLPack's import refuses one too)
         raise ValueError(f"malformed __cuda_array_interface__: negative shape {shape}")
+    try:
+        dtype = np.dtype(desc["typestr"])
+    except (TypeError, ValueError):
+        raise ValueError(f"malformed __cuda_array_interface__: 'typestr' "
+                         f"{desc['typestr']!r} is not a type string") from None
+    data = desc["data"]
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise ValueError(f"malformed __cuda_array_interface__: 'data' must be a (pointer, "
+                         f"read_only) pair, got {data!r}")
+    ptr, readonly = data
     dtype = as_dtype(dtype)  # (TypeError for what device memory cannot hold, as everywhere)
     isz = dtype.itemsize
     raw = desc.get("strides")
     if raw is None:
         strides = c_strides(shape)
     else:
-        try:
-            raw = tuple(int(s) for s in raw)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"malformed __cuda_array_interface__: {e}") from None
+        raw = _ints(raw, "strides", "None or a tuple of ints")
         if len(raw) != len(shape):
             raise ValueError(f"strides {raw} do not match shape {shape}")
         if any(s < 0 for s in raw):

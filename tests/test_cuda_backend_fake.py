@@ -185,14 +185,20 @@ def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
         sm.from_cuda_array_interface(3)
     with pytest.raises(TypeError, match=r"^__cuda_array_interface__ must be a dict$"):
         sm.from_cuda_array_interface(Producer([1]))
+    with pytest.raises(ValueError, match=r"^malformed __cuda_array_interface__: no 'shape'$"):
+        sm.from_cuda_array_interface(Producer({"typestr": "<f4", "data": (b.ptr, False)}))
     for kw, msg in (
             ({"version": 4}, r"CUDA Array Interface version 4 is not supported \(0 to 3\)"),
             ({"version": "3"}, r"CUDA Array Interface version '3' is not supported \(0 to 3\)"),
             ({"mask": object()}, r"masked CUDA Array Interface arrays are not supported"),
-            ({"data": None}, r"malformed __cuda_array_interface__: cannot unpack non-iterable "
-                             r"NoneType object"),
-            ({"strides": 4}, r"malformed __cuda_array_interface__: 'int' object is not "
-                             r"iterable"),
+            ({"data": None}, r"malformed __cuda_array_interface__: 'data' must be a \(pointer, "
+                             r"read_only\) pair, got None"),
+            ({"strides": 4}, r"malformed __cuda_array_interface__: 'strides' must be None or a "
+                             r"tuple of ints, got 4"),
+            ({"shape": 2}, r"malformed __cuda_array_interface__: 'shape' must be a tuple of "
+                           r"ints, got 2"),
+            ({"typestr": "<q9"}, r"malformed __cuda_array_interface__: 'typestr' '<q9' is not "
+                                 r"a type string"),
             ({"strides": (4, 4)}, r"strides \(4, 4\) do not match shape \(2,\)"),
             ({"strides": (-4,)}, r"negative strides \(-4,\) are not supported"),
             ({"strides": (6,)}, r"strides \(6,\) are not multiples of the item size 4"),
