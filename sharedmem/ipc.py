@@ -50,7 +50,7 @@ import weakref
 
 import numpy as np
 
-from .errors import BackendUnavailableError, SharedMemError
+from .errors import BackendUnavailableError, CaptureError, SharedMemError
 from .runtime.state import at_fork_child, fork_safe, locked, log
 from .runtime.submission import record_arrival
 
@@ -242,6 +242,10 @@ def export(view, stream=None) -> IpcExport:
     base, size, _ = info
     mem = backend.ipc_mem_handle(base)
     s = resolve_stream(stream, dev)
+    if s._capture is not None:  # (its event would be recorded into the graph: at replay only)
+        raise CaptureError(f"cannot export {view!r} by CUDA IPC on {s}: it is capturing a "
+                           f"graph, whose work runs only at replay, so the export's event "
+                           f"would mark nothing now; export before the capture begins")
     impl = s._impl
 
     pair = backend.ipc_event()  # (pooled: creating one and its handle costs ~100 us)
@@ -566,6 +570,10 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         imp.pid = me  # (armed below, once nothing can fail: see the except clause)
         ptr = mapping.base + handle.offset
         s = resolve_stream(stream, dev)
+        if s._capture is not None:  # (a capture cannot wait for outside work)
+            raise CaptureError(f"cannot open {handle!r} on {s}: it is capturing a graph, "
+                               f"which cannot wait for the exporter's writes; open it before "
+                               f"the capture begins")
         # (the exporter pools its events: a cached one is re-recorded only for later exports,
         # after every import of the earlier one ended)
         with locked():
