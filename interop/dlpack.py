@@ -401,9 +401,14 @@ def _export_copy(view, stream, versioned, target):
     if target[0] == kDLCPU:
         dev = Device.host()
     elif target[0] == kDLCUDA:
-        dev = Device(target[1])
+        try:
+            dev = Device(target[1])
+        except (ValueError, ImportError) as e:  # (no such GPU, or CUDA unusable here)
+            raise BufferError(f"cannot copy {view!r} to DLPack device {target}: {e}") from e
         if view.device is not dev and view.device.kind == "cuda":
-            raise BufferError(f"copies between CUDA devices are not supported ({view.device} -> {dev})")
+            raise BufferError(f"copies between CUDA devices are not supported by __dlpack__ "
+                              f"({view.device} -> {dev}); copy the view there first "
+                              f"(view.to_device(device))")
     else:
         raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
     src = Tensor.from_host(view.to_host(), device=dev)
