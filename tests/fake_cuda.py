@@ -101,6 +101,7 @@ class FakeDriver:
         # it), and the "other process's" mappings of them (fresh host memory: the bookkeeping
         # is what is tested, not shared bytes)
         self.ranges = {}
+        self.range_device = {}  # base -> the ordinal of the device it lies on (default 0)
         self.ipc_maps = {}  # mapped base -> its memory
 
     def finish_held(self):
@@ -189,7 +190,8 @@ class FakeDriver:
     def cuPointerGetAttributes(self, n, attrs, ptr):
         for base, size in self.ranges.items():
             if base <= int(ptr) < base + size:
-                return (OK, [base, size, 0, self.CUmemorytype.CU_MEMORYTYPE_DEVICE])
+                return (OK, [base, size, self.range_device.get(base, 0),
+                             self.CUmemorytype.CU_MEMORYTYPE_DEVICE])
         return (OK, [0, 0, 0, 0])
 
     # -- CUDA IPC (handles: the base address or event, in the first 8 of 64 bytes) ----------

@@ -241,3 +241,47 @@ def test_check_required_refuses_or_warns_about_an_interpreted_core(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         config.check_required()
+
+
+def test_the_source_finder_swaps_a_compiled_module_for_the_source_beside_it(tmp_path):
+    """SHAREDMEM_PURE_PYTHON's finder: for a compiled module (an extension file) it gives the
+    ``.py`` beside it; without one, the extension itself; a source found first is kept, and
+    a module setup.py does not compile is left to the other finders."""
+    import importlib.machinery
+
+    from sharedmem import config
+    find = config._SourcesFirst.find_spec
+    ext = tmp_path / f"access{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    ext.write_bytes(b"")  # (never loaded: finding reads names only)
+    spec = find("sharedmem.access", [str(tmp_path)])
+    assert spec.name == "sharedmem.access" and spec.origin == str(ext)  # no source: compiled
+    (tmp_path / "access.py").write_text("X = 1\n")
+    spec = find("sharedmem.access", [str(tmp_path)])
+    assert spec.name == "sharedmem.access" and spec.origin == str(tmp_path / "access.py")
+    assert isinstance(spec.loader, importlib.machinery.SourceFileLoader)
+    ext.unlink()
+    assert find("sharedmem.access", [str(tmp_path)]).origin == str(tmp_path / "access.py")
+    assert find("sharedmem.buffer", [str(tmp_path)]) is None  # nothing there
+    assert find("sharedmem.ipc", [str(tmp_path)]) is None  # not a compiled module
+
+
+def test_a_core_module_that_cannot_be_found_counts_as_interpreted(monkeypatch):
+    from sharedmem import config
+    assert config._origin("no_such_package_sm.mod") == ""  # (its package cannot be imported)
+    assert config._origin("") == ""  # (find_spec's ValueError)
+    monkeypatch.setattr(config, "COMPILED_MODULES", ("no_such_package_sm.mod",))
+    assert config._interpreted() == ["no_such_package_sm.mod"] and config.compiled() is False
+
+
+def test_show_config_says_why_there_is_no_default_device_and_chooses_none(monkeypatch):
+    import io
+
+    import sharedmem.device as d
+    monkeypatch.setattr(d, "_default", None)
+    monkeypatch.setenv("SHAREDMEM_BACKEND", "gpu")
+    out = io.StringIO()
+    info = sm.show_config(out)
+    assert info["default device"] == ("none (SHAREDMEM_BACKEND='gpu' is not a backend; use "
+                                      "'host' or 'cuda' (or unset it))")
+    assert out.getvalue().splitlines()[-1] == "default device  " + info["default device"]
+    assert d._default is None  # (asking fixes no choice)

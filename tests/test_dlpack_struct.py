@@ -224,3 +224,40 @@ def test_cuda_fake_export_roundtrip(monkeypatch):
         gc.collect()
         dev.default_stream.synchronize()
     assert t.allocation.live_views == 1
+
+
+def test_a_cuda_import_covers_the_driver_allocation_it_lies_in(monkeypatch):
+    """A foreign CUDA capsule over part of a driver allocation sharedmem has not seen is
+    imported as an allocation over the whole driver allocation (``cuPointerGetAttributes``'s
+    range), leasing just the capsule's bytes: a second capsule over another part of it is the
+    same allocation. (Fake device memory is host memory: NumPy's capsules, relabelled CUDA.)"""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    import sharedmem.device as smd
+    monkeypatch.setitem(smd._devices, ("cuda", 0), dev)
+    mem = np.arange(64, dtype=np.float32)  # one "driver allocation" of 256 bytes
+    base = mem.ctypes.data
+    drv.ranges[base] = mem.nbytes
+
+    def cuda_capsule(part):
+        cap = part.__dlpack__(max_version=(1, 0))
+        d = dl.DLManagedTensorVersioned.from_address(
+            dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
+        d.device.device_type, d.device.device_id = dl.kDLCUDA, 0
+        return cap
+
+    before = sm.stats().live_allocations
+    a = sm.from_dlpack(cuda_capsule(mem[16:32]))
+    alloc = a.allocation
+    assert a.device is dev and (a.shape, a.strides, a.ptr) == ((16,), (1,), base + 64)
+    assert (alloc.ptr, alloc.nbytes, alloc.source) == (base, 256, "dlpack")
+    tok = a._live_token()
+    assert (tok.start, tok.stop) == (64, 128)
+    b = sm.from_dlpack(cuda_capsule(mem[40:48]))
+    assert b.allocation is alloc and (b._live_token().start, b._live_token().stop) == (160, 192)
+    np.testing.assert_array_equal(b.to_host(), np.arange(40, 48, dtype=np.float32))
+    assert sm.stats().live_allocations == before + 1
+    del a, b, tok, alloc
+    dev.default_stream.synchronize()
+    gc.collect()
+    assert sm.stats().live_allocations == before

@@ -1540,3 +1540,38 @@ def test_two_threads_forking_at_once_leave_the_collector_on_and_the_core_lock_fr
         p.communicate()
         pytest.fail("two concurrent forks hung")
     assert p.returncode == 0 and out.strip() == "[11, 11] True True", (out, err)
+
+
+def test_a_finalized_host_stream_made_to_wait_waits_first_then_runs_its_later_work(host):
+    """A wait filed on a host stream whose finalizer already stopped its worker (a hold's end
+    in the same collection orders it after another stream) revives it: the new worker runs
+    the wait before the work filed after it."""
+    a, s = host.create_stream("waited for"), host.create_stream("revived by a wait")
+    gate, order = threading.Event(), []
+    m = a._impl.submit(lambda: (gate.wait(5), order.append("waited for")))
+    s._impl.__del__()  # (what the collector's finalization does; the object lives on)
+    s._impl.wait_marker(m)
+    assert s._impl._finalized is False
+    done = s._impl.submit(lambda: order.append("after the wait"))
+    gate.set()
+    assert done.wait(5) and order == ["waited for", "after the wait"]
+    assert s._impl.fault is None
+    s.synchronize()
+
+
+def test_a_host_stream_impl_synchronizes_its_queue_and_refuses_while_capturing(host):
+    """``HostStreamImpl.synchronize`` (the backend contract: ``Stream.synchronize`` asks the
+    impl only of a borrowed stream, and host streams are never borrowed) waits for what was
+    queued before it; on a capturing stream it is a CaptureError (nothing recorded)."""
+    s = host.create_stream("impl synchronize")
+    gate, ran = threading.Event(), []
+    s._impl.submit(lambda: (gate.wait(5), ran.append(1)))
+    threading.Timer(0.05, gate.set).start()
+    s._impl.synchronize()
+    assert ran == [1]
+    with sm.capture(s) as g:
+        with pytest.raises(sm.CaptureError, match=r"^a capturing stream cannot be "
+                                                  r"synchronized$"):
+            s._impl.synchronize()
+        assert s._impl.recording == []
+    assert g.launches == 0

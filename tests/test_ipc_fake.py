@@ -258,3 +258,104 @@ def test_what_cannot_be_exported_or_opened_is_refused_with_nothing_made(fake):
         ipc.open(ex.handle)
     assert ex.state == "exported" and not [c for c in drv.calls if c[0] == "ipc_open"]
     assert ex.revoke() is True and ipc.exports() == 0
+
+
+def test_a_tensor_view_travels_as_a_tensor_of_its_own_layout(fake):
+    """A strided Tensor view (every other row of an 8x8 tensor) is exported as a tensor: the
+    import is a Tensor of the same dtype, shape and element strides, whose element 0 lies as
+    far into the mapping as the view's lies into its allocation, leasing the view's bytes
+    only; its end ends the export."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(64, dtype=np.float32).reshape(8, 8), device=dev)
+    drv.ranges[t.allocation.ptr] = t.allocation.nbytes
+    v = t[2:7:2]  # rows 2, 4 and 6: bytes [64, 224) of the allocation
+    ex = ipc.export(v)
+    h = ex.handle
+    assert (h.kind, h.dtype, h.shape, h.strides) == ("tensor", "<f4", (3, 8), (16, 1))
+    assert (h.nbytes, h.first, h.offset, h.region, h.writable) == (160, 0, 64, (0, 256), True)
+    w = ipc.open(_as_received(h))
+    assert type(w) is sm.Tensor and w.dtype == np.float32 and not w.readonly
+    assert (w.shape, w.strides, w.is_contiguous()) == ((3, 8), (16, 1), False)
+    a = w.allocation
+    assert a is not t.allocation and a.device is dev and a.nbytes == 256
+    assert w.ptr - a.ptr == 64 and a.ptr in drv.ipc_maps
+    tok = w._live_token()
+    assert (tok.start, tok.stop, a.live_views) == (64, 224, 1)
+    assert _state_after_polls(ex) == "open" and t.allocation.live_views == 3  # t, v, the export
+    del w, tok
+    assert _released(ex) and ipc.exports() == 0 and t.allocation.live_views == 2
+
+
+def test_an_export_whose_work_cannot_be_enqueued_leaves_nothing_behind(fake, monkeypatch):
+    """An export whose ordering fails -- the driver refuses to record its event (CudaError),
+    or, under policy "reject", another stream still writes the bytes (AccessConflictError) --
+    raises that error and leaves nothing: no export, no view token, no slot, no lease, no
+    submission; its interprocess event goes back to the pool and serves the next export."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    b = sm.Buffer.from_host(np.arange(16, dtype=np.float32), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+    before, pooled = sm.stats(), list(dev.backend._ipc_events)
+    record = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord",
+                        lambda ev, s: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(sm.CudaError, match=r"^cuEventRecord failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\)$") as ei:
+        ipc.export(b)
+    assert ei.value.code == 1
+    monkeypatch.setattr(drv, "cuEventRecord", record)
+    assert ipc.exports() == 0 and b.allocation.live_views == 1 and not b.allocation.tracker
+    assert sm.stats() == before
+    (pair,) = [p for p in dev.backend._ipc_events if p not in pooled]  # back in the pool
+    other = dev.create_stream("writer")
+    drv.holding = True  # (device work stays in flight)
+    b.fill_zero(stream=other)
+    sm.set_access_policy("reject")
+    try:
+        with pytest.raises(sm.AccessConflictError, match=(
+                r"^CUDA IPC export on <Stream default on <Device cuda:0 Fake GPU> \(borrowed\)> "
+                r"would read bytes \[0, 64\) of allocation #\d+ while unfinished work on <Stream "
+                r"writer on <Device cuda:0 Fake GPU> \(owned\)> writes them \(policy 'reject'\)\. "
+                r"Wait for that work")):
+            ipc.export(b)
+    finally:
+        sm.set_access_policy("order")
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+    assert ipc.exports() == 0 and b.allocation.live_views == 1 and not b.allocation.tracker
+    assert pair in dev.backend._ipc_events
+    ex = ipc.export(b)  # the pooled event serves the next export
+    assert ex.handle.event == pair[1] and pair not in dev.backend._ipc_events
+    assert ex.revoke() is True and ipc.exports() == 0 and b.allocation.live_views == 1
+
+
+def test_an_export_or_open_on_a_capturing_stream_is_a_capture_error(fake):
+    """An export's event marks the writes pending at export, and an open's wait orders the
+    importer after them: neither can be recorded into a graph (the event would be recorded
+    only at replay -- each replay re-recording it, pooled for later exports -- and the
+    import's arrival would order nothing now). CaptureError, with nothing exported, opened or
+    captured: the capture goes on and the export / handle stays usable after it."""
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    h = _as_received(ex.handle)
+    s = dev.create_stream("capturing")
+    views = b.allocation.live_views
+    with sm.capture(s) as g:
+        with pytest.raises(sm.CaptureError, match=r"^cannot export <Buffer float32 x 256 .* by "
+                                                  r"CUDA IPC on <Stream capturing .*>: it is "
+                                                  r"capturing a graph"):
+            ipc.export(b)
+        with pytest.raises(sm.CaptureError, match=r"^cannot open <IpcHandle buffer .* on "
+                                                  r"<Stream capturing .*>: it is capturing a "
+                                                  r"graph"):
+            ipc.open(h)
+        assert g.launches == 0 and ipc.exports() == 1 and b.allocation.live_views == views
+    assert g.launches == 0 and b.allocation.live_views == views
+    assert _state_after_polls(ex) == "exported"
+    g.release()
+    v = ipc.open(h, stream=s)  # the capture over: the handle opens
+    assert _state_after_polls(ex) == "open"
+    del v
+    assert _released(ex) and ipc.exports() == 0

@@ -426,3 +426,90 @@ def test_a_driver_without_a_usable_gpu_is_backend_unavailable(monkeypatch):
                                                          r"\(cuDeviceGetCount: 0\)$"):
         bc.CudaBackend(0)
     assert bc.device_count() == 0
+
+
+def test_a_dlpack_copy_to_a_cuda_device_is_made_there_or_refused(two, monkeypatch):
+    """``__dlpack__(dl_device=(kDLCUDA, i), copy=True)``: from the host device (or the view's
+    own CUDA device) a copy on device i, flagged IS_COPIED; from another CUDA device, and to
+    a device that does not exist, BufferError (as the protocol names) -- with nothing
+    allocated, no export left, and the view as it was."""
+    import sharedmem.device as smd
+    from interop import dlpack as dl
+    d0, d1, drv = two
+    monkeypatch.setitem(smd._devices, ("cuda", 0), d0)
+    monkeypatch.setitem(smd._devices, ("cuda", 1), d1)
+    values = np.arange(6, dtype=np.float32).reshape(2, 3)
+    t = sm.Tensor.from_host(values, device=d0)
+    sm.synchronize()
+    before = sm.stats()
+    with pytest.raises(BufferError, match=r"^copies between CUDA devices are not supported by "
+                                          r"__dlpack__ \(<Device cuda:0 Fake GPU> -> <Device "
+                                          r"cuda:1 Fake GPU>\); copy the view there first "
+                                          r"\(view\.to_device\(device\)\)$"):
+        t.__dlpack__(dl_device=(dl.kDLCUDA, 1), copy=True)
+    with pytest.raises(BufferError, match=r"^cannot copy <Tensor float32 shape=\(2, 3\) .*> to "
+                                          r"DLPack device \(2, 5\): CUDA device 5 does not "
+                                          r"exist; this machine has 2 device\(s\), 0 to 1$"):
+        t.__dlpack__(dl_device=(dl.kDLCUDA, 5), copy=True, max_version=(1, 0))
+    assert ("cuda", 5) not in smd._devices
+    assert sm.stats() == before and t.allocation.live_views == 1
+    for src, dd in ((sm.Tensor.from_host(values, device=sm.Device.host()), 1), (t, 0)):
+        cap = src.__dlpack__(dl_device=(dl.kDLCUDA, dd), copy=True, max_version=(1, 0))
+        m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+        d = m.dl_tensor
+        assert m.flags == dl.FLAG_IS_COPIED and (d.device.device_type, d.device.device_id) == \
+            (dl.kDLCUDA, dd) and d.data != src.ptr
+        back = sm.from_dlpack(cap)
+        assert back.device is (d0, d1)[dd] and back.allocation is not src.allocation
+        assert back.allocation.live_views == 3  # the import, the capsule's token, its producer
+        np.testing.assert_array_equal(back.to_host(), values)
+        del cap, m, d, back
+    gc_collect_harder()
+    sm.synchronize()
+    assert sm.stats().live_allocations == before.live_allocations and t.allocation.live_views == 1
+
+
+class _CaiProducer:  # a foreign array: its CUDA Array Interface only
+    def __init__(self, desc):
+        self.__cuda_array_interface__ = desc
+
+
+def test_a_cai_import_of_memory_on_another_device_lands_on_that_device(two, monkeypatch):
+    """CAI names no device: the pointer's device (``cuPointerGetAttributes``) is the import's,
+    also when it is not device 0. The memory is the allocation sharedmem has there; the
+    producer's stream (of that device) is waited for on the importing stream; a stream of
+    another device is a DeviceMismatchError before anything is imported."""
+    import sharedmem.device as smd
+    from interop.cai import from_cuda_array_interface
+    d0, d1, drv = two
+    monkeypatch.setitem(smd._devices, ("cuda", 0), d0)
+    monkeypatch.setitem(smd._devices, ("cuda", 1), d1)
+    b = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=d1)
+    base = b.allocation.ptr
+    drv.ranges[base], drv.range_device[base] = b.allocation.nbytes, 1
+    producer_stream = _foreign_stream(drv, 1)
+    producer = _CaiProducer({"shape": (4,), "typestr": "<f4", "data": (base + 8, False),
+                             "strides": None, "version": 3, "stream": producer_stream.ptr})
+    s0, s1 = d0.create_stream("s0"), d1.create_stream("s1")
+    sm.synchronize()
+    before, n = sm.stats(), len(drv.calls)
+    with pytest.raises(sm.DeviceMismatchError, match=r"^<Stream s0 on <Device cuda:0 Fake GPU> "
+                                                     r"\(owned\)> is on <Device cuda:0 Fake "
+                                                     r"GPU>, but the memory is on <Device "
+                                                     r"cuda:1 Fake GPU>$"):
+        from_cuda_array_interface(producer, stream=s0)
+    assert sm.stats() == before and b.allocation.live_views == 1
+    assert [c for c in drv.calls[n:] if c[0] in ("record", "wait")] == []
+    t = from_cuda_array_interface(producer, stream=s1)
+    assert t.device is d1 and t.allocation is b.allocation and not t.readonly
+    assert (t.ptr, t.shape, t.strides) == (base + 8, (4,), (1,))
+    tok = t._live_token()
+    assert (tok.start, tok.stop) == (8, 24)
+    (rec,) = [c for c in drv.calls[n:] if c[0] == "record" and c[2] == producer_stream.ptr]
+    assert ("wait", s1.handle, rec[1]) in drv.calls[n:]  # s1 waits for the producer's stream
+    assert b.allocation.live_views == 3  # b, t, and the producer (an alias while t lives)
+    np.testing.assert_array_equal(t.to_host(stream=s1), [2, 3, 4, 5])
+    del t, tok
+    gc_collect_harder()
+    sm.synchronize()
+    assert b.allocation.live_views == 1 and sm.stats().live_allocations == before.live_allocations

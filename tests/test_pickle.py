@@ -244,3 +244,58 @@ def test_unpickling_inside_a_capture_block_gets_the_values(host):
     g.replay(s).result(5)
     np.testing.assert_array_equal(out.to_host(), np.full(4, 7.0))
     np.testing.assert_array_equal(t.to_host(), a)  # the replay does not write t
+
+
+def test_the_dask_hook_registers_once_and_never_breaks_an_import(monkeypatch, tmp_path):
+    """``hook_distributed``: where distributed is loaded it registers at once, and a failure
+    to (``import interop.dask`` raising) is a RuntimeWarning, never an error; otherwise one
+    import hook waits for ``distributed.protocol``, lets it load, removes itself and
+    registers. Either way it is done once."""
+    import importlib.util
+    import sys
+    import types
+    import warnings
+
+    from sharedmem import pickling as P
+    monkeypatch.setattr(P, "_state", {"done": False, "hooked": False})
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
+                                           if f is not P._DistributedHook])
+    # loaded already, registration failing
+    monkeypatch.setitem(sys.modules, "distributed.protocol.cuda",
+                        types.ModuleType("distributed.protocol.cuda"))
+    monkeypatch.setitem(sys.modules, "interop.dask", None)  # (its import raises)
+    with pytest.warns(RuntimeWarning, match=r"^sharedmem: registering with dask\.distributed "
+                                            r"failed \(ModuleNotFoundError\('import of "
+                                            r"interop\.dask halted; None in sys\.modules'\)\); "
+                                            r"Tensors travel by pickle\. `import interop\.dask` "
+                                            r"shows the error$"):
+        P.hook_distributed()
+    assert P._state == {"done": True, "hooked": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        P.hook_distributed()  # done: not tried again
+    assert P._DistributedHook not in sys.meta_path
+    # not loaded yet: one hook, for distributed.protocol only
+    monkeypatch.setattr(P, "_state", {"done": False, "hooked": False})
+    monkeypatch.delitem(sys.modules, "distributed.protocol.cuda")
+    P.hook_distributed()
+    P.hook_distributed()
+    assert sys.meta_path.count(P._DistributedHook) == 1 and sys.meta_path[0] is P._DistributedHook
+    assert P._state == {"done": False, "hooked": True}
+    assert P._DistributedHook.find_spec("distributed.utils", None) is None
+    assert P._DistributedHook.find_spec("distributed.protocol", [str(tmp_path)]) is None
+    pkg = tmp_path / "distributed" / "protocol"  # (a stand-in for distributed's package)
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("LOADED = True\n")
+    registered = []
+    monkeypatch.setattr(P, "_register_now",
+                        lambda: (registered.append(True), P._state.update(done=True)))
+    spec = P._DistributedHook.find_spec("distributed.protocol", [str(tmp_path / "distributed")])
+    assert isinstance(spec.loader, P._ThenRegister)
+    assert spec.loader.get_filename("distributed.protocol") == str(pkg / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.LOADED is True and registered == [True]
+    assert P._DistributedHook not in sys.meta_path  # it removed itself
+    spec.loader.exec_module(mod)  # (loaded again: nothing to remove, registered already)
+    assert registered == [True]

@@ -315,3 +315,101 @@ def test_an_event_after_a_fault_says_so_on_synchronize_as_on_query(host):
         with pytest.raises(sm.CompletionUnknownError):
             fut.result(5)
     assert [w.filename for w in warned] == [__file__]  # (the user's line, not sharedmem's)
+
+
+def test_a_failure_inside_the_retirer_is_raised_once_in_a_user_thread_and_it_runs_on(
+        host, monkeypatch):
+    """An exception in a retirer pass is not printed nor lost: the next sharedmem call of a
+    user thread raises that very exception, once; the retirer thread goes on retiring work
+    nobody asks about."""
+    from sharedmem.runtime import retirer
+    from sharedmem.runtime.state import RUNTIME
+    sm.synchronize()
+    sm.stats()  # (nothing deferred from earlier)
+    boom = RuntimeError("a retirer pass failed (test)")
+    real, failed = retirer._pass, []
+
+    def failing_once(rt, last):
+        if not failed:
+            failed.append(True)
+            raise boom
+        return real(rt, last)
+
+    monkeypatch.setattr(retirer, "_pass", failing_once)
+    retirer.ensure()
+    retirer.wake()
+    deadline = time.monotonic() + 10
+    while not RUNTIME.errors and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert list(RUNTIME.errors) == [boom]
+    with pytest.raises(RuntimeError, match=r"^a retirer pass failed \(test\)$") as ei:
+        sm.stats()
+    assert ei.value is boom and not RUNTIME.errors
+    sm.stats()  # raised once
+    assert retirer._thread.is_alive()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def waits(x):
+        gate.wait(5)
+
+    s = host.create_stream("after the failure")
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    sm.launch(waits, 1, 1, b, stream=s)  # fire and forget: only the retirer retires it
+    assert RUNTIME.in_flight >= 1
+    gate.set()
+    while RUNTIME.in_flight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert RUNTIME.in_flight == 0 and not b.allocation.tracker
+
+
+def test_a_stream_waiting_for_work_that_then_faults_faults_too(host):
+    """Stream b is ordered after a kernel on a that has not run yet; that kernel then faults
+    (HostFault): b's wait cannot know what it waited for, so b faults too -- its kernel never
+    runs, its future and later launches on it raise CompletionUnknownError saying why, and
+    the leases of both streams are kept (leaked), never freed."""
+    a, b = host.create_stream("a"), host.create_stream("b")
+    gate, ran = threading.Event(), []
+
+    @sm.host_kernel
+    def faulting(x):
+        gate.wait(5)
+        raise HostFault("illegal address (simulated)")
+
+    @sm.host_kernel
+    def reads(x, out):
+        ran.append(True)
+        out[:] = x
+
+    buf = sm.Buffer.zeros(4, "int32", device=host, stream=a)
+    out = sm.Buffer.zeros(4, "int32", device=host, stream=b)
+    sm.synchronize()
+    before = sm.stats()
+    fa = sm.launch(faulting, 1, 1, buf, stream=a)
+    fb = sm.launch(reads, 1, 1, sm.In(buf), sm.Out(out), stream=b)  # (b waits for a)
+    gate.set()
+    why = (r"this stream waited for work whose completion is unknown: "
+           r"HostFault\('illegal address \(simulated\)'\)")
+    with pytest.warns(sm.LeakWarning) as warned:
+        with pytest.raises(sm.CompletionUnknownError,
+                           match=r"^completion of host kernel .*reads on <Stream b on <Device "
+                                 r"host> \(owned\)> is unknown: CompletionUnknownError\(\"" +
+                                 why + r"\"\)\. Its memory is kept") as ei:
+            fb.result(5)
+        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of host kernel "
+                                                            r".*faulting on <Stream a .* is "
+                                                            r"unknown: HostFault"):
+            fa.result(5)
+    assert sorted(str(w.message).split(" (")[0] for w in warned) == [
+        "completion of work on <Stream a on <Device host>",
+        "completion of work on <Stream b on <Device host>"]
+    assert type(ei.value.__cause__) is sm.CompletionUnknownError
+    assert str(ei.value.__cause__) == why.replace("\\", "")
+    assert ran == [] and str(b._impl.fault) == why.replace("\\", "")
+    st = sm.stats()
+    assert (st.leaked, st.leaked_bytes) == (before.leaked + 2, before.leaked_bytes + 48)
+    assert st.in_flight == before.in_flight
+    with pytest.raises(sm.CompletionUnknownError, match=r"^<Stream b on <Device host> "
+                                                        r"\(owned\)> faulted earlier "
+                                                        r"\(CompletionUnknownError\(\"" + why):
+        sm.launch(reads, 1, 1, sm.In(out), sm.Out(out), stream=b)
