@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import sharedmem as sm
+import sharedmem.device as sm_device
 from sharedmem.launch import Intent
 
 
@@ -375,11 +376,14 @@ def test_host_kernel_block_none_with_length_and_construction(host):
     assert repr(k) == f"<host_kernel {k.__qualname__}>" and k.__qualname__.endswith(".k")
 
 
-def test_launch_on_a_foreign_stream_the_host_cannot_borrow(host):
+def test_launch_on_a_foreign_stream_the_host_cannot_borrow(host, monkeypatch):
     class ForeignStream:
         def __cuda_stream__(self):
-            return (0, 5)
+            return (0, 5)  # (a made-up handle: never given to a driver)
 
+    # the host as the default device, also where CUDA is usable (there a made-up handle would
+    # be borrowed as a CUDA stream -- and crash the driver at its first use)
+    monkeypatch.setattr(sm_device, "default_device", lambda: host)
     b = sm.Buffer.zeros(4, device=host)
     sm.synchronize()
     before = sm.stats()
