@@ -624,6 +624,16 @@ def launch(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, 
     return future_of(launch_submission(kernel, grid, block, args, stream, shared_mem, policy))
 
 
+def default_device_for(adapter):
+    """The device a launch with no array arguments and no stream runs on: the default device,
+    or the host where only the host runs this kind of kernel (a host kernel on a GPU machine)."""
+    from .device import default_device
+    device = default_device()
+    if device.kind not in adapter.device_kinds and "host" in adapter.device_kinds:
+        device = Device.host()
+    return device
+
+
 def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
     """:func:`launch` up to its Submission (ops submit through here too)."""
     adapters = _adapters  # (a typed local: a C dict lookup)
@@ -645,10 +655,7 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         if stream is not None:
             device = stream.device
     if device is None:  # no arrays and no stream: a device this kind of kernel runs on
-        from .device import default_device
-        device = default_device()
-        if device.kind not in adapter.device_kinds and "host" in adapter.device_kinds:
-            device = Device.host()
+        device = default_device_for(adapter)
     plan = plan_for(adapter, kernel, device)  # (made once, after checking the device's kind)
     if stream is None:
         stream = device.default_stream

@@ -26,7 +26,8 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from .launch import Intent, _as_view, adapter_for, launch_submission, resolve_args
+from .launch import (Intent, _as_view, adapter_for, default_device_for, launch_submission,
+                     resolve_args)
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
@@ -93,12 +94,12 @@ class DeviceOp(Generic[_T_co]):
     def submit(self, stream: Stream | object | None = None) -> DeviceFuture[_T_co]:
         """Submit the work; returns a DeviceFuture (as :func:`launch` does).
         ``stream=None``: the current stream of the op's device (``with stream:``), else a
-        stream of that device's pool."""
+        stream of that device's pool. Its device: that of its first array argument; without
+        any, the device :func:`launch` would choose for its first kernel."""
         if stream is None:
-            from .device import default_device
             device = self._device()
             current = current_stream(device) if streams_entered() else None
-            stream = current or pool_stream(device or default_device())
+            stream = current or pool_stream(device or self._default_device())
         elif not isinstance(stream, Stream):
             stream = as_stream(stream)
         if type(self) is not _LaunchOp:
@@ -118,6 +119,10 @@ class DeviceOp(Generic[_T_co]):
         """Check every part's arguments for ``device`` (raising as launch would)."""
         for o in self.ops:
             o._check(device)
+
+    def _default_device(self):
+        """The device for an op no argument names a device of (see :meth:`submit`)."""
+        return self.ops[0]._default_device()
 
     def _device(self):
         """The device of the first part whose arguments name one, or None."""
@@ -146,6 +151,9 @@ class _LaunchOp(DeviceOp):
 
     def _check(self, device):
         resolve_args(adapter_for(self.kernel), self.args, device)  # (raises as launch would)
+
+    def _default_device(self):
+        return default_device_for(adapter_for(self.kernel))
 
     def _device(self):
         for a in self.args:

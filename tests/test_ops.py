@@ -2,6 +2,7 @@
 
 import importlib
 import re
+import sys
 import threading
 import time
 
@@ -327,20 +328,34 @@ def test_op_combinators_check_their_arguments_and_read_back(host):
     np.testing.assert_array_equal(b.to_host(), np.zeros(4))  # none of these submitted
 
 
-def test_a_composite_op_without_arrays_runs_on_the_default_device(host):
+@pytest.mark.parametrize("default", ["host", "cuda"])
+def test_a_composite_op_without_arrays_runs_where_launch_would(host, monkeypatch, default):
+    # on the default device where its kernels run there; else (host kernels, a CUDA default
+    # device: a GPU machine) on the host, as launch() chooses
+    if default == "cuda":
+        from fake_cuda import install_fake_devices
+        (dev,), drv = install_fake_devices(monkeypatch, False)
+        monkeypatch.setattr(sys.modules["sharedmem.device"], "_default", dev)
+    else:
+        monkeypatch.setattr(sys.modules["sharedmem.device"], "_default", host)
     ran = []
     k = sm.host_kernel(lambda tag: ran.append(tag))
     chain = sm.op(k, 1, 1, "a").and_then(sm.op(k, 1, 1, "b"))
-    fut = chain.submit()
-    fut.result(5)
-    assert ran == ["a", "b"] and fut.stream.device is sm.default_device()
-    assert fut.stream.name.startswith("sharedmem-pool-")
+    for o in (chain, sm.zip(chain, sm.op(k, 1, 1, "c")).apply(len)):
+        fut = o.submit()
+        fut.result(5)
+        assert fut.stream.device is host and fut.stream.name.startswith("sharedmem-pool-")
+    assert sorted(ran) == ["a", "a", "b", "b", "c"]
 
 
-def test_a_foreign_stream_the_host_cannot_borrow_submits_nothing(host):
+def test_a_foreign_stream_the_host_cannot_borrow_submits_nothing(host, monkeypatch):
     class ForeignStream:
         def __cuda_stream__(self):
-            return (0, 5)
+            return (0, 5)  # (a made-up handle: never given to a driver)
+
+    # the host as the default device, also where CUDA is usable (a made-up handle borrowed as
+    # a CUDA stream would crash the driver)
+    monkeypatch.setattr(sys.modules["sharedmem.device"], "_default", host)
 
     b = sm.Buffer.zeros(4, "int64", device=host)
     sm.synchronize()
