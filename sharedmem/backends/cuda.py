@@ -375,7 +375,10 @@ class CudaStreamImpl:
     def submit_marker(self):
         """The completion marker of work just enqueued here: this stream's open marker,
         joined (see CudaMarker). Every MARKER_BATCH-th joiner records it. Caller holds
-        core_lock. Nothing is recorded on a capturing stream: the work was captured, not run."""
+        core_lock. Nothing is recorded on a capturing stream: the work was captured, not run.
+        A record that fails is not raised here -- the work is enqueued already, and must be
+        filed for its leases -- it makes the marker *unknown*: its submissions, this one too,
+        are kept (leaked) when swept, as where the record fails when the marker is asked."""
         if self.capturing:
             return COMPLETE
         m = self.open_marker
@@ -388,8 +391,6 @@ class CudaStreamImpl:
         self.open_count = n
         if n >= MARKER_BATCH:
             m.close_locked()
-            if m.error is not None:
-                raise m.error
         return m
 
     def wait_marker(self, marker) -> None:
