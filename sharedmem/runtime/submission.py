@@ -887,6 +887,9 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
         if blocking:
             for m in markers:
                 wait(m)
+                if m.error is not None:  # (as order_consumer: the writer faulted meanwhile)
+                    raise _unexportable(tok, f"work whose completion became unknown while "
+                                             f"waited for ({m.error!r})")
         if consumers:
             _sweep_consumers(consumers)
     except BaseException:  # (the caller never gets the token)
