@@ -1415,3 +1415,384 @@ def test_cutile_launches_take_no_shared_mem_and_a_buffer_argument(fake, tile):
     out = sm.Buffer.zeros(8, "float32", device=dev)
     sm.launch(kern, (1,), None, sm.In(a), sm.In(b), sm.Out(out), stream=s).result()
     np.testing.assert_array_equal(out.to_host(), np.arange(8) + 1)
+
+
+def _retirer_sweeps_nothing(monkeypatch):
+    """The retirer's passes sweep nothing (a pass records a stream's open marker): only the
+    test's own calls retire, record and query. Called before the test's stream is made, so no
+    pass begun earlier can have it to sweep."""
+    from sharedmem.runtime import retirer
+    monkeypatch.setattr(retirer, "_pass", lambda rt, last: ({}, True))
+
+
+def test_a_batch_marker_that_cannot_be_recorded_keeps_every_joiners_memory_the_last_too(
+        fake, monkeypatch):
+    """The MARKER_BATCH-th submission that joins a stream's open marker records it. A record
+    that fails makes the completion of every joiner unknown -- of the last one too, whose work
+    (here a memset) is enqueued by then: it is filed with the others, its future raises
+    CompletionUnknownError, and its memory is kept and counted as leaked with theirs. (It
+    raised the CudaError instead, after the memset was enqueued: that work ran with no lease,
+    counted neither as submitted nor as leaked.)"""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    memsets = []
+    real_memset = drv.cuMemsetD8Async
+    monkeypatch.setattr(drv, "cuMemsetD8Async",
+                        lambda *a: (memsets.append(int(a[3])), real_memset(*a))[1])
+    real = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord", lambda ev, st: (CUresult.CUDA_ERROR_INVALID_VALUE,)
+                        if int(st) == s.handle else real(ev, st))
+    futs = [b.fill_zero(stream=s) for _ in range(bc.MARKER_BATCH)]
+    assert memsets == [s.handle] * bc.MARKER_BATCH  # every one of them enqueued
+    marker = futs[0]._s.marker
+    assert all(f._s.marker is marker for f in futs) and marker.recorded
+    assert s._impl.open_marker is None and isinstance(marker.error, sm.CudaError)
+    with pytest.warns(sm.LeakWarning, match=r"is unknown \(CudaError\('cuEventRecord failed: "
+                                            r"CUDA_ERROR_INVALID_VALUE \(1\)'"):
+        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of fill_zero on "
+                           r"<Stream s .* is unknown: CudaError\('cuEventRecord failed: "
+                           r"CUDA_ERROR_INVALID_VALUE \(1\)', 1\)\. Its memory is kept") as ei:
+            futs[-1].result()
+    assert ei.value.__cause__ is marker.error and marker.error.code == 1
+    after = sm.stats()
+    assert (after.submitted, after.retired, after.in_flight, after.leaked, after.leaked_bytes) \
+        == (before.submitted + bc.MARKER_BATCH, before.retired, 0,
+            before.leaked + bc.MARKER_BATCH, before.leaked_bytes + 32 * bc.MARKER_BATCH)
+    assert all(f.done() for f in futs)
+    monkeypatch.setattr(drv, "cuEventRecord", real)
+    # the bytes stay leased by that work: read elsewhere, they are refused, not trusted
+    with pytest.raises(sm.CompletionUnknownError, match=r"^to_host on .* would read bytes "
+                                                        r"\[0, 32\) .*which work of unknown "
+                                                        r"completion on <Stream s .* writes"):
+        b.to_host()
+
+
+def _held_submissions(drv, s, b, n):
+    """``n`` fill_zero futures on ``s``, each with a marker of its own, recorded and pending
+    (done() sweeps, and the sweep records the open marker: the next one opens another)."""
+    drv.holding = True
+    futs = []
+    for _ in range(n):
+        f = b.fill_zero(stream=s)
+        assert f.done() is False
+        futs.append(f)
+    assert len({f._s.marker.handle for f in futs}) == n
+    return futs
+
+
+@pytest.mark.parametrize("failing", ["oldest", "middle"])
+def test_a_query_failing_partway_through_a_fifo_retires_before_it_and_waits_after_it(
+        fake, monkeypatch, failing):
+    """A sweep asks the newest marker, the oldest, then bisects. A query that fails on the way
+    (the oldest, or one the bisection asks) makes the sweep walk the FIFO one by one: what
+    finished before it retires, it is kept (leaked, its future raises CompletionUnknownError),
+    and the walk stops at the first one still running, which stays pending and retires later."""
+    from fake_cuda import CUresult
+    from sharedmem.runtime import submission as sub
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    a, mid, c = _held_submissions(drv, s, b, 3)
+    bad = a if failing == "oldest" else mid
+    if failing == "middle":
+        drv.held.discard(a._s.marker.handle)  # a finished
+    real = drv.cuEventQuery
+    monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+                        if int(ev) == bad._s.marker.handle else real(ev))
+    assert c.done() is False
+    states = [f._s.state for f in (a, mid, c)]
+    if failing == "oldest":  # the walk stops at mid, still running: c is not asked
+        assert states == [sub.UNKNOWN, sub.PENDING, sub.PENDING] and s.pending == 2
+    else:
+        assert states == [sub.RETIRED, sub.UNKNOWN, sub.PENDING] and s.pending == 1
+    with pytest.warns(sm.LeakWarning, match=r"is unknown \(CudaError\('cuEventQuery failed: "
+                                            r"CUDA_ERROR_INVALID_HANDLE \(400\)'"):
+        st = sm.stats()
+    retired = 0 if failing == "oldest" else 1
+    assert (st.submitted, st.retired, st.in_flight, st.leaked, st.leaked_bytes) == (
+        before.submitted + 3, before.retired + retired, 2 - retired, before.leaked + 1,
+        before.leaked_bytes + 32)
+    with pytest.raises(sm.CompletionUnknownError, match=r"^completion of fill_zero on "
+                       r"<Stream s .* is unknown: CudaError\('cuEventQuery failed: "
+                       r"CUDA_ERROR_INVALID_HANDLE \(400\)', 400\)\. Its memory is kept"):
+        bad.result()
+    drv.holding = False
+    drv.finish_held()
+    c.result()  # what ran after it retires
+    st = sm.stats()
+    assert (st.retired, st.in_flight, st.leaked) == (before.retired + 2, 0, before.leaked + 1)
+    assert [f._s.state for f in (a, mid, c)] == (
+        [sub.UNKNOWN, sub.RETIRED, sub.RETIRED] if failing == "oldest" else
+        [sub.RETIRED, sub.UNKNOWN, sub.RETIRED])
+
+
+def test_a_submitters_sweep_that_finds_a_failed_query_leaves_the_open_marker_open(
+        fake, monkeypatch):
+    """submit() sweeps its stream every SWEEP_EVERY-th submission without recording the open
+    marker. A failed query of an older marker makes it walk the FIFO: the work of unknown
+    completion is kept (leaked), and the walk stops at the first submission of the open
+    marker -- nothing recorded, those stay pending and retire once it is recorded."""
+    from fake_cuda import CUresult
+    from sharedmem.runtime import submission as sub
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    (a,) = _held_submissions(drv, s, b, 1)
+    real = drv.cuEventQuery
+    monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+                        if int(ev) == a._s.marker.handle else real(ev))
+    records = sum(c[0] == "record" for c in drv.calls)
+    futs = []
+    while s._seq % sub.SWEEP_EVERY:  # (the last one's submit sweeps)
+        futs.append(b.fill_zero(stream=s))
+    marker = futs[0]._s.marker
+    assert len(futs) == sub.SWEEP_EVERY - 2 and all(f._s.marker is marker for f in futs)
+    assert a._s.state == sub.UNKNOWN and all(f._s.state == sub.PENDING for f in futs)
+    assert not marker.recorded and s._impl.open_marker is marker
+    assert sum(c[0] == "record" for c in drv.calls) == records and s.pending == len(futs)
+    drv.holding = False
+    with pytest.warns(sm.LeakWarning, match=r"is unknown \(CudaError\('cuEventQuery failed"):
+        sm.synchronize()
+    st = sm.stats()
+    assert (st.submitted, st.retired, st.in_flight, st.leaked, st.leaked_bytes) == (
+        before.submitted + 1 + len(futs), before.retired + len(futs), 0, before.leaked + 1,
+        before.leaked_bytes + 32)
+    assert all(f._s.state == sub.RETIRED for f in futs)
+
+
+@pytest.mark.parametrize("call", ["cuEventCreate", "cuEventSynchronize"])
+def test_a_marker_whose_event_cannot_be_made_or_waited_for_makes_completion_unknown(
+        fake, monkeypatch, call):
+    """No event for an open marker (the pool empty, cuEventCreate failing), or a
+    cuEventSynchronize that fails while waited for: the work's completion is unknown -- its
+    future raises CompletionUnknownError with the CudaError as ``__cause__``, and its memory
+    is kept, counted once in ``stats().leaked``."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    dev.backend._events.clear()
+    fut = b.fill_zero(stream=s)
+    m = fut._s.marker
+    monkeypatch.setattr(drv, call, lambda *a: (CUresult.CUDA_ERROR_INVALID_VALUE, None)[
+        :2 if call == "cuEventCreate" else 1])
+    msg = rf"CudaError\('{call} failed: CUDA_ERROR_INVALID_VALUE \(1\)'"
+    with pytest.warns(sm.LeakWarning, match=rf"is unknown \({msg}"):
+        with pytest.raises(sm.CompletionUnknownError, match=rf"^completion of fill_zero on "
+                           rf"<Stream s .* is unknown: {msg}, 1\)\. Its memory is kept") as ei:
+            fut.result()
+    assert ei.value.__cause__ is m.error and m.error.code == 1 and m.recorded
+    if call == "cuEventCreate":
+        assert m.event is None and s._impl.open_marker is None  # nothing was recorded
+    else:
+        assert m.event is not None  # (not back to the pool: its state is not known)
+        assert dev.backend._events.count(m.event) == 0
+    after = sm.stats()
+    assert (after.submitted, after.in_flight, after.leaked, after.leaked_bytes) == (
+        before.submitted + 1, 0, before.leaked + 1, before.leaked_bytes + 32)
+
+
+def test_a_failed_cross_stream_wait_enqueues_nothing_and_takes_no_lease(fake, monkeypatch):
+    """``cuStreamWaitEvent`` failing while a launch is ordered after another stream's write:
+    a CudaError naming the call; the work is not enqueued, nothing is leased or counted, and
+    the same work succeeds (ordered) once the driver does."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    a, c = dev.create_stream("a"), dev.create_stream("c")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=a)
+    drv.holding = True  # a's write stays in flight
+    b.fill_zero(stream=a)
+    before = sm.stats()
+    memsets = []
+    real_memset = drv.cuMemsetD8Async
+    monkeypatch.setattr(drv, "cuMemsetD8Async",
+                        lambda *x: (memsets.append(int(x[3])), real_memset(*x))[1])
+    real_wait = drv.cuStreamWaitEvent
+    monkeypatch.setattr(drv, "cuStreamWaitEvent", lambda *x: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(sm.CudaError, match=r"^cuStreamWaitEvent failed: "
+                                           r"CUDA_ERROR_INVALID_VALUE \(1\)$") as ei:
+        b.fill_zero(stream=c)
+    assert ei.value.code == 1 and memsets == []
+    after = sm.stats()
+    assert (after.submitted, after.in_flight) == (before.submitted, before.in_flight)
+    assert c.pending == 0 and c not in b.allocation.tracker.streams_locked()
+    monkeypatch.setattr(drv, "cuStreamWaitEvent", real_wait)
+    n = len(drv.calls)
+    f = b.fill_zero(stream=c)  # ordered after a's write, on the device
+    assert [x[:2] for x in drv.calls[n:] if x[0] == "wait"] == [("wait", c.handle)]
+    assert memsets == [c.handle]
+    drv.holding = False
+    drv.finish_held()
+    f.result()
+    assert c.pending == 0 and sm.stats().in_flight == 0
+
+
+def test_device_limits_the_driver_does_not_give_are_zero(fake, monkeypatch):
+    """A limit whose attribute this cuda.bindings lacks, or whose query fails, is 0 (not
+    known, not checked); the others are the driver's."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult
+    dev, drv = fake
+    A = types.SimpleNamespace(**vars(drv.CUdevice_attribute))
+    del A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    monkeypatch.setattr(drv, "CUdevice_attribute", A)
+    real = drv.cuDeviceGetAttribute
+    monkeypatch.setattr(drv, "cuDeviceGetAttribute", lambda a, d: (
+        CUresult.CUDA_ERROR_INVALID_VALUE, 0) if a == A.CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+        else real(a, d))
+    lim = bc.CudaBackend(0).limits
+    assert (lim.grid, lim.block, lim.threads, lim.shared_mem) == (
+        (2**31 - 1, 65535, 65535), (1024, 1024, 64), 0, 0)
+
+
+def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
+    """``cuPointerGetAttributes`` failing: the pointer is not known device memory -- a CAI
+    import of it is the ValueError errors.md names, and nothing is imported."""
+    import sharedmem.device as sm_device
+    from fake_cuda import CUresult
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
+    b = sm.Buffer.from_host(np.arange(4, dtype="f4"), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+    assert dev.backend.pointer_info(b.ptr) == (b.ptr, 16, 0)
+    monkeypatch.setattr(drv, "cuPointerGetAttributes",
+                        lambda n, attrs, p: (CUresult.CUDA_ERROR_INVALID_VALUE, None))
+    assert dev.backend.pointer_info(b.ptr) is None
+    before = sm.stats()
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (b.ptr, False),
+                                    "version": 3}
+    with pytest.raises(ValueError, match=rf"^0x{b.ptr:x} is not CUDA device memory$"):
+        sm.from_cuda_array_interface(Producer())
+    assert sm.stats() == before and b.allocation.live_views == 1
+
+
+def test_an_event_the_driver_cannot_record_is_destroyed_and_none_is_made(fake, monkeypatch):
+    """``Stream.record()`` whose cuEventRecord fails: a CudaError naming the call; the event
+    made for it is destroyed at once (none kept), no Event is returned, and the stream
+    records again once the driver does."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    s = dev.create_stream("s")
+    made, destroyed = len(drv.events), drv.destroyed_events
+    real = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord", lambda ev, st: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(sm.CudaError, match=r"^cuEventRecord failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\)$") as ei:
+        s.record()
+    assert ei.value.code == 1
+    assert len(drv.events) == made + 1 and drv.destroyed_events == destroyed + 1
+    monkeypatch.setattr(drv, "cuEventRecord", real)
+    ev = s.record()
+    assert ev.query() is True and drv.destroyed_events == destroyed + 1
+
+
+def test_a_stream_object_that_cannot_say_its_device_is_borrowed_for_the_one_asked(fake):
+    """A foreign stream object whose device attribute raises (a closed stream) names no
+    device: it is borrowed for the device asked for; one that names another device is a
+    DeviceMismatchError."""
+    dev, drv = fake
+
+    class Closed:
+        ptr = 0x7C10
+
+        @property
+        def device_id(self):
+            raise RuntimeError("stream closed")
+
+    st = sm.Stream.from_external(Closed(), dev)
+    assert st.device is dev and st.handle == 0x7C10 and not st.owned
+
+    class Elsewhere:
+        ptr = 0x7C11
+        device_id = 3
+    with pytest.raises(sm.DeviceMismatchError, match=r"is a stream of CUDA device 3, not of "
+                                                     r"<Device cuda:0 Fake GPU>"):
+        sm.Stream.from_external(Elsewhere(), dev)
+
+
+def test_an_op_whose_only_array_is_a_device_box_runs_on_the_boxs_device(fake, kernels,
+                                                                         monkeypatch):
+    """An op picks its stream from its first live array argument -- a DeviceBox's buffer too:
+    a pool stream of the box's device, not of the default device (the host here: no GPU)."""
+    from sharedmem import ops
+    dev, drv = fake
+    _, scale_len = kernels
+    pools = {}
+    monkeypatch.setattr(ops, "_pools", pools)  # (the fake device's pool goes with the test)
+    box = sm.DeviceBox(2.0, "float32", device=dev)
+    fut = sm.op(scale_len, 1, 1, sm.InOut(box), 1, 3.0).submit()
+    fut.result()
+    assert fut.stream.device is dev and fut.stream.name.startswith("sharedmem-pool-")
+    assert box.get() == 6.0 and list(pools) == [dev.key]
+    sm.synchronize()
+    del fut
+    pools.clear()
+    gc_collect_harder()
+
+
+def test_record_use_again_on_a_holding_stream_keeps_the_stronger_mode(fake, kernels):
+    """``record_use`` makes every live view of the bytes a hold for the stream; declared again
+    on the same stream, the hold keeps one entry with the stronger mode: a read then a write
+    is a write (a read elsewhere is then refused under "reject"), a later read keeps it."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    s, other = dev.create_stream("consumer"), dev.create_stream("other")
+    b = sm.Buffer.zeros(8, "float32", device=dev)
+    out = sm.Buffer.zeros(8, "float32", device=dev, stream=other)
+    sm.synchronize()
+    tok = b._token
+    sm.record_use(b, s, writes=False)
+    assert tok.consumers == ((s, False),)
+    sm.launch(saxpy, 1, 8, 1.0, sm.In(b), sm.In(b), sm.Out(out), 8, stream=other,
+              policy="reject").result()  # read + read: no conflict
+    sm.record_use(b, s, writes=True)
+    sm.record_use(b, s, writes=False)
+    assert tok.consumers == ((s, True),)
+    before = sm.stats()
+    with pytest.raises(sm.AccessConflictError, match=rf" on <Stream other .* would read "
+                       rf"bytes \[0, 32\) of allocation #{b.allocation.id} while a consumer on "
+                       rf"<Stream consumer .* holds them \(may write\) \(policy 'reject'\)"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(b), sm.In(b), sm.Out(out), 8, stream=other,
+                  policy="reject")
+    assert sm.stats().submitted == before.submitted  # no lease taken
+
+
+def test_a_dlpack_export_to_no_stream_holds_the_bytes_on_every_current_stream(fake):
+    """``stream=-1``: the consumer orders itself on a stream it does not name -- the export
+    holds the bytes for each current stream (CuPy's current one and the legacy default
+    stream), and its end files a lease on each."""
+    dev, drv = fake
+    cupy = sys.modules["cupy"]
+    s = dev.create_stream("cupy-current")
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=dev)
+    sm.synchronize()
+    with cupy.cuda.ExternalStream(s.handle):
+        cap = t.__dlpack__(stream=-1)
+    (hold,) = [k for k in t.allocation._views if k is not t._token]
+    assert sorted(hold.consumers, key=lambda c: c[0].handle) == [(dev.default_stream, True),
+                                                                 (s, True)]
+    before = sm.stats()
+    del cap, hold
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
+    sm.synchronize()
+    after = sm.stats()
+    assert after.submitted == before.submitted + 2 and after.in_flight == 0

@@ -1,6 +1,7 @@
 """Exports after partial work: order_consumer's elsewhere check (a consumer that names no
 stream), a hold end's lease (no cycle back to the released token) and its label."""
 import gc
+import re
 import sys
 import threading
 import types
@@ -787,3 +788,97 @@ def test_the_consumers_streams_are_found_without_borrowing_again(monkeypatch):
     assert current_streams(dev)[1] is s
     cupy.current.ptr = 1  # (the legacy default stream's handle: no second entry)
     assert current_streams(dev) == [dev.default_stream]
+
+
+def test_a_host_export_is_refused_when_the_write_it_waits_for_faults(host):
+    """A host DLPack export waits for the pending write after its hold is made; a write that
+    faults meanwhile (completion unknown) gives no array -- the bytes are not known to be
+    written, as a dask frame (order_consumer) and to_host refuse them too -- and the hold goes
+    with it. (np.from_dlpack returned the array, over bytes of unknown contents, and left
+    the hold live: the allocation unmovable while the array lived.)"""
+    import warnings
+    from sharedmem.backends.host import HostFault
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def faulting_write(x):
+        gate.wait(5)
+        raise HostFault("illegal address (simulated)")
+
+    s = host.create_stream()
+    buf = sm.Buffer.zeros(8, "float32", device=host)
+    sm.synchronize()
+    whole = buf.allocation
+    f = sm.launch(faulting_write, 1, 1, sm.Out(buf), stream=s)
+    seen = []
+
+    def fault_once_waited_for():
+        for _ in range(500):  # (until the export's hold is there: it is waiting now)
+            if len(whole.views()) == 2:
+                break
+            threading.Event().wait(0.01)
+        seen.append(whole.views())
+        gate.set()
+
+    t = threading.Thread(target=fault_once_waited_for)
+    t.start()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", sm.LeakWarning)
+        try:
+            with pytest.raises(sm.CompletionUnknownError,
+                               match=rf"^bytes \[0, 32\) of allocation #{whole.id} are touched "
+                                     rf"by work whose completion became unknown while waited "
+                                     rf"for \(HostFault\('illegal address \(simulated\)'\)\); "
+                                     rf"they cannot be exported$"):
+                np.from_dlpack(buf)
+        finally:
+            gate.set()
+            t.join()
+        with pytest.raises(sm.CompletionUnknownError):
+            f.result(5)
+    assert [w.category for w in caught] == [sm.LeakWarning]
+    assert seen == [[f"buffer, bytes [0, 32) of allocation #{whole.id}",
+                     f"DLPack export, bytes [0, 32) of allocation #{whole.id}"]]
+    assert whole.views() == [f"buffer, bytes [0, 32) of allocation #{whole.id}"]
+    assert buf.is_live and sm.stats().leaked_bytes >= 32
+
+
+def test_a_host_kernel_exporting_bytes_written_behind_it_is_refused_and_leaves_no_hold(host):
+    """A host kernel that exports (np.from_dlpack) bytes a write queued behind it on its own
+    stream has yet to make would wait forever: the export raises SharedMemError, and the hold
+    it made before waiting goes with it (the allocation keeps its one view). The stream runs
+    on: the write runs after the kernel."""
+    gate = threading.Event()
+    buf = sm.Buffer.zeros(4, "float32", device=host)
+    sm.synchronize()
+    whole = buf.allocation
+    seen = []
+
+    @sm.host_kernel
+    def exporter():
+        gate.wait(5)
+        try:
+            np.from_dlpack(buf)
+        except sm.SharedMemError as e:
+            seen.append(e)
+        seen.append(whole.views())
+
+    @sm.host_kernel
+    def write(x):
+        x[:] = 5
+
+    s = host.create_stream("s")
+    first = sm.launch(exporter, 1, 1, stream=s)
+    second = sm.launch(write, 1, 1, sm.Out(buf), stream=s)  # queued behind the exporter
+    gate.set()
+    first.result(5)
+    second.result(5)
+    err, views = seen
+    assert type(err) is sm.SharedMemError
+    assert re.match(r"^a host kernel on host stream 's' waits for work queued behind it on its "
+                    r"own stream, which cannot start before the kernel returns: it would wait "
+                    r"forever\. Wait outside the kernel, or submit that work to another stream$",
+                    str(err)), str(err)
+    assert views == [f"buffer, bytes [0, 16) of allocation #{whole.id}"]  # (in the kernel)
+    assert whole.views() == [f"buffer, bytes [0, 16) of allocation #{whole.id}"]
+    np.testing.assert_array_equal(buf.to_host(), np.full(4, 5, np.float32))

@@ -358,3 +358,16 @@ def test_release_is_idempotent_and_lookup_needs_a_device(host):
                                             rf"sharedmem\.Device\(0\)$"):
             sm.lookup_allocation(bad, alloc.ptr)
     assert sm.lookup_allocation(host, alloc.ptr) is alloc
+
+
+def test_an_empty_slice_moves_while_the_rest_of_the_buffer_is_live(host):
+    """An empty view aliases no byte: moving it is not refused for the live buffer it was
+    sliced from, which stays live and usable."""
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=host)
+    e = b[2:2]
+    t = sm.Tensor.from_buffer(e, (0,))
+    assert t.shape == (0,) and t.nbytes == 0
+    with pytest.raises(sm.MovedError):
+        e.to_host()
+    assert b.is_live and b.allocation.live_views == 2
+    np.testing.assert_array_equal(b.to_host(), np.arange(4))
