@@ -369,13 +369,19 @@ def plan_for(adapter, kernel, device):
     return plan
 
 
-def _new_plan(adapter, kernel, device):
+def check_device_kind(adapter, device) -> None:
+    """DeviceMismatchError unless ``adapter``'s kernels run on ``device``'s kind (what a
+    launch checks before its plan is made; a composite op before its first part)."""
     kinds = adapter.device_kinds
     if device.kind not in kinds:
         raise DeviceMismatchError(
             f"a {adapter.name} cannot run on {device}; " +
             (f"it runs on {' or '.join(kinds)} devices" if kinds else
              "its adapter declares no device kinds (set its device_kinds, e.g. ('host',))"))
+
+
+def _new_plan(adapter, kernel, device):
+    check_device_kind(adapter, device)
     return adapter.plan(kernel, device)
 
 

@@ -26,8 +26,8 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from .launch import (Intent, _as_view, adapter_for, default_device_for, launch_submission,
-                     resolve_args)
+from .launch import (Intent, _as_view, adapter_for, check_device_kind, default_device_for,
+                     launch_submission, resolve_args)
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
@@ -150,7 +150,9 @@ class _LaunchOp(DeviceOp):
                                               stream, self.shared_mem, self.policy))
 
     def _check(self, device):
-        resolve_args(adapter_for(self.kernel), self.args, device)  # (raises as launch would)
+        adapter = adapter_for(self.kernel)
+        check_device_kind(adapter, device)  # (a kernel that runs elsewhere: as launch raises)
+        resolve_args(adapter, self.args, device)  # (raises as launch would)
 
     def _default_device(self):
         return default_device_for(adapter_for(self.kernel))

@@ -381,3 +381,34 @@ def test_a_zip_given_every_pool_stream_gets_a_stream_of_its_own(host, monkeypatc
     fut = sm.zip(sm.op(inc, 1, 1, x), sm.op(inc, 1, 1, y)).submit(s)
     assert fut.result(5) == (None, None)
     np.testing.assert_array_equal(x.to_host() + y.to_host(), np.full(4, 2))
+
+
+def test_a_composite_op_with_a_part_its_device_cannot_run_submits_nothing(host, monkeypatch):
+    # a part whose kernel does not run on the op's device (a CUDA-only kernel after a host
+    # kernel, with no arrays: the op runs on the host, where launch() puts its first kernel)
+    # is refused before any part is submitted, as an argument on another device is
+    monkeypatch.setattr(sys.modules["sharedmem.device"], "_default", host)
+
+    class CudaOnly(sm.KernelAdapter):
+        name = "cuda-only kernel"
+        device_kinds = ("cuda",)
+
+    class K:
+        pass
+
+    sm.register_kernel_adapter(K, CudaOnly())
+    ran = []
+    k = sm.host_kernel(lambda tag: ran.append(tag))
+    b = sm.Buffer.zeros(4, "int64", device=host)
+    sm.synchronize()
+    before = sm.stats()
+    for o in (sm.op(k, 1, 1, "a").and_then(sm.op(K(), 1, 1)),
+              sm.zip(sm.op(k, 1, 1, "a"), sm.op(K(), 1, 1)),
+              sm.op(inc, 1, 1, b).and_then(sm.op(K(), 1, 1)).apply(len)):
+        with pytest.raises(sm.DeviceMismatchError, match=r"^a cuda-only kernel cannot run on "
+                                                         r"<Device host>; it runs on cuda "
+                                                         r"devices$"):
+            o.submit()
+    sm.synchronize()
+    assert ran == [] and sm.stats().submitted == before.submitted
+    np.testing.assert_array_equal(b.to_host(), np.zeros(4))
