@@ -242,15 +242,22 @@ def export(view, stream=None) -> IpcExport:
     base, size, _ = info
     mem = backend.ipc_mem_handle(base)
     s = resolve_stream(stream, dev)
-    if s._capture is not None:  # (its event would be recorded into the graph: at replay only)
-        raise CaptureError(f"cannot export {view!r} by CUDA IPC on {s}: it is capturing a "
-                           f"graph, whose work runs only at replay, so the export's event "
-                           f"would mark nothing now; export before the capture begins")
+
+    def refuse_capture():
+        if s._capture is not None:  # (its event would be recorded into the graph: at replay)
+            raise CaptureError(f"cannot export {view!r} by CUDA IPC on {s}: it is capturing a "
+                               f"graph, whose work runs only at replay, so the export's event "
+                               f"would mark nothing now; export before the capture begins")
+
+    refuse_capture()
     impl = s._impl
 
     pair = backend.ipc_event()  # (pooled: creating one and its handle costs ~100 us)
 
     def enqueue():  # under the core lock, after the waits for pending writes
+        # (again here, where a capture is decided: one begun since the check above would
+        # take this work into its graph -- submit() records it there, calling this first)
+        refuse_capture()
         backend.record_event(pair[0], impl)
         return backend.submit_marker(impl)
 

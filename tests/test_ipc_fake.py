@@ -359,3 +359,40 @@ def test_an_export_or_open_on_a_capturing_stream_is_a_capture_error(fake):
     assert _state_after_polls(ex) == "open"
     del v
     assert _released(ex) and ipc.exports() == 0
+
+
+def test_an_export_whose_stream_begins_capturing_meanwhile_is_a_capture_error(fake, monkeypatch):
+    """The capture check is made again under the core lock, where the export's work is
+    enqueued: a capture another thread begins on the stream after export() looked (here,
+    while the export takes its interprocess event) does not get the export's event recorded
+    into the graph -- CaptureError, nothing exported, the event back in the pool."""
+    dev, drv = fake
+    b = sm.Buffer.from_host(np.arange(16, dtype=np.float32), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+    s = dev.create_stream("captured meanwhile")
+    backend = dev.backend
+    take = backend.ipc_event
+    cm = sm.capture(s)
+    got = []
+
+    def take_then_capture():
+        pair = take()
+        got.append(pair)
+        got.append(cm.__enter__())  # (as another thread would, between the check and submit)
+        return pair
+
+    monkeypatch.setattr(backend, "ipc_event", take_then_capture)
+    views = b.allocation.live_views
+    try:
+        with pytest.raises(sm.CaptureError, match=r"^cannot export <Buffer float32 x 16 .* by "
+                                                  r"CUDA IPC on <Stream captured meanwhile .*>: "
+                                                  r"it is capturing a graph"):
+            ipc.export(b, stream=s)
+    finally:
+        if len(got) == 2:
+            cm.__exit__(None, None, None)
+    pair, g = got
+    assert g.launches == 0 and ipc.exports() == 0 and b.allocation.live_views == views
+    assert pair in backend._ipc_events  # (back in the pool)
+    g.release()
