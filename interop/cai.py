@@ -20,6 +20,8 @@ on the device (an event recorded on it), never a host synchronize.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from sharedmem.allocation import View, import_allocation
@@ -120,8 +122,10 @@ def _layout(view) -> dict:
 def _ints(value, key, what) -> tuple:
     """``value`` (a CAI entry) as a tuple of ints, or ValueError naming ``key``."""
     try:
-        return tuple(int(n) for n in value)
-    except (TypeError, ValueError):
+        if isinstance(value, (str, bytes, bytearray)):  # (not read character by character)
+            raise TypeError
+        return tuple(operator.index(n) for n in value)  # (a float is not truncated)
+    except TypeError:
         raise ValueError(f"malformed __cuda_array_interface__: {key!r} must be {what}, got "
                          f"{value!r}") from None
 
@@ -176,8 +180,15 @@ def from_cuda_array_interface(obj, *, stream=None):
         strides = tuple(s // isz for s in raw)
     lo, hi = extent(shape, strides)
     nbytes = (hi - lo) * isz
-    ptr = int(ptr or 0)
-    if nbytes and ptr:
+    try:
+        ptr = 0 if ptr is None else operator.index(ptr)
+    except TypeError:
+        raise ValueError(f"malformed __cuda_array_interface__: the 'data' pointer must be an "
+                         f"int, got {ptr!r}") from None
+    if nbytes and not ptr:  # (DLPack's import refuses one too)
+        raise ValueError(f"malformed __cuda_array_interface__: a NULL 'data' pointer for "
+                         f"{nbytes} bytes")
+    if nbytes:
         info = Device(0).backend.pointer_info(ptr)  # (any device's driver knows the pointer)
         if info is None:
             raise ValueError(f"0x{ptr:x} is not CUDA device memory")

@@ -1796,3 +1796,40 @@ def test_a_dlpack_export_to_no_stream_holds_the_bytes_on_every_current_stream(fa
     sm.synchronize()
     after = sm.stats()
     assert after.submitted == before.submitted + 2 and after.in_flight == 0
+
+
+def test_cai_entries_that_are_not_ints_or_a_null_pointer_are_malformed(fake, monkeypatch):
+    """A shape or strides entry that is not an integer (a float, a string) is malformed --
+    not truncated, nor read character by character -- and so is a data pointer that is not an
+    int (ValueError, sharedmem's message: not the interpreter's TypeError), or a NULL one for
+    a non-empty array (as DLPack's import refuses it: a tensor at address 0)."""
+    import sharedmem.device as sm_device
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
+    b = sm.Buffer.from_host(np.arange(4, dtype="f4"), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+    before = sm.stats()
+
+    class Producer:
+        def __init__(self, **kw):
+            self.__cuda_array_interface__ = {"shape": (2,), "typestr": "<f4",
+                                             "data": (b.ptr, False), "version": 3, **kw}
+    m = r"^malformed __cuda_array_interface__: "
+    for kw, msg in (
+            ({"shape": (2.7,)}, r"'shape' must be a tuple of ints, got \(2\.7,\)"),
+            ({"shape": "2"}, r"'shape' must be a tuple of ints, got '2'"),
+            ({"strides": (4.0,)}, r"'strides' must be None or a tuple of ints, got \(4\.0,\)"),
+            ({"strides": "4"}, r"'strides' must be None or a tuple of ints, got '4'"),
+            ({"data": ([1], False)}, r"the 'data' pointer must be an int, got \[1\]"),
+            ({"data": (float(b.ptr), False)}, r"the 'data' pointer must be an int, got "
+                                              r"[0-9.e+]+"),
+            ({"data": (None, False)}, r"a NULL 'data' pointer for 8 bytes"),
+            ({"data": (0, False)}, r"a NULL 'data' pointer for 8 bytes")):
+        with pytest.raises(ValueError, match=m + msg + "$"):
+            sm.from_cuda_array_interface(Producer(**kw))
+    assert b.allocation.live_views == 1 and sm.stats() == before  # nothing imported
+    t = sm.from_cuda_array_interface(Producer(shape=(np.int64(2),), strides=[np.int64(4)]))
+    assert t.shape == (2,) and t.allocation is b.allocation
+    empty = sm.from_cuda_array_interface(Producer(shape=(0,), data=(None, False)))
+    assert empty.nbytes == 0
