@@ -577,13 +577,14 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         imp.pid = me  # (armed below, once nothing can fail: see the except clause)
         ptr = mapping.base + handle.offset
         s = resolve_stream(stream, dev)
-        if s._capture is not None:  # (a capture cannot wait for outside work)
-            raise CaptureError(f"cannot open {handle!r} on {s}: it is capturing a graph, "
-                               f"which cannot wait for the exporter's writes; open it before "
-                               f"the capture begins")
         # (the exporter pools its events: a cached one is re-recorded only for later exports,
         # after every import of the earlier one ended)
         with locked():
+            if s._capture is not None:  # (a capture cannot wait for outside work; under the
+                # lock, where a capture begins: one begun by now is seen)
+                raise CaptureError(f"cannot open {handle!r} on {s}: it is capturing a graph, "
+                                   f"which cannot wait for the exporter's writes; open it "
+                                   f"before the capture begins")
             s._impl.wait_marker(marker)
         alloc = import_allocation(dev, ptr, handle.nbytes, "CUDA IPC",
                                   (mapping.base, handle.region[1]))

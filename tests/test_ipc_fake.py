@@ -396,3 +396,42 @@ def test_an_export_whose_stream_begins_capturing_meanwhile_is_a_capture_error(fa
     assert g.launches == 0 and ipc.exports() == 0 and b.allocation.live_views == views
     assert pair in backend._ipc_events  # (back in the pool)
     g.release()
+
+
+def test_an_open_whose_stream_begins_capturing_meanwhile_is_a_capture_error(fake, monkeypatch):
+    """open() checks the capture again under the core lock, where it makes the stream wait for
+    the exporter's writes: a capture begun on the stream after open() looked is refused
+    (CaptureError) before the wait is made or the arrival recorded into the graph; the slot
+    is put back and the handle opens after the capture."""
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    h = _as_received(ex.handle)
+    s = dev.create_stream("captured meanwhile")
+    cm = sm.capture(s)
+    got = []
+    real = ipc.locked
+
+    def capture_then_lock():
+        if not got:
+            got.append(cm.__enter__())  # (as another thread would, after open() looked)
+        return real()
+
+    monkeypatch.setattr(ipc, "locked", capture_then_lock)
+    n = len(drv.calls)
+    try:
+        with pytest.raises(sm.CaptureError, match=r"^cannot open <IpcHandle buffer .* on "
+                                                  r"<Stream captured meanwhile .*>: it is "
+                                                  r"capturing a graph"):
+            ipc.open(h, stream=s)
+    finally:
+        if got:
+            cm.__exit__(None, None, None)
+    monkeypatch.setattr(ipc, "locked", real)
+    (g,) = got
+    assert g.launches == 0 and not [c for c in drv.calls[n:] if c[0] == "wait"]
+    assert _state_after_polls(ex) == "exported"
+    g.release()
+    v = ipc.open(h, stream=s)
+    assert _state_after_polls(ex) == "open"
+    del v
+    assert _released(ex) and ipc.exports() == 0
