@@ -1833,3 +1833,43 @@ def test_cai_entries_that_are_not_ints_or_a_null_pointer_are_malformed(fake, mon
     assert t.shape == (2,) and t.allocation is b.allocation
     empty = sm.from_cuda_array_interface(Producer(shape=(0,), data=(None, False)))
     assert empty.nbytes == 0
+
+
+def test_a_marker_whose_context_cannot_be_made_current_is_unknown_not_raised(fake, monkeypatch):
+    """Closing an open marker (recording its event) never raises: the work that joined it is
+    enqueued already, and must stay filed for its leases. A failure to make the device's
+    context current first makes the marker *unknown*, as a failed record does (it raised out of
+    close_locked, and so out of the submission whose join recorded it)."""
+    from sharedmem.config import compiled
+    from sharedmem.runtime.state import locked
+    if compiled():
+        pytest.skip("the backend's methods cannot be patched on an instance in the compiled build")
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    fut = b.fill_zero(stream=s)
+    marker = fut._s.marker
+    assert not marker.recorded
+    err = sm.CudaError("cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT (201)", 201)
+
+    def broken():
+        raise err
+
+    records = sum(1 for c in drv.calls if c[0] == "record")
+    dev.backend.ensure_context = broken  # (an instance attribute: deleted below)
+    try:
+        with locked():
+            marker.close_locked()  # (no exception)
+    finally:
+        del dev.backend.ensure_context
+    assert marker.recorded and marker.error is err and s._impl.open_marker is None
+    assert sum(1 for c in drv.calls if c[0] == "record") == records  # nothing recorded
+    with pytest.warns(sm.LeakWarning, match=r"CUDA_ERROR_INVALID_CONTEXT"):
+        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of fill_zero on "
+                                                            r"<Stream s .* is unknown"):
+            fut.result()
+    after = sm.stats()
+    assert (after.leaked, after.leaked_bytes) == (before.leaked + 1, before.leaked_bytes + 32)

@@ -187,11 +187,11 @@ class CudaMarker:
         backend = self._backend
         try:
             ev = backend._event()
-        except Exception as e:
+            backend.ensure_context()  # (the legacy default stream is the current context's)
+        except Exception as e:  # (never raised: the work that joined it is enqueued already)
             self.error = e
             self._open_on = None
             return
-        backend.ensure_context()  # (the legacy default stream is the current context's)
         h = int(ev)
         hot = backend.hot
         if cython.compiled and backend.record_addr:
