@@ -366,6 +366,9 @@ def test_an_export_whose_stream_begins_capturing_meanwhile_is_a_capture_error(fa
     enqueued: a capture another thread begins on the stream after export() looked (here,
     while the export takes its interprocess event) does not get the export's event recorded
     into the graph -- CaptureError, nothing exported, the event back in the pool."""
+    from sharedmem.config import compiled
+    if compiled():  # (ipc.py itself is never compiled: the interpreted run tests it)
+        pytest.skip("the compiled backend's methods cannot be patched on an instance")
     dev, drv = fake
     b = sm.Buffer.from_host(np.arange(16, dtype=np.float32), device=dev)
     drv.ranges[b.allocation.ptr] = b.allocation.nbytes
