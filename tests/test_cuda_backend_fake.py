@@ -205,6 +205,24 @@ def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
             ({"shape": (-2,)}, r"malformed __cuda_array_interface__: negative shape \(-2,\)"),
             ({"shape": (2, -1), "strides": (4, 4)},
              r"malformed __cuda_array_interface__: negative shape \(2, -1\)"),
+            # entries that are not integers: not truncated, nor read character by character
+            ({"shape": (2.7,)}, r"malformed __cuda_array_interface__: 'shape' must be a tuple "
+                                r"of ints, got \(2\.7,\)"),
+            ({"shape": "2"}, r"malformed __cuda_array_interface__: 'shape' must be a tuple of "
+                             r"ints, got '2'"),
+            ({"strides": (4.0,)}, r"malformed __cuda_array_interface__: 'strides' must be None "
+                                  r"or a tuple of ints, got \(4\.0,\)"),
+            ({"strides": "4"}, r"malformed __cuda_array_interface__: 'strides' must be None or "
+                               r"a tuple of ints, got '4'"),
+            ({"data": ([1], False)}, r"malformed __cuda_array_interface__: the 'data' pointer "
+                                     r"must be an int, got \[1\]"),
+            ({"data": (float(b.ptr), False)}, r"malformed __cuda_array_interface__: the 'data' "
+                                              r"pointer must be an int, got [0-9.e+]+"),
+            # a NULL pointer for a non-empty array (DLPack's import refuses it too)
+            ({"data": (None, False)}, r"malformed __cuda_array_interface__: a NULL 'data' "
+                                      r"pointer for 8 bytes"),
+            ({"data": (0, False)}, r"malformed __cuda_array_interface__: a NULL 'data' pointer "
+                                   r"for 8 bytes"),
             ({"data": (b.ptr + (1 << 40), False)},
              rf"0x{b.ptr + (1 << 40):x} is not CUDA device memory")):
         with pytest.raises(ValueError, match="^" + msg + "$"):
@@ -216,6 +234,9 @@ def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
     np.testing.assert_array_equal(t.to_host(), [0, 2])
     empty = sm.from_cuda_array_interface(Producer(shape=(0, 3), data=(0, False)))
     assert empty.shape == (0, 3) and empty.nbytes == 0 and empty.device is dev
+    assert sm.from_cuda_array_interface(Producer(shape=(0,), data=(None, False))).nbytes == 0
+    t = sm.from_cuda_array_interface(Producer(shape=(np.int64(2),), strides=[np.int64(4)]))
+    assert t.shape == (2,) and t.allocation is b.allocation  # (NumPy ints are ints)
     # a producer's stream: ours waits on an event recorded on it, on the device
     n = len(drv.calls)
     sm.from_cuda_array_interface(Producer(stream=0x5150))
@@ -1425,6 +1446,18 @@ def _retirer_sweeps_nothing(monkeypatch):
     monkeypatch.setattr(retirer, "_pass", lambda rt, last: ({}, True))
 
 
+def _quiet_stream(fake, monkeypatch):
+    """``(dev, drv, s, b, before)``: the fake device and driver, a stream ``s`` the retirer
+    leaves alone (see _retirer_sweeps_nothing), 32 zeroed bytes ``b`` written on it and
+    settled, and ``sm.stats()`` then."""
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    return dev, drv, s, b, sm.stats()
+
+
 def test_a_batch_marker_that_cannot_be_recorded_keeps_every_joiners_memory_the_last_too(
         fake, monkeypatch):
     """The MARKER_BATCH-th submission that joins a stream's open marker records it. A record
@@ -1435,12 +1468,7 @@ def test_a_batch_marker_that_cannot_be_recorded_keeps_every_joiners_memory_the_l
     counted neither as submitted nor as leaked.)"""
     import sharedmem.backends.cuda as bc
     from fake_cuda import CUresult
-    dev, drv = fake
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
     memsets = []
     real_memset = drv.cuMemsetD8Async
     monkeypatch.setattr(drv, "cuMemsetD8Async",
@@ -1495,12 +1523,7 @@ def test_a_query_failing_partway_through_a_fifo_retires_before_it_and_waits_afte
     and the walk stops at the first one still running, which stays pending and retires later."""
     from fake_cuda import CUresult
     from sharedmem.runtime import submission as sub
-    dev, drv = fake
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
     a, mid, c = _held_submissions(drv, s, b, 3)
     bad = a if failing == "oldest" else mid
     if failing == "middle":
@@ -1543,12 +1566,7 @@ def test_a_submitters_sweep_that_finds_a_failed_query_leaves_the_open_marker_ope
     marker -- nothing recorded, those stay pending and retire once it is recorded."""
     from fake_cuda import CUresult
     from sharedmem.runtime import submission as sub
-    dev, drv = fake
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
     (a,) = _held_submissions(drv, s, b, 1)
     real = drv.cuEventQuery
     monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (CUresult.CUDA_ERROR_INVALID_HANDLE,)
@@ -1580,12 +1598,7 @@ def test_a_marker_whose_event_cannot_be_made_or_waited_for_makes_completion_unkn
     future raises CompletionUnknownError with the CudaError as ``__cause__``, and its memory
     is kept, counted once in ``stats().leaked``."""
     from fake_cuda import CUresult
-    dev, drv = fake
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
     dev.backend._events.clear()
     fut = b.fill_zero(stream=s)
     m = fut._s.marker
@@ -1798,43 +1811,6 @@ def test_a_dlpack_export_to_no_stream_holds_the_bytes_on_every_current_stream(fa
     assert after.submitted == before.submitted + 2 and after.in_flight == 0
 
 
-def test_cai_entries_that_are_not_ints_or_a_null_pointer_are_malformed(fake, monkeypatch):
-    """A shape or strides entry that is not an integer (a float, a string) is malformed --
-    not truncated, nor read character by character -- and so is a data pointer that is not an
-    int (ValueError, sharedmem's message: not the interpreter's TypeError), or a NULL one for
-    a non-empty array (as DLPack's import refuses it: a tensor at address 0)."""
-    import sharedmem.device as sm_device
-    dev, drv = fake
-    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
-    b = sm.Buffer.from_host(np.arange(4, dtype="f4"), device=dev)
-    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
-    sm.synchronize()
-    before = sm.stats()
-
-    class Producer:
-        def __init__(self, **kw):
-            self.__cuda_array_interface__ = {"shape": (2,), "typestr": "<f4",
-                                             "data": (b.ptr, False), "version": 3, **kw}
-    m = r"^malformed __cuda_array_interface__: "
-    for kw, msg in (
-            ({"shape": (2.7,)}, r"'shape' must be a tuple of ints, got \(2\.7,\)"),
-            ({"shape": "2"}, r"'shape' must be a tuple of ints, got '2'"),
-            ({"strides": (4.0,)}, r"'strides' must be None or a tuple of ints, got \(4\.0,\)"),
-            ({"strides": "4"}, r"'strides' must be None or a tuple of ints, got '4'"),
-            ({"data": ([1], False)}, r"the 'data' pointer must be an int, got \[1\]"),
-            ({"data": (float(b.ptr), False)}, r"the 'data' pointer must be an int, got "
-                                              r"[0-9.e+]+"),
-            ({"data": (None, False)}, r"a NULL 'data' pointer for 8 bytes"),
-            ({"data": (0, False)}, r"a NULL 'data' pointer for 8 bytes")):
-        with pytest.raises(ValueError, match=m + msg + "$"):
-            sm.from_cuda_array_interface(Producer(**kw))
-    assert b.allocation.live_views == 1 and sm.stats() == before  # nothing imported
-    t = sm.from_cuda_array_interface(Producer(shape=(np.int64(2),), strides=[np.int64(4)]))
-    assert t.shape == (2,) and t.allocation is b.allocation
-    empty = sm.from_cuda_array_interface(Producer(shape=(0,), data=(None, False)))
-    assert empty.nbytes == 0
-
-
 def test_a_marker_whose_context_cannot_be_made_current_is_unknown_not_raised(fake, monkeypatch):
     """Closing an open marker (recording its event) never raises: the work that joined it is
     enqueued already, and must stay filed for its leases. A failure to make the device's
@@ -1844,12 +1820,7 @@ def test_a_marker_whose_context_cannot_be_made_current_is_unknown_not_raised(fak
     from sharedmem.runtime.state import locked
     if compiled():
         pytest.skip("the backend's methods cannot be patched on an instance in the compiled build")
-    dev, drv = fake
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
     fut = b.fill_zero(stream=s)
     marker = fut._s.marker
     assert not marker.recorded
