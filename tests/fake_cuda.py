@@ -566,7 +566,6 @@ def install_fake_devices(monkeypatch, hot: bool, count: int = 1):
     drv.count = count
     monkeypatch.setattr(bc, "cu", drv)
     monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
-    monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
     monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if hot else (lambda: None))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     monkeypatch.setattr(bc, "_backends", [0])

@@ -30,7 +30,6 @@ def fake(monkeypatch):
     drv = FakeDriver()
     monkeypatch.setattr(bc, "cu", drv)
     monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
-    monkeypatch.setattr(bc, "_NOT_READY", CUresult.CUDA_ERROR_NOT_READY)
     monkeypatch.setattr(bc, "_hot_driver", lambda: None)
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
     backend = bc.CudaBackend(0)

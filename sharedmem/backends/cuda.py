@@ -52,11 +52,10 @@ PENDING, DONE, UNKNOWN = 0, 1, 2
 # driver here before they make a backend).
 cu = None
 _SUCCESS = None
-_NOT_READY = None
 
 
 def _load_driver():
-    global cu, _SUCCESS, _NOT_READY
+    global cu, _SUCCESS
     if cu is None:
         try:
             from cuda.bindings import driver
@@ -68,7 +67,6 @@ def _load_driver():
         cu = driver
     if _SUCCESS is None:
         _SUCCESS = cu.CUresult.CUDA_SUCCESS
-        _NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
     return cu
 
 
