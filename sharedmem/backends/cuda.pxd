@@ -37,7 +37,7 @@ cdef class CudaStreamImpl:
 
 cdef class CudaBackend:
     cdef public object _cupy, cu, ordinal, cu_device, name, uuid, compute_capability, limits
-    cdef public object context, hot, _cupy_device, on_progress, _arena
+    cdef public object context, hot, _cupy_device, _arena
     cdef public size_t context_handle
     # driver entry points called through their addresses (0: not known)
     cdef public size_t ctx_get_addr, record_addr, query_addr, wait_addr, graph_launch_addr

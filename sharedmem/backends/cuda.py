@@ -537,7 +537,6 @@ class CudaBackend:
         self._ipc_events = []
         self._cupy_device = cupy.cuda.Device(ordinal)
         self._arena = None  # the CuPy stream whose pool arena sharedmem allocates from
-        self.on_progress = None
 
     # -- context ------------------------------------------------------------
     def ensure_context(self) -> None:
