@@ -806,10 +806,8 @@ class CudaBackend:
 
     # -- graphs: stream capture into a CUDA graph --------------------------------
     def begin_capture(self, impl: CudaStreamImpl) -> CudaStreamImpl:
-        from ..errors import CaptureError
-        if impl.handle in (0, 1, 2):
-            raise CaptureError("the default stream cannot be captured; capture on a stream made "
-                               "by device.create_stream()")
+        # (never the default stream: sm.capture refuses it first, and a Stream made for handle
+        # 0, 1 or 2 is the default stream -- Stream.from_external)
         if impl.open_marker is not None:  # never record an event into the capture
             impl.open_marker.close_locked()
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
