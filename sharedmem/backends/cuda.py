@@ -496,8 +496,7 @@ class CudaBackend:
         self.name = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName") \
             .split(b"\0")[0].decode()
         uuid = check(cu.cuDeviceGetUuid(self.cu_device), "cuDeviceGetUuid")
-        b = bytes(uuid.bytes) if not isinstance(uuid.bytes, bytes) else uuid.bytes
-        h = b.hex()
+        h = bytes(uuid.bytes).hex()
         self.uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
         A = cu.CUdevice_attribute
         self.compute_capability = tuple(check(cu.cuDeviceGetAttribute(
