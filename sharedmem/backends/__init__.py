@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+#: What ``Marker.query()`` returns.
+PENDING, DONE, UNKNOWN = 0, 1, 2
+
 
 @runtime_checkable
 class Marker(Protocol):
@@ -82,7 +85,7 @@ class CompleteMarker:
     handle = 0
 
     def query(self) -> int:
-        return 1  # done
+        return DONE
 
     def wait(self, timeout=None) -> bool:
         return True

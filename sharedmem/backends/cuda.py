@@ -38,14 +38,13 @@ import time
 
 from ..runtime.state import fork_safe, locked
 from ..errors import BackendUnavailableError, CompletionUnknownError, CudaError
-from . import COMPLETE, copy_pieces
+from . import COMPLETE, DONE, PENDING, UNKNOWN, copy_pieces
 
 try:
     import cython
 except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
-PENDING, DONE, UNKNOWN = 0, 1, 2
 
 # The driver module (cuda.bindings.driver), imported by the first CudaBackend -- never by
 # importing this module, which modules compiled against it import with them (tests put a fake

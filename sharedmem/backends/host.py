@@ -39,11 +39,10 @@ import numpy as np
 
 from ..errors import CaptureError, CompletionUnknownError, SharedMemError
 from ..runtime.state import at_fork_child, at_fork_hold, fork_safe, log
-from . import COMPLETE
+from . import COMPLETE, DONE, PENDING, UNKNOWN
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
 
-PENDING, DONE, UNKNOWN = 0, 1, 2
 _ALIGN = 256
 #: Tasks a host stream queues before a submission waits for room (see throttle()).
 MAX_QUEUED = 1024
