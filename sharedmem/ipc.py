@@ -559,8 +559,7 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         with _opened_lock:
             _forget_dead_exporters_locked()
             key = (dev.key, handle.mem)
-            hit = _recent.get(key)
-            mapping = hit[0] if hit is not None else _mappings.get(key)
+            mapping = _mappings.get(key)  # (one in _recent is here too: _recent keeps it alive)
             if mapping is None:
                 mapping = _Mapping.__new__(_Mapping)
                 mapping.backend = backend
