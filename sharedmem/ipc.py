@@ -37,6 +37,7 @@ maps whole allocations and needs the exporter alive; both are documented above.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import fcntl
 import io
@@ -165,10 +166,8 @@ def _remove_dead_files(directory) -> None:
         parts = name.split("-")
         if name.startswith("sharedmem-ipc-") and len(parts) > 3 and parts[2].isdigit() and \
                 not _alive(int(parts[2]), 0):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
 
 
 def _take_slot_locked():
@@ -210,10 +209,8 @@ class _SlotLock:
 
 def _cleanup_files() -> None:
     for path, _, _ in _files:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
 
 
 import atexit  # noqa: E402
