@@ -99,7 +99,7 @@ class IpcExport:
     "released", "importer died", "revoked"), :meth:`revoke` and :meth:`wait_released`."""
 
     __slots__ = ("handle", "_token", "_slot", "_event", "_state", "_dead_since", "_done",
-                 "_pid", "__weakref__")
+                 "__weakref__")
 
     def __repr__(self) -> str:
         return f"<IpcExport {self._state}: {self.handle!r}>"
@@ -113,11 +113,11 @@ class IpcExport:
                         f"handle (ex.handle), which sm.ipc.open opens in the other process")
 
     def _check_owner(self, what) -> None:
-        if self._pid != os.getpid():
+        if self.handle.exporter_pid != os.getpid():
             raise SharedMemError(
                 f"{what} of {self!r} in process {os.getpid()}: the export belongs to process "
-                f"{self._pid}, which made it (a forked child shares none of its parent's "
-                f"exports); call it there")
+                f"{self.handle.exporter_pid}, which made it (a forked child shares none of its "
+                f"parent's exports); call it there")
 
     def revoke(self) -> bool:
         """End an export nobody opened yet (its memory is released now); False when an
@@ -283,7 +283,6 @@ def export(view, stream=None) -> IpcExport:
         ex._state = "exported"
         ex._dead_since = None
         ex._done = threading.Event()
-        ex._pid = os.getpid()
         with _lock:
             _ensure_poller_locked()  # (first: a failure below leaves no export filed)
             slot, path, index, gen = _take_slot_locked()
