@@ -1013,7 +1013,7 @@ def test_a_revived_host_stream_runs_its_work_in_a_forked_child(host):
     if pid == 0:
         os._exit(0 if impl.submit(lambda: None).wait(5) else 3)
     assert os.WEXITSTATUS(os.waitpid(pid, 0)[1]) == 0
-    impl.close()
+    impl._q.put(None)  # (its worker stops)
 
 
 def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypatch):

@@ -314,7 +314,6 @@ class HostStreamImpl:
         self._q = _Tasks(self.name)
         self._state = {"fault": None}
         self._backend = backend
-        self._closed = False
         self.recording = None  # while capturing: the tasks recorded (see begin_capture)
         self._start_worker()
         _impls.add(self)
@@ -367,7 +366,7 @@ class HostStreamImpl:
         if len(q.items) < MAX_QUEUED or threading.get_ident() == q.worker:
             return
         delay = 50e-6
-        while len(q.items) >= MAX_QUEUED and not self._closed:
+        while len(q.items) >= MAX_QUEUED:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
@@ -412,10 +411,6 @@ class HostStreamImpl:
         if self.recording is not None:
             raise CaptureError("a capturing stream cannot be synchronized")
         self.submit(_noop).wait()
-
-    def close(self) -> None:
-        self._closed = True
-        self._q.put(None)
 
     def __del__(self):
         try:
@@ -627,7 +622,7 @@ def _finish_at_exit() -> None:
     deadline = time.monotonic() + EXIT_TIMEOUT
     dropped = []
     for impl in list(_impls):
-        if impl._state["fault"] is not None or impl._closed:
+        if impl._state["fault"] is not None:
             continue
         queued, running = len(impl._q.items), impl._q.running is not None
         if not queued and not running:
