@@ -223,6 +223,7 @@ def _param_sizes(func):
     if get is None:
         return None
     ok = cu.CUresult.CUDA_SUCCESS
+    limit = 4097  # (probing: asked until the driver says there is no such parameter)
     count = getattr(cu, "cuFuncGetParamCount", None)
     if count is not None:
         try:
@@ -230,22 +231,13 @@ def _param_sizes(func):
         except RuntimeError:  # in the bindings, not in this driver ("Function ... not found")
             res = (None,)
         if res[0] == ok:
-            sizes = []
-            for i in range(int(res[1])):
-                r = get(func, i)
-                if r[0] != ok:
-                    break
-                sizes.append(int(r[2]))
-            else:
-                return sizes
+            limit = int(res[1])
     sizes = []
-    while True:
-        res = get(func, len(sizes))
+    for i in range(limit):
+        res = get(func, i)
         if res[0] != ok:
             break
         sizes.append(int(res[2]))
-        if len(sizes) > 4096:  # pragma: no cover
-            break
     return sizes
 
 
@@ -328,10 +320,8 @@ class RawKernelPlan(KernelPlan):
         self.func = func
         self.params = params
         fmt = ["<"]
-        offsets = []
         off = 0
         for p in params:
-            offsets.append(off)
             p.offset = off
             f = _FORMATS.get((p.kind, p.size), f"{p.size}s")
             slot = (p.size + 7) // 8 * 8
@@ -343,7 +333,7 @@ class RawKernelPlan(KernelPlan):
         self.nbytes = off
         self.slots = (ctypes.c_uint8 * max(off, 8))()
         base = ctypes.addressof(self.slots)
-        self.ptrs = (ctypes.c_void_p * max(len(params), 1))(*[base + o for o in offsets])
+        self.ptrs = (ctypes.c_void_p * max(len(params), 1))(*[base + p.offset for p in params])
         self.ptrs_addr = ctypes.addressof(self.ptrs)
         self.c_func, self.c_ptrs = ctypes.c_void_p(int(func)), ctypes.c_void_p(self.ptrs_addr)
         backend = device.backend
