@@ -40,7 +40,7 @@ from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.runtime.state import RUNTIME, log
 from sharedmem.launch import (Intent, KernelAdapter, KernelPlan, LaunchArg, array_args,
                               check_dims, register_kernel_adapter)
-from sharedmem.tensor import Tensor
+from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
 from interop.cupy_launch import foreign_array
@@ -96,11 +96,7 @@ def _array_keys(typestr, shape, strides, ptr) -> tuple:
     itemsize = int(typestr[2:])
     ndim = len(shape)
     if strides is None:
-        st, acc = [0] * ndim, itemsize
-        for k in range(ndim - 1, -1, -1):
-            st[k] = acc
-            acc *= shape[k]
-        strides = tuple(st)
+        strides = tuple([s * itemsize for s in c_strides(shape)])
     dims = tuple((shape[k] % 16 == 0, shape[k] == 1, strides[k] % 16 == 0,
                   strides[k] == itemsize) for k in range(ndim))
     # disjoint: along the dimensions of extent > 1, by increasing stride, each stride spans
@@ -287,9 +283,7 @@ def _check_no_aliasing(args) -> None:
         ta = a.token
         for j, b in arrays[n + 1:]:
             tb = b.token
-            if ta.allocation is tb.allocation and ta.start < tb.stop and tb.start < ta.stop \
-                    and ta.start < ta.stop and tb.start < tb.stop and (a.writes or b.writes) \
-                    and _share_elements(a, b):
+            if _aliased([(ta, a.writes), (tb, b.writes)]) and _share_elements(a, b):
                 raise KernelError(
                     f"arguments {i} and {j} overlap (bytes [{max(ta.start, tb.start)}, "
                     f"{min(ta.stop, tb.stop)}) of allocation #{ta.allocation.id}) and one of them "
