@@ -144,7 +144,7 @@ def from_cuda_array_interface(obj, *, stream=None):
     if not isinstance(desc, dict):
         raise TypeError("__cuda_array_interface__ must be a dict")
     version = desc.get("version", 0)
-    if not isinstance(version, int) or not 0 <= version <= 3:
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= 3:
         raise ValueError(f"CUDA Array Interface version {version!r} is not supported (0 to 3)")
     if desc.get("mask") is not None:
         raise ValueError("masked CUDA Array Interface arrays are not supported")
@@ -155,6 +155,8 @@ def from_cuda_array_interface(obj, *, stream=None):
     if any(n < 0 for n in shape):  # (DLPack's import refuses one too)
         raise ValueError(f"malformed __cuda_array_interface__: negative shape {shape}")
     try:
+        if not isinstance(desc["typestr"], str):  # (not a NumPy type: the protocol says string)
+            raise TypeError
         dtype = np.dtype(desc["typestr"])
     except (TypeError, ValueError):
         raise ValueError(f"malformed __cuda_array_interface__: 'typestr' "

@@ -155,15 +155,18 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
         from .tensor import c_strides, extent
         isz = np.dtype(cai["typestr"]).itemsize
         shape = tuple(cai["shape"])
-        strides = cai.get("strides")
-        strides = c_strides(shape) if strides is None else tuple(s // isz for s in strides)
-        e_lo, e_hi = extent(shape, strides)
-        ptr = int(cai["data"][0]) + e_lo * isz
-        nbytes = (e_hi - e_lo) * isz
+        strides = cai.get("strides")  # (in bytes: any multiple of the item size or not)
+        if strides is None:
+            strides = tuple(s * isz for s in c_strides(shape))
+        e_lo, e_hi = extent(shape, tuple(strides), isz)
         if not isinstance(stream, Stream):
             from .device import default_device
             stream = Stream.from_external(stream, default_device())
-        alloc = lookup_allocation(stream.device, ptr, max(nbytes, 1))
+        if e_lo == e_hi:  # an empty array uses no bytes (its pointer may be 0): nothing to order
+            return
+        ptr = int(cai["data"][0]) + e_lo
+        nbytes = e_hi - e_lo
+        alloc = lookup_allocation(stream.device, ptr, nbytes)
         if alloc is None:
             raise ValueError(f"record_use: the {type(x).__name__} at 0x{ptr:x} is not memory "
                              f"sharedmem knows on {stream.device}; nothing to order")

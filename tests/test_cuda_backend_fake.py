@@ -190,6 +190,7 @@ def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
     for kw, msg in (
             ({"version": 4}, r"CUDA Array Interface version 4 is not supported \(0 to 3\)"),
             ({"version": "3"}, r"CUDA Array Interface version '3' is not supported \(0 to 3\)"),
+            ({"version": True}, r"CUDA Array Interface version True is not supported \(0 to 3\)"),
             ({"mask": object()}, r"masked CUDA Array Interface arrays are not supported"),
             ({"data": None}, r"malformed __cuda_array_interface__: 'data' must be a \(pointer, "
                              r"read_only\) pair, got None"),
@@ -199,6 +200,8 @@ def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
                            r"ints, got 2"),
             ({"typestr": "<q9"}, r"malformed __cuda_array_interface__: 'typestr' '<q9' is not "
                                  r"a type string"),
+            ({"typestr": np.float32}, r"malformed __cuda_array_interface__: 'typestr' <class "
+                                      r"'numpy\.float32'> is not a type string"),
             ({"strides": (4, 4)}, r"strides \(4, 4\) do not match shape \(2,\)"),
             ({"strides": (-4,)}, r"negative strides \(-4,\) are not supported"),
             ({"strides": (6,)}, r"strides \(6,\) are not multiples of the item size 4"),
@@ -282,6 +285,35 @@ def test_record_use_of_a_cai_array_leases_its_bytes_or_says_why_not(fake, monkey
     drv.finish_held()
     sm.synchronize()
 
+
+def test_record_use_of_a_cai_array_leases_every_byte_its_strides_reach_and_none_when_empty(fake):
+    """CAI strides are bytes, not always a multiple of the item size: two float32 elements 6
+    bytes apart at byte 8 reach bytes [8, 18), and the lease is of those. (The strides were
+    divided by the item size, rounding down: the lease covered [8, 16) only, and a write of
+    bytes 16 and 17 elsewhere was not ordered after the use.) An empty array -- pointer 0, as the
+    protocol gives it -- uses no bytes: nothing is leased, and it is not refused as unknown
+    memory."""
+    dev, drv = fake
+    t = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=dev)
+    s = dev.create_stream("consumer")
+    sm.synchronize()
+
+    class Foreign:
+        def __init__(self, ptr, shape, strides):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "data": (ptr, False),
+                                             "strides": strides, "version": 3}
+    before = sm.stats()
+    sm.record_use(Foreign(0, (0,), None), s)
+    sm.record_use(Foreign(0, (3, 0), (24, 4)), s, writes=False)
+    assert sm.stats().submitted == before.submitted
+    drv.holding = True  # the consumer's work stays in flight
+    sm.record_use(Foreign(t.ptr + 8, (2,), (6,)), s, writes=False)
+    assert sm.stats().submitted == before.submitted + 1
+    (lease, writes), = s._pending[-1].uses
+    assert (lease.start, lease.stop, writes) == (8, 18, False)
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
 
 
 def test_protocol_edges_of_exports(fake):
