@@ -1847,7 +1847,8 @@ def test_a_marker_whose_context_cannot_be_made_current_is_unknown_not_raised(fak
     """Closing an open marker (recording its event) never raises: the work that joined it is
     enqueued already, and must stay filed for its leases. A failure to make the device's
     context current first makes the marker *unknown*, as a failed record does (it raised out of
-    close_locked, and so out of the submission whose join recorded it)."""
+    close_locked, and so out of the submission whose join recorded it), and takes no event
+    from the pool (one was taken first, then lost)."""
     from sharedmem.config import compiled
     from sharedmem.runtime.state import locked
     if compiled():
@@ -1862,6 +1863,8 @@ def test_a_marker_whose_context_cannot_be_made_current_is_unknown_not_raised(fak
         raise err
 
     records = sum(1 for c in drv.calls if c[0] == "record")
+    pool = list(dev.backend._events)
+    assert pool  # (the settled submissions' events came back to it)
     dev.backend.ensure_context = broken  # (an instance attribute: deleted below)
     try:
         with locked():
@@ -1870,6 +1873,7 @@ def test_a_marker_whose_context_cannot_be_made_current_is_unknown_not_raised(fak
         del dev.backend.ensure_context
     assert marker.recorded and marker.error is err and s._impl.open_marker is None
     assert sum(1 for c in drv.calls if c[0] == "record") == records  # nothing recorded
+    assert dev.backend._events == pool  # no event taken from the pool and lost
     with pytest.warns(sm.LeakWarning, match=r"CUDA_ERROR_INVALID_CONTEXT"):
         with pytest.raises(sm.CompletionUnknownError, match=r"^completion of fill_zero on "
                                                             r"<Stream s .* is unknown"):

@@ -182,9 +182,9 @@ class CudaMarker:
         if impl.open_marker is self:
             impl.open_marker = None
         backend = self._backend
-        try:
-            ev = backend._event()
+        try:  # (the context first: an event taken from the pool and not recorded would be lost)
             backend.ensure_context()  # (the legacy default stream is the current context's)
+            ev = backend._event()
         except Exception as e:  # (never raised: the work that joined it is enqueued already)
             self.error = e
             self._open_on = None
