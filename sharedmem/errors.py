@@ -7,23 +7,10 @@ picklable (they keep their message in ``args``).
 from __future__ import annotations
 
 __all__ = [
-    "SharedMemError",
-    "ReleasedError",
-    "MovedError",
-    "AliasError",
-    "AccessConflictError",
-    "DeviceMismatchError",
-    "PeerAccessError",
-    "CompletionUnknownError",
-    "BackendUnavailableError",
-    "KernelError",
-    "HostKernelError",
-    "CudaError",
-    "CaptureError",
-    "LayoutError",
-    "ReadOnlyError",
-    "SharedMemWarning",
-    "LeakWarning",
+    "SharedMemError", "ReleasedError", "MovedError", "AliasError", "AccessConflictError",
+    "DeviceMismatchError", "PeerAccessError", "CompletionUnknownError",
+    "BackendUnavailableError", "KernelError", "HostKernelError", "CudaError", "CaptureError",
+    "LayoutError", "ReadOnlyError", "SharedMemWarning", "LeakWarning",
 ]
 
 
