@@ -41,7 +41,6 @@ __all__ = ["READ", "WRITE", "ATOMIC", "AccessTracker", "set_access_policy",
 READ = "read"
 WRITE = "write"
 ATOMIC = "atomic"
-MODES = (READ, WRITE, ATOMIC)
 
 POLICIES = ("order", "reject")
 
