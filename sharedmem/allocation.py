@@ -304,11 +304,10 @@ class Allocation:
     def conflicts_locked(self, start, stop, writable, exclude) -> list:
         """The live views (other than ``exclude``) that alias bytes ``[start, stop)`` for a
         move that leaves the moved range ``writable`` (or read-only). Caller holds core_lock.
-        One pass: the common case, ``exclude`` the only live view, is decided in O(1) before
-        the call (View._move_token, the caller). Empty ranges conflict with nothing; read-only
-        views do not conflict with a read-only move."""
-        if start >= stop:
-            return []
+        One pass: the common case, ``exclude`` the only live view, and an empty moved range
+        (it conflicts with nothing) are decided in O(1) before the call (View._move_token, the
+        caller). Empty views conflict with nothing; read-only views do not conflict with a
+        read-only move."""
         out = []
         for tok in self._views.values():
             if tok is exclude or tok.start >= tok.stop:
