@@ -362,22 +362,18 @@ class _Registry:
             lock.release()
 
     def _remove(self, dkey, key) -> None:
-        # a weakref callback: runs wherever the allocation died; the lock is a leaf
+        # a weakref callback: runs once, wherever the allocation died; the lock is a leaf.
+        # register() put the key in all three under the lock, and only this removes it: each
+        # is found (a device's entry is never removed)
         lock = self._lock
         lock.acquire()
         try:
-            entry = self._maps.get(dkey)
-            got = entry[1].pop(key, None) if entry is not None else None
-            if got is None:
-                return
+            entry = self._maps[dkey]
+            got = entry[1].pop(key)
             keys = entry[0]
-            i = bisect.bisect_left(keys, key)
-            if i < len(keys) and keys[i] == key:
-                del keys[i]
+            del keys[bisect.bisect_left(keys, key)]
             lens = entry[2]
-            j = bisect.bisect_left(lens, got[1])
-            if j < len(lens) and lens[j] == got[1]:
-                del lens[j]  # (the bound shrinks when the longest went)
+            del lens[bisect.bisect_left(lens, got[1])]  # (the bound shrinks when the longest went)
             self._live -= 1
         finally:
             lock.release()
