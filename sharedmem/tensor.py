@@ -196,9 +196,8 @@ class Tensor(View):
             if differs:
                 raise LayoutError(f"shape {shape} holds {size} elements but {buf!r} "
                                   f"has {n}; pass a slice of the buffer or a matching shape")
-            dtype = b._dtype
             tok = b._move_token("tensor", "Tensor")
-            return new_tensor(tok, dtype, shape, strides, tok.start, size, 1)
+            return new_tensor(tok, b._dtype, shape, strides, tok.start, size, 1)
         shape = _shape(shape)
         strides = _ints(strides, "strides must be a sequence of ints (elements)")
         if len(strides) != len(shape):
@@ -209,9 +208,8 @@ class Tensor(View):
         if reach > n:
             raise LayoutError(f"shape {shape} with strides {strides} reaches element "
                               f"{reach - 1}, beyond {buf!r}")
-        dtype = b._dtype
         tok = b._move_token("tensor", "Tensor")
-        return new_tensor(tok, dtype, shape, strides, tok.start)
+        return new_tensor(tok, b._dtype, shape, strides, tok.start)
 
     @classmethod
     def empty(cls, shape: int | tuple[int, ...] | list[int], dtype: np.typing.DTypeLike = "float32",
@@ -334,10 +332,7 @@ class Tensor(View):
         exists, LayoutError if it is not C-contiguous; afterwards this tensor
         raises MovedError."""
         self._check_dense("into_buffer")
-        n = self._size
-        dtype = self._dtype
-        tok = self._move_token("buffer", "Buffer")
-        return new_buffer(tok, dtype, n)
+        return new_buffer(self._move_token("buffer", "Buffer"), self._dtype, self._size)
 
     def as_buffer(self) -> Buffer:
         """Borrow a Buffer view of this (C-contiguous) tensor's bytes.
