@@ -34,7 +34,7 @@ import numpy as np
 from .access import ATOMIC, READ, WRITE, check_policy
 from .allocation import View, ViewToken, _module, import_allocation
 from .buffer import Buffer, DeviceBox
-from .device import Device
+from .device import Device, default_device
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe
@@ -358,7 +358,8 @@ def plan_for(adapter, kernel, device):
     if hit is not None and hit[0] is kernel:
         plan = hit[1]
     else:
-        plan = _new_plan(adapter, kernel, device)
+        check_device_kind(adapter, device)
+        plan = adapter.plan(kernel, device)
         if len(_plans_by_device) >= _PLANS_MAX:
             _plans_by_device.clear()
         _plans_by_device[key] = (kernel, plan)
@@ -378,11 +379,6 @@ def check_device_kind(adapter, device) -> None:
             f"a {adapter.name} cannot run on {device}; " +
             (f"it runs on {' or '.join(kinds)} devices" if kinds else
              "its adapter declares no device kinds (set its device_kinds, e.g. ('host',))"))
-
-
-def _new_plan(adapter, kernel, device):
-    check_device_kind(adapter, device)
-    return adapter.plan(kernel, device)
 
 
 # -- validation helpers ------------------------------------------------------------------
@@ -633,7 +629,6 @@ def launch(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, 
 def default_device_for(adapter):
     """The device a launch with no array arguments and no stream runs on: the default device,
     or the host where only the host runs this kind of kernel (a host kernel on a GPU machine)."""
-    from .device import default_device
     device = default_device()
     if device.kind not in adapter.device_kinds and "host" in adapter.device_kinds:
         device = Device.host()
@@ -751,13 +746,12 @@ class _HostPlan(KernelPlan):
                 out.append(ndarray_of(a, uses[j][1]))
                 j += 1
             elif type(a) is LaunchArg:
-                la = a
-                if la.view is not None:
-                    out.append(ndarray_of(la.view, la.writes))
-                elif la.writes:  # a NumPy array (see _HostAdapter.coerce)
-                    out.append(la.value)
+                if a.view is not None:
+                    out.append(ndarray_of(a.view, a.writes))
+                elif a.writes:  # a NumPy array (see _HostAdapter.coerce)
+                    out.append(a.value)
                 else:
-                    ro = la.value.view()
+                    ro = a.value.view()
                     ro.flags.writeable = False
                     out.append(ro)
                 j += 1
@@ -775,7 +769,6 @@ class _HostAdapter(KernelAdapter):
 
     def coerce(self, obj, device):
         """NumPy arrays are leased as CuPy arrays are on CUDA (see :func:`numpy_lease`)."""
-        np = _module("numpy")
         if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
             return numpy_lease(obj)
         return None
