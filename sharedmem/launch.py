@@ -561,22 +561,16 @@ def resolve_args(adapter, args, device):
                 foreign = [None, value]
             else:
                 foreign.append(value)
-            if fa is not None:
-                if not with_length:
-                    resolved[i] = fa
-                    uses.append(u)
-                    continue
-                la = LaunchArg.__new__(LaunchArg)
-                la.view = None
-                la.value = value
-                la.token = tok
-                la.offset = fa.offset
-        if la is None:
+            if fa is not None and not with_length:
+                resolved[i] = fa
+                uses.append(u)
+                continue
+        if la is None:  # a view with_length, or a prepared foreign array (fa) with_length
             la = LaunchArg.__new__(LaunchArg)
             la.view = view
             la.value = value
             la.token = tok
-            la.offset = view._offset
+            la.offset = view._offset if fa is None else fa.offset
         la._mode = mode
         la.intent = intent
         la.with_length = with_length
