@@ -20,24 +20,19 @@ def cast(type_, value, typecheck=False):
     return value
 
 
-def freelist(n):
-    """``cython.freelist``: interpreted, the class as it is."""
-    return cclass
-
-
 def cclass(cls):
     """``cython.cclass``: interpreted, the class as it is (its .pxd makes it one compiled)."""
     return cls
 
 
-def boundscheck(flag):
-    """``cython.boundscheck``: interpreted, the function as it is (indexing is checked)."""
+def _directive(arg):
+    """A decorator with an argument -- ``cython.freelist(n)``, ``cython.boundscheck(flag)``,
+    ``cython.wraparound(flag)``: interpreted, the class or function as it is (indexing is
+    checked)."""
     return cclass
 
 
-def wraparound(flag):
-    """``cython.wraparound``: interpreted, the function as it is."""
-    return cclass
+freelist = boundscheck = wraparound = _directive
 
 
 def declare(type_=None, value=None, **kwargs):
