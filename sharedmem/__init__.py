@@ -17,14 +17,13 @@ from .allocation import Allocation, lookup_allocation  # noqa: E402
 from .bridges import adopt, from_cuda_array_interface, from_dlpack, record_use  # noqa: E402
 from .buffer import Buffer, DeviceBox  # noqa: E402
 from .device import Device, default_device  # noqa: E402
-from .errors import (AccessConflictError, AliasError, BackendUnavailableError, CaptureError,  # noqa: E402
-                     CompletionUnknownError, CudaError, DeviceMismatchError, HostKernelError, KernelError,
-                     LayoutError,
-                     LeakWarning, MovedError, PeerAccessError, ReadOnlyError, ReleasedError,
-                     SharedMemError,
+from .errors import (AccessConflictError, AliasError, BackendUnavailableError,  # noqa: E402
+                     CaptureError, CompletionUnknownError, CudaError, DeviceMismatchError,
+                     HostKernelError, KernelError, LayoutError, LeakWarning, MovedError,
+                     PeerAccessError, ReadOnlyError, ReleasedError, SharedMemError,
                      SharedMemWarning)
-from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out, host_kernel, launch,  # noqa: E402
-                     register_kernel_adapter)
+from .launch import (Atomic, HostKernel, In, InOut, KernelAdapter, Out,  # noqa: E402
+                     host_kernel, launch, register_kernel_adapter)
 # sm.zip: not in __all__ (`from sharedmem import *` would shadow the builtin); `zip as zip`
 # exports it to type checkers all the same
 from .ops import DeviceOp, op, zip as zip  # noqa: E402,A004
@@ -48,14 +47,13 @@ _pickling.hook_distributed()  # sharedmem's dask.distributed serializers, once d
 
 __all__ = [
     "AccessConflictError", "AliasError", "Allocation", "Atomic", "BackendUnavailableError",
-    "CaptureError", "Graph", "capture", "graph",
-    "Buffer", "CompletionUnknownError", "CudaError", "Device", "DeviceBox", "DeviceFuture",
-    "DeviceMismatchError", "DeviceOp", "Event", "HostFuture", "HostKernel", "HostKernelError", "In", "InOut", "KernelAdapter",
-    "KernelError", "LayoutError", "LeakWarning", "MovedError", "Out", "PeerAccessError", "ReadOnlyError", "ReleasedError",
-    "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device",
-    "adopt", "from_cuda_array_interface", "from_dlpack", "record_use",
-    "get_access_policy", "host_kernel", "launch", "lookup_allocation", "op", "register_kernel_adapter",
-    "set_access_policy", "show_config", "stats", "synchronize", "__version__", "InFlight",
-    "inflight", "trace",
+    "CaptureError", "Graph", "capture", "graph", "Buffer", "CompletionUnknownError", "CudaError",
+    "Device", "DeviceBox", "DeviceFuture", "DeviceMismatchError", "DeviceOp", "Event", "HostFuture",
+    "HostKernel", "HostKernelError", "In", "InOut", "KernelAdapter", "KernelError", "LayoutError",
+    "LeakWarning", "MovedError", "Out", "PeerAccessError", "ReadOnlyError", "ReleasedError",
+    "SharedMemError", "SharedMemWarning", "Stats", "Stream", "Tensor", "default_device", "adopt",
+    "from_cuda_array_interface", "from_dlpack", "record_use", "get_access_policy", "host_kernel",
+    "launch", "lookup_allocation", "op", "register_kernel_adapter", "set_access_policy",
+    "show_config", "stats", "synchronize", "__version__", "InFlight", "inflight", "trace",
 ]
 
