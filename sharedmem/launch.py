@@ -587,8 +587,7 @@ def array_args(resolved, uses):
     for a in resolved:
         if isinstance(a, View):
             tok, writes = uses[j]
-            la = LaunchArg(a, a, tok, _WRITE if writes else _READ, None, False, a._offset)
-            out.append(la)
+            out.append(LaunchArg(a, a, tok, _WRITE if writes else _READ, None, False, a._offset))
             j += 1
         elif type(a) is LaunchArg:
             out.append(a)
