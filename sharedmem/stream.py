@@ -113,6 +113,7 @@ class Stream:
             if st is not None:
                 return st
         from .device import Device, default_device
+        memo = device is None  # (remembered for the next call only when it names no device)
         named = _device_named_by(obj)
         if device is None and named is not None:
             device = named
@@ -141,7 +142,7 @@ class Stream:
         stale = None
         if st is not None and st._external is not obj and not _names_its_stream(st):
             stale, st = st, None  # its object's stream was destroyed, the handle reused
-        infer = device is None and named is None  # (the device taken from the handle)
+        infer = device is None  # (neither the caller nor the object named it: the handle's)
         if st is None and infer:
             # a raw handle borrowed before on the device it lives on (handles are unique in
             # the process): found there, without asking the driver again
@@ -169,7 +170,7 @@ class Stream:
                 st = _by_handle.get(key)
                 if st is None or st is stale:
                     st = _by_handle[key] = cls._create(dev, impl, owned=False, external=obj)
-        if device is None and st._external is obj:
+        if memo and st._external is obj:
             _last_borrowed[0] = weakref.ref(st)
         return st
 
