@@ -65,7 +65,7 @@ cdef class ArrayFacts(ForeignArray):
     cdef public bint dead
 
 
-@cython.locals(f=ArrayFacts, slot=Py_ssize_t, addr=size_t)
+@cython.locals(f=ArrayFacts, other=ArrayFacts, slot=Py_ssize_t, addr=size_t)
 cpdef ArrayFacts array_facts(arr)
 
 @cython.locals(modules=dict)

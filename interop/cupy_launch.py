@@ -649,8 +649,10 @@ class ArrayFacts(ForeignArray):
 # learns equal facts.
 _facts = {}
 # The facts found last, by a hash of the array's address (compiled: one C list read, before
-# the dict, whose key is an int made per lookup). An entry is used only while it is the
-# array's (``addr`` equal, not ``dead``). Lock-free: single list stores of immutable records.
+# the dict, whose key is an int made per lookup), in pairs of slots (``slot ^ 1``, the other
+# of the pair: two arrays whose addresses hash alike -- objects 4 KiB apart -- both stay, not
+# evicting each other on every launch). An entry is used only while it is the array's
+# (``addr`` equal, not ``dead``). Lock-free: single list stores of immutable records.
 _RECENT = cython.declare(cython.Py_ssize_t, 64)
 _recent = cython.declare(list, [None] * 64)
 
@@ -665,11 +667,11 @@ def _forget(key, ref):
     if f is not None and f.ref is ref:
         f.dead = True
         del _facts[key]
-    slot = (key >> 6) % _RECENT  # (the array's address: see array_facts)
-    f = _recent[slot]
-    if f is not None and f.ref is ref:  # (nothing outlives the array: its allocation goes)
-        f.dead = True
-        _recent[slot] = None
+    for slot in ((key >> 6) % _RECENT, ((key >> 6) % _RECENT) ^ 1):  # (see array_facts)
+        f = _recent[slot]
+        if f is not None and f.ref is ref:  # (nothing outlives the array: its allocation goes)
+            f.dead = True
+            _recent[slot] = None
 
 
 def array_facts(arr):
@@ -680,6 +682,9 @@ def array_facts(arr):
         f = _recent[slot]
         if f is not None and f.addr == addr and not f.dead:  # (field reads, no call)
             return f
+        f = _recent[slot ^ 1]
+        if f is not None and f.addr == addr and not f.dead:
+            return f
         f = _facts.get(addr)  # (the key id() would give, without the builtin's call)
     else:
         slot = 0
@@ -687,6 +692,9 @@ def array_facts(arr):
     if f is None or f.dead:
         f = _learn(arr)
     if cython.compiled:
+        other = _recent[slot]
+        if other is not None and not other.dead:  # (another live array's: the pair's other)
+            slot ^= 1
         _recent[slot] = f
     return f
 

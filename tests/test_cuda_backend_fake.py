@@ -997,6 +997,33 @@ def test_cupy_array_facts_are_found_again_and_forgotten_with_the_array(fake, ker
     assert facts.dead and facts not in icl._facts.values() and facts not in icl.recent_facts()
 
 
+def test_two_cupy_arrays_whose_addresses_hash_alike_are_both_found_by_the_recent_table(
+        fake, kernels, monkeypatch):
+    """Compiled, a CuPy array argument's facts are found in a table indexed by a hash of the
+    array's address before the dict. Two arrays of one launch that hash alike (objects 4 KiB
+    apart) both stay in it, in the two slots of a pair: they evicted each other on every
+    launch, so that launch's arrays were all looked up in the dict (about 2,100 instructions
+    more a launch, depending on where the heap put the arrays)."""
+    import interop.cupy_launch as icl
+    if not sm.show_config(open(os.devnull, "w"))["core"].startswith("compiled"):
+        pytest.skip("the recent table is the compiled build's (interpreted, the dict alone)")
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    arrays = _fake_cupy_arrays(monkeypatch, dev, n, 65)  # (65 objects, 64 slots: two share)
+    by_slot = {}
+    for a in arrays:
+        by_slot.setdefault((id(a) >> 6) % 64, []).append(a)
+    x, out = next(v for v in by_slot.values() if len(v) > 1)[:2]
+    for _ in range(2):
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), sm.Out(out), n).result()
+    recent = icl.recent_facts()
+    assert icl._facts[id(x)] in recent and icl._facts[id(out)] in recent
+    i = next(k for k, a in enumerate(arrays) if a is x)  # (x holds i everywhere)
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 3.0 * i))
+    sm.synchronize()
+
+
 
 def test_a_cupy_array_over_a_read_only_view_is_not_written_by_a_launch(fake, kernels,
                                                                         monkeypatch):
