@@ -27,7 +27,10 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import os
+import sys
 import threading
+import warnings
 
 try:
     import cython
@@ -57,7 +60,6 @@ class Runtime:
                  "tracer", "captures", "__weakref__")
 
     def __init__(self):
-        import os
         self._new_lock()
         self.owner = 0  # the thread holding `lock` (0: none); written only by that thread
         # Lock-free (deque.append and popleft are atomic under the GIL): (function, argument)
@@ -197,9 +199,6 @@ CAPTURING = threading.local()
 def warn_user(message: str, category) -> None:
     """``warnings.warn`` attributed to the first frame outside sharedmem and interop (the
     user's line), compiled or interpreted (compiled functions have no frames)."""
-    import os
-    import sys
-    import warnings
     pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     roots = (os.path.join(pkg, ""), os.path.join(os.path.dirname(pkg), "interop", ""))
     level, f = 1, sys._getframe(0)
@@ -353,7 +352,6 @@ def _after_fork_parent() -> None:
 
 
 def _after_fork_child() -> None:
-    import os
     rt = RUNTIME
     _fork_held[0] = False
     rt._new_lock()
@@ -374,11 +372,6 @@ def _after_fork_child() -> None:
             gc.enable()
 
 
-def _register_fork_hooks() -> None:
-    import os
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
-                            after_in_child=_after_fork_child)
-
-
-_register_fork_hooks()
+if hasattr(os, "register_at_fork"):  # (not on Windows)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                        after_in_child=_after_fork_child)
