@@ -134,8 +134,8 @@ class Graph:
                     entry[0].writable = True  # (guarded by core_lock, as every token's fields)
         self._keep.extend(keep)
         self.launches += 1
-        sub = _sub.Submission(None, 0, COMPLETE, None, None,
-                              f"{_sub.label_text(label)} (captured into graph #{self.id})")
+        sub = _sub.new_submission(None, 0, COMPLETE, None, None,
+                                  f"{_sub.label_text(label)} (captured into graph #{self.id})")
         sub.state = _sub.RETIRED
         return sub
 

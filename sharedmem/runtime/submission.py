@@ -69,20 +69,6 @@ class Submission:
     __slots__ = ("stream", "seq", "marker", "keep", "uses", "state", "callbacks", "value",
                  "_label", "t0")
 
-    def __init__(self, stream, seq, marker, keep, uses, label):
-        self.stream = stream
-        self.seq = seq
-        self.marker = marker
-        self.keep = keep
-        # the (token, writes) pairs it leased; never mutated, but for the lists of hold ends
-        # that later ends join while it is its stream's newest (_lease_hold_end_locked)
-        self.uses = uses
-        self.state = PENDING  # written under core_lock
-        self.callbacks = None  # list of callables; guarded by core_lock
-        self.value = None
-        self._label = label
-        self.t0 = _monotonic()  # when it was submitted (time.monotonic(); sm.inflight ages)
-
     @property
     def nbytes(self) -> int:
         """Bytes leased (counted again for each lease of the same bytes)."""
@@ -117,18 +103,21 @@ def _keep_list(keep) -> list:
 
 
 def new_submission(stream, seq, marker, keep, uses, label):
-    """A PENDING Submission (what ``Submission(...)`` makes, without the call's overhead)."""
+    """A PENDING Submission: how every one is made (no ``__init__`` call's overhead)."""
     sub = Submission.__new__(Submission)
     sub.stream = stream
     sub.seq = seq
     sub.marker = marker
     sub.keep = keep
+    # the (token, writes) pairs it leased; never mutated, but for the lists of hold ends
+    # that later ends join while it is its stream's newest (_lease_hold_end_locked)
     sub.uses = uses
-    sub.state = _PENDING
-    sub.callbacks = None
+    sub.state = _PENDING  # written under core_lock
+    sub.callbacks = None  # list of callables; guarded by core_lock
     sub.value = None
     sub._label = label
-    sub.t0 = _now() if cython.compiled else _monotonic()  # (_now: submission.pxd)
+    # when it was submitted (time.monotonic(); sm.inflight ages). _now: submission.pxd
+    sub.t0 = _now() if cython.compiled else _monotonic()
     return sub
 
 
