@@ -83,6 +83,8 @@ cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bi
 @cython.locals(rt=Runtime, markers=list, tok=ViewToken)
 cpdef int object_export_hold(View view, str kind, consumers, wait, bint ordered) except? -1
 
+cdef _wait_on_host(ViewToken tok, wait, list markers)
+
 @cython.locals(tracker=AccessTracker, c=tuple)
 cdef _order_locked(ViewToken tok, wait, bint blocking, stream, handle, list markers,
                    exclude)

@@ -848,11 +848,7 @@ def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
     finally:
         rt.release()
     if blocking:
-        for m in markers:
-            wait(m)
-            if m.error is not None:  # (the wait found the writer faulted: unknown completion)
-                raise _unexportable(tok, f"work whose completion became unknown while waited "
-                                         f"for ({m.error!r})")
+        _wait_on_host(tok, wait, markers)
     return len(markers)
 
 
@@ -874,11 +870,7 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
         rt.release()
     try:
         if blocking:
-            for m in markers:
-                wait(m)
-                if m.error is not None:  # (as order_consumer: the writer faulted meanwhile)
-                    raise _unexportable(tok, f"work whose completion became unknown while "
-                                             f"waited for ({m.error!r})")
+            _wait_on_host(tok, wait, markers)
         if consumers:
             _sweep_consumers(consumers)
     except BaseException:  # (the caller never gets the token)
@@ -914,6 +906,16 @@ def object_export_hold(view, kind, consumers, wait, ordered) -> int:
         rt.release()
     _sweep_consumers(consumers)
     return len(markers)
+
+
+def _wait_on_host(tok, wait, markers) -> None:
+    """The waits of a ``blocking`` ordering, after the core lock is released: ``wait(m)`` for
+    each marker :func:`_order_locked` put in ``markers``."""
+    for m in markers:
+        wait(m)
+        if m.error is not None:  # (the wait found the writer faulted: unknown completion)
+            raise _unexportable(tok, f"work whose completion became unknown while waited "
+                                     f"for ({m.error!r})")
 
 
 def _unexportable(tok, by) -> CompletionUnknownError:
