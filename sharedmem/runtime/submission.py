@@ -38,7 +38,7 @@ from ..access import HOLD_SEQ, check_policy
 from ..allocation import ViewToken, _sweep_consumers, register_token_locked, unregistered_token
 from ..backends import COMPLETE
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
-    ReleasedError
+    ReleasedError, SharedMemWarning
 from . import callbacks as _callbacks
 from .state import CAPTURING, RUNTIME, Hooks, locked, log, warn_user
 
@@ -156,7 +156,6 @@ def escaped_capture(stream, label) -> None:
     thread-local capture mode allows, and almost never what was meant."""
     for s in getattr(CAPTURING, "streams", ()):
         if s.device is stream.device and s is not stream and s._capture is not None:
-            from ..errors import SharedMemWarning
             warn_user(f"{label_text(label)} on {stream} runs now, outside graph "
                       f"#{s._capture.id} that this thread is capturing on {s}: launch on {s} "
                       f"(or without stream=) to record it, or launch outside the capture",
@@ -653,10 +652,9 @@ def settle(timeout=1.0) -> None:
     mine = getattr(_finishing, "n", 0)  # (this thread's: finished after the caller returns)
     if RUNTIME.unfinished <= mine:  # (a plain read of an int written under the lock)
         return
-    import time
-    deadline = time.monotonic() + timeout
-    while RUNTIME.unfinished > mine and time.monotonic() < deadline:
-        time.sleep(20e-6)
+    deadline = _monotonic() + timeout
+    while RUNTIME.unfinished > mine and _monotonic() < deadline:
+        _sleep(20e-6)
 
 
 def sweep(stream) -> None:
@@ -784,17 +782,16 @@ def synchronize_stream(stream) -> None:
 
 
 def synchronize_device(device) -> None:
+    """:func:`synchronize_stream` of every stream with work in flight on ``device`` (None:
+    on every device)."""
     with locked():
-        streams = [s for s in RUNTIME.active if s.device is device]
+        streams = [s for s in RUNTIME.active if device is None or s.device is device]
     for s in streams:
         synchronize_stream(s)
 
 
 def synchronize_all() -> None:
-    with locked():
-        streams = list(RUNTIME.active)
-    for s in streams:
-        synchronize_stream(s)
+    synchronize_device(None)
 
 
 def raise_deferred() -> None:
