@@ -65,6 +65,17 @@ class _FutureBase:
         self.add_done_callback(_cb)
         return out
 
+    def result(self, timeout: float | None = None) -> _T:
+        """The value once done, blocking up to ``timeout`` seconds (then TimeoutError); raises
+        the error it failed with (a DeviceFuture's: see its class docstring)."""
+        self._wait_done(timeout)
+        return self._peek()
+
+    def add_done_callback(self, fn: Callable[[_FutureBase[_T]], object]) -> None:
+        """Call ``fn(self)`` once this future is done -- its work finished, or its value or
+        error set -- (at once if it is)."""
+        self._add_callback(partial(fn, self))
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the work ended with, or None (a TimeoutError when it has not ended
         within ``timeout``; as ``result``, errors of other work's callbacks are re-raised)."""
@@ -159,11 +170,6 @@ class DeviceFuture(_FutureBase):
             _sub.sweep(s.stream)
         return s.state != _sub.PENDING
 
-    def result(self, timeout: float | None = None) -> _T:
-        """Block until the work has finished; see the class docstring."""
-        self._wait_done(timeout)
-        return self._peek()
-
     def _wait_done(self, timeout) -> None:
         """Until the work finished (TimeoutError after ``timeout``), then other work's
         deferred warnings and errors (what every API call of a user thread re-raises)."""
@@ -174,10 +180,6 @@ class DeviceFuture(_FutureBase):
             if not done:
                 raise TimeoutError(f"{s.label} on {s.stream} did not finish within {timeout} s")
         _sub.raise_deferred()
-
-    def add_done_callback(self, fn: Callable[[DeviceFuture[_T]], object]) -> None:
-        """Call ``fn(self)`` once the work has finished (at once if it has)."""
-        _sub.add_callback(self._s, partial(fn, self))
 
     def _add_callback(self, cb) -> None:
         """Call ``cb()`` once done (at once if it is): ``cb`` as given, for
@@ -255,24 +257,12 @@ class HostFuture(_FutureBase):
         """True once the value (or the error) is set; never blocks."""
         return self._event.is_set()
 
-    def result(self, timeout: float | None = None) -> _T:
-        """The value once set (blocking up to ``timeout``); raises the error it failed with, or
-        TimeoutError."""
-        self._wait_done(timeout)
-        if self._error is not None:
-            raise self._error
-        return self._value
-
     def _wait_done(self, timeout) -> None:
         if not self._event.is_set():
             with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
                 done = self._event.wait(timeout)
             if not done:
                 raise TimeoutError(f"the host function did not finish within {timeout} s")
-
-    def add_done_callback(self, fn: Callable[[HostFuture[_T]], object]) -> None:
-        """Call ``fn(self)`` once the value or error is set (at once if it is)."""
-        self._add_callback(partial(fn, self))
 
     def _add_callback(self, cb) -> None:
         with self._lock:
@@ -287,4 +277,7 @@ class HostFuture(_FutureBase):
                 self._callbacks.remove(cb)
 
     def _peek(self):
-        return self.result(0)
+        """The value, or the error it failed with (the value or error is set)."""
+        if self._error is not None:
+            raise self._error
+        return self._value
