@@ -1005,7 +1005,8 @@ def test_two_cupy_arrays_whose_addresses_hash_alike_are_both_found_by_the_recent
     launch, so that launch's arrays were all looked up in the dict (about 2,100 instructions
     more a launch, depending on where the heap put the arrays)."""
     import interop.cupy_launch as icl
-    if not sm.show_config(open(os.devnull, "w"))["core"].startswith("compiled"):
+    from sharedmem.config import compiled
+    if not compiled():
         pytest.skip("the recent table is the compiled build's (interpreted, the dict alone)")
     dev, drv = fake
     saxpy, _ = kernels
@@ -1558,6 +1559,33 @@ def test_a_batch_marker_that_cannot_be_recorded_keeps_every_joiners_memory_the_l
                                                         r"\[0, 32\) .*which work of unknown "
                                                         r"completion on <Stream s .* writes"):
         b.to_host()
+
+
+def test_synchronize_waits_for_the_stream_itself_when_its_last_marker_is_unknown(
+        fake, monkeypatch):
+    """A marker that could not be recorded cannot be waited for (its wait returns at once):
+    synchronizing a stream whose newest work has such a marker waits for the stream itself
+    (cuStreamSynchronize), not for nothing. (It returned at once, while that work could still
+    be running.) With a known marker it waits for the marker alone."""
+    from fake_cuda import CUresult
+    from sharedmem.runtime.state import locked
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
+    b.fill_zero(stream=s)
+    n = len(drv.calls)
+    s.synchronize()
+    assert ("stream_sync", s.handle) not in drv.calls[n:]
+    real = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord", lambda ev, st: (CUresult.CUDA_ERROR_INVALID_VALUE,)
+                        if int(st) == s.handle else real(ev, st))
+    fut = b.fill_zero(stream=s)
+    with locked():
+        fut._s.marker.close_locked()  # (its record fails: the marker is unknown)
+    assert isinstance(fut._s.marker.error, sm.CudaError)
+    n = len(drv.calls)
+    with pytest.warns(sm.LeakWarning, match=r"is unknown \(CudaError\('cuEventRecord failed"):
+        s.synchronize()
+    assert ("stream_sync", s.handle) in drv.calls[n:]
+    monkeypatch.setattr(drv, "cuEventRecord", real)
 
 
 def _held_submissions(drv, s, b, n):

@@ -283,21 +283,24 @@ def _foreign_stream(drv, ordinal):
     return _CupyStream(h, ordinal)
 
 
-def test_a_foreign_stream_object_naming_its_device_is_found_again_in_a_few_reads(two):
+def test_a_foreign_stream_object_naming_its_device_is_found_again_in_a_few_reads(two,
+                                                                                monkeypatch):
     """A launch loop given the same CuPy or torch stream object each time finds its Stream
     from the memo of the last borrow (``as_stream``), as for an object that names no device.
     (The memo was never written for an object naming its device -- CuPy's ``device_id``,
     torch's ``device.index`` --, so every such launch borrowed the stream again in full.)"""
+    import sharedmem.device as sm_device
     import sharedmem.stream as sm_stream
     d0, d1, drv = two
+    monkeypatch.setitem(sm_device._devices, ("cuda", 1), d1)  # (the device the object names)
     fs = _foreign_stream(drv, 1)
     s = sm_stream.as_stream(fs)
-    assert s.device.ordinal == 1 and s._external is fs
+    assert s.device is d1 and s._external is fs
     assert sm_stream._last_borrowed[0]() is s
     assert sm_stream.as_stream(fs) is s and sm.Stream.from_external(fs) is s
     # a device given by the caller is checked against the object on every call: no memo
     sm_stream._last_borrowed[0] = None
-    assert sm.Stream.from_external(fs, s.device) is s and sm_stream._last_borrowed[0] is None
+    assert sm.Stream.from_external(fs, d1) is s and sm_stream._last_borrowed[0] is None
     with pytest.raises(sm.DeviceMismatchError, match=r"is a stream of CUDA device 1, not of "):
         sm.Stream.from_external(fs, d0)
 

@@ -776,7 +776,13 @@ def synchronize_stream(stream) -> None:
                                f"be waited for; end the capture first")
         last = stream._pending[-1] if stream._pending else None
     if last is not None:
-        last.marker.wait(None)
+        marker = last.marker
+        marker.wait(None)
+        if marker.query() == _M_UNKNOWN and stream._ours:
+            # (its end cannot be known from its marker -- a record failed --, so the marker
+            # does not wait for it: the stream itself is waited for. A borrowed stream is its
+            # owner's, who may be capturing it: Stream.synchronize waits for it)
+            stream._impl.synchronize()
     sweep(stream)
     raise_deferred()
 
