@@ -1588,6 +1588,30 @@ def test_synchronize_waits_for_the_stream_itself_when_its_last_marker_is_unknown
     monkeypatch.setattr(drv, "cuEventRecord", real)
 
 
+def test_synchronize_after_a_sticky_error_reports_the_unknown_completion_not_a_raw_error(
+        fake, monkeypatch):
+    """After a sticky error (a kernel's illegal address) the newest marker's wait fails and
+    makes it unknown; cuStreamSynchronize then fails with the same error. synchronize()
+    reports the unknown completion as before (the sweep keeps the memory, a LeakWarning, the
+    deferred CompletionUnknownError), not the raw CudaError of the stream's wait, which
+    skipped the sweep and left the work filed as pending."""
+    from fake_cuda import CUresult
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
+    fut = b.fill_zero(stream=s)
+    sticky = (CUresult.CUDA_ERROR_INVALID_VALUE,)  # (the fake's stand-in for error 700)
+    monkeypatch.setattr(drv, "cuEventSynchronize", lambda ev: sticky)
+    monkeypatch.setattr(drv, "cuEventQuery", lambda ev: sticky)
+    monkeypatch.setattr(drv, "cuStreamSynchronize", lambda st: sticky)
+    with pytest.warns(sm.LeakWarning, match=r"is unknown"):
+        try:
+            s.synchronize()
+        except sm.CompletionUnknownError:
+            pass
+    assert s.pending == 0  # retired as unknown: kept, counted as leaked
+    with pytest.raises(sm.CompletionUnknownError):
+        fut.result()
+
+
 def _held_submissions(drv, s, b, n):
     """``n`` fill_zero futures on ``s``, each with a marker of its own, recorded and pending
     (done() sweeps, and the sweep records the open marker: the next one opens another)."""

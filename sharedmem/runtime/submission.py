@@ -781,8 +781,13 @@ def synchronize_stream(stream) -> None:
         if marker.query() == _M_UNKNOWN and stream._ours:
             # (its end cannot be known from its marker -- a record failed --, so the marker
             # does not wait for it: the stream itself is waited for. A borrowed stream is its
-            # owner's, who may be capturing it: Stream.synchronize waits for it)
-            stream._impl.synchronize()
+            # owner's, who may be capturing it: Stream.synchronize waits for it). Its failure
+            # -- the sticky error that made the marker unknown -- is no news: the sweep below
+            # reports the unknown completion and keeps the memory, as for any unknown marker
+            try:
+                stream._impl.synchronize()
+            except Exception:
+                pass
     sweep(stream)
     raise_deferred()
 
