@@ -1,6 +1,7 @@
 """Graphs that own what they captured (host backend; the same rules as CUDA graphs)."""
 
 import gc
+import re
 import threading
 import time
 
@@ -172,6 +173,39 @@ def test_capture_errors_end_the_capture(host):
     assert s._capture is None
     s.wait(before)
     assert s.record().synchronize(5) is True
+
+
+def test_a_capture_ended_in_another_thread_still_ends(host):
+    s = host.create_stream()
+    x = sm.Buffer.zeros(4, device=host, stream=s)
+    s.synchronize()
+    cap = sm.capture(s)
+    g = cap.__enter__()
+    sm.launch(inc, 1, 1, x, stream=s)
+    errors = []
+
+    def end():
+        try:
+            cap.__exit__(None, None, None)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=end)
+    t.start()
+    t.join()
+    s.__exit__(None, None, None)  # (the `with stream:` the capture entered, in this thread)
+    [e] = errors
+    assert type(e) is sm.CaptureError
+    assert re.match(rf"^capture of graph #{g.id} on <Stream .*> failed: <Stream .*> was not "
+                    rf"entered in this thread or task", str(e))
+    assert s._capture is None  # the capture ended: the stream runs work again
+    assert x.allocation.live_views == 1  # the failed graph kept nothing
+    sm.launch(inc, 1, 1, x, stream=s).result(5)
+    np.testing.assert_array_equal(x.to_host(), np.ones(4))
+    with sm.capture(s) as g2:  # and captures again
+        sm.launch(inc, 1, 1, x, stream=s)
+    g2.replay(s).result(5)
+    np.testing.assert_array_equal(x.to_host(), np.full(4, 2.0))
 
 
 def test_graph_of_an_op_chain(host):

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from .state import CAPTURING, RUNTIME, locked, log
 from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
-from ..errors import CaptureError, ReleasedError
+from ..errors import CaptureError, ReleasedError, SharedMemError
 from . import submission as _sub
 from .submission import Work, submit_plan
 from .future import DeviceFuture, future_of
@@ -216,13 +216,13 @@ class capture:
 
     def __enter__(self) -> Graph:
         s = self.stream
-        g = Graph(s.device)
         if s._impl is s.device.default_stream._impl:
             # on CUDA the driver refuses the legacy default stream; on the host the default
             # stream is every thread's implicit stream: capturing it would swallow their work
             raise CaptureError(f"the default stream cannot be captured ({s}: other threads' "
                                f"work there would be recorded, not run); capture on a stream "
                                f"of your own: device.create_stream()")
+        g = Graph(s.device)
         with locked():
             if s._capture is not None:
                 raise CaptureError(f"{s} is already capturing graph #{s._capture.id}")
@@ -241,27 +241,30 @@ class capture:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
         s, g = self.stream, self.graph
-        s.__exit__(exc_type, exc, tb)
-        CAPTURING.streams.remove(s)
+        ended = exec_ = captured = None
+        try:  # (a block ended in another thread or asyncio task: the capture ends all the same)
+            s.__exit__(exc_type, exc, tb)
+            CAPTURING.streams.remove(s)
+        except (SharedMemError, AttributeError, ValueError) as e:
+            ended = e
         backend = s.device.backend
-        ended = None
         with locked():  # (the capture ends with the stream's: no launch of another thread
             try:        # is enqueued into it after its end, none runs while _capture is set)
                 captured = backend.end_capture(g._recorder)
             except Exception as e:
-                ended = e
+                ended = ended or e
             s._capture = None
             RUNTIME.captures -= 1
             g._recorder = None
-        if ended is None:
+        if captured is not None:  # (instantiated even when the block failed: that frees it)
             try:
                 exec_ = backend.instantiate_graph(captured)
             except Exception as e:
-                ended = e
+                ended = ended or e
         if ended is not None or exc_type is not None:  # no graph
             with g._lock:
                 g._state = "failed"
-            if ended is None:
+            if exec_ is not None:
                 backend.destroy_graph(exec_)
             g.release()
             if exc_type is None:
