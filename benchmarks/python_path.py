@@ -98,7 +98,7 @@ def this_build():
     from fake_cuda import CUresult, FakeDriver, RawKernel, fake_cupy
     drv = FakeDriver()
     bc.cu = drv
-    bc._SUCCESS, bc._NOT_READY = CUresult.CUDA_SUCCESS, CUresult.CUDA_ERROR_NOT_READY
+    bc._SUCCESS = CUresult.CUDA_SUCCESS
     bc._hot_driver = _NullHot
     sys.modules["cupy"] = fake_cupy()
     backend = bc.CudaBackend(0)

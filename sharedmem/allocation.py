@@ -419,7 +419,7 @@ _create_lock = fork_safe(OwnedLock("the lookup or creation of an allocation"))
 def lookup_allocation(device, ptr, nbytes=1):
     """The live allocation (ours or foreign) containing ``[ptr, ptr+nbytes)`` on ``device``,
     or ``None``."""
-    if isinstance(device, str) or not hasattr(device, "key"):
+    if not hasattr(device, "key"):
         raise TypeError(f"lookup_allocation takes a sharedmem.Device, got {device!r}; use "
                         f"sharedmem.Device.host() or sharedmem.Device(0)")
     for name, v in (("ptr", ptr), ("nbytes", nbytes)):
@@ -589,6 +589,10 @@ class View:
     def is_live(self) -> bool:
         """False once released or moved."""
         return self._state == _LIVE
+
+    def _gone(self) -> str:
+        """Why a view that is not live is not: "moved" or "released" (for reprs)."""
+        return "moved" if self._state == _MOVED else "released"
 
     @property
     def allocation(self) -> Allocation:

@@ -158,7 +158,7 @@ class Buffer(View):
 
     def __repr__(self) -> str:
         if not self.is_live:
-            return f"<Buffer ({'moved' if self._state == 2 else 'released'})>"
+            return f"<Buffer ({self._gone()})>"
         tok = self._token
         ro = " read-only" if not tok.writable else ""
         return (f"<Buffer{ro} {self._dtype} x {self._length} on {tok.allocation.device}, "
@@ -423,5 +423,5 @@ class DeviceBox:
     def __repr__(self) -> str:
         b = self.buffer
         if not b.is_live:  # (a repr never raises)
-            return f"<DeviceBox ({'moved' if b._state == 2 else 'released'})>"
+            return f"<DeviceBox ({b._gone()})>"
         return f"<DeviceBox {b.dtype} on {b.device}>"

@@ -285,7 +285,7 @@ class Tensor(View):
 
     def __repr__(self) -> str:
         if not self.is_live:
-            return f"<Tensor ({'moved' if self._state == 2 else 'released'})>"
+            return f"<Tensor ({self._gone()})>"
         tok = self._token
         ro = " read-only" if not tok.writable else ""
         return (f"<Tensor{ro} {self._dtype} shape={self._shape} strides={self._strides} on "
