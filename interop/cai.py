@@ -35,7 +35,7 @@ from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
 from interop.dlpack import ProducerAlias
 from interop.streams import current_consumers
 
-__all__ = ["cai_layout", "export_cai", "from_cuda_array_interface"]
+__all__ = ["cai_layout", "export_cai", "from_cuda_array_interface", "read_cai"]
 
 _export_streams: dict = {}  # device key -> CudaStreamImpl; guarded by _lock
 # (its section makes a stream on first use: a finalizer re-entering gets SharedMemError)
@@ -130,13 +130,11 @@ def _ints(value, key, what) -> tuple:
                          f"{value!r}") from None
 
 
-def from_cuda_array_interface(obj, *, stream=None):
-    """Import an object exposing ``__cuda_array_interface__`` (v0-v3) as a
-    :class:`~sharedmem.Tensor`, zero-copy, keeping ``obj`` alive.
-
-    ``stream``: the sharedmem Stream the memory will be used on first (default:
-    the device's default stream); if the producer names a stream, ours waits
-    for it on the device."""
+def read_cai(obj) -> tuple:
+    """The checked fields of ``obj.__cuda_array_interface__``: ``(desc, version, shape,
+    dtype, ptr, read_only, strides)`` -- ``strides`` in bytes as given (None: C order), ``ptr``
+    an int (0 for None). TypeError when there is no such dict, ValueError naming the entry
+    that is malformed."""
     try:
         desc = obj.__cuda_array_interface__
     except AttributeError:
@@ -166,15 +164,32 @@ def from_cuda_array_interface(obj, *, stream=None):
         raise ValueError(f"malformed __cuda_array_interface__: 'data' must be a (pointer, "
                          f"read_only) pair, got {data!r}")
     ptr, readonly = data
+    strides = desc.get("strides")
+    if strides is not None:
+        strides = _ints(strides, "strides", "None or a tuple of ints")
+        if len(strides) != len(shape):
+            raise ValueError(f"strides {strides} do not match shape {shape}")
+    try:
+        ptr = 0 if ptr is None else operator.index(ptr)
+    except TypeError:
+        raise ValueError(f"malformed __cuda_array_interface__: the 'data' pointer must be an "
+                         f"int, got {ptr!r}") from None
+    return desc, version, shape, dtype, ptr, readonly, strides
+
+
+def from_cuda_array_interface(obj, *, stream=None):
+    """Import an object exposing ``__cuda_array_interface__`` (v0-v3) as a
+    :class:`~sharedmem.Tensor`, zero-copy, keeping ``obj`` alive.
+
+    ``stream``: the sharedmem Stream the memory will be used on first (default:
+    the device's default stream); if the producer names a stream, ours waits
+    for it on the device."""
+    desc, version, shape, dtype, ptr, readonly, raw = read_cai(obj)
     dtype = as_dtype(dtype)  # (TypeError for what device memory cannot hold, as everywhere)
     isz = dtype.itemsize
-    raw = desc.get("strides")
     if raw is None:
         strides = c_strides(shape)
     else:
-        raw = _ints(raw, "strides", "None or a tuple of ints")
-        if len(raw) != len(shape):
-            raise ValueError(f"strides {raw} do not match shape {shape}")
         if any(s < 0 for s in raw):
             raise ValueError(f"negative strides {raw} are not supported")
         if any(s % isz for s in raw):
@@ -182,11 +197,6 @@ def from_cuda_array_interface(obj, *, stream=None):
         strides = tuple(s // isz for s in raw)
     lo, hi = extent(shape, strides)
     nbytes = (hi - lo) * isz
-    try:
-        ptr = 0 if ptr is None else operator.index(ptr)
-    except TypeError:
-        raise ValueError(f"malformed __cuda_array_interface__: the 'data' pointer must be an "
-                         f"int, got {ptr!r}") from None
     if nbytes and not ptr:  # (DLPack's import refuses one too)
         raise ValueError(f"malformed __cuda_array_interface__: a NULL 'data' pointer for "
                          f"{nbytes} bytes")

@@ -153,18 +153,18 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
             raise TypeError(f"record_use takes a sharedmem view or an array with "
                             f"__cuda_array_interface__, got {type(x).__name__}")
         from .tensor import c_strides, extent
-        isz = np.dtype(cai["typestr"]).itemsize
-        shape = tuple(cai["shape"])
-        strides = cai.get("strides")  # (in bytes: any multiple of the item size or not)
-        if strides is None:
+        from interop.cai import read_cai
+        _, _, shape, dtype, ptr, _, strides = read_cai(x)  # (ValueError for a malformed one)
+        isz = dtype.itemsize
+        if strides is None:  # (else in bytes: a multiple of the item size or not)
             strides = tuple(s * isz for s in c_strides(shape))
-        e_lo, e_hi = extent(shape, tuple(strides), isz)
+        e_lo, e_hi = extent(shape, strides, isz)
         if not isinstance(stream, Stream):
             from .device import default_device
             stream = Stream.from_external(stream, default_device())
         if e_lo == e_hi:  # an empty array uses no bytes (its pointer may be 0): nothing to order
             return
-        ptr = int(cai["data"][0]) + e_lo
+        ptr += e_lo
         nbytes = e_hi - e_lo
         alloc = lookup_allocation(stream.device, ptr, nbytes)
         if alloc is None:

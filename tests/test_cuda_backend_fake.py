@@ -267,6 +267,19 @@ def test_record_use_of_a_cai_array_leases_its_bytes_or_says_why_not(fake, monkey
                                          r"sharedmem knows on <Device cuda:0 Fake GPU>; "
                                          r"nothing to order$"):
         sm.record_use(Foreign(12345), s)
+    # a malformed interface: the import's ValueError naming the entry, nothing leased
+    for bad, msg in (({"typestr": None}, r"'typestr' None is not a type string"),
+                     ({"shape": None}, r"no 'shape'"),
+                     ({"data": (float(t.ptr), False)}, r"the 'data' pointer must be an int, "
+                                                       r"got [0-9.e+]+"),
+                     ({"strides": (4, 4)}, r"strides \(4, 4\) do not match shape \(2,\)")):
+        f = Foreign(t.ptr)
+        f.__cuda_array_interface__.update(bad)
+        if bad == {"shape": None}:
+            del f.__cuda_array_interface__["shape"]
+        with pytest.raises(ValueError, match=r"^(malformed __cuda_array_interface__: )?" + msg
+                           + "$"):
+            sm.record_use(f, s)
     with sm.capture(s):
         with pytest.raises(sm.CaptureError, match=r"^record_use on <Stream consumer .*: it is "
                                                   r"capturing a graph, whose work runs only at "
