@@ -199,6 +199,10 @@ def test_a_capture_ended_in_another_thread_still_ends(host):
     assert re.match(rf"^capture of graph #{g.id} on <Stream .*> failed: <Stream .*> was not "
                     rf"entered in this thread or task", str(e))
     assert s._capture is None  # the capture ended: the stream runs work again
+    # this thread no longer counts it among its captures (a launch of this thread elsewhere
+    # during another thread's capture on s would warn that it escaped a capture of its own)
+    from sharedmem.runtime.state import CAPTURING
+    assert s not in CAPTURING.streams
     assert x.allocation.live_views == 1  # the failed graph kept nothing
     sm.launch(inc, 1, 1, x, stream=s).result(5)
     np.testing.assert_array_equal(x.to_host(), np.ones(4))

@@ -1575,3 +1575,40 @@ def test_a_host_stream_impl_synchronizes_its_queue_and_refuses_while_capturing(h
             s._impl.synchronize()
         assert s._impl.recording == []
     assert g.launches == 0
+
+
+def test_a_stream_freed_by_the_fork_itself_does_not_hang_the_child(host):
+    """A forked child frees what the parent's other threads held in their thread-locals before
+    any at-fork hook runs -- while the fork still holds every host stream's task lock. A stream
+    held only there is finalized at that moment; its finalizer queued its worker's stop through
+    that lock and the child hung inside os.fork()."""
+    import os
+    import time
+    local = threading.local()
+    ready, leave = threading.Event(), threading.Event()
+
+    def holder():  # (alive at the fork: its thread-locals are the child's to free)
+        local.s = host.create_stream("held by a thread-local")
+        local.s.synchronize()
+        ready.set()
+        leave.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert ready.wait(10)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os._exit(0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung")
+    leave.set()
+    t.join()
+    assert os.waitstatus_to_exitcode(status) == 0

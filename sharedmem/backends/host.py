@@ -299,6 +299,20 @@ class _Tasks:
         finally:
             lock.release()
 
+    def stop(self) -> None:
+        """Queue the worker's stop: what a finalizer does. While a fork holds ``lock`` (this
+        queue is in ``_forking``) it is queued without it: the holder is this thread -- a
+        child frees what the parent's other threads held (their thread-locals, their context)
+        inside os.fork(), before any at-fork hook -- or, in the parent, the forking thread,
+        which touches neither ``items`` nor ``sleeping`` meanwhile."""
+        if self in _forking:
+            self.items.append(None)
+            if self.sleeping:
+                self.sleeping = False
+                self.bell.release()
+        else:
+            self.put(None)
+
 
 class HostStreamImpl:
     """A FIFO of tasks run by one daemon thread (``sharedmem-host-stream-N``).
@@ -415,7 +429,7 @@ class HostStreamImpl:
     def __del__(self):
         try:
             self._finalized = True
-            self._q.put(None)
+            self._q.stop()
         except Exception:
             pass
 
@@ -434,7 +448,7 @@ class HostStreamImpl:
             q = self._q = _Tasks(self.name)
             q.put((old.join, None))
             self._start_worker()
-            weakref.finalize(self, q.put, None).atexit = False  # (exit: see _finish_at_exit)
+            weakref.finalize(self, q.stop).atexit = False  # (exit: see _finish_at_exit)
             _impls.add(self)
 
 

@@ -208,11 +208,12 @@ class capture:
     also the current stream (as ``with stream:``): launches, ops and copies given no
     ``stream=`` are captured too."""
 
-    __slots__ = ("stream", "graph")
+    __slots__ = ("stream", "graph", "_mine")
 
     def __init__(self, stream: Stream | object) -> None:
         self.stream = Stream.from_external(stream)  # (a Stream: itself)
         self.graph = None
+        self._mine = None  # the entering thread's capturing streams (CAPTURING.streams)
 
     def __enter__(self) -> Graph:
         s = self.stream
@@ -234,6 +235,7 @@ class capture:
         if mine is None:
             mine = CAPTURING.streams = []
         mine.append(s)
+        self._mine = mine
         log.debug("capture of graph #%d on %s begins", g.id, s)
         s.__enter__()  # the current stream too: a launch without stream= is captured
         return g
@@ -242,10 +244,10 @@ class capture:
                  tb: TracebackType | None) -> Literal[False]:
         s, g = self.stream, self.graph
         ended = exec_ = captured = None
+        self._mine.remove(s)  # (the entering thread's list, whichever thread ends the block)
         try:  # (a block ended in another thread or asyncio task: the capture ends all the same)
             s.__exit__(exc_type, exc, tb)
-            CAPTURING.streams.remove(s)
-        except (SharedMemError, AttributeError, ValueError) as e:
+        except SharedMemError as e:
             ended = e
         backend = s.device.backend
         with locked():  # (the capture ends with the stream's: no launch of another thread
