@@ -71,7 +71,8 @@ def _work(first: bool) -> None:
     while not sys.is_finalizing():
         with _lock:
             while not _queue:
-                if not _cond.wait(None if first else IDLE_EXIT) and not _queue:  # (first: no timeout)
+                # (the first worker waits with no timeout: wait() is never False for it)
+                if not _cond.wait(None if first else IDLE_EXIT) and not _queue:
                     _workers -= 1  # an idle extra worker leaves
                     return
             sub = _queue.popleft()
