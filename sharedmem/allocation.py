@@ -47,7 +47,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from .access import AccessTracker
 from .errors import AliasError, CaptureError, MovedError, ReleasedError
-from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_safe, locked
+from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_holds, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -365,8 +365,10 @@ class _Registry:
         # a weakref callback: runs once, wherever the allocation died; the lock is a leaf.
         # register() put the key in all three under the lock, and only this removes it: each
         # is found (a device's entry is never removed)
+        held = fork_holds()  # (an allocation that died inside os.fork(): the fork holds it)
         lock = self._lock
-        lock.acquire()
+        if not held:
+            lock.acquire()
         try:
             entry = self._maps[dkey]
             got = entry[1].pop(key)
@@ -376,7 +378,8 @@ class _Registry:
             del lens[bisect.bisect_left(lens, got[1])]  # (the bound shrinks when the longest went)
             self._live -= 1
         finally:
-            lock.release()
+            if not held:
+                lock.release()
 
     def lookup(self, device, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)``."""

@@ -1577,19 +1577,28 @@ def test_a_host_stream_impl_synchronizes_its_queue_and_refuses_while_capturing(h
     assert g.launches == 0
 
 
-def test_a_stream_freed_by_the_fork_itself_does_not_hang_the_child(host):
+@pytest.mark.parametrize("held", ["stream", "allocation", "pool block"])
+def test_what_the_fork_itself_frees_does_not_hang_the_child(host, held):
     """A forked child frees what the parent's other threads held in their thread-locals before
-    any at-fork hook runs -- while the fork still holds every host stream's task lock. A stream
-    held only there is finalized at that moment; its finalizer queued its worker's stop through
-    that lock and the child hung inside os.fork()."""
+    any at-fork hook runs -- while the fork still holds the host task queues', the allocation
+    registry's and the host pool's locks. What was held only there is finalized at that moment
+    on the forking thread: a stream's finalizer queued its worker's stop through its queue's
+    lock, an allocation's removal from the registry took the registry's, a pool block's return
+    the pool's -- each held by this very thread, and the child hung inside os.fork()."""
     import os
     import time
     local = threading.local()
     ready, leave = threading.Event(), threading.Event()
 
     def holder():  # (alive at the fork: its thread-locals are the child's to free)
-        local.s = host.create_stream("held by a thread-local")
-        local.s.synchronize()
+        if held == "stream":
+            local.x = host.create_stream("held by a thread-local")
+            local.x.synchronize()
+        elif held == "allocation":
+            local.x = sm.Buffer.zeros(1000, device=host).allocation
+        else:
+            local.x = host.backend.pool.allocate(4096)
+        sm.synchronize()
         ready.set()
         leave.wait(30)
 
@@ -1597,8 +1606,12 @@ def test_a_stream_freed_by_the_fork_itself_does_not_hang_the_child(host):
     t.start()
     assert ready.wait(10)
     pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        os._exit(0)
+    if pid == 0:  # pragma: no cover (the child: it allocates, and exits 0)
+        code = 3
+        try:
+            code = 0 if sm.Buffer.zeros(10, device=host).to_host().sum() == 0 else 4
+        finally:
+            os._exit(code)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)

@@ -38,7 +38,7 @@ import weakref
 import numpy as np
 
 from ..errors import CaptureError, CompletionUnknownError, SharedMemError
-from ..runtime.state import at_fork_child, at_fork_hold, fork_safe, log
+from ..runtime.state import at_fork_child, at_fork_hold, fork_holds, fork_safe, log
 from . import COMPLETE, DONE, PENDING, UNKNOWN
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -141,6 +141,10 @@ class HostPool:
 
     def _give_back(self, size_class: int, raw) -> None:
         fresh = []  # (a free list made before the lock is taken, used if this size has none)
+        if fork_holds():  # (a block freed inside os.fork(): this thread holds the lock)
+            self._free.setdefault(size_class, fresh).append(raw)
+            self.bytes_in_use -= size_class
+            return
         lock = self._lock
         lock.acquire()
         try:

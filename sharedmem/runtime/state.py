@@ -40,7 +40,7 @@ except ImportError:  # interpreted, without Cython installed
 from ..errors import SharedMemError
 
 __all__ = ["Runtime", "Hooks", "RUNTIME", "locked", "fork_safe", "at_fork_child",
-           "at_fork_hold", "log"]
+           "at_fork_hold", "fork_holds", "log"]
 
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
 #: dropped at exit, host kernels that raised) -- never a line per launch.
@@ -320,6 +320,19 @@ def fork_safe(lock):
 #: may start one -- would run finalizers that take them (a HostBlock's _give_back, a registry
 #: entry's removal) on this very thread, which would wait for itself forever.
 _gc_was_on = [False]
+#: The thread whose fork holds the core lock and the at_fork_hold locks (0: none). Set in the
+#: parent once it holds them, so that the child inherits it: a child frees its parent's other
+#: threads' thread-locals and contexts inside os.fork(), before any at-fork hook runs, and a
+#: finalizer run there, on this thread, must not wait for a lock the fork holds. Cleared in
+#: the child once the leaf locks are new.
+_fork_holder = [0]
+
+
+def fork_holds() -> bool:
+    """Whether a fork of this thread holds the at_fork_hold locks now (see _fork_holder): a
+    finalizer then does their work without taking them -- this thread holds them, and no
+    other thread touches what they guard until the fork lets them go."""
+    return _fork_holder[0] == _thread_ident()
 
 
 def _before_fork() -> None:
@@ -336,9 +349,11 @@ def _before_fork() -> None:
     gc.disable()
     for take, _release in _before_hooks:
         take()
+    _fork_holder[0] = _thread_ident()
 
 
 def _after_fork_parent() -> None:
+    _fork_holder[0] = 0
     try:
         for _take, release in reversed(_before_hooks):
             release()
@@ -361,6 +376,7 @@ def _after_fork_child() -> None:
     rt.pid = os.getpid()
     for lock in _leaf_locks:
         lock._at_fork_reinit()
+    _fork_holder[0] = 0  # (the leaf locks are new; the task queues' stay in _forking: host.py)
     log.debug("forked: pid %d has a new core lock and %d leaf locks; threads restart on use",
               rt.pid, len(_leaf_locks))
     try:
