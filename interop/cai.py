@@ -76,16 +76,12 @@ def cai_layout(view, read_only: bool) -> dict:
     ``typestr``, ``data`` (pointer, read-only flag), ``strides`` (None when C-contiguous),
     ``version``. No ordering, no stream: callers add what they promise."""
     tok = view._live_token()
+    dt = view._dtype
     if isinstance(view, Tensor):
-        t = view
-        dt = t._dtype
-        shape = t._shape
-        strides = None if t._contiguous else tuple([s * dt.itemsize for s in t._strides])
+        shape = view._shape
+        strides = None if view._contiguous else tuple([s * dt.itemsize for s in view._strides])
     else:
-        b = view
-        dt = b._dtype
-        shape = (b._length,)
-        strides = None
+        shape, strides = (view._length,), None
     # (a zero-size array's pointer is 0, as the protocol asks)
     ptr = tok.allocation.ptr + view._offset if tok.stop > tok.start else 0
     return {"shape": shape, "typestr": typestr(dt), "data": (ptr, read_only), "strides": strides,

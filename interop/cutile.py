@@ -76,7 +76,7 @@ _RW, _RO = "cutile-descriptor-rw", "cutile-descriptor-ro"
 
 def _descriptor(view, writable):
     if isinstance(view, Tensor):
-        for s in cython.cast(Tensor, view)._strides:
+        for s in cython.cast(Tensor, view)._strides:  # (a loop: no generator per launch)
             if s < 0:
                 raise KernelError(f"{view!r} has negative strides; cuTile assumes strides >= 0 "
                                   f"-- pass a contiguous copy")
@@ -172,14 +172,12 @@ def _signature(call_args, modes) -> tuple:
     warmed signature never compiles again; a coarser one would make a launch compile under
     the core lock): see _param_modes, _array_keys and _scalar_key."""
     key = []
-    n = len(call_args)
-    for i in range(n):
+    for i in range(len(call_args)):
         x = call_args[i]
         mode = modes[i] if modes is not None and i < len(modes) else None
         t = type(x)
         if t is _ArrayDescriptor:
-            d = x
-            key.append(d.bits if mode == "runtime" else d.sig)
+            key.append(x.bits if mode == "runtime" else x.sig)
         elif mode == "runtime" and (t is int or t is float or t is bool or t is complex):
             key.append(t)
         elif _is_cupy_array(x):
@@ -194,10 +192,8 @@ def _same_args(a, b) -> bool:
     """Whether arguments ``a`` are ``b``: the same objects, or equal scalars of one type, at
     every place (a cheap check: no other object's == is called). A miss only means the
     signature is computed."""
-    if b is None:
-        return False
     n = len(a)
-    if len(b) != n:
+    if b is None or len(b) != n:
         return False
     for i in range(n):
         x = a[i]
@@ -466,11 +462,10 @@ class TilePlan(KernelPlan):
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)
-        grid, call_args = config, payload
         st = stream
         impl = st._impl
         self.backend.ensure_context()
-        self.ct_launch(impl.handle, grid, self.kernel, call_args)
+        self.ct_launch(impl.handle, config, self.kernel, payload)
         return impl.submit_marker()
 
 
@@ -486,8 +481,7 @@ class TileKernelAdapter(KernelAdapter):
         return f"cuTile kernel {fn}"
 
     def coerce(self, obj, device):
-        cp = sys.modules.get("cupy")
-        if cp is not None and isinstance(obj, cp.ndarray):
+        if _is_cupy_array(obj):
             return foreign_array(obj)
         if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
             return _module("interop.dlpack").from_dlpack(obj)

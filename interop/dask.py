@@ -87,8 +87,7 @@ def _rebuild(header, t):
 # -- the dask family: host copies ----------------------------------------------------------------
 def dask_dumps(x):
     """Header and one host frame (a copy of the values, after pending writes)."""
-    header, view = _header(x)
-    return _dumps(header, view, False)
+    return _dumps(*_header(x), False)
 
 
 def dask_loads(header, frames):

@@ -97,27 +97,28 @@ _VERSIONED, _USED_VERSIONED = b"dltensor_versioned", b"used_dltensor_versioned"
 
 _api = ctypes.pythonapi
 _CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
-                                 _CAPSULE_DESTRUCTOR)(("PyCapsule_New", _api))
+_ptr, _obj, _str = ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p
+
+
+def _c_api(name, restype, *argtypes):
+    """The Python C API function ``name``, called with the GIL held."""
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, _api))
+
+
+_capsule_new = _c_api("PyCapsule_New", _obj, _ptr, _str, _CAPSULE_DESTRUCTOR)
 # raw PyObject* versions, for the destructor (the capsule is being freed: no refcounting)
-_raw_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", _api))
-_raw_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", _api))
-_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", _api))
-_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", _api))
-_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_SetName", _api))
-_get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", _api))
+_raw_is_valid = _c_api("PyCapsule_IsValid", ctypes.c_int, _ptr, _str)
+_raw_get_pointer = _c_api("PyCapsule_GetPointer", _ptr, _ptr, _str)
+_is_valid = _c_api("PyCapsule_IsValid", ctypes.c_int, _obj, _str)
+_get_pointer = _c_api("PyCapsule_GetPointer", _ptr, _obj, _str)
+_set_name = _c_api("PyCapsule_SetName", ctypes.c_int, _obj, _str)
+_get_name = _c_api("PyCapsule_GetName", _str, _obj)
 
 
 # -- dtypes ------------------------------------------------------------------------------
 def _dl_dtype(dt: np.dtype) -> tuple:
     """DLPack's ``(code, bits)`` of ``dt`` (one lane)."""
-    kind = dt.kind
-    code = {"b": kDLBool, "i": kDLInt, "u": kDLUInt, "f": kDLFloat, "c": kDLComplex}.get(kind)
+    code = {"b": kDLBool, "i": kDLInt, "u": kDLUInt, "f": kDLFloat, "c": kDLComplex}.get(dt.kind)
     if dt.name == "bfloat16":
         code = kDLBfloat
     if code is None or dt.fields is not None:
@@ -183,19 +184,15 @@ def _delete(addr) -> None:
 # first, the export ended, and the exception raised again -- ctypes reports an exception out of
 # a callback as unraisable, so there it is printed rather than passed on to the consumer.
 if sys.version_info >= (3, 12):
-    _take_error = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyErr_GetRaisedException", _api))
-    _give_error = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)(("PyErr_SetRaisedException", _api))
-
-    def _set_aside():
-        return _take_error()
+    _set_aside = _c_api("PyErr_GetRaisedException", _ptr)  # (the exception taken, or None)
+    _give_error = _c_api("PyErr_SetRaisedException", None, _ptr)
 
     def _put_back(taken) -> None:
         if taken:
             _give_error(taken)  # (ctypes raises it here)
 else:
-    _fetch = ctypes.PYFUNCTYPE(None)(("PyErr_Fetch", _api))  # (no argtypes: see below)
-    _restore = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)(
-        ("PyErr_Restore", _api))
+    _fetch = _c_api("PyErr_Fetch", None)  # (no argtypes: see below)
+    _restore = _c_api("PyErr_Restore", None, _ptr, _ptr, _ptr)
     # PyErr_Fetch's out parameters, made beforehand as ctypes references: before the fetch
     # nothing may be made or converted (an int argument's conversion checks for an error and
     # finds the pending one). Shared: two threads in this rare path at once could mix their
@@ -275,9 +272,8 @@ def _export_hold(view, tok, stream, facts):
     if stream < -1 or stream >= 1 << 64:
         raise ValueError(f"stream={stream} is not a valid stream handle")
     if stream == -1:  # the consumer orders itself, on a stream it does not name
-        dev = tok.allocation.device
-        return export_hold(tok, _KIND, view, tuple([(s, tok.writable) for s in current_streams(dev)]),
-                           None)
+        streams = current_streams(tok.allocation.device)
+        return export_hold(tok, _KIND, view, tuple([(s, tok.writable) for s in streams]), None)
     # 1 and 2 are the driver's CU_STREAM_LEGACY and CU_STREAM_PER_THREAD handles; both map to
     # the device's (legacy) default stream. For 1, work already on it needs no wait: the
     # legacy stream orders itself (so cupy.from_dlpack in a loop enqueues no wait for the
@@ -565,10 +561,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         raise BufferError(f"DLPack tensor with ndim={ndim}; sharedmem takes 0 to {MAX_NDIM} "
                           f"dimensions")
     shape = tuple(int(dlt.shape[i]) for i in range(ndim))
-    if dlt.strides:
-        strides = tuple(int(dlt.strides[i]) for i in range(ndim))
-    else:
-        strides = c_strides(shape)
+    strides = tuple(int(dlt.strides[i]) for i in range(ndim)) if dlt.strides else c_strides(shape)
     if any(n < 0 for n in shape):
         raise BufferError(f"DLPack tensor with negative shape {shape}")
     if any(st < 0 for st, n in zip(strides, shape) if n > 1):
@@ -591,9 +584,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         if info is not None:
             region = (info[0], info[1])
     alloc = import_allocation(dev, ptr, nbytes, "dlpack", region=region)
-    writable = not (flags & FLAG_READ_ONLY)
-    tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes, writable,
-                          (alloc, owner))
+    tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes,
+                          not (flags & FLAG_READ_ONLY), (alloc, owner))
     t = new_tensor(tok, dtype, shape, strides, ptr - alloc.ptr)
     if not _adopt and not isinstance(obj, View):  # (our own views count as aliases anyway)
         owner.alias = ProducerAlias(alloc, tok.start, tok.stop, None if obj is capsule else obj)

@@ -95,8 +95,8 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     (``interop.cupy.adopt`` does the same for CuPy arrays without DLPack.)"""
     extra = sys.getrefcount(obj) - refs_held_once()
     t = type(obj)
-    name = f"{t.__module__.split('.')[0]}.{t.__qualname__}"
     root = t.__module__.split(".")[0]
+    name = f"{root}.{t.__qualname__}"
     if root not in ("numpy", "cupy", "torch") or not _is_array(obj, root):
         raise AliasError(
             f"cannot adopt a {name}: sharedmem can show that nothing else reaches the memory "

@@ -125,11 +125,10 @@ def _default_device_text() -> str:
     return f"{dev!r}" + (f" (CUDA unusable: {why})" if why else "")
 
 
-def _version(module: str):
+def _version(*dists: str):
+    """The version of the first of the distributions ``dists`` installed, or None."""
     from importlib.metadata import PackageNotFoundError, version
-    for dist in {"cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"),
-                 "cuda.bindings": ("cuda-bindings", "cuda-python"),
-                 "cuda.tile": ("cuda-tile",), "numpy": ("numpy",), "Cython": ("Cython",)}[module]:
+    for dist in dists:
         try:
             return version(dist)
         except PackageNotFoundError:
@@ -153,9 +152,9 @@ def show_config(file=None) -> dict:
         "python": platform.python_version(),
         "numpy": _version("numpy"),
         "cython": _version("Cython"),
-        "cupy": _version("cupy"),
-        "cuda-bindings": _version("cuda.bindings"),
-        "cuda-tile": _version("cuda.tile"),
+        "cupy": _version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "cuda-bindings": _version("cuda-bindings", "cuda-python"),
+        "cuda-tile": _version("cuda-tile"),
         "default device": _default_device_text(),
     }
     out = file if file is not None else sys.stdout

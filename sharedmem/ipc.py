@@ -87,11 +87,16 @@ class IpcHandle:
                 f"{self.exporter_pid}, {self.nbytes} bytes>")
 
 
+def _new(cls, **fields):
+    """A ``cls`` (a class of this module with slots) made without ``__init__``, ``fields`` set."""
+    obj = cls.__new__(cls)
+    for k, v in fields.items():
+        setattr(obj, k, v)
+    return obj
+
+
 def _rebuild_handle(values):
-    h = IpcHandle.__new__(IpcHandle)
-    for k, v in zip(IpcHandle.__slots__, values):
-        setattr(h, k, v)
-    return h
+    return _new(IpcHandle, **dict(zip(IpcHandle.__slots__, values)))
 
 
 class IpcExport:
@@ -262,27 +267,13 @@ def export(view, stream=None) -> IpcExport:
                                       tok.stop, tok.writable, tok.keep, source=view)
     try:
         submit(s, [(tok, False)], enqueue, label="CUDA IPC export")
-        h = IpcHandle.__new__(IpcHandle)
-        h.kind = view._kind
-        h.dtype = view.dtype.str
-        h.shape = tuple(view.shape)
-        h.strides = tuple(view.strides)
-        h.nbytes = tok.stop - tok.start
-        h.first = view._offset - tok.start  # element 0, from the first byte shared
-        h.writable = tok.writable
-        h.device_uuid = dev.uuid
-        h.mem = mem
-        h.region = (0, size)
-        h.offset = ptr - base
-        h.event = pair[1]
-        h.exporter_pid = os.getpid()
-        ex = IpcExport.__new__(IpcExport)
-        ex.handle = h
-        ex._token = ex_tok
-        ex._event = (backend, pair)
-        ex._state = "exported"
-        ex._dead_since = None
-        ex._done = threading.Event()
+        h = _new(IpcHandle, kind=view._kind, dtype=view.dtype.str, shape=tuple(view.shape),
+                 strides=tuple(view.strides), nbytes=tok.stop - tok.start,
+                 first=view._offset - tok.start,  # element 0, from the first byte shared
+                 writable=tok.writable, device_uuid=dev.uuid, mem=mem, region=(0, size),
+                 offset=ptr - base, event=pair[1], exporter_pid=os.getpid())
+        ex = _new(IpcExport, handle=h, _token=ex_tok, _event=(backend, pair), _state="exported",
+                  _dead_since=None, _done=threading.Event())
         with _lock:
             _ensure_poller_locked()  # (first: a failure below leaves no export filed)
             slot, path, index, gen = _take_slot_locked()
@@ -507,9 +498,7 @@ def _slots_file(path: str, pid: int) -> _SlotFile:
         except BaseException:
             os.close(fd)
             raise
-        got = _SlotFile.__new__(_SlotFile)
-        got.mm, got.fd, got.pid = mm, fd, pid
-        _opened[path] = got
+        got = _opened[path] = _new(_SlotFile, mm=mm, fd=fd, pid=pid)
     return got
 
 
@@ -557,19 +546,16 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
             key = (dev.key, handle.mem)
             mapping = _mappings.get(key)  # (one in _recent is here too: _recent keeps it alive)
             if mapping is None:
-                mapping = _Mapping.__new__(_Mapping)
-                mapping.backend = backend
-                mapping.base = backend.ipc_open_mem(handle.mem)
-                _mappings[key] = mapping
+                mapping = _mappings[key] = _new(_Mapping, backend=backend,
+                                                base=backend.ipc_open_mem(handle.mem))
             _remember_locked(_recent, key, mapping, pid, CACHED_MAPPINGS)
             ekey = (dev.key, handle.event)
             hit = _events.get(ekey)
             marker = hit[0] if hit is not None else backend.ipc_open_event(handle.event)
             _remember_locked(_events, ekey, marker, pid, CACHED_EVENTS)
-        imp = _Import.__new__(_Import)
-        imp.mapping, imp.off, imp.generation = mapping, off, None
-        imp.file = slots  # (its descriptor stays open while this import may write the slot)
-        imp.pid = me  # (armed below, once nothing can fail: see the except clause)
+        imp = _new(_Import, mapping=mapping, off=off, pid=me,
+                   file=slots,  # (its descriptor stays open while this import may write the slot)
+                   generation=None)  # (armed below, once nothing can fail: see the except clause)
         ptr = mapping.base + handle.offset
         s = resolve_stream(stream, dev)
         # (the exporter pools its events: a cached one is re-recorded only for later exports,
@@ -606,11 +592,8 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
 def _after_fork_child() -> None:
     """A forked child shares none of its parent's exports (it did not make them)."""
     global _thread
-    _exports.clear()
-    _files.clear()
-    _free.clear()
-    _recent.clear()
-    _events.clear()
+    for state in (_exports, _files, _free, _recent, _events):
+        state.clear()
     _thread = None
 
 

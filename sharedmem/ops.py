@@ -159,8 +159,7 @@ class _LaunchOp(DeviceOp):
 
     def _device(self):
         for a in self.args:
-            obj = a.obj if isinstance(a, Intent) else a
-            view = _as_view(obj)
+            view = _as_view(a.obj if isinstance(a, Intent) else a)
             if view is not None and view.is_live:
                 return view.device
         return None

@@ -74,8 +74,7 @@ def reduce_box(box, protocol):
 # -- receiving ---------------------------------------------------------------------------
 def _values(dtype, shape, data) -> np.ndarray:
     """The payload ``data`` (bytes, bytearray, PickleBuffer, memoryview) as an array."""
-    a = np.frombuffer(memoryview(data).cast("B"), dtype=dtype)
-    return a.reshape(shape)
+    return np.frombuffer(memoryview(data).cast("B"), dtype=dtype).reshape(shape)
 
 
 def values_stream(device):
@@ -190,9 +189,8 @@ class _DistributedHook(importlib.abc.MetaPathFinder):
         if name != "distributed.protocol":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _ThenRegister(spec.loader)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _ThenRegister(spec.loader)
         return spec
 
 

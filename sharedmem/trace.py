@@ -102,11 +102,10 @@ class trace:
         if self._nvtx is not None:  # still in flight: the range ends with the trace
             for r in ranges.values():
                 self._nvtx.end_range(r)
-        if self.path is None:
-            return
-        with open(self.path, "w") as f:
-            json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
-                       "otherData": {"producer": "sharedmem.trace"}}, f)
+        if self.path is not None:
+            with open(self.path, "w") as f:
+                json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
+                           "otherData": {"producer": "sharedmem.trace"}}, f)
 
     # -- called by the runtime -----------------------------------------------------------
     def _us(self, t) -> float:

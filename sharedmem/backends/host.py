@@ -141,17 +141,16 @@ class HostPool:
 
     def _give_back(self, size_class: int, raw) -> None:
         fresh = []  # (a free list made before the lock is taken, used if this size has none)
-        if fork_holds():  # (a block freed inside os.fork(): this thread holds the lock)
-            self._free.setdefault(size_class, fresh).append(raw)
-            self.bytes_in_use -= size_class
-            return
+        held = fork_holds()  # (a block freed inside os.fork(): this thread holds the lock)
         lock = self._lock
-        lock.acquire()
+        if not held:
+            lock.acquire()
         try:
             self._free.setdefault(size_class, fresh).append(raw)
             self.bytes_in_use -= size_class
         finally:
-            lock.release()
+            if not held:
+                lock.release()
 
     def free_all_blocks(self) -> None:
         """Drop every cached free block (like ``cupy``'s ``free_all_blocks``)."""
@@ -292,16 +291,19 @@ class _Tasks:
         self.bell.acquire()
         self.sleeping = False  # guarded by lock
 
-    def put(self, item) -> None:
+    def put(self, item, held=False) -> None:
+        """Queue ``item`` and ring the bell; ``held``: without taking ``lock`` (see stop())."""
         lock = self.lock
-        lock.acquire()  # (never `with lock:`: see the class docstring)
+        if not held:
+            lock.acquire()  # (never `with lock:`: see the class docstring)
         try:
             self.items.append(item)
             if self.sleeping:
                 self.sleeping = False
                 self.bell.release()
         finally:
-            lock.release()
+            if not held:
+                lock.release()
 
     def stop(self) -> None:
         """Queue the worker's stop: what a finalizer does. While a fork holds ``lock`` (this
@@ -309,13 +311,7 @@ class _Tasks:
         child frees what the parent's other threads held (their thread-locals, their context)
         inside os.fork(), before any at-fork hook -- or, in the parent, the forking thread,
         which touches neither ``items`` nor ``sleeping`` meanwhile."""
-        if self in _forking:
-            self.items.append(None)
-            if self.sleeping:
-                self.sleeping = False
-                self.bell.release()
-        else:
-            self.put(None)
+        self.put(None, self in _forking)
 
 
 class HostStreamImpl:
@@ -578,9 +574,8 @@ def _detach(e, args) -> None:
     views = [a for a in args if isinstance(a, np.ndarray)]
 
     def detached(x):
-        if isinstance(x, np.ndarray) and any(np.may_share_memory(x, v) for v in views):
-            return x.copy()
-        return x
+        shared = isinstance(x, np.ndarray) and any(np.may_share_memory(x, v) for v in views)
+        return x.copy() if shared else x
     todo, seen = [e], set()
     while todo:
         e = todo.pop()
