@@ -393,7 +393,11 @@ class RawKernelPlan(KernelPlan):
                        else uses[j][0])
                 j += 1
                 view = cython.cast(View, a) if cython.compiled else a
-                _emit_address(out, par, tok.allocation.ptr + view._offset)
+                addr = tok.allocation.ptr + view._offset
+                if cython.compiled or par.kcode != _K_PTR:
+                    _emit_address(out, par, addr)
+                else:  # (interpreted, a pointer parameter: _emit_address's step, without a call)
+                    out.append(addr)
                 p += 1
                 continue
             if type(a) is ArrayFacts:  # a CuPy array (see coerce): its lease, as for a view
@@ -402,7 +406,11 @@ class RawKernelPlan(KernelPlan):
                                       f"a CuPy array")
                 j += 1
                 fa = cython.cast(ArrayFacts, a) if cython.compiled else a
-                _emit_address(out, par, fa.token.allocation.ptr + fa.offset)
+                addr = fa.token.allocation.ptr + fa.offset
+                if cython.compiled or par.kcode != _K_PTR:
+                    _emit_address(out, par, addr)
+                else:  # (as for a view)
+                    out.append(addr)
                 p += 1
                 continue
             if type(a) is LaunchArg:

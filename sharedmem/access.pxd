@@ -35,7 +35,7 @@ cdef class AccessTracker:
                    other_writes=bint, dead=list)
     cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi, exclude)
 
-    @cython.locals(use=StreamUse, entries=list, e=Span, done=cython.longlong)
+    @cython.locals(use=StreamUse, entries=list, e=Span)
     cpdef record_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,
                         long long seq, marker)
 

@@ -284,22 +284,23 @@ class AccessTracker:
         if lo >= hi:
             return
         use = self._last_use if self._last is stream else self._use_of(stream)  # (no call)
-        done = stream._done
         use.newest = seq
         entries = use.writes if writes else use.reads
         if len(entries) == 1:  # the common case: the same range again
             e = cython.cast(Span, entries[0]) if cython.compiled else entries[0]  # (Spans only)
-            if e.seq <= done:  # finished: this access alone is unfinished now
+            # (the same range: this access is its newest, finished or not -- the branch below
+            # would write what it holds already. A range inside it: split, see _add_range)
+            if e.lo == lo and e.hi == hi:
+                e.seq = seq
+                e.marker = marker
+                return
+            if e.seq <= stream._done:  # finished: this access alone is unfinished now
                 e.lo = lo
                 e.hi = hi
                 e.seq = seq
                 e.marker = marker
                 return
-            if e.lo == lo and e.hi == hi:  # (a range inside it: split, see _add_range)
-                e.seq = seq
-                e.marker = marker
-                return
-        _add_range(entries, lo, hi, seq, marker, done)
+        _add_range(entries, lo, hi, seq, marker, stream._done)
 
     def add_hold_locked(self, stream, tok, lo, hi) -> None:
         """Open a hold of ``tok``, bytes ``[lo, hi)`` (its range), for work on ``stream`` (see

@@ -482,9 +482,9 @@ def resolve_args(adapter, args, device):
             intent = t
             with_length = ia.with_length
             t = type(obj)
-        else:
+        else:  # a bare argument: InOut (intent None: what the checks of foreign arguments ask)
             obj = a
-            mode = -1
+            mode = _WRITE
             intent = None
             with_length = False
         la = None
@@ -542,17 +542,15 @@ def resolve_args(adapter, args, device):
                                       f"runs on {device}; copy it there first "
                                       f"(view.to_device(...)), or let {device} use {adev}'s "
                                       f"memory: {device!r}.enable_peer_access({adev!r})")
-        if mode < 0:
-            mode = _WRITE
-            intent = InOut
         if mode != _READ and not tok.writable:
             shown = view if view is not None else obj
-            raise KernelError(f"argument {i}: {intent.__name__}({shown!r}) would write through a "
+            written = InOut if intent is None else intent
+            raise KernelError(f"argument {i}: {written.__name__}({shown!r}) would write through a "
                               f"read-only view; pass it as In(...) or copy it first")
         u = tok.use_r if mode == _READ else tok.use_w  # (tok.use() inlined)
         if u is None:
             u = tok.use(mode != _READ)
-        if view is not None and view is value and not with_length:
+        if view is not None and not with_length:  # (a view is its own value)
             resolved[i] = view  # the common case: the view itself stands for the argument
             uses.append(u)
             continue
@@ -572,7 +570,7 @@ def resolve_args(adapter, args, device):
             la.token = tok
             la.offset = view._offset if fa is None else fa.offset
         la._mode = mode
-        la.intent = intent
+        la.intent = InOut if intent is None else intent
         la.with_length = with_length
         resolved[i] = la
         uses.append(u)

@@ -181,7 +181,7 @@ class Tensor(View):
         buffer's bytes exists; afterwards ``buf`` raises MovedError."""
         if not isinstance(buf, Buffer):
             raise TypeError(f"Tensor.from_buffer takes a sharedmem.Buffer, got {type(buf).__name__}")
-        b = cython.cast(Buffer, buf)
+        b = cython.cast(Buffer, buf) if cython.compiled else buf  # (interpreted: no cast call)
         b._live_token()
         n = b._length
         if strides is None:

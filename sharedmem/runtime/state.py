@@ -111,7 +111,7 @@ class Runtime:
     def acquire(self) -> None:
         """Take the lock for an API call (blocking), then apply staged releases. Raises
         SharedMemError when this thread already holds it (see the module docstring)."""
-        me = _thread_ident()
+        me = _thread_ident() if cython.compiled else _get_ident()  # (interpreted: no wrapper call)
         if self.owner == me:
             raise SharedMemError(
                 "sharedmem was called from a finalizer (__del__ or a weakref callback) that "

@@ -1,7 +1,7 @@
 # Declarations for the compiled build of submission.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.access cimport AccessTracker
-from sharedmem.allocation cimport View, ViewToken, _sweep_consumers, register_token_locked, unregistered_token
+from sharedmem.allocation cimport Allocation, View, ViewToken, _sweep_consumers, register_token_locked, unregistered_token
 from sharedmem.runtime.state cimport Hooks, Runtime
 from sharedmem.stream cimport Stream
 
@@ -30,8 +30,8 @@ cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payloa
                              label)
 
 @cython.locals(rt=Runtime, tok=ViewToken, tracker=AccessTracker, sub=Submission,
-               seq=cython.longlong, became_active=bint, keeps=list, writes=bint, waits=object,
-               retired=list, impl=object, marker=object, n=Py_ssize_t, i=Py_ssize_t, u=tuple,
+               seq=cython.longlong, became_active=bint, keeps=list, waits=object,
+               retired=list, impl=object, marker=object, u=tuple, alloc=Allocation,
                pending=list)
 cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
                         policy, label)

@@ -196,19 +196,16 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                 f"{stream} faulted earlier ({fault!r}); the completion of its work is unknown, "
                 f"so nothing more can run on it. Create a new stream.")
         waits = None
-        n = len(uses)
-        for i in range(n):
-            u = uses[i]
+        for u in uses:
             # (a lease names a ViewToken: compiled, read without a type test)
             tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]
-            writes = u[1]
             if not tok.live:
                 raise ReleasedError(f"a {tok.kind} passed to {label_text(label)} was released "
                                     f"before the launch")
             tracker = tok.allocation.tracker
             if not tracker.elsewhere_locked(stream):
                 continue  # nothing in flight on another stream
-            waits = _conflicts_locked(tracker, stream, tok, writes, policy, label, waits)
+            waits = _conflicts_locked(tracker, stream, tok, u[1], policy, label, waits)
         if waits is not None:
             for other, (wseq, marker) in waits.items():
                 if marker is None:  # an open hold: a marker recorded now (never noted)
@@ -227,12 +224,12 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         seq = stream._seq + 1
         stream._seq = seq
         keeps = None  # what the leases' memory needs beyond the tokens (foreign producers)
-        for i in range(n):
-            u = uses[i]
+        for u in uses:
             tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]
-            tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
+            alloc = tok.allocation
+            alloc.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
             k = tok.keep
-            if k is not tok.allocation:  # (an allocation of ours is kept by its token)
+            if k is not alloc:  # (an allocation of ours is kept by its token)
                 if keeps is None:
                     keeps = _keep_list(keep)
                 keeps.append(k)
