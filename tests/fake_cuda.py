@@ -406,6 +406,9 @@ def array_at(ptr, n, dtype):
     return np.frombuffer((ctypes.c_ubyte * (n * dt.itemsize)).from_address(ptr), dtype=dt)
 
 
+_stream_handles = itertools.count(0xC0FFEE00)  # (handles of the streams fake CuPy makes)
+
+
 class _CurrentStream:
     """What ``cupy.cuda.get_current_stream`` returns: an object whose ``ptr`` is the raw
     handle (0: the default stream, until a test sets another)."""
@@ -433,8 +436,12 @@ def fake_cupy():
         def __exit__(self, *a):
             m.current = saved.stack.pop()
             return False
+    class Stream(ExternalStream):  # a stream CuPy makes (and owns): a fresh handle
+        def __init__(self, null=False, non_blocking=False):
+            self.ptr = next(_stream_handles)
+            self.non_blocking = non_blocking
     m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock, ExternalStream=ExternalStream,
-                                   get_current_stream=lambda device_id=-1: m.current)
+                                   Stream=Stream, get_current_stream=lambda device_id=-1: m.current)
     m.ndarray = type("ndarray", (), {})  # no fake arrays: nothing is one
     return m
 

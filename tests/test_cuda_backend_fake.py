@@ -426,6 +426,81 @@ def kernels(fake, monkeypatch):
             RawKernel(drv, "scale_len", ["Q", "q", "d"], scale_len, code))
 
 
+def test_a_launch_far_ahead_of_its_device_waits_for_room_holding_no_lock(fake, kernels,
+                                                                         monkeypatch):
+    """The driver queues about 1,020 launches a stream and blocks the next one inside
+    cuLaunchKernel -- which the core calls under its lock, with the GIL: every thread would
+    wait for the GPU. A launch onto a CUDA stream holding MAX_PENDING unretired submissions
+    first waits, holding no lock, for the older half of them, then retires what finished."""
+    from fake_cuda import OK
+    from sharedmem.runtime.state import RUNTIME
+    from sharedmem.runtime.submission import MAX_PENDING
+    dev, drv = fake
+    saxpy, _ = kernels
+    s = dev.create_stream("ahead")
+    x, out = sm.Buffer.zeros(4, device=dev), sm.Buffer.zeros(4, device=dev)
+    sm.synchronize()
+    waits = []
+
+    def synchronize(ev):  # the device runs s in order: every event recorded up to ev is done
+        waits.append((int(ev) in drv.held, RUNTIME.owner, len(s._pending)))
+        order = [c[1] for c in drv.calls if c[0] == "record" and c[2] == s.handle]
+        last = len(order) - 1 - order[::-1].index(int(ev))
+        drv.held.difference_update(order[:last + 1])
+        return (OK,)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    drv.holding = True  # from here on the device finishes nothing by itself
+    peak = 0
+    for _ in range(MAX_PENDING + 100):
+        sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(out), 4, stream=s)
+        peak = max(peak, len(s._pending))
+    # one wait, for an unfinished event, by a thread holding no lock, with the FIFO full
+    assert waits == [(True, 0, MAX_PENDING)]
+    assert peak == MAX_PENDING and len(s._pending) <= MAX_PENDING // 2 + 100
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    assert len(s._pending) == 0
+
+
+def test_to_host_waits_for_what_it_reads_after_before_it_takes_the_lock(fake, kernels,
+                                                                        monkeypatch):
+    """A copy into pageable host memory runs synchronously in the driver: it waits for the
+    stream's earlier work and for the writes it is ordered after. to_host waits for them
+    first, holding no lock -- enqueued under the core lock, every other thread would wait for
+    the GPU with it."""
+    from fake_cuda import OK
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    saxpy, _ = kernels
+    a, b = dev.create_stream("writer"), dev.create_stream("reader")
+    x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
+    out, y = sm.Buffer.zeros(4, device=dev), sm.Buffer.zeros(4, device=dev)
+    sm.synchronize()
+    seen = []
+    real_sync, real_copy = drv.cuEventSynchronize, drv.cuMemcpyDtoHAsync
+
+    def synchronize(ev):
+        seen.append(("wait", int(ev) in drv.held, RUNTIME.owner))
+        return real_sync(ev)
+
+    def copy(dst, src, n, stream):  # what the copy finds: everything it follows finished
+        seen.append(("copy", bool(drv.held), RUNTIME.owner != 0))
+        return real_copy(dst, src, n, stream)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
+    drv.holding = True  # the device is behind: nothing finishes by itself
+    sm.launch(saxpy, 1, 32, 2.0, sm.In(x), sm.In(x), sm.Out(out), 4, stream=a)  # the writer
+    sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=b)  # b's own work
+    got = out.to_host(stream=b)
+    drv.holding = False
+    np.testing.assert_array_equal(got, 3 * np.arange(4, dtype=np.float32))
+    # b's newest work and a's write, each waited for by a thread holding no lock; then the
+    # copy (under the lock), with nothing left unfinished in front of it
+    assert seen[:3] == [("wait", True, 0), ("wait", True, 0), ("copy", False, True)]
+    sm.synchronize()
+
+
 def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
     dev, drv = fake
     saxpy, scale_len = kernels
@@ -1234,6 +1309,7 @@ def test_buffers_come_from_an_arena_no_cupy_array_frees_into(fake, monkeypatch, 
     b = sm.Tensor.empty((4, 4), "float32", device=dev)
     arena = dev.backend._arena.ptr
     assert arenas == [arena, arena] and arena not in (0, s.handle)
+    assert dev.backend._arena.non_blocking  # (unordered with the legacy default stream)
     assert cp.current is before  # (CuPy's current stream is back)
     assert a.nbytes == 4096 and b.nbytes == 64
 

@@ -1,11 +1,14 @@
 """The CUDA backend and CuPy RawKernel launches, on a real GPU (marked gpu)."""
 
+import contextlib
 import gc
 import os
 import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -81,6 +84,74 @@ def test_cross_stream_order_and_reject(gpu, K):
     assert sm.stats().submitted == before
     a.synchronize()
     np.testing.assert_array_equal(x.to_host(), np.full(n, 8.0, np.float32))
+
+
+@contextlib.contextmanager
+def _calls_elsewhere(gpu, K):
+    """Another thread making a buffer and launching on a stream of its own, again and again,
+    while the block runs: yields the list of how long each round took (seconds)."""
+    other = gpu.create_stream("other")
+    y = sm.Buffer.zeros(32, "float32", device=gpu)
+    done = threading.Event()
+    calls = []
+
+    def elsewhere():
+        while not done.is_set():
+            t0 = time.perf_counter()
+            b = sm.Buffer.empty(16, "float32", device=gpu, stream=other)
+            sm.launch(K.kernel("fill"), 1, 32, sm.Out(y), np.int32(32), np.float32(1),
+                      stream=other)
+            del b
+            calls.append(time.perf_counter() - t0)
+            time.sleep(1e-3)
+    th = threading.Thread(target=elsewhere)
+    th.start()
+    try:
+        yield calls
+    finally:
+        done.set()
+        th.join()
+    sm.synchronize()
+    np.testing.assert_array_equal(y.to_host(), np.ones(32, np.float32))
+
+
+def test_a_launch_loop_far_ahead_of_the_device_stalls_no_other_thread(gpu, K):
+    """The driver queues about 1,020 launches a stream; the next cuLaunchKernel blocks until
+    there is room (benchmarks/queue_depth.py). sharedmem's launch waits for room first --
+    holding no lock, and not the GIL -- so another thread's allocations and launches on
+    another stream go on while a loop runs far ahead of a busy stream."""
+    busy = gpu.create_stream("busy")
+    x = sm.Buffer.zeros(32, "float32", device=gpu)
+    sm.synchronize()
+    sm.launch(K.kernel("slow_fill"), 1, 32, sm.Out(x), np.int32(32), np.float32(2),
+              np.int64(K.cycles(400)), stream=busy)
+    with _calls_elsewhere(gpu, K) as calls:
+        t0 = time.perf_counter()
+        for _ in range(1500):
+            sm.launch(K.kernel("fill"), 1, 32, sm.Out(x), np.int32(32), np.float32(3),
+                      stream=busy)
+        behind = time.perf_counter() - t0
+    assert behind > 0.2  # the loop did wait for the device: the pattern is live
+    assert len(calls) > 20 and max(calls) < 0.1, (len(calls), max(calls))
+    np.testing.assert_array_equal(x.to_host(), np.full(32, 3, np.float32))
+
+
+def test_to_host_behind_a_busy_stream_stalls_no_other_thread(gpu, K):
+    """A copy into pageable host memory waits in the driver for the work it follows. to_host
+    waits for that work first, holding no lock, so other threads' calls go on meanwhile."""
+    busy = gpu.create_stream("busy")
+    n = 1 << 16
+    x = sm.Buffer.zeros(n, "float32", device=gpu)
+    sm.synchronize()
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(x), np.int32(n), np.float32(2),
+              np.int64(K.cycles(400)), stream=busy)
+    with _calls_elsewhere(gpu, K) as calls:
+        t0 = time.perf_counter()
+        got = x.to_host(stream=busy)
+        took = time.perf_counter() - t0
+    assert took > 0.2  # it did wait for the slow kernel: the pattern is live
+    assert len(calls) > 20 and max(calls) < 0.1, (len(calls), max(calls))
+    np.testing.assert_array_equal(got, np.full(n, 2, np.float32))
 
 
 def test_read_read_overlaps_on_the_device(gpu, K):

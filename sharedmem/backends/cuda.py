@@ -603,8 +603,7 @@ class CudaBackend:
             if arena is None:
                 with _arena_lock:  # (a leaf lock: creating a stream waits for no device work)
                     if self._arena is None:  # (CuPy's current device: this one)
-                        h = self.call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-                        self._arena = self._cupy.cuda.ExternalStream(int(h))
+                        self._arena = self._cupy.cuda.Stream(non_blocking=True)
                     arena = self._arena
             with arena:
                 return self._cupy.cuda.alloc(max(nbytes, 1))

@@ -38,6 +38,12 @@ cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, pa
 
 cdef list _keep_list(keep)
 
+@cython.locals(pending=list, k=Py_ssize_t, done=list)
+cpdef wait_for_room(Stream stream)
+
+@cython.locals(rt=Runtime, pending=list, markers=list, tracker=AccessTracker, c=tuple)
+cpdef wait_before_read(ViewToken tok, Stream stream)
+
 @cython.locals(waited=dict)
 cdef note_waited_locked(Stream stream, Stream other, long long seq, marker)
 

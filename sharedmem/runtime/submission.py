@@ -60,6 +60,15 @@ _M_UNKNOWN = cython.declare(cython.int, 2)
 SWEEP_EVERY = 64
 _sweep_every = cython.declare(cython.longlong, SWEEP_EVERY)
 
+#: Unretired submissions a CUDA stream may hold before the next one waits -- holding no lock
+#: -- for the older half to finish (:func:`wait_for_room`). The driver queues about 1,020
+#: launches a stream (1,021 behind a busy kernel on an H200: benchmarks/queue_depth.py); the
+#: one after that blocks inside cuLaunchKernel, which the core calls holding its lock and the
+#: GIL -- every thread of the process would wait for the GPU. Half that, so that work queued
+#: on the stream by others (a CuPy launch there) has room too.
+MAX_PENDING = 512
+_max_pending = cython.declare(cython.Py_ssize_t, MAX_PENDING)
+
 
 @cython.freelist(64)
 @cython.cclass
@@ -182,6 +191,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         throttle = impl.throttle
         if throttle is not None:  # a bounded queue with no room waits here, holding no lock
             throttle()
+    elif len(stream._pending) >= _max_pending and stream._capture is None:
+        wait_for_room(stream)  # (a CUDA stream: the driver's queue is bounded, see MAX_PENDING)
     retired = None
     rt.acquire()
     try:
@@ -662,6 +673,46 @@ def sweep(stream) -> None:
         finish(done)
 
 
+def wait_for_room(stream) -> None:
+    """Wait until no more than half of ``MAX_PENDING`` submissions on ``stream`` are
+    unfinished, then retire the finished ones: what a launch onto a CUDA stream that far ahead
+    of its device does before it takes any lock (as CUDA's own launch waits for room in the
+    driver's queue, but holding nothing other threads need). Caller holds no lock."""
+    with locked():
+        pending = stream._pending
+        k = len(pending) - _max_pending // 2
+        marker = pending[k].marker if k >= 0 else None
+    if marker is not None:
+        marker.wait(None)  # (an unknown completion ends the wait too: the sweep reports it)
+    with locked():
+        done = _sweep_locked(stream, False)  # (the open marker stays open: see sweep_long)
+    if done:
+        finish(done)
+
+
+def wait_before_read(tok, stream) -> None:
+    """Wait on the host -- holding no lock -- for sharedmem's unfinished work that a read of
+    ``tok``'s bytes on ``stream`` will be ordered after: ``stream``'s newest submission, and
+    the newest conflicting write on each other stream. A copy into pageable host memory
+    (``to_host``) calls it before it takes the core lock: the driver performs that copy
+    synchronously, waiting for all of it, and under the lock every other thread would wait
+    too. Best effort: work enqueued in between is still ordered by the copy's submission."""
+    rt = RUNTIME
+    rt.acquire()
+    try:
+        pending = stream._pending
+        markers = [pending[-1].marker] if pending else []
+        tracker = tok.allocation.tracker
+        if tracker.elsewhere_locked(stream):
+            for c in tracker.conflicts_locked(stream, False, tok.start, tok.stop, None):
+                if c[1] is not None:  # (an open hold: the submission records its marker)
+                    markers.append(c[1])
+    finally:
+        rt.release()
+    for m in markers:
+        m.wait(None)  # (an unknown completion ends the wait: the submission reports it)
+
+
 def sweep_long(stream) -> None:
     """What a new hold does for its consumer's stream (Allocation.new_token,
     object_export_hold), as submit() sweeps its own: once SWEEP_EVERY seqs were given out there
@@ -960,5 +1011,5 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
 __all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked", "end_holds_locked",
-           "order_consumer", "export_hold", "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
+           "order_consumer", "wait_before_read", "export_hold", "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
            "FailedMarker", "fresh_marker_locked", "label_text", "PENDING", "RETIRED", "UNKNOWN"]
