@@ -696,7 +696,7 @@ class View:
         """This view's token range copied to a new host ``uint8`` array, after
         every pending write to those bytes (ordered whatever the policy)."""
         from .runtime.future import DeviceFuture
-        from .runtime.submission import submit, wait_before_read
+        from .runtime.submission import submit, wait_before
         from .stream import resolve_stream
         tok = self._live_token()
         dev = tok.allocation.device
@@ -704,7 +704,7 @@ class View:
         if s._capture is not None:
             raise CaptureError(f"to_host() on {s} cannot be captured: it reads on the host now, "
                                f"while captured work only runs at replay")
-        wait_before_read(tok, s)  # (the copy below waits for that work: not under the lock)
+        wait_before(tok, s, False)  # (the copy below waits for that work: not under the lock)
         raw = np.empty(tok.stop - tok.start, np.uint8)
         src = tok.allocation.ptr + tok.start
         backend, impl = dev.backend, s._impl

@@ -409,6 +409,19 @@ def array_at(ptr, n, dtype):
 _stream_handles = itertools.count(0xC0FFEE00)  # (handles of the streams fake CuPy makes)
 
 
+class _PinnedBlock(bytearray):
+    """What ``cupy.cuda.alloc_pinned_memory(n)`` lends: ``n`` bytes of host memory (the
+    buffer protocol's), counted while lent (``_PinnedBlock.lent``)."""
+    lent = 0
+
+    def __init__(self, n):
+        super().__init__(n)
+        _PinnedBlock.lent += 1
+
+    def __del__(self):
+        _PinnedBlock.lent -= 1
+
+
 class _CurrentStream:
     """What ``cupy.cuda.get_current_stream`` returns: an object whose ``ptr`` is the raw
     handle (0: the default stream, until a test sets another)."""
@@ -441,7 +454,8 @@ def fake_cupy():
             self.ptr = next(_stream_handles)
             self.non_blocking = non_blocking
     m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock, ExternalStream=ExternalStream,
-                                   Stream=Stream, get_current_stream=lambda device_id=-1: m.current)
+                                   Stream=Stream, get_current_stream=lambda device_id=-1: m.current,
+                                   alloc_pinned_memory=_PinnedBlock)
     m.ndarray = type("ndarray", (), {})  # no fake arrays: nothing is one
     return m
 

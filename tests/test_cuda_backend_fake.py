@@ -501,6 +501,62 @@ def test_to_host_waits_for_what_it_reads_after_before_it_takes_the_lock(fake, ke
     sm.synchronize()
 
 
+def test_an_upload_is_staged_in_pinned_memory_and_a_large_one_waits_first(fake, kernels,
+                                                                          monkeypatch):
+    """The driver copies pageable memory synchronously once its staging is full (behind a busy
+    stream on an H200: a copy of 4 MiB, or the third of 256 KiB) -- under the core lock,
+    every other thread would wait with it. An upload is staged in pinned memory (CuPy's
+    pinned pool, back there once the copy retired) and the copy reads that; one above
+    STAGE_MAX first waits, holding no lock, for the work it follows."""
+    import fake_cuda
+    import sharedmem.backends.cuda as bc
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    saxpy, _ = kernels
+    s = dev.create_stream("busy")
+    x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
+    y = sm.Buffer.zeros(4, device=dev)
+    sm.synchronize()
+    lent = fake_cuda._PinnedBlock.lent
+    seen = []
+    real_copy, real_sync = drv.cuMemcpyHtoDAsync, drv.cuEventSynchronize
+
+    def copy(dst, src, n, stream):
+        seen.append(("copy", int(src), bool(drv.held), RUNTIME.owner != 0))
+        return real_copy(dst, src, n, stream)
+
+    def synchronize(ev):
+        seen.append(("wait", int(ev) in drv.held, RUNTIME.owner))
+        return real_sync(ev)
+    monkeypatch.setattr(drv, "cuMemcpyHtoDAsync", copy)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    host = np.full(4, 7, np.float32)
+    drv.holding = True  # s is busy: a kernel reading x, unfinished
+    sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=s)
+    x.copy_from(host, stream=s)
+    # no wait: the copy, from pinned memory (not the caller's array), enqueued behind it
+    assert [c[0] for c in seen] == ["copy"] and seen[0][1] != host.ctypes.data
+    assert fake_cuda._PinnedBlock.lent == lent + 1  # lent while the copy is in flight
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    gc.collect()
+    assert fake_cuda._PinnedBlock.lent == lent  # given back once it retired
+    np.testing.assert_array_equal(x.to_host(), host)
+    monkeypatch.setattr(bc, "STAGE_MAX", 8)  # 16 bytes: too large to stage
+    seen.clear()
+    drv.holding = True
+    sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=s)
+    x.copy_from(2 * host, stream=s)
+    # the busy kernel waited for by a thread holding no lock; then the copy, with nothing
+    # unfinished in front of it, from the caller's (pageable) array
+    assert [c[:3] for c in seen] == [("wait", True, 0), ("copy", seen[1][1], False)]
+    assert fake_cuda._PinnedBlock.lent == lent
+    drv.holding = False
+    drv.finish_held()
+    np.testing.assert_array_equal(x.to_host(), 2 * host)
+
+
 def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
     dev, drv = fake
     saxpy, scale_len = kernels

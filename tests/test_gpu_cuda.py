@@ -154,6 +154,29 @@ def test_to_host_behind_a_busy_stream_stalls_no_other_thread(gpu, K):
     np.testing.assert_array_equal(got, np.full(n, 2, np.float32))
 
 
+def test_uploads_behind_a_busy_stream_stall_no_other_thread(gpu, K):
+    """The driver copies pageable memory synchronously once its staging is full: behind a busy
+    stream a 64 MiB copy_from blocked for the whole kernel (411 ms), under the core lock, and
+    every other thread with it. Uploads are staged in pinned memory: enqueued at once."""
+    busy = gpu.create_stream("busy")
+    n, m = 16 << 20, 1 << 16
+    x, small = sm.Buffer.zeros(n, "float32", device=gpu), sm.Buffer.zeros(m, "float32", device=gpu)
+    sm.synchronize()
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(small), np.int32(m), np.float32(2),
+              np.int64(K.cycles(400)), stream=busy)
+    with _calls_elsewhere(gpu, K) as calls:
+        t0 = time.perf_counter()
+        x.copy_from(np.full(n, 5, np.float32), stream=busy)
+        for v in (6, 7, 8):  # (the third pageable copy of 256 KiB in a row blocked)
+            small.copy_from(np.full(m, v, np.float32), stream=busy)
+        took = time.perf_counter() - t0
+        busy.synchronize()
+    assert took < 0.2, took  # enqueued behind the kernel, not waited for
+    assert len(calls) > 20 and max(calls) < 0.1, (len(calls), max(calls))
+    np.testing.assert_array_equal(x.to_host(), np.full(n, 5, np.float32))
+    np.testing.assert_array_equal(small.to_host(), np.full(m, 8, np.float32))
+
+
 def test_read_read_overlaps_on_the_device(gpu, K):
     """Two readers of one buffer on two streams run at the same time: the first
     spins until the second sets a flag (bounded); if sharedmem had ordered them,

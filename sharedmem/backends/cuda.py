@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from ..runtime.state import fork_safe, locked
 from ..errors import BackendUnavailableError, CompletionUnknownError, CudaError
 from . import COMPLETE, DONE, PENDING, UNKNOWN, copy_pieces
@@ -142,6 +144,10 @@ def check(result, what: str):
 #: Submissions of one stream that share one completion event at most (see the
 #: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop.
 MARKER_BATCH = 64
+
+#: The largest upload staged in pinned memory (CudaBackend.staged): CuPy's pinned pool keeps
+#: what it lends, so as much as the uploads in flight at once ever held stays pinned.
+STAGE_MAX = 64 << 20
 
 
 class CudaMarker:
@@ -719,6 +725,21 @@ class CudaBackend:
         return CudaMarker(ev, self, False)
 
     # -- copies: enqueue, then record the submission's marker -------------------------
+    def staged(self, src):
+        """``src`` (a C-contiguous host array) as the source of a copy the driver enqueues
+        without waiting: its bytes copied into pinned memory from CuPy's pinned pool (back to
+        the pool when the submission keeping it retires: never freed to the driver, so no
+        synchronization), up to STAGE_MAX bytes; None above (pageable memory: the caller
+        first waits for the work the copy follows)."""
+        n = src.nbytes
+        if n > STAGE_MAX:
+            return None
+        if n == 0:
+            return src
+        out = np.ndarray((n,), np.uint8, self._cupy.cuda.alloc_pinned_memory(n))
+        out[:] = src.reshape(-1).view(np.uint8)
+        return out
+
     def copy_htod(self, impl, dst_ptr: int, src) -> CudaMarker:
         self.call("cuMemcpyHtoDAsync", dst_ptr, src.ctypes.data, src.nbytes, impl.cu_stream)
         return impl.submit_marker()

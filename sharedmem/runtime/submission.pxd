@@ -42,7 +42,7 @@ cdef list _keep_list(keep)
 cpdef wait_for_room(Stream stream)
 
 @cython.locals(rt=Runtime, pending=list, markers=list, tracker=AccessTracker, c=tuple)
-cpdef wait_before_read(ViewToken tok, Stream stream)
+cpdef wait_before(ViewToken tok, Stream stream, bint writes)
 
 @cython.locals(waited=dict)
 cdef note_waited_locked(Stream stream, Stream other, long long seq, marker)

@@ -690,13 +690,14 @@ def wait_for_room(stream) -> None:
         finish(done)
 
 
-def wait_before_read(tok, stream) -> None:
-    """Wait on the host -- holding no lock -- for sharedmem's unfinished work that a read of
-    ``tok``'s bytes on ``stream`` will be ordered after: ``stream``'s newest submission, and
-    the newest conflicting write on each other stream. A copy into pageable host memory
-    (``to_host``) calls it before it takes the core lock: the driver performs that copy
-    synchronously, waiting for all of it, and under the lock every other thread would wait
-    too. Best effort: work enqueued in between is still ordered by the copy's submission."""
+def wait_before(tok, stream, writes) -> None:
+    """Wait on the host -- holding no lock -- for sharedmem's unfinished work that an access of
+    ``tok``'s bytes on ``stream`` (a write when ``writes``) will be ordered after: ``stream``'s
+    newest submission, and the newest conflicting access on each other stream. A copy between
+    the device and pageable host memory calls it before it takes the core lock where the
+    driver performs that copy synchronously, waiting for all of it (``to_host``; a large
+    upload): under the lock every other thread would wait too. Best effort: work enqueued in
+    between is still ordered by the copy's own submission."""
     rt = RUNTIME
     rt.acquire()
     try:
@@ -704,7 +705,7 @@ def wait_before_read(tok, stream) -> None:
         markers = [pending[-1].marker] if pending else []
         tracker = tok.allocation.tracker
         if tracker.elsewhere_locked(stream):
-            for c in tracker.conflicts_locked(stream, False, tok.start, tok.stop, None):
+            for c in tracker.conflicts_locked(stream, writes, tok.start, tok.stop, None):
                 if c[1] is not None:  # (an open hold: the submission records its marker)
                     markers.append(c[1])
     finally:
@@ -1011,5 +1012,5 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
 __all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked", "end_holds_locked",
-           "order_consumer", "wait_before_read", "export_hold", "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
+           "order_consumer", "wait_before", "export_hold", "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
            "FailedMarker", "fresh_marker_locked", "label_text", "PENDING", "RETIRED", "UNKNOWN"]
