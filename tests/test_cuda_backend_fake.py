@@ -543,18 +543,25 @@ def test_an_upload_is_staged_in_pinned_memory_and_a_large_one_waits_first(fake, 
     gc.collect()
     assert fake_cuda._PinnedBlock.lent == lent  # given back once it retired
     np.testing.assert_array_equal(x.to_host(), host)
-    monkeypatch.setattr(bc, "STAGE_MAX", 8)  # 16 bytes: too large to stage
-    seen.clear()
-    drv.holding = True
-    sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=s)
-    x.copy_from(2 * host, stream=s)
-    # the busy kernel waited for by a thread holding no lock; then the copy, with nothing
-    # unfinished in front of it, from the caller's (pageable) array
-    assert [c[:3] for c in seen] == [("wait", True, 0), ("copy", seen[1][1], False)]
-    assert fake_cuda._PinnedBlock.lent == lent
-    drv.holding = False
-    drv.finish_held()
-    np.testing.assert_array_equal(x.to_host(), 2 * host)
+    def exhausted(n):
+        raise MemoryError("out of pinned memory")
+    for unstaged in ("too large", "no pinned memory"):
+        if unstaged == "too large":
+            monkeypatch.setattr(bc, "STAGE_MAX", 8)  # 16 bytes: too large to stage
+        else:
+            monkeypatch.setattr(bc, "STAGE_MAX", 64 << 20)
+            monkeypatch.setattr(dev.backend._cupy.cuda, "alloc_pinned_memory", exhausted)
+        seen.clear()
+        drv.holding = True
+        sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=s)
+        x.copy_from(2 * host, stream=s)
+        # the busy kernel waited for by a thread holding no lock; then the copy, with nothing
+        # unfinished in front of it, from the caller's (pageable) array
+        assert [c[:3] for c in seen] == [("wait", True, 0), ("copy", seen[1][1], False)]
+        assert fake_cuda._PinnedBlock.lent == lent
+        drv.holding = False
+        drv.finish_held()
+        np.testing.assert_array_equal(x.to_host(), 2 * host)
 
 
 def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):

@@ -729,14 +729,18 @@ class CudaBackend:
         """``src`` (a C-contiguous host array) as the source of a copy the driver enqueues
         without waiting: its bytes copied into pinned memory from CuPy's pinned pool (back to
         the pool when the submission keeping it retires: never freed to the driver, so no
-        synchronization), up to STAGE_MAX bytes; None above (pageable memory: the caller
-        first waits for the work the copy follows)."""
+        synchronization), up to STAGE_MAX bytes; None above, or where no pinned memory can be
+        had (pageable memory: the caller first waits for the work the copy follows)."""
         n = src.nbytes
         if n > STAGE_MAX:
             return None
         if n == 0:
             return src
-        out = np.ndarray((n,), np.uint8, self._cupy.cuda.alloc_pinned_memory(n))
+        try:
+            mem = self._cupy.cuda.alloc_pinned_memory(n)
+        except Exception:  # (out of pinned memory -- CuPy's pool freed what it held, and retried)
+            return None
+        out = np.ndarray((n,), np.uint8, mem)
         out[:] = src.reshape(-1).view(np.uint8)
         return out
 
