@@ -115,6 +115,10 @@ def _layout(view) -> dict:
     return cai_layout(view, not view._live_token().writable)
 
 
+def _malformed(what) -> ValueError:
+    return ValueError(f"malformed __cuda_array_interface__: {what}")
+
+
 def _ints(value, key, what) -> tuple:
     """``value`` (a CAI entry) as a tuple of ints, or ValueError naming ``key``."""
     try:
@@ -122,8 +126,7 @@ def _ints(value, key, what) -> tuple:
             raise TypeError
         return tuple(operator.index(n) for n in value)  # (a float is not truncated)
     except TypeError:
-        raise ValueError(f"malformed __cuda_array_interface__: {key!r} must be {what}, got "
-                         f"{value!r}") from None
+        raise _malformed(f"{key!r} must be {what}, got {value!r}") from None
 
 
 def read_cai(obj) -> tuple:
@@ -144,21 +147,19 @@ def read_cai(obj) -> tuple:
         raise ValueError("masked CUDA Array Interface arrays are not supported")
     for key in ("shape", "typestr", "data"):
         if key not in desc:
-            raise ValueError(f"malformed __cuda_array_interface__: no {key!r}")
+            raise _malformed(f"no {key!r}")
     shape = _ints(desc["shape"], "shape", "a tuple of ints")
     if any(n < 0 for n in shape):  # (DLPack's import refuses one too)
-        raise ValueError(f"malformed __cuda_array_interface__: negative shape {shape}")
+        raise _malformed(f"negative shape {shape}")
     try:
         if not isinstance(desc["typestr"], str):  # (not a NumPy type: the protocol says string)
             raise TypeError
         dtype = np.dtype(desc["typestr"])
     except (TypeError, ValueError):
-        raise ValueError(f"malformed __cuda_array_interface__: 'typestr' "
-                         f"{desc['typestr']!r} is not a type string") from None
+        raise _malformed(f"'typestr' {desc['typestr']!r} is not a type string") from None
     data = desc["data"]
     if not isinstance(data, (tuple, list)) or len(data) != 2:
-        raise ValueError(f"malformed __cuda_array_interface__: 'data' must be a (pointer, "
-                         f"read_only) pair, got {data!r}")
+        raise _malformed(f"'data' must be a (pointer, read_only) pair, got {data!r}")
     ptr, readonly = data
     strides = desc.get("strides")
     if strides is not None:
@@ -168,8 +169,7 @@ def read_cai(obj) -> tuple:
     try:
         ptr = 0 if ptr is None else operator.index(ptr)
     except TypeError:
-        raise ValueError(f"malformed __cuda_array_interface__: the 'data' pointer must be an "
-                         f"int, got {ptr!r}") from None
+        raise _malformed(f"the 'data' pointer must be an int, got {ptr!r}") from None
     return desc, version, shape, dtype, ptr, readonly, strides
 
 
@@ -194,8 +194,7 @@ def from_cuda_array_interface(obj, *, stream=None):
     lo, hi = extent(shape, strides)
     nbytes = (hi - lo) * isz
     if nbytes and not ptr:  # (DLPack's import refuses one too)
-        raise ValueError(f"malformed __cuda_array_interface__: a NULL 'data' pointer for "
-                         f"{nbytes} bytes")
+        raise _malformed(f"a NULL 'data' pointer for {nbytes} bytes")
     if nbytes:
         info = Device(0).backend.pointer_info(ptr)  # (any device's driver knows the pointer)
         if info is None:

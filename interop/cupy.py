@@ -34,8 +34,7 @@ import sys
 from sharedmem.bridges import refs_held_once, refuse_references
 from sharedmem.buffer import DeviceBox
 from sharedmem.device import Device
-from sharedmem.errors import (AliasError, DeviceMismatchError,
-                              LayoutError)
+from sharedmem.errors import AliasError, DeviceMismatchError, LayoutError
 from sharedmem.launch import KernelAdapter, register_kernel_adapter
 from sharedmem.runtime.submission import export_hold
 from sharedmem.stream import Stream
@@ -48,12 +47,6 @@ __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
 
 
 # -- arrays -> views ------------------------------------------------------------------
-def _root(arr):
-    while arr.base is not None:
-        arr = arr.base
-    return arr
-
-
 def _tensor_view(arr):
     """A Tensor over CuPy array ``arr``'s memory (read-only where ``arr`` is an as_cupy
     array of a read-only view)."""
@@ -66,11 +59,10 @@ def _tensor_view(arr):
     isz = arr.itemsize
     if any(s % isz for s in arr.strides):
         raise LayoutError(f"a CuPy array with strides {arr.strides} (not multiples of the "
-                             f"item size {isz}) cannot be a Tensor")
+                          f"item size {isz}) cannot be a Tensor")
     tok = alloc.new_token("tensor", lo, hi, export is None or export.writable, (alloc, arr.data))
-    offset = arr.data.ptr - alloc.ptr
     return new_tensor(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
-                      offset)
+                      arr.data.ptr - alloc.ptr)
 
 
 def wrap(arr) -> Tensor:
@@ -79,7 +71,9 @@ def wrap(arr) -> Tensor:
     The CuPy array stays a live alias: moving that memory raises AliasError
     naming it until the array and every view of it are garbage collected."""
     t = _tensor_view(arr)
-    root = _root(arr)
+    root = arr
+    while root.base is not None:
+        root = root.base
     alloc = t.allocation
     if export_token(arr) is None:
         lo, hi = extent(root.shape, root.strides, root.itemsize)
@@ -152,7 +146,7 @@ def _consumer(stream, dev):
     if isinstance(stream, Stream):
         if stream.device is not dev:
             raise DeviceMismatchError(f"as_cupy: {stream} is on {stream.device}, the memory "
-                                         f"on {dev}")
+                                      f"on {dev}")
         return stream
     return Stream.from_external(stream, dev)
 

@@ -26,6 +26,7 @@ import importlib
 import struct
 import sys
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -172,8 +173,7 @@ def _signature(call_args, modes) -> tuple:
     warmed signature never compiles again; a coarser one would make a launch compile under
     the core lock): see _param_modes, _array_keys and _scalar_key."""
     key = []
-    for i in range(len(call_args)):
-        x = call_args[i]
+    for i, x in enumerate(call_args):
         mode = modes[i] if modes is not None and i < len(modes) else None
         t = type(x)
         if t is _ArrayDescriptor:
@@ -289,13 +289,6 @@ def _check_no_aliasing(args) -> None:
 _TOO_HARD = getattr(np, "exceptions", np).TooHardError  # (np.exceptions: NumPy 1.25+)
 
 
-class _Layout:
-    """A NumPy array interface over an argument's device memory: read for its layout only
-    (``np.shares_memory`` does arithmetic on it; nothing reads the bytes)."""
-
-    __slots__ = ("__array_interface__",)
-
-
 def _share_elements(a, b) -> bool:
     """Whether array arguments ``a`` and ``b`` (LaunchArgs whose byte spans overlap) have an
     element byte in common: interleaved views (``t[0::2]``, ``t[1::2]``) share none. Exact
@@ -317,11 +310,11 @@ def _layout(la):
     else:  # a CuPy array
         size = v.itemsize
         shape, strides = tuple(v.shape), tuple(v.strides)
-    d = _Layout()
-    d.__array_interface__ = {"data": (la.token.allocation.ptr + la.offset, True),
-                             "shape": shape, "strides": strides, "typestr": f"|V{size}",
-                             "version": 3}
-    return np.asarray(d)
+    # a NumPy array interface over the argument's device memory, read for its layout only
+    # (np.shares_memory does arithmetic on it; nothing reads the bytes)
+    return np.asarray(SimpleNamespace(__array_interface__={
+        "data": (la.token.allocation.ptr + la.offset, True), "shape": shape,
+        "strides": strides, "typestr": f"|V{size}", "version": 3}))
 
 
 def _check_no_nested_arrays(i, seq) -> None:

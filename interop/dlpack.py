@@ -472,10 +472,9 @@ class _Imported:
         alias, self.alias = self.alias, None
         if alias is not None:
             alias.release()
-        if self.addr:
-            cls = DLManagedTensorVersioned if self.versioned else DLManagedTensor
-            m = cls.from_address(self.addr)
-            addr, self.addr = self.addr, 0
+        addr, self.addr = self.addr, 0
+        if addr:
+            m = (DLManagedTensorVersioned if self.versioned else DLManagedTensor).from_address(addr)
             if m.deleter:
                 m.deleter(addr)
 
@@ -504,9 +503,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     Tensor cannot be moved while the producer lives (for NumPy and CuPy
     arrays, whose capsules keep them alive: while the import lives). Take the
     memory over with :func:`sharedmem.adopt` instead when nothing else holds it."""
-    s = stream
-    if s is not None and not isinstance(s, Stream):
-        s = Stream.from_external(s)
+    s = None if stream is None else Stream.from_external(stream)  # (a Stream: itself)
     where = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
     on_cuda = where is not None and where[0] in (kDLCUDA, kDLCUDAManaged)
     if s is not None and where is not None:  # (before anything is imported)

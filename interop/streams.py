@@ -109,10 +109,8 @@ def ordered_among(streams) -> bool:
     are not ordered with each other. A consumer known only to be on one of them is then
     ordered after anything given to any of them."""
     n = len(streams)
-    if n == 1:
-        return True
     if n != 2:
-        return False
+        return n == 1
     a, b = streams[0], streams[1]
     if b is b.device.default_stream:
         a, b = b, a

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import TYPE_CHECKING
 
@@ -48,18 +49,13 @@ def _getrefcount(x) -> int:
     return sys.getrefcount(x)
 
 
-_REFS_HELD_ONCE = None
-
-
+@functools.cache
 def refs_held_once() -> int:
     """What ``sys.getrefcount(x)`` says inside a function ``f(x)`` whose caller holds one
     reference to ``x`` (measured once, on a probe passed the same way): an adopt()
     subtracts it from its argument's count to find the other references."""
-    global _REFS_HELD_ONCE
-    if _REFS_HELD_ONCE is None:
-        probe = object()
-        _REFS_HELD_ONCE = _getrefcount(probe)
-    return _REFS_HELD_ONCE
+    probe = object()
+    return _getrefcount(probe)
 
 
 def refuse_references(obj, extra: int, name: str, share: str) -> None:

@@ -190,8 +190,7 @@ def _take_slot_locked():
         _free.extend((len(_files) - 1, i) for i in range(SLOTS - 1, -1, -1))
     f, i = _free.pop()
     path, mm, fd = _files[f]
-    gen = next(_generation) & 0xFFFFFFFF
-    return (mm, i * _SLOT.size, f, i, fd), path, i, gen
+    return (mm, i * _SLOT.size, f, i, fd), path, i, next(_generation) & 0xFFFFFFFF
 
 
 class _SlotLock:

@@ -396,10 +396,6 @@ class ComputedFuture(DeviceFuture):
         """True once the value (or its error) is computed."""
         return self._ready.is_set()
 
-    def add_done_callback(self, fn) -> None:
-        """Call ``fn(self)`` once the value is computed (at once if it is)."""
-        self._add_callback(partial(fn, self))
-
     def _add_callback(self, cb) -> None:
         with self._lock:
             if self._waiters is not None:

@@ -203,10 +203,8 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        try:
+        if _DistributedHook in sys.meta_path:
             sys.meta_path.remove(_DistributedHook)
-        except ValueError:
-            pass
         if not _state["done"]:
             _register_now()
 

@@ -99,9 +99,8 @@ class trace:
                      "args": {"name": name}} for tid, name in self._tids.values()]
             self._tids.clear()
             self.events = meta + sorted(self.events, key=lambda e: e["ts"])
-        if self._nvtx is not None:  # still in flight: the range ends with the trace
-            for r in ranges.values():
-                self._nvtx.end_range(r)
+        for r in ranges.values():  # still in flight: the range ends with the trace (NVTX only)
+            self._nvtx.end_range(r)
         if self.path is not None:
             with open(self.path, "w") as f:
                 json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
@@ -136,10 +135,9 @@ class trace:
         now = self._us(time.monotonic())
         for sub in subs:
             ev = self._subs.pop(id(sub), None)
-            if self._nvtx is not None:
-                r = self._ranges.pop(id(sub), None)
-                if r is not None:
-                    self._nvtx.end_range(r)
+            r = self._ranges.pop(id(sub), None)  # (NVTX only)
+            if r is not None:
+                self._nvtx.end_range(r)
             if ev is not None:
                 ev["dur"] = max(0.0, now - ev["ts"])
                 ev["args"]["state"] = ("pending", "retired", "completion unknown")[sub.state]
