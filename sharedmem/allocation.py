@@ -185,17 +185,14 @@ def _add_locked(tok):
 def add_consumer_locked(tok, stream, writes) -> None:
     """Make live token ``tok`` a hold for work on ``stream`` (see ViewToken.consumers).
     Caller holds core_lock. A stream named twice keeps the stronger mode."""
-    cons = tok.consumers
-    if cons is None:
-        tok.consumers = ((stream, writes),)
-    else:
-        for i in range(len(cons)):
-            c = cons[i]
-            if c[0] is stream:  # (held already: at most a stronger mode)
-                if writes and not c[1]:
-                    tok.consumers = cons[:i] + ((stream, True),) + cons[i + 1:]
-                return
-        tok.consumers = cons + ((stream, writes),)
+    cons = tok.consumers or ()
+    for i in range(len(cons)):
+        c = cons[i]
+        if c[0] is stream:  # (held already: at most a stronger mode)
+            if writes and not c[1]:
+                tok.consumers = cons[:i] + ((stream, True),) + cons[i + 1:]
+            return
+    tok.consumers = cons + ((stream, writes),)
     tok.allocation.tracker.add_hold_locked(stream, tok, tok.start, tok.stop)
 
 
@@ -351,9 +348,7 @@ class _Registry:
         lock = self._lock
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
-            entry = self._maps.get(dkey)
-            if entry is None:
-                entry = self._maps[dkey] = fresh
+            entry = self._maps.setdefault(dkey, fresh)
             bisect.insort(entry[0], key)
             entry[1][key] = value
             bisect.insort(entry[2], alloc.nbytes)
@@ -370,11 +365,9 @@ class _Registry:
         if not held:
             lock.acquire()
         try:
-            entry = self._maps[dkey]
-            got = entry[1].pop(key)
-            keys = entry[0]
+            keys, refs, lens = self._maps[dkey]
+            got = refs.pop(key)
             del keys[bisect.bisect_left(keys, key)]
-            lens = entry[2]
             del lens[bisect.bisect_left(lens, got[1])]  # (the bound shrinks when the longest went)
             self._live -= 1
         finally:
@@ -441,10 +434,7 @@ def import_allocation(device, ptr, nbytes, source, region=None):
     range itself. Atomic with respect to other imports."""
     start, size = region if region is not None else (ptr, nbytes)
     with _create_lock:
-        a = _registry.lookup(device, ptr, nbytes)
-        if a is None:
-            a = Allocation(device, start, size, None, source)
-        return a
+        return _registry.lookup(device, ptr, nbytes) or Allocation(device, start, size, None, source)
 
 
 def live_allocation_count() -> int:
@@ -470,21 +460,14 @@ _ADVICE = (
     ("producer", "the producer can still reach these bytes: drop it, or take the memory over "
      "with sharedmem.adopt(...) instead of importing it"),
     ("CuPy array (shape", "drop the CuPy array and every view of it"),
+    # (any other kind: "" is in every kind, and the first match is taken)
+    ("", "release it (call .release(), leave its `with` block, or drop every reference)"),
 )
 
 
 def _advice(toks) -> str:
-    said = []
-    for t in toks:
-        for key, text in _ADVICE:
-            if key in t.kind:
-                break
-        else:
-            text = ("release it (call .release(), leave its `with` block, or drop every "
-                    "reference)")
-        if text not in said:
-            said.append(text)
-    return "; ".join(said)
+    said = (next(text for key, text in _ADVICE if key in t.kind) for t in toks)
+    return "; ".join(dict.fromkeys(said))  # (each piece of advice once, in order)
 
 
 # Modules fully imported, by name (sys.modules holds a module from the start of its import:
@@ -671,9 +654,8 @@ class View:
             hold = self._export
         except AttributeError:  # half-constructed (interpreted: its slots were never set)
             return
-        if tok is None and hold is None:  # moved or released: nothing to give back
-            return
-        if sys is None or sys.is_finalizing():
+        # (moved or released: nothing to give back)
+        if (tok is None and hold is None) or sys is None or sys.is_finalizing():
             return
         if self._state == _LIVE and tok is not None:
             tok.release()

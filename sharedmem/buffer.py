@@ -267,8 +267,7 @@ class Buffer(View):
         current stream), ordered after pending writes to these bytes and leased on both
         devices until it is done; no peer access is needed. To or from the host device, the
         bytes go through host memory."""
-        tok = to_device(self, device, stream)
-        return new_buffer(tok, self._dtype, self._length)
+        return new_buffer(to_device(self, device, stream), self._dtype, self._length)
 
 
 def copy_bytes(dst, src, stream, label, policy=None):
@@ -280,11 +279,8 @@ def copy_bytes(dst, src, stream, label, policy=None):
     if sdev is not ddev and (sdev.kind != "cuda" or ddev.kind != "cuda"):
         raise DeviceMismatchError(f"cannot copy between {sdev} and {ddev} on the device; go "
                                   f"through the host (to_host(), then copy_from / from_host)")
-    s = copy_stream(stream, sdev, ddev)
-    if s is None:
-        s = resolve_stream(None, ddev)
-    impl = s._impl
-    backend = s.device.backend
+    s = copy_stream(stream, sdev, ddev) or resolve_stream(None, ddev)
+    impl, backend = s._impl, s.device.backend
     dptr = dst.allocation.ptr + dst.start
     sptr = src.allocation.ptr + src.start
     n = dst.stop - dst.start

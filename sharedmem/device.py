@@ -10,15 +10,13 @@ forces the choice.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .errors import BackendUnavailableError, CudaError
+from .errors import BackendUnavailableError, CudaError, PeerAccessError
 from .runtime.state import OwnedLock, fork_safe
+from .stream import Stream
 
 __all__ = ["Device", "default_device"]
-
-if TYPE_CHECKING:
-    from .stream import Stream
 
 _lock = fork_safe(OwnedLock("the creation of a device"))
 _devices: dict = {}  # key -> Device; written under _lock, read lock-free (a dict get)
@@ -99,7 +97,6 @@ class Device:
         for the host, one long-lived worker). Borrowed: never destroyed."""
         s = self._default_stream
         if s is None:
-            from .stream import Stream
             with _lock:
                 if self._default_stream is None:
                     self._default_stream = Stream._create(self, self.backend.default_stream(),
@@ -109,7 +106,6 @@ class Device:
 
     def create_stream(self, name: str | None = None) -> Stream:
         """A new stream owned by the returned :class:`~sharedmem.Stream`."""
-        from .stream import Stream
         return Stream._create(self, self.backend.create_stream(name), owned=True, name=name)
 
     # -- peers --------------------------------------------------------------------------------
@@ -131,7 +127,6 @@ class Device:
         event wait, its leases are recorded on this device's stream, and the memory is freed
         only once both devices are done with it. Idempotent. Raises
         :class:`~sharedmem.errors.PeerAccessError` where the pair cannot (and changes nothing)."""
-        from .errors import PeerAccessError
         peer = _as_device(peer)
         if peer is self or peer in self._peers:
             return

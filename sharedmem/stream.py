@@ -388,11 +388,7 @@ def streams_entered() -> bool:
 def current_stream(device=None):
     """The innermost stream entered with ``with stream:`` in this thread on ``device`` (on any
     device when None), or None."""
-    stack = _entered_streams.get()
-    if not stack:
-        return None
-    for i in range(len(stack) - 1, -1, -1):
-        s = stack[i]
+    for s in reversed(_entered_streams.get()):
         if device is None or s.device is device:
             return s
     return None

@@ -61,10 +61,7 @@ def _ints(seq, what) -> tuple[int, ...]:
     sequence of ints (bools and strings are not)."""
     bad = isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__")
     out = () if bad else tuple(seq)
-    for n in out:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            bad = True
-    if bad:
+    if bad or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) for n in out):
         raise TypeError(f"{what}, got {seq!r}")
     return tuple(int(n) for n in out)
 
@@ -133,11 +130,7 @@ def _itemsize(dtype):
 
 
 def _is_c_contiguous(shape, strides) -> bool:
-    expect = c_strides(shape)
-    for i in range(len(shape)):
-        if shape[i] > 1 and strides[i] != expect[i]:
-            return False
-    return True
+    return all(n <= 1 or s == e for n, s, e in zip(shape, strides, c_strides(shape)))
 
 
 def new_tensor(token, dtype, shape, strides, offset, size=-1, contiguous=-1):

@@ -88,7 +88,6 @@ class _HotDriver:
     def __init__(self):
         lib = ctypes.PyDLL("libcuda.so.1")
         vp, ui = ctypes.c_void_p, ctypes.c_uint
-        self._vp = vp
         # for the compiled paths (launch plans, ensure_context): the C entry points themselves
         self.addresses = {}
         # (attribute, entry point, argtypes: None for launch, see above); all return an int
@@ -106,7 +105,7 @@ class _HotDriver:
 
     def current_context(self) -> int:
         """The calling thread's current context (0: none)."""
-        out = self._vp()
+        out = ctypes.c_void_p()
         self._ctx_get(out)
         return out.value or 0
 
@@ -500,8 +499,7 @@ class CudaBackend:
         self.cu_device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
         self.name = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName") \
             .split(b"\0")[0].decode()
-        uuid = check(cu.cuDeviceGetUuid(self.cu_device), "cuDeviceGetUuid")
-        h = bytes(uuid.bytes).hex()
+        h = bytes(check(cu.cuDeviceGetUuid(self.cu_device), "cuDeviceGetUuid").bytes).hex()
         self.uuid = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
         A = cu.CUdevice_attribute
         self.compute_capability = tuple(check(cu.cuDeviceGetAttribute(
