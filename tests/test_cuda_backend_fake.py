@@ -564,6 +564,228 @@ def test_an_upload_is_staged_in_pinned_memory_and_a_large_one_waits_first(fake, 
         np.testing.assert_array_equal(x.to_host(), 2 * host)
 
 
+def _in_order_synchronize(drv):
+    """A cuEventSynchronize for the fake driver that runs each stream in order: every event
+    recorded on ``ev``'s stream up to ``ev`` -- sharedmem's or another library's -- is done."""
+    from fake_cuda import OK
+
+    def synchronize(ev):
+        rec = [c for c in drv.calls if c[0] == "record"]
+        stream = next(c[2] for c in reversed(rec) if c[1] == int(ev))
+        order = [c[1] for c in rec if c[2] == stream]
+        last = len(order) - 1 - order[::-1].index(int(ev))
+        drv.held.difference_update(order[:last + 1])
+        return (OK,)
+    return synchronize
+
+
+@pytest.mark.parametrize("which", ["default", "borrowed"])
+def test_to_host_waits_for_other_libraries_work_on_its_stream_before_the_lock(fake, monkeypatch,
+                                                                              which):
+    """The driver's copy into pageable memory waits for everything on the stream, not only
+    what sharedmem enqueued there: CuPy's kernels on the legacy default stream (sharedmem's
+    default stream too), a borrowed stream's owner's work. to_host must wait for that too
+    before it takes the core lock -- here sharedmem has nothing pending on the stream at all."""
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
+    sm.synchronize()
+    if which == "default":
+        s, handle = dev.default_stream, 0
+    else:
+        handle = int(drv.cuStreamCreate(1)[1])
+        s = sm.Stream.from_external(handle, dev)
+    foreign = int(drv.cuEventCreate(0)[1])
+    seen = []
+    real_copy = drv.cuMemcpyDtoHAsync
+
+    def copy(dst, src, n, stream):  # what the copy finds in front of it on its stream
+        seen.append((foreign in drv.held, RUNTIME.owner != 0))
+        return real_copy(dst, src, n, stream)
+    monkeypatch.setattr(drv, "cuEventSynchronize", _in_order_synchronize(drv))
+    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
+    drv.holding = True
+    drv.cuEventRecord(foreign, handle)  # another library's long kernel on the stream, running
+    got = x.to_host(stream=s)
+    drv.holding = False
+    np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
+    # the copy (under the lock) found nothing unfinished in front of it: waited for first
+    assert seen == [(False, True)]
+    drv.finish_held()
+
+
+def test_to_host_waits_for_a_consumers_work_on_the_bytes_before_the_lock(fake, monkeypatch):
+    """A consumer holding the bytes (a DLPack export to its stream, an as_cupy array) may be
+    writing them there: to_host's copy is ordered after what that stream was given so far,
+    and the driver's copy into pageable memory waits for it -- under the core lock, unless
+    to_host waits for it first."""
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=dev)
+    sm.synchronize()
+    consumer = int(drv.cuStreamCreate(1)[1])
+    cap = t.__dlpack__(stream=consumer)  # a hold, open: the consumer may write
+    foreign = int(drv.cuEventCreate(0)[1])
+    seen = []
+    real_copy = drv.cuMemcpyDtoHAsync
+
+    def copy(dst, src, n, stream):
+        seen.append((foreign in drv.held, RUNTIME.owner != 0))
+        return real_copy(dst, src, n, stream)
+    monkeypatch.setattr(drv, "cuEventSynchronize", _in_order_synchronize(drv))
+    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
+    drv.holding = True
+    drv.cuEventRecord(foreign, consumer)  # the consumer's kernel on the bytes, running
+    got = t.to_host()
+    drv.holding = False
+    np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
+    assert seen == [(False, True)]
+    drv.finish_held()
+    del cap
+
+
+@pytest.mark.xfail(strict=True, reason="review finding: a strided copy's pieces are enqueued "
+                                       "in one submission, under one hold of the core lock")
+def test_a_strided_copy_enqueues_no_more_under_the_lock_than_the_driver_queues(fake,
+                                                                              monkeypatch):
+    """The driver queues about 1,020 operations a stream and blocks the next inside the
+    call -- under the core lock, every thread waits for the GPU (what MAX_PENDING keeps
+    launches from). Tensor.copy of a transposed tensor (a DLPack import of ``x.T``) enqueues
+    one cuMemcpy2DAsync per row in one submission, under one hold of the lock: more than the
+    driver's queue holds once the matrix has over ~1,000 rows."""
+    import collections
+    from sharedmem.runtime.state import RUNTIME
+    from sharedmem.runtime.submission import MAX_PENDING
+    from sharedmem.tensor import new_tensor
+    dev, drv = fake
+    n = 4 * MAX_PENDING
+    t = sm.Tensor.from_host(np.arange(4 * n, dtype=np.float32).reshape(4, n), device=dev)
+    tok = t._token
+    view = new_tensor(tok.allocation.new_token("tensor view", tok.start, tok.stop, True,
+                                               tok.keep, source=t),
+                      np.dtype("float32"), (n, 4), (1, n), tok.start)  # t's transpose
+    sm.synchronize()
+    per_hold = collections.Counter()
+    real = drv.cuMemcpy2DAsync
+
+    def copy2d(p, stream):  # (RUNTIME.submitted grows once a submission is filed)
+        assert RUNTIME.owner != 0
+        per_hold[RUNTIME.submitted] += 1
+        return real(p, stream)
+    monkeypatch.setattr(drv, "cuMemcpy2DAsync", copy2d)
+    c = view.copy()
+    np.testing.assert_array_equal(c.to_host(), np.arange(4 * n, dtype=np.float32).reshape(4, n).T)
+    assert sum(per_hold.values()) == n  # one piece per row of the transpose
+    assert max(per_hold.values()) <= MAX_PENDING // 2, \
+        f"{max(per_hold.values())} 2-D copies enqueued under one hold of the core lock"
+
+
+class _CupyLikePinnedPool:
+    """CuPy's PinnedMemoryPool (cupy/cuda/pinned_memory.pyx), what cupy.cuda.alloc_pinned_memory
+    lends from by default: sizes rounded up to 512 bytes; a free list per exact size, which a
+    block joins as soon as its pointer dies; blocks never given back to the driver (unless a
+    cudaHostAlloc fails). ``allocated``: the bytes it ever pinned."""
+
+    def __init__(self):
+        import collections
+        self.free = collections.defaultdict(list)
+        self.allocated = 0
+        self.blocks = 0
+
+    def malloc(self, n):
+        size = -(-n // 512) * 512
+        free = self.free[size]
+        if free:
+            raw = free.pop()
+        else:
+            raw = np.empty(size, np.uint8)
+            self.allocated += size
+            self.blocks += 1
+        ptr = raw.view(_PooledPinned)
+        ptr._back = (free, raw)
+        return ptr
+
+
+class _PooledPinned(np.ndarray):
+    """A pointer into a block of _CupyLikePinnedPool: the block is back on its free list once
+    the pointer dies (PooledPinnedMemory.__del__ = free)."""
+
+    def __del__(self):
+        back = getattr(self, "_back", None)
+        if back is not None:
+            back[0].append(back[1])
+
+
+def test_staging_keeps_pinned_memory_bounded_over_uploads_of_many_sizes(fake, monkeypatch):
+    """CuPy's pinned pool reuses a block only for an allocation of the same (512-byte rounded)
+    size and never unpins one: staging each upload at its exact size pins a new block for
+    every size ever uploaded -- a loader whose batches vary in length pins host memory without
+    bound, one upload in flight at a time. Staged sizes must come from a few size classes."""
+    dev, drv = fake
+    pool = _CupyLikePinnedPool()
+    monkeypatch.setattr(dev.backend._cupy.cuda, "alloc_pinned_memory", pool.malloc)
+    b = sm.Buffer.empty(1 << 16, "uint8", device=dev)
+    for k in range(64):
+        n = 32768 + 512 * k
+        b[:n].copy_from(np.full(n, k, np.uint8))
+        sm.synchronize()  # each upload retired before the next: one block in flight at a time
+    np.testing.assert_array_equal(b.to_host()[:32768], np.full(32768, 63, np.uint8))
+    assert pool.blocks <= 8, (pool.blocks, pool.allocated)
+
+
+def test_staged_uploads_in_flight_stay_within_the_budget(fake, monkeypatch):
+    """An upload loop far ahead of its stream would pin everything it uploads (and CuPy's pool
+    keeps it pinned): past STAGE_BUDGET bytes of staged uploads in flight on the device, an
+    upload waits for the work it follows and copies from the caller's array. A staged block
+    counts until the submission keeping it retired."""
+    import fake_cuda
+    import sharedmem.backends.cuda as bc
+    dev, drv = fake
+    monkeypatch.setattr(bc, "STAGE_BUDGET", 2048)
+    syncs = []
+    real = drv.cuEventSynchronize
+
+    def synchronize(ev):
+        syncs.append(dev.backend._staged)
+        return real(ev)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    s = dev.create_stream("ahead")
+    b = sm.Buffer.zeros(6 * 128, "float32", device=dev)
+    sm.synchronize()
+    lent = fake_cuda._PinnedBlock.lent
+    syncs.clear()
+    drv.holding = True  # the device is behind: nothing finishes by itself
+    for k in range(6):  # 512 bytes each: four fit the budget
+        b[128 * k:128 * (k + 1)].copy_from(np.full(128, k, np.float32), stream=s)
+        assert dev.backend._staged == min(k + 1, 4) * 512
+    # the last two waited first and were not staged
+    assert fake_cuda._PinnedBlock.lent == lent + 4 and syncs == [2048, 2048]
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    gc.collect()
+    assert dev.backend._staged == 0 and fake_cuda._PinnedBlock.lent == lent  # given back
+    np.testing.assert_array_equal(b.to_host(), np.repeat(np.arange(6, dtype=np.float32), 128))
+
+
+def test_an_upload_that_cannot_be_staged_is_copied_from_the_array_all_the_same(fake, monkeypatch):
+    """Pinned memory can run out (cudaHostAlloc fails once CuPy's pool freed its free blocks
+    and asked again) or be refused (a pinned allocation while a thread captures a graph in
+    the global mode). copy_from did not allocate pinned memory before: it must not start
+    failing with CuPy's error -- it copies from the caller's array, as for a large upload."""
+    dev, drv = fake
+
+    def no_pinned_memory(n):
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+    monkeypatch.setattr(dev.backend._cupy.cuda, "alloc_pinned_memory", no_pinned_memory)
+    x = sm.Buffer.zeros(4, device=dev)
+    host = np.arange(4, dtype=np.float32)
+    x.copy_from(host)
+    np.testing.assert_array_equal(x.to_host(), host)
+    y = sm.Buffer.from_host(2 * host, device=dev)
+    np.testing.assert_array_equal(y.to_host(), 2 * host)
+
+
 def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
     dev, drv = fake
     saxpy, scale_len = kernels

@@ -38,6 +38,7 @@ cdef class CudaStreamImpl:
 cdef class CudaBackend:
     cdef public object _cupy, cu, ordinal, cu_device, name, uuid, compute_capability, limits
     cdef public object context, hot, _cupy_device, _arena
+    cdef public Py_ssize_t _staged
     cdef public size_t context_handle
     # driver entry points called through their addresses (0: not known)
     cdef public size_t ctx_get_addr, record_addr, query_addr, wait_addr, graph_launch_addr

@@ -35,6 +35,7 @@ import ctypes
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -144,9 +145,15 @@ def check(result, what: str):
 #: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop.
 MARKER_BATCH = 64
 
-#: The largest upload staged in pinned memory (CudaBackend.staged): CuPy's pinned pool keeps
-#: what it lends, so as much as the uploads in flight at once ever held stays pinned.
+#: The largest upload staged in pinned memory (CudaBackend.staged), and the bytes of staged
+#: uploads in flight on a device at most: CuPy's pinned pool keeps what it lends, so as much
+#: as was ever in flight at once stays pinned -- and an upload loop far ahead of its stream
+#: would pin all it uploads. Past either, an upload waits for the work it follows first.
 STAGE_MAX = 64 << 20
+STAGE_BUDGET = 256 << 20
+# guards CudaBackend._staged; nothing under it allocates a collected object (an int sum), so
+# no collection -- and no finalizer calling _unstage -- can start while it is held
+_stage_lock = fork_safe(threading.Lock())
 
 
 class CudaMarker:
@@ -539,6 +546,7 @@ class CudaBackend:
         self._ipc_events = []
         self._cupy_device = cupy.cuda.Device(ordinal)
         self._arena = None  # the CuPy stream whose pool arena sharedmem allocates from
+        self._staged = 0  # bytes of staged uploads in flight (staged()); guarded by _stage_lock
 
     # -- context ------------------------------------------------------------
     def ensure_context(self) -> None:
@@ -727,20 +735,39 @@ class CudaBackend:
         """``src`` (a C-contiguous host array) as the source of a copy the driver enqueues
         without waiting: its bytes copied into pinned memory from CuPy's pinned pool (back to
         the pool when the submission keeping it retires: never freed to the driver, so no
-        synchronization), up to STAGE_MAX bytes; None above, or where no pinned memory can be
-        had (pageable memory: the caller first waits for the work the copy follows)."""
+        synchronization), up to STAGE_MAX bytes and STAGE_BUDGET in flight; None past them,
+        or where no pinned memory can be had (pageable memory: the caller first waits for the
+        work the copy follows)."""
         n = src.nbytes
         if n > STAGE_MAX:
             return None
         if n == 0:
             return src
+        # (a power of two: CuPy's pool lends a freed block again only for the same size and
+        # never unpins one -- staged at their exact sizes, uploads of varying lengths would
+        # pin a new block for each length ever uploaded)
+        size = 1 << max(n - 1, 511).bit_length()
+        _stage_lock.acquire()
+        fits = self._staged + size <= STAGE_BUDGET
+        if fits:
+            self._staged += size
+        _stage_lock.release()
+        if not fits:
+            return None
         try:
-            mem = self._cupy.cuda.alloc_pinned_memory(n)
-        except Exception:  # (out of pinned memory -- CuPy's pool freed what it held, and retried)
+            mem = self._cupy.cuda.alloc_pinned_memory(size)
+        except Exception:  # (pinned memory exhausted or refused: as past STAGE_MAX, then)
+            self._unstage(size)
             return None
         out = np.ndarray((n,), np.uint8, mem)
+        weakref.finalize(out, self._unstage, size)  # (when the submission keeping it retired)
         out[:] = src.reshape(-1).view(np.uint8)
         return out
+
+    def _unstage(self, size) -> None:
+        _stage_lock.acquire()
+        self._staged -= size
+        _stage_lock.release()
 
     def copy_htod(self, impl, dst_ptr: int, src) -> CudaMarker:
         self.call("cuMemcpyHtoDAsync", dst_ptr, src.ctypes.data, src.nbytes, impl.cu_stream)

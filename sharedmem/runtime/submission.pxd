@@ -41,7 +41,8 @@ cdef list _keep_list(keep)
 @cython.locals(pending=list, k=Py_ssize_t, done=list)
 cpdef wait_for_room(Stream stream)
 
-@cython.locals(rt=Runtime, pending=list, markers=list, tracker=AccessTracker, c=tuple)
+@cython.locals(rt=Runtime, pending=list, markers=list, fresh=list, tracker=AccessTracker,
+               c=tuple)
 cpdef wait_before(ViewToken tok, Stream stream, bint writes)
 
 @cython.locals(waited=dict)

@@ -691,27 +691,48 @@ def wait_for_room(stream) -> None:
 
 
 def wait_before(tok, stream, writes) -> None:
-    """Wait on the host -- holding no lock -- for sharedmem's unfinished work that an access of
-    ``tok``'s bytes on ``stream`` (a write when ``writes``) will be ordered after: ``stream``'s
-    newest submission, and the newest conflicting access on each other stream. A copy between
-    the device and pageable host memory calls it before it takes the core lock where the
-    driver performs that copy synchronously, waiting for all of it (``to_host``; a large
-    upload): under the lock every other thread would wait too. Best effort: work enqueued in
-    between is still ordered by the copy's own submission."""
+    """Wait on the host -- holding no lock -- for the unfinished work that an access of
+    ``tok``'s bytes on ``stream`` (a write when ``writes``) will be ordered after: everything
+    ``stream`` was given so far (on a CUDA stream a marker recorded now: other libraries' work
+    there included), the newest conflicting access on each other stream, and what a consumer
+    holding those bytes gave its stream so far. A copy between the device and pageable host
+    memory calls it before it takes the core lock where the driver performs that copy
+    synchronously, waiting for all of it (``to_host``; a large upload): under the lock every
+    other thread would wait too. Best effort: work enqueued in between is still ordered by the
+    copy's own submission."""
     rt = RUNTIME
+    fresh = []  # markers recorded here (pooled): back to the pool once waited for
     rt.acquire()
     try:
         pending = stream._pending
-        markers = [pending[-1].marker] if pending else []
+        if stream._checks or stream._capture is not None:
+            markers = [pending[-1].marker] if pending else []
+        else:
+            # A CUDA stream: what the driver's copy waits for is everything on it -- the work
+            # other libraries enqueued there too (CuPy's on the legacy default stream, which
+            # is sharedmem's default stream; a borrowed stream's owner's), not only sharedmem's
+            try:
+                fresh.append(fresh_marker_locked(stream, True))
+            except CompletionUnknownError:
+                pass  # (the copy's own submission meets that error)
+            markers = list(fresh)
         tracker = tok.allocation.tracker
         if tracker.elsewhere_locked(stream):
             for c in tracker.conflicts_locked(stream, writes, tok.start, tok.stop, None):
-                if c[1] is not None:  # (an open hold: the submission records its marker)
-                    markers.append(c[1])
+                m = c[1]
+                if m is None:  # an open hold: what its consumer's stream was given so far
+                    try:       # (the submission makes the copy wait for as much)
+                        m = fresh_marker_locked(c[0], True)
+                    except CompletionUnknownError:
+                        continue  # (the submission meets that error)
+                    fresh.append(m)
+                markers.append(m)
     finally:
         rt.release()
     for m in markers:
         m.wait(None)  # (an unknown completion ends the wait: the submission reports it)
+    for m in fresh:
+        m.recycle()  # (nothing else has seen these markers)
 
 
 def sweep_long(stream) -> None:
