@@ -37,7 +37,7 @@ def _cycles(spin_ms):
     return int(spin_ms * rate)
 
 
-def raw_depth(spin_ms, launches, events, streams=1):
+def raw_depth(spin_ms, launches, events, streams=1, waits=False):
     """The index of the first raw CuPy launch call over 2 ms behind spin kernels (one on each
     of ``streams`` streams, the launches taking them in turn), or None."""
     import cupy as cp
@@ -47,6 +47,9 @@ def raw_depth(spin_ms, launches, events, streams=1):
     x = cp.zeros(1, cp.float32)
     evs = [cp.cuda.Event(disable_timing=True) for _ in range(64)]
     tiny((1,), (32,), (x, np.int32(1)))
+    idle = cp.cuda.Stream(non_blocking=True)
+    done = cp.cuda.Event(disable_timing=True)
+    done.record(idle)
     cp.cuda.Device().synchronize()
     for s in ss:
         spin((1,), (1,), (np.int64(_cycles(spin_ms)),), stream=s)
@@ -54,6 +57,8 @@ def raw_depth(spin_ms, launches, events, streams=1):
     for i in range(launches):
         s = ss[i % streams]
         t0 = time.perf_counter()
+        if waits:  # (as sharedmem orders a launch after another stream's work)
+            s.wait_event(done)
         tiny((1,), (32,), (x, np.int32(1)), stream=s)
         if events and i % 64 == 63:
             evs[(i // 64) % 64].record(s)
@@ -141,6 +146,8 @@ def main():
           f"#{raw_depth(spin_ms, launches, False)}")
     print(f"raw CuPy + an event every 64 launches: #{raw_depth(spin_ms, launches, True)}")
     print(f"raw CuPy, 4 busy streams taken in turn: #{raw_depth(spin_ms, 4 * launches, False, 4)}")
+    print(f"raw CuPy, a stream wait before each launch: "
+          f"#{raw_depth(spin_ms, launches, False, 1, True)}")
     for name, work in ((f"{launches} launches", launch_loop(launches)),
                        ("to_host (256 KiB) on it", to_host),
                        ("to_host copied under the core lock (as before)", to_host_under_the_lock),
