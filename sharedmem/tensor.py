@@ -28,7 +28,8 @@ except ImportError:
 from .allocation import View
 from .buffer import Buffer, _device, allocate, as_dtype, copy_stream, native, new_buffer, to_device
 from .errors import LayoutError
-from .runtime.submission import submit
+from .backends import copy_pieces
+from .runtime.submission import MAX_PENDING, submit, wait_before
 from .stream import Stream, resolve_stream
 
 __all__ = ["Tensor", "c_strides", "extent"]
@@ -423,7 +424,8 @@ class Tensor(View):
         """A new C-contiguous tensor (a new allocation on the same device) holding this
         tensor's values in logical order; asynchronous on ``stream``, ordered after pending
         writes and leased like a launch. Strided sources copy by 2-D pieces on CUDA (one per
-        row of the outer dimensions: a kernel is faster for large transposes)."""
+        row of the outer dimensions: a kernel is faster for large transposes); with more
+        pieces than half the driver's queue, the call first waits for the work it follows."""
         tok = self._live_token()
         dev = tok.allocation.device
         s = resolve_stream(stream, dev)
@@ -438,6 +440,12 @@ class Tensor(View):
             enqueue = lambda: backend.copy_dtod(impl, dst, src, n)  # noqa: E731
         else:
             shape, bstrides = self._shape, tuple(k * isz for k in self._strides)
+            if len(copy_pieces(shape, bstrides, isz)[3]) > MAX_PENDING // 2:
+                # one 2-D copy a piece, enqueued under the core lock: behind a busy stream the
+                # driver's queue (about 1,020 a stream) fills and blocks it there -- so wait
+                # first, holding no lock, for the work the copy follows (a transposed matrix
+                # of over ~250 rows; a gather kernel would do it in one launch)
+                wait_before(tok, s, False)
             enqueue = lambda: backend.copy_strided(impl, dst, src, shape, bstrides, isz)  # noqa: E731
         submit(s, [(tok, False), (otok, True)], enqueue, label="Tensor.copy")
         return out

@@ -644,40 +644,46 @@ def test_to_host_waits_for_a_consumers_work_on_the_bytes_before_the_lock(fake, m
     del cap
 
 
-@pytest.mark.xfail(strict=True, reason="review finding: a strided copy's pieces are enqueued "
-                                       "in one submission, under one hold of the core lock")
-def test_a_strided_copy_enqueues_no_more_under_the_lock_than_the_driver_queues(fake,
-                                                                              monkeypatch):
-    """The driver queues about 1,020 operations a stream and blocks the next inside the
+def test_a_strided_copy_of_many_pieces_waits_for_the_stream_before_the_lock(fake, monkeypatch):
+    """The driver queues about 1,020 operations a stream and blocks the next one inside the
     call -- under the core lock, every thread waits for the GPU (what MAX_PENDING keeps
     launches from). Tensor.copy of a transposed tensor (a DLPack import of ``x.T``) enqueues
-    one cuMemcpy2DAsync per row in one submission, under one hold of the lock: more than the
-    driver's queue holds once the matrix has over ~1,000 rows."""
-    import collections
+    one cuMemcpy2DAsync per row in one submission: with more rows than half the queue, it
+    first waits, holding no lock, for the work in front of it (another library's included),
+    so the driver takes the copies without waiting for the GPU."""
     from sharedmem.runtime.state import RUNTIME
     from sharedmem.runtime.submission import MAX_PENDING
     from sharedmem.tensor import new_tensor
     dev, drv = fake
-    n = 4 * MAX_PENDING
-    t = sm.Tensor.from_host(np.arange(4 * n, dtype=np.float32).reshape(4, n), device=dev)
-    tok = t._token
-    view = new_tensor(tok.allocation.new_token("tensor view", tok.start, tok.stop, True,
-                                               tok.keep, source=t),
-                      np.dtype("float32"), (n, 4), (1, n), tok.start)  # t's transpose
-    sm.synchronize()
-    per_hold = collections.Counter()
+    s = dev.create_stream("busy")
     real = drv.cuMemcpy2DAsync
+    seen = []
 
-    def copy2d(p, stream):  # (RUNTIME.submitted grows once a submission is filed)
-        assert RUNTIME.owner != 0
-        per_hold[RUNTIME.submitted] += 1
+    def copy2d(p, stream):  # what each 2-D copy finds in front of it on its stream
+        seen.append((foreign in drv.held, RUNTIME.owner != 0))
         return real(p, stream)
+    monkeypatch.setattr(drv, "cuEventSynchronize", _in_order_synchronize(drv))
     monkeypatch.setattr(drv, "cuMemcpy2DAsync", copy2d)
-    c = view.copy()
-    np.testing.assert_array_equal(c.to_host(), np.arange(4 * n, dtype=np.float32).reshape(4, n).T)
-    assert sum(per_hold.values()) == n  # one piece per row of the transpose
-    assert max(per_hold.values()) <= MAX_PENDING // 2, \
-        f"{max(per_hold.values())} 2-D copies enqueued under one hold of the core lock"
+    for rows, waits in ((MAX_PENDING // 2, False), (4 * MAX_PENDING, True)):
+        t = sm.Tensor.from_host(np.arange(4 * rows, dtype=np.float32).reshape(4, rows),
+                                device=dev)
+        tok = t._token
+        view = new_tensor(tok.allocation.new_token("tensor view", tok.start, tok.stop, True,
+                                                   tok.keep, source=t),
+                          np.dtype("float32"), (rows, 4), (1, rows), tok.start)  # t's transpose
+        sm.synchronize()
+        foreign = int(drv.cuEventCreate(0)[1])
+        seen.clear()
+        drv.holding = True
+        drv.cuEventRecord(foreign, s.handle)  # another library's long kernel on s, running
+        c = view.copy(stream=s)
+        drv.holding = False
+        assert len(seen) == rows and all(locked for _, locked in seen)  # one a row, locked
+        # up to half the queue's worth: enqueued at once; more: the kernel waited for first
+        assert {busy for busy, _ in seen} == {not waits}
+        drv.finish_held()
+        np.testing.assert_array_equal(c.to_host(), np.arange(4 * rows, dtype=np.float32)
+                                      .reshape(4, rows).T)
 
 
 class _CupyLikePinnedPool:

@@ -177,6 +177,26 @@ def test_uploads_behind_a_busy_stream_stall_no_other_thread(gpu, K):
     np.testing.assert_array_equal(small.to_host(), np.full(m, 8, np.float32))
 
 
+def test_a_strided_copy_behind_a_busy_stream_stalls_no_other_thread(gpu, K):
+    """Tensor.copy of a transposed tensor enqueues one 2-D copy per row under the core lock;
+    past the driver's queue (about 1,020 a stream) behind a busy stream it would block there.
+    With more rows than half the queue it waits for the stream first, holding no lock."""
+    import cupy as cp
+    busy = gpu.create_stream("busy")
+    base = cp.arange(64 * 2048, dtype=cp.float32).reshape(64, 2048)
+    t = sm.from_dlpack(base.T)  # (2048, 64): one 2-D copy a row
+    x = sm.Buffer.zeros(32, "float32", device=gpu)
+    sm.synchronize()
+    cp.cuda.Device(gpu.ordinal).synchronize()
+    sm.launch(K.kernel("slow_fill"), 1, 32, sm.Out(x), np.int32(32), np.float32(2),
+              np.int64(K.cycles(400)), stream=busy)
+    with _calls_elsewhere(gpu, K) as calls:
+        c = t.copy(stream=busy)
+        busy.synchronize()
+    assert len(calls) > 20 and max(calls) < 0.1, (len(calls), max(calls))
+    np.testing.assert_array_equal(c.to_host(), cp.asnumpy(base.T))
+
+
 def test_read_read_overlaps_on_the_device(gpu, K):
     """Two readers of one buffer on two streams run at the same time: the first
     spins until the second sets a flag (bounded); if sharedmem had ordered them,
