@@ -434,7 +434,8 @@ def import_allocation(device, ptr, nbytes, source, region=None):
     range itself. Atomic with respect to other imports."""
     start, size = region if region is not None else (ptr, nbytes)
     with _create_lock:
-        return _registry.lookup(device, ptr, nbytes) or Allocation(device, start, size, None, source)
+        return (_registry.lookup(device, ptr, nbytes)
+                or Allocation(device, start, size, None, source))
 
 
 def live_allocation_count() -> int:
