@@ -440,11 +440,12 @@ class Tensor(View):
             enqueue = lambda: backend.copy_dtod(impl, dst, src, n)  # noqa: E731
         else:
             shape, bstrides = self._shape, tuple(k * isz for k in self._strides)
-            if len(copy_pieces(shape, bstrides, isz)[3]) > MAX_PENDING // 2:
+            if s._capture is None and len(copy_pieces(shape, bstrides, isz)[3]) > MAX_PENDING // 2:
                 # one 2-D copy a piece, enqueued under the core lock: behind a busy stream the
                 # driver's queue (about 1,020 a stream) fills and blocks it there -- so wait
                 # first, holding no lock, for the work the copy follows (a transposed matrix
-                # of over ~250 rows; a gather kernel would do it in one launch)
+                # of over ~250 rows; a gather kernel would do it in one launch). Captured:
+                # recorded, not run -- nothing to wait for
                 wait_before(tok, s, False)
             enqueue = lambda: backend.copy_strided(impl, dst, src, shape, bstrides, isz)  # noqa: E731
         submit(s, [(tok, False), (otok, True)], enqueue, label="Tensor.copy")

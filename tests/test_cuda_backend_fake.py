@@ -684,6 +684,15 @@ def test_a_strided_copy_of_many_pieces_waits_for_the_stream_before_the_lock(fake
         drv.finish_held()
         np.testing.assert_array_equal(c.to_host(), np.arange(4 * rows, dtype=np.float32)
                                       .reshape(4, rows).T)
+    syncs = []
+    monkeypatch.setattr(drv, "cuEventSynchronize", lambda ev: syncs.append(ev) or (0,))
+    drv.holding = True
+    sm.Buffer.zeros(4, device=dev).fill_zero(stream=s)  # work in flight on s
+    with sm.capture(s):  # captured: recorded, not run -- nothing to wait for
+        view.copy(stream=s)
+    assert syncs == []
+    drv.holding = False
+    drv.finish_held()
 
 
 class _CupyLikePinnedPool:
