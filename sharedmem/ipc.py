@@ -260,7 +260,7 @@ def export(view, stream=None) -> IpcExport:
         # take this work into its graph -- submit() records it there, calling this first)
         refuse_capture()
         backend.record_event(pair[0], impl)
-        return backend.submit_marker(impl)
+        return impl.submit_marker()
 
     ex_tok = tok.allocation.new_token(f"CUDA IPC export from pid {os.getpid()}", tok.start,
                                       tok.stop, tok.writable, tok.keep, source=view)

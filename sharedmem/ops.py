@@ -219,8 +219,7 @@ class _Zip(DeviceOp):
             futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))
         for f in futures[1:]:
             stream.wait(f.stream)  # the join, on the device: no host block
-        backend, impl = stream.device.backend, stream._impl
-        join = _sub.submit(stream, [], lambda: backend.submit_marker(impl), label="zip join")
+        join = _sub.submit(stream, [], stream._impl.submit_marker, label="zip join")
         return ComputedFuture(join, partial(_values, futures))
 
 

@@ -950,14 +950,14 @@ def test_submissions_share_a_lazily_recorded_marker(fake):
 
     n0 = records()
     with locked():
-        first = [backend.submit_marker(impl) for _ in range(bc.MARKER_BATCH - 1)]
+        first = [impl.submit_marker() for _ in range(bc.MARKER_BATCH - 1)]
         assert all(m is first[0] for m in first) and records() == n0  # joined, nothing recorded
-        last = backend.submit_marker(impl)  # the MARKER_BATCH-th joiner records it
+        last = impl.submit_marker()  # the MARKER_BATCH-th joiner records it
         assert last is first[0] and records() == n0 + 1 and last.handle != 0
-        fresh = backend.submit_marker(impl)
+        fresh = impl.submit_marker()
         assert fresh is not last and records() == n0 + 1
         assert fresh.query() == bc.DONE and records() == n0 + 2  # a query records it first
-        assert backend.submit_marker(impl) is not fresh  # and closes it to later joiners
+        assert impl.submit_marker() is not fresh  # and closes it to later joiners
         impl.open_marker.close_locked()
         assert records() == n0 + 3
     ev = last.event

@@ -163,7 +163,7 @@ class CudaMarker:
     Pooled markers return their event to the pool on ``recycle()``, which the
     runtime calls once the submissions sharing it have retired.
 
-    A marker from :meth:`CudaBackend.submit_marker` starts *open*: ``_open_on``
+    A marker from :meth:`CudaStreamImpl.submit_marker` starts *open*: ``_open_on``
     is the stream impl whose later submissions may still join it, and no event
     is recorded yet. :meth:`close_locked` records it; ``query`` and
     ``wait_marker`` (called under core_lock) and ``wait`` close it first.
@@ -707,13 +707,6 @@ class CudaBackend:
                 raise m.error
             return m
         return self.marker_on_handle(impl.handle)
-
-    def submit_marker(self, impl: CudaStreamImpl) -> CudaMarker:
-        """The completion marker of work just enqueued on ``impl``: the stream's
-        open marker, joined (see CudaMarker). Every MARKER_BATCH-th joiner
-        records it. Caller holds core_lock. Nothing is recorded on a capturing
-        stream: the work was captured, not run."""
-        return impl.submit_marker()
 
     def wait_on_handle(self, stream_handle: int, marker: CudaMarker) -> None:
         """Make a foreign stream (raw handle) wait for ``marker`` (caller holds

@@ -688,10 +688,6 @@ class HostBackend:
         """A marker reached once everything enqueued so far on ``impl`` ran."""
         return impl.submit(_noop)
 
-    def submit_marker(self, impl: HostStreamImpl) -> HostMarker:
-        """A submission's completion marker (the CUDA name): ``impl.submit_marker()``."""
-        return impl.submit_marker()
-
     # Copies run as tasks on a stream; each returns the task's marker.
     def staged(self, src: np.ndarray) -> np.ndarray:
         """``src`` itself: copy_htod snapshots it when enqueued."""

@@ -833,9 +833,7 @@ def record_arrival(tok, stream) -> None:
     later use on any other stream is ordered after it (DLPack, CAI and IPC imports)."""
     dev = tok.allocation.device
     s = stream if stream is not None else dev.default_stream
-    backend, impl = dev.backend, s._impl
-    submit(s, [(tok, True)], lambda: backend.submit_marker(impl), policy="order",
-           label="import")
+    submit(s, [(tok, True)], s._impl.submit_marker, policy="order", label="import")
 
 
 def synchronize_stream(stream) -> None:
