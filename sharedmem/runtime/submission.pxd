@@ -38,7 +38,7 @@ cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, pa
 
 cdef list _keep_list(keep)
 
-@cython.locals(pending=list, k=Py_ssize_t, done=list)
+@cython.locals(pending=list, k=Py_ssize_t)
 cpdef wait_for_room(Stream stream)
 
 @cython.locals(rt=Runtime, pending=list, markers=list, fresh=list, tracker=AccessTracker,

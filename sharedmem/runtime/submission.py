@@ -665,10 +665,11 @@ def settle(timeout=1.0) -> None:
         _sleep(20e-6)
 
 
-def sweep(stream) -> None:
-    """Retire what has finished on ``stream`` (never blocks on the device)."""
+def sweep(stream, record=True) -> None:
+    """Retire what has finished on ``stream`` (never blocks on the device). ``record``: see
+    :func:`_done_prefix_locked`."""
     with locked():
-        done = _sweep_locked(stream)
+        done = _sweep_locked(stream, record)
     if done:
         finish(done)
 
@@ -684,10 +685,7 @@ def wait_for_room(stream) -> None:
         marker = pending[k].marker if k >= 0 else None
     if marker is not None:
         marker.wait(None)  # (an unknown completion ends the wait too: the sweep reports it)
-    with locked():
-        done = _sweep_locked(stream, False)  # (the open marker stays open: see sweep_long)
-    if done:
-        finish(done)
+    sweep(stream, False)  # (the open marker stays open: see sweep_long)
 
 
 def wait_before(tok, stream, writes) -> None:
@@ -699,13 +697,13 @@ def wait_before(tok, stream, writes) -> None:
     memory calls it before it takes the core lock where the driver performs that copy
     synchronously, waiting for all of it (``to_host``; a large upload): under the lock every
     other thread would wait too. Best effort: work enqueued in between is still ordered by the
-    copy's own submission."""
+    copy's own submission. Not while ``stream`` captures (nothing there runs now)."""
     rt = RUNTIME
     fresh = []  # markers recorded here (pooled): back to the pool once waited for
     rt.acquire()
     try:
         pending = stream._pending
-        if stream._checks or stream._capture is not None:
+        if stream._checks:  # (a host stream: sharedmem alone gives it work)
             markers = [pending[-1].marker] if pending else []
         else:
             # A CUDA stream: what the driver's copy waits for is everything on it -- the work
