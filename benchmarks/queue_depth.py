@@ -7,8 +7,9 @@ events interleaved as sharedmem records them). Then the same loop through ``sm.l
 one thread while a second thread makes buffers and launches on another stream: with a
 launch blocked in the driver under the core lock (and the GIL), the second thread stalls for
 the whole spin; sharedmem waits for room before it takes any lock, so it must not. The
-same for ``to_host`` on the busy stream: a copy into pageable memory is synchronous in the
-driver.
+same for ``to_host`` and ``copy_from`` on the busy stream: a copy into or from pageable
+memory is synchronous in the driver (the 1 GiB rows: its transfer under the core lock, as
+before, against the pieces through pinned memory).
 
 Run on a GPU: PYTHONPATH=. python3 benchmarks/queue_depth.py [--spin-ms 400] [--launches 4000]
 """
@@ -137,6 +138,69 @@ def to_host_under_the_lock(sm, s, x, tiny):
     sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(s._impl, raw, x.ptr),
                  keep=(raw,), policy="order", label="to_host")
     DeviceFuture(sub).result()
+    return raw
+
+
+def to_host_pageable(sm, x, s):
+    """to_host as it was before the pinned pieces: wait (no lock) for the work it follows,
+    then the copy into pageable memory -- performed by the driver under the core lock."""
+    from sharedmem.runtime.future import DeviceFuture
+    from sharedmem.runtime.submission import submit, wait_before
+    tok = x._live_token()
+    wait_before(tok, s, False)
+    raw = np.empty(tok.stop - tok.start, np.uint8)
+    backend = x.device.backend
+    sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(s._impl, raw, x.ptr),
+                 keep=(raw,), policy="order", label="to_host")
+    DeviceFuture(sub).result()
+    return raw
+
+
+def copy_from_pageable(sm, x, src, s):
+    """copy_from as it was before the pinned pieces for a source above STAGE_MAX: wait (no
+    lock), then the copy from pageable memory -- performed by the driver under the core lock."""
+    from sharedmem.runtime.submission import submit, wait_before
+    tok = x._live_token()
+    wait_before(tok, s, True)
+    backend = x.device.backend
+    return submit(s, [(tok, True)], lambda: backend.copy_htod(s._impl, x.ptr, src),
+                  keep=(src,), label="copy_from")
+
+
+def big(n, how):
+    """``how`` of ``n`` float32 on the busy stream: "to_host" / "copy_from", as now or as
+    before ("... as before")."""
+    def work(sm, s, x, tiny, cache={}):
+        if n not in cache:
+            cache[n] = (sm.Buffer.zeros(n, "float32", device=x.device), np.ones(n, np.float32))
+        dst, src = cache[n]
+        if how == "to_host":
+            dst.to_host(stream=s)
+        elif how == "to_host as before":
+            to_host_pageable(sm, dst, s)
+        elif how == "copy_from":
+            dst.copy_from(src, stream=s).result()
+        else:
+            copy_from_pageable(sm, dst, src, s)
+            s.synchronize()
+    return work
+
+
+def small_to_host(sm, reps=2000):
+    """us a to_host of 1 KiB on an idle stream, now and as before (interleaved rounds)."""
+    dev = sm.Device(0)
+    s = dev.create_stream("small")
+    x = sm.Buffer.zeros(256, "float32", device=dev)
+    sm.synchronize()
+    fns = (lambda: x.to_host(stream=s), lambda: to_host_pageable(sm, x, s))
+    best = [float("inf")] * 2
+    for _ in range(5):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) / reps * 1e6)
+    return best
 
 
 def main():
@@ -152,10 +216,19 @@ def main():
                        ("to_host (256 KiB) on it", to_host),
                        ("to_host copied under the core lock (as before)", to_host_under_the_lock),
                        ("copy_from 256 KiB of pageable memory", copy_from(1 << 16)),
-                       ("copy_from 64 MiB of pageable memory", copy_from(16 << 20))):
+                       ("copy_from 64 MiB of pageable memory", copy_from(16 << 20)),
+                       ("to_host 1 GiB", big(256 << 20, "to_host")),
+                       ("to_host 1 GiB as before (pageable, under the lock)",
+                        big(256 << 20, "to_host as before")),
+                       ("copy_from 1 GiB", big(256 << 20, "copy_from")),
+                       ("copy_from 1 GiB as before (pageable, under the lock)",
+                        big(256 << 20, "copy_from as before"))):
         took, longest, n = stalls(spin_ms, work)
         print(f"sharedmem, {name} behind the busy stream: {took * 1e3:.1f} ms; another "
               f"thread's longest round {longest * 1e3:.1f} ms of {n}")
+    import sharedmem as sm
+    now, before = small_to_host(sm)
+    print(f"to_host of 1 KiB on an idle stream: {now:.1f} us (as before: {before:.1f} us)")
 
 
 if __name__ == "__main__":

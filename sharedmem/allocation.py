@@ -678,23 +678,14 @@ class View:
     def _read_bytes(self, stream):
         """This view's token range copied to a new host ``uint8`` array, after
         every pending write to those bytes (ordered whatever the policy)."""
-        from .runtime.future import DeviceFuture
-        from .runtime.submission import submit, wait_before
+        from .buffer import download
         from .stream import resolve_stream
         tok = self._live_token()
-        dev = tok.allocation.device
-        s = resolve_stream(stream, dev)
+        s = resolve_stream(stream, tok.allocation.device)
         if s._capture is not None:
             raise CaptureError(f"to_host() on {s} cannot be captured: it reads on the host now, "
                                f"while captured work only runs at replay")
-        wait_before(tok, s, False)  # (the copy below waits for that work: not under the lock)
-        raw = np.empty(tok.stop - tok.start, np.uint8)
-        src = tok.allocation.ptr + tok.start
-        backend, impl = dev.backend, s._impl
-        sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(impl, raw, src), keep=(raw,),
-                     policy="order", label="to_host")
-        DeviceFuture(sub).result()
-        return raw
+        return download(s, tok)
 
     # -- protocols -----------------------------------------------------------
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):

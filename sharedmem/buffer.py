@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections import deque
+from functools import partial
+
 import numpy as np
 
 from .allocation import Allocation, View
 from .device import Device, default_device
 from .errors import DeviceMismatchError, LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
-from .runtime.submission import submit, wait_before
+from .runtime.submission import submit, wait, wait_before
 from .stream import Stream, resolve_stream
 
 __all__ = ["Buffer", "DeviceBox", "as_dtype"]
@@ -294,19 +297,87 @@ def copy_bytes(dst, src, stream, label, policy=None):
 
 def upload(s, tok, a, label):
     """Submit the copy of C-contiguous host array ``a`` into the bytes of ``tok`` (leased for
-    writing) on stream ``s``; returns the Submission. Nothing waits for the device under the
-    core lock: the driver copies pageable memory synchronously once its staging is full
-    (behind a busy stream on an H200, a copy of 4 MiB or the third of 256 KiB: RESULTS.md),
-    so the backend stages ``a`` in pinned memory first; a source too large to stage waits,
-    holding no lock, for the work the copy follows. While ``s`` captures, ``a`` itself."""
-    backend = s.device.backend
-    src = a if s._capture is not None else backend.staged(a)
-    if src is None:
-        wait_before(tok, s, True)
-        src = a
-    impl, ptr = s._impl, tok.allocation.ptr + tok.start
-    return submit(s, [(tok, True)], lambda: backend.copy_htod(impl, ptr, src), keep=(src,),
-                  label=label)
+    writing) on stream ``s``; returns the Submission of its last piece. Nothing waits for the
+    device under the core lock: the driver copies pageable memory synchronously (behind a busy
+    stream on an H200, a copy of 4 MiB or the third of 256 KiB waits for it: RESULTS.md), so
+    ``a`` goes through pinned memory (``backend.pinned``), in pieces of ``backend.stage_max``
+    bytes, each copied there on the host, then enqueued. A piece that finds no pinned memory
+    -- once the pieces of this call in flight are done -- waits, holding no lock, for the work
+    it follows and is copied from ``a``. The access policy is applied to the first piece; the
+    others are ordered after whatever came meanwhile (a copy begun is not left half done).
+    While ``s`` captures, or where the backend does not stage, one copy from ``a`` itself."""
+    backend, impl = s.device.backend, s._impl
+    ptr = tok.allocation.ptr + tok.start
+    step = 0 if s._capture is not None else backend.stage_max
+    flat = a.reshape(-1).view(np.uint8)
+    n = flat.nbytes
+    if not step or not n:
+        return submit(s, [(tok, True)], partial(backend.copy_htod, impl, ptr, a), keep=(a,),
+                      label=label)
+    subs = deque()  # this call's pieces in flight: their pinned memory counts against the budget
+    policy = None
+    for off in range(0, n, step):
+        piece = flat[off:off + step]
+        src = backend.pinned(piece.nbytes)
+        while src is None and subs:
+            wait(subs.popleft())  # (retired: its pinned memory back in the pool)
+            src = backend.pinned(piece.nbytes)
+        if src is None:
+            wait_before(tok, s, True)
+            src = piece
+        else:
+            src[:] = piece
+        subs.append(submit(s, [(tok, True)], partial(backend.copy_htod, impl, ptr + off, src),
+                           keep=(src,), policy=policy, label=label))
+        src = None  # (kept by its submission alone: back in the pool once that retired)
+        policy = "order"
+    return subs[-1]
+
+
+def download(s, tok):
+    """``tok``'s bytes copied into a new host ``uint8`` array on stream ``s`` after every
+    pending write to them (ordered whatever the policy), returned once copied. As
+    :func:`upload`, through pinned memory: pieces of ``backend.stage_max`` bytes, each enqueued
+    under the core lock, waited for without it and copied out on the host, two in flight (one
+    copied out while the next transfers); a copy into the pageable array itself would hold
+    the lock for the whole transfer. A piece that finds no pinned memory waits first, holding
+    no lock, then is copied into the array directly."""
+    backend, impl = s.device.backend, s._impl
+    n = tok.stop - tok.start
+    raw = np.empty(n, np.uint8)
+    src = tok.allocation.ptr + tok.start
+    step = backend.stage_max
+    if not step:
+        DeviceFuture(submit(s, [(tok, False)], partial(backend.copy_dtoh, impl, raw, src),
+                            keep=(raw,), policy="order", label="to_host")).result()
+        return raw
+    window = deque()  # (submission, pinned memory or None, offset) of the pieces in flight
+
+    def copy_out():
+        sub, pin, off = window.popleft()
+        DeviceFuture(sub).result()
+        if pin is not None:
+            raw[off:off + pin.nbytes] = pin
+
+    for off in range(0, n, step):
+        c = min(step, n - off)
+        pin = backend.pinned(c)
+        while pin is None and window:
+            copy_out()
+            pin = backend.pinned(c)
+        if pin is None:
+            wait_before(tok, s, False)
+            dst, keep = raw[off:off + c], raw
+        else:
+            dst = keep = pin
+        window.append((submit(s, [(tok, False)], partial(backend.copy_dtoh, impl, dst, src + off),
+                              keep=(keep,), policy="order", label="to_host"), pin, off))
+        dst = keep = pin = None
+        if len(window) > 1:
+            copy_out()
+    while window:
+        copy_out()
+    return raw
 
 
 def copy_stream(stream, a, b):

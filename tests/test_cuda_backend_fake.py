@@ -463,16 +463,26 @@ def test_a_launch_far_ahead_of_its_device_waits_for_room_holding_no_lock(fake, k
     assert len(s._pending) == 0
 
 
+def _no_pinned_memory(dev, monkeypatch):
+    """Make CuPy's pinned pool refuse every allocation on ``dev``'s backend."""
+    def refuse(n):
+        raise MemoryError("out of pinned memory")
+    monkeypatch.setattr(dev.backend._cupy.cuda, "alloc_pinned_memory", refuse)
+
+
+@pytest.mark.parametrize("memory", ["pinned", "pageable"])
 def test_to_host_waits_for_what_it_reads_after_before_it_takes_the_lock(fake, kernels,
-                                                                        monkeypatch):
+                                                                        monkeypatch, memory):
     """A copy into pageable host memory runs synchronously in the driver: it waits for the
-    stream's earlier work and for the writes it is ordered after. to_host waits for them
-    first, holding no lock -- enqueued under the core lock, every other thread would wait for
-    the GPU with it."""
-    from fake_cuda import OK
+    stream's earlier work and for the writes it is ordered after -- under the core lock, every
+    other thread would wait for the GPU with it. to_host copies into pinned memory (enqueued at
+    once behind that work, waited for holding no lock, then copied out); without pinned memory
+    it waits for that work first, holding no lock, and copies into the array."""
     from sharedmem.runtime.state import RUNTIME
     dev, drv = fake
     saxpy, _ = kernels
+    if memory == "pageable":
+        _no_pinned_memory(dev, monkeypatch)
     a, b = dev.create_stream("writer"), dev.create_stream("reader")
     x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
     out, y = sm.Buffer.zeros(4, device=dev), sm.Buffer.zeros(4, device=dev)
@@ -484,8 +494,8 @@ def test_to_host_waits_for_what_it_reads_after_before_it_takes_the_lock(fake, ke
         seen.append(("wait", int(ev) in drv.held, RUNTIME.owner))
         return real_sync(ev)
 
-    def copy(dst, src, n, stream):  # what the copy finds: everything it follows finished
-        seen.append(("copy", bool(drv.held), RUNTIME.owner != 0))
+    def copy(dst, src, n, stream):  # what the copy finds: everything it follows finished?
+        seen.append(("copy", bool(drv.held), RUNTIME.owner != 0, int(dst)))
         return real_copy(dst, src, n, stream)
     monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
     monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
@@ -495,19 +505,28 @@ def test_to_host_waits_for_what_it_reads_after_before_it_takes_the_lock(fake, ke
     got = out.to_host(stream=b)
     drv.holding = False
     np.testing.assert_array_equal(got, 3 * np.arange(4, dtype=np.float32))
-    # b's newest work and a's write, each waited for by a thread holding no lock; then the
-    # copy (under the lock), with nothing left unfinished in front of it
-    assert seen[:3] == [("wait", True, 0), ("wait", True, 0), ("copy", False, True)]
+    if memory == "pinned":
+        # the copy enqueued under the lock behind the unfinished work, into pinned memory
+        # (not the array returned); then its marker waited for by a thread holding no lock
+        assert [e[:3] for e in seen] == [("copy", True, True), ("wait", True, 0)]
+        assert seen[0][3] != got.ctypes.data
+    else:
+        # b's newest work and a's write, each waited for by a thread holding no lock; then the
+        # copy (under the lock), with nothing left unfinished in front of it, into the array
+        assert [e[:3] for e in seen[:3]] == [("wait", True, 0), ("wait", True, 0),
+                                             ("copy", False, True)]
+        assert seen[2][3] == got.ctypes.data
     sm.synchronize()
 
 
-def test_an_upload_is_staged_in_pinned_memory_and_a_large_one_waits_first(fake, kernels,
-                                                                          monkeypatch):
+def test_an_upload_is_staged_in_pinned_memory_and_one_without_any_waits_first(fake, kernels,
+                                                                              monkeypatch):
     """The driver copies pageable memory synchronously once its staging is full (behind a busy
     stream on an H200: a copy of 4 MiB, or the third of 256 KiB) -- under the core lock,
     every other thread would wait with it. An upload is staged in pinned memory (CuPy's
-    pinned pool, back there once the copy retired) and the copy reads that; one above
-    STAGE_MAX first waits, holding no lock, for the work it follows."""
+    pinned pool, back there once the copy retired) and the copy reads that -- one above
+    STAGE_MAX in pieces of STAGE_MAX; one that finds no pinned memory first waits, holding no
+    lock, for the work it follows."""
     import fake_cuda
     import sharedmem.backends.cuda as bc
     from sharedmem.runtime.state import RUNTIME
@@ -543,25 +562,34 @@ def test_an_upload_is_staged_in_pinned_memory_and_a_large_one_waits_first(fake, 
     gc.collect()
     assert fake_cuda._PinnedBlock.lent == lent  # given back once it retired
     np.testing.assert_array_equal(x.to_host(), host)
-    def exhausted(n):
-        raise MemoryError("out of pinned memory")
-    for unstaged in ("too large", "no pinned memory"):
-        if unstaged == "too large":
-            monkeypatch.setattr(bc, "STAGE_MAX", 8)  # 16 bytes: too large to stage
-        else:
-            monkeypatch.setattr(bc, "STAGE_MAX", 64 << 20)
-            monkeypatch.setattr(dev.backend._cupy.cuda, "alloc_pinned_memory", exhausted)
-        seen.clear()
-        drv.holding = True
-        sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=s)
-        x.copy_from(2 * host, stream=s)
-        # the busy kernel waited for by a thread holding no lock; then the copy, with nothing
-        # unfinished in front of it, from the caller's (pageable) array
-        assert [c[:3] for c in seen] == [("wait", True, 0), ("copy", seen[1][1], False)]
-        assert fake_cuda._PinnedBlock.lent == lent
-        drv.holding = False
-        drv.finish_held()
-        np.testing.assert_array_equal(x.to_host(), 2 * host)
+    monkeypatch.setattr(bc, "STAGE_MAX", 8)  # 16 bytes: two pieces
+    seen.clear()
+    drv.holding = True
+    sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=s)
+    x.copy_from(3 * host, stream=s)
+    # no wait: two copies of 8 bytes from two pinned blocks, enqueued behind the busy kernel
+    assert [c[0] for c in seen] == ["copy", "copy"] and all(c[3] for c in seen)
+    assert fake_cuda._PinnedBlock.lent == lent + 2 and host.ctypes.data not in (seen[0][1],
+                                                                                seen[1][1])
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    gc.collect()
+    assert fake_cuda._PinnedBlock.lent == lent
+    np.testing.assert_array_equal(x.to_host(), 3 * host)
+    monkeypatch.setattr(bc, "STAGE_MAX", 64 << 20)
+    _no_pinned_memory(dev, monkeypatch)
+    seen.clear()
+    drv.holding = True
+    sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(y), 4, stream=s)
+    x.copy_from(2 * host, stream=s)
+    # the busy kernel waited for by a thread holding no lock; then the copy, with nothing
+    # unfinished in front of it, from the caller's (pageable) array
+    assert [c[:3] for c in seen] == [("wait", True, 0), ("copy", seen[1][1], False)]
+    assert fake_cuda._PinnedBlock.lent == lent
+    drv.holding = False
+    drv.finish_held()
+    np.testing.assert_array_equal(x.to_host(), 2 * host)
 
 
 def _in_order_synchronize(drv):
@@ -580,14 +608,18 @@ def _in_order_synchronize(drv):
 
 
 @pytest.mark.parametrize("which", ["default", "borrowed"])
+@pytest.mark.parametrize("memory", ["pinned", "pageable"])
 def test_to_host_waits_for_other_libraries_work_on_its_stream_before_the_lock(fake, monkeypatch,
-                                                                              which):
+                                                                              which, memory):
     """The driver's copy into pageable memory waits for everything on the stream, not only
     what sharedmem enqueued there: CuPy's kernels on the legacy default stream (sharedmem's
     default stream too), a borrowed stream's owner's work. to_host must wait for that too
-    before it takes the core lock -- here sharedmem has nothing pending on the stream at all."""
+    before it takes the core lock -- here sharedmem has nothing pending on the stream at all
+    -- or copy into pinned memory, and wait for that copy holding no lock."""
     from sharedmem.runtime.state import RUNTIME
     dev, drv = fake
+    if memory == "pageable":
+        _no_pinned_memory(dev, monkeypatch)
     x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
     sm.synchronize()
     if which == "default":
@@ -600,27 +632,37 @@ def test_to_host_waits_for_other_libraries_work_on_its_stream_before_the_lock(fa
     real_copy = drv.cuMemcpyDtoHAsync
 
     def copy(dst, src, n, stream):  # what the copy finds in front of it on its stream
-        seen.append((foreign in drv.held, RUNTIME.owner != 0))
+        seen.append((foreign in drv.held, RUNTIME.owner != 0, len(drv.calls)))
         return real_copy(dst, src, n, stream)
-    monkeypatch.setattr(drv, "cuEventSynchronize", _in_order_synchronize(drv))
+    in_order = _in_order_synchronize(drv)
+
+    def synchronize(ev):
+        assert RUNTIME.owner == 0  # (no thread waits for the device holding the core lock)
+        return in_order(ev)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
     monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
     drv.holding = True
     drv.cuEventRecord(foreign, handle)  # another library's long kernel on the stream, running
     got = x.to_host(stream=s)
     drv.holding = False
     np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
-    # the copy (under the lock) found nothing unfinished in front of it: waited for first
-    assert seen == [(False, True)]
+    # pageable: the copy (under the lock) found nothing unfinished in front of it, waited for
+    # first; pinned: enqueued at once behind it, then waited for without the lock
+    assert [e[:2] for e in seen] == [(memory == "pinned", True)]
     drv.finish_held()
 
 
-def test_to_host_waits_for_a_consumers_work_on_the_bytes_before_the_lock(fake, monkeypatch):
+@pytest.mark.parametrize("memory", ["pinned", "pageable"])
+def test_to_host_waits_for_a_consumers_work_on_the_bytes_before_the_lock(fake, monkeypatch,
+                                                                         memory):
     """A consumer holding the bytes (a DLPack export to its stream, an as_cupy array) may be
     writing them there: to_host's copy is ordered after what that stream was given so far,
     and the driver's copy into pageable memory waits for it -- under the core lock, unless
-    to_host waits for it first."""
+    to_host waits for it first (or copies into pinned memory, ordered after it on the device)."""
     from sharedmem.runtime.state import RUNTIME
     dev, drv = fake
+    if memory == "pageable":
+        _no_pinned_memory(dev, monkeypatch)
     t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=dev)
     sm.synchronize()
     consumer = int(drv.cuStreamCreate(1)[1])
@@ -630,16 +672,25 @@ def test_to_host_waits_for_a_consumers_work_on_the_bytes_before_the_lock(fake, m
     real_copy = drv.cuMemcpyDtoHAsync
 
     def copy(dst, src, n, stream):
-        seen.append((foreign in drv.held, RUNTIME.owner != 0))
+        seen.append((foreign in drv.held, RUNTIME.owner != 0, len(drv.calls)))
         return real_copy(dst, src, n, stream)
-    monkeypatch.setattr(drv, "cuEventSynchronize", _in_order_synchronize(drv))
+    in_order = _in_order_synchronize(drv)
+
+    def synchronize(ev):
+        assert RUNTIME.owner == 0  # (no thread waits for the device holding the core lock)
+        return in_order(ev)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
     monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
     drv.holding = True
     drv.cuEventRecord(foreign, consumer)  # the consumer's kernel on the bytes, running
     got = t.to_host()
     drv.holding = False
     np.testing.assert_array_equal(got, np.arange(4, dtype=np.float32))
-    assert seen == [(False, True)]
+    assert [e[:2] for e in seen] == [(memory == "pinned", True)]
+    if memory == "pinned":  # ordered on the device: the stream waited for the consumer's first
+        waits = [c for c in drv.calls[:seen[0][2]] if c[0] == "wait" and c[1] == 0]
+        recorded = {c[1] for c in drv.calls if c[0] == "record" and c[2] == consumer}
+        assert waits and waits[-1][2] in recorded
     drv.finish_held()
     del cap
 
@@ -781,6 +832,86 @@ def test_staged_uploads_in_flight_stay_within_the_budget(fake, monkeypatch):
     gc.collect()
     assert dev.backend._staged == 0 and fake_cuda._PinnedBlock.lent == lent  # given back
     np.testing.assert_array_equal(b.to_host(), np.repeat(np.arange(6, dtype=np.float32), 128))
+
+
+def test_an_upload_in_pieces_past_the_budget_waits_for_its_own_pieces(fake, monkeypatch):
+    """An upload larger than STAGE_BUDGET goes in pieces of STAGE_MAX, each through pinned
+    memory: once the budget is taken by its own pieces in flight, the next piece waits (no
+    lock held) for the oldest of them -- back in the pool once retired -- rather than copy
+    from pageable memory. Every byte arrives; nothing stays lent."""
+    import fake_cuda
+    import sharedmem.backends.cuda as bc
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    monkeypatch.setattr(bc, "STAGE_MAX", 512)
+    monkeypatch.setattr(bc, "STAGE_BUDGET", 1024)  # two pieces in flight
+    s = dev.create_stream("upload")
+    b = sm.Buffer.zeros(1280, "float32", device=dev)  # 5,120 bytes: ten pieces
+    sm.synchronize()
+    lent = fake_cuda._PinnedBlock.lent
+    seen = []
+    real_copy, real_sync = drv.cuMemcpyHtoDAsync, drv.cuEventSynchronize
+
+    def copy(dst, src, n, stream):
+        seen.append(("copy", n, dev.backend._staged))
+        return real_copy(dst, src, n, stream)
+
+    def synchronize(ev):
+        assert RUNTIME.owner == 0
+        seen.append(("wait",))
+        return real_sync(ev)
+    monkeypatch.setattr(drv, "cuMemcpyHtoDAsync", copy)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    host = np.arange(1280, dtype=np.float32)
+    drv.holding = True
+    b.copy_from(host, stream=s)
+    copies = [e for e in seen if e[0] == "copy"]
+    assert [e[1] for e in copies] == [512] * 10 and max(e[2] for e in copies) <= 1024
+    assert seen[:3] == [("copy", 512, 512), ("copy", 512, 1024), ("wait",)]
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    gc.collect()
+    assert dev.backend._staged == 0 and fake_cuda._PinnedBlock.lent == lent
+    np.testing.assert_array_equal(b.to_host(), host)
+
+
+def test_to_host_goes_in_pinned_pieces_two_in_flight(fake, monkeypatch):
+    """to_host larger than STAGE_MAX copies piece by piece through pinned memory: at most two
+    pieces in flight (one copied out on the host while the next transfers), each waited for
+    holding no lock; the result is every byte in order, and the pinned memory goes back."""
+    import fake_cuda
+    import sharedmem.backends.cuda as bc
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    monkeypatch.setattr(bc, "STAGE_MAX", 512)
+    host = np.arange(1300, dtype=np.float32)  # 5,200 bytes: ten pieces and 80 bytes
+    t = sm.Tensor.from_host(host.reshape(13, 100), device=dev)
+    sm.synchronize()
+    gc.collect()
+    lent = fake_cuda._PinnedBlock.lent
+    most = []
+    real_copy, real_sync = drv.cuMemcpyDtoHAsync, drv.cuEventSynchronize
+
+    def copy(dst, src, n, stream):
+        most.append(fake_cuda._PinnedBlock.lent - lent)
+        return real_copy(dst, src, n, stream)
+
+    def synchronize(ev):
+        assert RUNTIME.owner == 0
+        return real_sync(ev)
+    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    got = t.to_host()
+    np.testing.assert_array_equal(got, host.reshape(13, 100))
+    assert len(most) == 11 and max(most) == 2
+    gc.collect()
+    assert fake_cuda._PinnedBlock.lent == lent and dev.backend._staged == 0
+    # without pinned memory: one piece after another, straight into the array
+    _no_pinned_memory(dev, monkeypatch)
+    most.clear()
+    np.testing.assert_array_equal(t.to_host(), host.reshape(13, 100))
+    assert most == [0] * 11
 
 
 def test_an_upload_that_cannot_be_staged_is_copied_from_the_array_all_the_same(fake, monkeypatch):

@@ -177,6 +177,22 @@ def test_uploads_behind_a_busy_stream_stall_no_other_thread(gpu, K):
     np.testing.assert_array_equal(small.to_host(), np.full(m, 8, np.float32))
 
 
+def test_large_copies_to_and_from_the_host_stall_no_other_thread(gpu, K):
+    """A copy between the device and pageable host memory is performed by the driver inside
+    the call: 1 GiB under the core lock held every other thread for the whole transfer. Such
+    copies go through pinned memory in pieces of STAGE_MAX (enqueued under the lock, waited
+    for and copied on the host without it)."""
+    n = 256 << 20  # 1 GiB of float32
+    x = sm.Buffer.zeros(n, "float32", device=gpu)
+    src = np.arange(n, dtype=np.float32)
+    sm.synchronize()
+    with _calls_elsewhere(gpu, K) as calls:
+        x.copy_from(src).result()
+        got = x.to_host()
+    assert len(calls) > 20 and max(calls) < 0.03, (len(calls), max(calls))
+    assert got[0] == 0 and got[-1] == n - 1 and np.array_equal(got, src)
+
+
 def test_a_strided_copy_behind_a_busy_stream_stalls_no_other_thread(gpu, K):
     """Tensor.copy of a transposed tensor enqueues one 2-D copy per row under the core lock;
     past the driver's queue (about 1,020 a stream) behind a busy stream it would block there.

@@ -145,10 +145,11 @@ def check(result, what: str):
 #: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop.
 MARKER_BATCH = 64
 
-#: The largest upload staged in pinned memory (CudaBackend.staged), and the bytes of staged
-#: uploads in flight on a device at most: CuPy's pinned pool keeps what it lends, so as much
+#: The largest piece of a host <-> device copy staged in pinned memory at once
+#: (CudaBackend.pinned: larger copies go piece by piece), and the bytes of pinned memory
+#: alive for copies on a device at most: CuPy's pinned pool keeps what it lends, so as much
 #: as was ever in flight at once stays pinned -- and an upload loop far ahead of its stream
-#: would pin all it uploads. Past either, an upload waits for the work it follows first.
+#: would pin all it uploads. Past the budget, a piece waits for the work it follows first.
 STAGE_MAX = 64 << 20
 STAGE_BUDGET = 256 << 20
 # guards CudaBackend._staged; nothing under it allocates a collected object (an int sum), so
@@ -546,7 +547,7 @@ class CudaBackend:
         self._ipc_events = []
         self._cupy_device = cupy.cuda.Device(ordinal)
         self._arena = None  # the CuPy stream whose pool arena sharedmem allocates from
-        self._staged = 0  # bytes of staged uploads in flight (staged()); guarded by _stage_lock
+        self._staged = 0  # bytes of pinned() memory alive; guarded by _stage_lock
 
     # -- context ------------------------------------------------------------
     def ensure_context(self) -> None:
@@ -724,21 +725,23 @@ class CudaBackend:
         return CudaMarker(ev, self, False)
 
     # -- copies: enqueue, then record the submission's marker -------------------------
-    def staged(self, src):
-        """``src`` (a C-contiguous host array) as the source of a copy the driver enqueues
-        without waiting: its bytes copied into pinned memory from CuPy's pinned pool (back to
-        the pool when the submission keeping it retires: never freed to the driver, so no
-        synchronization), up to STAGE_MAX bytes and STAGE_BUDGET in flight; None past them,
-        or where no pinned memory can be had (pageable memory: the caller first waits for the
-        work the copy follows)."""
-        n = src.nbytes
-        if n > STAGE_MAX:
-            return None
-        if n == 0:
-            return src
+    @property
+    def stage_max(self) -> int:
+        """The largest piece of a copy between the host and this device that goes through
+        pinned memory at once (STAGE_MAX): larger copies go piece by piece (buffer.upload,
+        buffer.download)."""
+        return STAGE_MAX
+
+    def pinned(self, n):
+        """``n`` (1 to STAGE_MAX) bytes of pinned host memory, a NumPy ``uint8`` array: a copy
+        between it and the device is enqueued without waiting, where the driver copies
+        pageable memory synchronously. From CuPy's pinned pool, back there once the array
+        died (kept by the submission of its copy until that retired: never freed to the
+        driver, so no synchronization). None past STAGE_BUDGET bytes of it alive on this
+        device, or where no pinned memory can be had."""
         # (a power of two: CuPy's pool lends a freed block again only for the same size and
-        # never unpins one -- staged at their exact sizes, uploads of varying lengths would
-        # pin a new block for each length ever uploaded)
+        # never unpins one -- taken at their exact sizes, copies of varying lengths would
+        # pin a new block for each length ever copied)
         size = 1 << max(n - 1, 511).bit_length()
         _stage_lock.acquire()
         fits = self._staged + size <= STAGE_BUDGET
@@ -749,12 +752,11 @@ class CudaBackend:
             return None
         try:
             mem = self._cupy.cuda.alloc_pinned_memory(size)
-        except Exception:  # (pinned memory exhausted or refused: as past STAGE_MAX, then)
+        except Exception:  # (pinned memory exhausted or refused: the caller copies pageable)
             self._unstage(size)
             return None
         out = np.ndarray((n,), np.uint8, mem)
-        weakref.finalize(out, self._unstage, size)  # (when the submission keeping it retired)
-        out[:] = src.reshape(-1).view(np.uint8)
+        weakref.finalize(out, self._unstage, size)
         return out
 
     def _unstage(self, size) -> None:

@@ -689,9 +689,13 @@ class HostBackend:
         return impl.submit(_noop)
 
     # Copies run as tasks on a stream; each returns the task's marker.
-    def staged(self, src: np.ndarray) -> np.ndarray:
-        """``src`` itself: copy_htod snapshots it when enqueued."""
-        return src
+    #: No pinned staging: copies run on the stream's worker thread, never under the core
+    #: lock (copy_htod snapshots its source when enqueued).
+    stage_max = 0
+
+    def pinned(self, n: int) -> None:
+        """None: nothing is staged here (see ``stage_max``)."""
+        return None
 
     def copy_htod(self, impl: HostStreamImpl, dst_ptr: int, src: np.ndarray) -> HostMarker:
         data = np.array(src, copy=True, order="C").view(np.uint8).reshape(-1)
