@@ -150,7 +150,11 @@ MARKER_BATCH = 64
 #: alive for copies on a device at most: CuPy's pinned pool keeps what it lends, so as much
 #: as was ever in flight at once stays pinned -- and an upload loop far ahead of its stream
 #: would pin all it uploads. Past the budget, a piece waits for the work it follows first.
-STAGE_MAX = 64 << 20
+#: Pieces are small because pinning memory is slow and stalls other threads' driver calls
+#: (on an H200 a fresh 64 MiB cudaHostAlloc took 38.8 ms; with 64 MiB pieces another thread's
+#: launch waited up to 61 ms during a 1 GiB to_host, with 8 MiB pieces 5.8 ms, the copy as
+#: fast: RESULTS.md).
+STAGE_MAX = 8 << 20
 STAGE_BUDGET = 256 << 20
 # guards CudaBackend._staged; nothing under it allocates a collected object (an int sum), so
 # no collection -- and no finalizer calling _unstage -- can start while it is held
