@@ -31,6 +31,7 @@ distributed is loaded -- see :func:`hook_distributed`. It is not compiled.
 from __future__ import annotations
 
 import copyreg
+import functools
 import importlib.abc
 import importlib.machinery
 import pickle
@@ -116,34 +117,27 @@ def rebuild_box(buffer):
 
 
 # -- what cannot be pickled ----------------------------------------------------------------
-_WHY = {
-    "Stream": "a stream is a queue of work on one device of this process",
-    "Event": "an event is a point in a stream of this process",
-    "DeviceFuture": "a future tracks work submitted in this process",
-    "HostFuture": "a future tracks work submitted in this process",
-    "ComputedFuture": "a future tracks work submitted in this process",
-    "Graph": "a graph records work and memory of this process",
-    "Allocation": "an allocation is device memory of this process",
-}
-
-
-def _refuse(obj):
-    name = type(obj).__name__
+def _refuse(why, obj):
     raise TypeError(
-        f"cannot pickle a sharedmem {name}: {_WHY.get(name, 'it belongs to this process')}. "
-        f"Send the data instead (Buffer, Tensor and DeviceBox pickle as host copies, taken "
-        f"after their pending writes) and make streams, events and futures in the receiving "
-        f"process")
+        f"cannot pickle a sharedmem {type(obj).__name__}: {why}. Send the data instead (Buffer, "
+        f"Tensor and DeviceBox pickle as host copies, taken after their pending writes) and "
+        f"make streams, events and futures in the receiving process")
 
 
 def _register_refusals() -> None:
+    """copyreg entries (exact types) for what names work and memory of this process."""
     from .allocation import Allocation
     from .ops import ComputedFuture
     from .runtime.future import DeviceFuture, HostFuture
     from .runtime.graph import Graph
     from .stream import Event, Stream
-    for cls in (Stream, Event, DeviceFuture, HostFuture, ComputedFuture, Graph, Allocation):
-        copyreg.pickle(cls, _refuse)
+    future = "a future tracks work submitted in this process"
+    for cls, why in ((Stream, "a stream is a queue of work on one device of this process"),
+                     (Event, "an event is a point in a stream of this process"),
+                     (DeviceFuture, future), (HostFuture, future), (ComputedFuture, future),
+                     (Graph, "a graph records work and memory of this process"),
+                     (Allocation, "an allocation is device memory of this process")):
+        copyreg.pickle(cls, functools.partial(_refuse, why))
 
 
 # -- dask.distributed -------------------------------------------------------------------------

@@ -64,8 +64,7 @@ class trace:
         # Guarded by the core lock (submitted() and retired() are called under it): no lock of
         # its own, which a finalizer ending a hold -- and so filing a submission -- while this
         # thread held it would wait for forever.
-        self._ranges = {}  # id(submission) -> NVTX range, until it retires
-        self._subs = {}  # id(submission) -> event dict, until it retires
+        self._subs = {}  # id(submission) -> (event dict, NVTX range or None), until it retires
         self._tids = {}  # stream._uid -> (track id, its name): never the stream (kept alive)
         self._t0 = 0.0
         self._pid = 0  # the process recording (a forked child does not: see _after_fork_child)
@@ -89,18 +88,18 @@ class trace:
         with locked():
             if RUNTIME.tracer is self:
                 RUNTIME.tracer = None
-            for ev in self._subs.values():  # still in flight: ends at the trace's end
+            left, self._subs = self._subs.values(), {}
+            for ev, _ in left:  # still in flight: ends at the trace's end
                 ev["dur"] = max(0.0, self._us(now) - ev["ts"])
                 ev["args"]["state"] = "in flight at the end of the trace"
                 self.events.append(ev)
-            self._subs.clear()
-            ranges, self._ranges = self._ranges, {}
             meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
                      "args": {"name": name}} for tid, name in self._tids.values()]
             self._tids.clear()
             self.events = meta + sorted(self.events, key=lambda e: e["ts"])
-        for r in ranges.values():  # still in flight: the range ends with the trace (NVTX only)
-            self._nvtx.end_range(r)
+        for _, r in left:  # still in flight: the range ends with the trace (NVTX only)
+            if r is not None:
+                self._nvtx.end_range(r)
         if self.path is not None:
             with open(self.path, "w") as f:
                 json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
@@ -119,11 +118,11 @@ class trace:
         if track is None:  # a new stream: a new track
             track = self._tids[sub.stream._uid] = (len(self._tids) + 1, str(sub.stream))
         tid = track[0]
-        self._subs[id(sub)] = {"ph": "X", "name": sub.label, "cat": "submission", "pid": 0,
-                               "tid": tid, "ts": ts, "args": {"seq": sub.seq, "leases": leases}}
-        if self._nvtx is not None:
-            self._ranges[id(sub)] = self._nvtx.start_range(
-                message=f"{sub.label} on {sub.stream}", domain="sharedmem")
+        r = None if self._nvtx is None else self._nvtx.start_range(
+            message=f"{sub.label} on {sub.stream}", domain="sharedmem")
+        self._subs[id(sub)] = ({"ph": "X", "name": sub.label, "cat": "submission", "pid": 0,
+                                "tid": tid, "ts": ts, "args": {"seq": sub.seq, "leases": leases}},
+                               r)
         if waits:
             for other, (seq, _marker) in waits.items():
                 self.events.append({"ph": "i", "s": "t", "cat": "wait", "pid": 0, "tid": tid,
@@ -134,9 +133,8 @@ class trace:
         core lock held)."""
         now = self._us(time.monotonic())
         for sub in subs:
-            ev = self._subs.pop(id(sub), None)
-            r = self._ranges.pop(id(sub), None)  # (NVTX only)
-            if r is not None:
+            ev, r = self._subs.pop(id(sub), (None, None))
+            if r is not None:  # (NVTX only)
                 self._nvtx.end_range(r)
             if ev is not None:
                 ev["dur"] = max(0.0, now - ev["ts"])

@@ -115,19 +115,17 @@ class HostPool:
         try:
             lst = self._free.get(sc)
             raw = lst.pop() if lst else None
-            self.bytes_in_use += sc
+            if raw is not None:
+                self.bytes_in_use += sc
         finally:
             lock.release()
-        if raw is None:
+        if raw is None:  # a new block, counted once it exists (a failure hands nothing out)
+            raw = self._new_block(sc)
+            lock.acquire()
             try:
-                raw = self._new_block(sc)
-            except BaseException:
-                lock.acquire()
-                try:
-                    self.bytes_in_use -= sc  # (nothing was handed out)
-                finally:
-                    lock.release()
-                raise
+                self.bytes_in_use += sc
+            finally:
+                lock.release()
         return HostBlock(raw, _aligned(raw.ctypes.data), nbytes, self, sc)
 
     def _new_block(self, sc: int):
@@ -413,10 +411,8 @@ class HostStreamImpl:
 
     def wait_marker(self, marker: HostMarker) -> None:
         """Make later tasks wait for ``marker`` (a failed marker faults this
-        stream too: what it waited for is unknown)."""
-        if self.recording is not None:  # pragma: no cover - captures make no waits
-            raise CaptureError("a capturing stream cannot wait for work outside the capture")
-
+        stream too: what it waited for is unknown). Never while capturing: every caller
+        refuses a capturing stream first (a capture cannot wait for work outside it)."""
         if self._finalized:
             self._revive()
         self._q.put((_WaitTask(marker), None))
@@ -688,7 +684,6 @@ class HostBackend:
         """A marker reached once everything enqueued so far on ``impl`` ran."""
         return impl.submit(_noop)
 
-    # Copies run as tasks on a stream; each returns the task's marker.
     #: No pinned staging: copies run on the stream's worker thread, never under the core
     #: lock (copy_htod snapshots its source when enqueued).
     stage_max = 0
@@ -697,39 +692,34 @@ class HostBackend:
         """None: nothing is staged here (see ``stage_max``)."""
         return None
 
+    # Copies run as tasks on a stream (np.copyto into a view of the destination's bytes);
+    # each returns the task's marker.
+
     def copy_htod(self, impl: HostStreamImpl, dst_ptr: int, src: np.ndarray) -> HostMarker:
         data = np.array(src, copy=True, order="C").view(np.uint8).reshape(-1)
-        def _copy():
-            host_array(dst_ptr, data.nbytes)[:] = data
-        return impl.submit(_copy)
+        return impl.submit(lambda: np.copyto(host_array(dst_ptr, data.nbytes), data))
 
     def copy_dtoh(self, impl: HostStreamImpl, dst: np.ndarray, src_ptr: int) -> HostMarker:
-        def _copy():
-            dst.view(np.uint8).reshape(-1)[:] = host_array(src_ptr, dst.nbytes)
-        return impl.submit(_copy)
+        return impl.submit(lambda: np.copyto(dst.view(np.uint8).reshape(-1),
+                                             host_array(src_ptr, dst.nbytes)))
 
     def copy_dtod(self, impl: HostStreamImpl, dst_ptr: int, src_ptr: int, nbytes: int) -> HostMarker:
-        def _copy():
-            host_array(dst_ptr, nbytes)[:] = host_array(src_ptr, nbytes)
-        return impl.submit(_copy)
+        return impl.submit(lambda: np.copyto(host_array(dst_ptr, nbytes),
+                                             host_array(src_ptr, nbytes)))
 
     def copy_strided(self, impl: HostStreamImpl, dst_ptr: int, src_ptr: int, shape,
                      byte_strides, itemsize: int) -> HostMarker:
         item = np.dtype((np.void, itemsize))
         n = math.prod(shape)
-        span = sum((k - 1) * s for k, s in zip(shape, byte_strides)) + itemsize if n else 0
-
-        def _copy():
-            if n:
-                src = np.ndarray(shape, item, buffer=host_array(src_ptr, span),
-                                 strides=byte_strides)
-                np.ndarray(shape, item, buffer=host_array(dst_ptr, n * itemsize))[...] = src
-        return impl.submit(_copy)
+        if not n:
+            return impl.submit(_noop)
+        span = sum((k - 1) * s for k, s in zip(shape, byte_strides)) + itemsize
+        return impl.submit(lambda: np.copyto(
+            np.ndarray(shape, item, buffer=host_array(dst_ptr, n * itemsize)),
+            np.ndarray(shape, item, buffer=host_array(src_ptr, span), strides=byte_strides)))
 
     def memset(self, impl: HostStreamImpl, dst_ptr: int, byte: int, nbytes: int) -> HostMarker:
-        def _set():
-            host_array(dst_ptr, nbytes)[:] = byte
-        return impl.submit(_set)
+        return impl.submit(lambda: host_array(dst_ptr, nbytes).fill(byte))
 
     # Graphs: a capture records the tasks submitted to the stream; a replay
     # submits them again, in order, to the replaying stream.
