@@ -5,13 +5,12 @@ from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from libc.string cimport memcpy
 from sharedmem.allocation cimport View, ViewToken
 from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
-from sharedmem.backends.cuda cimport CudaStreamImpl
+from sharedmem.backends.cuda cimport CudaStreamImpl, ctx_get_fn_t
 from sharedmem.stream cimport Stream
 
 ctypedef int (*launch_fn_t)(void*, unsigned int, unsigned int, unsigned int, unsigned int,
                             unsigned int, unsigned int, unsigned int, void*, void**,
                             void**) noexcept nogil
-ctypedef int (*ctx_get_fn_t)(void**) noexcept nogil
 
 # Param.kcode values (C constants when compiled)
 cdef int _K_PTR, _K_INT, _K_FLOAT, _K_ANY
@@ -48,11 +47,6 @@ cdef class RawKernelPlan(KernelPlan):
 @cython.locals(slot=cython.p_char, code=int)
 cdef _emit(bytes out, Param par, v)
 
-cdef object _int_value(Py_ssize_t i, Param p, object a)
-
-@cython.locals(x=object)
-cdef object _float_value(Py_ssize_t i, Param p, object a)
-
 cdef void _emit_address(bytes out, Param par, unsigned long long ptr) noexcept
 
 @cython.locals(params=tuple, n=Py_ssize_t, i=Py_ssize_t, p=Param, c=LaunchConfig,
@@ -68,5 +62,4 @@ cdef class ArrayFacts(ForeignArray):
 @cython.locals(f=ArrayFacts, other=ArrayFacts, slot=Py_ssize_t, addr=size_t)
 cpdef ArrayFacts array_facts(arr)
 
-@cython.locals(modules=dict)
 cpdef coerce(obj, device)

@@ -13,8 +13,6 @@ cpdef bint _aliased(list uses)
 @cython.locals(d=dict, tok=ViewToken, t=Tensor, key=tuple, by_layout=dict)
 cpdef _view_descriptor(Py_ssize_t i, View view, bint writes)
 
-cdef object _NP_GENERIC
-
 cdef class TilePlan(KernelPlan):
     cdef public CudaBackend backend
     cdef public object ct_launch

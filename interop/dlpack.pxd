@@ -9,7 +9,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
 from cpython.ref cimport PyObject
-from sharedmem.allocation cimport Allocation, View, ViewToken
+from sharedmem.allocation cimport View, ViewToken
 from sharedmem.tensor cimport Tensor
 from sharedmem.runtime.submission cimport export_hold
 
@@ -163,7 +163,6 @@ cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id
 @cython.locals(tok=ViewToken, facts=tuple, export_tok=ViewToken)
 cpdef export_positional(View view, stream, max_version, dl_device, copy)
 
-@cython.locals(f=tuple)
 cdef tuple _facts_of(dev)
 
 cpdef ViewToken _export_hold(View view, ViewToken tok, stream, tuple facts)

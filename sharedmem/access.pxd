@@ -10,9 +10,6 @@ cdef class Span:
 @cython.locals(e=Span)
 cdef Span _span(Py_ssize_t lo, Py_ssize_t hi, long long seq, marker)
 
-@cython.locals(c=tuple)
-cdef bint _hold_writes(tok, stream)
-
 cdef class StreamUse:
     cdef public list reads, writes, holds
     cdef public long long newest
@@ -39,7 +36,6 @@ cdef class AccessTracker:
     cpdef record_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,
                         long long seq, marker)
 
-    @cython.locals(holds=list)
     cpdef add_hold_locked(self, stream, tok, Py_ssize_t lo, Py_ssize_t hi)
 
     @cython.locals(use=StreamUse, holds=list, i=Py_ssize_t)

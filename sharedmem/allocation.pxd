@@ -34,9 +34,6 @@ cdef class Allocation:
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*)
 
-    @cython.locals(out=list, tok=ViewToken)
-    cpdef list conflicts_locked(self, Py_ssize_t start, Py_ssize_t stop, bint writable, exclude)
-
 cdef class View:
     cdef public ViewToken _token
     cdef public int _state

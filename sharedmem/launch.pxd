@@ -42,16 +42,11 @@ cdef class KernelPlan(Work):
     cdef public tuple _last
     cdef object __weakref__
 
-    @cython.locals(last=tuple)
     cpdef configure(self, grid, block, shared_mem)
-    cpdef make_config(self, grid, block, shared_mem)
     cpdef pack(self, list args, list uses, config, stream)
     cpdef enqueue(self, stream, config, payload)
 
 cdef class _PreparedPlan(KernelPlan):
-    pass
-
-cdef class _HostPlan(KernelPlan):
     pass
 
 @cython.locals(resolved=list, uses=list, i=Py_ssize_t, n=Py_ssize_t, mode=int, u=tuple,

@@ -18,5 +18,4 @@ cpdef Tensor new_tensor(ViewToken token, object dtype, tuple shape, tuple stride
 @cython.locals(cacheable=bint, n=object, hit=tuple, layouts=dict, last=tuple)
 cpdef tuple c_layout(object shape)
 
-@cython.locals(last=tuple)
 cdef Py_ssize_t _itemsize(dtype) except -1

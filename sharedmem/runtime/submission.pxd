@@ -23,9 +23,6 @@ cdef inline double _now() noexcept nogil:
 cdef class Work:
     cpdef enqueue(self, stream, config, payload)
 
-cdef class FailedMarker:
-    cdef public object error
-
 cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payload, keep, policy,
                              label)
 
@@ -35,15 +32,6 @@ cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payloa
                pending=list)
 cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
                         policy, label)
-
-cdef list _keep_list(keep)
-
-@cython.locals(pending=list, k=Py_ssize_t)
-cpdef wait_for_room(Stream stream)
-
-@cython.locals(rt=Runtime, pending=list, markers=list, fresh=list, tracker=AccessTracker,
-               c=tuple)
-cpdef wait_before(ViewToken tok, Stream stream, bint writes)
 
 @cython.locals(waited=dict)
 cdef note_waited_locked(Stream stream, Stream other, long long seq, marker)
@@ -80,7 +68,6 @@ cdef class _Hooks(Hooks):
     cpdef end_holds(self, tok)
     cpdef sweep_long(self, stream)
 
-@cython.locals(done=list)
 cpdef sweep_long(Stream stream)
 
 @cython.locals(hold=ViewToken, rt=Runtime, markers=list)
@@ -89,8 +76,6 @@ cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bi
 
 @cython.locals(rt=Runtime, markers=list, tok=ViewToken)
 cpdef int object_export_hold(View view, str kind, consumers, wait, bint ordered) except? -1
-
-cdef _wait_on_host(ViewToken tok, wait, list markers)
 
 @cython.locals(tracker=AccessTracker, c=tuple)
 cdef _order_locked(ViewToken tok, wait, bint blocking, stream, handle, list markers,
