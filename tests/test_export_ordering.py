@@ -282,6 +282,7 @@ def test_hold_ends_share_a_submission_and_keep_all_they_held(monkeypatch):
     monkeypatch.setattr(ret, "_sub", types.SimpleNamespace(
         SWEEP_EVERY=sub_mod.SWEEP_EVERY, _sweep_locked=lambda s, *a: [], finish=sub_mod.finish))
     pending = dev.default_stream._pending
+    gc.collect()  # (earlier tests' garbage: a collection below must find only this test's)
     live = sm.stats().live_allocations
     drv.holding = True  # the device is behind: nothing finishes until finish_held()
     try:
