@@ -24,15 +24,14 @@ import operator
 
 import numpy as np
 
-from sharedmem.allocation import View, import_allocation
 from sharedmem.buffer import as_dtype
 from sharedmem.device import Device
 from sharedmem.runtime.state import OwnedLock, fork_safe
-from sharedmem.runtime.submission import object_export_hold, record_arrival
+from sharedmem.runtime.submission import object_export_hold
 from sharedmem.stream import resolve_stream
-from sharedmem.tensor import Tensor, c_strides, extent, new_tensor
+from sharedmem.tensor import Tensor, c_strides, extent
 
-from interop.dlpack import ProducerAlias
+from interop.dlpack import import_tensor
 from interop.streams import current_consumers
 
 __all__ = ["cai_layout", "export_cai", "from_cuda_array_interface", "read_cai"]
@@ -213,12 +212,6 @@ def from_cuda_array_interface(obj, *, stream=None):
             raise ValueError(f"__cuda_array_interface__ stream {producer!r} is not valid (0 is "
                              f"disallowed by the protocol)")
         s._impl.wait_marker(dev.backend.marker_on_handle(producer))
-    alloc = import_allocation(dev, ptr, nbytes, "cai", region=region)
-    lo, hi = ptr - alloc.ptr, ptr - alloc.ptr + nbytes
     # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
-    alias = None if isinstance(obj, View) else ProducerAlias(alloc, lo, hi, obj)
-    tok = alloc.new_token("tensor", lo, hi, not readonly, (alloc, obj, alias))
-    t = new_tensor(tok, dtype, shape, strides, ptr - alloc.ptr)
-    if nbytes:
-        record_arrival(tok, s)
-    return t
+    return import_tensor(dev, ptr, nbytes, "cai", region, not readonly, obj, dtype, shape,
+                         strides, s, obj)

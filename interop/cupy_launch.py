@@ -132,21 +132,23 @@ class Param:
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
-def _split_params(text):
-    out, depth, cur = [], 0, []
-    for ch in text:
+def _split_params(code, i):
+    """The parameter declarations of the list that opens before ``code[i]``, split at its
+    top-level commas (not those inside ``<>``, ``()`` or ``[]``); None if it never closes."""
+    out, depth, parens, start = [], 0, 0, i
+    for j in range(i, len(code)):
+        ch = code[j]
+        if ch == ")" and not parens:
+            return out + [code[start:j]]
         if ch in "<([":
             depth += 1
         elif ch in ">)]":
             depth -= 1
+        parens += {"(": 1, ")": -1}.get(ch, 0)
         if ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur))
-    return out
+            out.append(code[start:j])
+            start = j + 1
+    return None
 
 
 def param_types(code, name):
@@ -158,17 +160,11 @@ def param_types(code, name):
     # kernel commented out would be found before the real one
     code = _COMMENTS.sub(" ", code)
     m = re.search(r"__global__[^;{]*?\b" + re.escape(name) + r"\s*\(", code)
-    if m is None:
-        return None
-    i, depth = m.end(), 1
-    j = i
-    while j < len(code) and depth:
-        depth += {"(": 1, ")": -1}.get(code[j], 0)
-        j += 1
-    if depth:
+    decls = None if m is None else _split_params(code, m.end())
+    if decls is None:
         return None
     out = []
-    for raw in _split_params(code[i:j - 1]):
+    for raw in decls:
         decl = " ".join(_QUALIFIERS.sub(" ", raw).split())
         if not decl or decl == "void":
             continue
@@ -711,12 +707,11 @@ def _learn(arr):
     key = id(arr)
     dev = Device(arr.device.id)
     alloc, lo, hi = _allocation_of(arr, dev)
-    export = export_token(arr)
-    if export is not None:
-        writable = export.writable
-    else:  # cupy.asarray of a view (its CAI): CuPy's memory names the view as its owner
-        owner = getattr(arr.data.mem, "_owner", None)
-        writable = owner._token.writable if isinstance(owner, View) else True
+    # as_cupy's array: its export's token; cupy.asarray of a view (its CAI): CuPy's memory
+    # names the view as its owner
+    owner = getattr(arr.data.mem, "_owner", None)
+    writable = (owner.token.writable if isinstance(owner, _ExportOwner) else
+                owner._token.writable if isinstance(owner, View) else True)
     f = ArrayFacts()
     f.token = ViewToken(alloc, "CuPy array argument", lo, hi, writable, alloc)
     f.token.live = True  # a lease's range: never a live view (not in the allocation's views)

@@ -141,12 +141,12 @@ def _np_dtype(t: DLDataType) -> np.dtype:
         except ImportError:
             raise BufferError("bfloat16 tensors need the ml_dtypes package") from None
     kind = {kDLBool: "b", kDLInt: "i", kDLUInt: "u", kDLFloat: "f", kDLComplex: "c"}.get(code)
-    if kind is None or bits % 8:
-        raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported")
     try:
-        return np.dtype(f"{kind}{bits // 8}") if kind != "b" else np.dtype(bool)
-    except TypeError:
-        raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported") from None
+        if kind is not None and not bits % 8:
+            return np.dtype(f"{kind}{bits // 8}") if kind != "b" else np.dtype(bool)
+    except TypeError:  # (no such size of that kind)
+        pass
+    raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported")
 
 
 # -- export --------------------------------------------------------------------------------
@@ -444,34 +444,45 @@ class ProducerAlias:
             except TypeError:  # no weak references: it lives as long as the import anyway
                 pass
 
-    def release(self) -> None:
-        fin, self._fin = self._fin, None
-        if fin is not None:
-            fin.detach()
-        self.token.release()
-
     def __del__(self):
         try:
-            self.release()
+            if self._fin is not None:
+                self._fin.detach()
+            self.token.release()
         except AttributeError:  # half-constructed
             pass
 
 
+def import_tensor(dev, ptr: int, nbytes: int, source: str, region, writable: bool, owner,
+                  dtype, shape, strides, stream, producer, aliased: bool = True):
+    """The Tensor of an import (DLPack, CAI): ``nbytes`` at ``ptr`` on ``dev`` as a range of
+    the allocation holding them (one imported before, else a new one over ``region``, made
+    by ``source``), keeping ``owner``. ``producer`` (None: a bare capsule) counts as a live
+    alias of the bytes unless not ``aliased`` (an adoption) or one of our views (they count
+    anyway). On a CUDA device the import is recorded as a write on ``stream``."""
+    alloc = import_allocation(dev, ptr, nbytes, source, region=region)
+    lo, hi = ptr - alloc.ptr, ptr - alloc.ptr + nbytes
+    keep = [alloc, owner, None]  # (let go of last to first: the alias ends before the owner)
+    tok = alloc.new_token("tensor", lo, hi, writable, keep)
+    t = new_tensor(tok, dtype, shape, strides, lo)
+    if aliased and not isinstance(producer, View):
+        keep[2] = ProducerAlias(alloc, lo, hi, producer)
+    if dev.kind == "cuda" and nbytes:
+        record_arrival(tok, stream)
+    return t
+
+
 class _Imported:
     """Owns a consumed managed tensor: calls the producer's deleter when the
-    last view or lease using it is gone (and ends the producer's alias then)."""
+    last view or lease using it is gone."""
 
-    __slots__ = ("addr", "versioned", "alias", "__weakref__")
+    __slots__ = ("addr", "versioned", "__weakref__")
 
     def __init__(self, addr: int, versioned: bool):
         self.addr = addr
         self.versioned = versioned
-        self.alias = None
 
     def __del__(self):
-        alias, self.alias = self.alias, None
-        if alias is not None:
-            alias.release()
         addr, self.addr = self.addr, 0
         if addr:
             m = (DLManagedTensorVersioned if self.versioned else DLManagedTensor).from_address(addr)
@@ -580,14 +591,5 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         info = dev.backend.pointer_info(ptr)
         if info is not None:
             region = (info[0], info[1])
-    alloc = import_allocation(dev, ptr, nbytes, "dlpack", region=region)
-    tok = alloc.new_token("tensor", ptr - alloc.ptr, ptr - alloc.ptr + nbytes,
-                          not (flags & FLAG_READ_ONLY), (alloc, owner))
-    t = new_tensor(tok, dtype, shape, strides, ptr - alloc.ptr)
-    if not _adopt and not isinstance(obj, View):  # (our own views count as aliases anyway)
-        owner.alias = ProducerAlias(alloc, tok.start, tok.stop, None if obj is capsule else obj)
-    if dev.kind == "cuda" and nbytes:
-        record_arrival(tok, s)
-    return t
-
-
+    return import_tensor(dev, ptr, nbytes, "dlpack", region, not (flags & FLAG_READ_ONLY), owner,
+                         dtype, shape, strides, s, None if obj is capsule else obj, not _adopt)
