@@ -341,3 +341,57 @@ def test_random_programs_across_the_boundary(cp):
     assert errors == [], "\n".join(errors[:10])
     assert len(counts) == THREADS and sum(counts.values()) > THREADS * 10
     settle_and_check_vram(cp, used0, *streams, *cstreams)
+
+
+def test_imports_of_one_vmm_reservation_share_an_allocation(cp):
+    """Memory mapped with the VMM API -- chunks of the allocation granularity mapped back to
+    back into one reserved range, as PyTorch's expandable segments are -- is one driver
+    allocation per chunk to cuMemGetAddressRange, but the pointer attributes sharedmem reads
+    (RANGE_START_ADDR / RANGE_SIZE) name the whole reservation (H200: a 2 MiB chunk each way,
+    an 8 MiB range). So an array spanning two chunks and one inside the second are ranges of
+    one allocation: their accesses and aliases are tracked against each other."""
+    from cuda.bindings import driver as cu
+
+    from interop.cai import from_cuda_array_interface
+
+    def ok(r):
+        assert int(r[0]) == 0, r
+        return r[1] if len(r) > 1 else None
+    cp.cuda.Device(0).use()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 0
+    gran = int(ok(cu.cuMemGetAllocationGranularity(
+        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+    va = int(ok(cu.cuMemAddressReserve(4 * gran, 0, 0, 0)))
+    handles = [ok(cu.cuMemCreate(gran, prop, 0)) for _ in range(2)]
+    for k, h in enumerate(handles):
+        ok(cu.cuMemMap(va + k * gran, gran, 0, h, 0))
+    acc = cu.CUmemAccessDesc()
+    acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    acc.location.id = 0
+    acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    ok(cu.cuMemSetAccess(va, 2 * gran, [acc], 1))
+
+    class Cai:
+        def __init__(self, ptr, n):
+            self.__cuda_array_interface__ = {"version": 3, "shape": (n,), "typestr": "<f4",
+                                             "data": (ptr, False), "strides": None,
+                                             "stream": None}
+    try:
+        assert int(cu.cuMemGetAddressRange(va + gran)[2]) == gran  # (one chunk, to this call)
+        a = from_cuda_array_interface(Cai(va + gran // 2, gran // 4))  # both chunks
+        b = from_cuda_array_interface(Cai(va + gran + 64, 16))  # the second, inside a
+        assert a.allocation is b.allocation
+        assert (a._token.start, a._token.stop) == (a.ptr - a.allocation.ptr,
+                                                   a.ptr - a.allocation.ptr + gran)
+        assert a.ptr + gran <= a.allocation.ptr + a.allocation.nbytes
+        del a, b
+        sm.synchronize()
+        gc_collect_harder()
+    finally:
+        ok(cu.cuMemUnmap(va, 2 * gran))
+        for h in handles:
+            ok(cu.cuMemRelease(h))
+        ok(cu.cuMemAddressFree(va, 4 * gran))
