@@ -130,24 +130,17 @@ def copy_from(n):
 def to_host_under_the_lock(sm, s, x, tiny):
     """to_host as it was before wait_before_read: the copy enqueued (and, into pageable
     memory, performed) under the core lock at once."""
-    from sharedmem.runtime.future import DeviceFuture
-    from sharedmem.runtime.submission import submit
-    tok = x._live_token()
-    raw = np.empty(tok.stop - tok.start, np.uint8)
-    backend = x.device.backend
-    sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(s._impl, raw, x.ptr),
-                 keep=(raw,), policy="order", label="to_host")
-    DeviceFuture(sub).result()
-    return raw
+    return to_host_pageable(sm, x, s, wait_first=False)
 
 
-def to_host_pageable(sm, x, s):
+def to_host_pageable(sm, x, s, wait_first=True):
     """to_host as it was before the pinned pieces: wait (no lock) for the work it follows,
     then the copy into pageable memory -- performed by the driver under the core lock."""
     from sharedmem.runtime.future import DeviceFuture
     from sharedmem.runtime.submission import submit, wait_before
     tok = x._live_token()
-    wait_before(tok, s, False)
+    if wait_first:
+        wait_before(tok, s, False)
     raw = np.empty(tok.stop - tok.start, np.uint8)
     backend = x.device.backend
     sub = submit(s, [(tok, False)], lambda: backend.copy_dtoh(s._impl, raw, x.ptr),
