@@ -316,6 +316,7 @@ def upload(s, tok, a, label):
                       label=label)
     subs = deque()  # this call's pieces in flight: their pinned memory counts against the budget
     policy = None
+    copy = backend.copy_htod if n <= step else partial(_recorded, backend.copy_htod)
     for off in range(0, n, step):
         piece = flat[off:off + step]
         src = backend.pinned(piece.nbytes)
@@ -327,11 +328,23 @@ def upload(s, tok, a, label):
             src = piece
         else:
             src[:] = piece
-        subs.append(submit(s, [(tok, True)], partial(backend.copy_htod, impl, ptr + off, src),
+        subs.append(submit(s, [(tok, True)], partial(copy, impl, ptr + off, src),
                            keep=(src,), policy=policy, label=label))
         src = None  # (kept by its submission alone: back in the pool once that retired)
         policy = "order"
     return subs[-1]
+
+
+def _recorded(copy, impl, dst, src):
+    """``copy(impl, dst, src)``, a piece of a copy in pieces, its marker then recorded (under
+    the core lock: submit's enqueue). Left open, the marker would be joined by the pieces
+    enqueued after it and recorded only when first waited for -- behind them: the wait for
+    the oldest piece in flight would be a wait for all of them (no piece copied out while the
+    next transfers, the budget's pieces drained at once)."""
+    m = copy(impl, dst, src)
+    if not m.recorded:
+        m.query()  # (records an open marker first)
+    return m
 
 
 def download(s, tok):
@@ -352,6 +365,7 @@ def download(s, tok):
                             keep=(raw,), policy="order", label="to_host")).result()
         return raw
     window = deque()  # (submission, pinned memory or None, offset) of the pieces in flight
+    copy = backend.copy_dtoh if n <= step else partial(_recorded, backend.copy_dtoh)
 
     def copy_out():
         sub, pin, off = window.popleft()
@@ -370,7 +384,7 @@ def download(s, tok):
             dst, keep = raw[off:off + c], raw
         else:
             dst = keep = pin
-        window.append((submit(s, [(tok, False)], partial(backend.copy_dtoh, impl, dst, src + off),
+        window.append((submit(s, [(tok, False)], partial(copy, impl, dst, src + off),
                               keep=(keep,), policy="order", label="to_host"), pin, off))
         dst = keep = pin = None
         if len(window) > 1:

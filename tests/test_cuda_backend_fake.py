@@ -914,6 +914,98 @@ def test_to_host_goes_in_pinned_pieces_two_in_flight(fake, monkeypatch):
     assert most == [0] * 11
 
 
+def _pieces_each_wait_follows(drv, monkeypatch):
+    """A list that gets, for each cuEventSynchronize, how many host <-> device copies the
+    event waited for was recorded after: the pieces a wait waits for."""
+    copies, waited = [], []
+    real_h, real_d, real_sync = drv.cuMemcpyHtoDAsync, drv.cuMemcpyDtoHAsync, drv.cuEventSynchronize
+
+    def htod(*a):
+        copies.append(len(drv.calls))
+        return real_h(*a)
+
+    def dtoh(*a):
+        copies.append(len(drv.calls))
+        return real_d(*a)
+
+    def synchronize(ev):
+        rec = max(i for i, c in enumerate(drv.calls) if c[0] == "record" and c[1] == int(ev))
+        waited.append(sum(1 for c in copies if c <= rec))
+        return real_sync(ev)
+    monkeypatch.setattr(drv, "cuMemcpyHtoDAsync", htod)
+    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", dtoh)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    return copies, waited
+
+
+def test_a_wait_for_one_piece_in_flight_waits_for_that_piece_alone(fake, monkeypatch):
+    """A copy in pieces waits for its oldest piece in flight -- an upload whose pieces took
+    the budget, to_host for the piece it copies out while the next transfers. The pieces
+    join their stream's open marker, recorded when first waited for: behind every piece
+    enqueued since, so that the wait was for all of them (an upload drained the budget's
+    pieces each time, to_host copied out nothing while a piece transferred). Each piece's
+    marker is recorded after it."""
+    import sharedmem.backends.cuda as bc
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)  # (a pass records open markers: only waits here)
+    monkeypatch.setattr(bc, "STAGE_MAX", 512)
+    monkeypatch.setattr(bc, "STAGE_BUDGET", 2048)  # four pieces in flight
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(1536, "float32", device=dev, stream=s)  # 6,144 bytes: twelve pieces
+    sm.synchronize()
+    copies, waited = _pieces_each_wait_follows(drv, monkeypatch)
+    host = np.arange(1536, dtype=np.float32)
+    drv.holding = True
+    b.copy_from(host, stream=s)
+    # the fifth piece waited for the first alone, the sixth for the second, ...
+    assert len(copies) == 12 and waited == [1, 2, 3, 4, 5, 6, 7, 8]
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    copies.clear()
+    waited.clear()
+    drv.holding = True
+    got = b.to_host(stream=s)
+    # piece k waited for while piece k + 1 transfers (still held: not waited for)
+    assert len(copies) == 12 and waited == list(range(1, 13))
+    np.testing.assert_array_equal(got, host)
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    gc.collect()
+    assert dev.backend._staged == 0
+
+
+def test_an_interrupt_while_pinning_leaves_nothing_counted(fake, monkeypatch):
+    """Pinning a fresh block takes milliseconds (38.8 ms for 64 MiB on an H200): a Ctrl-C
+    then surfaces in pinned(), between counting the block against STAGE_BUDGET and filing
+    what uncounts it. Counted forever, each such interrupt shrank the budget until every copy
+    went pageable, under the core lock."""
+    import sharedmem.backends.cuda as bc
+    dev, drv = fake
+    monkeypatch.setattr(bc, "STAGE_MAX", 512)
+    b = sm.Buffer.zeros(256, "float32", device=dev)
+    sm.synchronize()
+    gc.collect()
+    assert dev.backend._staged == 0
+
+    def interrupted(n):
+        raise KeyboardInterrupt
+    cuda = dev.backend._cupy.cuda
+    real = cuda.alloc_pinned_memory
+    monkeypatch.setattr(cuda, "alloc_pinned_memory", interrupted)
+    for call in (lambda: b.copy_from(np.ones(256, np.float32)), b.to_host):
+        with pytest.raises(KeyboardInterrupt):
+            call()
+        assert dev.backend._staged == 0
+    monkeypatch.setattr(cuda, "alloc_pinned_memory", real)
+    b.copy_from(np.ones(256, np.float32))
+    np.testing.assert_array_equal(b.to_host(), np.ones(256, np.float32))
+    sm.synchronize()
+    gc.collect()
+    assert dev.backend._staged == 0
+
+
 def test_an_upload_that_cannot_be_staged_is_copied_from_the_array_all_the_same(fake, monkeypatch):
     """Pinned memory can run out (cudaHostAlloc fails once CuPy's pool freed its free blocks
     and asked again) or be refused (a pinned allocation while a thread captures a graph in

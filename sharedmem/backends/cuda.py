@@ -756,11 +756,15 @@ class CudaBackend:
             return None
         try:
             mem = self._cupy.cuda.alloc_pinned_memory(size)
-        except Exception:  # (pinned memory exhausted or refused: the caller copies pageable)
-            self._unstage(size)
-            return None
-        out = np.ndarray((n,), np.uint8, mem)
-        weakref.finalize(out, self._unstage, size)
+            out = np.ndarray((n,), np.uint8, mem)
+            # (raises nothing once registered: finalize's __init__ has no interrupt check
+            # after it filed the finalizer, and the caller's array is counted from there)
+            weakref.finalize(out, self._unstage, size)
+        except BaseException as e:  # not counted then -- also for an interrupt (a Ctrl-C
+            self._unstage(size)     # while a fresh block is pinned): else counted forever
+            if not isinstance(e, Exception):
+                raise
+            return None  # (pinned memory exhausted or refused: the caller copies pageable)
         return out
 
     def _unstage(self, size) -> None:
