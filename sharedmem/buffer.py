@@ -304,7 +304,8 @@ def upload(s, tok, a, label):
     bytes, each copied there on the host, then enqueued. A piece that finds no pinned memory
     -- once the pieces of this call in flight are done -- waits, holding no lock, for the work
     it follows and is copied from ``a``. The access policy is applied to the first piece; the
-    others are ordered after whatever came meanwhile (a copy begun is not left half done).
+    others are ordered after whatever came meanwhile (a conflict does not stop a copy half
+    done; a piece that raises -- the destination released meanwhile -- leaves those before it).
     While ``s`` captures, or where the backend does not stage, one copy from ``a`` itself."""
     backend, impl = s.device.backend, s._impl
     ptr = tok.allocation.ptr + tok.start
