@@ -165,7 +165,7 @@ def device_frame(view) -> DeviceFrame:
         view = view.copy()  # (a new allocation that only the frame keeps)
     frame = DeviceFrame(view)
     try:
-        order_consumer(frame._view._token, _wait, blocking=True)
+        order_consumer(frame._view._token, _wait)
     except BaseException:
         frame._view.release()  # (no frame: its view of the bytes goes now, not at a collection)
         raise

@@ -242,19 +242,13 @@ class AccessTracker:
         ``(other_stream, None, HOLD_SEQ, hold_writes)``: the caller records a marker on that
         stream now. Empty ranges conflict with nothing. ``exclude``: None (every hold
         counts), or ``(hold, streams)``: that hold token conflicts with nothing on those
-        streams."""
+        streams. Called only after :meth:`elsewhere_locked` said True, under the same hold of
+        the lock: it pruned every other stream, and each use left has something unfinished."""
         out = []
         if lo >= hi:
             return out
-        uses = self._uses
-        dead = None  # (as in elsewhere_locked)
-        for s, use in uses.items():
+        for s, use in self._uses.items():
             if s is stream:
-                continue
-            if use.prune(s._done):
-                if dead is None:
-                    dead = []
-                dead.append(s)
                 continue
             held = None
             ex = None
@@ -274,9 +268,6 @@ class AccessTracker:
                 best = _newest_overlap(use.reads, lo, hi, best)
             if best is not None:
                 out.append((s, best.marker, best.seq, other_writes))
-        if dead is not None:
-            for s in dead:
-                self._drop(s)
         return out
 
     def record_locked(self, stream, writes, lo, hi, seq, marker) -> None:
@@ -330,8 +321,5 @@ class AccessTracker:
 
     def streams_locked(self) -> list:
         """Streams with unfinished accesses or open holds (for diagnostics and tests)."""
-        uses = self._uses
-        for s in list(uses):
-            if uses[s].prune(s._done):
-                self._drop(s)
-        return list(uses)
+        self.elsewhere_locked(None)  # (prunes every stream)
+        return list(self._uses)

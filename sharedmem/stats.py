@@ -62,7 +62,7 @@ def stats() -> Stats:
 
 def synchronize() -> None:
     """Wait for all work sharedmem submitted, on every device, and retire it."""
-    _submission.synchronize_all()
+    _submission.synchronize_device(None)
 
 
 @dataclass(frozen=True)

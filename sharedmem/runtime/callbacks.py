@@ -78,14 +78,11 @@ def _work(first: bool) -> None:
             sub = _queue.popleft()
             _running += 1
         try:
-            with locked():  # (add_callback appends under the core lock)
-                cbs, sub.callbacks = sub.callbacks, None
-            if cbs:
-                run(cbs)
+            run_of(sub)
         finally:
             # (nothing of the batch stays referenced while this worker waits for the next:
             # a callback's closure may keep views alive, and moves of them would be refused)
-            cbs = sub = None
+            sub = None
             with _lock:
                 _running -= 1
                 _cond.notify_all()  # (an exit drain waits for the queue to empty)
@@ -95,6 +92,15 @@ class _Rest:
     """The callbacks after one that blocked, queued for another worker (see waiting)."""
 
     __slots__ = ("callbacks",)
+
+
+def run_of(sub) -> None:
+    """Take ``sub``'s callbacks (``submission.add_callback`` appends under the core lock until
+    they are taken) and :func:`run` them."""
+    with locked():
+        cbs, sub.callbacks = sub.callbacks, None
+    if cbs:
+        run(cbs)
 
 
 def run(cbs) -> None:

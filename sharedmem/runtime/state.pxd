@@ -59,6 +59,5 @@ cdef class Runtime:
     cpdef acquire(self)
     cpdef release(self)
     cpdef bint enter_or_stage(self, fn, arg) except -1
-    cdef bint _try_acquire(self)
 
 cdef unsigned long _thread_ident()

@@ -135,11 +135,6 @@ class Runtime:
         else:
             self._release()
 
-    def _try_acquire(self) -> bool:
-        if cython.compiled:
-            return sm_lock_try(self._plock)
-        return self._acquire(False)
-
     def drain_staged(self) -> None:
         """Run staged releases. Caller holds the lock."""
         staged = self.staged
@@ -154,7 +149,7 @@ class Runtime:
         ``fn(arg)`` is staged too (never lost) and the error raised. Safe from destructors,
         from any thread, and inside a critical section of the same thread (the lock is busy
         there: staged)."""
-        if self._try_acquire():
+        if (sm_lock_try(self._plock) if cython.compiled else self._acquire(False)):
             self.owner = _thread_ident()
             try:
                 if self.staged:

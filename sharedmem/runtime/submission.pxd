@@ -28,10 +28,12 @@ cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payloa
 
 @cython.locals(rt=Runtime, tok=ViewToken, tracker=AccessTracker, sub=Submission,
                seq=cython.longlong, became_active=bint, keeps=list, waits=object,
-               retired=list, impl=object, marker=object, u=tuple, alloc=Allocation,
-               pending=list)
+               retired=list, impl=object, marker=object, u=tuple, alloc=Allocation)
 cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
                         policy, label)
+
+@cython.locals(pending=list)
+cdef bint _filed_locked(Runtime rt, Stream stream, Submission sub, waits) except -1
 
 @cython.locals(waited=dict)
 cdef note_waited_locked(Stream stream, Stream other, long long seq, marker)

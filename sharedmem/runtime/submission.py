@@ -246,15 +246,7 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                 keeps.append(k)
         sub = new_submission(stream, seq, marker, keep if keeps is None else keeps, uses,
                              label)
-        pending = stream._pending
-        pending.append(sub)
-        if rt.tracer is not None:
-            _traced_locked(rt, sub, waits)
-        became_active = len(pending) == 1
-        if became_active:
-            rt.active.add(stream)
-        rt.in_flight += 1
-        rt.submitted += 1
+        became_active = _filed_locked(rt, stream, sub, waits)
         if seq % _sweep_every == 0:
             retired = _sweep_locked(stream, False)
     finally:
@@ -266,14 +258,25 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     return sub
 
 
-def _traced_locked(rt, sub, waits) -> None:
-    """Tell the trace about ``sub``, filed already. Never raising: the work is enqueued and
-    its leases taken, and what keeps its memory is the submission in its stream's FIFO (an
-    NVTX call or an adapter's label that fails is re-raised at the next API call)."""
-    try:
-        rt.tracer.submitted(sub, waits)
-    except Exception as e:
-        rt.errors.append(e)
+def _filed_locked(rt, stream, sub, waits) -> bool:
+    """Put ``sub``, its leases recorded, on ``stream``'s FIFO, count it and tell the trace
+    (``waits``: what its stream was made to wait for); True when the stream just became
+    active. The trace call never raises: the work is enqueued and its leases taken, and what
+    keeps its memory is the submission in its stream's FIFO (an NVTX call or an adapter's
+    label that fails is re-raised at the next API call). Caller holds core_lock."""
+    pending = stream._pending
+    pending.append(sub)
+    if rt.tracer is not None:
+        try:
+            rt.tracer.submitted(sub, waits)
+        except Exception as e:
+            rt.errors.append(e)
+    rt.in_flight += 1
+    rt.submitted += 1
+    if len(pending) == 1:
+        rt.active.add(stream)
+        return True
+    return False
 
 
 def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
@@ -387,15 +390,8 @@ def lease_locked(stream, uses, keep, label, marker):
         tok = u[0]
         tok.allocation.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
     sub = new_submission(stream, seq, marker, keep, uses, label)
-    stream._pending.append(sub)
-    if rt.tracer is not None:
-        _traced_locked(rt, sub, None)
-    rt.in_flight += 1
-    rt.submitted += 1
-    if len(stream._pending) == 1:
-        rt.active.add(stream)
-        if rt.retirer_idle:  # (as in submit: only a stream that just became active needs it)
-            rt.wake_retirer()
+    if _filed_locked(rt, stream, sub, None) and rt.retirer_idle:
+        rt.wake_retirer()  # (as in submit: only a stream that just became active needs it)
     if not rt.retirer_running:
         # (last: the lease stands when it raises, and its stream is active -- a sweep retires
         # it; starting a thread waits for nothing that needs core_lock)
@@ -646,10 +642,7 @@ def _finish(subs, hand_off=False) -> None:
             if hand_off or _get_ident() == _callbacks.retirer_ident[0]:
                 _callbacks.hand_off(sub)  # (user code never runs on the retirer)
             else:
-                with locked():  # (add_callback appends under the lock until they are taken)
-                    cbs, sub.callbacks = sub.callbacks, None
-                if cbs:
-                    _callbacks.run(cbs)  # (errors surface at the next API call)
+                _callbacks.run_of(sub)  # (errors surface at the next API call)
 
 
 def settle(timeout=1.0) -> None:
@@ -867,10 +860,6 @@ def synchronize_device(device) -> None:
         synchronize_stream(s)
 
 
-def synchronize_all() -> None:
-    synchronize_device(None)
-
-
 def raise_deferred() -> None:
     """Emit pending leak warnings and re-raise a deferred failure, in the calling (user)
     thread -- not inside a callback, whose caller would take another callback's error for
@@ -900,29 +889,20 @@ def counters_locked() -> dict:
             "leaked": rt.leaked_count, "leaked_bytes": rt.leaked_bytes}
 
 
-def order_consumer(tok, wait, blocking=False, stream=None, handle=None) -> int:
-    """Order a consumer outside sharedmem after our unfinished work on the bytes of ``tok``:
-    ``wait(marker)`` is called for the newest conflicting submission of every stream --
-    pending writes, and also pending reads when the view is writable (the consumer may write
-    through it) -- and for the open holds of other consumers. Work on ``stream`` (the
-    consumer's own, where known) is skipped: the stream orders it. Returns how many waits
-    were made. An export that leaves its consumer a hold makes the hold in the same step as
-    the ordering (:func:`export_hold`, :func:`object_export_hold`): a submission that came
-    in between would be ordered neither before the consumer (the waits were made) nor after
-    it (no hold yet).
-
-    ``wait`` only enqueues (a device-side wait) unless ``blocking``: then it may block the
-    host, and is called after the core lock is released. With ``handle`` (the consumer's raw
-    stream), it is called as ``wait(handle, marker)``."""
+def order_consumer(tok, wait) -> int:
+    """Order a consumer outside sharedmem that reads on the host after our unfinished work on
+    the bytes of ``tok``: ``wait(marker)``, which may block, is called -- after the core lock
+    is released -- for the newest conflicting submission of every stream (pending writes, and
+    also pending reads when the view is writable: the consumer may write through it) and for
+    the open holds of other consumers. Returns how many waits were made. An export that
+    leaves its consumer a hold makes the hold in the same step as the ordering
+    (:func:`export_hold`, :func:`object_export_hold`): a submission that came in between
+    would be ordered neither before the consumer (the waits were made) nor after it (no hold
+    yet)."""
     markers = []
-    rt = RUNTIME
-    rt.acquire()
-    try:
-        _order_locked(tok, wait, blocking, stream, handle, markers, None)
-    finally:
-        rt.release()
-    if blocking:
-        _wait_on_host(tok, wait, markers)
+    with locked():
+        _order_locked(tok, wait, True, None, None, markers, None)
+    _wait_on_host(tok, wait, markers)
     return len(markers)
 
 
@@ -930,8 +910,11 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     """An export's hold: a new live token ``kind`` of ``tok``'s bytes (its view ``source``
     checked live, as :meth:`Allocation.new_token` does) held for ``consumers`` (``(stream,
     writes)`` pairs: see ViewToken.consumers), made under the core lock in one step with the
-    consumer's ordering after our unfinished work (:func:`order_consumer`'s arguments).
-    ``wait`` None: no ordering (a consumer that orders itself)."""
+    consumer's ordering after our unfinished work: ``wait(marker)`` for each marker to wait
+    for (:func:`order_consumer`), ``wait(handle, marker)`` with ``handle`` (the consumer's raw
+    stream); device-side waits, made under the lock, unless ``blocking`` (then host waits,
+    after it). Work on ``stream`` (the consumer's own, where known) is skipped: the stream
+    orders it. ``wait`` None: no ordering (a consumer that orders itself)."""
     hold = unregistered_token(tok.allocation, kind, tok.start, tok.stop, tok.writable, tok.keep)
     markers = []
     rt = RUNTIME
