@@ -938,7 +938,7 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
 
 def object_export_hold(view, kind, consumers, wait, ordered) -> int:
     """A CUDA Array Interface export's ordering and hold, in one step under the core lock:
-    :func:`order_consumer` for ``view``'s bytes with ``wait`` (device-side), then
+    the ordering of :func:`export_hold` for ``view``'s bytes with ``wait`` (device-side), then
     ``view``'s object hold for ``consumers`` (``View._object_hold_locked``: it lasts as long
     as the view object). Returns how many waits were made.
 
