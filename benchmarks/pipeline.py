@@ -89,7 +89,8 @@ def main() -> int:
         sm.launch(norm, g_n, None, In(Y), Out(Z), eps, *c_n, stream=a)
 
     # raw: the same kernels on CuPy arrays, events by hand
-    ca, cb = (cp.cuda.ExternalStream(s.handle) for s in (a, b))
+    external = getattr(cp.cuda.Stream, "from_external", None)  # (CuPy 14; ExternalStream before)
+    ca, cb = (external(s) if external else cp.cuda.ExternalStream(s.handle) for s in (a, b))
     xc, wc = cp.asarray(x_h), cp.asarray(w_h)
     biasc = cp.asarray(bias_h)
     yc, zc = cp.empty((M, N), cp.float32), cp.empty((M, N), cp.float32)
