@@ -1027,6 +1027,8 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 
 
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
-__all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked", "end_holds_locked",
-           "order_consumer", "wait_before", "export_hold", "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait", "raise_deferred", "HOLD_SEQ",
-           "FailedMarker", "fresh_marker_locked", "label_text", "PENDING", "RETIRED", "UNKNOWN"]
+__all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked",
+           "end_holds_locked", "order_consumer", "wait_before", "export_hold",
+           "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait",
+           "raise_deferred", "HOLD_SEQ", "FailedMarker", "fresh_marker_locked", "label_text",
+           "PENDING", "RETIRED", "UNKNOWN"]
