@@ -607,6 +607,28 @@ def _in_order_synchronize(drv):
     return synchronize
 
 
+def _watch_dtoh(drv, monkeypatch, foreign):
+    """Watch to_host's copies on the fake driver, which runs each stream in order: the list
+    gets, for each cuMemcpyDtoHAsync, whether ``foreign`` (another library's event) was still
+    unfinished in front of it, whether the core lock was held, and the driver calls so far;
+    a cuEventSynchronize under the core lock fails the test."""
+    from sharedmem.runtime.state import RUNTIME
+    seen = []
+    real_copy = drv.cuMemcpyDtoHAsync
+    in_order = _in_order_synchronize(drv)
+
+    def copy(dst, src, n, stream):  # what the copy finds in front of it on its stream
+        seen.append((foreign in drv.held, RUNTIME.owner != 0, len(drv.calls)))
+        return real_copy(dst, src, n, stream)
+
+    def synchronize(ev):
+        assert RUNTIME.owner == 0  # (no thread waits for the device holding the core lock)
+        return in_order(ev)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
+    return seen
+
+
 @pytest.mark.parametrize("which", ["default", "borrowed"])
 @pytest.mark.parametrize("memory", ["pinned", "pageable"])
 def test_to_host_waits_for_other_libraries_work_on_its_stream_before_the_lock(fake, monkeypatch,
@@ -616,7 +638,6 @@ def test_to_host_waits_for_other_libraries_work_on_its_stream_before_the_lock(fa
     default stream too), a borrowed stream's owner's work. to_host must wait for that too
     before it takes the core lock -- here sharedmem has nothing pending on the stream at all
     -- or copy into pinned memory, and wait for that copy holding no lock."""
-    from sharedmem.runtime.state import RUNTIME
     dev, drv = fake
     if memory == "pageable":
         _no_pinned_memory(dev, monkeypatch)
@@ -628,19 +649,7 @@ def test_to_host_waits_for_other_libraries_work_on_its_stream_before_the_lock(fa
         handle = int(drv.cuStreamCreate(1)[1])
         s = sm.Stream.from_external(handle, dev)
     foreign = int(drv.cuEventCreate(0)[1])
-    seen = []
-    real_copy = drv.cuMemcpyDtoHAsync
-
-    def copy(dst, src, n, stream):  # what the copy finds in front of it on its stream
-        seen.append((foreign in drv.held, RUNTIME.owner != 0, len(drv.calls)))
-        return real_copy(dst, src, n, stream)
-    in_order = _in_order_synchronize(drv)
-
-    def synchronize(ev):
-        assert RUNTIME.owner == 0  # (no thread waits for the device holding the core lock)
-        return in_order(ev)
-    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
-    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
+    seen = _watch_dtoh(drv, monkeypatch, foreign)
     drv.holding = True
     drv.cuEventRecord(foreign, handle)  # another library's long kernel on the stream, running
     got = x.to_host(stream=s)
@@ -659,7 +668,6 @@ def test_to_host_waits_for_a_consumers_work_on_the_bytes_before_the_lock(fake, m
     writing them there: to_host's copy is ordered after what that stream was given so far,
     and the driver's copy into pageable memory waits for it -- under the core lock, unless
     to_host waits for it first (or copies into pinned memory, ordered after it on the device)."""
-    from sharedmem.runtime.state import RUNTIME
     dev, drv = fake
     if memory == "pageable":
         _no_pinned_memory(dev, monkeypatch)
@@ -668,19 +676,7 @@ def test_to_host_waits_for_a_consumers_work_on_the_bytes_before_the_lock(fake, m
     consumer = int(drv.cuStreamCreate(1)[1])
     cap = t.__dlpack__(stream=consumer)  # a hold, open: the consumer may write
     foreign = int(drv.cuEventCreate(0)[1])
-    seen = []
-    real_copy = drv.cuMemcpyDtoHAsync
-
-    def copy(dst, src, n, stream):
-        seen.append((foreign in drv.held, RUNTIME.owner != 0, len(drv.calls)))
-        return real_copy(dst, src, n, stream)
-    in_order = _in_order_synchronize(drv)
-
-    def synchronize(ev):
-        assert RUNTIME.owner == 0  # (no thread waits for the device holding the core lock)
-        return in_order(ev)
-    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
-    monkeypatch.setattr(drv, "cuMemcpyDtoHAsync", copy)
+    seen = _watch_dtoh(drv, monkeypatch, foreign)
     drv.holding = True
     drv.cuEventRecord(foreign, consumer)  # the consumer's kernel on the bytes, running
     got = t.to_host()
