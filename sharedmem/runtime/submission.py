@@ -688,7 +688,8 @@ def wait_before(tok, stream, writes) -> None:
     there included), the newest conflicting access on each other stream, and what a consumer
     holding those bytes gave its stream so far. A copy between the device and pageable host
     memory calls it before it takes the core lock where the driver performs that copy
-    synchronously, waiting for all of it (``to_host``; a large upload): under the lock every
+    synchronously, waiting for all of it (a piece of ``to_host`` or of an upload that found no
+    pinned memory: ``buffer.download`` / ``buffer.upload``): under the lock every
     other thread would wait too. Best effort: work enqueued in between is still ordered by the
     copy's own submission. Not while ``stream`` captures (nothing there runs now)."""
     rt = RUNTIME
