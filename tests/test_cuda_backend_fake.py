@@ -463,6 +463,43 @@ def test_a_launch_far_ahead_of_its_device_waits_for_room_holding_no_lock(fake, k
     assert len(s._pending) == 0
 
 
+def test_an_import_onto_a_stream_far_ahead_does_not_wait_for_room(fake, kernels, monkeypatch):
+    """An import's arrival (DLPack, CAI, IPC) is a marker on its stream: it enqueues nothing
+    that takes a slot of the driver's queue, so unlike a launch it does not wait for room
+    when MAX_PENDING submissions are pending there -- it used to wait for the GPU."""
+    import sharedmem.device as sm_device
+    from sharedmem.runtime.submission import MAX_PENDING
+    dev, drv = fake
+    saxpy, _ = kernels
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
+    s = dev.create_stream("ahead")
+    x, out = sm.Buffer.zeros(4, device=dev), sm.Buffer.zeros(4, device=dev)
+    b = sm.Buffer.from_host(np.arange(4, dtype="f4"), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes  # (what cuPointerGetAttribute knows)
+    sm.synchronize()
+    waits = []
+    real = drv.cuEventSynchronize
+
+    def synchronize(ev):
+        waits.append(int(ev) in drv.held)
+        return real(ev)
+    monkeypatch.setattr(drv, "cuEventSynchronize", synchronize)
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (b.ptr, False),
+                                    "version": 3}
+    drv.holding = True  # the device finishes nothing by itself
+    while len(s._pending) < MAX_PENDING:
+        sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(out), 4, stream=s)
+    t = sm.from_cuda_array_interface(Producer(), stream=s)
+    assert waits == [] and len(s._pending) == MAX_PENDING + 1
+    assert s._pending[-1].label == "import"
+    drv.holding = False
+    drv.finish_held()
+    np.testing.assert_array_equal(t.to_host(stream=s), [0, 1])
+    sm.synchronize()
+
+
 def _no_pinned_memory(dev, monkeypatch):
     """Make CuPy's pinned pool refuse every allocation on ``dev``'s backend."""
     def refuse(n):

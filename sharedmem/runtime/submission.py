@@ -104,6 +104,21 @@ class Work:
         raise NotImplementedError
 
 
+class _Arrival(Work):
+    """An import's arrival (:func:`record_arrival`): its stream's completion marker, nothing
+    enqueued that takes a slot of the driver's queue -- so it never waits for room there (see
+    MAX_PENDING; event records and stream waits take none, ``benchmarks/queue_depth.py``)."""
+
+    __slots__ = ()
+    capturable = False  # (as before it was a Work: no escaped-capture warning)
+
+    def enqueue(self, stream, config, payload):
+        return stream._impl.submit_marker()
+
+
+_ARRIVAL = _Arrival()
+
+
 def _keep_list(keep) -> list:
     """``keep`` as a new list: an iterable's items, or the one object."""
     if type(keep) is list or type(keep) is tuple:
@@ -191,7 +206,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         throttle = impl.throttle
         if throttle is not None:  # a bounded queue with no room waits here, holding no lock
             throttle()
-    elif len(stream._pending) >= _max_pending and stream._capture is None:
+    elif (len(stream._pending) >= _max_pending and stream._capture is None and
+          plan is not _ARRIVAL):
         wait_for_room(stream)  # (a CUDA stream: the driver's queue is bounded, see MAX_PENDING)
     retired = None
     rt.acquire()
@@ -825,7 +841,7 @@ def record_arrival(tok, stream) -> None:
     later use on any other stream is ordered after it (DLPack, CAI and IPC imports)."""
     dev = tok.allocation.device
     s = stream if stream is not None else dev.default_stream
-    submit(s, [(tok, True)], s._impl.submit_marker, policy="order", label="import")
+    submit_plan(s, [(tok, True)], _ARRIVAL, None, None, (), "order", "import")
 
 
 def synchronize_stream(stream) -> None:
