@@ -31,7 +31,7 @@ from sharedmem.runtime.submission import object_export_hold
 from sharedmem.stream import resolve_stream
 from sharedmem.tensor import Tensor, c_strides, extent
 
-from interop.dlpack import import_tensor
+from interop.dlpack import driver_region, import_tensor
 from interop.streams import current_consumers
 
 __all__ = ["cai_layout", "export_cai", "from_cuda_array_interface", "read_cai"]
@@ -199,7 +199,7 @@ def from_cuda_array_interface(obj, *, stream=None):
         if info is None:
             raise ValueError(f"0x{ptr:x} is not CUDA device memory")
         dev = Device(info[2])
-        region = (info[0], info[1])
+        region = driver_region(info, ptr, nbytes, "__cuda_array_interface__ array", ValueError)
     else:
         dev, region = Device(0), None
     s = resolve_stream(stream, dev)

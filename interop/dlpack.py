@@ -453,6 +453,20 @@ class ProducerAlias:
             pass
 
 
+def driver_region(info, ptr: int, nbytes: int, what: str, error):
+    """``(start, size)`` of the driver allocation ``info`` names (``pointer_info``'s answer),
+    which must hold the ``nbytes`` an import claims at ``ptr``: else ``error`` (the protocol's
+    type). Bytes past it belong to other allocations, whose accesses an import over them would
+    not see."""
+    start, size = info[0], info[1]
+    if ptr + nbytes > start + size:
+        raise error(f"{what} of {nbytes} bytes at 0x{ptr:x} runs past the end of the CUDA "
+                    f"allocation holding it ({size} bytes at 0x{start:x}, "
+                    f"{start + size - ptr} of them from 0x{ptr:x}); its shape, strides or "
+                    f"offset claim memory the producer does not own")
+    return start, size
+
+
 def import_tensor(dev, ptr: int, nbytes: int, source: str, region, writable: bool, owner,
                   dtype, shape, strides, stream, producer, aliased: bool = True):
     """The Tensor of an import (DLPack, CAI): ``nbytes`` at ``ptr`` on ``dev`` as a range of
@@ -583,13 +597,13 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if ptr + nbytes > _ADDRESS_END:
         raise BufferError(f"DLPack tensor at 0x{dlt.data or 0:x} + byte_offset {dlt.byte_offset} "
                           f"({nbytes} bytes) lies beyond user-space addresses")
-    # consume: from here on we own the managed tensor and must call its deleter
-    _set_name(capsule, used)
-    owner = _Imported(addr, versioned)
     region = None
     if dev.kind == "cuda" and nbytes:
         info = dev.backend.pointer_info(ptr)
         if info is not None:
-            region = (info[0], info[1])
+            region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)
+    # consume: from here on we own the managed tensor and must call its deleter
+    _set_name(capsule, used)
+    owner = _Imported(addr, versioned)
     return import_tensor(dev, ptr, nbytes, "dlpack", region, not (flags & FLAG_READ_ONLY), owner,
                          dtype, shape, strides, s, None if obj is capsule else obj, not _adopt)

@@ -160,6 +160,16 @@ def test_cai_import_refuses_what_device_memory_cannot_hold_and_bad_streams(fake,
         sm.from_cuda_array_interface(Producer(stream="x"))
     with pytest.raises(ValueError, match=r"stream 0 is not valid \(0 is disallowed"):
         sm.from_cuda_array_interface(Producer(stream=0))
+    # bytes past the driver allocation (another allocation's): refused, naming both ranges
+    base, size = b.allocation.ptr, b.allocation.nbytes
+    before = sm.stats().live_allocations
+    with pytest.raises(ValueError, match=(
+            rf"^__cuda_array_interface__ array of {size + 4} bytes at 0x{base:x} runs past the "
+            rf"end of the CUDA allocation holding it \({size} bytes at 0x{base:x}, {size} of "
+            rf"them from 0x{base:x}\); its shape, strides or offset claim memory the producer "
+            rf"does not own$")):
+        sm.from_cuda_array_interface(Producer(shape=(size // 4 + 1,), data=(base, False)))
+    assert sm.stats().live_allocations == before
     sm.synchronize()
     assert b.allocation.live_views == 1  # (nothing refused was left imported)
 

@@ -261,3 +261,39 @@ def test_a_cuda_import_covers_the_driver_allocation_it_lies_in(monkeypatch):
     dev.default_stream.synchronize()
     gc.collect()
     assert sm.stats().live_allocations == before
+
+
+def test_a_cuda_import_past_its_driver_allocation_is_refused_and_the_capsule_kept(monkeypatch):
+    """A capsule whose shape claims bytes past the end of the driver allocation holding its
+    data is refused (BufferError naming both), before it is consumed: the capsule is still the
+    producer's, and imports once its shape is right. (Imported as claimed, the bytes past the
+    end -- another allocation's -- were a range of this one: its accesses went unseen.)"""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    import sharedmem.device as smd
+    monkeypatch.setitem(smd._devices, ("cuda", 0), dev)
+    mem = np.arange(64, dtype=np.float32)
+    base = mem.ctypes.data
+    drv.ranges[base] = mem.nbytes
+    cap = mem[48:].__dlpack__(max_version=(1, 0))
+    d = dl.DLManagedTensorVersioned.from_address(
+        dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
+    d.device.device_type, d.device.device_id = dl.kDLCUDA, 0
+    d.shape[0] = 17  # 68 bytes from element 48: 4 past the end
+    before = sm.stats().live_allocations
+    with pytest.raises(BufferError, match=(
+            rf"^DLPack tensor of 68 bytes at 0x{base + 192:x} runs past the end of the CUDA "
+            rf"allocation holding it \(256 bytes at 0x{base:x}, 64 of them from "
+            rf"0x{base + 192:x}\); its shape, strides or offset claim memory the producer does "
+            rf"not own$")):
+        sm.from_dlpack(cap)
+    assert dl._is_valid(cap, b"dltensor_versioned")  # not consumed: the producer's still
+    assert sm.stats().live_allocations == before
+    d.shape[0] = 16
+    t = sm.from_dlpack(cap)
+    np.testing.assert_array_equal(t.to_host(), np.arange(48, 64, dtype=np.float32))
+    assert (t.allocation.ptr, t.allocation.nbytes) == (base, 256)
+    del t
+    dev.default_stream.synchronize()
+    gc.collect()
+    assert sm.stats().live_allocations == before
