@@ -453,8 +453,9 @@ def bench_dlpack(dev, quick):
 
     def ours():
         cp.from_dlpack(t)
-    t_raw = per_call_us(raw, n, 5)
-    t_ours = per_call_us(ours, n, 5)
+    sync = cp.cuda.get_current_stream().synchronize
+    # alternating rounds (raw, ours, raw, ...): a machine's drift falls on both alike
+    t_raw, t_ours = interleaved_us([raw, ours], n, 7, sync)
     row("DLPack export consumed by cupy.from_dlpack", t_ours, t_raw, "CuPy->CuPy", fns=(ours, raw))
 
     # cupy.asarray through the CUDA Array Interface (it reads the property more than once),
@@ -477,8 +478,7 @@ def bench_dlpack(dev, quick):
 
     def ours_cai():
         cp.asarray(t)
-    t_raw = per_call_us(raw_cai, n, 5)
-    t_ours = per_call_us(ours_cai, n, 5)
+    t_raw, t_ours = interleaved_us([raw_cai, ours_cai], n, 7, sync)
     row("CUDA Array Interface export consumed by cupy.asarray", t_ours, t_raw, "fixed dict",
         fns=(ours_cai, raw_cai))
 
