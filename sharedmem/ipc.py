@@ -180,17 +180,24 @@ def _take_slot_locked():
         if not _files:  # (a process's first export: what killed exporters left behind goes)
             _remove_dead_files(_dir())
         fd, path = tempfile.mkstemp(prefix=f"sharedmem-ipc-{os.getpid()}-", dir=_dir())
-        try:
-            os.ftruncate(fd, SLOTS * _SLOT.size)
-            mm = mmap.mmap(fd, SLOTS * _SLOT.size)
-        except BaseException:
-            os.close(fd)
-            raise
+        mm = _map(fd, new=True)
         _files.append((path, mm, fd))  # (the fd stays open: its record locks are the slots')
         _free.extend((len(_files) - 1, i) for i in range(SLOTS - 1, -1, -1))
     f, i = _free.pop()
     path, mm, fd = _files[f]
     return (mm, i * _SLOT.size, f, i, fd), path, i, next(_generation) & 0xFFFFFFFF
+
+
+def _map(fd, new=False) -> mmap.mmap:
+    """The SLOTS slots of the file open as ``fd`` (``new``: the exporter's, sized first),
+    mapped; ``fd`` is closed when that fails."""
+    try:
+        if new:
+            os.ftruncate(fd, SLOTS * _SLOT.size)
+        return mmap.mmap(fd, SLOTS * _SLOT.size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class _SlotLock:
@@ -295,20 +302,17 @@ def exports() -> int:
 
 
 def _finish_locked(ex, state) -> None:
+    """End ``ex``, once: its callers hold _lock and take it from _exports (every export not
+    ended is there; none is put back)."""
     ex._state = state
-    if ex._slot is not None:  # (callers hold the slot's lock, or it is no longer EXPORTED)
-        mm, off, f, i, _ = ex._slot
-        struct.pack_into("<II", mm, off, FREE, 0)
-        _free.append((f, i))
-        ex._slot = None
-    tok, ex._token = ex._token, None
-    if tok is not None:
-        tok.release()  # the exporter's hold ends: the memory may go back once nothing else uses it
-    ev, ex._event = ex._event, None
-    if ev is not None:  # no importer waits for it any more: the next export may record it
-        ev[0].ipc_event_done(ev[1])
-    if ex in _exports:  # (not when finished before)
-        _exports.remove(ex)
+    mm, off, f, i, _ = ex._slot  # (callers hold the slot's lock, or it is no longer EXPORTED)
+    struct.pack_into("<II", mm, off, FREE, 0)
+    _free.append((f, i))
+    ex._token.release()  # the exporter's hold ends: the memory goes back once nothing uses it
+    backend, pair = ex._event
+    backend.ipc_event_done(pair)  # no importer waits for it: the next export may record it
+    ex._slot = ex._token = ex._event = None
+    _exports.remove(ex)
     ex._done.set()
 
 
@@ -492,12 +496,7 @@ def _slots_file(path: str, pid: int) -> _SlotFile:
         except FileNotFoundError:
             raise SharedMemError(f"cannot open a CUDA IPC handle: its exporter's slot file "
                                  f"{path} is gone (the exporter exited?)") from None
-        try:
-            mm = mmap.mmap(fd, SLOTS * _SLOT.size)
-        except BaseException:
-            os.close(fd)
-            raise
-        got = _opened[path] = _new(_SlotFile, mm=mm, fd=fd, pid=pid)
+        got = _opened[path] = _new(_SlotFile, mm=_map(fd), fd=fd, pid=pid)
     return got
 
 

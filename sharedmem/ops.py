@@ -31,7 +31,7 @@ from .launch import (Intent, _as_view, adapter_for, check_device_kind, default_d
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
-from .runtime.future import DeviceFuture
+from .runtime.future import DeviceFuture, HostFuture, _outcome
 from .runtime.state import OwnedLock, fork_safe
 from .stream import Stream, as_stream, current_stream, streams_entered
 
@@ -296,15 +296,15 @@ def _waits_for_itself(fut, me) -> bool:
     seen = set()
     while True:
         owner = fut._owner
-        if fut._ready.is_set():  # (a wait for it ends: e.g. a thread's entry in _waiting
-            return False         # that still names a value just computed -- it wakes soon)
+        if fut.done():  # (a wait for it ends: e.g. a thread's entry in _waiting
+            return False  # that still names a value just computed -- it wakes soon)
         if owner == me:
             return True
         if owner in seen:  # (a cycle that does not pass through this thread)
             return False
         seen.add(owner)
         nxt = _waiting.get(owner)
-        if nxt is None or fut._ready.is_set():
+        if nxt is None or fut.done():
             return False
         fut = nxt
 
@@ -320,21 +320,17 @@ class ComputedFuture(DeviceFuture):
     in the same thread -- which then finds the computation under way and
     returns (other threads wait for it, up to their timeout)."""
 
-    __slots__ = ("_fn", "_lock", "_state", "_val", "_ready", "_waiters", "_owner")
-
-    _PENDING, _VALUE, _ERROR, _COMPUTING = 0, 1, 2, 3
+    __slots__ = ("_fn", "_owner", "_out")
 
     def __init__(self, submission, fn):
         super().__init__(submission)
         self._fn = fn
-        self._lock = threading.Lock()
-        self._state = self._PENDING  # guarded by self._lock
-        self._owner = 0  # the ident of the thread computing the value: set with _COMPUTING
-        self._val = None  # written once, before _ready is set
-        self._ready = threading.Event()
-        # zero-argument callables (add_done_callback's partials); None once ready; guarded by
-        # _lock
-        self._waiters = []
+        # the value or its error, set once computed, and the callbacks waiting for it (run
+        # then as a submission's: each on its own, its error deferred to a user thread's next
+        # call, and one that waits hands the rest to a worker)
+        self._out = HostFuture()
+        # the ident of the thread computing the value, None before; guarded by self._out._lock
+        self._owner = None
         DeviceFuture._add_callback(self, self._eager)
 
     def _eager(self) -> None:
@@ -346,16 +342,13 @@ class ComputedFuture(DeviceFuture):
         only end by its timeout -- for a value this thread computes further up, or one whose
         computation waits for it (see _waits_for_itself) -- raises SharedMemError."""
         me = threading.get_ident()
-        with self._lock:
-            state = self._state
-            if state == self._PENDING:
-                self._state = self._COMPUTING
+        with self._out._lock:
+            owner = self._owner
+            if owner is None:
                 self._owner = me
-        if state == self._COMPUTING:
-            if eager:
-                return False  # someone (maybe this very thread, further up) computes it
-            if timeout == 0:
-                return self._ready.is_set()
+        if owner is not None:  # someone (maybe this very thread, further up) computes it
+            if eager or timeout == 0 or self._out.done():
+                return self._out.done()
             outer = _waiting.get(me)  # (a finalizer's wait inside another one: put back)
             _waiting[me] = self  # (before the cycle is looked for: see _waits_for_itself)
             try:
@@ -368,51 +361,30 @@ class ComputedFuture(DeviceFuture):
                         f"before the value is computed{how}: it would wait forever. Wait for it "
                         f"outside apply()'s functions (chain then() after the future instead)")
                 with _callbacks.waiting():
-                    return self._ready.wait(timeout)
+                    return self._out._event.wait(timeout)
             finally:
                 if outer is None:
                     del _waiting[me]
                 else:
                     _waiting[me] = outer
-        if state != self._PENDING:
-            return True
         fn, self._fn = self._fn, None
-        try:
-            val, state = fn(), self._VALUE
-        except BaseException as e:
-            val, state = e, self._ERROR
-        self._val = val
-        with self._lock:
-            self._state = state
-            waiters, self._waiters = self._waiters, None
-        self._ready.set()
-        if waiters:  # as a submission's callbacks run: each on its own, its error deferred to
-            # a user thread's next call, and one that waits hands the rest to a worker
-            _callbacks.run(waiters)
+        self._out._set(*_outcome(fn))
         return True
 
     def done(self) -> bool:
         """True once the value (or its error) is computed."""
-        return self._ready.is_set()
+        return self._out.done()
 
     def _add_callback(self, cb) -> None:
-        with self._lock:
-            if self._waiters is not None:
-                self._waiters.append(cb)
-                cb = None
-        if cb is not None:
-            cb()
-            return
+        self._out._add_callback(cb)
         # and the computation, once the work retired: the one queued at creation may never
         # run (a forked child drops the parent's queue); a second one finds it done. Not
         # while the work is pending: the one queued at creation is still there
-        if self._s.state != _sub.PENDING:
+        if self._s.state != _sub.PENDING and not self._out.done():
             DeviceFuture._add_callback(self, self._eager)
 
     def _discard_callback(self, cb) -> None:
-        with self._lock:
-            if self._waiters is not None and cb in self._waiters:
-                self._waiters.remove(cb)
+        self._out._discard_callback(cb)
 
     def _wait_done(self, timeout) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -425,6 +397,4 @@ class ComputedFuture(DeviceFuture):
     def _peek(self):
         DeviceFuture._peek(self)  # the work's own outcome first
         self._compute(None)  # (computed already, or here)
-        if self._state == self._ERROR:
-            raise self._val
-        return self._val
+        return self._out._peek()

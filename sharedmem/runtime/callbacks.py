@@ -33,7 +33,8 @@ EXIT_TIMEOUT = 10.0
 
 _lock = fork_safe(threading.Lock())
 _cond = threading.Condition(_lock)
-# Guarded by _lock: submissions whose callbacks wait for a worker; worker counts.
+# Guarded by _lock: what waits for a worker -- submissions whose callbacks to take, and lists
+# of callbacks (those after one that waits: see waiting) -- and the worker counts.
 _queue = collections.deque()
 _workers = 0  # live workers
 _blocked = 0  # workers waiting on a future inside a callback
@@ -78,7 +79,10 @@ def _work(first: bool) -> None:
             sub = _queue.popleft()
             _running += 1
         try:
-            run_of(sub)
+            if type(sub) is list:
+                run(sub)
+            else:
+                run_of(sub)
         finally:
             # (nothing of the batch stays referenced while this worker waits for the next:
             # a callback's closure may keep views alive, and moves of them would be refused)
@@ -86,12 +90,6 @@ def _work(first: bool) -> None:
             with _lock:
                 _running -= 1
                 _cond.notify_all()  # (an exit drain waits for the queue to empty)
-
-
-class _Rest:
-    """The callbacks after one that blocked, queued for another worker (see waiting)."""
-
-    __slots__ = ("callbacks",)
 
 
 def run_of(sub) -> None:
@@ -150,10 +148,8 @@ class waiting:
         if self._on or rest:
             with _lock:
                 if rest:  # the callbacks after this one must not wait for it
-                    held = _Rest()
-                    held.callbacks = list(rest)
+                    _queue.appendleft(list(rest))
                     rest.clear()
-                    _queue.appendleft(held)
                     _cond.notify()
                 if self._on:
                     _blocked += 1
@@ -210,7 +206,7 @@ def _after_fork_child() -> None:
     # takes a lock the fork still holds (host.py's hook runs after this one).
     global _cond, _queue, _workers, _blocked, _running
     for item in _queue:
-        if not isinstance(item, _Rest):
+        if type(item) is not list:
             _fork_dropped.append(item.callbacks)
             item.callbacks = None
     _fork_dropped.append(_queue)

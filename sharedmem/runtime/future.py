@@ -25,7 +25,6 @@ except ImportError:  # (interpreted without Cython: see sharedmem/_cython.py)
 from ..errors import CompletionUnknownError, HostKernelError
 from . import callbacks as _callbacks
 from . import submission as _sub
-from .state import RUNTIME
 
 __all__ = ["DeviceFuture", "HostFuture"]
 
@@ -53,16 +52,9 @@ class _FutureBase:
         completes (on the host, in the retiring thread). If this future fails,
         the returned one fails with the same exception and ``fn`` is not called."""
         out = HostFuture()
-
-        def _cb(_f=None):
-            try:  # (_peek: no deferred warnings or errors, so any thread may run this)
-                value = fn(self._peek())  # (not called when the work failed)
-            except BaseException as e:
-                out._set(None, e)
-            else:
-                out._set(value, None)
-
-        self.add_done_callback(_cb)
+        # (_peek: no deferred warnings or errors, so any thread may run this; fn is not called
+        # when the work failed)
+        self.add_done_callback(lambda _f: out._set(*_outcome(lambda: fn(self._peek()))))
         return out
 
     def result(self, timeout: float | None = None) -> _T:
@@ -80,11 +72,8 @@ class _FutureBase:
         """The exception the work ended with, or None (a TimeoutError when it has not ended
         within ``timeout``; as ``result``, errors of other work's callbacks are re-raised)."""
         self._wait_done(timeout)  # (an interrupt while waiting propagates: not the outcome)
-        try:
-            self._peek()  # (done: no wait)
-        except BaseException as e:  # its own outcome, whatever its type (TimeoutError too)
-            return e
-        return None
+        # (done: _peek does not wait) its own outcome, whatever its type (TimeoutError too)
+        return _outcome(self._peek)[1]
 
     def __await__(self) -> Generator[Any, None, _T]:
         if not self.done():
@@ -128,16 +117,23 @@ class _FutureBase:
         out = concurrent.futures.Future()
         out.set_running_or_notify_cancel()
 
-        def _done(_f=None):
-            try:
-                value = self._peek()
-            except BaseException as e:
-                out.set_exception(e)
+        def _done(_f):
+            value, error = _outcome(self._peek)
+            if error is not None:
+                out.set_exception(error)
             else:
                 out.set_result(value)
 
         self.add_done_callback(_done)
         return out
+
+
+def _outcome(fn) -> tuple:
+    """``(fn(), None)``, or ``(None, the exception fn raised)``, whatever its type."""
+    try:
+        return fn(), None
+    except BaseException as e:
+        return None, e
 
 
 class DeviceFuture(_FutureBase):
@@ -239,19 +235,17 @@ class HostFuture(_FutureBase):
 
     def _set(self, value, error) -> None:
         """Set the value or the error, once (a second call does nothing), then run the
-        callbacks in order, each on its own: one that raises neither stops the others nor
-        changes this future; its error is re-raised at the next API call."""
+        callbacks in order, each on its own (as a submission's: see :func:`callbacks.run`): one
+        that raises neither stops the others nor changes this future; its error is re-raised at
+        the next API call."""
         with self._lock:
             if self._callbacks is None:
                 return
             self._value, self._error = value, error
             self._event.set()
             cbs, self._callbacks = self._callbacks, None
-        for cb in cbs:
-            try:
-                cb()
-            except BaseException as e:
-                RUNTIME.errors.append(e)
+        if cbs:
+            _callbacks.run(cbs)
 
     def done(self) -> bool:
         """True once the value (or the error) is set; never blocks."""

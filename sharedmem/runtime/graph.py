@@ -88,7 +88,7 @@ class Graph:
     what it owns. Release it with ``release()`` (or ``with g:``); garbage
     collection does the same once no replay is in flight."""
 
-    __slots__ = ("id", "device", "_uses", "_keep", "_recorder", "_exec", "_state", "launches",
+    __slots__ = ("id", "device", "_uses", "_keep", "_exec", "_state", "launches",
                  "_lock", "_replay", "__weakref__")
 
     def __init__(self, device: Device) -> None:
@@ -97,7 +97,6 @@ class Graph:
         # (allocation id, start, stop) -> [token, writes]; guarded by core_lock
         self._uses: dict = {}
         self._keep: list = []  # kernels and other objects the captured work needs
-        self._recorder = None
         self._exec = None
         self._state = "capturing"  # -> "ready" | "failed" | "released"; guarded by self._lock
         self._lock = threading.Lock()
@@ -208,7 +207,7 @@ class capture:
     also the current stream (as ``with stream:``): launches, ops and copies given no
     ``stream=`` are captured too."""
 
-    __slots__ = ("stream", "graph", "_mine")
+    __slots__ = ("stream", "graph", "_mine", "_recorder")
 
     def __init__(self, stream: Stream | object) -> None:
         self.stream = Stream.from_external(stream)  # (a Stream: itself)
@@ -227,7 +226,7 @@ class capture:
         with locked():
             if s._capture is not None:
                 raise CaptureError(f"{s} is already capturing graph #{s._capture.id}")
-            g._recorder = s.device.backend.begin_capture(s._impl)
+            self._recorder = s.device.backend.begin_capture(s._impl)
             s._capture = g
             RUNTIME.captures += 1
         self.graph = g
@@ -252,12 +251,12 @@ class capture:
         backend = s.device.backend
         with locked():  # (the capture ends with the stream's: no launch of another thread
             try:        # is enqueued into it after its end, none runs while _capture is set)
-                captured = backend.end_capture(g._recorder)
+                captured = backend.end_capture(self._recorder)
             except Exception as e:
                 ended = ended or e
             s._capture = None
             RUNTIME.captures -= 1
-            g._recorder = None
+            self._recorder = None
         if captured is not None:  # (instantiated even when the block failed: that frees it)
             try:
                 exec_ = backend.instantiate_graph(captured)
@@ -293,11 +292,9 @@ def graph(op: DeviceOp[Any], stream: Stream | None = None) -> Graph:
     if not isinstance(op, DeviceOp):
         raise TypeError(f"sm.graph takes a DeviceOp (sm.op(...), and_then, zip), got "
                         f"{type(op).__name__}; to capture launches, use `with sm.capture(stream)`")
-    if stream is None:
-        s = (op._device() or default_device()).create_stream("sharedmem-graph")
-    else:
-        s = Stream.from_external(stream)  # (a Stream: itself)
-    with capture(s) as g:
-        op._submit_on(s)
+    c = capture((op._device() or default_device()).create_stream("sharedmem-graph")
+                if stream is None else stream)
+    with c as g:
+        op._submit_on(c.stream)
     return g
 
