@@ -1,7 +1,7 @@
 # Declarations for the compiled build of allocation.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.access cimport AccessTracker
-from sharedmem.runtime.state cimport Hooks, Runtime
+from sharedmem.runtime.state cimport Runtime
 
 cdef class Allocation
 
@@ -65,17 +65,11 @@ cpdef ViewToken _add_locked(ViewToken tok)
 @cython.locals(cons=tuple, c=tuple, i=Py_ssize_t)
 cpdef add_consumer_locked(ViewToken tok, stream, bint writes)
 
-@cython.locals(c=tuple)
-cdef _hold_locked(ViewToken tok, tuple consumers)
-
-@cython.locals(hooks=Hooks, c=tuple)
-cpdef _sweep_consumers(consumers)
-
 @cython.locals(tok=ViewToken)
 cpdef ViewToken unregistered_token(Allocation allocation, str kind, Py_ssize_t start,
                                    Py_ssize_t stop, bint writable, keep)
 
-@cython.locals(src=View)
+@cython.locals(src=View, c=tuple)
 cpdef register_token_locked(ViewToken tok, source, consumers)
 
 cdef dict _imported

@@ -196,17 +196,6 @@ def add_consumer_locked(tok, stream, writes) -> None:
     tok.allocation.tracker.add_hold_locked(stream, tok, tok.start, tok.stop)
 
 
-def _hold_locked(tok, consumers) -> None:
-    """Make new live token ``tok`` a hold for ``consumers``, a tuple of ``(stream, writes)``
-    pairs; one pair (an export to one stream) is taken as it is, not copied."""
-    if len(consumers) == 1 and tok.consumers is None:
-        tok.consumers = consumers
-        tok.allocation.tracker.add_hold_locked(consumers[0][0], tok, tok.start, tok.stop)
-        return
-    for c in consumers:
-        add_consumer_locked(tok, c[0], c[1])
-
-
 def unregistered_token(allocation, kind, start, stop, writable, keep):
     """A view token of bytes ``[start, stop)`` of ``allocation``, not live yet: what
     :meth:`Allocation.new_token` makes before :func:`register_token_locked` registers it."""
@@ -225,16 +214,13 @@ def register_token_locked(tok, source, consumers) -> None:
         if src._state != _LIVE:
             src._raise_dead()
     _add_locked(tok)
-    if consumers:
-        _hold_locked(tok, consumers if type(consumers) is tuple else tuple(consumers))
-
-
-def _sweep_consumers(consumers) -> None:
-    """After a hold is made (outside core_lock): its end will file a lease on each consumer's
-    stream, which only a sweep retires (runtime.submission.sweep_long; never raises)."""
-    hooks = RUNTIME.hooks
-    for c in consumers:
-        hooks.sweep_long(c[0])
+    if consumers:  # (``(stream, writes)`` pairs)
+        if type(consumers) is tuple and len(consumers) == 1:  # (one pair: taken as it is)
+            tok.consumers = consumers
+            tok.allocation.tracker.add_hold_locked(consumers[0][0], tok, tok.start, tok.stop)
+        else:
+            for c in consumers:
+                add_consumer_locked(tok, c[0], c[1])
 
 
 class Allocation:
@@ -529,7 +515,7 @@ class View:
         reach the bytes through the object. Meanwhile it is an alias: the view cannot be moved.
         Caller holds core_lock (the export's ordering is made in the same step: see
         runtime.submission.object_export_hold), and sweeps the consumers' streams after it
-        (_sweep_consumers)."""
+        (runtime.submission.sweep_long)."""
         tok = self._live_token()
         hold = self._export
         if hold is None:

@@ -303,9 +303,9 @@ class Tensor(View):
         return self.copy()
 
     # -- ownership transfers ------------------------------------------------------
-    def _check_dense(self, what: str) -> None:
+    def _check_dense(self, what: str) -> int:
         """LayoutError naming ``what`` unless this tensor is C-contiguous and its bytes are its
-        view's whole range."""
+        view's whole range; returns the end of its bytes (they start at ``_offset``)."""
         tok = self._live_token()
         if not self._contiguous:
             raise LayoutError(f"{what} needs a C-contiguous tensor; {self!r} is not. "
@@ -318,6 +318,7 @@ class Tensor(View):
         if (start != tok.start or stop != tok.stop) and (nbytes or tok.stop > tok.start):
             raise LayoutError(f"{what}: {self!r} covers bytes [{start}, {stop}) but its view "
                               f"holds [{tok.start}, {tok.stop})")
+        return stop
 
     def into_buffer(self) -> Buffer:
         """Move this tensor's storage into a 1-D Buffer, zero-copy.
@@ -334,10 +335,8 @@ class Tensor(View):
         Use as ``with t.as_buffer() as b: ...`` (or release ``b`` yourself).
         While the borrow lives, moving the tensor raises AliasError naming it."""
         tok = self._live_token()  # (first: a move on another thread then raises MovedError below)
-        self._check_dense("as_buffer")
-        start = self._offset
-        stop = start + self._size * _itemsize(self._dtype)
-        t = tok.allocation.new_token("borrow", start, stop, tok.writable, tok.keep,
+        stop = self._check_dense("as_buffer")
+        t = tok.allocation.new_token("borrow", self._offset, stop, tok.writable, tok.keep,
                                      source=self)
         return new_buffer(t, self._dtype, self._size)
 

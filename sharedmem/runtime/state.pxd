@@ -36,7 +36,6 @@ cdef extern from *:
 
 cdef class Hooks:
     cpdef end_holds(self, tok)
-    cpdef sweep_long(self, stream)
 
 cdef class Runtime:
     cdef readonly object lock, _acquire, _release

@@ -181,11 +181,6 @@ class Hooks:
         pass this point (submission.end_holds_locked). Caller holds the core lock."""
         raise NotImplementedError("sharedmem.runtime.submission is not imported")
 
-    def sweep_long(self, stream) -> None:  # pragma: no cover - overridden
-        """A new hold's consumer stream: sweep it if its leases piled up
-        (submission.sweep_long). Caller does not hold the core lock."""
-        raise NotImplementedError("sharedmem.runtime.submission is not imported")
-
 
 #: Streams this thread is capturing on (runtime.graph keeps the list), innermost last.
 CAPTURING = threading.local()

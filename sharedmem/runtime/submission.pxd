@@ -1,7 +1,7 @@
 # Declarations for the compiled build of submission.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.access cimport AccessTracker
-from sharedmem.allocation cimport Allocation, View, ViewToken, _sweep_consumers, register_token_locked, unregistered_token
+from sharedmem.allocation cimport Allocation, View, ViewToken, register_token_locked, unregistered_token
 from sharedmem.runtime.state cimport Hooks, Runtime
 from sharedmem.stream cimport Stream
 
@@ -68,11 +68,10 @@ cpdef joined_marker_locked(Stream stream)
 
 cdef class _Hooks(Hooks):
     cpdef end_holds(self, tok)
-    cpdef sweep_long(self, stream)
 
 cpdef sweep_long(Stream stream)
 
-@cython.locals(hold=ViewToken, rt=Runtime, markers=list)
+@cython.locals(hold=ViewToken, rt=Runtime, markers=list, c=tuple)
 cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bint blocking=*,
                             stream=*, handle=*)
 

@@ -35,7 +35,7 @@ except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
 from ..access import HOLD_SEQ, check_policy
-from ..allocation import ViewToken, _sweep_consumers, register_token_locked, unregistered_token
+from ..allocation import ViewToken, register_token_locked, unregistered_token
 from ..backends import COMPLETE
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError, SharedMemWarning
@@ -779,9 +779,6 @@ class _Hooks(Hooks):
     def end_holds(self, tok) -> None:
         end_holds_locked(tok)
 
-    def sweep_long(self, stream) -> None:
-        sweep_long(stream)
-
 
 RUNTIME.install_hooks(_Hooks())
 
@@ -945,8 +942,8 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     try:
         if blocking:
             _wait_on_host(tok, wait, markers)
-        if consumers:
-            _sweep_consumers(consumers)
+        for c in consumers or ():  # (its end will file a lease on each consumer's stream)
+            sweep_long(c[0])
     except BaseException:  # (the caller never gets the token)
         hold.release()
         raise
@@ -978,7 +975,8 @@ def object_export_hold(view, kind, consumers, wait, ordered) -> int:
         view._object_hold_locked(kind, consumers)
     finally:
         rt.release()
-    _sweep_consumers(consumers)
+    for c in consumers:
+        sweep_long(c[0])
     return len(markers)
 
 
