@@ -29,7 +29,7 @@ from sharedmem.device import Device
 from sharedmem.runtime.state import OwnedLock, fork_safe
 from sharedmem.runtime.submission import object_export_hold
 from sharedmem.stream import resolve_stream
-from sharedmem.tensor import Tensor, c_strides, extent
+from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent
 
 from interop.dlpack import driver_region, import_tensor
 from interop.streams import current_consumers
@@ -150,6 +150,8 @@ def read_cai(obj) -> tuple:
     shape = _ints(desc["shape"], "shape", "a tuple of ints")
     if any(n < 0 for n in shape):  # (DLPack's import refuses one too)
         raise _malformed(f"negative shape {shape}")
+    if len(shape) > MAX_NDIM:  # (and this: no NumPy array could hold it)
+        raise _malformed(f"{len(shape)} dimensions; sharedmem takes 0 to {MAX_NDIM}")
     try:
         if not isinstance(desc["typestr"], str):  # (not a NumPy type: the protocol says string)
             raise TypeError

@@ -514,6 +514,11 @@ def _device_of(dl: DLDevice):
                       f"and CUDA memory")
 
 
+def _elsewhere(s, memory) -> DeviceMismatchError:
+    return DeviceMismatchError(f"from_dlpack: {s} is on {s.device}, the memory of {memory}; use "
+                               f"a stream of that device")
+
+
 def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     """Import ``obj`` (anything with ``__dlpack__``, or a DLPack capsule) as a
     :class:`~sharedmem.Tensor`, zero-copy.
@@ -533,10 +538,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     on_cuda = where is not None and where[0] in (kDLCUDA, kDLCUDAManaged)
     if s is not None and where is not None:  # (before anything is imported)
         if (s.device.kind == "cuda") != on_cuda or (on_cuda and s.device.ordinal != where[1]):
-            raise DeviceMismatchError(f"from_dlpack: {s} is on {s.device}, the memory of "
-                                      f"{type(obj).__name__} on DLPack device "
-                                      f"{(int(where[0]), int(where[1]))}; use a stream of that "
-                                      f"device")
+            raise _elsewhere(s, f"{type(obj).__name__} on DLPack device "
+                                f"{(int(where[0]), int(where[1]))}")
     if type(obj).__name__ == "PyCapsule":
         capsule = obj
     elif not hasattr(obj, "__dlpack__"):
@@ -572,6 +575,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     else:
         dlt, flags = DLManagedTensor.from_address(addr).dl_tensor, 0
     dev = _device_of(dlt.device)
+    if s is not None and s.device is not dev:  # (a bare capsule: its device known only now)
+        raise _elsewhere(s, f"the capsule on {dev}")
     if device is not None:
         want = Device.host() if device == "host" else Device(device)  # (a Device: itself)
         if want is not dev:
@@ -582,6 +587,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if not 0 <= ndim <= MAX_NDIM:
         raise BufferError(f"DLPack tensor with ndim={ndim}; sharedmem takes 0 to {MAX_NDIM} "
                           f"dimensions")
+    if ndim and not dlt.shape:
+        raise BufferError(f"DLPack tensor with ndim={ndim} and a NULL shape pointer")
     shape = tuple(int(dlt.shape[i]) for i in range(ndim))
     strides = tuple(int(dlt.strides[i]) for i in range(ndim)) if dlt.strides else c_strides(shape)
     if any(n < 0 for n in shape):

@@ -8,7 +8,7 @@ from functools import partial
 import numpy as np
 
 from .allocation import Allocation, View
-from .device import Device, default_device
+from .device import Device, as_device
 from .errors import DeviceMismatchError, LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
 from .runtime.submission import submit, wait, wait_before
@@ -46,16 +46,6 @@ def _scalar(value, dtype):
     if value is None or isinstance(value, (str, bytes)) or np.ndim(value) != 0:
         raise TypeError(f"a DeviceBox holds one number, got {value!r}")
     return np.array([value], dtype=dtype)
-
-
-def _device(device) -> Device:
-    """``device`` as a Device: None is the default device, "host" the host device, a Device
-    itself, an int that CUDA device (``Device(device)`` checks the rest)."""
-    if device is None:
-        return default_device()
-    if device == "host":
-        return Device.host()
-    return Device(device)
 
 
 #: The most bytes one allocation may ask for (what NumPy and CuPy sizes can express).
@@ -111,7 +101,7 @@ class Buffer(View):
         (default: :func:`~sharedmem.default_device`)."""
         dt = as_dtype(dtype)
         n = _length(n)
-        return new_buffer(allocate(_device(device), n * dt.itemsize, stream, "buffer"), dt, n)
+        return new_buffer(allocate(as_device(device), n * dt.itemsize, stream, "buffer"), dt, n)
 
     @classmethod
     def zeros(cls, n: int, dtype: np.typing.DTypeLike = "float32",
@@ -425,7 +415,7 @@ def to_device(view, device, stream, policy=None):
     work of :meth:`Buffer.to_device` and :meth:`Tensor.to_device`. Returns the new token.
     ``policy``: of the copy between CUDA devices ("order" where ``view`` is private)."""
     tok = view._live_token()
-    dev = _device(device)
+    dev = as_device(device)
     sdev = tok.allocation.device
     stream = copy_stream(stream, sdev, dev)
     if sdev.kind != dev.kind or (sdev is not dev and dev.kind != "cuda"):

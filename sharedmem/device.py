@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from .errors import BackendUnavailableError, CudaError, PeerAccessError
 from .runtime.state import OwnedLock, fork_safe
 from .stream import Stream
@@ -44,6 +46,8 @@ class Device:
     def __new__(cls, ordinal: int | Device = 0) -> Device:
         if isinstance(ordinal, Device):
             return ordinal
+        if isinstance(ordinal, np.integer):  # (as every other int parameter is taken)
+            ordinal = int(ordinal)
         if not isinstance(ordinal, int) or isinstance(ordinal, bool) or ordinal < 0:
             raise ValueError(f"Device(ordinal) takes a CUDA device number >= 0, got {ordinal!r}; "
                              f"use Device.host() for the host device")
@@ -176,6 +180,16 @@ def _as_device(d) -> Device:
 
 
 _default = None
+
+
+def as_device(device) -> Device:
+    """``device`` as a Device: None is the default device, "host" the host device, a Device
+    itself, an int that CUDA device (``Device(device)`` checks the rest)."""
+    if device is None:
+        return default_device()
+    if device == "host":
+        return Device.host()
+    return Device(device)
 
 
 def default_device() -> Device:

@@ -51,6 +51,7 @@ import weakref
 
 import numpy as np
 
+from .allocation import View
 from .errors import BackendUnavailableError, CaptureError, SharedMemError
 from .runtime.state import at_fork_child, fork_safe, locked, log
 from .runtime.submission import record_arrival
@@ -236,6 +237,8 @@ def export(view, stream=None) -> IpcExport:
     it is ordered after every pending write to the bytes, on any stream."""
     from .runtime.submission import submit
     from .stream import resolve_stream
+    if not isinstance(view, View):
+        raise TypeError(f"sm.ipc.export takes a Buffer or Tensor, got {type(view).__name__}")
     tok = view._live_token()
     dev = tok.allocation.device
     if dev.kind != "cuda":

@@ -302,6 +302,9 @@ _last_coerce = cython.declare(list, [None])
 def register_kernel_adapter(kernel_type: type | str, adapter: KernelAdapter) -> None:
     """Make ``launch`` accept kernels of ``kernel_type`` (a type, or its
     ``"module.QualName"`` so the library need not be imported) through ``adapter``."""
+    if not isinstance(adapter, KernelAdapter):
+        raise TypeError(f"register_kernel_adapter takes a sharedmem.KernelAdapter (an instance "
+                        f"of a subclass), got {type(adapter).__name__}")
     with _reg_lock:
         if isinstance(kernel_type, str):
             _adapters_by_name[kernel_type] = adapter

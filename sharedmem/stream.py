@@ -112,13 +112,14 @@ class Stream:
             st = _borrowed_last(obj)
             if st is not None:
                 return st
-        from .device import Device, default_device
+        from .device import Device, as_device
         memo = device is None  # (remembered for the next call only when it names no device)
         named = _device_named_by(obj)
         if device is None and named is not None:
             device = named
-        dev = Device(device) if isinstance(device, int) else (device or default_device())
+        dev = as_device(device)
         if dev.kind != "cuda":
+            handle_reader(obj)  # (not a stream at all: a TypeError, whatever the device)
             raise DeviceMismatchError(
                 f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams")
         if named is not None and named != dev.ordinal:
@@ -324,6 +325,37 @@ _by_handle_lock = fork_safe(threading.Lock())
 _entered_streams: "contextvars.ContextVar[tuple]" = contextvars.ContextVar(
     "sharedmem_entered_streams", default=())
 _entered = False  # True once any thread entered a stream (until then no lookup is needed)
+
+
+def handle_reader(obj):
+    """How foreign stream object ``obj`` names its CUstream handle -- a function of the object
+    that reads it -- or TypeError for an object that is not a stream. Found once per borrow: a
+    launch given the same object again reads only that (see CudaStreamImpl.named_by)."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return int
+    if hasattr(obj, "__cuda_stream__"):
+        return _protocol_handle
+    if hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
+        return _torch_handle
+    if hasattr(obj, "ptr"):  # cupy.cuda.Stream
+        return _ptr_handle
+    if hasattr(obj, "getPtr"):  # cuda.bindings CUstream
+        return int
+    raise TypeError(f"cannot use {obj!r} as a stream: give a sharedmem.Stream, a CuPy, torch or "
+                    f"cuda.core stream, an object with __cuda_stream__, or an int")
+
+
+def _protocol_handle(obj) -> int:
+    v = obj.__cuda_stream__()
+    return int(v[1] if isinstance(v, tuple) else v)
+
+
+def _torch_handle(obj) -> int:
+    return int(obj.cuda_stream)
+
+
+def _ptr_handle(obj) -> int:
+    return int(obj.ptr)
 
 
 def _device_named_by(obj):

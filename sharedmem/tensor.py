@@ -26,7 +26,8 @@ except ImportError:
     from . import _cython as cython
 
 from .allocation import View
-from .buffer import Buffer, _device, allocate, as_dtype, copy_stream, native, new_buffer, to_device
+from .buffer import Buffer, allocate, as_dtype, copy_stream, native, new_buffer, to_device
+from .device import as_device
 from .errors import LayoutError
 from .backends import copy_pieces
 from .runtime.submission import MAX_PENDING, submit, wait_before
@@ -73,6 +74,8 @@ def _shape(shape) -> tuple[int, ...]:
     out = _ints(shape, "shape must be an int or a sequence of ints")
     if any(n < 0 for n in out):
         raise LayoutError(f"shape must not have negative sizes, got {out}")
+    if any(n >= 1 << 63 for n in out):  # (DLPack's sizes are int64s, and NumPy's too)
+        raise LayoutError(f"shape sizes must be below 2**63, got {out}")
     if len(out) > MAX_NDIM:
         raise LayoutError(f"a tensor has at most {MAX_NDIM} dimensions (as in NumPy), got a shape "
                           f"of {len(out)}")
@@ -211,7 +214,7 @@ class Tensor(View):
         """An uninitialized C-order tensor."""
         shape = _shape(shape)
         dt = as_dtype(dtype)
-        tok = allocate(_device(device), math.prod(shape) * dt.itemsize, stream, "tensor")
+        tok = allocate(as_device(device), math.prod(shape) * dt.itemsize, stream, "tensor")
         return new_tensor(tok, dt, shape, c_strides(shape), 0, -1, 1)
 
     @classmethod
@@ -460,7 +463,7 @@ class Tensor(View):
         :meth:`Buffer.to_device` for streams, ordering and leases). A strided tensor is first
         made contiguous on its own device."""
         tok = self._live_token()
-        sdev, dev = tok.allocation.device, _device(device)
+        sdev, dev = tok.allocation.device, as_device(device)
         # (the stream checked first: a refused one leaves nothing enqueued)
         stream = copy_stream(stream, sdev, dev)
         nbytes = self._size * self._dtype.itemsize

@@ -40,6 +40,7 @@ import weakref
 import numpy as np
 
 from ..runtime.state import fork_safe, locked
+from ..stream import handle_reader
 from ..errors import BackendUnavailableError, CompletionUnknownError, CudaError
 from . import COMPLETE, DONE, PENDING, UNKNOWN, copy_pieces
 
@@ -325,36 +326,6 @@ def _open_marker(impl):
     m._pooled = True
     m._open_on = impl
     return m
-
-
-def _handle_reader(obj):
-    """How foreign stream object ``obj`` names its CUstream handle -- a function of the object
-    that reads it -- or None for an object that is not a stream. Found once per borrow: a
-    launch given the same object again reads only that (see CudaStreamImpl.named_by)."""
-    if isinstance(obj, int) and not isinstance(obj, bool):
-        return int
-    if hasattr(obj, "__cuda_stream__"):
-        return _protocol_handle
-    if hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
-        return _torch_handle
-    if hasattr(obj, "ptr"):  # cupy.cuda.Stream
-        return _ptr_handle
-    if hasattr(obj, "getPtr"):  # cuda.bindings CUstream
-        return int
-    return None
-
-
-def _protocol_handle(obj) -> int:
-    v = obj.__cuda_stream__()
-    return int(v[1] if isinstance(v, tuple) else v)
-
-
-def _torch_handle(obj) -> int:
-    return int(obj.cuda_stream)
-
-
-def _ptr_handle(obj) -> int:
-    return int(obj.ptr)
 
 
 class CudaStreamImpl:
@@ -657,10 +628,7 @@ class CudaBackend:
 
     def borrow_stream(self, obj) -> CudaStreamImpl:
         """A CudaStreamImpl over a foreign stream (kept alive, never destroyed)."""
-        read = _handle_reader(obj)
-        if read is None:
-            raise TypeError(f"cannot use {obj!r} as a CUDA stream: give a sharedmem.Stream, a CuPy, "
-                            f"torch or cuda.core stream, an object with __cuda_stream__, or an int")
+        read = handle_reader(obj)
         impl = CudaStreamImpl(self, read(obj), False, None, external=obj)
         impl._read_handle = read
         return impl

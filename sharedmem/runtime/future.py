@@ -51,6 +51,8 @@ class _FutureBase:
         """A :class:`HostFuture` of ``fn(result)``, called once this future
         completes (on the host, in the retiring thread). If this future fails,
         the returned one fails with the same exception and ``fn`` is not called."""
+        if not callable(fn):
+            raise TypeError(f"then takes a callable, got {fn!r}")
         out = HostFuture()
         # (_peek: no deferred warnings or errors, so any thread may run this; fn is not called
         # when the work failed)

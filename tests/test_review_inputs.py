@@ -1,0 +1,212 @@
+"""Review of bad inputs to public calls: each test is one defect, asserting what
+docs/errors.md and docs/api.md promise (the error type, the key part of the message, and
+nothing left half-done afterwards)."""
+
+import gc
+import pickle
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+from interop import dlpack as dl
+
+from conftest import gc_collect_harder
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A CUDA device over the fake driver (as tests/test_cuda_backend_fake.py sets it up),
+    registered as Device(0): imports probe Device(0)."""
+    import sharedmem.device as sm_device
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)
+    yield dev, drv
+    sm.synchronize()
+    del dev
+    gc_collect_harder()
+
+
+# -- 1. from_dlpack(capsule, stream=<a stream of another device>) --------------------------------
+def test_from_dlpack_of_a_capsule_refuses_a_stream_of_another_device(fake, host):
+    """errors.md, DeviceMismatchError: "a foreign stream (..., stream=) of another device than
+    the one asked for ... Nothing was leased." The same call with the producer object raises
+    it; with the producer's bare capsule the stream's device is never compared with the
+    capsule's: the CUDA memory is imported with its arrival recorded on a *host* stream, and a
+    later use on the CUDA device makes a CUDA stream wait on a host marker (AttributeError:
+    'HostMarker' object has no attribute '_open_on')."""
+    dev, drv = fake
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
+    hs = host.create_stream()
+    sm.synchronize()
+    with pytest.raises(sm.DeviceMismatchError, match=r"from_dlpack: .* is on <Device host>"):
+        sm.from_dlpack(b, stream=hs)  # (the producer object: refused, as documented)
+    cap = b.__dlpack__(max_version=(1, 0))
+    before = sm.stats().submitted
+    with pytest.raises(sm.DeviceMismatchError, match=(
+            r"^from_dlpack: <Stream .*> is on <Device host>, the memory of the capsule on "
+            r"<Device cuda:0 .*>; use a stream of that device$")):
+        sm.from_dlpack(cap, stream=hs)
+    assert dl._is_valid(cap, b"dltensor_versioned")  # not consumed
+    assert sm.stats().submitted == before  # nothing recorded on the host stream
+    del cap
+    gc_collect_harder()
+    assert b.allocation.live_views == 1
+    np.testing.assert_array_equal(b.to_host(), np.arange(4))
+
+
+def test_from_dlpack_of_a_host_capsule_refuses_a_cuda_stream(fake, host):
+    """The mirror case: a host capsule with a CUDA stream is accepted, the stream silently
+    ignored, where the producer object raises DeviceMismatchError."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(3, dtype=np.float32), device=host)
+    ds = dev.create_stream()
+    with pytest.raises(sm.DeviceMismatchError):
+        sm.from_dlpack(t, stream=ds)
+    cap = t.__dlpack__(max_version=(1, 0))
+    with pytest.raises(sm.DeviceMismatchError):
+        sm.from_dlpack(cap, stream=ds)
+    assert dl._is_valid(cap, b"dltensor_versioned")
+    del cap
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
+
+
+# -- 2. a stream= that is no stream, on the host device --------------------------------------------
+@pytest.mark.parametrize("bad", ["x", 1.5, sm.Device.host()], ids=["str", "float", "Device"])
+def test_a_stream_argument_that_is_no_stream_is_a_type_error_on_the_host_too(host, bad):
+    """On a CUDA device `stream="x"` raises TypeError("cannot use 'x' as a CUDA stream: give a
+    sharedmem.Stream, ..."); on the host device the same argument raises DeviceMismatchError
+    "Stream.from_external('x') needs a CUDA device; <Device host> has no foreign streams" --
+    the wrong type and a misleading reason (DeviceMismatchError is for a stream *of another
+    device*; 'x', 1.5 or a Device is no stream at all)."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    calls = [lambda: b.fill_zero(stream=bad), lambda: b.copy_from(np.ones(4), stream=bad),
+             lambda: b.to_host(stream=bad), lambda: sm.Buffer.empty(4, device=host, stream=bad),
+             lambda: sm.launch(sm.host_kernel(lambda x: None), 1, 1, b, stream=bad)]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"stream"):
+            call()
+    sm.synchronize()
+    assert b.allocation.live_views == 1 and sm.stats().in_flight == 0
+    b.fill_zero().result()
+
+
+# -- 3. Stream.from_external(obj, device=<not a Device>) --------------------------------------------
+def test_stream_from_external_with_a_device_that_is_not_a_device_object(fake):
+    """`Stream.from_external(5, device="host")` (the spelling every other `device=` takes)
+    raises AttributeError: 'str' object has no attribute 'kind'; `device=1.5` too. Expected:
+    the host device's refusal (DeviceMismatchError: no foreign streams) for "host", and
+    Device()'s own ValueError for a value that names no device."""
+    dev, drv = fake
+    with pytest.raises(sm.DeviceMismatchError, match="no foreign streams"):
+        sm.Stream.from_external(0x77, device="host")
+    with pytest.raises(ValueError, match=r"1\.5"):
+        sm.Stream.from_external(0x77, device=1.5)
+    assert sm.Stream.from_external(0x77, device=dev).device is dev  # the next call works
+
+
+# -- 4. a CAI import of more than 64 dimensions -----------------------------------------------------
+def test_cai_import_refuses_more_than_64_dimensions(fake):
+    """errors.md: LayoutError (a ValueError) for "more than 64 dimensions"; the DLPack import
+    refuses ndim=65 (BufferError). The CAI import takes a 65-dimension shape and makes a
+    Tensor NumPy cannot hold (to_host fails later)."""
+    dev, drv = fake
+    b = sm.Buffer.zeros(4, "float32", device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": (1,) * 65, "typestr": "<f4",
+                                    "data": (b.ptr, False), "version": 3}
+    with pytest.raises(ValueError, match=r"64"):
+        sm.from_cuda_array_interface(Producer())
+    gc_collect_harder()
+    assert b.allocation.live_views == 1  # nothing imported
+
+
+# -- 5. a DLPack capsule whose shape pointer is NULL ---------------------------------------------
+def test_a_capsule_with_a_null_shape_pointer_is_a_buffer_error(host):
+    """errors.md: BufferError for "an imported tensor that is malformed" (and the capsule is
+    left unconsumed). A capsule with ndim=1 and shape=NULL raises ctypes' ValueError("NULL
+    pointer access"), which names neither DLPack nor the field."""
+    t = sm.Tensor.from_host(np.arange(3, dtype=np.float32), device=host)
+    cap = t.__dlpack__(max_version=(1, 0))
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    m.dl_tensor.shape = None
+    with pytest.raises(BufferError, match=r"shape"):
+        sm.from_dlpack(cap)
+    assert dl._is_valid(cap, b"dltensor_versioned")
+    del cap, m
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
+
+
+# -- 6. sm.ipc.export of something that is not a view --------------------------------------------
+def test_ipc_export_of_a_non_view_is_a_type_error():
+    """`sm.ipc.open(5)` says TypeError("sm.ipc.open takes an IpcHandle ..., got int");
+    `sm.ipc.export(5)` raises AttributeError: 'int' object has no attribute '_live_token'."""
+    for bad in (5, np.zeros(4), None):
+        with pytest.raises(TypeError, match=r"ipc\.export"):
+            sm.ipc.export(bad)
+
+
+# -- 7. register_kernel_adapter with an adapter that is not one -------------------------------------
+def test_register_kernel_adapter_refuses_a_non_adapter():
+    """`sm.register_kernel_adapter(K, 5)` is accepted silently; every later launch of a K
+    kernel then raises AttributeError ('int' object has no attribute 'device_kinds'). A bad
+    argument should be refused when given (TypeError), the registry unchanged, so a launch of
+    a K kernel is still the documented KernelError for an unknown kernel type."""
+    class K:
+        pass
+    with pytest.raises(TypeError, match=r"KernelAdapter"):
+        sm.register_kernel_adapter(K, 5)
+    with pytest.raises(sm.KernelError, match=r"does not know how to launch"):
+        sm.launch(K(), 1, 1)
+
+
+# -- 8. fut.then(<not callable>) ------------------------------------------------------------------
+def test_then_with_a_non_callable_is_refused_at_once(host):
+    """`apply(5)` raises TypeError("apply takes a callable, got 5") and `add_done_callback(5)`
+    raises TypeError at once; `then(5)` returns a HostFuture that later fails with "'int'
+    object is not callable" (which object, what to do: not said)."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    f = sm.launch(sm.host_kernel(lambda x: None), 1, 1, b)
+    with pytest.raises(TypeError, match=r"then takes a callable, got 5"):
+        f.then(5)
+    assert f.result(5) is None
+
+
+# -- 9. a tensor dimension no NumPy array or DLPack tensor can express ---------------------------------
+def test_a_dimension_beyond_int64_is_refused_at_construction(host):
+    """`Tensor.empty((2**64, 0))` (0 bytes) is accepted; then `__dlpack__` raises
+    struct.error("argument out of range"), `np.from_dlpack` the same, and pickling NumPy's
+    ValueError("Maximum allowed dimension exceeded"). DLPack shapes are int64 and NumPy
+    refuses such a dimension: a LayoutError at construction (docs: shape sizes are checked
+    there) keeps every later call within the documented errors."""
+    with pytest.raises(sm.LayoutError, match=r"18446744073709551616"):
+        sm.Tensor.empty((2 ** 64, 0), device=host)
+    b = sm.Buffer.zeros(0, "float32", device=host)
+    with pytest.raises(sm.LayoutError):
+        sm.Tensor.from_buffer(b, (2 ** 64, 0))
+    assert b.is_live  # refused: not moved
+    t = sm.Tensor.empty((2, 0), device=host)
+    assert pickle.loads(pickle.dumps(t)).shape == (2, 0)
+
+
+# -- 10. a NumPy integer as a device ordinal ---------------------------------------------------------
+def test_a_numpy_integer_device_ordinal_is_taken_as_the_int(host):
+    """Lengths, shapes, grids, pointers all take NumPy integers; `device=np.int64(0)` raises
+    ValueError("Device(ordinal) takes a CUDA device number >= 0, got np.int64(0)") -- a message
+    that contradicts itself. It should behave as `device=0` (here: the same error, or the same
+    Device)."""
+    try:
+        want = sm.Device(0)
+    except Exception as e:  # (no GPU here: BackendUnavailableError)
+        with pytest.raises(type(e)):
+            sm.Device(np.int64(0))
+        with pytest.raises(type(e)):
+            sm.Buffer.empty(2, device=np.int64(0))
+    else:
+        assert sm.Device(np.int64(0)) is want
