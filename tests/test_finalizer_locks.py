@@ -145,8 +145,8 @@ def test_the_retirer_bell():
     """wake() before a sleep makes it return at once, once; a sleep unrung times out."""
     import time
 
-    from sharedmem.runtime.retirer import _Bell
-    bell = _Bell()
+    from sharedmem.runtime.state import Bell
+    bell = Bell()
     t0 = time.monotonic()
     bell.sleep(0.05)
     assert time.monotonic() - t0 >= 0.04  # unrung: the timeout

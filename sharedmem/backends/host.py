@@ -38,7 +38,7 @@ import weakref
 import numpy as np
 
 from ..errors import CaptureError, CompletionUnknownError, SharedMemError
-from ..runtime.state import at_fork_child, at_fork_hold, fork_holds, fork_safe, log
+from ..runtime.state import Bell, at_fork_child, at_fork_hold, fork_holds, fork_safe, log
 from . import COMPLETE, DONE, PENDING, UNKNOWN
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -256,23 +256,23 @@ def _unretrieved_now() -> list:
 
 class _Tasks:
     """One host stream's FIFO of ``(fn, marker)`` tasks (None: stop), and the task its worker
-    runs. ``lock`` guards both: a task leaves ``items`` and becomes ``running`` in one step,
-    and stops being ``running`` only after its marker is set -- so a fork, which takes every
-    ``lock`` first, sees each task exactly once: queued, running (its marker set: it is done),
-    or done.
+    runs. ``put()`` appends to ``items`` and rings ``bell`` without a lock (a deque's append
+    and popleft are atomic under the GIL; the worker sleeps on ``bell``, a
+    :class:`~sharedmem.runtime.state.Bell`, rung after the append: no wake is lost) -- so a
+    put allocates nothing under a lock, and a finalizer may put (the stop) from anywhere.
+    ``lock`` guards the hand-over: a task leaves ``items`` and becomes ``running`` in one
+    step, and stops being ``running`` only after its marker is set -- so a fork, which takes
+    every ``lock`` first, sees each task exactly once: queued, running (its marker set: it is
+    done), or done.
 
     Nothing under ``lock`` allocates a garbage-collected object, so no finalizer ever runs
-    while it is held: ``lock`` is taken under the core lock (submissions, the fork), and a
-    finalizer that waited for the core lock there would deadlock. That rules out ``with
-    lock:`` too: interpreted, the statement's exit calls ``lock.__exit__(None, None, None)``,
-    and that call builds its argument tuple while the lock is still held (a collection there
-    hung the worker-finalizer test 1 run in 20); ``acquire()`` and ``release()`` allocate
-    nothing. The worker sleeps on
-    ``bell``, a raw lock held while nobody rang it (``sleeping``, guarded by ``lock``, says
-    the worker waits for it): ringing is one release, waking one acquire -- unlike a
-    Condition's notify, which builds objects."""
+    while it is held: ``lock`` is taken under the core lock (the fork), and a finalizer that
+    waited for the core lock there would deadlock. That rules out ``with lock:`` too:
+    interpreted, the statement's exit calls ``lock.__exit__(None, None, None)``, and that
+    call builds its argument tuple while the lock is still held (a collection there hung the
+    worker-finalizer test 1 run in 20); ``acquire()`` and ``release()`` allocate nothing."""
 
-    __slots__ = ("lock", "bell", "sleeping", "items", "running", "worker", "name")
+    __slots__ = ("lock", "bell", "items", "running", "worker", "name")
 
     def __init__(self, name):
         self.lock = threading.Lock()
@@ -280,36 +280,12 @@ class _Tasks:
         self.running = None  # the (fn, marker) the worker runs now; guarded by lock
         self.worker = None  # the worker thread's ident (set as it starts; a new one after a fork)
         self.name = name  # the stream's (for messages)
-        self.new_bell()
+        self.bell = Bell()  # (a new one in a forked child: see HostStreamImpl._after_fork_child)
 
-    def new_bell(self) -> None:
-        """A bell nobody rang (at start, and in a forked child: the parent's worker may have
-        been sleeping on the old one)."""
-        self.bell = threading.Lock()
-        self.bell.acquire()
-        self.sleeping = False  # guarded by lock
-
-    def put(self, item, held=False) -> None:
-        """Queue ``item`` and ring the bell; ``held``: without taking ``lock`` (see stop())."""
-        lock = self.lock
-        if not held:
-            lock.acquire()  # (never `with lock:`: see the class docstring)
-        try:
-            self.items.append(item)
-            if self.sleeping:
-                self.sleeping = False
-                self.bell.release()
-        finally:
-            if not held:
-                lock.release()
-
-    def stop(self) -> None:
-        """Queue the worker's stop: what a finalizer does. While a fork holds ``lock`` (this
-        queue is in ``_forking``) it is queued without it: the holder is this thread -- a
-        child frees what the parent's other threads held (their thread-locals, their context)
-        inside os.fork(), before any at-fork hook -- or, in the parent, the forking thread,
-        which touches neither ``items`` nor ``sleeping`` meanwhile."""
-        self.put(None, self in _forking)
+    def put(self, item) -> None:
+        """Queue ``item`` (None: the worker's stop) and ring the bell. Lock-free: see above."""
+        self.items.append(item)
+        self.bell.ring()
 
 
 class HostStreamImpl:
@@ -347,7 +323,7 @@ class HostStreamImpl:
         q = self._q
         if q.worker == threading.get_ident():
             return
-        q.new_bell()  # (the parent's worker may have been sleeping on the old one)
+        q.bell = Bell()  # (the parent's worker may have been sleeping on the old one)
         running, q.running = q.running, None
         marker = running[1] if running is not None else None
         if marker is not None:
@@ -425,7 +401,7 @@ class HostStreamImpl:
     def __del__(self):
         try:
             self._finalized = True
-            self._q.stop()
+            self._q.put(None)  # (its worker stops)
         except Exception:
             pass
 
@@ -444,7 +420,7 @@ class HostStreamImpl:
             q = self._q = _Tasks(self.name)
             q.put((old.join, None))
             self._start_worker()
-            weakref.finalize(self, q.stop).atexit = False  # (exit: see _finish_at_exit)
+            weakref.finalize(self, q.put, None).atexit = False  # (exit: see _finish_at_exit)
             _impls.add(self)
 
 
@@ -486,12 +462,9 @@ def _waits_for(marker, mine) -> bool:
         if q is mine:
             return True
         seen.add(id(m))
-        for _ in range(3):
-            try:
-                items = [q.running, *q.items]
-                break
-            except RuntimeError:  # (the deque changed while it was copied)
-                items = ()
+        # (one step under the GIL: the deque's iterator is made before it is read, and the
+        # copy runs no Python code -- no thread, nor a finalizer, can change it meanwhile)
+        items = [q.running, *q.items]
         ahead = []  # (the waits queued before m's task: counted only once it is found)
         for item in items:
             if item is not None:
@@ -512,9 +485,8 @@ def _worker(q, state, backend) -> None:
     while True:
         lock.acquire()
         while not items:
-            q.sleeping = True
             lock.release()
-            q.bell.acquire()  # (until put() rings: it cleared `sleeping` then)
+            q.bell.sleep()  # (until put() rings; at once if it rang while this ran tasks)
             lock.acquire()
         item = items.popleft()
         q.running = item  # (in the same step: see _Tasks)
@@ -525,10 +497,7 @@ def _worker(q, state, backend) -> None:
         # `item` stays referenced until after the lock is let go below: clearing q.running
         # under the lock must not free the task (its arguments' finalizers may call sharedmem)
         fault = state["fault"]
-        if fault is not None:  # a faulted stream runs nothing more: unknown completion
-            if marker is not None:
-                marker.error = fault
-        else:
+        if fault is None:  # (a faulted stream runs nothing more: unknown completion)
             try:
                 fn()
             except BaseException as e:
@@ -545,10 +514,9 @@ def _worker(q, state, backend) -> None:
                     log.info("a host kernel raised %r; its future fails, the stream runs on", e)
                 else:  # the stream faulted: sticky, like a CUDA error
                     state["fault"] = e
-                    if marker is not None:
-                        marker.error = e
         fn = None
         if marker is not None:
+            marker.error = state["fault"]  # (None: it ran; else why its completion is unknown)
             marker._event.set()  # (outside lock: it allocates; see _Tasks)
         lock.acquire()  # (not `with lock:`, whose exit call allocates: see _Tasks)
         q.running = None

@@ -20,7 +20,7 @@ import threading
 
 from . import callbacks as _callbacks
 from . import submission as _sub
-from .state import RUNTIME, at_fork_child, fork_safe, locked, log
+from .state import RUNTIME, Bell, at_fork_child, fork_safe, locked, log
 
 #: Seconds between sweeps while work is pending.
 POLL_INTERVAL = 0.0002
@@ -43,32 +43,7 @@ _thread: threading.Thread | None = None
 _start_lock = fork_safe(threading.Lock())
 
 
-class _Bell:
-    """What wakes the retirer: a raw lock, held while nobody rang it. Ringing releases it,
-    sleeping acquires it with a timeout -- neither allocates, so ringing is safe from
-    anywhere, a finalizer run by a collection inside another ring or sleep included (a
-    threading.Event rings under its Condition's lock, whose exit call allocates)."""
-
-    __slots__ = ("lock",)
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.lock.acquire()
-
-    def ring(self) -> None:
-        lock = self.lock
-        if lock.locked():
-            try:
-                lock.release()
-            except RuntimeError:  # (another ringer got there first)
-                pass
-
-    def sleep(self, timeout) -> None:
-        """Until rung (at once if it was) or ``timeout`` seconds; then it is unrung."""
-        self.lock.acquire(True, timeout)
-
-
-_bell = _Bell()
+_bell = Bell()  # what wakes the retirer
 
 
 def wake() -> None:
@@ -77,11 +52,9 @@ def wake() -> None:
 
 
 def ensure() -> None:
-    """Start the retirer thread if it is not running."""
+    """Start the retirer thread if it is not running (callers ask only while
+    ``RUNTIME.retirer_running`` is unset)."""
     global _thread
-    t = _thread
-    if t is not None and t.is_alive():
-        return
     if not _start_lock.acquire(False):
         return  # (being started: by another thread, or by this one in a frame below)
     try:
@@ -184,7 +157,7 @@ def _after_fork_child() -> None:
     # the parent's retirer thread does not exist here; the next submission starts one
     global _thread, _bell
     _thread = None
-    _bell = _Bell()  # (the parent's may be in any state)
+    _bell = Bell()  # (the parent's may be in any state)
 
 
 at_fork_child(_after_fork_child, 0)

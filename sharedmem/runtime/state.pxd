@@ -38,7 +38,7 @@ cdef class Hooks:
     cpdef end_holds(self, tok)
 
 cdef class Runtime:
-    cdef readonly object lock, _acquire, _release
+    cdef readonly object _acquire, _release
     cdef sm_core_lock _plock
     cdef public unsigned long owner
     cdef readonly object staged

@@ -2,7 +2,8 @@
 
 :class:`Runtime` is to sharedmem what trio's ``Runner`` is to trio: the counters, the set of
 streams with work in flight, the work kept forever, the errors and warnings waiting for a user
-thread, the retirer's flags -- and ``lock``, the one core lock that guards them and also
+thread, the retirer's flags -- and the one core lock (``acquire``/``release``, ``with
+locked():``) that guards them and also
 
 * the view tokens of every allocation (``Allocation._views``, ``ViewToken.live``),
 * the access records of every ``AccessTracker``,
@@ -39,7 +40,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..errors import SharedMemError
 
-__all__ = ["Runtime", "Hooks", "RUNTIME", "locked", "fork_safe", "at_fork_child",
+__all__ = ["Runtime", "Hooks", "RUNTIME", "Bell", "locked", "fork_safe", "at_fork_child",
            "at_fork_hold", "fork_holds", "log"]
 
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
@@ -53,15 +54,15 @@ _get_ident = threading.get_ident
 class Runtime:
     """The ownership core's state (see the module docstring). One per process: ``RUNTIME``."""
 
-    __slots__ = ("lock", "_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
+    __slots__ = ("_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
                  "retirer_idle", "ensure_retirer", "wake_retirer", "hooks", "policy", "pid",
                  "tracer", "captures", "__weakref__")
 
     def __init__(self):
+        # the core lock, and `owner`: the thread holding it (0: none), written only by that thread
         self._new_lock()
-        self.owner = 0  # the thread holding `lock` (0: none); written only by that thread
         # Lock-free (deque.append and popleft are atomic under the GIL): (function, argument)
         # pairs to run under the lock, staged by destructors that found it busy.
         self.staged = collections.deque()
@@ -95,18 +96,18 @@ class Runtime:
 
     # -- the lock -------------------------------------------------------------------------
     def _new_lock(self) -> None:
-        """Make the core lock (at start, and in a forked child). Compiled, a pthread mutex
-        taken through C (state.pxd: no method call per launch, and no clock read per acquire
-        as CPython's own lock makes); interpreted, threading.Lock."""
+        """Make the core lock, not held (at start, and in a forked child). Compiled, a pthread
+        mutex taken through C (state.pxd: no method call per launch, and no clock read per
+        acquire as CPython's own lock makes); interpreted, a threading.Lock, of which only
+        the bound acquire and release are kept (called on every launch)."""
         if cython.compiled:
             self._plock = sm_lock_new()  # (a child leaks its parent's: 1 lock)
             if not self._plock:
                 raise MemoryError("cannot allocate sharedmem's core lock")
-            self.lock = None
         else:
-            self.lock = threading.Lock()
-            self._acquire = self.lock.acquire  # (bound once: called on every launch)
-            self._release = self.lock.release
+            lock = threading.Lock()
+            self._acquire, self._release = lock.acquire, lock.release
+        self.owner = 0
 
     def acquire(self) -> None:
         """Take the lock for an API call (blocking), then apply staged releases. Raises
@@ -134,6 +135,13 @@ class Runtime:
             sm_lock_release(self._plock)
         else:
             self._release()
+
+    # ``with RUNTIME:`` (what locked() returns): the lock held, staged releases applied
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
     def drain_staged(self) -> None:
         """Run staged releases. Caller holds the lock."""
@@ -182,6 +190,33 @@ class Hooks:
         raise NotImplementedError("sharedmem.runtime.submission is not imported")
 
 
+class Bell:
+    """What wakes a sleeping thread (the retirer, a host stream's worker): a raw lock, held
+    while nobody rang it. Ringing releases it, sleeping acquires it -- neither allocates, so
+    ringing is safe from anywhere, a finalizer run by a collection inside another ring or
+    sleep included (a threading.Event rings under its Condition's lock, whose exit call
+    allocates). Rung twice before a sleep, it wakes that sleep once."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def ring(self) -> None:
+        lock = self.lock
+        if lock.locked():
+            try:
+                lock.release()
+            except RuntimeError:  # (another ringer got there first)
+                pass
+
+    def sleep(self, timeout=-1) -> None:
+        """Until rung (at once if it was) or ``timeout`` seconds (-1: no limit); then it is
+        unrung."""
+        self.lock.acquire(True, timeout)
+
+
 #: Streams this thread is capturing on (runtime.graph keeps the list), innermost last.
 CAPTURING = threading.local()
 
@@ -213,24 +248,9 @@ def _thread_ident():
 RUNTIME = Runtime()
 
 
-class _Locked:
-    """``with locked():`` -- hold the core lock with staged releases applied."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        RUNTIME.acquire()
-
-    def __exit__(self, *exc) -> None:
-        RUNTIME.release()
-
-
-_LOCKED = _Locked()
-
-
-def locked() -> _Locked:
-    """The core lock as a context manager (see :meth:`Runtime.acquire`)."""
-    return _LOCKED
+def locked() -> Runtime:
+    """The core lock as a context manager, ``with locked():`` (see :meth:`Runtime.acquire`)."""
+    return RUNTIME
 
 
 # -- fork -----------------------------------------------------------------------------------
@@ -360,7 +380,6 @@ def _after_fork_child() -> None:
     rt = RUNTIME
     _fork_held[0] = False
     rt._new_lock()
-    rt.owner = 0
     rt.retirer_running = False  # (no thread of the parent runs here)
     rt.retirer_idle = False
     rt.pid = os.getpid()

@@ -17,7 +17,7 @@ CUDA error, a failed query), the submission and every later one on that
 stream are moved to ``Runtime.leaked`` and kept forever: leaked on purpose,
 warned once per stream, counted by :func:`sharedmem.stats`.
 
-Every state change here happens under the core lock (``RUNTIME.lock``); what a
+Every state change here happens under the core lock (``RUNTIME``: ``with locked():``); what a
 retired submission kept is dropped after it (:func:`finish`), never under it.
 """
 
