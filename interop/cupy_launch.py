@@ -3,9 +3,9 @@
 :class:`RawKernelPlan` is a CuPy kernel on one device, planned once: its ``CUfunction``, its
 parameters (sizes from the driver, types read from the kernel's CUDA source), the device's
 launch limits and ``cuLaunchKernel``. A CuPy array passed to a launch is leased without a
-view of it: ``coerce`` gives CuPy kernels its :class:`ArrayFacts`, ``foreign_array`` gives
-cuTile a :class:`LaunchArg`. ``interop.cupy`` is the public face (wrap, adopt, as_cupy, the
-adapter); this module holds what runs on every launch. Importing it imports no GPU library.
+view of it, as its :class:`ArrayFacts` (CuPy's and cuTile's adapters coerce it so).
+``interop.cupy`` is the public face (wrap, adopt, as_cupy, the adapter); this module holds
+what runs on every launch. Importing it imports no GPU library.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ try:
 except ImportError:  # interpreted, without Cython installed
     from sharedmem import _cython as cython
 
-__all__ = ["RawKernelPlan", "Param", "param_types", "plan_kernel", "foreign_array",
+__all__ = ["RawKernelPlan", "Param", "param_types", "plan_kernel", "array_facts",
            "export_token"]
 
 
@@ -342,8 +342,8 @@ class RawKernelPlan(KernelPlan):
 
     def make_config(self, grid, block, shared_mem):
         lim = self.limits
-        g = check_dims(grid, "grid", False, lim.grid)
-        b = check_dims(block, "block", False, lim.block)
+        g = check_dims(grid, "grid", lim.grid)
+        b = check_dims(block, "block", lim.block)
         threads = 1
         for d in b:
             threads *= d
@@ -721,19 +721,6 @@ def _learn(arr):
     f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
     _facts[key] = f
     return f
-
-
-def foreign_array(arr):
-    """A CuPy array as a :class:`LaunchArg` for plans that take the array itself (cuTile's):
-    a lease of its bytes (no view token: nothing but the launch holds it); the launch keeps
-    the array alive until its work is done. CuPy kernels take its :class:`ArrayFacts`."""
-    f = array_facts(arr)
-    la = LaunchArg.__new__(LaunchArg)
-    la.view = None
-    la.token = f.token
-    la.value = arr
-    la.offset = f.offset
-    return la
 
 
 # [the cupy module, its ndarray], once CuPy is imported; and sys.modules (C globals where

@@ -2,7 +2,7 @@
 cimport cython
 from sharedmem.allocation cimport View, ViewToken
 from sharedmem.tensor cimport Tensor
-from sharedmem.launch cimport KernelPlan, LaunchArg
+from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
 from sharedmem.backends.cuda cimport CudaBackend, CudaStreamImpl
 from sharedmem.stream cimport Stream
 
@@ -20,7 +20,7 @@ cdef class TilePlan(KernelPlan):
     cdef public dict warmed
     cdef public tuple last_args
 
-    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list, la=LaunchArg,
+    @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list,
                    call_args=tuple, foreign=bint, t=type)
     cpdef pack(self, list args, list uses, config, stream)
 

@@ -26,6 +26,7 @@ import importlib
 import struct
 import sys
 import threading
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -39,12 +40,12 @@ from sharedmem.allocation import View, _module
 from sharedmem.buffer import DeviceBox
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.runtime.state import RUNTIME, log
-from sharedmem.launch import (Intent, KernelAdapter, KernelPlan, LaunchArg, array_args,
-                              check_dims, register_kernel_adapter)
+from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, LaunchArg,
+                              array_args, check_dims, register_kernel_adapter)
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import foreign_array
+from interop.cupy_launch import array_facts
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -85,6 +86,10 @@ def _descriptor(view, writable):
     cai = d.__cuda_array_interface__ = cai_layout(view, not writable)
     d.sig, d.bits = _array_keys(cai["typestr"], cai["shape"], cai["strides"], cai["data"][0])
     return d
+
+
+_writable_descriptor = partial(_descriptor, writable=True)  # (View._derived_value's `make`)
+_readonly_descriptor = partial(_descriptor, writable=False)
 
 
 def _array_keys(typestr, shape, strides, ptr) -> tuple:
@@ -213,14 +218,6 @@ def _same_args(a, b) -> bool:
     return True
 
 
-def _writable_descriptor(view):
-    return _descriptor(view, True)
-
-
-def _readonly_descriptor(view):
-    return _descriptor(view, False)
-
-
 #: Descriptors by what they say -- (address, shape, strides, dtype, writable) -- for views
 #: made anew each launch: a Tensor moved out of a Buffer and back every step has the same
 #: layout every time, and its descriptor is found here instead of built (a descriptor is
@@ -343,7 +340,8 @@ WARM_MAX = 64
 
 class TilePlan(KernelPlan):
     """A cuTile kernel on one device: arrays reach ``ct.launch`` as the views' cached CAI
-    descriptors (or the foreign arrays themselves), scalars as Python scalars.
+    descriptors (or the foreign arrays themselves: a CuPy array's lease is its
+    :class:`~interop.cupy_launch.ArrayFacts`, as for CuPy kernels), scalars as Python scalars.
 
     ``modes``: how each parameter is keyed in a signature (:func:`_param_modes`);
     ``warmed``: signature -> Event, set once its compile is done (see :meth:`warm`);
@@ -407,7 +405,7 @@ class TilePlan(KernelPlan):
                               f"got {block!r}")
         if shared_mem:
             raise KernelError("cuTile kernels manage their own shared memory: pass shared_mem=0")
-        g = check_dims(grid, "grid", False, self.backend.limits.grid)
+        g = check_dims(grid, "grid", self.backend.limits.grid)
         return tuple(g) + (1,) * (3 - len(g))
 
     def pack(self, args, uses, config, stream):
@@ -422,24 +420,22 @@ class TilePlan(KernelPlan):
             if isinstance(a, View):
                 out[i] = _view_descriptor(i, a, uses[j][1])
                 j += 1
-            elif type(a) is LaunchArg:
+            elif type(a) is LaunchArg or isinstance(a, ForeignArray):
                 j += 1
-                la = a
-                if la.with_length:
-                    raise KernelError(f"argument {i}: with_length=True is for CuPy kernels "
-                                      f"(a pointer and a length); a cuTile kernel takes the "
-                                      f"array itself, with its shape")
-                if la.view is None:
-                    v = la.value  # a foreign array: cuTile reads it itself
-                    for st in getattr(v, "strides", ()):
-                        if st < 0:
-                            raise KernelError(f"argument {i}: a {type(v).__name__} with "
-                                              f"negative strides; cuTile assumes strides >= 0 "
-                                              f"-- pass a contiguous copy")
-                    out[i] = v
-                    foreign = True
-                else:
-                    out[i] = _view_descriptor(i, la.view, la._mode != 0)
+                if type(a) is LaunchArg and a.with_length:  # (a view's LaunchArg: only then)
+                    raise KernelError(f"argument {i}: with_length=True is for CuPy kernels (a "
+                                      f"pointer and a length); a cuTile kernel takes the array "
+                                      f"itself, with its shape")
+                # a foreign array, which cuTile reads itself (a CuPy array's facts, see coerce,
+                # give it back: alive, the launch holds it)
+                v = a.value if type(a) is LaunchArg else a.ref()
+                for st in getattr(v, "strides", ()):
+                    if st < 0:
+                        raise KernelError(f"argument {i}: a {type(v).__name__} with negative "
+                                          f"strides; cuTile assumes strides >= 0 -- pass a "
+                                          f"contiguous copy")
+                out[i] = v
+                foreign = True
             else:
                 t = type(a)
                 if t is tuple or t is list:
@@ -475,7 +471,7 @@ class TileKernelAdapter(KernelAdapter):
 
     def coerce(self, obj, device):
         if _is_cupy_array(obj):
-            return foreign_array(obj)
+            return array_facts(obj)
         if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
             return _module("interop.dlpack").from_dlpack(obj)
         return None

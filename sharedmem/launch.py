@@ -82,7 +82,8 @@ class Intent:
             raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
         self.obj = obj
         c = type(self)  # (the subclasses have no __init__ of their own: one call, not two)
-        self._mode = _READ if c is In else _WRITE if c is Out else _mode_of(c)
+        self._mode = (_READ if c is In else _WRITE if c is Out else  # (subclasses: as their base)
+                      _READ if issubclass(c, In) else _ATOMIC if issubclass(c, Atomic) else _WRITE)
         self.with_length = with_length
 
     @property
@@ -92,11 +93,6 @@ class Intent:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.obj!r}{', with_length=True' if self.with_length else ''})"
-
-
-def _mode_of(cls) -> int:
-    """The lease mode an Intent class states (a subclass of In reads; of Atomic, atomics)."""
-    return _READ if issubclass(cls, In) else _ATOMIC if issubclass(cls, Atomic) else _WRITE
 
 
 class In(Intent):
@@ -212,7 +208,7 @@ class KernelPlan(Work):
 
     def make_config(self, grid, block, shared_mem):
         """Validate grid, block and shared memory; return what enqueue needs of them."""
-        return (check_dims(grid, "grid"), check_dims(block, "block", True),
+        return (check_dims(grid, "grid"), None if block is None else check_dims(block, "block"),
                 check_shared_mem(shared_mem))
 
     def pack(self, args, uses, config, stream):  # pragma: no cover - overridden
@@ -315,13 +311,6 @@ def register_kernel_adapter(kernel_type: type | str, adapter: KernelAdapter) -> 
         _last_coerce[0] = None
 
 
-def _registered(t):
-    a = _adapters.get(t)
-    if a is None and _adapters_by_name:
-        a = _adapters_by_name.get(f"{t.__module__}.{t.__qualname__}")
-    return a
-
-
 def adapter_for(kernel):
     """The KernelAdapter registered for ``kernel``'s type (or a base type); KernelError if
     none is."""
@@ -331,7 +320,9 @@ def adapter_for(kernel):
         return a
     for attempt in (0, 1):
         for base in t.__mro__:
-            a = _registered(base)
+            a = _adapters.get(base)
+            if a is None:
+                a = _adapters_by_name.get(f"{base.__module__}.{base.__qualname__}")
             if a is not None:
                 with _reg_lock:
                     _adapters[t] = a  # cached by type for the next launch
@@ -398,11 +389,9 @@ def _plain_dims(value) -> bool:
     return True
 
 
-def check_dims(value, what, allow_none=False, limits=None):
+def check_dims(value, what, limits=None):
     """``value`` as a tuple of 1 to 3 positive ints, each within ``limits`` (a 3-tuple of
     maxima, when given); KernelError naming ``what`` otherwise."""
-    if value is None and allow_none:
-        return None
     dims = (value,) if type(value) is int or isinstance(value, np.integer) else value
     ok = type(dims) is tuple and 1 <= len(dims) <= 3
     if ok:
@@ -588,18 +577,15 @@ def array_args(resolved, uses):
     for a in resolved:
         if isinstance(a, View):
             tok, writes = uses[j]
-            out.append(LaunchArg(a, a, tok, _WRITE if writes else _READ, None, False, a._offset))
-            j += 1
-        elif type(a) is LaunchArg:
-            out.append(a)
-            j += 1
+            a = LaunchArg(a, a, tok, _WRITE if writes else _READ, None, False, a._offset)
         elif isinstance(a, ForeignArray):  # (its array: alive, the launch holds it)
             tok, writes = uses[j]
-            out.append(LaunchArg(None, a.ref(), tok, _WRITE if writes else _READ, None, False,
-                                 a.offset))
-            j += 1
-        else:
+            a = LaunchArg(None, a.ref(), tok, _WRITE if writes else _READ, None, False, a.offset)
+        elif type(a) is not LaunchArg:
             out.append(a)
+            continue
+        out.append(a)
+        j += 1
     return out
 
 
@@ -715,12 +701,7 @@ def numpy_lease(arr):
     tok = ViewToken(alloc, "NumPy array argument", start, start + nbytes,
                     bool(arr.flags.writeable), alloc)
     tok.live = True  # a lease's range: never a live view (not in the allocation's views)
-    la = LaunchArg.__new__(LaunchArg)
-    la.view = None
-    la.token = tok
-    la.value = arr
-    la.offset = ptr - alloc.ptr
-    return la
+    return LaunchArg(None, arr, tok, _WRITE, None, False, ptr - alloc.ptr)  # (mode: resolve_args)
 
 
 def host_kernel(fn: Callable[_P, _R]) -> HostKernel[_P, _R]:

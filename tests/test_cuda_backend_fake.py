@@ -1843,7 +1843,7 @@ def test_an_adapter_on_prepare_gets_cupy_arrays_themselves_and_launch_records_ar
     assert seen == [(x, False), (out, True)]
 
     facts = icl.array_facts(out)
-    la = icl.foreign_array(out)
+    la = LaunchArg(None, out, facts.token, 1, None)  # (as a launch makes one)
     leased = sm.stats().submitted
     for i, bad, name in ((3, facts, "ArrayFacts"), (1, la, "LaunchArg")):
         args = [2.0, sm.In(x), sm.In(y), sm.Out(out), n]
@@ -2131,6 +2131,37 @@ def test_kernel_sources_that_cannot_be_read_leave_the_types_unknown():
     assert param_types("__global__ void k(int n", "k") is None
     assert param_types("__global__ void k(int) {}", "k") is None
     assert param_types("__global__ void k(void) {}", "k") == []
+
+
+def test_a_cutile_launch_gets_a_cupy_array_itself_leased_and_kept(fake, tile, monkeypatch):
+    """A CuPy array passed to a cuTile kernel reaches ct.launch as itself (cuTile reads it),
+    leased through its ArrayFacts as for CuPy kernels -- a write to its bytes on another
+    stream under policy 'reject' is refused while the launch is pending -- and kept alive by
+    the launch until its work is done."""
+    import interop.cutile  # noqa: F401 (its adapter)
+    from fake_cuda import TileKernel
+    dev, drv = fake
+    seen = []
+    kern = TileKernel(lambda x, c, q: seen.append((x, q)))
+    a, b, c, s = _vadd_operands(dev, 16)
+    (x,) = _fake_cupy_arrays(monkeypatch, dev, 16, 1)
+    x.dtype = np.dtype(np.float32)
+    drv.holding = True
+    sm.launch(kern, 2, None, sm.In(x), sm.Out(c), 3, stream=s)
+    assert len(seen) == 1 and seen[0][0] is x and seen[0][1] == 3
+    block, ref = x._block, weakref.ref(x)
+    del x, seen[:]
+    gc_collect_harder()
+    assert ref() is not None  # the launch keeps the array
+    other = dev.create_stream("other")
+    with pytest.raises(sm.AccessConflictError, match=r"policy 'reject'"):
+        sm.launch(kern, 2, None, sm.Out(block), sm.In(c), 1, stream=other, policy="reject")
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    tile[0].compiled.clear()  # (the fake logs a signature of the array itself: it keeps it)
+    gc_collect_harder()
+    assert ref() is None  # let go once the work is done
 
 
 def test_cutile_launches_take_no_shared_mem_and_a_buffer_argument(fake, tile):
