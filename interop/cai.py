@@ -123,7 +123,10 @@ def _ints(value, key, what) -> tuple:
     try:
         if isinstance(value, (str, bytes, bytearray)):  # (not read character by character)
             raise TypeError
-        return tuple(operator.index(n) for n in value)  # (a float is not truncated)
+        out = tuple(value)
+        if any(isinstance(n, bool) for n in out):  # (True is an int to Python, not a size)
+            raise TypeError
+        return tuple([operator.index(n) for n in out])  # (a float is not truncated)
     except TypeError:
         raise _malformed(f"{key!r} must be {what}, got {value!r}") from None
 
@@ -162,6 +165,8 @@ def read_cai(obj) -> tuple:
     if not isinstance(data, (tuple, list)) or len(data) != 2:
         raise _malformed(f"'data' must be a (pointer, read_only) pair, got {data!r}")
     ptr, readonly = data
+    if not (isinstance(readonly, (bool, np.bool_)) or (type(readonly) is int and readonly in (0, 1))):
+        raise _malformed(f"the 'data' read_only flag must be a bool, got {readonly!r}")
     strides = desc.get("strides")
     if strides is not None:
         strides = _ints(strides, "strides", "None or a tuple of ints")

@@ -30,6 +30,7 @@ export imported back) is one allocation. ``READ_ONLY`` is honoured.
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 import sys
 import weakref
@@ -307,12 +308,23 @@ def export_positional(view, stream, max_version, dl_device, copy):
     facts = _facts_of(tok.allocation.device)
     ours = facts[3]
     if dl_device is not None:
-        dl_device = (int(dl_device[0]), int(dl_device[1]))
+        given = dl_device
+        try:
+            dl_device = tuple([operator.index(d) for d in given])
+        except TypeError:
+            dl_device = ()
+        if len(dl_device) != 2:
+            raise TypeError(f"dl_device must be None or a (device_type, device_id) pair of ints, "
+                            f"got {given!r}")
     elsewhere = dl_device is not None and dl_device != ours
     if elsewhere and copy is not True:
         raise BufferError(f"cannot export {view!r} to device {dl_device} without a copy "
                           f"(it lives on {ours}); pass copy=True")
-    versioned = max_version is not None and tuple(max_version)[0] >= 1
+    try:
+        versioned = max_version is not None and operator.index(max_version[0]) >= 1
+    except (TypeError, IndexError, KeyError):
+        raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got "
+                        f"{max_version!r}") from None
     if copy is True or elsewhere:
         return _export_copy(view, stream, versioned, dl_device or ours)
     if not versioned and not tok.writable:

@@ -216,6 +216,10 @@ def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
             ({"strides": (-4,)}, r"negative strides \(-4,\) are not supported"),
             ({"strides": (6,)}, r"strides \(6,\) are not multiples of the item size 4"),
             ({"shape": (-2,)}, r"malformed __cuda_array_interface__: negative shape \(-2,\)"),
+            ({"shape": (True,)}, r"malformed __cuda_array_interface__: 'shape' must be a tuple of "
+                                 r"ints, got \(True,\)"),
+            ({"data": (b.ptr, None)}, r"malformed __cuda_array_interface__: the 'data' read_only "
+                                      r"flag must be a bool, got None"),
             ({"shape": (2, -1), "strides": (4, 4)},
              r"malformed __cuda_array_interface__: negative shape \(2, -1\)"),
             # entries that are not integers: not truncated, nor read character by character

@@ -4,6 +4,7 @@ nothing left half-done afterwards)."""
 
 import gc
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -210,3 +211,22 @@ def test_a_numpy_integer_device_ordinal_is_taken_as_the_int(host):
             sm.Buffer.empty(2, device=np.int64(0))
     else:
         assert sm.Device(np.int64(0)) is want
+
+
+# -- 11. __dlpack__ arguments of the wrong shape -------------------------------------------------
+def test_dlpack_export_arguments_of_the_wrong_shape_are_type_errors(host):
+    """``max_version=()`` raised IndexError and ``dl_device=5`` "'int' object is not
+    subscriptable": neither names the argument. Both are TypeErrors naming it; nothing is
+    exported (the view can still move)."""
+    t = sm.Tensor.from_host(np.arange(3, dtype=np.float32), device=host)
+    for bad in ((), "1", (None, 0)):
+        with pytest.raises(TypeError, match=rf"^max_version must be None or a \(major, minor\) "
+                                            rf"tuple of ints, got {re.escape(repr(bad))}$"):
+            t.__dlpack__(max_version=bad)
+    for bad in (5, (1,), (1, 0, 0), ("1", 0)):
+        with pytest.raises(TypeError, match=rf"^dl_device must be None or a \(device_type, "
+                                            rf"device_id\) pair of ints, got "
+                                            rf"{re.escape(repr(bad))}$"):
+            t.__dlpack__(dl_device=bad)
+    assert t.allocation.live_views == 1
+    np.testing.assert_array_equal(t.into_buffer().to_host(), [0, 1, 2])
