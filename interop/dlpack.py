@@ -320,8 +320,8 @@ def export_positional(view, stream, max_version, dl_device, copy):
     if elsewhere and copy is not True:
         raise BufferError(f"cannot export {view!r} to device {dl_device} without a copy "
                           f"(it lives on {ours}); pass copy=True")
-    try:
-        versioned = max_version is not None and operator.index(max_version[0]) >= 1
+    try:  # (a pair of ints: read as it is -- an export's hot path)
+        versioned = max_version is not None and max_version[0] >= 1
     except (TypeError, IndexError, KeyError):
         raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got "
                         f"{max_version!r}") from None
