@@ -176,6 +176,8 @@ def read_cai(obj) -> tuple:
         ptr = 0 if ptr is None else operator.index(ptr)
     except TypeError:
         raise _malformed(f"the 'data' pointer must be an int, got {ptr!r}") from None
+    if not 0 <= ptr < 1 << 64:
+        raise _malformed(f"the 'data' pointer {ptr} is not a 64-bit address")
     return desc, version, shape, dtype, ptr, readonly, strides
 
 
@@ -218,6 +220,9 @@ def from_cuda_array_interface(obj, *, stream=None):
         if producer <= 0:
             raise ValueError(f"__cuda_array_interface__ stream {producer!r} is not valid (0 is "
                              f"disallowed by the protocol)")
+        if producer >= 1 << 64:
+            raise ValueError(f"__cuda_array_interface__ stream {producer} is not a stream handle "
+                             f"(above 64 bits)")
         s._impl.wait_marker(dev.backend.marker_on_handle(producer))
     # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
     return import_tensor(dev, ptr, nbytes, "cai", region, not readonly, obj, dtype, shape,

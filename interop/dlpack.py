@@ -407,6 +407,8 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
 
 def _export_copy(view, stream, versioned, target):
     if target[0] == kDLCPU:
+        if stream is not None:  # (as for an export of host memory: CPU consumers name none)
+            raise BufferError(f"stream={stream!r} is not valid for a copy to the host; only None")
         dev = Device.host()
     elif target[0] == kDLCUDA:
         try:

@@ -68,7 +68,7 @@ def get_access_policy() -> str:
 
 def check_policy(policy) -> str:
     """``policy`` if it is one of :data:`POLICIES`; else SharedMemError saying which are."""
-    if policy not in POLICIES:
+    if type(policy) is not str or policy not in POLICIES:  # (an array: no truth value asked)
         raise SharedMemError(
             f"unknown access policy {policy!r}; expected one of {', '.join(map(repr, POLICIES))}")
     return policy

@@ -434,6 +434,13 @@ _TENSOR = cython.declare(object, Tensor)
 _NP_SCALAR = cython.declare(object, np.generic)  # (np.int32(3), np.float32(1.5)...: never arrays)
 
 
+def _described(obj) -> str:
+    """``obj``'s type for a message; with its dtype where it has one (an array of Python
+    objects, which no adapter leases: its elements are references, not data)."""
+    dt = getattr(obj, "dtype", None)
+    return type(obj).__name__ if dt is None else f"{type(obj).__name__} (dtype {dt})"
+
+
 def _as_view(obj):
     """The view ``obj`` stands for (itself, or a DeviceBox's buffer), or None."""
     if isinstance(obj, View):
@@ -510,7 +517,7 @@ def resolve_args(adapter, args, device):
                                       f"makes of an array argument; pass the array itself")
                 if intent is not None:
                     raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
-                                      f"DeviceBox or array, got {type(obj).__name__}")
+                                      f"DeviceBox or array, got {_described(obj)}")
                 resolved[i] = a
                 continue
             if type(got) is LaunchArg:  # a foreign array leased without a view

@@ -230,3 +230,112 @@ def test_dlpack_export_arguments_of_the_wrong_shape_are_type_errors(host):
             t.__dlpack__(dl_device=bad)
     assert t.allocation.live_views == 1
     np.testing.assert_array_equal(t.into_buffer().to_host(), [0, 1, 2])
+
+
+# -- 12. a policy or a timeout of the wrong type ---------------------------------------------------
+def test_a_policy_that_is_an_array_is_the_documented_error(host):
+    """errors.md: SharedMemError "unknown access policy ..." for a policy that is not one of
+    POLICIES. A NumPy array raised NumPy's ValueError ("The truth value of an array ... is
+    ambiguous"), from ``policy not in POLICIES`` -- naming neither the policy nor the values
+    it may take. Nothing is launched."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    k = sm.host_kernel(lambda x: None)
+    before = sm.stats().submitted
+    for call in (lambda: sm.launch(k, 1, 1, b, policy=np.array([1, 2])),
+                 lambda: sm.set_access_policy(np.array(["order", "reject"]))):
+        with pytest.raises(sm.SharedMemError, match=r"^unknown access policy array\(.*\); "
+                                                    r"expected one of 'order', 'reject'$"):
+            call()
+    assert sm.stats().submitted == before
+    assert sm.get_access_policy() == "order"
+
+
+def test_result_with_a_timeout_that_is_no_number_is_a_type_error(host):
+    """``fut.result(timeout="x")`` on a future that was done returned its value (the timeout was
+    never looked at); on one that was not, the wait raised "'>' not supported between instances
+    of 'str' and 'int'". Either way now a TypeError naming the argument, before any wait."""
+    gate = __import__("threading").Event()
+    k = sm.host_kernel(lambda x: gate.wait(10))
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    fut = k and sm.launch(k, 1, 1, b)
+    for call in (fut.result, fut.exception):
+        with pytest.raises(TypeError, match=r"^timeout must be None or a number of seconds, "
+                                            r"got 'x'$"):
+            call(timeout="x")
+    assert not fut.done()
+    gate.set()
+    assert fut.result(timeout=np.float64(10)) is None
+    with pytest.raises(TypeError, match=r"got \[1\]$"):
+        fut.result(timeout=[1])  # (done: refused all the same)
+    assert fut.exception(timeout=1) is None
+
+
+# -- 13. an object array passed with an intent ------------------------------------------------------
+def test_an_intent_on_an_array_of_objects_names_its_dtype(host):
+    """``In(np.array([None]))`` said "got ndarray": the one kind of array a host kernel takes,
+    refused without saying why. The message names the dtype (object: no bytes to lease)."""
+    k = sm.host_kernel(lambda x: None)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: In\(\) takes a Buffer, Tensor, "
+                                             r"DeviceBox or array, got ndarray \(dtype object\)$"):
+        sm.launch(k, 1, 1, sm.In(np.array([None])))
+
+
+# -- 14. a host copy asked for with a stream -------------------------------------------------------
+def test_a_dlpack_copy_to_the_host_refuses_a_stream(host, fake):
+    """DLPack: a consumer on a device without streams passes ``stream=None``; an export of host
+    memory refuses any other value (BufferError). ``__dlpack__(stream=5, copy=True)`` -- a copy
+    to the host, of host or of CUDA memory -- ignored it and exported. Refused now, before any
+    copy is made; the view stays usable."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(3, dtype=np.float32), device=host)
+    g = sm.Tensor.from_host(np.arange(3, dtype=np.float32), device=dev)
+    sm.synchronize()
+    for view, kw in ((t, {}), (g, {"dl_device": (1, 0)})):
+        with pytest.raises(BufferError, match=r"^stream=5 is not valid for a copy to the host; "
+                                              r"only None$"):
+            view.__dlpack__(stream=5, copy=True, max_version=(1, 0), **kw)
+        cap = view.__dlpack__(copy=True, max_version=(1, 0), **kw)  # (None: the copy is made)
+        assert dl._is_valid(cap, b"dltensor_versioned")
+        np.testing.assert_array_equal(np.from_dlpack(_Holder(cap)), [0, 1, 2])
+        assert view.allocation.live_views == 1
+    np.testing.assert_array_equal(t.into_buffer().to_host(), [0, 1, 2])
+
+
+class _Holder:
+    """A producer handing out one capsule made beforehand (for ``np.from_dlpack``)."""
+
+    def __init__(self, cap):
+        self.cap = cap
+
+    def __dlpack__(self, **kw):
+        return self.cap
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+# -- 15. a CAI pointer or stream outside 64 bits ---------------------------------------------------
+@pytest.mark.parametrize("data, stream, match", [
+    ((-16, False), None, r"the 'data' pointer -16 is not a 64-bit address"),
+    ((1 << 64, False), None, r"the 'data' pointer 18446744073709551616 is not a 64-bit address"),
+    (None, 1 << 64, r"stream 18446744073709551616 is not a stream handle \(above 64 bits\)"),
+])
+def test_a_cai_pointer_or_stream_outside_64_bits_is_refused(fake, data, stream, match):
+    """A negative 'data' pointer was looked up as an address and refused as "0x-10 is not CUDA
+    device memory"; a producer stream of 2**64 was passed on to the driver (a wait on a handle
+    that cannot exist: ctypes' OverflowError there, or the fake's acceptance). Both are
+    ValueErrors naming the entry; nothing is imported."""
+    dev, drv = fake
+    b = sm.Buffer.zeros(4, "float32", device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "version": 3,
+                                    "data": data or (b.ptr, False), "stream": stream}
+    before = sm.stats().submitted
+    with pytest.raises(ValueError, match=match):
+        sm.from_cuda_array_interface(Producer())
+    assert sm.stats().submitted == before
+    gc_collect_harder()
+    assert b.allocation.live_views == 1

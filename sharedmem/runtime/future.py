@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import numbers
 import threading
 import types
 from functools import partial
@@ -39,6 +40,13 @@ if TYPE_CHECKING:  # (type checkers read future.pyi, where both futures are Gene
     _U = TypeVar("_U")
 
 
+def _check_timeout(timeout) -> None:
+    """A wait's ``timeout`` (seconds) is a real number: TypeError naming it otherwise (checked
+    before the wait, which would compare it only once it has to wait)."""
+    if not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be None or a number of seconds, got {timeout!r}")
+
+
 @cython.freelist(16)  # (a launch makes a DeviceFuture: same size as this, compiled)
 @cython.cclass
 class _FutureBase:
@@ -62,6 +70,8 @@ class _FutureBase:
     def result(self, timeout: float | None = None) -> _T:
         """The value once done, blocking up to ``timeout`` seconds (then TimeoutError); raises
         the error it failed with (a DeviceFuture's: see its class docstring)."""
+        if timeout is not None:
+            _check_timeout(timeout)
         self._wait_done(timeout)
         return self._peek()
 
@@ -73,6 +83,8 @@ class _FutureBase:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the work ended with, or None (a TimeoutError when it has not ended
         within ``timeout``; as ``result``, errors of other work's callbacks are re-raised)."""
+        if timeout is not None:
+            _check_timeout(timeout)
         self._wait_done(timeout)  # (an interrupt while waiting propagates: not the outcome)
         # (done: _peek does not wait) its own outcome, whatever its type (TimeoutError too)
         return _outcome(self._peek)[1]
