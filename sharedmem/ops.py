@@ -175,8 +175,11 @@ class _Then(DeviceOp):
         return f"{self.ops[0]!r}.and_then({self.ops[1]!r})"
 
     def _submit_on(self, stream):
-        self.ops[0]._submit_on(stream)
-        return self.ops[1]._submit_on(stream)
+        first = self.ops[0]._submit_on(stream)
+        second = self.ops[1]._submit_on(stream)
+        # (its outcome: the first part's failure -- a host kernel that raised, after which the
+        # stream ran the second -- else the second's; both looked at, as zip's branches)
+        return ComputedFuture(second._s, partial(_last_value, (first, second)))
 
 
 class _Apply(DeviceOp):
@@ -238,6 +241,12 @@ def _values(futures) -> tuple:
     if error is not None:
         raise error
     return tuple(values)
+
+
+def _last_value(futures):
+    """The value of an ``and_then`` chain: its last part's (the first error raised, see
+    :func:`_values`)."""
+    return _values(futures)[-1]
 
 
 def op(kernel: object, grid: int | tuple[int, ...], block: int | tuple[int, ...] | None,

@@ -158,3 +158,41 @@ def test_the_retirer_bell():
     t0 = time.monotonic()
     bell.sleep(0.05)
     assert time.monotonic() - t0 >= 0.04  # the ring was used up
+
+
+def test_a_staged_release_that_raises_leaves_the_core_lock_free(host):
+    """A release staged while another thread held the core lock runs at the next acquire;
+    when it raised (an interrupt, a release that failed) ``acquire`` left the lock taken --
+    its callers' ``try`` begins after it returns -- and every later call of the thread said
+    "called from a finalizer" while every other thread blocked for good. The error is raised
+    to that call, the lock is free, and the releases staged after it still run."""
+    import gc
+    import threading
+
+    import sharedmem as sm
+    from sharedmem.runtime.state import RUNTIME
+    done = []
+
+    def boom(_):
+        raise RuntimeError("a staged release failed")
+
+    sm.synchronize()  # (the retirer idle: it takes the lock for nothing meanwhile)
+    gc.disable()  # (no finalizer of this thread drains the stage first)
+    try:
+        RUNTIME.acquire()
+        RUNTIME.staged.append((boom, None))
+        RUNTIME.staged.append((done.append, "later"))
+        RUNTIME.release()
+        with pytest.raises(RuntimeError, match="a staged release failed"):
+            RUNTIME.acquire()
+    finally:
+        gc.enable()
+    assert RUNTIME.owner == 0
+    got = []
+    t = threading.Thread(target=lambda: got.append(sm.stats()))
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and got  # another thread is not blocked
+    assert done == ["later"]  # (applied by that call)
+    assert not RUNTIME.staged
+    sm.stats()  # and this thread's next call works

@@ -412,3 +412,34 @@ def test_a_composite_op_with_a_part_its_device_cannot_run_submits_nothing(host, 
     sm.synchronize()
     assert ran == [] and sm.stats().submitted == before.submitted
     np.testing.assert_array_equal(b.to_host(), np.zeros(4))
+
+
+def test_and_then_fails_with_the_first_parts_error(host):
+    """``a.and_then(b)`` returned ``b``'s future: where ``a``'s host kernel raised, ``result()``
+    gave None and the failure surfaced only as a "never retrieved" ERROR log later. The
+    chain's future now raises ``a``'s HostKernelError (``b`` ran: the stream runs on), and a
+    chain whose parts succeed has ``b``'s value."""
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    ran = []
+
+    @sm.host_kernel
+    def bad(x):
+        raise ValueError("first part failed")
+
+    @sm.host_kernel
+    def second(x):
+        ran.append(1)
+        x[:] = 7
+
+    fut = sm.op(bad, 1, 1, b).and_then(sm.op(second, 1, 1, b)).submit(stream=s)
+    with pytest.raises(sm.HostKernelError) as info:
+        fut.result(timeout=10)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert str(info.value.__cause__) == "first part failed"
+    assert isinstance(fut.exception(), sm.HostKernelError)
+    assert ran == [1]
+    np.testing.assert_array_equal(b.to_host(stream=s), [7, 7, 7, 7])
+    ok = sm.op(second, 1, 1, b).and_then(sm.op(second, 1, 1, b).apply(lambda _: "done"))
+    assert ok.submit(stream=s).result(timeout=10) == "done"
+    assert ran == [1, 1, 1]

@@ -127,7 +127,11 @@ class Runtime:
             self._acquire()
         self.owner = me
         if self.staged:
-            self.drain_staged()
+            try:
+                self.drain_staged()
+            except BaseException:  # (an interrupt, or a failed release: the caller's `try`
+                self.release()     # is not entered yet -- the lock must not stay taken)
+                raise
 
     def release(self) -> None:
         self.owner = 0
