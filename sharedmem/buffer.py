@@ -171,10 +171,7 @@ class Buffer(View):
     def __copy__(self) -> "Buffer":
         """``copy.copy(buf)``: a new buffer of the same values on the same device (as NumPy
         and CuPy copy arrays; a second view of the same bytes is ``buf[:]``)."""
-        tok = self._live_token()
-        out = Buffer.empty(self._length, self._dtype, device=tok.allocation.device)
-        out.copy_from(self)
-        return out
+        return self.to_device(self._live_token().allocation.device)
 
     # -- views ----------------------------------------------------------------
     def __getitem__(self, key) -> "Buffer":
@@ -194,10 +191,7 @@ class Buffer(View):
 
     def as_readonly(self) -> "Buffer":
         """A read-only view of the same bytes (it never blocks readers)."""
-        tok = self._live_token()
-        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep,
-                                     source=self)
-        return new_buffer(t, self._dtype, self._length)
+        return new_buffer(readonly_token(self), self._dtype, self._length)
 
     # -- data movement ----------------------------------------------------------
     def to_host(self, stream: Stream | object | None = None) -> np.ndarray:
@@ -261,6 +255,14 @@ class Buffer(View):
         devices until it is done; no peer access is needed. To or from the host device, the
         bytes go through host memory."""
         return new_buffer(to_device(self, device, stream), self._dtype, self._length)
+
+
+def readonly_token(view):
+    """A read-only view token of ``view``'s bytes (for ``as_readonly``; checked live in the
+    same step as it is made)."""
+    tok = view._live_token()
+    return tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep,
+                                    source=view)
 
 
 def copy_bytes(dst, src, stream, label, policy=None):
@@ -419,15 +421,20 @@ def to_device(view, device, stream, policy=None):
     sdev = tok.allocation.device
     stream = copy_stream(stream, sdev, dev)
     if sdev.kind != dev.kind or (sdev is not dev and dev.kind != "cuda"):
-        raw = view.to_host(stream if stream is not None and stream.device is sdev else None)
-        s = resolve_stream(stream if stream is not None and stream.device is dev else None, dev)
+        raw = view._read_bytes(on_device(stream, sdev))  # (a dense view: its token's bytes)
+        s = resolve_stream(on_device(stream, dev), dev)
         out = allocate(dev, raw.nbytes, s, view._kind)
-        upload(s, out, np.ascontiguousarray(raw).view(np.uint8).reshape(-1), "to_device")
+        upload(s, out, raw, "to_device")
         return out
-    out = allocate(dev, tok.stop - tok.start,
-                   stream if stream is not None and stream.device is dev else None, view._kind)
+    out = allocate(dev, tok.stop - tok.start, on_device(stream, dev), view._kind)
     copy_bytes(out, tok, stream, "to_device", policy)
     return out
+
+
+def on_device(stream, device):
+    """``stream`` (a Stream from :func:`copy_stream`, or None) when it is one of ``device``,
+    else None: the stream of a copy's work on one side."""
+    return stream if stream is not None and stream.device is device else None
 
 
 def _length(n) -> int:

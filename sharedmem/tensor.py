@@ -26,7 +26,7 @@ except ImportError:
     from . import _cython as cython
 
 from .allocation import View
-from .buffer import Buffer, allocate, as_dtype, copy_stream, native, new_buffer, to_device
+from .buffer import Buffer, copy_stream, new_buffer, on_device, readonly_token, to_device
 from .device import as_device
 from .errors import LayoutError
 from .backends import copy_pieces
@@ -211,29 +211,24 @@ class Tensor(View):
     @classmethod
     def empty(cls, shape: int | tuple[int, ...] | list[int], dtype: np.typing.DTypeLike = "float32",
               device: object = None, stream: Stream | object | None = None) -> Tensor:
-        """An uninitialized C-order tensor."""
-        shape = _shape(shape)
-        dt = as_dtype(dtype)
-        tok = allocate(as_device(device), math.prod(shape) * dt.itemsize, stream, "tensor")
-        return new_tensor(tok, dt, shape, c_strides(shape), 0, -1, 1)
+        """An uninitialized C-order tensor (a new :meth:`Buffer.empty`, moved in)."""
+        shape, _, size = c_layout(shape)
+        return cls.from_buffer(Buffer.empty(size, dtype, device, stream), shape)
 
     @classmethod
     def zeros(cls, shape: int | tuple[int, ...] | list[int], dtype: np.typing.DTypeLike = "float32",
               device: object = None, stream: Stream | object | None = None) -> Tensor:
-        t = cls.empty(shape, dtype, device, stream)
-        with t.as_buffer() as b:
-            b.fill_zero(stream)
-        return t
+        """A C-order tensor of zeros (a new :meth:`Buffer.zeros`, moved in)."""
+        shape, _, size = c_layout(shape)
+        return cls.from_buffer(Buffer.zeros(size, dtype, device, stream), shape)
 
     @classmethod
     def from_host(cls, array: np.typing.ArrayLike, device: object = None,
                   stream: Stream | object | None = None) -> Tensor:
-        """A new C-order tensor holding a copy of ``array``."""
-        a = native(np.asarray(array, order="C"))  # (ascontiguousarray makes 0-d 1-d)
-        t = cls.empty(a.shape, a.dtype, device, stream)
-        with t.as_buffer() as b:
-            b.copy_from(a, stream)
-        return t
+        """A new C-order tensor holding a copy of ``array`` (a new :meth:`Buffer.from_host`,
+        moved in)."""
+        a = np.asarray(array)
+        return cls.from_buffer(Buffer.from_host(a, device, stream), a.shape)
 
     @classmethod
     def from_dlpack(cls, obj, *, stream=None, device=None) -> "Tensor":
@@ -345,11 +340,8 @@ class Tensor(View):
 
     def as_readonly(self) -> "Tensor":
         """A read-only view of the same bytes (it never blocks readers)."""
-        tok = self._live_token()
-        t = tok.allocation.new_token("read-only view", tok.start, tok.stop, False, tok.keep,
-                                     source=self)
-        return new_tensor(t, self._dtype, self._shape, self._strides, self._offset, self._size,
-                            self._contiguous)
+        return new_tensor(readonly_token(self), self._dtype, self._shape, self._strides,
+                          self._offset, self._size, self._contiguous)
 
     # -- views --------------------------------------------------------------------------
     def __getitem__(self, key) -> "Tensor":
@@ -468,14 +460,12 @@ class Tensor(View):
         stream = copy_stream(stream, sdev, dev)
         nbytes = self._size * self._dtype.itemsize
         if nbytes == 0:  # (no bytes to copy, whatever bytes its view holds)
-            return Tensor.empty(self._shape, self._dtype, dev,
-                                stream if stream is not None and stream.device is dev else None)
+            return Tensor.empty(self._shape, self._dtype, dev, on_device(stream, dev))
         if self._contiguous and self._offset == tok.start and self._offset + nbytes == tok.stop:
             out = to_device(self, dev, stream)
         else:  # made contiguous on its own device first: a private temporary, so its copy
             # to another device is ordered after the making whatever the policy
-            own = stream if stream is not None and stream.device is sdev else None
-            out = to_device(self.copy(own), dev, stream, "order")
+            out = to_device(self.copy(on_device(stream, sdev)), dev, stream, "order")
         return new_tensor(out, self._dtype, self._shape, c_strides(self._shape), 0, self._size, 1)
 
     # -- data movement ---------------------------------------------------------------
