@@ -45,7 +45,10 @@ def _scalar(value, dtype):
     None or a string, which NumPy would turn into nan or parse."""
     if value is None or isinstance(value, (str, bytes)) or np.ndim(value) != 0:
         raise TypeError(f"a DeviceBox holds one number, got {value!r}")
-    return np.array([value], dtype=dtype)
+    try:
+        return np.array([value], dtype=dtype)
+    except (OverflowError, ValueError) as e:  # (300 as int8, nan as an int: NumPy's words)
+        raise type(e)(f"a DeviceBox of {dtype} cannot hold {value!r}: {e}") from None
 
 
 #: The most bytes one allocation may ask for (what NumPy and CuPy sizes can express).

@@ -187,7 +187,7 @@ def as_device(device) -> Device:
     itself, an int that CUDA device (``Device(device)`` checks the rest)."""
     if device is None:
         return default_device()
-    if device == "host":
+    if type(device) is str and device == "host":  # (an array: no truth value asked)
         return Device.host()
     return Device(device)
 

@@ -339,3 +339,26 @@ def test_a_cai_pointer_or_stream_outside_64_bits_is_refused(fake, data, stream, 
     assert sm.stats().submitted == before
     gc_collect_harder()
     assert b.allocation.live_views == 1
+
+
+# -- 16. a DeviceBox value its dtype cannot hold; a device that is an array -------------------------
+def test_a_devicebox_value_out_of_its_dtypes_range_names_the_box(host):
+    """``DeviceBox(300, "int8")`` raised NumPy's bare "Python integer 300 out of bounds for
+    int8" (and ``set`` the same): the error type stays (OverflowError; ValueError for a NaN as
+    an int), the message names the box, its dtype and the value. Nothing is written."""
+    with pytest.raises(OverflowError, match=r"^a DeviceBox of int8 cannot hold 300: .*int8$"):
+        sm.DeviceBox(300, "int8", device=host)
+    with pytest.raises(ValueError, match=r"^a DeviceBox of int32 cannot hold nan: "):
+        sm.DeviceBox(float("nan"), "int32", device=host)
+    box = sm.DeviceBox(7, "int16", device=host)
+    with pytest.raises(OverflowError, match=r"^a DeviceBox of int16 cannot hold 70000: "):
+        box.set(70000)
+    assert box.get() == 7
+
+
+def test_a_device_that_is_an_array_is_refused_by_device(host):
+    """``device=np.array([1, 2])`` raised NumPy's "truth value of an array ... is ambiguous"
+    (from ``device == "host"``); now Device()'s own ValueError naming the value."""
+    with pytest.raises(ValueError, match=r"^Device\(ordinal\) takes a CUDA device number >= 0, "
+                                         r"got array\(\[1, 2\]\)"):
+        sm.Buffer.empty(4, "float32", device=np.array([1, 2]))
