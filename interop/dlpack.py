@@ -43,7 +43,7 @@ except ImportError:  # interpreted, without Cython installed
 import numpy as np
 
 from sharedmem.allocation import View, import_allocation
-from sharedmem.device import Device
+from sharedmem.device import Device, as_device
 from sharedmem.errors import DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
 from sharedmem.stream import Stream
@@ -592,7 +592,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if s is not None and s.device is not dev:  # (a bare capsule: its device known only now)
         raise _elsewhere(s, f"the capsule on {dev}")
     if device is not None:
-        want = Device.host() if device == "host" else Device(device)  # (a Device: itself)
+        want = as_device(device)  # (not None here: "host", a Device, an ordinal)
         if want is not dev:
             raise BufferError(f"the producer's memory is on {dev}, not on {want}; sharedmem does "
                               f"not copy on import")

@@ -362,3 +362,15 @@ def test_a_device_that_is_an_array_is_refused_by_device(host):
     with pytest.raises(ValueError, match=r"^Device\(ordinal\) takes a CUDA device number >= 0, "
                                          r"got array\(\[1, 2\]\)"):
         sm.Buffer.empty(4, "float32", device=np.array([1, 2]))
+
+
+def test_from_dlpack_with_a_device_that_is_an_array_is_refused_by_device(host):
+    """``sm.from_dlpack(x, device=np.array([1, 2]))`` raised NumPy's "truth value ... is
+    ambiguous" (``device == "host"``): Device()'s ValueError now, as everywhere a device is
+    taken; the producer stays usable."""
+    t = sm.Tensor.from_host(np.arange(3, dtype=np.float32), device=host)
+    with pytest.raises(ValueError, match=r"^Device\(ordinal\) takes a CUDA device number"):
+        sm.from_dlpack(t, device=np.array([1, 2]))
+    assert sm.from_dlpack(t, device="host").shape == (3,)
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
