@@ -65,12 +65,11 @@ class HostBlock:
     """A block of the host pool. Owns its memory: when the block is garbage
     collected it goes back to the pool (never at interpreter exit)."""
 
-    __slots__ = ("ptr", "nbytes", "_raw", "_pool", "_size_class")
+    __slots__ = ("ptr", "_raw", "_pool", "_size_class")
 
-    def __init__(self, raw: np.ndarray, ptr: int, nbytes: int, pool, size_class: int):
+    def __init__(self, raw: np.ndarray, ptr: int, pool, size_class: int):
         self._raw = raw
         self.ptr = ptr
-        self.nbytes = nbytes
         self._pool = pool
         self._size_class = size_class
 
@@ -126,7 +125,7 @@ class HostPool:
                 self.bytes_in_use += sc
             finally:
                 lock.release()
-        return HostBlock(raw, _aligned(raw.ctypes.data), nbytes, self, sc)
+        return HostBlock(raw, _aligned(raw.ctypes.data), self, sc)
 
     def _new_block(self, sc: int):
         """A new raw block; on MemoryError the cached free blocks are dropped and the
@@ -299,6 +298,7 @@ class HostStreamImpl:
 
     def __init__(self, backend: "HostBackend", name: str | None = None):
         self.name = name or f"sharedmem-host-stream-{next(HostStreamImpl._numbers)}"
+        self.handle = id(self)
         self._q = _Tasks(self.name)
         self._state = {"fault": None}
         self._backend = backend
@@ -357,10 +357,6 @@ class HostStreamImpl:
         while len(q.items) >= MAX_QUEUED:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
-
-    @property
-    def handle(self) -> int:
-        return id(self)
 
     @property
     def fault(self):
@@ -679,9 +675,7 @@ class HostBackend:
                      byte_strides, itemsize: int) -> HostMarker:
         item = np.dtype((np.void, itemsize))
         n = math.prod(shape)
-        if not n:
-            return impl.submit(_noop)
-        span = sum((k - 1) * s for k, s in zip(shape, byte_strides)) + itemsize
+        span = sum((k - 1) * s for k, s in zip(shape, byte_strides)) + itemsize if n else 0
         return impl.submit(lambda: np.copyto(
             np.ndarray(shape, item, buffer=host_array(dst_ptr, n * itemsize)),
             np.ndarray(shape, item, buffer=host_array(src_ptr, span), strides=byte_strides)))
