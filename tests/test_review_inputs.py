@@ -374,3 +374,58 @@ def test_from_dlpack_with_a_device_that_is_an_array_is_refused_by_device(host):
     assert sm.from_dlpack(t, device="host").shape == (3,)
     gc_collect_harder()
     assert t.allocation.live_views == 1
+
+
+# -- 17. a host kernel's exception with an `exceptions` attribute of its own -------------------------
+def test_a_host_kernel_error_with_an_exceptions_attribute_fails_only_its_work(host):
+    """model.md: a host kernel that raises fails its own work only; its future raises
+    HostKernelError and the stream runs on. An exception with an attribute named
+    ``exceptions`` that is not a group's members (a list of messages) killed the stream's
+    worker inside its error handling (``_detach`` took each entry for an exception): the
+    future never completed, nothing more ran on the stream, and nothing was reported."""
+    s = host.create_stream()
+
+    class ValidationFailed(Exception):
+        def __init__(self, problems):
+            super().__init__(f"{len(problems)} problems")
+            self.exceptions = problems
+
+    @sm.host_kernel
+    def validate(x):
+        if (x < 1).any():
+            raise ValidationFailed(["row 0: below 1"])
+
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    with pytest.raises(sm.HostKernelError) as info:
+        sm.launch(validate, 1, 1, b, stream=s).result(timeout=10)
+    assert isinstance(info.value.__cause__, ValidationFailed)
+    assert info.value.__cause__.exceptions == ["row 0: below 1"]
+    ok = sm.Buffer.from_host(np.array([5, 5], dtype=np.int32), device=host, stream=s)
+    assert sm.launch(validate, 1, 1, ok, stream=s).result(timeout=10) is None  # runs on
+    s.synchronize()
+
+
+# -- 18. sm.trace(<an int>) -------------------------------------------------------------------------
+def test_trace_refuses_a_path_that_is_a_file_descriptor(host, tmp_path):
+    """``sm.trace(5)`` was accepted: open(5, "w") wrote the timeline to file descriptor 5 --
+    whatever the process had open there -- and closed it. A TypeError naming the argument;
+    nothing is recorded."""
+    with pytest.raises(TypeError, match=r"^sm\.trace takes the path of its JSON file \(a str or "
+                                        r"os\.PathLike\) or None, got 5$"):
+        sm.trace(5)
+    with sm.trace(tmp_path / "t.json") as tr:  # (a PathLike: taken)
+        sm.Buffer.zeros(4, "float32", device=host).to_host()
+    assert (tmp_path / "t.json").exists() and tr.events
+
+
+# -- 19. a host allocation beyond memory --------------------------------------------------------------
+def test_a_host_allocation_beyond_memory_names_the_size(host):
+    """errors.md: MemoryError when an allocation cannot be made, "the message names the size
+    and the device". On the host it was NumPy's "Unable to allocate 8.00 TiB for an array with
+    shape (8796093022464,) and data type uint8" -- the pool's block, not the allocation."""
+    before = sm.stats().live_allocations
+    with pytest.raises(MemoryError, match=r"^cannot allocate 8796093022208 bytes on <Device host>: "
+                                          r"out of host memory"):
+        sm.Buffer.empty(2**40, "float64", device=host)
+    assert sm.stats().live_allocations == before
+    assert sm.Buffer.zeros(4, "float64", device=host).to_host().sum() == 0  # the pool works

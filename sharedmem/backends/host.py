@@ -119,7 +119,7 @@ class HostPool:
         finally:
             lock.release()
         if raw is None:  # a new block, counted once it exists (a failure hands nothing out)
-            raw = self._new_block(sc)
+            raw = self._new_block(sc, nbytes)
             lock.acquire()
             try:
                 self.bytes_in_use += sc
@@ -127,14 +127,19 @@ class HostPool:
                 lock.release()
         return HostBlock(raw, _aligned(raw.ctypes.data), self, sc)
 
-    def _new_block(self, sc: int):
-        """A new raw block; on MemoryError the cached free blocks are dropped and the
-        allocation tried once more (as CuPy's pool does), then the error is raised."""
+    def _new_block(self, sc: int, nbytes: int):
+        """A new raw block of size class ``sc`` (for ``nbytes``); on MemoryError the cached
+        free blocks are dropped and the allocation tried once more (as CuPy's pool does), then
+        a MemoryError naming the size is raised."""
         try:
             return np.empty(sc + _ALIGN, np.uint8)
         except MemoryError:
             self.free_all_blocks()
+        try:
             return np.empty(sc + _ALIGN, np.uint8)
+        except MemoryError:  # (NumPy's words name an array of uint8, not the allocation)
+            raise MemoryError(f"cannot allocate {nbytes} bytes on <Device host>: out of host "
+                              f"memory (the pool's cached blocks were given back first)") from None
 
     def _give_back(self, size_class: int, raw) -> None:
         fresh = []  # (a free list made before the lock is taken, used if this size has none)
@@ -552,7 +557,10 @@ def _detach(e, args) -> None:
             except Exception:  # (an exception type whose args cannot be set: kept as it is)
                 pass
         todo += (e.__cause__, e.__context__)
-        todo += getattr(e, "exceptions", ())
+        try:  # an ExceptionGroup's members (not an attribute of that name that holds others)
+            todo += [x for x in e.exceptions if isinstance(x, BaseException)]
+        except Exception:
+            pass
 
 
 _impls = weakref.WeakSet()  # every host stream's impl (fork restarts their workers)
