@@ -46,7 +46,7 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 from .access import AccessTracker
-from .errors import AliasError, CaptureError, MovedError, ReleasedError
+from .errors import AliasError, MovedError, ReleasedError
 from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_holds, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
@@ -667,11 +667,7 @@ class View:
         from .buffer import download
         from .stream import resolve_stream
         tok = self._live_token()
-        s = resolve_stream(stream, tok.allocation.device)
-        if s._capture is not None:
-            raise CaptureError(f"to_host() on {s} cannot be captured: it reads on the host now, "
-                               f"while captured work only runs at replay")
-        return download(s, tok)
+        return download(resolve_stream(stream, tok.allocation.device), tok)
 
     # -- protocols -----------------------------------------------------------
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):

@@ -9,7 +9,7 @@ import numpy as np
 
 from .allocation import Allocation, View
 from .device import Device, as_device
-from .errors import DeviceMismatchError, LayoutError, ReadOnlyError
+from .errors import CaptureError, DeviceMismatchError, LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
 from .runtime.submission import submit, wait, wait_before
 from .stream import Stream, resolve_stream
@@ -351,17 +351,22 @@ def download(s, tok):
     copied out while the next transfers); a copy into the pageable array itself would hold
     the lock for the whole transfer. A piece that finds no pinned memory waits first, holding
     no lock, then is copied into the array directly."""
+    if s._capture is not None:
+        raise uncapturable_read(s)
     backend, impl = s.device.backend, s._impl
     n = tok.stop - tok.start
     raw = np.empty(n, np.uint8)
     src = tok.allocation.ptr + tok.start
     step = backend.stage_max
+    # (each piece checks again where a capture begins, under the core lock: one begun since
+    # would record the copy into the graph -- run at replay -- and this read return stale bytes)
+    copy = partial(_uncaptured, s, backend.copy_dtoh if n <= step or not step else
+                   partial(_recorded, backend.copy_dtoh))
     if not step:
-        DeviceFuture(submit(s, [(tok, False)], partial(backend.copy_dtoh, impl, raw, src),
+        DeviceFuture(submit(s, [(tok, False)], partial(copy, impl, raw, src),
                             keep=(raw,), policy="order", label="to_host")).result()
         return raw
     window = deque()  # (submission, pinned memory or None, offset) of the pieces in flight
-    copy = backend.copy_dtoh if n <= step else partial(_recorded, backend.copy_dtoh)
 
     def copy_out():
         sub, pin, off = window.popleft()
@@ -388,6 +393,20 @@ def download(s, tok):
     while window:
         copy_out()
     return raw
+
+
+def uncapturable_read(s) -> CaptureError:
+    """The error of a host read (``to_host``) on ``s`` while it captures."""
+    return CaptureError(f"to_host() on {s} cannot be captured: it reads on the host now, while "
+                        f"captured work only runs at replay")
+
+
+def _uncaptured(s, copy, *args):
+    """``copy(*args)``, a piece of a host read on ``s``, enqueued -- refused where ``s`` began
+    capturing since the read was asked for. Caller holds core_lock (where captures begin)."""
+    if s._capture is not None:
+        raise uncapturable_read(s)
+    return copy(*args)
 
 
 def copy_stream(stream, a, b):

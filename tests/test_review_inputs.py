@@ -429,3 +429,43 @@ def test_a_host_allocation_beyond_memory_names_the_size(host):
         sm.Buffer.empty(2**40, "float64", device=host)
     assert sm.stats().live_allocations == before
     assert sm.Buffer.zeros(4, "float64", device=host).to_host().sum() == 0  # the pool works
+
+
+# -- 20. a host read racing the start of a capture on its stream -------------------------------------
+def test_a_host_read_racing_the_start_of_a_capture_is_refused(fake, monkeypatch):
+    """model.md: a capturing stream refuses ``to_host()`` (CaptureError). The refusal was
+    checked before the copy's submission, not with it: a capture another thread began in
+    between (here, while the read took its pinned memory) recorded the copy into the graph --
+    to run at replay -- and ``to_host`` returned the staging memory's stale bytes (zeros on
+    the fake; another copy's leftovers from the real pinned pool). Each piece now checks under
+    the core lock, where captures begin; nothing is recorded, and the view reads right after."""
+    import threading
+    dev, drv = fake
+    s = dev.create_stream()
+    b = sm.Buffer.from_host(np.arange(8, dtype=np.float64), device=dev, stream=s)
+    s.synchronize()
+    ns = dev.backend._cupy.cuda
+    orig = ns.alloc_pinned_memory
+    began, done, graphs = threading.Event(), threading.Event(), []
+
+    def capture_elsewhere():
+        with sm.capture(s) as g:
+            began.set()
+            done.wait(10)
+        graphs.append(g)
+
+    other = threading.Thread(target=capture_elsewhere)
+
+    def pinned(n):  # (the read has checked the stream already)
+        if not other.is_alive() and not graphs:
+            other.start()
+            began.wait(10)
+        return orig(n)
+    monkeypatch.setattr(ns, "alloc_pinned_memory", pinned)
+    with pytest.raises(sm.CaptureError, match=r"^to_host\(\) on <Stream .*> cannot be captured: "
+                                              r"it reads on the host now"):
+        b.to_host(stream=s)
+    done.set()
+    other.join(10)
+    assert graphs and graphs[0].launches == 0  # nothing was recorded into the graph
+    np.testing.assert_array_equal(b.to_host(stream=s), np.arange(8))
