@@ -469,3 +469,36 @@ def test_a_host_read_racing_the_start_of_a_capture_is_refused(fake, monkeypatch)
     other.join(10)
     assert graphs and graphs[0].launches == 0  # nothing was recorded into the graph
     np.testing.assert_array_equal(b.to_host(stream=s), np.arange(8))
+
+
+# -- 21. a replay racing the graph's release ----------------------------------------------------------
+def test_a_replay_racing_the_graphs_release_is_the_documented_capture_error(fake, monkeypatch):
+    """errors.md: CaptureError for "replaying a failed or released graph". A release() from
+    another thread after replay() had read the graph as replayable made the submission refuse
+    its released tokens: ReleasedError "a graph #1 passed to replay of graph #1 was released
+    before the launch". Now the CaptureError of a replay after the release; nothing leased."""
+    import threading
+
+    from sharedmem.runtime import graph as graph_mod
+    dev, drv = fake
+    s = dev.create_stream()
+    b = sm.Buffer.zeros(8, "float64", device=dev, stream=s)
+    s.synchronize()
+    with sm.capture(s) as g:
+        b.copy_from(np.full(8, 3.0), stream=s)
+    resolve = graph_mod.resolve_stream
+
+    def racing(stream, device):  # (the other thread's release, between the check and submit)
+        t = threading.Thread(target=g.release)
+        t.start()
+        t.join(10)
+        return resolve(stream, device)
+    monkeypatch.setattr(graph_mod, "resolve_stream", racing)
+    before = sm.stats().submitted
+    message = rf"^graph #{g.id} is released; only a finished capture can be replayed$"
+    with pytest.raises(sm.CaptureError, match=message):
+        g.replay(s.handle)  # (a raw handle: resolved)
+    monkeypatch.undo()
+    with pytest.raises(sm.CaptureError, match=message):
+        g.replay(s)
+    assert sm.stats().submitted == before

@@ -147,8 +147,7 @@ class Graph:
         r = self._replay  # (one attribute read: set when the capture ends, dropped first thing
         # by release, under the graph's lock with the state)
         if r is None:
-            raise CaptureError(f"graph #{self.id} is {self._state}; only a finished capture "
-                               f"can be replayed")
+            raise self._unreplayable()
         uses, keep, label, executable, dev = r
         if type(stream) is Stream and stream.device is dev:
             s = stream  # (the usual call: nothing to resolve)
@@ -158,7 +157,14 @@ class Graph:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
         # keeps the executable and (through the uses) the memory -- not this Graph. (A release
         # racing this replay makes submit() refuse it: its tokens are checked live there.)
-        return future_of(submit_plan(s, uses, executable, None, None, keep, policy, label))
+        try:
+            return future_of(submit_plan(s, uses, executable, None, None, keep, policy, label))
+        except ReleasedError:  # (its own tokens: released by a release() racing this replay)
+            raise self._unreplayable() from None
+
+    def _unreplayable(self) -> CaptureError:
+        return CaptureError(f"graph #{self.id} is {self._state}; only a finished capture can be "
+                            f"replayed")
 
     # -- lifetime ----------------------------------------------------------------
     def release(self) -> None:
