@@ -287,9 +287,8 @@ def test_a_tensor_view_travels_as_a_tensor_of_its_own_layout(fake):
 
 
 def test_an_export_whose_work_cannot_be_enqueued_leaves_nothing_behind(fake, monkeypatch):
-    """An export whose ordering fails -- the driver refuses to record its event (CudaError),
-    or, under policy "reject", another stream still writes the bytes (AccessConflictError) --
-    raises that error and leaves nothing: no export, no view token, no slot, no lease, no
+    """An export whose ordering fails -- the driver refuses to record its event (CudaError)
+    -- raises that error and leaves nothing: no export, no view token, no slot, no lease, no
     submission; its interprocess event goes back to the pool and serves the next export."""
     from fake_cuda import CUresult
     dev, drv = fake
@@ -308,24 +307,6 @@ def test_an_export_whose_work_cannot_be_enqueued_leaves_nothing_behind(fake, mon
     assert ipc.exports() == 0 and b.allocation.live_views == 1 and not b.allocation.tracker
     assert sm.stats() == before
     (pair,) = [p for p in dev.backend._ipc_events if p not in pooled]  # back in the pool
-    other = dev.create_stream("writer")
-    drv.holding = True  # (device work stays in flight)
-    b.fill_zero(stream=other)
-    sm.set_access_policy("reject")
-    try:
-        with pytest.raises(sm.AccessConflictError, match=(
-                r"^CUDA IPC export on <Stream default on <Device cuda:0 Fake GPU> \(borrowed\)> "
-                r"would read bytes \[0, 64\) of allocation #\d+ while unfinished work on <Stream "
-                r"writer on <Device cuda:0 Fake GPU> \(owned\)> writes them \(policy 'reject'\)\. "
-                r"Wait for that work")):
-            ipc.export(b)
-    finally:
-        sm.set_access_policy("order")
-        drv.holding = False
-        drv.finish_held()
-    sm.synchronize()
-    assert ipc.exports() == 0 and b.allocation.live_views == 1 and not b.allocation.tracker
-    assert pair in dev.backend._ipc_events
     ex = ipc.export(b)  # the pooled event serves the next export
     assert ex.handle.event == pair[1] and pair not in dev.backend._ipc_events
     assert ex.revoke() is True and ipc.exports() == 0 and b.allocation.live_views == 1
@@ -438,3 +419,27 @@ def test_an_open_whose_stream_begins_capturing_meanwhile_is_a_capture_error(fake
     assert _state_after_polls(ex) == "open"
     del v
     assert _released(ex) and ipc.exports() == 0
+
+
+def test_an_export_orders_after_pending_writes_under_policy_reject_too(fake):
+    """The export "is ordered after every pending write to the bytes, on any stream", as
+    DLPack and CAI exports are whatever the policy: under the process policy "reject" an
+    export while another stream still wrote the bytes raised AccessConflictError (errors.md:
+    a launch's error). It is made, its stream waiting on the device for the write."""
+    dev, drv = fake
+    b = sm.Buffer.from_host(np.arange(256, dtype=np.float32), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    w = dev.create_stream()
+    sm.synchronize()
+    drv.holding = True
+    b.fill_zero(stream=w)  # a write still running on w
+    waits = sum(1 for c in drv.calls if c[0] == "wait")
+    sm.set_access_policy("reject")
+    try:
+        ex = ipc.export(b)
+    finally:
+        sm.set_access_policy("order")
+        drv.finish_held()
+    assert ex.state == "exported"
+    assert sum(1 for c in drv.calls if c[0] == "wait") == waits + 1  # ordered after the write
+    assert ex.revoke()
