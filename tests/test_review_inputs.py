@@ -502,3 +502,54 @@ def test_a_replay_racing_the_graphs_release_is_the_documented_capture_error(fake
     with pytest.raises(sm.CaptureError, match=message):
         g.replay(s)
     assert sm.stats().submitted == before
+
+
+# -- 22. DLPack holds and exports on a stream sharedmem is capturing -------------------------------------
+def test_a_hold_ending_during_a_capture_records_nothing_into_it(fake):
+    """The end of a DLPack hold is leased on the consumer's stream until it passes that point.
+    While sharedmem captured that stream, the marker was recorded *into* the capture (the
+    backend never records into one: an event there marks nothing that runs now). It is now
+    the marker recorded as the capture began: what the consumer gave the stream before --
+    all that runs -- is covered, and the lease ends once that finished."""
+    dev, drv = fake
+    s, w = dev.create_stream(), dev.create_stream()
+    x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev, stream=w)
+    cap = x.__dlpack__(stream=s.handle, max_version=(1, 0))  # a consumer working on s
+    drv.holding = True  # (its work on s in flight)
+    with sm.capture(s) as g:
+        begun = len(drv.calls)
+        before = g._before
+        del cap  # the consumer drops its array: the hold ends
+        gc_collect_harder()
+        assert not [c for c in drv.calls[begun:] if c[0] == "record"]  # nothing into the capture
+        assert s._pending[-1].marker is before and before.recorded
+    assert x.allocation.tracker  # leased until the work before the capture finished
+    drv.holding = False
+    drv.finish_held()
+    sm.synchronize()
+    assert not x.allocation.tracker
+    g.release()
+
+
+def test_an_export_to_a_stream_being_captured_is_a_capture_error(fake):
+    """errors.md: CaptureError for work that cannot be captured, "waiting on a capturing
+    stream, recording an event on one or making one wait". A DLPack export naming a stream
+    sharedmem captures was made: the stream was made to wait for outside work (the driver
+    refuses such a wait inside a capture, and the capture is lost), and the consumer's
+    captured work would run at replay, after the export may have ended. Refused under the core
+    lock, nothing made; the same export after the capture works."""
+    dev, drv = fake
+    s, w = dev.create_stream(), dev.create_stream()
+    x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev, stream=w)
+    with sm.capture(s) as g:
+        with pytest.raises(sm.CaptureError, match=(
+                rf"^cannot export bytes \[0, 16\) of allocation #{x.allocation.id} to a consumer "
+                rf"on <Stream .*>: it is capturing graph #{g.id}, whose work runs only at "
+                rf"replay")):
+            x.__dlpack__(stream=s.handle, max_version=(1, 0))
+    assert g.launches == 0
+    assert x.allocation.live_views == 1
+    cap = x.__dlpack__(stream=s.handle, max_version=(1, 0))
+    assert dl._is_valid(cap, b"dltensor_versioned")
+    del cap
+    g.release()

@@ -89,7 +89,7 @@ class Graph:
     collection does the same once no replay is in flight."""
 
     __slots__ = ("id", "device", "_uses", "_keep", "_exec", "_state", "launches",
-                 "_lock", "_replay", "__weakref__")
+                 "_lock", "_replay", "_before", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.id = next(_ids)
@@ -104,6 +104,9 @@ class Graph:
         # (uses, keep, label) of every replay, fixed when the capture ends: replays then
         # build nothing. The uses hold the graph's own tokens, dead once it is released.
         self._replay = None
+        # a marker recorded on the capturing stream as the capture began (see capture), until
+        # it ends; guarded by core_lock
+        self._before = None
 
     def __repr__(self) -> str:
         return (f"<Graph #{self.id} on {self.device}: {self.launches} captured, "
@@ -232,6 +235,9 @@ class capture:
         with locked():
             if s._capture is not None:
                 raise CaptureError(f"{s} is already capturing graph #{s._capture.id}")
+            # (what the end of a hold on the stream during the capture leases until: the work
+            # given to it so far -- see joined_marker_locked)
+            g._before = _sub.fresh_marker_locked(s)
             self._recorder = s.device.backend.begin_capture(s._impl)
             s._capture = g
             RUNTIME.captures += 1
@@ -261,6 +267,7 @@ class capture:
             except Exception as e:
                 ended = ended or e
             s._capture = None
+            g._before = None  # (the hold ends filed with it keep it)
             RUNTIME.captures -= 1
             self._recorder = None
         if captured is not None:  # (instantiated even when the block failed: that frees it)

@@ -499,13 +499,19 @@ def joined_marker_locked(stream):
     captures behind sharedmem's back -- the stream's open marker where the backend batches
     them: recorded later, at the batch's end or when first asked, so after this point (the
     lease may last a little longer, never shorter), and a hold's end costs no driver call.
-    On a borrowed stream, and while capturing, one recorded now: its owner may destroy it
-    (a later record would go to a dead handle) or begin a capture on it meanwhile.
+    While sharedmem captures on the stream, the marker recorded there as the capture began
+    (``Graph._before``): nothing is recorded into the capture, and the consumer's work given to
+    the stream before it -- all that runs now -- is covered. On a borrowed stream, one recorded
+    now: its owner may destroy it (a later record would go to a dead handle) or begin a
+    capture on it meanwhile.
     Caller holds core_lock. Raises CompletionUnknownError where recording failed."""
     # (stream._capture is set and cleared under core_lock with the impl's capture: a C field
     # read where compiled, not an attribute lookup on the impl; _join, its submit_marker bound)
+    graph = stream._capture
+    if graph is not None:
+        return graph._before
     join = stream._join
-    if join is None or stream._capture is not None:
+    if join is None:
         return fresh_marker_locked(stream, True)
     try:
         return join()
@@ -934,6 +940,12 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     rt = RUNTIME
     rt.acquire()
     try:
+        if stream is not None and stream._capture is not None:  # (where captures begin)
+            raise CaptureError(
+                f"cannot export bytes [{tok.start}, {tok.stop}) of allocation "
+                f"#{tok.allocation.id} to a consumer on {stream}: it is capturing graph "
+                f"#{stream._capture.id}, whose work runs only at replay, after the export may "
+                f"have ended (and cannot wait for outside work); export before the capture")
         if wait is not None:
             _order_locked(tok, wait, blocking, stream, handle, markers, None)
         register_token_locked(hold, source, consumers)
