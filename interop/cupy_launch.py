@@ -269,6 +269,7 @@ def _int_value(i, p, a):
 
 #: Where a double stops rounding to a finite float32: FLT_MAX plus half its last place.
 _F32_LIMIT = cython.declare(cython.double, 3.4028235677973366e38)
+_INF = cython.declare(cython.double, float("inf"))
 
 
 def _float_value(i, p, a):
@@ -284,8 +285,10 @@ def _float_value(i, p, a):
             return struct.pack("<e", x)
     except OverflowError:
         x = None
+    if x is not None and abs(x) == _INF and abs(a) != _INF:  # (a finite longdouble past it)
+        x = None
     if x is not None and (p.size == 8 or x != x or -_F32_LIMIT < x < _F32_LIMIT or
-                          x == float("inf") or x == float("-inf")):
+                          abs(x) == _INF):
         return x
     raise KernelError(f"argument {i}: {a!r} is out of range for {p.describe()}")
 
@@ -381,7 +384,7 @@ class RawKernelPlan(KernelPlan):
             par = params[p]
             t = type(a)
             if t is _BUFFER or t is _TENSOR or isinstance(a, View):  # (its token: the lease's)
-                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
+                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8 and par.ctype is None):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 # (checked above, and a lease names a ViewToken: compiled, no second type test)
@@ -397,7 +400,7 @@ class RawKernelPlan(KernelPlan):
                 p += 1
                 continue
             if type(a) is ArrayFacts:  # a CuPy array (see coerce): its lease, as for a view
-                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
+                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8 and par.ctype is None):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"a CuPy array")
                 j += 1
@@ -412,7 +415,7 @@ class RawKernelPlan(KernelPlan):
             if type(a) is LaunchArg:
                 j += 1
                 la = cython.cast(LaunchArg, a) if cython.compiled else a
-                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8):
+                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8 and par.ctype is None):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 v = la.value
@@ -454,7 +457,7 @@ class RawKernelPlan(KernelPlan):
             elif kc == _K_PTR:
                 if a is None:
                     _emit(out, par, 0)
-                elif isinstance(a, (np.uint64, np.int64)):
+                elif isinstance(a, np.integer) and a.dtype.itemsize == 8:  # (uint64, ulonglong...)
                     _emit(out, par, int(a) % (1 << 64))  # a raw address, stated as such
                 else:
                     raise KernelError(
@@ -467,10 +470,12 @@ class RawKernelPlan(KernelPlan):
                 elif a is None and par.size == 8:
                     _emit(out, par, bytes(8))
                 else:
+                    why = ("the kernel's source is not known, so neither is the type"
+                           if par.ctype is None else "a type sharedmem does not convert")
                     raise KernelError(
-                        f"argument {i}: {par.describe()} (the kernel's source is not known, so "
-                        f"neither is the type); got {_what(a)}. Pass a NumPy scalar of the "
-                        f"parameter's type, e.g. np.int32(n) or np.float32(x)")
+                        f"argument {i}: {par.describe()} ({why}); got {_what(a)}. Pass a NumPy "
+                        f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
+                        f"np.complex64(z)")
             p += 1
         return out  # (interpreted: the values, packed into the slots by enqueue)
 

@@ -622,6 +622,16 @@ def default_device_for(adapter):
     return device
 
 
+def entered_stream(device, adapter):
+    """The innermost stream entered with ``with stream:`` on ``device`` -- with no device (no
+    array arguments), the innermost on a device ``adapter``'s kernels run on, else the one on
+    :func:`default_device_for` -- or None."""
+    stream = current_stream(device)
+    if stream is not None and device is None and stream.device.kind not in adapter.device_kinds:
+        stream = current_stream(default_device_for(adapter))
+    return stream
+
+
 def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
     """:func:`launch` up to its Submission (ops submit through here too)."""
     adapters = _adapters  # (a typed local: a C dict lookup)
@@ -639,7 +649,7 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         device = None
     resolved, uses, device, foreign = resolve_args(adapter, args, device)
     if stream is None and streams_entered():
-        stream = current_stream(device)  # the innermost `with stream:` on that device, or None
+        stream = entered_stream(device, adapter)
         if stream is not None:
             device = stream.device
     if device is None:  # no arrays and no stream: a device this kind of kernel runs on

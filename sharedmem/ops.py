@@ -27,13 +27,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .launch import (Intent, _as_view, adapter_for, check_device_kind, default_device_for,
-                     launch_submission, resolve_args)
+                     entered_stream, launch_submission, resolve_args)
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture, HostFuture, _outcome
 from .runtime.state import OwnedLock, fork_safe
-from .stream import Stream, as_stream, current_stream, streams_entered
+from .stream import Stream, as_stream, streams_entered
 
 __all__ = ["DeviceOp", "op", "zip"]
 
@@ -98,8 +98,8 @@ class DeviceOp(Generic[_T_co]):
         any, the device :func:`launch` would choose for its first kernel."""
         if stream is None:
             device = self._device()
-            current = current_stream(device) if streams_entered() else None
-            stream = current or pool_stream(device or self._default_device())
+            current = entered_stream(device, self._adapter()) if streams_entered() else None
+            stream = current or pool_stream(device or default_device_for(self._adapter()))
         elif not isinstance(stream, Stream):
             stream = as_stream(stream)
         if type(self) is not _LaunchOp:
@@ -120,9 +120,10 @@ class DeviceOp(Generic[_T_co]):
         for o in self.ops:
             o._check(device)
 
-    def _default_device(self):
-        """The device for an op no argument names a device of (see :meth:`submit`)."""
-        return self.ops[0]._default_device()
+    def _adapter(self):
+        """The adapter of its first kernel (whose kind of device an op with no array
+        arguments runs on: see :meth:`submit`)."""
+        return self.ops[0]._adapter()
 
     def _device(self):
         """The device of the first part whose arguments name one, or None."""
@@ -154,8 +155,8 @@ class _LaunchOp(DeviceOp):
         check_device_kind(adapter, device)  # (a kernel that runs elsewhere: as launch raises)
         resolve_args(adapter, self.args, device)  # (raises as launch would)
 
-    def _default_device(self):
-        return default_device_for(adapter_for(self.kernel))
+    def _adapter(self):
+        return adapter_for(self.kernel)
 
     def _device(self):
         for a in self.args:

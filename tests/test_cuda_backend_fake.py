@@ -2649,3 +2649,44 @@ def test_a_marker_whose_context_cannot_be_made_current_is_unknown_not_raised(fak
             fut.result()
     after = sm.stats()
     assert (after.leaked, after.leaked_bytes) == (before.leaked + 1, before.leaked_bytes + 32)
+
+
+def test_parameters_a_review_found_packed_wrong(fake):
+    """interop-cupy.md: scalars are converted to the parameter types read from the kernel's
+    source and checked first. Three of them were not: a by-value ``float2`` / ``complex<float>``
+    parameter (a type sharedmem does not convert, 8 bytes) took a view -- the buffer's address
+    became the value's bits, and a write lease was taken; a finite ``np.longdouble`` beyond a
+    float's or double's range became an infinity (``float()`` made it one before the range
+    check); ``np.ulonglong`` / ``np.longlong`` were refused as raw addresses where ``np.uint64``
+    is taken. No lease is taken by the refused launches."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    code = """extern "C" __global__ void st(float2 v, float* p) { }
+              extern "C" __global__ void fd(float f, double d) { }
+              extern "C" __global__ void pp(float* a, float* b) { }"""
+    st = RawKernel(drv, "st", ["Q", "Q"], lambda *v: got.append(v), code)
+    fd = RawKernel(drv, "fd", ["f", "d"], lambda *v: got.append(v), code)
+    pp = RawKernel(drv, "pp", ["Q", "Q"], lambda *v: got.append(v), code)
+    x = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=dev)
+    sm.synchronize()
+    before = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 0: parameter 'v' \(float2\) is not a "
+                                             r"pointer, got an array \(Buffer\)$"):
+        sm.launch(st, 1, 1, x, x)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: parameter 'v' \(float2\) \(a type "
+                                             r"sharedmem does not convert\); got complex"):
+        sm.launch(st, 1, 1, 1 + 2j, x)
+    big = np.longdouble("1e400")
+    assert np.isfinite(big)
+    for i, args in ((0, (big, 1.0)), (1, (1.0, big))):
+        with pytest.raises(sm.KernelError, match=rf"^argument {i}: np\.longdouble\('1e\+400'\) "
+                                                 rf"is out of range for parameter"):
+            sm.launch(fd, 1, 1, *args, stream=dev.default_stream)
+    assert sm.stats().submitted == before and not x.allocation.tracker
+    sm.launch(fd, 1, 1, np.longdouble("inf"), -np.inf, stream=dev.default_stream).result()
+    assert got[-1] == (np.inf, -np.inf)
+    for raw in (np.uint64(5), np.ulonglong(5), np.longlong(5)):
+        sm.launch(pp, 1, 1, raw, x).result()
+        assert got[-1] == (5, x.ptr)
+    sm.launch(st, 1, 1, np.complex64(1 + 2j), x).result()  # (by value: the scalar's bytes)

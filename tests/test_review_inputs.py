@@ -553,3 +553,24 @@ def test_an_export_to_a_stream_being_captured_is_a_capture_error(fake):
     assert dl._is_valid(cap, b"dltensor_versioned")
     del cap
     g.release()
+
+
+# -- 23. a kernel with no array arguments inside `with <a stream of another kind of device>:` ----------
+def test_a_host_kernel_without_arrays_ignores_an_entered_cuda_stream(fake, host):
+    """api.md: ``with stream:`` makes ``stream`` the current stream *of its device*; a launch
+    with no array arguments runs where its kind of kernel runs (the host, for a host kernel).
+    Inside ``with cuda_stream:`` such a launch took the innermost entered stream whatever its
+    device -- DeviceMismatchError "a host kernel cannot run on <Device cuda:0 ...>", even with
+    a host stream entered around it. It runs on the host's current stream (else its default
+    stream); an op the same."""
+    dev, drv = fake
+    hk = sm.host_kernel(lambda: None)
+    s, hs = dev.create_stream(), host.create_stream()
+    with s:
+        assert sm.launch(hk, 1, 1).stream is host.default_stream
+        assert sm.op(hk, 1, 1).submit().stream.device is host  # (a host pool stream)
+    with hs:
+        with s:
+            assert sm.launch(hk, 1, 1).stream is hs
+            assert sm.op(hk, 1, 1).submit().stream is hs
+    sm.synchronize()
