@@ -450,3 +450,62 @@ def test_a_kernel_finalizer_registering_an_adapter_is_refused_not_deadlocked(hos
                     "deadlock. Do the work later (queue it for another thread)."]
     assert not _reg_lock.locked()
     sm.launch(_PreparedKernel(lambda args: None), 1, 1, b).result(5)  # the registry works on
+
+
+class _InterruptedKernel:
+    """A kernel whose enqueue is interrupted after it queued its work (as a signal handler's
+    KeyboardInterrupt can land between a host stream queueing the task and returning)."""
+
+    __name__ = "interrupted"
+
+    def __init__(self, task):
+        self.task = task
+
+
+class _InterruptedAdapter(sm.KernelAdapter):
+    name = "interrupted kernel"
+    device_kinds = ("host",)
+
+    def prepare(self, kernel, grid, block, args, shared_mem, stream):
+        def enqueue():
+            stream._impl.submit(kernel.task, True)  # queued...
+            raise KeyboardInterrupt("simulated Ctrl-C")  # ...and interrupted before returning
+        return enqueue, ()
+
+
+sm.register_kernel_adapter(_InterruptedKernel, _InterruptedAdapter())
+
+
+def test_an_interrupt_inside_the_enqueue_leaves_the_work_leased(host):
+    """An interrupt inside a launch's enqueue, after the backend queued the work, raised with no
+    lease taken: the work ran on memory the caller could drop and the pool hand out again (a
+    review reproduced it on the host stream's queue, the zeroed buffer allocated next read
+    666s). The launch still raises the interrupt, and the arguments are leased until the
+    stream passes that point, as the work's would have been; a launch that fails with an
+    Exception (the backend enqueued nothing) still takes no lease."""
+    import threading
+    import weakref
+
+    from conftest import gc_collect_harder
+    s = host.create_stream()
+    b = sm.Buffer.zeros(1024, "int32", device=host, stream=s)
+    s.synchronize()
+    gate = threading.Event()
+    arr = {}
+
+    def task():
+        gate.wait(10)
+        arr["seen"] = True
+
+    before = sm.stats().submitted
+    with pytest.raises(KeyboardInterrupt, match="simulated"):
+        sm.launch(_InterruptedKernel(task), 1, 1, sm.Out(b), stream=s)
+    assert sm.stats().submitted == before + 1  # its lease, filed
+    alloc = weakref.ref(b.allocation)
+    del b
+    gc_collect_harder()
+    assert alloc() is not None  # kept while the work may run
+    gate.set()
+    s.synchronize()
+    gc_collect_harder()
+    assert arr == {"seen": True} and alloc() is None

@@ -244,10 +244,15 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                 else:
                     impl.wait_marker(marker)
                     note_waited_locked(stream, other, wseq, marker)
-        if plan is not None:
-            marker = plan.enqueue(stream, config, payload)
-        else:
-            marker = enqueue()
+        try:
+            if plan is not None:
+                marker = plan.enqueue(stream, config, payload)
+            else:
+                marker = enqueue()
+        except BaseException as e:
+            if not isinstance(e, Exception):  # an interrupt: the work may be on the stream
+                _lease_interrupted_locked(stream, uses, keep, label)
+            raise  # (an Exception: the backend enqueued nothing -- no lease)
         seq = stream._seq + 1
         stream._seq = seq
         keeps = None  # what the leases' memory needs beyond the tokens (foreign producers)
@@ -272,6 +277,21 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     if became_active and rt.retirer_idle:
         rt.wake_retirer()  # it is sleeping its idle interval
     return sub
+
+
+def _lease_interrupted_locked(stream, uses, keep, label) -> None:
+    """What an interrupt (KeyboardInterrupt from a signal handler) inside a submission's
+    enqueue leaves: work that may be on ``stream`` already -- a host stream's task queued, not
+    yet returned -- and no lease. ``uses`` are leased, keeping ``keep``, until the stream
+    passes this point (a marker recorded now), as the work's would have been: a lease of work
+    that was not enqueued only lasts until the stream reaches here. Caller holds core_lock."""
+    try:
+        marker = fresh_marker_locked(stream)
+    except CompletionUnknownError as e:
+        marker = FailedMarker(e)
+    keeps = _keep_list(keep)
+    keeps.extend([u[0].keep for u in uses])  # (foreign producers: what _submit keeps)
+    lease_locked(stream, list(uses), keeps, label, marker)
 
 
 def _filed_locked(rt, stream, sub, waits) -> bool:
