@@ -425,7 +425,7 @@ def _export_copy(view, stream, versioned, target):
     dev.default_stream.synchronize()
     stok = src._live_token()
     facts = _facts_of(stok.allocation.device)
-    export_tok = _export_hold(src, stok, stream if target[0] == kDLCUDA else None, facts)
+    export_tok = _export_hold(src, stok, stream, facts)  # (None for the host: refused above)
     capsule = _make_capsule(src, export_tok, versioned, FLAG_IS_COPIED if versioned else 0,
                             facts[3])
     src.release()  # the capsule's own token keeps the copy alive

@@ -56,9 +56,8 @@ def _handle_of(obj) -> int | None:
 
 def consumer_stream(dev, handle: int) -> Stream:
     """The sharedmem :class:`~sharedmem.Stream` of a consumer's raw CUDA stream ``handle`` on
-    ``dev`` (see the module docstring)."""
-    if handle in (0, 1, 2):
-        return dev.default_stream
+    ``dev`` (see the module docstring): a stream's own handle, not a default stream's -- 1
+    and 2 a DLPack export maps itself, 0 it refuses."""
     st = Stream.lookup(dev, handle)
     if st is not None:
         return st
