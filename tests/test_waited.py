@@ -151,15 +151,17 @@ class _CaptureCase:
         return sm.launch(self.saxpy, 1, 8, 1.0, sm.In(src), sm.In(self.x), sm.Out(dst), 8,
                          stream=stream)
 
-    def write_q_on_a_elsewhere(self):
+    def write_q_on_a_elsewhere(self, graph):
         """A writes q from another thread (A is not capturing: no escaped-capture warning);
-        returns A's waits, which must be on events recorded into the capture."""
+        returns A's waits, which must be on the marker recorded on S as ``graph``'s capture
+        began -- none on an event recorded into the capture (it would mark nothing that runs)."""
         mark = len(self.drv.calls)
         th = threading.Thread(target=lambda: self.launch(self.x, self.q, self.a))
         th.start()
         th.join()
         waits = _waits(self.drv, self.a, mark)
-        assert waits and all(wt[2] in self.in_capture for wt in waits)
+        assert waits and all(wt[2] == graph._before.handle for wt in waits)
+        assert not self.in_capture
         return waits
 
     def check_read_of_y_waits(self):
@@ -176,30 +178,34 @@ class _CaptureCase:
         sm.synchronize()
 
 
-def test_a_wait_on_a_marker_recorded_into_a_capture_counts_for_nothing(fake, kernels):
-    """While S captures a graph, a launch on A writes q: its conflict is the open hold, so a
-    fresh marker is recorded on S -- into the capture (a live stream's cuStreamWaitEvent on
-    it returns success and orders after nothing, on an H200 with driver 580). That wait must
-    not count: A's next launch reads y and waits for S's seq 1."""
+def test_a_wait_for_a_hold_on_a_capturing_stream_takes_the_captures_start(fake, kernels):
+    """While S captures a graph, a launch on A writes q: its conflict is the open hold, whose
+    consumer's work on S is what runs now -- what S was given before the capture. A marker
+    recorded on S now would go into the capture (a live stream's cuStreamWaitEvent on it
+    returns success and orders after nothing, on an H200 with driver 580): A waits on the one
+    recorded as the capture began. Not noted as waited for (S was capturing): A's next launch
+    reads y and waits for S's seq 1 again."""
     case = _CaptureCase(fake, kernels)
     try:
-        with sm.capture(case.s):
-            case.write_q_on_a_elsewhere()
+        with sm.capture(case.s) as g:
+            case.write_q_on_a_elsewhere(g)
         case.check_read_of_y_waits()
     finally:
         case.close()
 
 
-def test_a_hold_ending_during_a_capture_orders_nothing_later(fake, kernels):
-    """The consumer's hold on S ends while S captures: its lease (S seq 2) gets a marker
-    recorded into the capture. A's write of q, during the capture, waits on it -- which must
-    not count for S's seq 2 and before: A's later read of y waits for S's pending write."""
+def test_a_hold_ending_during_a_capture_is_leased_until_the_captures_start(fake, kernels):
+    """The consumer's hold on S ends while S captures: its lease (S seq 2) takes the marker
+    recorded on S as the capture began, not one recorded into the capture. A's write of q,
+    during the capture, waits on it; not noted as waited for (S was capturing): A's later read
+    of y waits for S's pending write."""
     case = _CaptureCase(fake, kernels)
     try:
-        with sm.capture(case.s):
+        with sm.capture(case.s) as g:
             case.cap = None  # the consumer is done with q: the hold ends (S seq 2)
             gc_collect_harder()
-            case.write_q_on_a_elsewhere()
+            assert case.s._pending[-1].marker is g._before
+            case.write_q_on_a_elsewhere(g)
         case.check_read_of_y_waits()
     finally:
         case.close()

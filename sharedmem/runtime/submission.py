@@ -398,9 +398,14 @@ class FailedMarker:
 
 def fresh_marker_locked(stream, pooled=False):
     """A marker recorded on ``stream`` now: reached once everything given to the stream so
-    far has finished (for an open hold, the consumer's work of unknown extent). Caller holds
-    core_lock (recording enqueues; it never waits). Raises CompletionUnknownError when it
-    cannot be recorded."""
+    far has finished (for an open hold, the consumer's work of unknown extent). While
+    sharedmem captures on the stream, the one recorded as the capture began (``Graph._before``):
+    the work given to it since runs only at replay -- an event recorded into the capture would
+    mark nothing that runs now. Caller holds core_lock (recording enqueues; it never waits).
+    Raises CompletionUnknownError when it cannot be recorded."""
+    graph = stream._capture
+    if graph is not None:
+        return graph._before
     try:
         return stream.device.backend.record_marker(stream._impl, pooled)
     except Exception as e:
@@ -519,19 +524,14 @@ def joined_marker_locked(stream):
     captures behind sharedmem's back -- the stream's open marker where the backend batches
     them: recorded later, at the batch's end or when first asked, so after this point (the
     lease may last a little longer, never shorter), and a hold's end costs no driver call.
-    While sharedmem captures on the stream, the marker recorded there as the capture began
-    (``Graph._before``): nothing is recorded into the capture, and the consumer's work given to
-    the stream before it -- all that runs now -- is covered. On a borrowed stream, one recorded
-    now: its owner may destroy it (a later record would go to a dead handle) or begin a
-    capture on it meanwhile.
+    While sharedmem captures on the stream, :func:`fresh_marker_locked`'s (the one recorded as
+    the capture began). On a borrowed stream, one recorded now: its owner may destroy it (a
+    later record would go to a dead handle) or begin a capture on it meanwhile.
     Caller holds core_lock. Raises CompletionUnknownError where recording failed."""
     # (stream._capture is set and cleared under core_lock with the impl's capture: a C field
     # read where compiled, not an attribute lookup on the impl; _join, its submit_marker bound)
-    graph = stream._capture
-    if graph is not None:
-        return graph._before
     join = stream._join
-    if join is None:
+    if join is None or stream._capture is not None:
         return fresh_marker_locked(stream, True)
     try:
         return join()
