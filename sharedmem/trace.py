@@ -57,8 +57,8 @@ class trace:
     def __init__(self, path=None, *, nvtx=None):
         if path is not None and not isinstance(path, (str, bytes, os.PathLike)):
             # (an int would be taken by open() as a file descriptor: written, and closed)
-            raise TypeError(f"sm.trace takes the path of its JSON file (a str or os.PathLike) or "
-                            f"None, got {path!r}")
+            raise TypeError(f"sm.trace takes the path of its JSON file (a str, bytes or "
+                            f"os.PathLike) or None, got {path!r}")
         self._nvtx = _nvtx_module(nvtx)
         if path is None and self._nvtx is None:
             raise TypeError("sm.trace needs a path for its JSON timeline, or nvtx=True "

@@ -410,8 +410,8 @@ def test_trace_refuses_a_path_that_is_a_file_descriptor(host, tmp_path):
     """``sm.trace(5)`` was accepted: open(5, "w") wrote the timeline to file descriptor 5 --
     whatever the process had open there -- and closed it. A TypeError naming the argument;
     nothing is recorded."""
-    with pytest.raises(TypeError, match=r"^sm\.trace takes the path of its JSON file \(a str or "
-                                        r"os\.PathLike\) or None, got 5$"):
+    with pytest.raises(TypeError, match=r"^sm\.trace takes the path of its JSON file \(a str, "
+                                        r"bytes or os\.PathLike\) or None, got 5$"):
         sm.trace(5)
     with sm.trace(tmp_path / "t.json") as tr:  # (a PathLike: taken)
         sm.Buffer.zeros(4, "float32", device=host).to_host()
