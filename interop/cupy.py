@@ -30,6 +30,7 @@ CuPy ``RawKernel`` / ``RawModule`` kernels launched through ``sharedmem.launch``
 from __future__ import annotations
 
 import sys
+import weakref
 
 from sharedmem.bridges import refs_held_once, refuse_references
 from sharedmem.buffer import DeviceBox
@@ -98,7 +99,8 @@ def adopt(arr) -> Tensor:
         raise AliasError(
             f"cannot adopt a view of another CuPy array (shape {tuple(arr.base.shape)}): the base "
             f"still owns the memory. Adopt the base array, or copy.", ("CuPy base array",))
-    extra = sys.getrefcount(arr) - refs_held_once()  # (before arr is anyone's argument)
+    extra = (sys.getrefcount(arr) - refs_held_once()  # (before arr is anyone's argument)
+             + weakref.getweakrefcount(arr))
     refuse_references(arr, extra, "CuPy array", "wrap()")
     if export_token(arr) is not None:
         raise AliasError("cannot adopt an array made by as_cupy: its memory already belongs to "

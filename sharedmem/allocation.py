@@ -645,8 +645,15 @@ class View:
         if (tok is None and hold is None) or sys is None or sys.is_finalizing():
             return
         if self._state == _LIVE and tok is not None:
+            # (dead first, as release() leaves a view: a finalizer of another object of the
+            # same collected cycle may make this one reachable again, and it must not stay
+            # usable -- exported, sliced -- over bytes no token of it holds any more)
+            self._state = _RELEASED
+            self._dead_id = tok.allocation.id
+            self._token = None
             tok.release()
         if hold is not None:
+            self._export = None
             hold.release()
 
     def __array__(self, dtype=None, copy=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,7 +66,8 @@ def refuse_references(obj, extra: int, name: str, share: str) -> None:
     if extra > 0:
         raise AliasError(
             f"cannot adopt {name} (shape {tuple(obj.shape)}, {obj.dtype}): {extra} other "
-            f"reference{'s' if extra > 1 else ''} to it (names, containers or views) "
+            f"reference{'s' if extra > 1 else ''} to it (names, containers, views or weak "
+            f"references) "
             f"exist{'s' if extra == 1 else ''}. Drop them first, or use {share} to share "
             f"instead.", (f"{name} reference",) * extra)
 
@@ -89,7 +91,8 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     another array and that nothing else references: pass it as a temporary, or drop every
     other name, container and view of it first -- and do not use ``obj`` afterwards.
     (``interop.cupy.adopt`` does the same for CuPy arrays without DLPack.)"""
-    extra = sys.getrefcount(obj) - refs_held_once()
+    # (a weak reference reaches it too, and counts in no refcount)
+    extra = sys.getrefcount(obj) - refs_held_once() + weakref.getweakrefcount(obj)
     t = type(obj)
     root = t.__module__.split(".")[0]
     name = f"{root}.{t.__qualname__}"

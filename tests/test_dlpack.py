@@ -125,7 +125,7 @@ def test_adopt_takes_the_memory_over(host):
     a = np.zeros(4)
     other = [a]
     with pytest.raises(sm.AliasError, match=r"^cannot adopt numpy\.ndarray \(shape \(4,\), "
-                       r"float64\): 1 other reference to it \(names, containers or views\) exists"):
+                       r"float64\): 1 other reference to it \(names, containers, views or weak references\) exists"):
         sm.adopt(a)
     other.clear()
     t2 = sm.adopt(a)

@@ -574,3 +574,68 @@ def test_a_host_kernel_without_arrays_ignores_an_entered_cuda_stream(fake, host)
             assert sm.launch(hk, 1, 1).stream is hs
             assert sm.op(hk, 1, 1).submit().stream is hs
     sm.synchronize()
+
+
+# -- 24. aliases that escaped a move (a review's findings) ----------------------------------------------
+def test_a_view_made_reachable_again_by_a_finalizer_is_dead(host):
+    """model.md: a move raises AliasError while any other live view overlaps the moved range.
+    A slice in a collected cycle whose finalizer saved it gave its token back (``__del__``)
+    but stayed ``is_live``: the move then succeeded, and ``np.from_dlpack(slice)`` made a
+    second writable alias of the moved bytes. It is released like any released view now."""
+    import gc
+    saved = []
+
+    class Keeper:
+        def __del__(self):
+            saved.append(self.items[0])
+
+    b = sm.Buffer.zeros(4, "float32", device=host)
+
+    def cycle():
+        k = Keeper()
+        k.items = [b[0:4], k]
+    cycle()
+    gc.collect()
+    v = saved[0]
+    assert not v.is_live
+    t = sm.Tensor.from_buffer(b, (4,))  # (no alias left: moves)
+    with pytest.raises(sm.ReleasedError):
+        np.from_dlpack(v)
+    with pytest.raises(sm.ReleasedError):
+        v[0:2]
+    assert t.allocation.live_views == 1
+
+
+def test_adopt_counts_weak_references_as_references(host):
+    """api.md: adopt takes an array "that nothing references but the one name passed ... else
+    AliasError". A weak reference was not counted (refcounts do not include them): the array
+    it reached stayed writable over the adopted -- movable -- memory."""
+    import weakref
+    a = np.zeros(4, np.float32)
+    r = weakref.ref(a)
+    with pytest.raises(sm.AliasError, match=r"1 other reference to it \(names, containers, "
+                                            r"views or weak references\) exists"):
+        sm.adopt(a)
+    del a
+    assert r() is None
+
+
+def test_a_host_kernel_exception_holds_no_memoryview_of_its_arguments(host):
+    """model.md: what a host kernel's exception holds of its arguments' memory is replaced by
+    a copy -- the memory is freed and reused once the work retired. A ``memoryview`` in its
+    args (``x.data``, ``memoryview(x)``) was kept: a write through it landed in the next
+    buffer the pool handed out."""
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "float32", device=host, stream=s)
+    lo, hi = b.ptr, b.ptr + 16
+
+    @sm.host_kernel
+    def bad(x):
+        raise ValueError("bad", memoryview(x), x.data)
+
+    with pytest.raises(sm.HostKernelError) as info:
+        sm.launch(bad, 1, 1, b, stream=s).result(timeout=10)
+    for mv in info.value.__cause__.args[1:]:
+        assert isinstance(mv, memoryview) and mv.nbytes == 16
+        addr = np.asarray(mv).ctypes.data
+        assert not lo <= addr < hi  # a copy, not the buffer's bytes

@@ -533,12 +533,15 @@ def _worker(q, state, backend) -> None:
 def _detach(e, args) -> None:
     """Cut what ``e`` -- and the exceptions chained to it (``raise ... from``, or raised while
     handling one) or grouped in it (an ExceptionGroup's) -- holds of the NumPy arrays among a
-    host kernel's arguments ``args``: its frames' locals are cleared, and an array in its
-    ``args`` or attributes that may share memory with one of them is replaced by a copy (the
-    values the kernel saw)."""
+    host kernel's arguments ``args``: its frames' locals are cleared, and an array or a
+    memoryview in its ``args`` or attributes that may share memory with one of them is
+    replaced by a copy (the values the kernel saw)."""
     views = [a for a in args if isinstance(a, np.ndarray)]
 
     def detached(x):
+        if isinstance(x, memoryview):  # (`x.data`, `memoryview(x)`: the same bytes)
+            a = np.asarray(x)
+            return memoryview(a.copy()) if any(np.may_share_memory(a, v) for v in views) else x
         shared = isinstance(x, np.ndarray) and any(np.may_share_memory(x, v) for v in views)
         return x.copy() if shared else x
     todo, seen = [e], set()
