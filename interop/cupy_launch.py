@@ -315,6 +315,8 @@ class RawKernelPlan(KernelPlan):
 
     def __init__(self, kernel, adapter, device, fn, func, params):
         KernelPlan.__init__(self, kernel, adapter, device)
+        if cython.compiled:
+            self.native = True  # (its enqueue: C through, see Work.native)
         self.fn = fn  # the Function: it keeps its module, so `func`, loaded
         self.func = func
         self.params = params

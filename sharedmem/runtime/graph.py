@@ -33,6 +33,11 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from .. import _cython as cython
+
 from .state import CAPTURING, RUNTIME, locked, log
 from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
@@ -64,6 +69,8 @@ class _Executable(Work):
     capturable = False  # (a replay cannot be captured: no escaped-capture warning)
 
     def __init__(self, backend, handle):
+        if cython.compiled:
+            self.native = True  # (on a CUDA stream: the compiled backend's cuGraphLaunch)
         self.backend = backend
         self.handle = handle
         self.launch = backend.launch_graph  # (bound once: no method lookup a replay)

@@ -21,6 +21,8 @@ cdef inline double _now() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 cdef class Work:
+    cdef public bint native
+
     cpdef enqueue(self, stream, config, payload)
 
 cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payload, keep, policy,

@@ -94,7 +94,10 @@ class Work:
     payload)`` puts one piece on ``stream`` and returns its completion marker (see
     :func:`submit_plan`)."""
 
-    __slots__ = ()
+    # native (compiled only, a C field: False unless a constructor sets it): whether enqueue
+    # runs no Python code on a CUDA stream -- C through, so no interrupt can land inside it
+    # and _submit need not guard it (see _lease_interrupted_locked)
+    __slots__ = ("native",)
     #: Whether a capture on another stream of the thread should have recorded this work
     #: (submit warns that it escaped): launches yes; a graph replay, which cannot be
     #: captured, no.
@@ -117,6 +120,8 @@ class _Arrival(Work):
 
 
 _ARRIVAL = _Arrival()
+if cython.compiled:
+    _ARRIVAL.native = True
 
 
 def _keep_list(keep) -> list:
@@ -244,15 +249,10 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                 else:
                     impl.wait_marker(marker)
                     note_waited_locked(stream, other, wseq, marker)
-        try:
-            if plan is not None:
-                marker = plan.enqueue(stream, config, payload)
-            else:
-                marker = enqueue()
-        except BaseException as e:
-            if not isinstance(e, Exception):  # an interrupt: the work may be on the stream
-                _lease_interrupted_locked(stream, uses, keep, label)
-            raise  # (an Exception: the backend enqueued nothing -- no lease)
+        if cython.compiled and plan is not None and plan.native and not stream._checks:
+            marker = plan.enqueue(stream, config, payload)  # (C through: see Work.native)
+        else:
+            marker = _guarded_enqueue(stream, uses, enqueue, plan, config, payload, keep, label)
         seq = stream._seq + 1
         stream._seq = seq
         keeps = None  # what the leases' memory needs beyond the tokens (foreign producers)
@@ -279,12 +279,26 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     return sub
 
 
+def _guarded_enqueue(stream, uses, enqueue, plan, config, payload, keep, label):
+    """_submit's enqueue where Python code runs in it (see Work.native): an interrupt
+    (KeyboardInterrupt from a signal handler) landing there may leave the work on ``stream``
+    already -- a host stream's task queued, not yet returned -- with no lease. ``uses`` are
+    then leased, keeping ``keep``, until the stream passes this point (a marker recorded now),
+    as the work's would have been (a lease of work that was not enqueued only lasts until the
+    stream reaches here), and the interrupt re-raised. An Exception means the backend enqueued
+    nothing: no lease. Caller holds core_lock."""
+    try:
+        if plan is not None:
+            return plan.enqueue(stream, config, payload)
+        return enqueue()
+    except BaseException as e:
+        if not isinstance(e, Exception):
+            _lease_interrupted_locked(stream, uses, keep, label)
+        raise
+
+
 def _lease_interrupted_locked(stream, uses, keep, label) -> None:
-    """What an interrupt (KeyboardInterrupt from a signal handler) inside a submission's
-    enqueue leaves: work that may be on ``stream`` already -- a host stream's task queued, not
-    yet returned -- and no lease. ``uses`` are leased, keeping ``keep``, until the stream
-    passes this point (a marker recorded now), as the work's would have been: a lease of work
-    that was not enqueued only lasts until the stream reaches here. Caller holds core_lock."""
+    """The lease of an enqueue an interrupt cut short (see :func:`_guarded_enqueue`)."""
     try:
         marker = fresh_marker_locked(stream)
     except CompletionUnknownError as e:
