@@ -92,6 +92,7 @@ def inflight() -> list[InFlight]:
     unknown. Retires what has finished first. ``print(*sm.inflight(), sep="\\n")``
     shows one line each."""
     _submission.sweep_all()
+    _submission.raise_deferred()  # (as every API call: a leak just found is reported)
     now = time.monotonic()
     with locked():
         return [_entry(sub, now, "pending") for s in list(RUNTIME.active) for sub in s._pending] \

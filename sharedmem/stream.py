@@ -243,7 +243,8 @@ class Stream:
     def wait(self, event_or_stream: Event | Stream) -> None:
         """Make later work on this stream wait (on the device, without blocking
         the host) for an :class:`Event` or for all current work of a stream (CaptureError
-        where either captures a graph)."""
+        where either captures a graph; CompletionUnknownError, nothing waited for, where that
+        work is known to be of unknown completion)."""
         ev = event_or_stream.record() if isinstance(event_or_stream, Stream) else event_or_stream
         if not isinstance(ev, Event):
             raise TypeError(f"Stream.wait takes an Event or a Stream, got {type(ev).__name__}")
@@ -254,6 +255,8 @@ class Stream:
         if other is not self.device and (other.kind != "cuda" or self.device.kind != "cuda"):
             raise DeviceMismatchError(f"cannot make {self} wait for an event on {other} "
                                       f"(only CUDA devices wait on each other's events)")
+        if ev._marker.query() == 2:  # (known unknown: the stream would never be trusted again)
+            raise ev._unknown()
         self._impl.wait_marker(ev._marker)
 
     @property

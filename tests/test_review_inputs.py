@@ -639,3 +639,120 @@ def test_a_host_kernel_exception_holds_no_memoryview_of_its_arguments(host):
         assert isinstance(mv, memoryview) and mv.nbytes == 16
         addr = np.asarray(mv).ctypes.data
         assert not lo <= addr < hi  # a copy, not the buffer's bytes
+
+
+# -- 25. retirement and reporting (a review's findings) ---------------------------------------------------
+def test_a_wait_for_an_event_known_to_be_of_unknown_completion_is_refused(host):
+    """model.md: work that would have to wait on work of unknown completion is refused; other
+    streams keep working. ``d.wait(ev)`` for an event behind a faulted kernel -- ``ev.query()``
+    already raising CompletionUnknownError -- was accepted, and everything launched on ``d``
+    after it was then kept forever (a buffer written there was refused on every other stream
+    for good). Refused now, nothing waited for: ``d`` keeps working."""
+    import warnings
+
+    from sharedmem.backends.host import HostFault
+    fs, d = host.create_stream(), host.create_stream()
+
+    @sm.host_kernel
+    def faulting(x):
+        raise HostFault("device fault")
+
+    @sm.host_kernel
+    def fill(x):
+        x[:] = 5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.LeakWarning)
+        b = sm.Buffer.zeros(4, "int32", device=host, stream=fs)
+        with pytest.raises(sm.CompletionUnknownError):
+            sm.launch(faulting, 1, 1, b, stream=fs).result(10)
+        ev = fs.record()
+        with pytest.raises(sm.CompletionUnknownError):
+            ev.synchronize(10)  # (known now: its query says so)
+        with pytest.raises(sm.CompletionUnknownError, match=r"^completion of work before this "
+                                                            r"event on <Stream .*> is unknown"):
+            d.wait(ev)
+        leaked = sm.stats().leaked
+        y = sm.Buffer.zeros(4, "int32", device=host, stream=d)
+        sm.launch(fill, 1, 1, y, stream=d).result(10)
+        assert sm.stats().leaked == leaked
+        np.testing.assert_array_equal(y.to_host(stream=host.create_stream()), [5] * 4)
+
+
+def test_a_host_kernel_calling_sharedmem_leaves_deferred_errors_to_a_user_thread(host):
+    """model.md: an exception a callback raises is re-raised at the next API call of a user
+    thread. A host kernel calling sharedmem (here ``sm.stats()``) runs on its stream's worker,
+    no user thread, yet it took such an error: the healthy kernel failed with it
+    (HostKernelError), and the user's next call saw nothing."""
+    import threading
+
+    from sharedmem.runtime.state import RUNTIME
+    s = host.create_stream()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def counts(x):
+        gate.wait(10)
+        sm.stats()
+        x[:] = 1
+
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    fut = sm.launch(counts, 1, 1, b, stream=s)
+    RUNTIME.errors.append(RuntimeError("a callback's error"))  # (as a failing then() leaves)
+    gate.set()
+    with pytest.raises(RuntimeError, match="^a callback's error$"):
+        fut.result(10)  # (the user thread's call: the error is its)
+    assert fut.exception(10) is None  # the kernel itself ran fine
+    np.testing.assert_array_equal(b.to_host(stream=s), [1] * 4)
+
+
+def test_stream_synchronize_waits_for_the_streams_waits(host):
+    """api.md: ``stream.synchronize()`` waits for all work on the stream. On a stream sharedmem
+    owns it waited for the last submission only: after ``c.wait(a.record())`` -- ``a`` still
+    running -- it returned at once while ``c`` was still blocked in that wait."""
+    import threading
+    import time
+    a, c = host.create_stream(), host.create_stream()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def long(x):
+        gate.wait(10)
+
+    x = sm.Buffer.zeros(4, "int32", device=host, stream=a)
+    sm.launch(long, 1, 1, x, stream=a)
+    c.wait(a.record())
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    c.synchronize()
+    assert gate.is_set() and time.monotonic() - t0 >= 0.25  # (it returned at once)
+
+
+def test_a_leak_found_with_no_api_call_after_it_is_reported_at_exit(tmp_path):
+    """errors.md: a LeakWarning is reported once per faulted stream, in the next API call of a
+    user thread. A process whose fault was found (by the retirer, or ``sm.inflight()``) after
+    its last API call exited without a word of it: the warning is given at exit then, as
+    errors deferred to a call that never came are."""
+    import subprocess
+    import sys
+    script = tmp_path / "leak.py"
+    script.write_text(
+        "import time\n"
+        "import sharedmem as sm\n"
+        "from sharedmem.backends.host import HostFault\n"
+        "dev = sm.Device.host()\n"
+        "s = dev.create_stream('fs')\n"
+        "@sm.host_kernel\n"
+        "def flt(x):\n"
+        "    raise HostFault('device fault')\n"
+        "b = sm.Buffer.zeros(4, 'int32', device=dev, stream=s)\n"
+        "sm.launch(flt, 1, 1, b, stream=s)\n"
+        "time.sleep(1.0)  # (the retirer finds the fault; no API call comes after)\n")
+    import os
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "LeakWarning: completion of work on <Stream fs on <Device host> (owned)> is unknown " \
+           "(HostFault('device fault'))" in out.stderr
+    assert out.stderr.count("LeakWarning: completion") == 1

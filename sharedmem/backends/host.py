@@ -38,7 +38,7 @@ import weakref
 import numpy as np
 
 from ..errors import CaptureError, CompletionUnknownError, SharedMemError
-from ..runtime.state import Bell, at_fork_child, at_fork_hold, fork_holds, fork_safe, log
+from ..runtime.state import WORKER, Bell, at_fork_child, at_fork_hold, fork_holds, fork_safe, log
 from . import COMPLETE, DONE, PENDING, UNKNOWN
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -482,6 +482,7 @@ _revive_lock = fork_safe(threading.Lock())
 
 def _worker(q, state, backend) -> None:
     _current_worker.q = q
+    WORKER.kernels = True  # (deferred errors wait for a user thread: see raise_deferred)
     lock, items = q.lock, q.items
     while True:
         lock.acquire()

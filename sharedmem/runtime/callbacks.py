@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 
-from .state import RUNTIME, at_fork_child, fork_safe, locked, log
+from ..errors import LeakWarning
+from .state import RUNTIME, WORKER, at_fork_child, fork_safe, locked, log
 
 __all__ = ["run", "hand_off", "waiting", "on_worker", "retirer_ident"]
 
@@ -129,8 +130,10 @@ def on_worker() -> bool:
 
 def in_callback() -> bool:
     """True while a callback runs in this thread (on a worker, or inline in the thread that
-    retired its work): other work's deferred errors are not for it (see raise_deferred)."""
-    return on_worker() or getattr(_local, "rest", None) is not None
+    retired its work), and in a host stream's worker (a host kernel calling sharedmem): other
+    work's deferred errors are not for it (see raise_deferred)."""
+    return (on_worker() or getattr(_local, "rest", None) is not None or
+            getattr(WORKER, "kernels", False))
 
 
 class waiting:
@@ -180,12 +183,17 @@ def drain_at_exit() -> None:
     if dropped:
         log.warning("exit: callbacks of %d retired submissions dropped after %s s", dropped,
                     EXIT_TIMEOUT)
-    # Errors deferred to an API call that never came (a callback's, a trace hook's): said
-    # once here rather than lost
+    import warnings
+    # Leak warnings and errors deferred to an API call that never came (a callback's, a trace
+    # hook's): said once here rather than lost
+    leaks = list(RUNTIME.warnings)
+    RUNTIME.warnings.clear()
+    for msg in leaks:
+        log.warning("%s", msg)
+        warnings.warn(msg, LeakWarning, stacklevel=1)
     errors = list(RUNTIME.errors)
     RUNTIME.errors.clear()
     if errors:
-        import warnings
         shown = "; ".join(repr(e) for e in errors[:5]) + (" ..." if len(errors) > 5 else "")
         log.error("exit: %d error(s) raised in sharedmem callbacks were never re-raised: %s",
                   len(errors), shown)

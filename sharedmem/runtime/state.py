@@ -223,6 +223,9 @@ class Bell:
 
 #: Streams this thread is capturing on (runtime.graph keeps the list), innermost last.
 CAPTURING = threading.local()
+#: ``.kernels``: True in a host stream's worker thread -- user code (host kernels) runs there,
+#: but it is no user thread: other work's deferred errors wait for one (runtime.callbacks)
+WORKER = threading.local()
 
 
 def warn_user(message: str, category) -> None:

@@ -882,12 +882,22 @@ def record_arrival(tok, stream) -> None:
 
 
 def synchronize_stream(stream) -> None:
-    """Wait for everything submitted to ``stream``, retire it, surface deferred errors."""
+    """Wait for everything submitted to ``stream`` -- on a stream sharedmem owns, everything
+    given to it: its waits (``Stream.wait``) too --, retire it, surface deferred errors."""
+    fresh = None
     with locked():
         if stream._capture is not None:
             raise CaptureError(f"{stream} is capturing a graph: its work has not run and cannot "
                                f"be waited for; end the capture first")
         last = stream._pending[-1] if stream._pending else None
+        if stream._ours:  # (no owner of its own, who could be capturing it: a marker now)
+            try:
+                fresh = fresh_marker_locked(stream, True)
+            except CompletionUnknownError:
+                pass  # (the sweep below reports what made the stream's completion unknown)
+    if fresh is not None:
+        fresh.wait(None)
+        fresh.recycle()
     if last is not None:
         marker = last.marker
         marker.wait(None)
