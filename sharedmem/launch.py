@@ -84,7 +84,7 @@ class Intent:
         c = type(self)  # (the subclasses have no __init__ of their own: one call, not two)
         self._mode = (_READ if c is In else _WRITE if c is Out else  # (subclasses: as their base)
                       _READ if issubclass(c, In) else _ATOMIC if issubclass(c, Atomic) else _WRITE)
-        self.with_length = with_length
+        self.with_length = True if with_length else False  # (a bool: compiled, a C bint)
 
     @property
     def mode(self) -> str:
@@ -139,7 +139,7 @@ class LaunchArg:
         self.token = token
         self._mode = mode
         self.intent = intent
-        self.with_length = with_length
+        self.with_length = True if with_length else False  # (a bool: compiled, a C bint)
         self.offset = offset
 
     @property

@@ -57,7 +57,8 @@ _pool_lock = fork_safe(OwnedLock("the creation of a device's stream pool"))
 def pool_stream(device, avoid=None) -> Stream:
     """A stream of ``device``'s pool (round robin), other than ``avoid`` and not one that
     captures a graph (work given to it would be recorded, not run); a new stream when every
-    pool stream is one of those."""
+    pool stream is one of those. A faulted host stream (it runs nothing more) is replaced in
+    the pool by a new one."""
     with _pool_lock:
         pool = _pools.get(device.key)
         if pool is None:
@@ -65,7 +66,10 @@ def pool_stream(device, avoid=None) -> Stream:
                                           for i in range(POOL_SIZE)], itertools.count())
         streams, turns = pool
         for _ in range(POOL_SIZE):
-            st = streams[next(turns) % POOL_SIZE]
+            i = next(turns) % POOL_SIZE
+            st = streams[i]
+            if st._checks and st._impl.fault is not None:  # (a faulted host stream runs
+                st = streams[i] = device.create_stream(f"sharedmem-pool-{i}")  # nothing more)
             if st is not avoid and st._capture is None:
                 return st
     return device.create_stream("sharedmem-pool-extra")

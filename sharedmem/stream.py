@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import operator
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -107,6 +108,11 @@ class Stream:
         (handles 0, 1 and 2 -- the legacy and the per-thread default streams -- give the
         device's default stream)."""
         if isinstance(obj, Stream):
+            if device is not None:
+                from .device import as_device
+                if obj.device is not as_device(device):
+                    raise DeviceMismatchError(f"{obj} is a stream of {obj.device}, not of "
+                                              f"{as_device(device)}")
             return obj
         if device is None:  # the object borrowed last (a launch loop's stream=): no new borrow
             st = _borrowed_last(obj)
@@ -348,9 +354,24 @@ def handle_reader(obj):
                     f"cuda.core stream, an object with __cuda_stream__, or an int")
 
 
+def borrowed_handle(obj) -> tuple:
+    """``(read, handle)`` of foreign stream ``obj`` as it is first borrowed: how it names its
+    CUstream (:func:`handle_reader`) and the handle, checked to be one (0 to 2**64 - 1;
+    ValueError naming the object otherwise)."""
+    read = handle_reader(obj)
+    handle = read(obj)
+    if not 0 <= handle < 1 << 64:
+        raise ValueError(f"{obj!r} names stream handle {handle}, which is no CUstream (0 to "
+                         f"2**64 - 1)")
+    return read, handle
+
+
 def _protocol_handle(obj) -> int:
-    v = obj.__cuda_stream__()
-    return int(v[1] if isinstance(v, tuple) else v)
+    v = obj.__cuda_stream__()  # (the protocol: a version, 0, and the handle)
+    if type(v) is not tuple or len(v) != 2 or v[0] != 0 or type(v[1]) is bool:
+        raise TypeError(f"{type(obj).__name__}.__cuda_stream__() returned {v!r}; the protocol "
+                        f"is (0, handle): version 0 and the CUstream as an int")
+    return operator.index(v[1])  # (not a float: truncated, it would name another stream)
 
 
 def _torch_handle(obj) -> int:

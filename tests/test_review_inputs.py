@@ -756,3 +756,89 @@ def test_a_leak_found_with_no_api_call_after_it_is_reported_at_exit(tmp_path):
     assert "LeakWarning: completion of work on <Stream fs on <Device host> (owned)> is unknown " \
            "(HostFault('device fault'))" in out.stderr
     assert out.stderr.count("LeakWarning: completion") == 1
+
+
+# -- 26. a differential fuzz's and an asyncio/streams review's findings ------------------------------------
+def test_from_buffer_refuses_2_to_the_63_elements_before_the_move(host):
+    """errors.md: an AliasError or LayoutError leaves "nothing changed". A stride-0 shape of
+    2**63 elements or more (few bytes) was moved first and then failed: compiled, with
+    OverflowError from the tensor's size field -- the buffer lost --; interpreted, it made a
+    Tensor nothing could read. LayoutError now, the buffer untouched."""
+    b = sm.Buffer.zeros(8, "int64", device=host)
+    with pytest.raises(sm.LayoutError, match=r"^shape \(4611686018427387904, 2\) holds "
+                                             r"9223372036854775808 elements; a tensor holds "
+                                             r"fewer than 2\*\*63"):
+        sm.Tensor.from_buffer(b, (2**62, 2), (0, 0))
+    assert b.is_live
+    assert sm.Tensor.from_buffer(b, (2**40, 8), (0, 1)).size == 2**43  # (below: taken)
+
+
+def test_with_length_is_a_bool_in_both_builds(host):
+    """``In(b, with_length=2).with_length`` was True compiled (a C bint) and 2 interpreted; an
+    array raised at construction compiled and at the launch interpreted. A bool in both."""
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    assert sm.In(b, with_length=2).with_length is True
+    assert sm.Out(b, with_length=0).with_length is False
+    with pytest.raises(ValueError, match="truth value"):
+        sm.In(b, with_length=np.array([1, 2]))
+
+
+def test_a_faulted_pool_stream_is_replaced(host):
+    """api.md: an op submitted without a stream runs on a pool stream of its device. A pool
+    stream that faulted (a host kernel raising HostFault) stayed in the pool: every fourth op
+    and zip branch after it failed with CompletionUnknownError for the rest of the process.
+    It is replaced by a new stream the next time its turn comes."""
+    import warnings
+
+    from sharedmem.backends.host import HostFault
+    from sharedmem.ops import POOL_SIZE
+
+    @sm.host_kernel
+    def boom(x):
+        raise HostFault("illegal address (simulated)")
+
+    @sm.host_kernel
+    def fill(x):
+        x[:] = 1
+
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.LeakWarning)
+        with pytest.raises(sm.CompletionUnknownError):
+            sm.op(boom, 1, 1, b).submit().result(10)
+        for _ in range(2 * POOL_SIZE):
+            c = sm.Buffer.zeros(4, "int32", device=host)
+            sm.op(fill, 1, 1, c).submit().result(10)
+            np.testing.assert_array_equal(c.to_host(), [1] * 4)
+
+
+def test_stream_from_external_checks_the_protocol_the_handle_and_the_device(fake):
+    """api.md: ``Stream.from_external`` borrows anything with ``__cuda_stream__`` -- a method
+    returning ``(0, handle)`` -- or a raw handle; DeviceMismatchError for a stream of another
+    device than ``device``. A wrong version, a 3-tuple, a float handle (truncated: another
+    stream), a negative or 65-bit handle were borrowed as streams; a malformed return raised
+    bare IndexError/ValueError; a sharedmem Stream of another device was returned as it is."""
+    dev, drv = fake
+
+    class P:
+        def __init__(self, v):
+            self.v = v
+
+        def __cuda_stream__(self):
+            return self.v
+    for bad in ((1, 0x7B01), ("x", 0x7B02), (0, 0x7B03, 99), 0x7B04, [0, 0x7B05], (0,),
+                (0, True)):
+        with pytest.raises(TypeError, match=r"__cuda_stream__\(\) returned .*; the protocol is "
+                                            r"\(0, handle\)"):
+            sm.Stream.from_external(P(bad), device=dev)
+    with pytest.raises(TypeError):
+        sm.Stream.from_external(P((0, 3.7)), device=dev)
+    for bad in (P((0, -5)), -5, 2**64):
+        with pytest.raises(ValueError, match=r"names stream handle .*, which is no CUstream"):
+            sm.Stream.from_external(bad, device=dev)
+    assert sm.Stream.from_external(P((0, 0x7C01)), device=dev).handle == 0x7C01
+    s = dev.create_stream()
+    with pytest.raises(sm.DeviceMismatchError, match=r"is a stream of <Device cuda:0 .*>, not "
+                                                     r"of <Device host>"):
+        sm.Stream.from_external(s, device="host")
+    assert sm.Stream.from_external(s, device=dev) is s

@@ -40,7 +40,7 @@ import weakref
 import numpy as np
 
 from ..runtime.state import fork_safe, locked
-from ..stream import handle_reader
+from ..stream import borrowed_handle
 from ..errors import BackendUnavailableError, CompletionUnknownError, CudaError
 from . import COMPLETE, DONE, PENDING, UNKNOWN, copy_pieces
 
@@ -628,8 +628,8 @@ class CudaBackend:
 
     def borrow_stream(self, obj) -> CudaStreamImpl:
         """A CudaStreamImpl over a foreign stream (kept alive, never destroyed)."""
-        read = handle_reader(obj)
-        impl = CudaStreamImpl(self, read(obj), False, None, external=obj)
+        read, handle = borrowed_handle(obj)
+        impl = CudaStreamImpl(self, handle, False, None, external=obj)
         impl._read_handle = read
         return impl
 
