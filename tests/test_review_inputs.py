@@ -842,3 +842,41 @@ def test_stream_from_external_checks_the_protocol_the_handle_and_the_device(fake
                                                      r"of <Device host>"):
         sm.Stream.from_external(s, device="host")
     assert sm.Stream.from_external(s, device=dev) is s
+
+
+def test_exit_reports_leaks_and_callback_errors_with_warnings_made_errors(tmp_path):
+    """A leak warning given at exit (the test above) was the first warnings.warn of the exit
+    hook: with warnings made errors (``-W error``) it raised out of the hook, and the callback
+    errors deferred to the exit -- and the host kernel failures never retrieved -- went
+    unreported. Each is said (on stderr, where the warning cannot be given)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import time\n"
+        "import sharedmem as sm\n"
+        "from sharedmem.backends.host import HostFault\n"
+        "dev = sm.Device.host()\n"
+        "s, s2 = dev.create_stream('fs'), dev.create_stream('ok')\n"
+        "@sm.host_kernel\n"
+        "def flt(x):\n"
+        "    raise HostFault('device fault')\n"
+        "@sm.host_kernel\n"
+        "def slow(x):\n"
+        "    time.sleep(0.2)\n"
+        "sm.launch(flt, 1, 1, sm.Buffer.zeros(4, 'int32', device=dev, stream=s), stream=s)\n"
+        "f = sm.launch(slow, 1, 1, sm.Buffer.zeros(4, 'int32', device=dev, stream=s2), "
+        "stream=s2)\n"
+        "def cb(_):\n"
+        "    raise RuntimeError('callback error for the exit')\n"
+        "f.add_done_callback(cb)\n"
+        "time.sleep(1.0)  # (no API call after)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "LeakWarning: completion of work on <Stream fs on <Device host> (owned)>" in out.stderr
+    assert "RuntimeWarning: sharedmem: 1 error(s) raised in callbacks" in out.stderr
+    assert "callback error for the exit" in out.stderr
+    assert "Exception ignored" not in out.stderr

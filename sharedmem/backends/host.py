@@ -617,10 +617,10 @@ def _finish_at_exit() -> None:
             dropped.append(f"{impl.name} ({what})")
     if dropped:
         log.warning("exit: host work unfinished, dropped: %s", ", ".join(dropped))
-        import warnings
-        warnings.warn(f"sharedmem: the interpreter exits with host work unfinished after "
+        from ..runtime.callbacks import warn_at_exit
+        warn_at_exit(f"sharedmem: the interpreter exits with host work unfinished after "
                       f"{EXIT_TIMEOUT} s; dropped: {', '.join(dropped)}. Synchronize "
-                      f"(sm.synchronize()) before exit to keep it.", RuntimeWarning, stacklevel=1)
+                      f"(sm.synchronize()) before exit to keep it.", RuntimeWarning)
     if any(u.error is not None for u in _unretrieved_now()):
         # What finished is retired, and its callbacks run (this hook, registered once a host
         # stream exists, runs before the callbacks' own drain): a then() chained after a

@@ -183,23 +183,33 @@ def drain_at_exit() -> None:
     if dropped:
         log.warning("exit: callbacks of %d retired submissions dropped after %s s", dropped,
                     EXIT_TIMEOUT)
-    import warnings
     # Leak warnings and errors deferred to an API call that never came (a callback's, a trace
     # hook's): said once here rather than lost
     leaks = list(RUNTIME.warnings)
     RUNTIME.warnings.clear()
     for msg in leaks:
         log.warning("%s", msg)
-        warnings.warn(msg, LeakWarning, stacklevel=1)
+        warn_at_exit(msg, LeakWarning)
     errors = list(RUNTIME.errors)
     RUNTIME.errors.clear()
     if errors:
         shown = "; ".join(repr(e) for e in errors[:5]) + (" ..." if len(errors) > 5 else "")
         log.error("exit: %d error(s) raised in sharedmem callbacks were never re-raised: %s",
                   len(errors), shown)
-        warnings.warn(f"sharedmem: {len(errors)} error(s) raised in callbacks (then(), "
+        warn_at_exit(f"sharedmem: {len(errors)} error(s) raised in callbacks (then(), "
                       f"add_done_callback) or trace hooks were never re-raised, for no API call "
-                      f"came after them: {shown}", RuntimeWarning, stacklevel=1)
+                      f"came after them: {shown}", RuntimeWarning)
+
+
+def warn_at_exit(msg, category) -> None:
+    """``warnings.warn`` at exit, never raising: with warnings made errors (``-W error``) one
+    would end the exit hooks early, and what they report after it would go unsaid -- printed
+    to stderr instead."""
+    import warnings
+    try:
+        warnings.warn(msg, category, stacklevel=1)
+    except Exception:
+        print(f"{category.__name__}: {msg}", file=sys.stderr)
 
 
 atexit.register(drain_at_exit)

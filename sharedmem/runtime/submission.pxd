@@ -34,6 +34,9 @@ cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payloa
 cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
                         policy, label)
 
+cdef _guarded_enqueue(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
+                      label)
+
 @cython.locals(pending=list)
 cdef bint _filed_locked(Runtime rt, Stream stream, Submission sub, waits) except -1
 
