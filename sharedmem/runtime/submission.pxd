@@ -76,7 +76,7 @@ cdef class _Hooks(Hooks):
 
 cpdef sweep_long(Stream stream)
 
-@cython.locals(hold=ViewToken, rt=Runtime, markers=list, c=tuple)
+@cython.locals(hold=ViewToken, rt=Runtime, markers=list, c=tuple, own=Stream)
 cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bint blocking=*,
                             stream=*, handle=*)
 

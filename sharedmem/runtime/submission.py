@@ -984,7 +984,8 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     rt = RUNTIME
     rt.acquire()
     try:
-        if stream is not None and stream._capture is not None:  # (where captures begin)
+        own = stream  # (compiled: a typed local -- its _capture a C field read)
+        if own is not None and own._capture is not None:  # (where captures begin)
             raise CaptureError(
                 f"cannot export bytes [{tok.start}, {tok.stop}) of allocation "
                 f"#{tok.allocation.id} to a consumer on {stream}: it is capturing graph "
