@@ -20,6 +20,7 @@ cdef class Param:
     cdef public int size
     cdef public object name, ctype
     cdef public int code, kcode
+    cdef public bint address
     cdef public Py_ssize_t offset
     cdef public object lo, hi
 

@@ -104,11 +104,15 @@ class Param:
     not known), ``size`` in bytes (the driver's), ``name`` and ``ctype`` (from the source, or
     None)."""
 
-    __slots__ = ("kind", "size", "name", "ctype", "code", "offset", "kcode", "lo", "hi")
+    __slots__ = ("kind", "size", "name", "ctype", "code", "offset", "kcode", "address", "lo",
+                 "hi")
 
     def __init__(self, kind, size, name, ctype):
         self.kind, self.size, self.name, self.ctype = kind, size, name, ctype
         self.kcode = _KCODES[kind]  # the same kind, as a small int for pack()
+        # whether it takes an array's address: a pointer, or 8 bytes of a type not known (no
+        # source) -- not a known type sharedmem does not convert (float2, a struct by value)
+        self.address = kind == "p" or (kind == "?" and size == 8 and ctype is None)
         bits = 8 * size
         # the range of an integer parameter's values: a plain char's is both signed and
         # unsigned char's (its signedness is the compiler's), packed as its byte
@@ -386,7 +390,7 @@ class RawKernelPlan(KernelPlan):
             par = params[p]
             t = type(a)
             if t is _BUFFER or t is _TENSOR or isinstance(a, View):  # (its token: the lease's)
-                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8 and par.ctype is None):
+                if not par.address:
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 # (checked above, and a lease names a ViewToken: compiled, no second type test)
@@ -402,7 +406,7 @@ class RawKernelPlan(KernelPlan):
                 p += 1
                 continue
             if type(a) is ArrayFacts:  # a CuPy array (see coerce): its lease, as for a view
-                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8 and par.ctype is None):
+                if not par.address:
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"a CuPy array")
                 j += 1
@@ -417,7 +421,7 @@ class RawKernelPlan(KernelPlan):
             if type(a) is LaunchArg:
                 j += 1
                 la = cython.cast(LaunchArg, a) if cython.compiled else a
-                if par.kcode != _K_PTR and not (par.kcode == _K_ANY and par.size == 8 and par.ctype is None):
+                if not par.address:
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 v = la.value

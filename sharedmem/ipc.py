@@ -275,7 +275,8 @@ def export(view, stream=None) -> IpcExport:
     ex_tok = tok.allocation.new_token(f"CUDA IPC export from pid {os.getpid()}", tok.start,
                                       tok.stop, tok.writable, tok.keep, source=view)
     try:
-        submit(s, [(tok, False)], enqueue, policy="order", label="CUDA IPC export")  # (as any export)
+        # (ordered whatever the policy, as every export)
+        submit(s, [(tok, False)], enqueue, policy="order", label="CUDA IPC export")
         h = _new(IpcHandle, kind=view._kind, dtype=view.dtype.str, shape=tuple(view.shape),
                  strides=tuple(view.strides), nbytes=tok.stop - tok.start,
                  first=view._offset - tok.start,  # element 0, from the first byte shared

@@ -205,9 +205,10 @@ class Tensor(View):
         if reach > n:
             raise LayoutError(f"shape {shape} with strides {strides} reaches element "
                               f"{reach - 1}, beyond {buf!r}")
-        if math.prod(shape) >= 1 << 63:  # (strides of 0 reach few elements: checked before the move)
-            raise LayoutError(f"shape {shape} holds {math.prod(shape)} elements; a tensor holds "
-                              f"fewer than 2**63 (NumPy's and DLPack's sizes are int64s)")
+        size = math.prod(shape)  # (strides of 0 reach few elements: checked before the move)
+        if size >= 1 << 63:
+            raise LayoutError(f"shape {shape} holds {size} elements; a tensor holds fewer than "
+                              f"2**63 (NumPy's and DLPack's sizes are int64s)")
         tok = b._move_token("tensor", "Tensor")
         return new_tensor(tok, b._dtype, shape, strides, tok.start)
 
