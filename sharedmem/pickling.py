@@ -81,10 +81,14 @@ def _values(dtype, shape, data) -> np.ndarray:
 def values_stream(device):
     """The stream a received view's values are copied on: None (the current stream, as for
     any copy), unless that stream captures a graph -- the copy would be recorded, not run, and
-    the new view would hold no values -- then a stream of the device's pool."""
+    the new view would hold no values -- or faulted (a forked child's default stream, busy at
+    the fork: it runs nothing more), then a stream of the device's pool."""
     from .ops import pool_stream
     from .stream import resolve_stream
-    return pool_stream(device) if resolve_stream(None, device)._capture is not None else None
+    s = resolve_stream(None, device)
+    if s._capture is not None or (s._checks and s._impl.fault is not None):
+        return pool_stream(device)
+    return None
 
 
 def rebuild_buffer(dtype, data):

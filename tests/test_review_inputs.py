@@ -880,3 +880,86 @@ def test_exit_reports_leaks_and_callback_errors_with_warnings_made_errors(tmp_pa
     assert "RuntimeWarning: sharedmem: 1 error(s) raised in callbacks" in out.stderr
     assert "callback error for the exit" in out.stderr
     assert "Exception ignored" not in out.stderr
+
+
+# -- 27. processes, fork and exit (a review's findings) -----------------------------------------------
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_inherit_the_parents_deferred_errors(host):
+    """model.md, Fork: the parent's callbacks are the parent's. Its deferred errors and leak
+    warnings stayed in a forked child: the child's first, unrelated call raised the parent's
+    callback error (and each child said the parent's leak warning again at its exit). The
+    parent still gets its own."""
+    import os
+
+    from sharedmem.runtime.state import RUNTIME
+    sm.synchronize()
+    RUNTIME.errors.append(ValueError("parent's callback failed"))
+    RUNTIME.warnings.append("a parent's leak warning")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sm.Buffer.zeros(4, "int32", device=host)
+            sm.stats()
+            code = 0 if not RUNTIME.warnings else 4
+        except BaseException:
+            code = 3
+        os._exit(code)
+    assert os.WEXITSTATUS(os.waitpid(pid, 0)[1]) == 0
+    with pytest.raises(ValueError, match="parent's callback failed"):
+        with pytest.warns(sm.LeakWarning, match="a parent's leak warning"):
+            sm.stats()
+
+
+def test_a_view_unpickled_where_the_default_stream_faulted_uses_a_pool_stream(host):
+    """A child forked while its default host stream ran a kernel finds that stream faulted (it
+    runs nothing more); unpickling a view copied its values there, and failed
+    (CompletionUnknownError: a Pool worker died, and Pool.map hung). The copy takes a stream
+    of the pool then, as it does where the current stream captures."""
+    import pickle
+
+    from sharedmem.pickling import values_stream
+    s = host.default_stream
+    data = pickle.dumps(sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host))
+    impl = s._impl
+    before = impl._state["fault"]
+    impl._state["fault"] = sm.CompletionUnknownError("the default stream was running a task "
+                                                     "when the process forked")
+    try:
+        assert values_stream(host) is not None and values_stream(host) is not s
+        t = pickle.loads(data)
+        np.testing.assert_array_equal(t.to_host(stream=host.create_stream()), np.arange(4))
+    finally:
+        impl._state["fault"] = before
+
+
+def test_exit_waits_for_host_work_on_a_stream_another_thread_captures(tmp_path):
+    """model.md, Exit: at exit sharedmem waits for the host work in flight (or warns). With
+    another thread capturing on the stream, the wait's marker was recorded into the capture
+    (returned at once, and added a task to the user's graph): the work was dropped silently."""
+    import os
+    import subprocess
+    import sys
+    mark = tmp_path / "ran"
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import threading, time\n"
+        "import sharedmem as sm\n"
+        "dev = sm.Device.host()\n"
+        "s = dev.create_stream('s')\n"
+        "@sm.host_kernel\n"
+        "def slow(x):\n"
+        "    time.sleep(0.8)\n"
+        f"    open({str(mark)!r}, 'w').write('ran')\n"
+        "sm.launch(slow, 1, 1, sm.Buffer.zeros(4, 'int32', device=dev, stream=s), stream=s)\n"
+        "began = threading.Event()\n"
+        "def capture():\n"
+        "    with sm.capture(s):\n"
+        "        began.set()\n"
+        "        time.sleep(30)\n"
+        "threading.Thread(target=capture, daemon=True).start()\n"
+        "began.wait(10)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert mark.exists()

@@ -376,6 +376,11 @@ class HostStreamImpl:
         if rec is not None:
             rec.append(fn)
             return COMPLETE
+        return self.queued(fn, isolated)
+
+    def queued(self, fn, isolated=False) -> HostMarker:
+        """``fn`` queued to run, capturing or not (what the exit waits for: a marker recorded
+        into another thread's capture would mark nothing); see :meth:`submit`."""
         m = HostMarker(isolated, self._q)
         if self._finalized:
             self._revive()
@@ -612,7 +617,7 @@ def _finish_at_exit() -> None:
         queued, running = len(impl._q.items), impl._q.running is not None
         if not queued and not running:
             continue
-        if not impl.submit(_noop).wait(max(0.0, deadline - time.monotonic())):
+        if not impl.queued(_noop).wait(max(0.0, deadline - time.monotonic())):
             what = f"{queued} queued" + (", 1 running" if running else "")
             dropped.append(f"{impl.name} ({what})")
     if dropped:

@@ -232,6 +232,11 @@ def _after_fork_child() -> None:
     _queue = collections.deque()
     _workers = _blocked = _running = 0
     _local.__dict__.pop("worker", None)
+    # the parent's deferred errors and leak warnings are the parent's to report (the exceptions
+    # kept referenced, as the callbacks above: their tracebacks may hold what a finalizer frees)
+    _fork_dropped.append((list(RUNTIME.errors), list(RUNTIME.warnings)))
+    RUNTIME.errors.clear()
+    RUNTIME.warnings.clear()
 
 
 at_fork_child(_after_fork_child, 0)
