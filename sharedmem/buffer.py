@@ -312,7 +312,8 @@ def upload(s, tok, a, label):
                       label=label)
     subs = deque()  # this call's pieces in flight: their pinned memory counts against the budget
     policy = None
-    copy = backend.copy_htod if n <= step else partial(_recorded, backend.copy_htod)
+    copy = partial(_uncaptured, s, _capture_began,
+                   backend.copy_htod if n <= step else partial(_recorded, backend.copy_htod))
     for off in range(0, n, step):
         piece = flat[off:off + step]
         src = backend.pinned(piece.nbytes)
@@ -360,8 +361,8 @@ def download(s, tok):
     step = backend.stage_max
     # (each piece checks again where a capture begins, under the core lock: one begun since
     # would record the copy into the graph -- run at replay -- and this read return stale bytes)
-    copy = partial(_uncaptured, s, backend.copy_dtoh if n <= step or not step else
-                   partial(_recorded, backend.copy_dtoh))
+    copy = partial(_uncaptured, s, uncapturable_read, backend.copy_dtoh if n <= step or not step
+                   else partial(_recorded, backend.copy_dtoh))
     if not step:
         DeviceFuture(submit(s, [(tok, False)], partial(copy, impl, raw, src),
                             keep=(raw,), policy="order", label="to_host")).result()
@@ -401,12 +402,19 @@ def uncapturable_read(s) -> CaptureError:
                         f"captured work only runs at replay")
 
 
-def _uncaptured(s, copy, *args):
-    """``copy(*args)``, a piece of a host read on ``s``, enqueued -- refused where ``s`` began
-    capturing since the read was asked for. Caller holds core_lock (where captures begin)."""
+def _uncaptured(s, refusal, copy, *args):
+    """``copy(*args)``, a piece of a copy in pieces on ``s`` (a host read, an upload), enqueued
+    -- ``refusal(s)`` raised where ``s`` began capturing since the copy was asked for: the
+    rest would be recorded, to run at replay. Caller holds core_lock (where captures begin)."""
     if s._capture is not None:
-        raise uncapturable_read(s)
+        raise refusal(s)
     return copy(*args)
+
+
+def _capture_began(s) -> CaptureError:
+    return CaptureError(f"{s} began capturing a graph (another thread) during a copy in pieces "
+                        f"onto it: the pieces enqueued before run, the rest would run only at "
+                        f"replay; copy before or inside the capture, not across its start")
 
 
 def copy_stream(stream, a, b):

@@ -963,3 +963,68 @@ def test_exit_waits_for_host_work_on_a_stream_another_thread_captures(tmp_path):
                          timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert mark.exists()
+
+
+# -- 28. copies and graphs racing captures (a review's findings) ---------------------------------------
+def test_a_replay_whose_stream_began_capturing_is_refused_not_recorded(host):
+    """A replay checked its stream's capture before its submission, not with it: a capture
+    another thread began in between recorded the replay into that thread's graph, and the
+    replay's future said done while nothing ran. The submission refuses it under the core lock,
+    where captures begin (here called as replay() calls it, the capture already begun)."""
+    from sharedmem.runtime.submission import submit_plan
+
+    @sm.host_kernel
+    def add1(x):
+        x[:] += 1
+
+    x = sm.Buffer.zeros(4, "float64", device=host)
+    with sm.capture(host.create_stream()) as inner:
+        sm.launch(add1, 1, 1, sm.InOut(x))
+    uses, keep, label, executable, _ = inner._replay
+    s = host.create_stream()
+    with sm.capture(s) as outer:
+        with pytest.raises(sm.CaptureError, match=rf"^replay of graph #{inner.id} on <Stream .*> "
+                                                  rf"refused: the stream began capturing graph "
+                                                  rf"#{outer.id} \(another thread\)"):
+            submit_plan(s, uses, executable, None, None, keep, None, label)
+    assert outer.launches == 0
+    inner.replay(s).result(10)
+    np.testing.assert_array_equal(x.to_host(), [1.0] * 4)
+
+
+def test_a_copy_in_pieces_is_not_split_by_a_capture_begun_between_pieces(host, monkeypatch):
+    """api.md: a copy in pieces may let other threads' work in between pieces. A capture another
+    thread began between two pieces of ``copy_from(array)`` recorded the rest into its graph:
+    the future said done with most of the destination unwritten. The pieces check under the
+    core lock; the copy raises CaptureError, the pieces before it ran (the staging path is
+    CUDA's: simulated on the host here)."""
+    import threading
+    be = host.backend
+    monkeypatch.setattr(be, "stage_max", 8 * 1024, raising=False)
+    s = host.create_stream()
+    dst = sm.Buffer.zeros(8 * 1024, "float64", device=host, stream=s)  # 64 KiB: 8 pieces
+    s.synchronize()
+    began, done, calls, graphs = threading.Event(), threading.Event(), [], []
+
+    def capture_elsewhere():
+        with sm.capture(s) as g:
+            began.set()
+            done.wait(10)
+        graphs.append(g)
+
+    def pinned(n):  # (before each piece's submission, holding no lock)
+        calls.append(n)
+        if len(calls) == 2:
+            threading.Thread(target=capture_elsewhere).start()
+            began.wait(10)
+        return np.empty(n, np.uint8)
+    monkeypatch.setattr(be, "pinned", pinned, raising=False)
+    with pytest.raises(sm.CaptureError, match=r"began capturing a graph \(another thread\) "
+                                              r"during a copy in pieces"):
+        dst.copy_from(np.ones(8 * 1024), stream=s)
+    done.set()
+    while not graphs:
+        began.wait(1)
+    assert graphs[0].launches == 0  # nothing recorded
+    h = dst.to_host(stream=host.create_stream())
+    assert (h[:1024] == 1).all() and (h[1024:] == 0).all()  # the first piece ran, alone

@@ -67,6 +67,7 @@ class _Executable(Work):
 
     __slots__ = ("backend", "handle", "launch")
     capturable = False  # (a replay cannot be captured: no escaped-capture warning)
+    replays = True
 
     def __init__(self, backend, handle):
         if cython.compiled:

@@ -102,6 +102,9 @@ class Work:
     #: (submit warns that it escaped): launches yes; a graph replay, which cannot be
     #: captured, no.
     capturable = True
+    #: A graph replay: refused, not recorded, where its stream captures (another thread's
+    #: capture may begin after replay() looked: submit decides under the core lock)
+    replays = False
 
     def enqueue(self, stream, config, payload):  # pragma: no cover - overridden
         raise NotImplementedError
@@ -219,6 +222,10 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     try:
         graph = stream._capture
         if graph is not None:  # recorded into a graph: no leases, no waits (see runtime/graph)
+            if plan is not None and plan.replays:
+                raise CaptureError(f"{label_text(label)} on {stream} refused: the stream began "
+                                   f"capturing graph #{graph.id} (another thread), and a replay "
+                                   f"cannot be captured; replay after the capture ends")
             if plan is not None:
                 enqueue = partial(plan.enqueue, stream, config, payload)
             return graph._record_locked(uses, enqueue, _keep_list(keep), label)
