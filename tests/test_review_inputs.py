@@ -733,8 +733,6 @@ def test_a_leak_found_with_no_api_call_after_it_is_reported_at_exit(tmp_path):
     user thread. A process whose fault was found (by the retirer, or ``sm.inflight()``) after
     its last API call exited without a word of it: the warning is given at exit then, as
     errors deferred to a call that never came are."""
-    import subprocess
-    import sys
     script = tmp_path / "leak.py"
     script.write_text(
         "import time\n"
@@ -748,11 +746,7 @@ def test_a_leak_found_with_no_api_call_after_it_is_reported_at_exit(tmp_path):
         "b = sm.Buffer.zeros(4, 'int32', device=dev, stream=s)\n"
         "sm.launch(flt, 1, 1, b, stream=s)\n"
         "time.sleep(1.0)  # (the retirer finds the fault; no API call comes after)\n")
-    import os
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True,
-                         text=True, timeout=60, env=env)
-    assert out.returncode == 0, out.stderr
+    out = _run_script(script, "-W", "always")
     assert "LeakWarning: completion of work on <Stream fs on <Device host> (owned)> is unknown " \
            "(HostFault('device fault'))" in out.stderr
     assert out.stderr.count("LeakWarning: completion") == 1
@@ -849,9 +843,6 @@ def test_exit_reports_leaks_and_callback_errors_with_warnings_made_errors(tmp_pa
     hook: with warnings made errors (``-W error``) it raised out of the hook, and the callback
     errors deferred to the exit -- and the host kernel failures never retrieved -- went
     unreported. Each is said (on stderr, where the warning cannot be given)."""
-    import os
-    import subprocess
-    import sys
     script = tmp_path / "exit.py"
     script.write_text(
         "import time\n"
@@ -872,10 +863,7 @@ def test_exit_reports_leaks_and_callback_errors_with_warnings_made_errors(tmp_pa
         "    raise RuntimeError('callback error for the exit')\n"
         "f.add_done_callback(cb)\n"
         "time.sleep(1.0)  # (no API call after)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-W", "error", str(script)], capture_output=True,
-                         text=True, timeout=60, env=env)
-    assert out.returncode == 0, out.stderr
+    out = _run_script(script, "-W", "error")
     assert "LeakWarning: completion of work on <Stream fs on <Device host> (owned)>" in out.stderr
     assert "RuntimeWarning: sharedmem: 1 error(s) raised in callbacks" in out.stderr
     assert "callback error for the exit" in out.stderr
@@ -936,9 +924,6 @@ def test_exit_waits_for_host_work_on_a_stream_another_thread_captures(tmp_path):
     """model.md, Exit: at exit sharedmem waits for the host work in flight (or warns). With
     another thread capturing on the stream, the wait's marker was recorded into the capture
     (returned at once, and added a task to the user's graph): the work was dropped silently."""
-    import os
-    import subprocess
-    import sys
     mark = tmp_path / "ran"
     script = tmp_path / "exit.py"
     script.write_text(
@@ -958,10 +943,7 @@ def test_exit_waits_for_host_work_on_a_stream_another_thread_captures(tmp_path):
         "        time.sleep(30)\n"
         "threading.Thread(target=capture, daemon=True).start()\n"
         "began.wait(10)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=60, env=env)
-    assert out.returncode == 0, out.stderr
+    _run_script(script)
     assert mark.exists()
 
 
@@ -1028,3 +1010,16 @@ def test_a_copy_in_pieces_is_not_split_by_a_capture_begun_between_pieces(host, m
     assert graphs[0].launches == 0  # nothing recorded
     h = dst.to_host(stream=host.create_stream())
     assert (h[:1024] == 1).all() and (h[1024:] == 0).all()  # the first piece ran, alone
+
+
+def _run_script(script, *flags):
+    """``script`` run by this Python (``flags`` before it) with this test run's import path;
+    its CompletedProcess, which must have succeeded."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, *flags, str(script)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out
