@@ -412,9 +412,10 @@ def _uncaptured(s, refusal, copy, *args):
 
 
 def _capture_began(s) -> CaptureError:
-    return CaptureError(f"{s} began capturing a graph (another thread) during a copy in pieces "
-                        f"onto it: the pieces enqueued before run, the rest would run only at "
-                        f"replay; copy before or inside the capture, not across its start")
+    return CaptureError(f"{s} began capturing a graph (another thread) during a copy onto it: "
+                        f"what was enqueued before runs (a copy in pieces: its first pieces), the "
+                        f"rest would run only at replay; copy before or inside the capture, not "
+                        f"across its start")
 
 
 def copy_stream(stream, a, b):

@@ -1002,7 +1002,7 @@ def test_a_copy_in_pieces_is_not_split_by_a_capture_begun_between_pieces(host, m
         return np.empty(n, np.uint8)
     monkeypatch.setattr(be, "pinned", pinned, raising=False)
     with pytest.raises(sm.CaptureError, match=r"began capturing a graph \(another thread\) "
-                                              r"during a copy in pieces"):
+                                              r"during a copy onto it"):
         dst.copy_from(np.ones(8 * 1024), stream=s)
     done.set()
     while not graphs:
