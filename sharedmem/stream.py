@@ -233,7 +233,7 @@ class Stream:
         owner's too -- then retire it. (``sm.synchronize()`` and ``device.synchronize()``
         wait for sharedmem's work only: a borrowed stream's owner may be capturing it.)"""
         from .runtime.submission import synchronize_stream
-        synchronize_stream(self)
+        synchronize_stream(self, True)
         if not self._ours:
             self._impl.synchronize()
 

@@ -888,16 +888,17 @@ def record_arrival(tok, stream) -> None:
     submit_plan(s, [(tok, True)], _ARRIVAL, None, None, (), "order", "import")
 
 
-def synchronize_stream(stream) -> None:
-    """Wait for everything submitted to ``stream`` -- on a stream sharedmem owns, everything
-    given to it: its waits (``Stream.wait``) too --, retire it, surface deferred errors."""
+def synchronize_stream(stream, everything=False) -> None:
+    """Wait for everything submitted to ``stream`` -- ``everything`` (``Stream.synchronize``),
+    on a stream sharedmem owns, everything given to it: its waits (``Stream.wait``) and other
+    libraries' work there too --, retire it, surface deferred errors."""
     fresh = None
     with locked():
         if stream._capture is not None:
             raise CaptureError(f"{stream} is capturing a graph: its work has not run and cannot "
                                f"be waited for; end the capture first")
         last = stream._pending[-1] if stream._pending else None
-        if stream._ours:  # (no owner of its own, who could be capturing it: a marker now)
+        if everything and stream._ours:  # (no owner who could be capturing it: a marker now)
             try:
                 fresh = fresh_marker_locked(stream, True)
             except CompletionUnknownError:
