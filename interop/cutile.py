@@ -383,6 +383,9 @@ class TilePlan(KernelPlan):
             if warmed.setdefault(key, ev) is ev:  # (else another thread's, just put there)
                 try:
                     self._compile(call_args)
+                except BaseException:  # not compiled (an interrupt too): not warmed
+                    del warmed[key]
+                    raise
                 finally:
                     ev.set()
                 return True
@@ -390,13 +393,23 @@ class TilePlan(KernelPlan):
         if not ev.is_set() and ev.compiler == threading.get_ident():
             return True  # (this thread compiles it, frames below: a finalizer's launch; no wait)
         ev.wait()
+        if warmed.get(key) is not ev:  # that compile failed: this launch compiles it, here
+            return self.warm(call_args)
         return True
 
     def _compile(self, call_args) -> None:
+        """The warm-up launch. A compile error (cuTile's ``TileError``) is raised: the launch
+        fails here, before its leases, with the error cuTile's own launch raises -- and the
+        next launch of that signature compiles again here, never under the core lock (cuTile
+        keeps no failed compile). Anything else is what the empty grid meets: the driver's
+        refusal ("Failed to launch cuTile kernel"), or what the launch itself will raise."""
         try:
             impl = self.backend.create_stream("cuTile warm-up")
             self.ct_launch(impl.handle, (0, 1, 1), self.kernel, call_args)
-        except Exception as e:  # (the empty grid's refusal, or whatever the launch will meet)
+        except Exception as e:
+            tile_error = getattr(_cutile(), "TileError", None)
+            if tile_error is not None and isinstance(e, tile_error):
+                raise
             log.debug("warm-up launch of %s: %r", self.label, e)
 
     def make_config(self, grid, block, shared_mem):

@@ -287,3 +287,73 @@ def test_an_unhashable_kernel_is_planned_and_warmed_once_per_signature(fake, til
     assert owners == [0, 0], owners
     assert owners.warmups == 2, owners.warmups
     assert planned == [kern]
+
+
+def test_a_signature_that_does_not_compile_fails_before_the_lock_at_every_launch(fake, tile):
+    """A warm-up whose compile fails (cuTile's TileError) does not mark the signature warmed:
+    cuTile keeps no failed compile, so the launch after it would compile again under the core
+    lock -- at every launch. The error is raised by the warm-up, before any lease, and the
+    next launch compiles (and fails) there again; once the kernel compiles, it runs."""
+    from sharedmem.runtime.state import RUNTIME
+    dev, _ = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    mod.TileError = type("TileError", (Exception,), {})
+    bad = type("TileTypeError", (mod.TileError,), {})
+    owners = []
+
+    def hook(kernel):
+        owners.append(RUNTIME.owner)
+        raise bad("cannot infer the type of x")
+    mod.compile_hook = hook
+    for _ in range(2):
+        with pytest.raises(bad, match="cannot infer"):
+            sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 2, stream=s)
+        assert sm.stats().in_flight == 0  # (no lease taken, nothing enqueued)
+    assert owners == [0, 0], owners  # (each compile outside the lock: its owner none)
+    mod.compile_hook = owners.append
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 2, stream=s).result()
+    assert np.array_equal(c.to_host(), np.arange(16, dtype=np.float32))
+    assert len(owners) == 3  # (compiled once more, by the warm-up; the launch found it)
+
+
+def test_threads_waiting_on_a_failed_compile_compile_it_themselves(fake, tile):
+    """A thread that waited for another thread's compile of the same signature, which failed,
+    compiles it itself (outside the lock) rather than launching into a compile under it."""
+    from sharedmem.runtime.state import RUNTIME
+    dev, _ = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    c2 = sm.Tensor.zeros((16,), "float32", device=dev)
+    s2 = dev.create_stream("tile2")
+    kern = _kernel()
+    mod.TileError = type("TileError", (Exception,), {})
+    in_a, b_waits = threading.Event(), threading.Event()
+    compiles, errors = [], []
+
+    def hook(kernel):
+        compiles.append((threading.current_thread().name, RUNTIME.owner))
+        if threading.current_thread().name == "A":
+            in_a.set()
+            b_waits.wait(1)
+        raise mod.TileError("no")
+    mod.compile_hook = hook
+
+    def run(name, out, stream):
+        if name == "B":
+            in_a.wait(5)
+            threading.Timer(0.2, b_waits.set).start()  # (B is in its wait by then)
+        try:
+            sm.launch(kern, (1,), None, sm.In(a), sm.Out(out), 2, stream=stream)
+        except mod.TileError as e:
+            errors.append((name, str(e)))
+    ts = [threading.Thread(target=run, args=("A", c, s), name="A"),
+          threading.Thread(target=run, args=("B", c2, s2), name="B")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert sorted(errors) == [("A", "no"), ("B", "no")]
+    assert sorted(compiles) == [("A", 0), ("B", 0)], compiles
+    assert sm.stats().in_flight == 0
