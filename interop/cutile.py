@@ -41,7 +41,8 @@ from sharedmem.buffer import DeviceBox
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.runtime.state import RUNTIME, log
 from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, LaunchArg,
-                              array_args, check_dims, register_kernel_adapter)
+                              array_args, check_dims, check_shared_mem,
+                              register_kernel_adapter)
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
@@ -105,15 +106,14 @@ def _array_keys(typestr, shape, strides, ptr) -> tuple:
         strides = tuple([s * itemsize for s in c_strides(shape)])
     dims = tuple((shape[k] % 16 == 0, shape[k] == 1, strides[k] % 16 == 0,
                   strides[k] == itemsize) for k in range(ndim))
-    # disjoint: along the dimensions of extent > 1, by increasing stride, each stride spans
-    # at least the extent of the ones before it
-    order = sorted((strides[k], shape[k]) for k in range(ndim) if shape[k] > 1)
-    disjoint, span = True, itemsize
-    for stride, extent in order:
-        if stride < span:
+    # disjoint, as cuTile has it: every dimension (extent 1 too) by increasing (stride,
+    # extent), the first stride positive and each stride at least the span of the one before
+    order = sorted(zip(strides, shape))
+    disjoint = ndim == 0 or order[0][0] > 0
+    for k in range(1, ndim):
+        if not (order[k][0] > 0 and order[k][0] >= order[k - 1][0] * order[k - 1][1]):
             disjoint = False
             break
-        span = stride * extent
     bits = (typestr, ndim, ptr % 16 == 0, disjoint, dims)
     return (bits, tuple(shape), tuple(strides)), bits
 
@@ -149,23 +149,27 @@ def _scalar_key(x):
 
 def _param_modes(kernel):
     """How each parameter's argument is keyed, from cuTile's annotations of the kernel:
-    "const" (``ct.Constant``, or a tuple: by value), "array" (an array annotation, which may
-    fix dimensions: the exact layout), "runtime" (a scalar by its type; an array by its
-    specialization bits) -- or None where they cannot be read (cuTile's private structure
+    "const" (``ct.Constant``: by value), "array" (an array annotation, which may fix
+    dimensions: the exact layout), "runtime" (a scalar by its type; an array by its
+    specialization bits), or for a tuple annotation ``("each", mode)`` / ``("items",
+    modes)``: its items' -- or None where they cannot be read (cuTile's private structure
     changed, or not a cuTile kernel): then every argument by value or exact layout, finer
     than cuTile and never coarser."""
     try:
-        modes = []
-        for node in kernel._annotated_function.parameter_annotations:
-            if getattr(node, "KIND", None) != "leaf" or node.constant:
-                modes.append("const")
-            elif node.array is not None:
-                modes.append("array")
-            else:
-                modes.append("runtime")
-        return tuple(modes)
+        return tuple([_mode(node) for node in kernel._annotated_function.parameter_annotations])
     except Exception:
         return None
+
+
+def _mode(node):
+    kind = node.KIND
+    if kind == "leaf":
+        return "const" if node.constant else "array" if node.array is not None else "runtime"
+    if kind == "homogeneous_tuple":
+        return ("each", _mode(node.each))
+    if kind == "heterogeneous_tuple":
+        return ("items", tuple([_mode(n) for n in node.items]))
+    raise TypeError(kind)  # (an annotation this cuTile has and sharedmem does not know)
 
 
 def _is_cupy_array(x) -> bool:
@@ -177,20 +181,28 @@ def _signature(call_args, modes) -> tuple:
     """What cuTile compiles ``call_args`` for, at least as finely as it tells them apart (a
     warmed signature never compiles again; a coarser one would make a launch compile under
     the core lock): see _param_modes, _array_keys and _scalar_key."""
-    key = []
-    for i, x in enumerate(call_args):
-        mode = modes[i] if modes is not None and i < len(modes) else None
-        t = type(x)
-        if t is _ArrayDescriptor:
-            key.append(x.bits if mode == "runtime" else x.sig)
-        elif mode == "runtime" and (t is int or t is float or t is bool or t is complex):
-            key.append(t)
-        elif _is_cupy_array(x):
-            exact, bits = _array_keys(x.dtype.str, x.shape, x.strides, x.data.ptr)
-            key.append(bits if mode == "runtime" else exact)
-        else:
-            key.append(_scalar_key(x))
-    return tuple(key)
+    return tuple([_key(x, modes[i] if modes is not None and i < len(modes) else None)
+                  for i, x in enumerate(call_args)])
+
+
+def _key(x, mode):
+    """One argument's part of a signature (``mode``: see _param_modes). A tuple's items are
+    keyed by their own annotations -- a tuple annotation's items, or the parameter's."""
+    t = type(x)
+    if t is _ArrayDescriptor:
+        return x.bits if mode == "runtime" else x.sig
+    if t is tuple and mode is not None and mode != "const":
+        if type(mode) is tuple:
+            sub = mode[1]
+            return (t, tuple([_key(e, sub if mode[0] == "each" else
+                                   sub[k] if k < len(sub) else None) for k, e in enumerate(x)]))
+        return (t, tuple([_key(e, mode) for e in x]))
+    if mode == "runtime" and (t is int or t is float or t is bool or t is complex):
+        return t
+    if _is_cupy_array(x):
+        exact, bits = _array_keys(x.dtype.str, x.shape, x.strides, x.data.ptr)
+        return bits if mode == "runtime" else exact
+    return _scalar_key(x)
 
 
 def _same_args(a, b) -> bool:
@@ -314,14 +326,16 @@ def _layout(la):
         "strides": strides, "typestr": f"|V{size}", "version": 3}))
 
 
-def _check_no_nested_arrays(i, seq) -> None:
-    """KernelError where tuple or list argument ``i`` holds an array at any depth: cuTile
-    reads the arrays in it, but a launch leases only the arguments themselves (and the
-    warm-up's signature would keep them alive)."""
-    for x in seq:
+def _plain_items(i, seq):
+    """Tuple or list argument ``i`` with the NumPy scalars in it, at any depth, as the Python
+    scalars cuTile takes (``seq`` itself where there are none) -- or KernelError where it
+    holds an array: cuTile reads the arrays in it, but a launch leases only the arguments
+    themselves (and the warm-up's signature would keep them alive)."""
+    out = None
+    for k, x in enumerate(seq):
         t = type(x)
         if t is tuple or t is list:
-            _check_no_nested_arrays(i, x)
+            y = _plain_items(i, x)
         elif t is int or t is float or t is bool or t is complex or t is str or x is None:
             continue
         elif isinstance(x, (View, Intent, LaunchArg, DeviceBox)) or _is_cupy_array(x) or \
@@ -329,9 +343,22 @@ def _check_no_nested_arrays(i, seq) -> None:
             raise KernelError(f"argument {i}: a {t.__name__} inside a {type(seq).__name__}; a "
                               f"launch leases only the arrays passed as arguments themselves "
                               f"-- pass each array as its own argument")
+        elif isinstance(x, _NP_GENERIC):
+            y = x.item()
+        else:
+            continue
+        if y is not x:
+            if out is None:
+                out = list(seq)
+            out[k] = y
+    return seq if out is None else type(seq)(out)
 
 
 _NP_GENERIC = cython.declare(object, np.generic)
+
+#: The largest grid dimension cuTile launches (its validate_grid: 2**24 - 1 blocks, whatever
+#: the device allows)
+_TILE_GRID_MAX = (1 << 24) - 1
 
 #: Signatures a kernel is warmed up for (see TilePlan.warm); past it, a new one compiles
 #: at its launch, under the core lock, as without the warm-up.
@@ -416,9 +443,9 @@ class TilePlan(KernelPlan):
         if block is not None:
             raise KernelError(f"cuTile kernels choose their own block shape: pass block=None, "
                               f"got {block!r}")
-        if shared_mem:
+        if check_shared_mem(shared_mem):
             raise KernelError("cuTile kernels manage their own shared memory: pass shared_mem=0")
-        g = check_dims(grid, "grid", self.backend.limits.grid)
+        g = check_dims(grid, "grid", [min(n, _TILE_GRID_MAX) for n in self.backend.limits.grid])
         return tuple(g) + (1,) * (3 - len(g))
 
     def pack(self, args, uses, config, stream):
@@ -452,7 +479,7 @@ class TilePlan(KernelPlan):
             else:
                 t = type(a)
                 if t is tuple or t is list:
-                    _check_no_nested_arrays(i, a)
+                    a = _plain_items(i, a)
                 if t is int or t is float or t is bool or not isinstance(a, _NP_GENERIC):
                     out[i] = a
                 else:

@@ -357,3 +357,92 @@ def test_threads_waiting_on_a_failed_compile_compile_it_themselves(fake, tile):
     assert sorted(errors) == [("A", "no"), ("B", "no")]
     assert sorted(compiles) == [("A", 0), ("B", 0)], compiles
     assert sm.stats().in_flight == 0
+
+
+def test_runtime_tuples_do_not_use_up_the_warm_budget(fake, tile):
+    """A tuple passed for a non-Constant parameter is keyed as cuTile keys it, item by item
+    (its scalars by type): a tuple of changing offsets makes one warm-up, not one a value --
+    which would use up WARM_MAX and leave the next new shape to compile under the lock."""
+    import interop.cutile as icu
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    # (the arrays annotated: keyed by their exact layout, as the fake cuTile keys them)
+    arr = types.SimpleNamespace(KIND="leaf", constant=False, array=object())
+    leaf = types.SimpleNamespace(KIND="leaf", constant=False, array=None)
+    kern._annotated_function = types.SimpleNamespace(parameter_annotations=(arr, arr, leaf))
+    owners = _cutile_keyed(mod, constant_params=set())
+    for step in range(icu.WARM_MAX + 2):
+        sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), (step, step + 1), stream=s).result()
+    assert owners == [0] and owners.warmups == 1, (owners, owners.warmups)
+    a2 = sm.Tensor.from_host(np.arange(32, dtype=np.float32), device=dev)
+    c2 = sm.Tensor.zeros((32,), "float32", device=dev)
+    sm.launch(kern, (1,), None, sm.In(a2), sm.Out(c2), (0, 1), stream=s).result()
+    assert owners == [0, 0], owners
+
+
+def test_tuple_annotations_key_each_item_by_its_own_annotation(fake, tile):
+    """``tuple[ct.Constant[int], int]``: the constant item by value, the other by type."""
+    from interop.cutile import _key
+    const = types.SimpleNamespace(KIND="leaf", constant=True, array=None)
+    rt = types.SimpleNamespace(KIND="leaf", constant=False, array=None)
+    node = types.SimpleNamespace(KIND="heterogeneous_tuple", items=(const, rt))
+    kern = types.SimpleNamespace(_annotated_function=types.SimpleNamespace(
+        parameter_annotations=(node, types.SimpleNamespace(KIND="homogeneous_tuple", each=rt))))
+    from interop.cutile import _param_modes
+    modes = _param_modes(kern)
+    assert modes == (("items", ("const", "runtime")), ("each", "runtime"))
+    assert _key((4, 7), modes[0]) == _key((4, 9), modes[0]) != _key((5, 7), modes[0])
+    assert _key((1, 2, 3), modes[1]) == _key((4, 5, 6), modes[1]) != _key((1, 2), modes[1])
+    assert _key((1.0, 2), modes[1]) != _key((1, 2), modes[1])  # (the types still count)
+
+
+def test_numpy_scalars_inside_a_tuple_reach_cutile_as_python_scalars(fake, tile):
+    """As at the top level (cuTile takes Python scalars only), and keyed by value: the same
+    values again are the same signature, not a new warm-up each launch."""
+    dev, drv = fake
+    mod, _ = tile
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    owners = _cutile_keyed(mod)
+    got = []
+    inner = mod.launch
+
+    def launch(stream, grid, kernel, args):
+        got.append(args[2])
+        return inner(stream, grid, kernel, args)
+    mod.launch = launch
+    for _ in range(3):
+        sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), (np.float64(0.5), (np.int32(4),)),
+                  stream=s).result()
+    assert got[-1] == (0.5, (4,)) and type(got[-1][0]) is float and type(got[-1][1][0]) is int
+    assert owners.warmups == 1, owners.warmups
+
+
+def test_the_disjoint_bit_counts_dimensions_of_extent_one():
+    """cuTile's disjointness (compute_array_specialization_bits) sorts every dimension by
+    stride, extent 1 too: a zero stride there (a broadcast axis) makes the elements not
+    disjoint -- another specialization, so another signature."""
+    from interop.cutile import _array_keys
+    _, x = _array_keys("<f4", (3, 1), (8, 32), 0)
+    _, y = _array_keys("<f4", (3, 1), (8, 0), 0)
+    assert x[3] is True and y[3] is False
+    assert _array_keys("<f4", (), (), 0)[1][3] is True  # (0-d: disjoint)
+    assert _array_keys("<f4", (4, 4), (4, 8), 0)[1][3] is False  # (rows overlap)
+
+
+def test_cutile_grid_and_shared_mem_are_checked_as_cutile_launches_them(fake, tile):
+    """cuTile launches at most 2**24 - 1 blocks a dimension (its validate_grid), below the
+    device's limit: KernelError before the launch, as for any bad grid; shared_mem is
+    checked as for CuPy kernels (an int), then must be 0."""
+    dev, _ = fake
+    a, c, s = _setup(dev)
+    kern = _kernel()
+    with pytest.raises(sm.KernelError, match=r"dimension x is 16777216, above this device's "
+                                            r"limit of 16777215"):
+        sm.launch(kern, (1 << 24,), None, sm.In(a), sm.Out(c), 2, stream=s)
+    for bad in (None, 0.0, False):
+        with pytest.raises(sm.KernelError, match="shared_mem must be an int >= 0"):
+            sm.launch(kern, (1,), None, sm.In(a), sm.Out(c), 2, stream=s, shared_mem=bad)
+    assert sm.stats().in_flight == 0
