@@ -11,7 +11,7 @@ from .allocation import Allocation, View
 from .device import Device, as_device
 from .errors import CaptureError, DeviceMismatchError, LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
-from .runtime.submission import submit, wait, wait_before
+from .runtime.submission import deferring, raise_deferred, submit, wait, wait_before
 from .stream import Stream, resolve_stream
 
 __all__ = ["Buffer", "DeviceBox", "as_dtype"]
@@ -314,21 +314,23 @@ def upload(s, tok, a, label):
     policy = None
     copy = partial(_uncaptured, s, _capture_began,
                    backend.copy_htod if n <= step else partial(_recorded, backend.copy_htod))
-    for off in range(0, n, step):
-        piece = flat[off:off + step]
-        src = backend.pinned(piece.nbytes)
-        while src is None and subs:
-            wait(subs.popleft())  # (retired: its pinned memory back in the pool)
+    raise_deferred()  # (before the first piece: none between them)
+    with deferring():
+        for off in range(0, n, step):
+            piece = flat[off:off + step]
             src = backend.pinned(piece.nbytes)
-        if src is None:
-            wait_before(tok, s, True)
-            src = piece
-        else:
-            src[:] = piece
-        subs.append(submit(s, [(tok, True)], partial(copy, impl, ptr + off, src),
-                           keep=(src,), policy=policy, label=label))
-        src = None  # (kept by its submission alone: back in the pool once that retired)
-        policy = "order"
+            while src is None and subs:
+                wait(subs.popleft())  # (retired: its pinned memory back in the pool)
+                src = backend.pinned(piece.nbytes)
+            if src is None:
+                wait_before(tok, s, True)
+                src = piece
+            else:
+                src[:] = piece
+            subs.append(submit(s, [(tok, True)], partial(copy, impl, ptr + off, src),
+                               keep=(src,), policy=policy, label=label))
+            src = None  # (kept by its submission alone: back in the pool once that retired)
+            policy = "order"
     return subs[-1]
 
 
@@ -375,24 +377,26 @@ def download(s, tok):
         if pin is not None:
             raw[off:off + pin.nbytes] = pin
 
-    for off in range(0, n, step):
-        c = min(step, n - off)
-        pin = backend.pinned(c)
-        while pin is None and window:
-            copy_out()
+    raise_deferred()  # (before the first piece: none between them)
+    with deferring():
+        for off in range(0, n, step):
+            c = min(step, n - off)
             pin = backend.pinned(c)
-        if pin is None:
-            wait_before(tok, s, False)
-            dst, keep = raw[off:off + c], raw
-        else:
-            dst = keep = pin
-        window.append((submit(s, [(tok, False)], partial(copy, impl, dst, src + off),
-                              keep=(keep,), policy="order", label="to_host"), pin, off))
-        dst = keep = pin = None
-        if len(window) > 1:
+            while pin is None and window:
+                copy_out()
+                pin = backend.pinned(c)
+            if pin is None:
+                wait_before(tok, s, False)
+                dst, keep = raw[off:off + c], raw
+            else:
+                dst = keep = pin
+            window.append((submit(s, [(tok, False)], partial(copy, impl, dst, src + off),
+                                  keep=(keep,), policy="order", label="to_host"), pin, off))
+            dst = keep = pin = None
+            if len(window) > 1:
+                copy_out()
+        while window:
             copy_out()
-    while window:
-        copy_out()
     return raw
 
 

@@ -113,6 +113,9 @@ class DeviceOp(Generic[_T_co]):
             # first parts twice. (A later part can still fail as it is submitted: a conflict
             # under "reject", a view another thread moves meanwhile.)
             self._check(stream.device)
+            _sub.raise_deferred()  # (before its first part: none between them)
+            with _sub.deferring():
+                return self._submit_on(stream)
         return self._submit_on(stream)
 
     # -- implemented by the node types; a composite's ``ops`` are its parts ---------------

@@ -2690,3 +2690,31 @@ def test_parameters_a_review_found_packed_wrong(fake):
         sm.launch(pp, 1, 1, raw, x).result()
         assert got[-1] == (5, x.ptr)
     sm.launch(st, 1, 1, np.complex64(1 + 2j), x).result()  # (by value: the scalar's bytes)
+
+
+def test_an_upload_in_pieces_is_not_cut_by_another_work_s_deferred_error(fake, monkeypatch):
+    """A callback error of other work, deferred while an upload goes in pieces, waits for
+    the next call: raised by the next piece's submission, it left the destination part
+    written and the caller with no future (each piece is a submission of its own)."""
+    import sharedmem.backends.cuda as bc
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    monkeypatch.setattr(bc, "STAGE_MAX", 512)
+    s = dev.create_stream("upload")
+    b = sm.Buffer.zeros(512, "float32", device=dev)  # 2,048 bytes: four pieces
+    sm.synchronize()
+    real = drv.cuMemcpyHtoDAsync
+    n = []
+
+    def copy(*args):
+        n.append(1)
+        if len(n) == 2:  # (a callback of other work raised meanwhile, on another thread)
+            RUNTIME.errors.append(ValueError("other work's callback"))
+        return real(*args)
+    monkeypatch.setattr(drv, "cuMemcpyHtoDAsync", copy)
+    src = np.arange(512, dtype=np.float32)
+    f = b.copy_from(src, stream=s)
+    assert len(n) == 4
+    with pytest.raises(ValueError, match="other work's callback"):
+        f.result()
+    np.testing.assert_array_equal(b.to_host(), src)

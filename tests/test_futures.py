@@ -15,7 +15,7 @@ import pytest
 
 import sharedmem as sm
 from conftest import gc_collect_harder
-from host_kernels import fill, slow_fill
+from host_kernels import fill, inc, slow_fill
 
 
 def test_an_applied_value_honours_result_timeout_and_await_does_not_block(host):
@@ -447,3 +447,88 @@ def test_reprs_of_a_failed_continuation_and_of_an_event_whose_query_fails(host):
 
     ev._marker = Broken()  # (a repr never raises)
     assert repr(ev) == f"<Event on {s}: unknown (RuntimeError)>"
+
+
+def _defer_an_error(host, text):
+    """A callback of other work raises: its error is deferred to the next API call. Returns
+    once it is."""
+    from sharedmem.runtime.state import RUNTIME
+    s = host.create_stream("other")
+    x = sm.Buffer.zeros(4, "float32", device=host, stream=s)
+
+    def bug(f):
+        raise ValueError(text)
+    f = sm.launch(fill, 1, 1, x, 1.0, stream=s)
+    f.add_done_callback(bug)  # (run at once if done: its error deferred all the same)
+    deadline = time.monotonic() + 5
+    while not RUNTIME.errors and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert RUNTIME.errors
+
+
+def test_other_work_s_callback_error_does_not_cut_a_composite_op_between_its_parts(host):
+    """A deferred error arriving while a composite op submits its parts waits for the next
+    call: raised between them it left the first part submitted, no future to wait on, and a
+    resubmission ran that part twice (api.md: every part runs once)."""
+    from host_kernels import Foreign, ForeignKernel
+    a = sm.Buffer.zeros(4, "float32", device=host)
+    c = sm.Buffer.zeros(4, "float32", device=host)
+    reads = []
+
+    class Late(Foreign):  # (its second read: the second part being submitted)
+        @property
+        def buf(self):
+            reads.append(1)
+            if len(reads) == 2:
+                _defer_an_error(host, "other work's bug")
+            return self._b
+
+        @buf.setter
+        def buf(self, v):
+            self._b = v
+    o = sm.op(inc, 1, 1, a).and_then(sm.op(ForeignKernel(), 1, 1, Late(c)))
+    fut = o.submit()  # (both parts submitted: a future to wait on)
+    with pytest.raises(ValueError, match="other work's bug"):
+        fut.result()  # (the next call: the error surfaces there)
+    fut.result()
+    assert a.to_host().tolist() == [1.0] * 4 and c.to_host().tolist() == [7.0] * 4
+
+
+def test_synchronize_waits_for_every_stream_before_raising_a_deferred_error(host):
+    """sm.synchronize() with an error deferred waits for the work of every stream, then
+    raises it: raised after the first stream, the others were neither waited for nor
+    retired."""
+    streams = [host.create_stream(f"s{i}") for i in range(6)]
+    bufs = [sm.Buffer.zeros(4, "float32", device=host, stream=s) for s in streams]
+    sm.synchronize()
+    # (of different lengths: whichever stream is waited for first, one is still running then)
+    futs = [sm.launch(slow_fill, 1, 1, b, 2.0, 0.1 * (i + 1), stream=s)
+            for i, (b, s) in enumerate(zip(bufs, streams))]
+    _defer_an_error(host, "deferred")
+    with pytest.raises(ValueError, match="deferred"):
+        sm.synchronize()
+    assert [f.done() for f in futs] == [True] * 6
+    assert sm.stats().in_flight == 0
+
+
+def test_a_callback_added_to_done_work_defers_its_error_as_any_callback(host):
+    """add_done_callback on a done future runs the callback at once; its exception is
+    deferred to the next API call, as for a callback that ran later (model.md) -- raised out
+    of add_done_callback, a loop adding callbacks broke or not by which work was done."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    f = sm.launch(fill, 1, 1, b, 1.0)
+    f.result()
+    ran = []
+
+    def bug(fut):
+        ran.append(fut)
+        raise ValueError("callback bug")
+    f.add_done_callback(bug)  # (no raise here)
+    assert ran == [f]
+    with pytest.raises(ValueError, match="callback bug"):
+        sm.synchronize()
+    h = sm.op(fill, 1, 1, b, 2.0).apply(lambda v: 5).submit()  # (a HostFuture's too)
+    assert h.result() == 5
+    h.add_done_callback(bug)
+    with pytest.raises(ValueError, match="callback bug"):
+        sm.stats()

@@ -277,7 +277,7 @@ class HostFuture(_FutureBase):
             if self._callbacks is not None:
                 self._callbacks.append(cb)
                 return
-        cb()
+        _callbacks.run([cb])  # (as any callback: its error deferred to the next API call)
 
     def _discard_callback(self, cb) -> None:
         with self._lock:

@@ -851,7 +851,7 @@ def add_callback(sub, cb) -> None:
             else:
                 sub.callbacks.append(cb)
             return
-    cb()
+    _callbacks.run([cb])  # (as any callback: its error deferred to the next API call)
 
 
 def discard_callback(sub, cb) -> None:
@@ -925,19 +925,41 @@ def synchronize_stream(stream, everything=False) -> None:
 
 def synchronize_device(device) -> None:
     """:func:`synchronize_stream` of every stream with work in flight on ``device`` (None:
-    on every device)."""
+    on every device), then deferred errors surfaced: each stream waited for first."""
     with locked():
         streams = [s for s in RUNTIME.active if device is None or s.device is device]
-    for s in streams:
-        synchronize_stream(s)
+    with deferring():
+        for s in streams:
+            synchronize_stream(s)
+    raise_deferred()
+
+
+#: Per thread: how many calls made of several submissions are running (see deferring)
+_parts = threading.local()
+
+
+class deferring:
+    """``with deferring():`` around the parts of one call -- a composite op's launches, a
+    copy's pieces, the streams sm.synchronize waits for: no deferred error (another work's
+    callback's) is raised between them, which would leave the call half done; it waits for
+    the next call. The caller raises what was deferred before (or after) the whole."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _parts.depth = getattr(_parts, "depth", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        _parts.depth -= 1
 
 
 def raise_deferred() -> None:
     """Emit pending leak warnings and re-raise a deferred failure, in the calling (user)
     thread -- not inside a callback, whose caller would take another callback's error for
-    the outcome of what it called (they wait for the next call of a user thread)."""
+    the outcome of what it called (they wait for the next call of a user thread), nor
+    between the parts of one call (see :class:`deferring`)."""
     rt = RUNTIME
-    if _callbacks.in_callback():
+    if _callbacks.in_callback() or getattr(_parts, "depth", 0):
         return
     while rt.warnings:
         try:
@@ -1094,5 +1116,5 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 __all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked",
            "end_holds_locked", "order_consumer", "wait_before", "export_hold",
            "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait",
-           "raise_deferred", "HOLD_SEQ", "FailedMarker", "fresh_marker_locked", "label_text",
+           "raise_deferred", "deferring", "HOLD_SEQ", "FailedMarker", "fresh_marker_locked", "label_text",
            "PENDING", "RETIRED", "UNKNOWN"]
