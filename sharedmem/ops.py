@@ -31,7 +31,7 @@ from .launch import (Intent, _as_view, adapter_for, check_device_kind, default_d
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
-from .runtime.future import DeviceFuture, HostFuture, _outcome
+from .runtime.future import DeviceFuture, HostFuture, _composing, _outcome
 from .runtime.state import OwnedLock, fork_safe
 from .stream import Stream, as_stream, streams_entered
 
@@ -187,7 +187,7 @@ class _Then(DeviceOp):
         second = self.ops[1]._submit_on(stream)
         # (its outcome: the first part's failure -- a host kernel that raised, after which the
         # stream ran the second -- else the second's; both looked at, as zip's branches)
-        return ComputedFuture(second._s, partial(_last_value, (first, second)))
+        return ComputedFuture(second._s, partial(_last_value, (first, second)), (first, second))
 
 
 class _Apply(DeviceOp):
@@ -206,7 +206,7 @@ class _Apply(DeviceOp):
         inner = self.ops[0]._submit_on(stream)
         fn = self.fn
         # (the work completed: _peek is safe in the retiring thread)
-        return ComputedFuture(inner._s, lambda: fn(inner._peek()))
+        return ComputedFuture(inner._s, lambda: fn(inner._peek()), (inner,))
 
 
 class _Zip(DeviceOp):
@@ -224,14 +224,14 @@ class _Zip(DeviceOp):
             # stream (independent work may run in any order, so this is a valid
             # schedule); the graph then replays them in that order.
             futures = [o._submit_on(stream) for o in self.ops]
-            return ComputedFuture(futures[-1]._s, partial(_values, futures))
+            return ComputedFuture(futures[-1]._s, partial(_values, futures), futures)
         futures = [self.ops[0]._submit_on(stream)]
         for o in self.ops[1:]:
             futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))
         for f in futures[1:]:
             stream.wait(f.stream)  # the join, on the device: no host block
         join = _sub.submit(stream, [], stream._impl.submit_marker, label="zip join")
-        return ComputedFuture(join, partial(_values, futures))
+        return ComputedFuture(join, partial(_values, futures), futures)
 
 
 def _values(futures) -> tuple:
@@ -337,11 +337,14 @@ class ComputedFuture(DeviceFuture):
     in the same thread -- which then finds the computation under way and
     returns (other threads wait for it, up to their timeout)."""
 
-    __slots__ = ("_fn", "_owner", "_out")
+    __slots__ = ("_fn", "_owner", "_out", "_parts")
 
-    def __init__(self, submission, fn):
+    def __init__(self, submission, fn, parts):
         super().__init__(submission)
         self._fn = fn
+        # the futures of its parts: their failures are its user's to see -- retrieved when
+        # its own outcome is, else logged as never retrieved once it is dropped with them
+        self._parts = parts
         # the value or its error, set once computed, and the callbacks waiting for it (run
         # then as a submission's: each on its own, its error deferred to a user thread's next
         # call, and one that waits hands the rest to a worker)
@@ -385,7 +388,13 @@ class ComputedFuture(DeviceFuture):
                 else:
                     _waiting[me] = outer
         fn, self._fn = self._fn, None
-        self._out._set(*_outcome(fn))
+        outer = getattr(_composing, "on", False)
+        _composing.on = True  # (the parts' failures: not seen by a user yet)
+        try:
+            outcome = _outcome(fn)
+        finally:
+            _composing.on = outer
+        self._out._set(*outcome)
         return True
 
     def done(self) -> bool:
@@ -414,4 +423,11 @@ class ComputedFuture(DeviceFuture):
     def _peek(self):
         DeviceFuture._peek(self)  # the work's own outcome first
         self._compute(None)  # (computed already, or here)
+        if not getattr(_composing, "on", False):  # (its user sees it: its parts' too)
+            self._retrieved()
         return self._out._peek()
+
+    def _retrieved(self) -> None:
+        DeviceFuture._retrieved(self)
+        for p in self._parts:
+            p._retrieved()

@@ -532,3 +532,30 @@ def test_a_callback_added_to_done_work_defers_its_error_as_any_callback(host):
     h.add_done_callback(bug)
     with pytest.raises(ValueError, match="callback bug"):
         sm.stats()
+
+
+def test_a_failed_part_of_a_forgotten_composite_op_is_logged_as_never_retrieved(host, caplog):
+    """A composite op's future computes its value from its parts' outcomes as soon as they
+    retire: that look is sharedmem's, not its user's. A part that raised, in a composite
+    submitted and dropped, is logged as never retrieved (it was silent); one whose
+    composite's outcome was seen is not."""
+    caplog.set_level(logging.INFO, logger="sharedmem")
+    s = host.create_stream()
+    composites = [lambda b, c: sm.op(_nobody_looks, 1, 1, b).and_then(sm.op(fill, 1, 1, c, 1.0)),
+                  lambda b, c: sm.op(fill, 1, 1, c, 1.0).and_then(sm.op(_nobody_looks, 1, 1, b)),
+                  lambda b, c: sm.zip(sm.op(_nobody_looks, 1, 1, b), sm.op(fill, 1, 1, c, 1.0)),
+                  lambda b, c: sm.op(_nobody_looks, 1, 1, b).apply(len)]
+    for make in composites:
+        for look in (False, True):
+            caplog.clear()
+            b = sm.Buffer.zeros(4, "float32", device=host, stream=s)
+            c = sm.Buffer.zeros(4, "float32", device=host, stream=s)
+            f = make(b, c).submit(s)
+            s.synchronize()
+            time.sleep(0.05)  # (its value computed eagerly, in the retiring thread)
+            if look:
+                assert type(f.exception(5)) is sm.HostKernelError
+            del f, b, c
+            gc_collect_harder()
+            msgs = _never_retrieved(caplog)
+            assert len(msgs) == (0 if look else 1), (make, look, msgs)

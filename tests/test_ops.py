@@ -278,7 +278,7 @@ def test_a_wait_right_after_computing_a_value_another_thread_waits_for_is_no_sel
 
     def thread_a():
         x = box["x"] = ComputedFuture.__new__(ComputedFuture)
-        x.__init__(done._s, fx)  # computed here, in A
+        x.__init__(done._s, fx, ())  # computed here, in A
         try:
             box["a"] = box["y"].result(5)
         except BaseException as e:
@@ -286,7 +286,7 @@ def test_a_wait_right_after_computing_a_value_another_thread_waits_for_is_no_sel
 
     def thread_b():
         y = box["y"] = ComputedFuture.__new__(ComputedFuture)
-        y.__init__(done._s, fy)  # computed here, in B: waits for x
+        y.__init__(done._s, fy, ())  # computed here, in B: waits for x
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(0.5)  # (B wakes once A lets the GIL go: fails at 5 ms too)

@@ -213,10 +213,25 @@ class DeviceFuture(_FutureBase):
                 f"memory is kept, not freed (sharedmem.stats().leaked counts it).") from s.marker.error
         failure = getattr(s.marker, "failure", None)
         if failure is not None:
-            s.marker.retrieved()  # (not logged as never retrieved: see backends.host)
+            if not getattr(_composing, "on", False):  # (its user sees it: see retrieved())
+                s.marker.retrieved()  # (not logged as never retrieved: see backends.host)
             raise HostKernelError(f"{s.label} on {s.stream} raised {failure!r}; its leases were "
                                   f"released and the stream runs on") from failure
         return s.value
+
+
+    def _retrieved(self) -> None:
+        """Its work's failure, if any, seen by its user (a composite op's part: when the
+        composite's outcome was seen, see ops.ComputedFuture)."""
+        m = self._s.marker
+        if getattr(m, "failure", None) is not None:
+            m.retrieved()
+
+
+#: Per thread: ``on`` while sharedmem computes a composite op's value from its parts' outcomes:
+#: a part's failure seen then is not retrieved -- the composite's user has not seen it, and
+#: is told if it is dropped unseen (see ops.ComputedFuture)
+_composing = threading.local()
 
 
 def future_of(submission: Submission) -> DeviceFuture[Any]:
