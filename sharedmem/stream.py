@@ -306,7 +306,8 @@ class Event:
     def synchronize(self, timeout: float | None = None) -> bool:
         """Block until that work finished; False if ``timeout`` passed first;
         CompletionUnknownError as for :meth:`query`."""
-        if not self._marker.wait(timeout):
+        from .runtime.future import check_timeout
+        if not self._marker.wait(check_timeout(timeout)):
             return False
         if self._marker.query() == 2:
             raise self._unknown()

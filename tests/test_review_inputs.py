@@ -270,6 +270,27 @@ def test_result_with_a_timeout_that_is_no_number_is_a_type_error(host):
     assert fut.exception(timeout=1) is None
 
 
+def test_an_infinite_or_huge_timeout_is_no_limit_and_nan_is_refused(fake, host):
+    """``result(math.inf)`` raised OverflowError on the host (Event.wait's limit) and waited
+    on CUDA; ``nan`` timed out at once on the host and never on CUDA. Now infinite, or past
+    threading.TIMEOUT_MAX, is no limit on both, and NaN a ValueError before any wait -- for
+    futures, HostFutures and events."""
+    import math
+    dev, drv = fake
+    for d in (host, dev):
+        s = d.create_stream()
+        b = sm.Buffer.zeros(4, "float32", device=d, stream=s)
+        f = b.fill_zero(stream=s)
+        h = f.then(lambda v: 7)
+        for wait in (f.result, f.exception, h.result, s.record().synchronize):
+            for t in (math.inf, 1e300, 2 ** 70):
+                wait(t)
+            with pytest.raises(ValueError, match=r"^timeout must be None or a number of "
+                                                 r"seconds, got nan$"):
+                wait(math.nan)
+        assert h.result(math.inf) == 7
+
+
 # -- 13. an object array passed with an intent ------------------------------------------------------
 def test_an_intent_on_an_array_of_objects_names_its_dtype(host):
     """``In(np.array([None]))`` said "got ndarray": the one kind of array a host kernel takes,

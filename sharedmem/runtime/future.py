@@ -40,11 +40,18 @@ if TYPE_CHECKING:  # (type checkers read future.pyi, where both futures are Gene
     _U = TypeVar("_U")
 
 
-def _check_timeout(timeout) -> None:
-    """A wait's ``timeout`` (seconds) is a real number: TypeError naming it otherwise (checked
-    before the wait, which would compare it only once it has to wait)."""
+def check_timeout(timeout):
+    """A wait's ``timeout`` as the wait takes it: None (no limit) or seconds -- a real number,
+    TypeError naming it otherwise, ValueError for NaN (checked before the wait, which would
+    compare it only once it has to wait). Infinite, or past what a wait can take
+    (``threading.TIMEOUT_MAX``), it is None."""
+    if timeout is None:
+        return None
     if not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be None or a number of seconds, got {timeout!r}")
+    if timeout != timeout:
+        raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
+    return None if timeout >= threading.TIMEOUT_MAX else timeout
 
 
 @cython.freelist(16)  # (a launch makes a DeviceFuture: same size as this, compiled)
@@ -70,8 +77,7 @@ class _FutureBase:
     def result(self, timeout: float | None = None) -> _T:
         """The value once done, blocking up to ``timeout`` seconds (then TimeoutError); raises
         the error it failed with (a DeviceFuture's: see its class docstring)."""
-        if timeout is not None:
-            _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         self._wait_done(timeout)
         return self._peek()
 
@@ -83,8 +89,7 @@ class _FutureBase:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the work ended with, or None (a TimeoutError when it has not ended
         within ``timeout``; as ``result``, errors of other work's callbacks are re-raised)."""
-        if timeout is not None:
-            _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         self._wait_done(timeout)  # (an interrupt while waiting propagates: not the outcome)
         # (done: _peek does not wait) its own outcome, whatever its type (TimeoutError too)
         return _outcome(self._peek)[1]
