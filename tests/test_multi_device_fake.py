@@ -535,3 +535,44 @@ def test_a_cai_import_of_memory_on_another_device_lands_on_that_device(two, monk
     gc_collect_harder()
     sm.synchronize()
     assert b.allocation.live_views == 1 and sm.stats().live_allocations == before.live_allocations
+
+
+def test_a_driver_or_cupy_that_raises_at_load_falls_back_to_the_host(monkeypatch):
+    """cuda-bindings loads libcuda at its first call: on a machine with the GPU extras but no
+    NVIDIA driver, cuInit raises RuntimeError("Failed to dlopen libcuda.so.1"); a CuPy may
+    raise other than ImportError as it imports. The default device is then the host, as for
+    no CUDA at all, saying why (it raised RuntimeError out of default_device())."""
+    import sys
+
+    import sharedmem.backends.cuda as bc
+    import sharedmem.device as sm_device
+    from fake_cuda import install_fake_devices
+    (gpu,), drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setattr(sm_device, "_devices",
+                        {k: v for k, v in sm_device._devices.items() if k[0] != "cuda"})
+    monkeypatch.delenv("SHAREDMEM_BACKEND", raising=False)
+
+    def no_libcuda(flags):
+        raise RuntimeError("Failed to dlopen libcuda.so.1")
+    monkeypatch.setattr(drv, "cuInit", no_libcuda)
+    for _ in range(2):
+        monkeypatch.setattr(sm_device, "_default", None)
+        monkeypatch.setattr(sm_device, "_fallback", [None])
+        assert sm.default_device() is sm.Device.host()
+    assert sm.device.host_fallback_reason() == (
+        "no usable CUDA driver or GPU here (cuInit: RuntimeError: Failed to dlopen "
+        "libcuda.so.1)")
+    assert bc.device_count() == 0
+
+    class BrokenCupy:  # (an import of cupy that raises RuntimeError)
+        def find_spec(self, name, path=None, target=None):
+            if name == "cupy":
+                raise RuntimeError("CUDA driver version is insufficient")
+    monkeypatch.delitem(sys.modules, "cupy")
+    monkeypatch.setattr(sys, "meta_path", [BrokenCupy()] + sys.meta_path)
+    monkeypatch.setattr(sm_device, "_default", None)
+    monkeypatch.setattr(sm_device, "_fallback", [None])
+    assert sm.default_device() is sm.Device.host()
+    assert sm.device.host_fallback_reason() == (
+        "the CUDA backend takes its memory from CuPy's pool, and CuPy does not import here "
+        "(RuntimeError: CUDA driver version is insufficient)")

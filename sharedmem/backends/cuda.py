@@ -65,8 +65,10 @@ def _load_driver():
         except ImportError:  # pragma: no cover - depends on the machine
             try:
                 from cuda import cuda as driver  # cuda-python < 12.6 layout
-            except ImportError:
+            except Exception:
                 return None
+        except Exception:  # pragma: no cover - an install that cannot load: as none
+            return None
         cu = driver
     if _SUCCESS is None:
         _SUCCESS = cu.CUresult.CUDA_SUCCESS
@@ -433,10 +435,21 @@ class Limits:
 
 
 def device_count() -> int:
-    """How many CUDA devices this process sees (0 without a driver)."""
-    if _load_driver() is None or cu.cuInit(0)[0] != _SUCCESS:
+    """How many CUDA devices this process sees (0 without a usable driver)."""
+    if _load_driver() is None or _init() is not None:
         return 0
     return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def _init():
+    """``cuInit(0)``: None, or why the driver cannot be used -- its error, or what the call
+    raised (cuda-bindings loads libcuda at its first call: without an NVIDIA driver that
+    raises RuntimeError "Failed to dlopen libcuda.so")."""
+    try:
+        err = cu.cuInit(0)[0]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None if err == _SUCCESS else _name(err)
 
 
 #: The context this module last made current, per thread (every device's backend shares it;
@@ -467,11 +480,15 @@ class CudaBackend:
             raise BackendUnavailableError(
                 "the CUDA backend takes its memory from CuPy's pool, and CuPy is not installed: "
                 "pip install 'sharedmem-gpu[cuda13]' (or '[cuda12]')") from None
+        except Exception as e:  # (an install that cannot load: no driver, a broken CUDA)
+            raise BackendUnavailableError(
+                f"the CUDA backend takes its memory from CuPy's pool, and CuPy does not import "
+                f"here ({type(e).__name__}: {e})") from e
         self._cupy = cupy
         self.cu = cu  # the driver module, for destructors that run late
-        err = cu.cuInit(0)[0]
-        if err != _SUCCESS:
-            raise BackendUnavailableError(f"no usable CUDA driver or GPU here (cuInit: {_name(err)})")
+        why = _init()
+        if why is not None:
+            raise BackendUnavailableError(f"no usable CUDA driver or GPU here (cuInit: {why})")
         count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         if count == 0:
             raise BackendUnavailableError("no CUDA device here (cuDeviceGetCount: 0)")
