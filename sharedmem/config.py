@@ -61,16 +61,23 @@ def install_source_finder() -> None:
         sys.meta_path.insert(0, _SourcesFirst)
 
 
+#: The directory holding the sharedmem and interop packages (installed together)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _origin(name: str) -> str:
     """Where module ``name`` runs from: its file if imported, else where it would load from
-    (without importing it -- the CUDA backend and the CuPy adapter import lazily)."""
+    -- without importing it, nor its package: the CUDA backend and the adapters import
+    lazily, and ``import sharedmem`` imports no ``interop`` (a user's own module of that name
+    included)."""
     mod = sys.modules.get(name)
     if mod is not None:
         return getattr(mod, "__file__", None) or ""
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return ""
+    parent = name.rsplit(".", 1)[0]
+    pkg = sys.modules.get(parent)
+    path = list(pkg.__path__) if pkg is not None else [os.path.join(_ROOT, *parent.split("."))]
+    finder = _SourcesFirst if _SourcesFirst in sys.meta_path else importlib.machinery.PathFinder
+    spec = finder.find_spec(name, path)
     return (spec.origin or "") if spec is not None else ""
 
 

@@ -166,10 +166,11 @@ def test_the_build_switch_holds_when_interop_is_imported_first():
     """SHAREDMEM_PURE_PYTHON=1 runs interop's compiled modules from source as well, also when
     a program imports one of them before sharedmem (else a compiled interop module would run
     beside an interpreted core)."""
-    import glob
+    import importlib.machinery
     import os
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not glob.glob(os.path.join(root, "interop", "dlpack*.so")):
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]  # (this interpreter's: not another's)
+    if not os.path.exists(os.path.join(root, "interop", "dlpack" + suffix)):
         pytest.skip("needs the compiled modules (make build)")
     code = ("import interop.dlpack, sharedmem.allocation as a; "
             "print(interop.dlpack.__file__.endswith('.py'), a.__file__.endswith('.py'))")
@@ -179,6 +180,24 @@ def test_the_build_switch_holds_when_interop_is_imported_first():
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=env, cwd=root, timeout=120)
         assert (r.returncode, r.stdout.strip()) == (0, want), r.stderr
+
+
+def test_import_sharedmem_imports_no_interop(tmp_path):
+    """``import sharedmem`` asks where interop's compiled modules would load from without
+    importing the ``interop`` package (DESIGN.md: sharedmem never imports interop at module
+    level): it did, running a user's own ``interop.py`` in the working directory -- and then
+    found no compiled interop there, warned that the core was not built, and with
+    SHAREDMEM_REQUIRE_EXTENSION=1 refused to import."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "interop.py").write_text("print('the user interop ran')\n")
+    code = "import sys, sharedmem; print('interop' in sys.modules)"
+    for flag in ("0", "1"):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(["", root]),
+                   SHAREDMEM_PURE_PYTHON=flag)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=120)
+        assert (r.returncode, r.stdout) == (0, "False\n"), (r.stdout, r.stderr)
 
 
 def test_the_modules_setup_py_compiles_are_the_ones_config_knows():
