@@ -33,7 +33,8 @@ COMPILED = [
     "interop/streams.py",
 ]
 
-REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "") not in ("", "0")
+REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "").strip().lower() in (
+    "1", "true", "yes", "on")  # (as sharedmem.config._flag reads it)
 
 #: Cython and the C compiler run one job a core: a first install compiles 16 large C files.
 JOBS = os.cpu_count() or 1

@@ -31,7 +31,16 @@ COMPILED_MODULES = (
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")
+    """Whether switch ``name`` is on: 1, true, yes or on; unset, empty, 0, false, no or off
+    is off (any case); anything else is a ValueError naming it."""
+    value = os.environ.get(name, "")
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={value!r} is not a switch value: set it to 1 (true, yes, on) or "
+                     f"0 (false, no, off), or unset it")
 
 
 def pure_python_requested() -> bool:

@@ -304,3 +304,20 @@ def test_show_config_says_why_there_is_no_default_device_and_chooses_none(monkey
                                       "'host' or 'cuda' (or unset it))")
     assert out.getvalue().splitlines()[-1] == "default device  " + info["default device"]
     assert d._default is None  # (asking fixes no choice)
+
+
+def test_the_build_switches_read_false_as_off_and_refuse_what_is_no_switch(monkeypatch):
+    """SHAREDMEM_PURE_PYTHON=false ran the interpreted core (about 3x slower per launch,
+    nothing said): any value but "" and "0" was on. Now 1/true/yes/on is on, 0/false/no/off
+    (and unset) off, in any case; anything else a ValueError naming the variable."""
+    from sharedmem import config
+    for value, on in (("1", True), ("TRUE", True), (" yes ", True), ("on", True),
+                      ("", False), ("0", False), ("false", False), ("No", False),
+                      ("off", False)):
+        monkeypatch.setenv("SHAREDMEM_PURE_PYTHON", value)
+        assert config.pure_python_requested() is on, value
+    monkeypatch.setenv("SHAREDMEM_PURE_PYTHON", "maybe")
+    with pytest.raises(ValueError, match=r"^SHAREDMEM_PURE_PYTHON='maybe' is not a switch "
+                                         r"value: set it to 1 \(true, yes, on\) or 0 \(false, "
+                                         r"no, off\), or unset it$"):
+        config.pure_python_requested()
