@@ -9,7 +9,9 @@ GPU library.
 
 from . import config as _config
 
-if _config.pure_python_requested():  # before any core module is imported
+# before any core module is imported: interpreted where asked for, or where the compiled
+# core cannot run as one (partly built, older than its sources: check_required says so)
+if _config.pure_python_requested() or _config.unusable_build():
     _config.install_source_finder()
 
 from .access import get_access_policy, set_access_policy  # noqa: E402

@@ -100,6 +100,42 @@ def compiled() -> bool:
     return not _interpreted()
 
 
+#: Why the compiled core, there, does not run (see unusable_build), or None
+_unusable = None
+
+
+def unusable_build() -> str | None:
+    """Before any core module is imported: why the compiled core that is there cannot run as
+    one -- partly built (a module that failed to compile runs from source, and the compiled
+    ones built against it do not load beside it: "size changed"), or, in a source checkout,
+    older than its sources (an edit not rebuilt would run the old code compiled and the new
+    one interpreted) -- else None. The caller then runs it all interpreted, and
+    :func:`check_required` says why."""
+    global _unusable
+    found = []
+    for m in COMPILED_MODULES:
+        found.append((m, _origin(m)))
+    from_source = [m for m, origin in found if (origin or ".py").endswith(".py")]
+    if from_source and len(from_source) < len(found):
+        _unusable = f"it is partly built: {', '.join(from_source)} not compiled"
+    elif not from_source and os.path.exists(os.path.join(_ROOT, "setup.py")):
+        stale = [m for m, origin in found if _older_than_sources(m, origin)]
+        if stale:
+            _unusable = (f"it is older than its sources ({', '.join(stale)} changed since it "
+                         f"was built): rebuild it (make build)")
+    return _unusable
+
+
+def _older_than_sources(name, origin) -> bool:
+    base = os.path.join(os.path.dirname(origin), name.rsplit(".", 1)[1])
+    try:
+        built = os.stat(origin).st_mtime
+        return any(os.stat(base + ext).st_mtime > built for ext in (".py", ".pxd")
+                   if os.path.exists(base + ext))
+    except OSError:
+        return False
+
+
 def check_required() -> None:
     """ImportError when ``SHAREDMEM_REQUIRE_EXTENSION=1`` and the core is not compiled; a
     warning when it is not compiled and nobody asked for that (an install without a C compiler
@@ -108,17 +144,20 @@ def check_required() -> None:
     if not interpreted:
         return
     if _flag("SHAREDMEM_REQUIRE_EXTENSION"):
+        why = f"; {_unusable}" if _unusable and not pure_python_requested() else ""
         raise ImportError(
             f"SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core is not in use "
             f"({', '.join(interpreted)} run from source"
-            f"{'; SHAREDMEM_PURE_PYTHON is set' if pure_python_requested() else ''}). "
+            f"{'; SHAREDMEM_PURE_PYTHON is set' if pure_python_requested() else why}). "
             f"Build it: pip install Cython and a C compiler, then reinstall sharedmem "
             f"(or `make speedups` in a checkout).")
     if not pure_python_requested():
         import warnings
 
         from .errors import SharedMemWarning
-        warnings.warn("sharedmem: the compiled core is not built here, so it runs interpreted "
+        what = (f"the compiled core cannot run here ({_unusable})" if _unusable else
+                "the compiled core is not built here")
+        warnings.warn(f"sharedmem: {what}, so it runs interpreted "
                       "(about 3x slower per launch). Reinstall with Cython and a C compiler "
                       "(`make speedups` in a checkout), or set SHAREDMEM_PURE_PYTHON=1 to "
                       "choose the interpreted core and silence this", SharedMemWarning,
@@ -164,7 +203,7 @@ def show_config(file=None) -> dict:
         "sharedmem": __version__,
         "core": "compiled (Cython)" if compiled() else (
             "interpreted (SHAREDMEM_PURE_PYTHON=1)" if pure_python_requested()
-            else "interpreted (the compiled modules were not built)"),
+            else f"interpreted ({_unusable or 'the compiled modules were not built'})"),
         "python": platform.python_version(),
         "numpy": _version("numpy"),
         "cython": _version("Cython"),

@@ -321,3 +321,48 @@ def test_the_build_switches_read_false_as_off_and_refuse_what_is_no_switch(monke
                                          r"value: set it to 1 \(true, yes, on\) or 0 \(false, "
                                          r"no, off\), or unset it$"):
         config.pure_python_requested()
+
+
+def test_a_partly_built_or_stale_core_runs_interpreted_and_says_why(monkeypatch, tmp_path):
+    """A module that failed to compile left the others compiled against a source they do
+    not load beside ("size changed" at import, a ValueError); in a checkout, an edit not
+    rebuilt ran the old code compiled and the new one interpreted, silently. Either way the
+    whole core now runs interpreted, and the warning (and show_config) says why."""
+    import os
+
+    from sharedmem import config
+    monkeypatch.setattr(config, "_unusable", None)
+    origins = {m: f"/nowhere/{m}.so" for m in config.COMPILED_MODULES}
+    origins["sharedmem.runtime.state"] = "/nowhere/state.py"
+    monkeypatch.setattr(config, "_origin", origins.get)
+    assert config.unusable_build() == ("it is partly built: sharedmem.runtime.state not "
+                                       "compiled")
+    (tmp_path / "setup.py").write_text("")  # a checkout
+    pkg = tmp_path / "sharedmem"
+    pkg.mkdir()
+    ext, src = pkg / "buffer.cpython-3x.so", pkg / "buffer.py"
+    ext.write_text("")
+    src.write_text("")
+    os.utime(ext, (1000, 1000))
+    os.utime(src, (2000, 2000))
+    monkeypatch.setattr(config, "_ROOT", str(tmp_path))
+    monkeypatch.setattr(config, "_origin", lambda m: str(ext) if m == "sharedmem.buffer"
+                        else f"/nowhere/{m}.so")
+    monkeypatch.setattr(config, "_unusable", None)
+    why = ("it is older than its sources (sharedmem.buffer changed since it was built): "
+           "rebuild it (make build)")
+    assert config.unusable_build() == why
+    monkeypatch.setattr(config, "_interpreted", lambda: ["sharedmem.buffer"])
+    monkeypatch.delenv("SHAREDMEM_PURE_PYTHON", raising=False)
+    monkeypatch.delenv("SHAREDMEM_REQUIRE_EXTENSION", raising=False)
+    with pytest.warns(sm.SharedMemWarning, match=r"^sharedmem: the compiled core cannot run "
+                                                 r"here \(it is older than its sources"):
+        config.check_required()
+    monkeypatch.setenv("SHAREDMEM_REQUIRE_EXTENSION", "1")
+    with pytest.raises(ImportError, match=r"run from source; it is older than its sources"):
+        config.check_required()
+    for undo in (lambda: os.utime(src, (500, 500)),  # rebuilt since
+                 lambda: (tmp_path / "setup.py").unlink()):  # installed: not looked at
+        undo()
+        monkeypatch.setattr(config, "_unusable", None)
+        assert config.unusable_build() is None
