@@ -165,12 +165,16 @@ count: str = sm.stats().in_flight  # E
 graph: int = sm.graph(sm.op(fill, 1, 1, buf, 1.0))  # E
 captured: sm.Graph = sm.capture(sm.Device.host().create_stream())  # E
 copy: int = buf.copy_from(np.zeros(4))  # E
+fut_again = sm.launch(fill, 1, 1, buf, 1.0)
+fut_again.add_done_callback(lambda f: f.no_such_attribute)  # E (f: the future's own type)
 '''
 
 MYPY_INI = """\
 [mypy]
 strict = True
 warn_unused_configs = False
+# as under the oldest Python supported: the stubs must hold there too (typing.Self is 3.11+)
+python_version = 3.10
 # the package's own errors are not the user's (see the module docstring)
 [mypy-sharedmem.*]
 follow_imports = silent

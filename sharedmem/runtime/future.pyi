@@ -5,7 +5,9 @@
 import concurrent.futures
 from collections.abc import Callable, Generator
 from types import GenericAlias
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, TypeVar
+
+from typing_extensions import Self  # (typing.Self is 3.11+: a stub needs no runtime package)
 
 from ..stream import Stream
 from .submission import Submission
