@@ -559,3 +559,22 @@ def test_a_failed_part_of_a_forgotten_composite_op_is_logged_as_never_retrieved(
             gc_collect_harder()
             msgs = _never_retrieved(caplog)
             assert len(msgs) == (0 if look else 1), (make, look, msgs)
+
+
+def test_a_then_function_waiting_for_its_own_future_raises_instead_of_hanging(host):
+    """then(fn) where fn waits for the HostFuture then() returned: that future is set only
+    once fn returns, so the wait hung its thread (a callback worker, or the thread that
+    retired the work) forever. It raises SharedMemError, which becomes that future's error,
+    as apply() does for its values."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    box = {}
+    gate = threading.Event()
+
+    def fn(v):
+        assert gate.wait(5)
+        return box["h"].result(1)
+    box["h"] = sm.launch(fill, 1, 1, b, 1.0).then(fn)
+    gate.set()
+    with pytest.raises(sm.SharedMemError, match=r"^a then\(\) function waits for the "
+                                                r"HostFuture that then\(\) returned"):
+        box["h"].result(5)

@@ -23,7 +23,7 @@ try:
 except ImportError:  # (interpreted without Cython: see sharedmem/_cython.py)
     from .. import _cython as cython
 
-from ..errors import CompletionUnknownError, HostKernelError
+from ..errors import CompletionUnknownError, HostKernelError, SharedMemError
 from . import callbacks as _callbacks
 from . import submission as _sub
 
@@ -69,9 +69,7 @@ class _FutureBase:
         if not callable(fn):
             raise TypeError(f"then takes a callable, got {fn!r}")
         out = HostFuture()
-        # (_peek: no deferred warnings or errors, so any thread may run this; fn is not called
-        # when the work failed)
-        self.add_done_callback(lambda _f: out._set(*_outcome(lambda: fn(self._peek()))))
+        self.add_done_callback(partial(_then, self, fn, out))
         return out
 
     def result(self, timeout: float | None = None) -> _T:
@@ -239,6 +237,13 @@ class DeviceFuture(_FutureBase):
 _composing = threading.local()
 
 
+def _then(fut, fn, out, _f) -> None:
+    """then()'s callback: ``out`` set to ``fn(fut's value)`` (_peek: no deferred warnings or
+    errors, so any thread may run this; fn is not called when the work failed)."""
+    out._owner = threading.get_ident()  # (a wait for ``out`` inside fn would never end)
+    out._set(*_outcome(lambda: fn(fut._peek())))
+
+
 def future_of(submission: Submission) -> DeviceFuture[Any]:
     """The DeviceFuture of ``submission`` (what ``DeviceFuture(submission)`` makes, without
     the call's overhead: every launch returns one)."""
@@ -250,7 +255,7 @@ def future_of(submission: Submission) -> DeviceFuture[Any]:
 class HostFuture(_FutureBase):
     """The outcome of a host function run after device work (``then``)."""
 
-    __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock")
+    __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock", "_owner")
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -258,6 +263,7 @@ class HostFuture(_FutureBase):
         self._error = None
         self._callbacks = []  # zero-argument callables; None once run; guarded by self._lock
         self._lock = threading.Lock()
+        self._owner = None  # the ident of the thread computing its value (then()'s function)
 
     def __repr__(self) -> str:
         if not self._event.is_set():
@@ -287,6 +293,11 @@ class HostFuture(_FutureBase):
 
     def _wait_done(self, timeout) -> None:
         if not self._event.is_set():
+            if self._owner == threading.get_ident():
+                raise SharedMemError(
+                    "a then() function waits for the HostFuture that then() returned, which is "
+                    "set only once that function returns: it would wait forever. Wait for it "
+                    "outside the function (chain another then() after it instead)")
             with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
                 done = self._event.wait(timeout)
             if not done:
