@@ -345,15 +345,16 @@ def _script_output(tmp_path, body, *argv) -> str:
 def test_a_failure_whose_work_lives_to_the_exit_is_reported_at_the_exit(tmp_path):
     """A script's typical case: the failed kernel's buffer (whose access record keeps the
     work's marker) lives until the interpreter exits. The exit reports the exception nobody
-    retrieved, once; one that was retrieved is not reported -- nor one a then() chained after
-    a kernel still running at the end looks at (the exit finishes the kernel and runs the
-    then()'s callback before it reports: before, the host exit hook, registered after the
-    callbacks', ran first and reported it)."""
+    retrieved, once; one that was retrieved is not reported -- nor one a callback chained
+    after a kernel still running at the end looks at, through a then() (the exit finishes
+    the kernel and runs the callbacks before it reports: before, the host exit hook,
+    registered after the callbacks', ran first and reported it)."""
     body = ("f = sm.launch(boom, 1, 1, b)\n"
             "if sys.argv[2] == 'look':\n"
             "    assert isinstance(f.exception(5), sm.HostKernelError)\n"
             "if sys.argv[2] == 'then':\n"
-            "    g = f.then(print)\n")
+            "    g = f.then(print)\n"
+            "    g.add_done_callback(lambda h: h.exception())\n")
     for how, want in (("forget", 1), ("look", 0), ("then", 0)):
         out = _script_output(tmp_path, body, "0.5" if how == "then" else "0", how)
         lines = [ln for ln in out.splitlines() if "never retrieved" in ln]
@@ -379,8 +380,9 @@ def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, c
     assert len(msgs) == 1, msgs
     assert re.match(r"^the exception of host kernel _nobody_looks on host stream "
                     r"'sharedmem-host-stream-\d+' was never retrieved: ValueError\('nobody "
-                    r"looks'\) \(no result\(\), exception\(\), await or then\(\) of its "
-                    r"future looked at it\)$", msgs[0]), msgs[0]
+                    r"looks'\) \(no result\(\), exception\(\) or await of its future, or "
+                    r"of a then\(\) or composite op future carrying it, looked at it\)$",
+                    msgs[0]), msgs[0]
 
     def awaited(f):
         async def main():
@@ -536,15 +538,23 @@ def test_a_callback_added_to_done_work_defers_its_error_as_any_callback(host):
 
 def test_a_failed_part_of_a_forgotten_composite_op_is_logged_as_never_retrieved(host, caplog):
     """A composite op's future computes its value from its parts' outcomes as soon as they
-    retire: that look is sharedmem's, not its user's. A part that raised, in a composite
-    submitted and dropped, is logged as never retrieved (it was silent); one whose
-    composite's outcome was seen is not."""
+    retire (then() its HostFuture's): that look is sharedmem's, not its user's. A part that
+    raised, in a composite submitted and dropped, is logged as never retrieved (it was
+    silent); one whose composite's outcome was seen is not."""
     caplog.set_level(logging.INFO, logger="sharedmem")
     s = host.create_stream()
     composites = [lambda b, c: sm.op(_nobody_looks, 1, 1, b).and_then(sm.op(fill, 1, 1, c, 1.0)),
                   lambda b, c: sm.op(fill, 1, 1, c, 1.0).and_then(sm.op(_nobody_looks, 1, 1, b)),
                   lambda b, c: sm.zip(sm.op(_nobody_looks, 1, 1, b), sm.op(fill, 1, 1, c, 1.0)),
                   lambda b, c: sm.op(_nobody_looks, 1, 1, b).apply(len)]
+
+    class _Then:  # launch(...).then(fn): its failure is the HostFuture's error
+        def __init__(self, b, c):
+            self.b = b
+
+        def submit(self, s):
+            return sm.launch(_nobody_looks, 1, 1, self.b, stream=s).then(len)
+    composites.append(_Then)
     for make in composites:
         for look in (False, True):
             caplog.clear()

@@ -240,8 +240,9 @@ class _Unretrieved:
         e = self.error
         if e is not None:
             self.error = None
-            log.error("the exception of %s was never retrieved: %r (no result(), exception(), "
-                      "await or then() of its future looked at it)", self.label, e, exc_info=e)
+            log.error("the exception of %s was never retrieved: %r (no result(), exception() "
+                      "or await of its future, or of a then() or composite op future carrying "
+                      "it, looked at it)", self.label, e, exc_info=e)
 
 
 _unretrieved = weakref.WeakSet()  # the _Unretrieved alive (reported or retrieved, or not yet)

@@ -241,7 +241,17 @@ def _then(fut, fn, out, _f) -> None:
     """then()'s callback: ``out`` set to ``fn(fut's value)`` (_peek: no deferred warnings or
     errors, so any thread may run this; fn is not called when the work failed)."""
     out._owner = threading.get_ident()  # (a wait for ``out`` inside fn would never end)
-    out._set(*_outcome(lambda: fn(fut._peek())))
+    outer = getattr(_composing, "on", False)
+    _composing.on = True  # (its failure: seen by a user once out's outcome is)
+    try:
+        value, error = _outcome(fut._peek)
+    finally:
+        _composing.on = outer
+    if error is None:
+        value, error = _outcome(lambda: fn(value))
+    else:
+        out._source = fut
+    out._set(value, error)
 
 
 def future_of(submission: Submission) -> DeviceFuture[Any]:
@@ -255,7 +265,7 @@ def future_of(submission: Submission) -> DeviceFuture[Any]:
 class HostFuture(_FutureBase):
     """The outcome of a host function run after device work (``then``)."""
 
-    __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock", "_owner")
+    __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock", "_owner", "_source")
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -264,6 +274,7 @@ class HostFuture(_FutureBase):
         self._callbacks = []  # zero-argument callables; None once run; guarded by self._lock
         self._lock = threading.Lock()
         self._owner = None  # the ident of the thread computing its value (then()'s function)
+        self._source = None  # the future whose failure is its error (then()'s), or None
 
     def __repr__(self) -> str:
         if not self._event.is_set():
@@ -318,5 +329,7 @@ class HostFuture(_FutureBase):
     def _peek(self):
         """The value, or the error it failed with (the value or error is set)."""
         if self._error is not None:
+            if self._source is not None and not getattr(_composing, "on", False):
+                self._source._retrieved()  # (its user sees the failure: see _then)
             raise self._error
         return self._value
