@@ -31,7 +31,7 @@ from sharedmem.runtime.submission import object_export_hold
 from sharedmem.stream import resolve_stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent
 
-from interop.dlpack import driver_region, import_tensor
+from interop.dlpack import driver_region, import_tensor, uncapturable_import
 from interop.streams import current_consumers
 
 __all__ = ["cai_layout", "export_cai", "from_cuda_array_interface", "read_cai"]
@@ -212,6 +212,8 @@ def from_cuda_array_interface(obj, *, stream=None):
     else:
         dev, region = Device(0), None
     s = resolve_stream(stream, dev)
+    if s._capture is not None:  # (the producer's order and the arrival would wait for replay)
+        raise uncapturable_import(s)
     producer = desc.get("stream")
     if producer is not None and version >= 3:
         if isinstance(producer, bool) or not isinstance(producer, int):

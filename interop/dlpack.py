@@ -44,10 +44,10 @@ import numpy as np
 
 from sharedmem.allocation import View, import_allocation
 from sharedmem.device import Device, as_device
-from sharedmem.errors import DeviceMismatchError
+from sharedmem.errors import CaptureError, DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
 from sharedmem.stream import Stream
-from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor
+from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor, numpy_region
 
 from interop.streams import consumer_stream, current_streams
 
@@ -128,6 +128,10 @@ def _dl_dtype(dt: np.dtype) -> tuple:
     if not dt.isnative:  # DLPack has no byte order: a consumer would read native values
         raise BufferError(f"dtype {dt.str!r} is not in native byte order, which DLPack cannot "
                           f"say; copy to {dt.newbyteorder('=').name!r} first")
+    if dt.itemsize > (16 if dt.kind == "c" else 8):  # (long double: DLPack's 128-bit float is
+        raise BufferError(f"dtype {dt} (the platform's long double) has no DLPack "  # IEEE's)
+                          f"equivalent: DLPack's {dt.itemsize * 8}-bit floats are IEEE "
+                          f"binary128; copy to float64 / complex128 first")
     return code, dt.itemsize * 8
 
 
@@ -142,11 +146,16 @@ def _np_dtype(t: DLDataType) -> np.dtype:
         except ImportError:
             raise BufferError("bfloat16 tensors need the ml_dtypes package") from None
     kind = {kDLBool: "b", kDLInt: "i", kDLUInt: "u", kDLFloat: "f", kDLComplex: "c"}.get(code)
-    try:
-        if kind is not None and not bits % 8:
-            return np.dtype(f"{kind}{bits // 8}") if kind != "b" else np.dtype(bool)
-    except TypeError:  # (no such size of that kind)
-        pass
+    # (bools of one byte only; floats up to 64 bits, complex up to 128: DLPack's wider ones
+    # are IEEE binary128, not the platform's long double that NumPy's float128 is)
+    if kind == "b" and bits == 8:
+        return np.dtype(bool)
+    if kind in ("i", "u") or (kind == "f" and bits <= 64) or (kind == "c" and bits <= 128):
+        try:
+            if not bits % 8:
+                return np.dtype(f"{kind}{bits // 8}")
+        except TypeError:  # (no such size of that kind)
+            pass
     raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported")
 
 
@@ -481,6 +490,15 @@ def driver_region(info, ptr: int, nbytes: int, what: str, error):
     return start, size
 
 
+def uncapturable_import(s) -> CaptureError:
+    """The error of an import onto ``s`` while it captures (checked before the producer is
+    asked): its ordering after the producer's work and the arrival would be recorded into
+    the graph, run at replay only -- use of the memory outside the graph would not wait."""
+    return CaptureError(f"an import onto {s}, which is capturing a graph, would be ordered "
+                        f"after the producer's work only when the graph replays; import on a "
+                        f"stream that is not capturing (before the capture begins)")
+
+
 def import_tensor(dev, ptr: int, nbytes: int, source: str, region, writable: bool, owner,
                   dtype, shape, strides, stream, producer, aliased: bool = True):
     """The Tensor of an import (DLPack, CAI): ``nbytes`` at ``ptr`` on ``dev`` as a range of
@@ -523,7 +541,10 @@ def _device_of(dl: DLDevice):
     if t in (kDLCPU, kDLCUDAHost):
         return Device.host()
     if t in (kDLCUDA, kDLCUDAManaged):
-        return Device(i)
+        try:
+            return Device(i)
+        except (ValueError, ImportError) as e:  # (no such device, no CUDA backend here)
+            raise BufferError(f"DLPack device (CUDA, id {i}) is not usable here: {e}") from e
     raise BufferError(f"DLPack device type {t} (id {i}) is not supported; sharedmem imports CPU "
                       f"and CUDA memory")
 
@@ -548,6 +569,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     arrays, whose capsules keep them alive: while the import lives). Take the
     memory over with :func:`sharedmem.adopt` instead when nothing else holds it."""
     s = None if stream is None else Stream.from_external(stream)  # (a Stream: itself)
+    if s is not None and s._capture is not None:
+        raise uncapturable_import(s)
     where = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
     on_cuda = where is not None and where[0] in (kDLCUDA, kDLCUDAManaged)
     if s is not None and where is not None:  # (before anything is imported)
@@ -587,7 +610,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
                               f"consumer knows 1.x)")
         dlt, flags = m.dl_tensor, m.flags
     else:
-        dlt, flags = DLManagedTensor.from_address(addr).dl_tensor, 0
+        m = DLManagedTensor.from_address(addr)
+        dlt, flags = m.dl_tensor, 0
     dev = _device_of(dlt.device)
     if s is not None and s.device is not dev:  # (a bare capsule: its device known only now)
         raise _elsewhere(s, f"the capsule on {dev}")
@@ -623,8 +647,16 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         info = dev.backend.pointer_info(ptr)
         if info is not None:
             region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)
+    elif isinstance(obj, np.ndarray) and nbytes:  # (its base's memory: see numpy_region)
+        region = numpy_region(obj)
     # consume: from here on we own the managed tensor and must call its deleter
     _set_name(capsule, used)
-    owner = _Imported(addr, versioned)
-    return import_tensor(dev, ptr, nbytes, "dlpack", region, not (flags & FLAG_READ_ONLY), owner,
-                         dtype, shape, strides, s, None if obj is capsule else obj, not _adopt)
+    ours = ctypes.cast(m.deleter, ctypes.c_void_p).value == _DELETER_ADDR  # (our own export)
+    owner = None if ours else _Imported(addr, versioned)
+    try:
+        return import_tensor(dev, ptr, nbytes, "dlpack", region, not (flags & FLAG_READ_ONLY),
+                             owner, dtype, shape, strides, s, None if obj is capsule else obj,
+                             not _adopt)
+    finally:
+        if ours:  # the import's token keeps our memory: the export ends now (kept, it was
+            _delete(addr)  # an alias of the import itself, which could never be moved)

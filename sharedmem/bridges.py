@@ -158,9 +158,8 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
         if strides is None:  # (else in bytes: a multiple of the item size or not)
             strides = tuple(s * isz for s in c_strides(shape))
         e_lo, e_hi = extent(shape, strides, isz)
-        if not isinstance(stream, Stream):
-            from .device import default_device
-            stream = Stream.from_external(stream, default_device())
+        if not isinstance(stream, Stream):  # (its device: the one it names, not the default)
+            stream = Stream.from_external(stream)
         if e_lo == e_hi:  # an empty array uses no bytes (its pointer may be 0): nothing to order
             return
         ptr += e_lo

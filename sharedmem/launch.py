@@ -40,7 +40,7 @@ from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, as_stream, current_stream, streams_entered
-from .tensor import Tensor, extent
+from .tensor import Tensor, extent, numpy_region
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
            "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "ForeignArray",
@@ -706,14 +706,7 @@ def numpy_lease(arr):
     lo, hi = extent(arr.shape, arr.strides, arr.itemsize)
     nbytes = hi - lo
     ptr = arr.ctypes.data
-    # (the memory of the array's outermost base: views of one array are one allocation, so
-    # that two streams writing overlapping views of it are ordered like any two views)
-    root = arr
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    rlo, rhi = extent(root.shape, root.strides, root.itemsize)
-    region = (root.ctypes.data + rlo, rhi - rlo) if rhi else None
-    alloc = import_allocation(Device.host(), ptr + lo, nbytes, "numpy", region=region)
+    alloc = import_allocation(Device.host(), ptr + lo, nbytes, "numpy", region=numpy_region(arr))
     start = ptr + lo - alloc.ptr
     tok = ViewToken(alloc, "NumPy array argument", start, start + nbytes,
                     bool(arr.flags.writeable), alloc)

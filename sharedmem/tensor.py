@@ -55,6 +55,17 @@ def extent(shape, strides, itemsize=1) -> tuple[int, int]:
     return lo, hi + itemsize
 
 
+def numpy_region(arr):
+    """``(address, size)`` of the memory of NumPy array ``arr``'s outermost base, or None
+    (empty): any view of one array, imported or leased, is a range of that one allocation --
+    whichever view came first -- so that work on overlapping views is ordered."""
+    root = arr
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    rlo, rhi = extent(root.shape, root.strides, root.itemsize)
+    return (root.ctypes.data + rlo, rhi - rlo) if rhi else None
+
+
 MAX_NDIM = 64  # NumPy's limit: to_host must be able to hold any tensor
 
 

@@ -174,10 +174,16 @@ def test_import_readonly_is_honoured(host):
 
 
 def test_our_export_imported_back_is_the_same_allocation(host):
+    """Our own export imported back ends the export at once -- the import's token keeps the
+    memory: kept, the export was an alias of the import itself, which could then never be
+    moved (AliasError naming "DLPack export", the original released or not)."""
     t = sm.Tensor.from_host(np.arange(6, dtype=np.uint8), device=host)
     back = sm.from_dlpack(t)
     assert back.allocation is t.allocation and back.ptr == t.ptr
-    assert t.allocation.live_views == 3  # t, the capsule's export token, back
+    assert t.allocation.live_views == 2  # t, back
+    t.release()
+    b = back.into_buffer()
+    assert b.to_host().tolist() == list(range(6)) and b.allocation.live_views == 1
 
 
 def test_bad_input_errors():
@@ -249,6 +255,9 @@ def test_a_consumer_calls_the_deleter_from_any_thread(host):
     ("device_type", 7, r"DLPack device type 7 \(id 0\) is not supported; sharedmem imports CPU "
                        r"and CUDA memory"),
     ("shape", -3, r"DLPack tensor with negative shape \(-3,\)"),
+    # a bool of 8 bytes, an IEEE binary128 float: neither is NumPy's bool or float128
+    ("code", 6, r"DLPack dtype \(code 6, 64 bits\) is not supported"),
+    ("bits", 128, r"DLPack dtype \(code 2, 128 bits\) is not supported"),
 ])
 def test_a_malformed_capsule_is_refused_and_left_unconsumed(host, field, value, msg):
     """A capsule whose dtype, device or shape sharedmem cannot take is a BufferError; it is
@@ -313,3 +322,61 @@ def test_producers_old_and_odd(host):
                                           r"CUDA are supported$"):
         x.__dlpack__(dl_device=(9, 0), copy=True)
     assert x.allocation.live_views == 1
+
+
+def test_a_long_double_is_not_exported_as_dlpack_s_ieee_binary128():
+    """NumPy's float128 / complex256 are the platform's long double (x87's 80-bit format on
+    x86), not the IEEE binary128 DLPack's 128-bit float means: a consumer read garbage (and a
+    complex256 export failed with struct.error interpreted, a capsule of 0 bits compiled)."""
+    for dt in (np.longdouble, np.clongdouble):
+        if np.dtype(dt).itemsize <= (16 if np.dtype(dt).kind == "c" else 8):
+            continue  # (a long double that is a double: exported as one)
+        with pytest.raises(BufferError, match=r"the platform's long double\) has no DLPack "
+                                              r"equivalent"):
+            dl._dl_dtype(np.dtype(dt))
+        t = sm.Tensor.from_host(np.zeros(2, dt), device=sm.Device.host())
+        with pytest.raises(BufferError, match="has no DLPack equivalent"):
+            t.__dlpack__()
+        assert t.allocation.live_views == 1
+
+
+def test_a_capsule_of_a_cuda_device_that_cannot_be_used_is_a_buffer_error(host):
+    """interop-dlpack.md: unknown devices are a BufferError; a CUDA device id that does not
+    exist raised ValueError, and no CUDA backend here BackendUnavailableError. The capsule is
+    left unconsumed."""
+    t = sm.Tensor.from_host(np.arange(3.0), device=host)
+    cap = t.__dlpack__(max_version=(1, 0))
+    d = dl.DLManagedTensorVersioned.from_address(
+        dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
+    d.device.device_type, d.device.device_id = dl.kDLCUDA, 4096
+    with pytest.raises(BufferError, match=r"^DLPack device \(CUDA, id 4096\) is not usable "
+                                          r"here: "):
+        sm.from_dlpack(cap)
+    assert dl._is_valid(cap, b"dltensor_versioned")
+
+
+@pytest.mark.parametrize("first", ["part", "whole"])
+def test_imports_of_views_of_one_numpy_array_are_one_allocation_in_any_order(host, first):
+    """A part of an array imported before the whole was an allocation of its own, and the
+    whole another: a writer of the whole on one stream and a reader of the part on another
+    were not ordered (the reader saw zeros). Every view of one array is a range of its base's
+    allocation."""
+    import time
+    a = np.zeros(16, np.float32)
+    if first == "part":
+        part = sm.from_dlpack(a[4:8])
+        whole = sm.from_dlpack(a)
+    else:
+        whole = sm.from_dlpack(a)
+        part = sm.from_dlpack(a[4:8])
+    assert part.allocation is whole.allocation
+    seen = []
+
+    def writer(x):
+        time.sleep(0.2)
+        x[...] = 1.0
+    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
+    sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(whole), stream=s1)
+    sm.launch(sm.host_kernel(lambda y: seen.append(y.copy())), 1, 1, sm.In(part), stream=s2)
+    sm.synchronize()
+    assert seen[0].tolist() == [1.0] * 4

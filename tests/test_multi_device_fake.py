@@ -483,7 +483,7 @@ def test_a_dlpack_copy_to_a_cuda_device_is_made_there_or_refused(two, monkeypatc
             (dl.kDLCUDA, dd) and d.data != src.ptr
         back = sm.from_dlpack(cap)
         assert back.device is (d0, d1)[dd] and back.allocation is not src.allocation
-        assert back.allocation.live_views == 3  # the import, the capsule's token, its producer
+        assert back.allocation.live_views == 2  # the import, its producer (the export ended)
         np.testing.assert_array_equal(back.to_host(), values)
         del cap, m, d, back
     gc_collect_harder()
@@ -576,3 +576,24 @@ def test_a_driver_or_cupy_that_raises_at_load_falls_back_to_the_host(monkeypatch
     assert sm.device.host_fallback_reason() == (
         "the CUDA backend takes its memory from CuPy's pool, and CuPy does not import here "
         "(RuntimeError: CUDA driver version is insufficient)")
+
+
+def test_record_use_of_a_foreign_array_borrows_the_stream_on_its_own_device(two, monkeypatch):
+    """record_use(cai_array, raw_handle) borrowed the handle on the default device: memory
+    and stream on device 1 raised "4097 is a stream of CUDA device 1, not of <Device cuda:0>;
+    use a stream of <Device cuda:0>" -- the wrong advice. The stream names its device."""
+    import sharedmem.device as sm_device
+    d0, d1, drv = two
+    for d in (d0, d1):  # (Device(n) is these: as on a GPU)
+        monkeypatch.setitem(sm_device._devices, ("cuda", d.ordinal), d)
+    t = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=d1)
+    sm.synchronize()
+
+    class Foreign:  # another library's array over t's bytes, on device 1
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (t.ptr, False),
+                                    "version": 3, "strides": None}
+    drv.current = d1.backend.context_handle
+    raw = int(drv.cuStreamCreate(1)[1])  # a stream another library made on device 1
+    sm.record_use(Foreign(), raw)
+    sm.synchronize()
+    assert t.allocation.live_views == 1

@@ -576,6 +576,33 @@ def test_an_export_to_a_stream_being_captured_is_a_capture_error(fake):
     g.release()
 
 
+def test_an_import_onto_a_stream_being_captured_is_a_capture_error(fake):
+    """A DLPack or CAI import onto a capturing stream recorded the wait for the producer and
+    the arrival into the graph -- run at replay only: use of the memory outside the graph was
+    not ordered after the producer's work. Refused before the producer is asked or the capsule
+    consumed; the same import after the capture works."""
+    dev, drv = fake
+    s = dev.create_stream()
+    x = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
+    drv.ranges[x.allocation.ptr] = x.allocation.nbytes
+    sm.synchronize()
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "version": 3,
+                                    "data": (x.ptr, False), "stream": 0x4444}
+    cap = x.__dlpack__(max_version=(1, 0))
+    with sm.capture(s) as g:
+        for imp in (lambda: sm.from_cuda_array_interface(Producer(), stream=s),
+                    lambda: sm.from_dlpack(cap, stream=s)):
+            with pytest.raises(sm.CaptureError, match=r"^an import onto <Stream .*>, which is "
+                                                      r"capturing a graph, would be ordered"):
+                imp()
+    assert g.launches == 0 and dl._is_valid(cap, b"dltensor_versioned")
+    g.release()
+    t = sm.from_dlpack(cap, stream=s)
+    assert t.allocation is x.allocation
+
+
 # -- 23. a kernel with no array arguments inside `with <a stream of another kind of device>:` ----------
 def test_a_host_kernel_without_arrays_ignores_an_entered_cuda_stream(fake, host):
     """api.md: ``with stream:`` makes ``stream`` the current stream *of its device*; a launch
