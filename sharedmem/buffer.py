@@ -45,6 +45,8 @@ def _scalar(value, dtype):
     None or a string, which NumPy would turn into nan or parse."""
     if value is None or isinstance(value, (str, bytes)) or np.ndim(value) != 0:
         raise TypeError(f"a DeviceBox holds one number, got {value!r}")
+    if isinstance(value, (np.generic, np.ndarray)):  # (as a Python number: NumPy casts its
+        value = value.item()                          # own values of another dtype C-style)
     try:
         return np.array([value], dtype=dtype)
     except (OverflowError, ValueError) as e:  # (300 as int8, nan as an int: NumPy's words)

@@ -9,7 +9,7 @@ cdef class Tensor(View):
     cdef public bint _contiguous
 
     @cython.locals(tok=ViewToken, start=Py_ssize_t, stop=Py_ssize_t, nbytes=Py_ssize_t)
-    cpdef Py_ssize_t _check_dense(self, str what) except -1
+    cpdef Py_ssize_t _check_dense(self, str what, bint whole=*) except -1
 
 @cython.locals(self=Tensor)
 cpdef Tensor new_tensor(ViewToken token, object dtype, tuple shape, tuple strides,

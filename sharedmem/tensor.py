@@ -87,6 +87,9 @@ def _shape(shape) -> tuple[int, ...]:
         raise LayoutError(f"shape must not have negative sizes, got {out}")
     if any(n >= 1 << 63 for n in out):  # (DLPack's sizes are int64s, and NumPy's too)
         raise LayoutError(f"shape sizes must be below 2**63, got {out}")
+    if 0 in out and math.prod([n for n in out if n]) >= 1 << 63:  # (empty: its strides would)
+        raise LayoutError(f"shape {out} spans 2**63 elements or more, its zero sizes left out "
+                          f"(as NumPy counts it)")
     if len(out) > MAX_NDIM:
         raise LayoutError(f"a tensor has at most {MAX_NDIM} dimensions (as in NumPy), got a shape "
                           f"of {len(out)}")
@@ -212,6 +215,8 @@ class Tensor(View):
             raise LayoutError(f"strides {strides} do not match shape {shape}")
         if any(s < 0 for s in strides):
             raise LayoutError(f"strides must be non-negative for from_buffer, got {strides}")
+        if any(s * _itemsize(b._dtype) >= 1 << 63 for s in strides):  # (DLPack's, NumPy's: int64)
+            raise LayoutError(f"strides {strides} reach 2**63 bytes or more")
         reach = extent(shape, strides)[1]
         if reach > n:
             raise LayoutError(f"shape {shape} with strides {strides} reaches element "
@@ -290,6 +295,17 @@ class Tensor(View):
             raise TypeError("len() of a 0-d tensor")
         return self._shape[0]
 
+    def __iter__(self):
+        """The views ``t[0]``, ``t[1]``, ... (as NumPy iterates; a 0-d tensor: TypeError)."""
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        for i in range(self._shape[0]):
+            yield self[i]
+
+    def __contains__(self, value) -> bool:
+        raise TypeError(f"`x in tensor` would compare the elements on the device; compare on the "
+                        f"host (x in t.to_host()) or in a kernel")
+
     def __repr__(self) -> str:
         if not self.is_live:
             return f"<Tensor ({self._gone()})>"
@@ -316,9 +332,10 @@ class Tensor(View):
         return self.copy()
 
     # -- ownership transfers ------------------------------------------------------
-    def _check_dense(self, what: str) -> int:
-        """LayoutError naming ``what`` unless this tensor is C-contiguous and its bytes are its
-        view's whole range; returns the end of its bytes (they start at ``_offset``)."""
+    def _check_dense(self, what: str, whole: bool = True) -> int:
+        """LayoutError naming ``what`` unless this tensor is C-contiguous and (``whole``) its
+        bytes are its view's whole range; returns the end of its bytes (they start at
+        ``_offset``)."""
         tok = self._live_token()
         if not self._contiguous:
             raise LayoutError(f"{what} needs a C-contiguous tensor; {self!r} is not. "
@@ -328,9 +345,10 @@ class Tensor(View):
         stop = start + nbytes
         # (an empty tensor matches only an empty view: one over a buffer's bytes would hand
         # them on as a 0-length Buffer that still reads and writes them)
-        if (start != tok.start or stop != tok.stop) and (nbytes or tok.stop > tok.start):
+        if whole and (start != tok.start or stop != tok.stop) and (nbytes or tok.stop > tok.start):
             raise LayoutError(f"{what}: {self!r} covers bytes [{start}, {stop}) but its view "
-                              f"holds [{tok.start}, {tok.stop})")
+                              f"holds [{tok.start}, {tok.stop}) (a shape smaller than the "
+                              f"buffer it was made from); t.copy() is a tensor of its own bytes")
         return stop
 
     def into_buffer(self) -> Buffer:
@@ -348,7 +366,7 @@ class Tensor(View):
         Use as ``with t.as_buffer() as b: ...`` (or release ``b`` yourself).
         While the borrow lives, moving the tensor raises AliasError naming it."""
         tok = self._live_token()  # (first: a move on another thread then raises MovedError below)
-        stop = self._check_dense("as_buffer")
+        stop = self._check_dense("as_buffer", False)  # (a borrow of its own bytes: a new token)
         t = tok.allocation.new_token("borrow", self._offset, stop, tok.writable, tok.keep,
                                      source=self)
         return new_buffer(t, self._dtype, self._size)
@@ -377,7 +395,9 @@ class Tensor(View):
             start, stop, step = key.indices(n)
             count = len(range(start, stop, step))
             shape = (count,) + self._shape[1:]
-            strides = (self._strides[0] * step,) + self._strides[1:]
+            # (one element or none: any stride will do -- the parent's, never one past int64)
+            strides = (self._strides[0] * step if count > 1 else self._strides[0],) + \
+                self._strides[1:]
         elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
             start = int(key)
             if start < 0:

@@ -208,3 +208,64 @@ def test_the_layout_cache_stays_bounded():
     for n in range(1, 1100):
         assert smt.c_layout((n, 2)) == ((n, 2), (2, 1), 2 * n)
     assert 0 < len(smt._layouts) <= 1024
+
+
+def test_a_devicebox_refuses_a_numpy_value_its_dtype_cannot_hold(host):
+    """errors.md: a value the box's dtype cannot hold is an OverflowError. Python ints were
+    checked; NumPy scalars and 0-d arrays of another dtype were cast C-style: 300 became 44
+    in an int8 box, -1 became 255 in a uint8 one."""
+    for value, dtype in ((np.array(300), "int8"), (np.int8(-1), "uint32"),
+                         (np.array(-1, np.int16), "uint8")):
+        with pytest.raises(OverflowError, match=rf"^a DeviceBox of {dtype} cannot hold "):
+            sm.DeviceBox(value, dtype, device=host)
+    box = sm.DeviceBox(np.int16(7), "uint8", device=host)
+    with pytest.raises(OverflowError):
+        box.set(np.array(-1))
+    assert box.get() == 7
+
+
+def test_strides_past_int64_are_never_made(host):
+    """t[::2**62] of a tensor gave a stride of 2**64 on its one row, from_buffer took a stride
+    of 2**64 on an extent-1 dimension, and an empty shape (0, 2**62, 2**62) C strides up to
+    2**124: to_host, launches and DLPack then failed with errors of undocumented types (and
+    different ones compiled and interpreted). A one-element slice keeps its parent's stride;
+    the others are a LayoutError when made."""
+    t = sm.Tensor.from_host(np.arange(12.0).reshape(4, 3), device=host)
+    row = t[::1 << 62]
+    assert row.shape == (1, 3) and row.strides == (3, 1)
+    np.testing.assert_array_equal(row.to_host(), [[0.0, 1.0, 2.0]])
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    with pytest.raises(sm.LayoutError, match=r"^strides \(18446744073709551616, 1\) reach "
+                                             r"2\*\*63 bytes or more$"):
+        sm.Tensor.from_buffer(b, (1, 4), (1 << 64, 1))
+    assert b.allocation.live_views == 1
+    with pytest.raises(sm.LayoutError, match=r"spans 2\*\*63 elements or more"):
+        sm.Tensor.empty((0, 1 << 62, 1 << 62), "float32", device=host)
+
+
+def test_iteration_and_membership_as_numpy_has_them_or_refused(host):
+    """`for row in t` gives the views t[i]; a 0-d tensor is a TypeError, as in NumPy (it was
+    an empty iteration); `x in t` is a TypeError (it compared rows by identity: False)."""
+    t = sm.Tensor.from_host(np.arange(6.0).reshape(3, 2), device=host)
+    rows = list(t)
+    assert [r.to_host().tolist() for r in rows] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    del rows
+    with pytest.raises(TypeError, match=r"^iteration over a 0-d tensor$"):
+        list(sm.Tensor.from_host(np.array(1.0), device=host))
+    with pytest.raises(TypeError, match=r"^`x in tensor` would compare the elements"):
+        3.0 in t  # noqa: B015
+    assert t.allocation.live_views == 1
+
+
+def test_a_tensor_over_part_of_its_buffer_borrows_its_own_bytes(host):
+    """from_buffer(buf10, (3,), (1,)) is C-contiguous over part of its view's bytes:
+    as_buffer was refused (its borrow is a new token: its own bytes will do); into_buffer
+    still is -- its view's other bytes would go with it -- and says what to do."""
+    b = sm.Buffer.from_host(np.arange(10.0), device=host)
+    t = sm.Tensor.from_buffer(b, (3,), (1,))
+    with t.as_buffer() as part:
+        assert part.to_host().tolist() == [0.0, 1.0, 2.0] and part.ptr == t.ptr
+    with pytest.raises(sm.LayoutError, match=r"\(a shape smaller than the buffer it was made "
+                                             r"from\); t\.copy\(\) is a tensor of its own bytes$"):
+        t.into_buffer()
+    assert t.copy().into_buffer().to_host().tolist() == [0.0, 1.0, 2.0]
