@@ -128,6 +128,16 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     return tensor
 
 
+def _device_of_memory(ptr: int):
+    """The CUDA device whose memory ``ptr`` is (as its driver says), else the default device."""
+    from .device import Device, default_device
+    try:
+        info = Device(0).backend.pointer_info(ptr)  # (any device's driver knows the pointer)
+    except ImportError:  # (no CUDA here: BackendUnavailableError)
+        info = None
+    return Device(info[2]) if info is not None else default_device()
+
+
 def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
     """Declare that work on ``stream`` uses the bytes of ``x`` -- for a consumer that uses an
     export on another stream than the one it named (or none).
@@ -158,11 +168,11 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
         if strides is None:  # (else in bytes: a multiple of the item size or not)
             strides = tuple(s * isz for s in c_strides(shape))
         e_lo, e_hi = extent(shape, strides, isz)
-        if not isinstance(stream, Stream):  # (its device: the one it names, not the default)
-            stream = Stream.from_external(stream)
         if e_lo == e_hi:  # an empty array uses no bytes (its pointer may be 0): nothing to order
             return
         ptr += e_lo
+        if not isinstance(stream, Stream):  # (borrowed on the memory's device, not the default)
+            stream = Stream.from_external(stream, _device_of_memory(ptr))
         nbytes = e_hi - e_lo
         alloc = lookup_allocation(stream.device, ptr, nbytes)
         if alloc is None:

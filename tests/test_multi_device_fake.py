@@ -587,6 +587,7 @@ def test_record_use_of_a_foreign_array_borrows_the_stream_on_its_own_device(two,
     for d in (d0, d1):  # (Device(n) is these: as on a GPU)
         monkeypatch.setitem(sm_device._devices, ("cuda", d.ordinal), d)
     t = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=d1)
+    drv.ranges[t.allocation.ptr], drv.range_device[t.allocation.ptr] = 32, 1
     sm.synchronize()
 
     class Foreign:  # another library's array over t's bytes, on device 1
