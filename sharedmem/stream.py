@@ -232,10 +232,12 @@ class Stream:
         """Block until all work on this stream has finished -- on a borrowed stream, its
         owner's too -- then retire it. (``sm.synchronize()`` and ``device.synchronize()``
         wait for sharedmem's work only: a borrowed stream's owner may be capturing it.)"""
-        from .runtime.submission import synchronize_stream
-        synchronize_stream(self, True)
-        if not self._ours:
-            self._impl.synchronize()
+        from .runtime.submission import deferring, raise_deferred, synchronize_stream
+        with deferring():  # (deferred errors once it was all waited for: model.md)
+            synchronize_stream(self, True)
+            if not self._ours:
+                self._impl.synchronize()
+        raise_deferred()
 
     def record(self) -> Event:
         """An :class:`Event` marking the work submitted so far on this stream (CaptureError
@@ -251,9 +253,15 @@ class Stream:
         the host) for an :class:`Event` or for all current work of a stream (CaptureError
         where either captures a graph; CompletionUnknownError, nothing waited for, where that
         work is known to be of unknown completion)."""
-        ev = event_or_stream.record() if isinstance(event_or_stream, Stream) else event_or_stream
+        ev = event_or_stream
+        if not isinstance(ev, (Event, Stream, int)) and _names_a_stream(ev):  # (CuPy's, torch's:
+            named = _device_named_by(ev)  # on the device it names, else on this stream's)
+            ev = Stream.from_external(ev, self.device if named is None else None)
+        if isinstance(ev, Stream):
+            ev = ev.record()
         if not isinstance(ev, Event):
-            raise TypeError(f"Stream.wait takes an Event or a Stream, got {type(ev).__name__}")
+            raise TypeError(f"Stream.wait takes an Event or a stream (a sharedmem Stream, or a "
+                            f"foreign one: Stream.from_external), got {type(ev).__name__}")
         if self._capture is not None:
             raise CaptureError(f"{self} is capturing a graph: it cannot wait for work outside "
                                f"the capture; make the wait before the capture begins")
@@ -353,6 +361,15 @@ def handle_reader(obj):
         return int
     raise TypeError(f"cannot use {obj!r} as a stream: give a sharedmem.Stream, a CuPy, torch or "
                     f"cuda.core stream, an object with __cuda_stream__, or an int")
+
+
+def _names_a_stream(obj) -> bool:
+    """Whether ``obj`` is a foreign stream object (see :func:`handle_reader`)."""
+    try:
+        handle_reader(obj)
+    except TypeError:
+        return False
+    return True
 
 
 def borrowed_handle(obj) -> tuple:

@@ -876,8 +876,9 @@ def test_a_host_kernel_exporting_bytes_written_behind_it_is_refused_and_leaves_n
     second.result(5)
     err, views = seen
     assert type(err) is sm.SharedMemError
-    assert re.match(r"^a host kernel on host stream 's' waits for work queued behind it on its "
-                    r"own stream, which cannot start before the kernel returns: it would wait "
+    assert re.match(r"^a host kernel on host stream 's' waits for its own work or work queued "
+                    r"behind it on its own stream, which cannot finish before the kernel "
+                    r"returns: it would wait "
                     r"forever\. Wait outside the kernel, or submit that work to another stream$",
                     str(err)), str(err)
     assert views == [f"buffer, bytes [0, 16) of allocation #{whole.id}"]  # (in the kernel)

@@ -603,6 +603,37 @@ def test_an_import_onto_a_stream_being_captured_is_a_capture_error(fake):
     assert t.allocation is x.allocation
 
 
+def test_synchronize_of_a_borrowed_stream_waits_for_its_owner_before_a_deferred_error(fake, host):
+    """A callback error deferred before Stream.synchronize() of a borrowed stream was raised
+    between its parts, before the owner's work was waited for (cuStreamSynchronize never
+    called); it comes once everything was waited for (model.md)."""
+    dev, drv = fake
+    b = sm.Stream.from_external(0x77, device=dev)
+    x = sm.Buffer.zeros(4, "int32", device=host)
+    f = x.fill_zero()
+    f.result()
+    f.add_done_callback(lambda f: 1 / 0)  # (another work's callback: deferred)
+    before = len([c for c in drv.calls if c[0] == "stream_sync"])
+    with pytest.raises(ZeroDivisionError):
+        b.synchronize()
+    assert len([c for c in drv.calls if c[0] == "stream_sync"]) == before + 1
+
+
+def test_a_stream_waits_for_a_foreign_stream_object(fake):
+    """Stream.wait(cupy_stream) said "takes an Event or a Stream, got Stream" (CuPy's class
+    is named Stream): every other stream= takes foreign streams, and so does wait."""
+    import cupy
+    dev, drv = fake
+    a = dev.create_stream("a")
+    cs = cupy.cuda.Stream(non_blocking=True)
+    a.wait(cs)
+    assert ("wait", a.handle) in [c[:2] for c in drv.calls]
+    with pytest.raises(TypeError, match=r"^Stream\.wait takes an Event or a stream \(a sharedmem "
+                                        r"Stream, or a foreign one: Stream\.from_external\), got "
+                                        r"str$"):
+        a.wait("x")
+
+
 # -- 23. a kernel with no array arguments inside `with <a stream of another kind of device>:` ----------
 def test_a_host_kernel_without_arrays_ignores_an_entered_cuda_stream(fake, host):
     """api.md: ``with stream:`` makes ``stream`` the current stream *of its device*; a launch

@@ -157,7 +157,9 @@ def test_events_and_stream_waits(host):
     gate.set()
     fut.result(5)
     assert order == ["a", "b"] and ev.synchronize(1) and ev.query() is True
-    with pytest.raises(TypeError, match=r"^Stream.wait takes an Event or a Stream, got int$"):
+    with pytest.raises(TypeError, match=r"^Stream.wait takes an Event or a stream \(a sharedmem "
+                                        r"Stream, or a foreign one: Stream\.from_external\), got "
+                                        r"int$"):
         b.wait(3)
 
 
@@ -247,8 +249,8 @@ def test_a_host_kernel_waiting_for_work_behind_it_on_its_stream_is_refused(host,
     cause = ei.value.__cause__
     assert type(cause) is sm.SharedMemError
     assert str(cause) == (
-        "a host kernel on host stream 'self-wait' waits for work queued behind it on its own "
-        "stream, which cannot start before the kernel returns: it would wait forever. Wait "
+        "a host kernel on host stream 'self-wait' waits for its own work or work queued "
+        "behind it on its own stream, which cannot finish before the kernel returns: it would wait forever. Wait "
         "outside the kernel, or submit that work to another stream")
     # the stream goes on: the work behind ran, and a wait from another stream's kernel is fine
     assert all(g.result(timeout=10) is None for g in later)
@@ -283,9 +285,9 @@ def test_a_host_kernel_waiting_for_work_ordered_after_itself_raises(host, hops):
         fut.result(timeout=20)
     assert type(ei.value.__cause__) is sm.SharedMemError
     assert str(ei.value.__cause__) == (
-        "a host kernel on host stream 'hop-a' waits for work queued behind it on its own "
-        "stream (through work on another stream that was ordered after it: it uses bytes this "
-        "kernel has yet to finish with), which cannot start before the kernel returns: it "
+        "a host kernel on host stream 'hop-a' waits for its own work or work queued behind it "
+        "on its own stream (through work on another stream that was ordered after it: it uses "
+        "bytes this kernel has yet to finish with), which cannot finish before the kernel returns: it "
         "would wait forever. Wait outside the kernel, or submit that work to another stream")
     assert started[0].result(timeout=10) is None  # the work it launched ran after it
     assert z.to_host().tolist() == ([1.0] * 4 if hops == 2 else [0.0] * 4)
@@ -540,3 +542,63 @@ def test_device_synchronize_waits_for_the_devices_work_and_retires_it(host):
     host.synchronize()
     assert seen == [True] and fut.done() and sm.stats().in_flight == 0
     np.testing.assert_array_equal(b.to_host(), np.full(4, 5))
+
+
+def test_synchronize_waits_for_every_other_stream_before_refusing_a_captured_one(host):
+    """sm.synchronize() while another thread captures on a stream: that stream's refusal
+    (CaptureError) came as the loop met it, the streams after it neither waited for nor
+    retired. It comes once every other stream was waited for."""
+    import threading
+    import time
+    finished = set()
+
+    @sm.host_kernel
+    def slow(x, i, seconds):
+        time.sleep(seconds)
+        finished.add(i)
+    c = host.create_stream("capturing")
+    xc = sm.Buffer.zeros(4, "int32", device=host, stream=c)
+    others = [host.create_stream(f"s{i}") for i in range(6)]
+    bufs = [sm.Buffer.zeros(4, "int32", device=host, stream=s) for s in others]
+    sm.synchronize()
+    sm.launch(slow, 1, 1, xc, "c", 0.5, stream=c)  # (before the capture: pending)
+    for i, (s, b) in enumerate(zip(others, bufs)):
+        sm.launch(slow, 1, 1, b, i, 0.3 + 0.05 * i, stream=s)
+    started, stop = threading.Event(), threading.Event()
+
+    def capturer():
+        with sm.capture(c):
+            started.set()
+            stop.wait(5)
+    t = threading.Thread(target=capturer)
+    t.start()
+    assert started.wait(5)
+    try:
+        with pytest.raises(sm.CaptureError, match="is capturing a graph"):
+            sm.synchronize()
+        assert finished >= set(range(6))
+    finally:
+        stop.set()
+        t.join()
+    sm.synchronize()
+
+
+def test_a_wait_for_a_faulted_host_stream_refuses_instead_of_faulting_the_waiter(host):
+    """c.wait(a) on a host stream a known faulted: its marker was queued (pending), the
+    wait went through, and c faulted when it ran -- every later launch on c refused. A
+    marker of a faulted stream is unknown at once: the wait raises CompletionUnknownError,
+    waiting for nothing, as Stream.wait says; c runs on."""
+    from sharedmem.backends.host import HostFault
+
+    @sm.host_kernel
+    def fault(x):
+        raise HostFault("boom")
+    a, c = host.create_stream("a"), host.create_stream("c")
+    buf = sm.Buffer.zeros(4, "int32", device=host, stream=a)
+    with pytest.raises(sm.CompletionUnknownError):
+        sm.launch(fault, 1, 1, buf, stream=a).result(5)
+    with pytest.raises(sm.CompletionUnknownError):
+        c.wait(a)
+    out = sm.Buffer.zeros(4, "int32", device=host, stream=c)
+    sm.launch(sm.host_kernel(lambda x: x.fill(5)), 1, 1, out, stream=c).result(5)
+    assert out.to_host().tolist() == [5] * 4

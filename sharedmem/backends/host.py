@@ -201,8 +201,9 @@ class HostMarker:
                     " (through work on another stream that was ordered after it: it uses bytes "
                     "this kernel has yet to finish with)")
                 raise SharedMemError(
-                    f"a host kernel on host stream {mine.name!r} waits for work queued behind "
-                    f"it on its own stream{how}, which cannot start before the kernel returns: "
+                    f"a host kernel on host stream {mine.name!r} waits for its own work or work "
+                    f"queued behind it on its own stream{how}, which cannot finish before the "
+                    f"kernel returns: "
                     f"it would wait forever. Wait outside the kernel, or submit that work to "
                     f"another stream")
         return ev.wait(timeout)
@@ -381,8 +382,15 @@ class HostStreamImpl:
 
     def queued(self, fn, isolated=False) -> HostMarker:
         """``fn`` queued to run, capturing or not (what the exit waits for: a marker recorded
-        into another thread's capture would mark nothing); see :meth:`submit`."""
+        into another thread's capture would mark nothing); see :meth:`submit`. On a stream
+        known faulted, the marker is unknown at once (a wait for it refuses, as for any
+        marker of unknown completion, instead of faulting the waiter when it runs)."""
         m = HostMarker(isolated, self._q)
+        fault = self._state["fault"]
+        if fault is not None:  # (as its worker would: nothing more runs there)
+            m.error = fault
+            m._event.set()
+            return m
         if self._finalized:
             self._revive()
         self._q.put((fn, m))

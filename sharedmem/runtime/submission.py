@@ -928,10 +928,16 @@ def synchronize_device(device) -> None:
     on every device), then deferred errors surfaced: each stream waited for first."""
     with locked():
         streams = [s for s in RUNTIME.active if device is None or s.device is device]
+    refused = None  # (a stream another thread captures: said once every other one is waited for)
     with deferring():
         for s in streams:
-            synchronize_stream(s)
+            try:
+                synchronize_stream(s)
+            except CaptureError as e:
+                refused = refused or e
     raise_deferred()
+    if refused is not None:
+        raise refused
 
 
 #: Per thread: how many calls made of several submissions are running (see deferring)
