@@ -339,7 +339,15 @@ def adapter_for(kernel):
 
 
 def plan_for(adapter, kernel, device):
-    """The cached KernelPlan of ``kernel`` on ``device`` (made by ``adapter.plan`` once)."""
+    """The cached KernelPlan of ``kernel`` on ``device`` (made by ``adapter.plan`` once). A
+    host kernel keeps its own (it dies with the kernel, and what the kernel's function
+    closes over with it); other kernels' plans are cached here, at most _PLANS_MAX."""
+    if type(kernel) is HostKernel:
+        plan = kernel._plan
+        if plan is None or plan.device is not device:
+            check_device_kind(adapter, device)
+            plan = kernel._plan = adapter.plan(kernel, device)
+        return plan
     plans = _plans
     try:
         plan = plans.get(kernel)
@@ -682,11 +690,12 @@ class HostKernel(Generic[_P, _R]):
     Calling the HostKernel directly calls the function.
     """
 
-    __slots__ = ("fn", "__name__", "__qualname__", "__wrapped__")
+    __slots__ = ("fn", "__name__", "__qualname__", "__wrapped__", "_plan")
 
     def __init__(self, fn: Callable[_P, _R]) -> None:
         if not callable(fn):
             raise TypeError(f"host_kernel needs a callable, got {fn!r}")
+        self._plan = None  # (its KernelPlan, made at its first launch: see plan_for)
         self.fn = fn
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "host_kernel")

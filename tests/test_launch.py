@@ -509,3 +509,29 @@ def test_an_interrupt_inside_the_enqueue_leaves_the_work_leased(host):
     s.synchronize()
     gc_collect_harder()
     assert arr == {"seen": True} and alloc() is None
+
+
+def test_a_dropped_host_kernel_and_what_it_closes_over_are_not_kept(host):
+    """The plan cache kept every launched kernel alive (up to 1024), and what its function
+    closes over: a kernel closing over a view kept that view live, and the buffer could not
+    be moved (AliasError) though the user held nothing. A host kernel keeps its own plan."""
+    import weakref
+
+    from conftest import gc_collect_harder
+    buf = sm.Buffer.zeros(16, "float32", device=host)
+
+    def make(view):
+        @sm.host_kernel
+        def k(x):
+            x[:] = len(view)
+        return k
+    k = make(buf[:4])
+    out = sm.Buffer.zeros(4, "float32", device=host)
+    sm.launch(k, 1, 1, sm.Out(out)).result()
+    assert out.to_host().tolist() == [4.0] * 4
+    gone = weakref.ref(k.fn)
+    del k
+    sm.synchronize()
+    gc_collect_harder()
+    assert gone() is None
+    sm.Tensor.from_buffer(buf, (4, 4))  # (no alias left)
