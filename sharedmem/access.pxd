@@ -13,23 +13,24 @@ cdef Span _span(Py_ssize_t lo, Py_ssize_t hi, long long seq, marker)
 cdef class StreamUse:
     cdef public list reads, writes, holds
     cdef public long long newest
+    cdef public object ref
 
     @cython.locals(e=Span)
     cpdef bint prune(self, long long done)
 
 cdef class AccessTracker:
     cdef public dict _uses
-    cdef public object _last
+    cdef public long long _last
     cdef public StreamUse _last_use
 
-    @cython.locals(use=StreamUse)
-    cdef StreamUse _use_of(self, stream)
+    @cython.locals(use=StreamUse, uid=cython.longlong)
+    cdef StreamUse _use_of(self, Stream stream)
 
-    @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list)
+    @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list, uid=cython.longlong)
     cpdef bint elsewhere_locked(self, stream)
 
     @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, best=Span, hw=bint,
-                   other_writes=bint, dead=list)
+                   other_writes=bint, dead=list, uid=cython.longlong)
     cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi, exclude)
 
     @cython.locals(use=StreamUse, entries=list, e=Span)

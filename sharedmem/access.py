@@ -23,6 +23,9 @@ Retirement does not visit trackers: a span whose sequence number is at most
 its stream's ``_done`` (the newest retired submission there) is finished, and
 is dropped the next time the tracker looks at that stream. Holds (open leases
 of exports, see ``ViewToken.consumers``) are removed explicitly when they end.
+A tracker holds its streams weakly (by ``_uid``): a stream the user dropped is
+gone once its work retired -- its submissions keep it until then, its holds'
+tokens while they are open -- and a stream that is gone has nothing unfinished.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ try:
     import cython
 except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
+
+import weakref
 
 from .errors import SharedMemError
 from .runtime.state import RUNTIME
@@ -111,13 +116,14 @@ class StreamUse:
     stream: see :func:`_hold_writes`); ``newest``, the largest seq
     recorded (when it is finished, every span is). guarded by core_lock."""
 
-    __slots__ = ("reads", "writes", "holds", "newest")
+    __slots__ = ("reads", "writes", "holds", "newest", "ref")
 
-    def __init__(self):
+    def __init__(self, stream):
         self.reads = []
         self.writes = []
         self.holds = []
         self.newest = 0
+        self.ref = weakref.ref(stream)  # (its stream: None once gone, its work all retired)
 
     def prune(self, done) -> bool:
         """Drop the spans of submissions up to ``done`` (finished); True if nothing is left."""
@@ -188,11 +194,11 @@ class AccessTracker:
     __slots__ = ("_uses", "_last", "_last_use")
 
     def __init__(self):
-        self._uses = {}  # Stream -> StreamUse; guarded by core_lock
-        # The stream recorded last and its StreamUse (or None): launches on one stream find it
-        # without a dict lookup. Invariant: _last is None or _uses[_last] is _last_use.
-        # guarded by core_lock
-        self._last = None
+        self._uses = {}  # Stream._uid -> StreamUse; guarded by core_lock
+        # The _uid of the stream recorded last (0: none) and its StreamUse (or None): launches
+        # on one stream find it without a dict lookup. Invariant: _last == 0 or
+        # _uses[_last] is _last_use. guarded by core_lock
+        self._last = 0
         self._last_use = None
 
     def __bool__(self) -> bool:
@@ -200,19 +206,20 @@ class AccessTracker:
 
     def _use_of(self, stream):
         """``stream``'s StreamUse, made if needed (and remembered as the last one)."""
-        if self._last is stream:
+        uid = stream._uid
+        if self._last == uid:
             return self._last_use
-        use = self._uses.get(stream)
+        use = self._uses.get(uid)
         if use is None:
-            use = self._uses[stream] = StreamUse()
-        self._last = stream
+            use = self._uses[uid] = StreamUse(stream)
+        self._last = uid
         self._last_use = use
         return use
 
-    def _drop(self, stream) -> None:
-        del self._uses[stream]
-        if self._last is stream:
-            self._last = None
+    def _drop(self, uid) -> None:
+        del self._uses[uid]
+        if self._last == uid:
+            self._last = 0
             self._last_use = None
 
     def elsewhere_locked(self, stream) -> bool:
@@ -220,19 +227,23 @@ class AccessTracker:
         launch path's test: usually there are none, and no range is looked at)."""
         uses = self._uses
         n = len(uses)
-        # (stream None: no stream is skipped -- and _last is None once its stream was dropped)
-        if n == 0 or (n == 1 and stream is not None and (self._last is stream or stream in uses)):
+        # (stream None: no stream is skipped -- uid 0 is no stream's)
+        uid = 0 if stream is None else stream._uid
+        if n == 0 or (n == 1 and uid and (self._last == uid or uid in uses)):
             return False
         dead = None  # (streams whose work all finished: dropped after the walk, not in it)
-        for s, use in uses.items():
-            if s is not stream and use.prune(s._done):
+        for k, use in uses.items():
+            if k == uid:
+                continue
+            s = use.ref()
+            if s is None or use.prune(s._done):  # (gone: its work all retired)
                 if dead is None:
                     dead = []
-                dead.append(s)
+                dead.append(k)
         if dead is not None:
-            for s in dead:
-                self._drop(s)
-        return len(uses) > (1 if stream in uses else 0)
+            for k in dead:
+                self._drop(k)
+        return len(uses) > (1 if uid in uses else 0)
 
     def conflicts_locked(self, stream, writes, lo, hi, exclude) -> list:
         """For each *other* stream with unfinished work that conflicts with an access
@@ -247,8 +258,10 @@ class AccessTracker:
         out = []
         if lo >= hi:
             return out
-        for s, use in self._uses.items():
-            if s is stream:
+        uid = 0 if stream is None else stream._uid  # (None: every stream is another)
+        for k, use in self._uses.items():
+            s = use.ref()
+            if k == uid or s is None:  # (gone since the walk that pruned: nothing unfinished)
                 continue
             held = None
             ex = None
@@ -274,7 +287,7 @@ class AccessTracker:
         """Record an access by submission ``seq`` on ``stream``."""
         if lo >= hi:
             return
-        use = self._last_use if self._last is stream else self._use_of(stream)  # (no call)
+        use = self._last_use if self._last == stream._uid else self._use_of(stream)  # (no call)
         use.newest = seq
         entries = use.writes if writes else use.reads
         if len(entries) == 1:  # the common case: the same range again
@@ -306,7 +319,7 @@ class AccessTracker:
 
     def drop_hold_locked(self, stream, tok) -> None:
         """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""
-        use = self._last_use if self._last is stream else self._uses.get(stream)
+        use = self._last_use if self._last == stream._uid else self._uses.get(stream._uid)
         if use is None:
             return
         holds = use.holds
@@ -317,9 +330,9 @@ class AccessTracker:
         # (newest unfinished: a span of it is left, so the use stays -- as after the lease a
         # hold's end files there -- and is not pruned now)
         if use.newest <= stream._done and use.prune(stream._done):
-            self._drop(stream)
+            self._drop(stream._uid)
 
     def streams_locked(self) -> list:
         """Streams with unfinished accesses or open holds (for diagnostics and tests)."""
         self.elsewhere_locked(None)  # (prunes every stream)
-        return list(self._uses)
+        return [s for s in (u.ref() for u in self._uses.values()) if s is not None]

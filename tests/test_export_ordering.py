@@ -58,7 +58,7 @@ def test_host_export_waits_after_a_partial_export(host):
     sm.launch(slow_fill, 1, 1, sm.Out(t[:4]), stream=a)   # pending on A
     sm.launch(quick_fill, 1, 1, sm.Out(t[4:]), stream=b)  # finished on B (recorded last)
     b.synchronize()
-    first = np.from_dlpack(t[4:])  # disjoint from A: no wait; prunes B -> tracker._last None
+    first = np.from_dlpack(t[4:])  # disjoint from A: no wait; prunes B -> tracker._last 0
     assert first.tolist() == [9] * 4
     timer = threading.Timer(0.5, gate.set)
     timer.start()
@@ -165,7 +165,7 @@ def _pending_a_finished_b_then_rejected(monkeypatch):
     b.synchronize()
     sm.set_access_policy("reject")
     try:
-        with pytest.raises(sm.AccessConflictError):  # prunes B (tracker._last -> None)
+        with pytest.raises(sm.AccessConflictError):  # prunes B (tracker._last -> 0)
             buf.copy_from(np.zeros(8), stream=c)
     finally:
         sm.set_access_policy("order")

@@ -124,7 +124,7 @@ def test_many_launches_keep_tracker_small(host):
     sm.launch(hold, 1, 1, sm.In(buf), stream=s)
     for _ in range(500):
         sm.launch(inc, 1, 1, buf, stream=s)
-    use = buf.allocation.tracker._uses[s]
+    use = buf.allocation.tracker._uses[s._uid]
     assert len(use.writes) == 1 and len(use.reads) == 1  # coalesced, not 500 entries
     gate.set()
     s.synchronize()
@@ -413,7 +413,7 @@ def test_many_distinct_ranges_in_flight_merge_past_a_bound(host):
     x.to_host()
     for i in range(2 * MAX_SPANS):
         sm.launch(wait_then_write, 1, 1, sm.Out(x[(2 * i) % (4 * MAX_SPANS):][:1]), stream=s)
-    writes = x.allocation.tracker._uses[s].writes
+    writes = x.allocation.tracker._uses[s._uid].writes
     assert len(writes) <= MAX_SPANS
     gate.set()
     s.synchronize()
@@ -485,7 +485,7 @@ def test_merged_ranges_cover_older_ranges_above_the_newest(host):
         for i in range(MAX_SPANS + 1):  # downwards: each range below every older one
             j = 2 * (MAX_SPANS - i)
             sm.launch(wait_then_write, 1, 1, sm.Out(x[j:j + 1]), stream=s)
-        writes = x.allocation.tracker._uses[s].writes
+        writes = x.allocation.tracker._uses[s._uid].writes
         assert len(writes) < MAX_SPANS
         top = 2 * MAX_SPANS  # the first (oldest) range written: the highest
         with pytest.raises(sm.AccessConflictError, match=rf"would read bytes \[{4 * top}, "
@@ -513,13 +513,13 @@ def test_finished_ranges_of_a_stream_are_dropped_as_it_records_more(host):
     try:
         sm.launch(wait_then_write, 1, 1, sm.Out(x[0:1]), stream=s)
         sm.launch(wait_then_write, 1, 1, sm.Out(x[2:3]), stream=s)
-        writes = x.allocation.tracker._uses[s].writes
+        writes = x.allocation.tracker._uses[s._uid].writes
         assert [(e.lo, e.hi) for e in writes] == [(0, 4), (8, 12)]
     finally:
         gate.set()
     s.synchronize()
     sm.launch(wait_then_write, 1, 1, sm.Out(x[4:5]), stream=s).result(5)
-    writes = x.allocation.tracker._uses[s].writes
+    writes = x.allocation.tracker._uses[s._uid].writes
     assert [(e.lo, e.hi) for e in writes] == [(16, 20)]  # the finished two are gone
     assert not x.allocation.tracker
 
@@ -602,3 +602,33 @@ def test_a_wait_for_a_faulted_host_stream_refuses_instead_of_faulting_the_waiter
     out = sm.Buffer.zeros(4, "int32", device=host, stream=c)
     sm.launch(sm.host_kernel(lambda x: x.fill(5)), 1, 1, out, stream=c).result(5)
     assert out.to_host().tolist() == [5] * 4
+
+
+def test_a_dropped_stream_is_gone_once_its_work_retired_whatever_it_touched(host):
+    """A stream per request writing a result the program keeps: the trackers of the results
+    held each stream (strongly, until another stream touched that allocation), so none was
+    destroyed -- on the host a worker thread each, on CUDA a CUstream each. They hold
+    streams weakly: once its work retired, a dropped stream is gone."""
+    import threading
+    import weakref
+
+    from conftest import gc_collect_harder
+    weights = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=host)
+    fill = sm.host_kernel(lambda w, out: out.__setitem__(slice(None), w))
+    threads = threading.active_count()
+    results, gone = [], []
+    for i in range(20):
+        s = host.create_stream(f"request {i}")
+        out = sm.Buffer.zeros(4, "float32", device=host, stream=s)
+        sm.launch(fill, 1, 1, sm.In(weights), sm.Out(out), stream=s)
+        results.append(out)
+        gone.append(weakref.ref(s))
+        del s
+    sm.synchronize()
+    gc_collect_harder()
+    assert [r() for r in gone] == [None] * 20
+    deadline = __import__("time").monotonic() + 5
+    while threading.active_count() > threads and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.01)
+    assert threading.active_count() <= threads
+    assert all(r.to_host().tolist() == [0.0, 1.0, 2.0, 3.0] for r in results)
