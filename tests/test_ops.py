@@ -111,6 +111,7 @@ def test_an_op_submitted_again_reuses_its_kernel_plan(host, monkeypatch):
     planned = count_plans(monkeypatch, type(L.adapter_for(inc)))
     monkeypatch.setattr(L, "_plans", {})
     monkeypatch.setattr(L, "_plans_by_device", {})
+    monkeypatch.setattr(inc, "_plan", None)  # (a host kernel keeps its own)
     s, t = host.create_stream("s"), host.create_stream("t")
     b = sm.Buffer.zeros(8, "int64", device=host, stream=s)
     o = sm.op(inc, 1, 1, sm.InOut(b))
