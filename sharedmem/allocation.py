@@ -306,10 +306,12 @@ class _Registry:
 
     Ranges may nest: a foreign allocation over a whole driver allocation (a CuPy pool arena)
     can contain allocations of ours. A lookup returns the innermost live allocation that
-    contains the range: a bisection, then a walk back over the entries that start before the
-    range and are long enough to contain it -- bounded by the longest *live* allocation (the
-    last of a sorted list of lengths, so one huge import that died does not slow every later
-    lookup). Entries are removed when their allocation dies.
+    contains the range. Entries are kept by length class (lengths of one bit length: below
+    2**c for class c), each class a sorted list: per class, a bisection, then a walk back over
+    the entries that start less than 2**c before the range -- a few where ranges do not
+    overlap, whatever the number of entries and however long the longest (one walk bounded
+    by the longest made a lookup among 100,000 small allocations beside one large arena walk
+    them all). Entries are removed when their allocation dies.
 
     Its lock is a leaf: nothing else is called while it is held, so it may be taken under
     core_lock. Nothing under it allocates a garbage-collected object (tuples and lists are
@@ -321,7 +323,8 @@ class _Registry:
 
     def __init__(self):
         self._lock = fork_safe(threading.Lock())
-        # device key -> [sorted (ptr, id) keys, {key: (weakref, nbytes)}, sorted lengths]
+        # device key -> [{length class: sorted (ptr, id) keys}, {key: (weakref, nbytes)},
+        # [the classes that ever held one]]
         self._maps = {}  # guarded by self._lock
         self._live = 0  # entries registered and not removed; written under self._lock
 
@@ -330,14 +333,17 @@ class _Registry:
         dkey = alloc.device.key
         ref = weakref.ref(alloc, lambda _r, dkey=dkey, key=key: self._remove(dkey, key))
         value = (ref, alloc.nbytes)
-        fresh = [[], {}, []]  # (made here: nothing is allocated under the lock, see above)
+        c = alloc.nbytes.bit_length()
+        fresh, fresh_class = [{}, {}, []], []  # (made here: nothing is allocated under the lock)
         lock = self._lock
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
             entry = self._maps.setdefault(dkey, fresh)
-            bisect.insort(entry[0], key)
+            keys = entry[0].setdefault(c, fresh_class)
+            if keys is fresh_class:
+                entry[2].append(c)
+            bisect.insort(keys, key)
             entry[1][key] = value
-            bisect.insort(entry[2], alloc.nbytes)
             self._live += 1
         finally:
             lock.release()
@@ -351,10 +357,10 @@ class _Registry:
         if not held:
             lock.acquire()
         try:
-            keys, refs, lens = self._maps[dkey]
+            classes, refs, _ = self._maps[dkey]
             got = refs.pop(key)
+            keys = classes[got[1].bit_length()]
             del keys[bisect.bisect_left(keys, key)]
-            del lens[bisect.bisect_left(lens, got[1])]  # (the bound shrinks when the longest went)
             self._live -= 1
         finally:
             if not held:
@@ -371,17 +377,22 @@ class _Registry:
         try:
             entry = self._maps.get(dkey)
             if entry is not None:
-                keys, refs, lens = entry
-                max_len = lens[-1] if lens else 0
-                i = bisect.bisect_right(keys, probe) - 1
-                while i >= 0 and keys[i][0] + max_len >= ptr:
-                    a = refs[keys[i]][0]()
-                    if a is not None:
-                        seen.append(a)  # (a death here would run _remove under our own lock)
-                        if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
-                            if best is None or a.nbytes < best.nbytes:
-                                best = a
-                    i -= 1
+                classes, refs, order = entry
+                j = 0
+                while j < len(order):  # (index loops: no iterator object is made here)
+                    c = order[j]
+                    j += 1
+                    keys = classes[c]
+                    span = 1 << c  # (every length of the class is below it)
+                    i = bisect.bisect_right(keys, probe) - 1
+                    while i >= 0 and keys[i][0] + span > ptr:
+                        a = refs[keys[i]][0]()
+                        if a is not None:
+                            seen.append(a)  # (a death here would run _remove under our lock)
+                            if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                                if best is None or a.nbytes < best.nbytes:
+                                    best = a
+                        i -= 1
         finally:
             lock.release()
         a = None

@@ -1609,3 +1609,28 @@ def test_what_the_fork_itself_frees_does_not_hang_the_child(host, held):
         leave.set()
         t.join()
     assert out == str([0.0] * 10)
+
+
+def test_registry_lookups_find_the_innermost_allocation_across_length_classes(host):
+    """The registry keeps entries by length class (one walk bounded by the longest live
+    allocation made a lookup among many small allocations beside one large one walk them
+    all): the innermost containing allocation is still found, nested across classes, at a
+    range's ends, for empty ranges, and nothing outside every allocation."""
+    from sharedmem.allocation import import_allocation
+    arena = np.zeros(1 << 16, np.uint8)  # a foreign arena, allocations inside it imported
+    base = arena.ctypes.data
+    outer = import_allocation(host, base, 1 << 16, "test arena")
+    mid = import_allocation(host, base + 4096, 4096, "test mid")
+    small = [import_allocation(host, base + 4096 + 64 * i, 64, "test small") for i in range(8)]
+    assert sm.lookup_allocation(host, base + 4096 + 64 * 3 + 5, 10) is small[3]
+    assert sm.lookup_allocation(host, base + 4096 + 64 * 3, 64) is small[3]
+    assert sm.lookup_allocation(host, base + 4096 + 64 * 3, 65) is mid  # (spans two smalls)
+    assert sm.lookup_allocation(host, base + 8192 - 1, 1) is mid
+    assert sm.lookup_allocation(host, base + 8192, 1) is outer
+    assert sm.lookup_allocation(host, base, 1 << 16) is outer
+    assert sm.lookup_allocation(host, base + 4096 + 64 * 7 + 64, 0) is mid  # (empty, at an end)
+    assert sm.lookup_allocation(host, base + (1 << 16), 1) is None
+    del small
+    gc_collect_harder()  # (their entries removed: the mid one is found there again)
+    assert sm.lookup_allocation(host, base + 4096 + 5, 10) is mid
+    del mid, outer, arena
