@@ -86,11 +86,17 @@ class HostFault(BaseException):
     ``Exception`` fails only the kernel's own future: see the module docstring.)"""
 
 
+#: The most bytes of free blocks a host pool keeps for reuse: a block given back past it is
+#: freed (blocks of sizes that never come again would otherwise be kept for good).
+POOL_CACHE_MAX = 256 << 20
+
+
 class HostPool:
     """A size-class pool of 256-byte-aligned host blocks with immediate reuse.
 
-    ``_free`` maps size class -> list of raw arrays; guarded by ``_lock`` (a
-    leaf lock; ``_give_back`` is called from destructors, and only appends).
+    ``_free`` maps size class -> list of raw arrays, ``cached`` their bytes (at most
+    POOL_CACHE_MAX); guarded by ``_lock`` (a leaf lock; ``_give_back`` is called from
+    destructors, and only appends).
     """
 
     def __init__(self):
@@ -101,6 +107,7 @@ class HostPool:
         at_fork_hold(self._lock.acquire, self._lock.release)
         self._free: dict[int, list] = {}  # guarded by self._lock
         self.bytes_in_use = 0  # guarded by self._lock
+        self.cached = 0  # bytes of the blocks in _free; guarded by self._lock
 
     # The pool's lock is a leaf taken by HostBlock finalizers (_give_back): nothing under it
     # may allocate a garbage-collected object, or a collection there could run a finalizer
@@ -116,6 +123,7 @@ class HostPool:
             raw = lst.pop() if lst else None
             if raw is not None:
                 self.bytes_in_use += sc
+                self.cached -= sc
         finally:
             lock.release()
         if raw is None:  # a new block, counted once it exists (a failure hands nothing out)
@@ -148,11 +156,15 @@ class HostPool:
         if not held:
             lock.acquire()
         try:
-            self._free.setdefault(size_class, fresh).append(raw)
+            if self.cached + size_class <= POOL_CACHE_MAX:
+                self._free.setdefault(size_class, fresh).append(raw)
+                self.cached += size_class
+                raw = None
             self.bytes_in_use -= size_class
         finally:
             if not held:
                 lock.release()
+        raw = None  # (one not kept is freed here, outside the lock)
 
     def free_all_blocks(self) -> None:
         """Drop every cached free block (like ``cupy``'s ``free_all_blocks``)."""
@@ -161,6 +173,7 @@ class HostPool:
         lock.acquire()
         try:
             blocks, self._free = self._free, empty
+            self.cached = 0
         finally:
             lock.release()
         blocks.clear()  # (the blocks freed outside the lock)
