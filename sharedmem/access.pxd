@@ -27,11 +27,12 @@ cdef class AccessTracker:
     cdef StreamUse _use_of(self, Stream stream)
 
     @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list, uid=cython.longlong)
-    cpdef bint elsewhere_locked(self, stream)
+    cpdef bint elsewhere_locked(self, Stream stream)
 
     @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, best=Span, hw=bint,
                    other_writes=bint, dead=list, uid=cython.longlong)
-    cpdef list conflicts_locked(self, stream, bint writes, Py_ssize_t lo, Py_ssize_t hi, exclude)
+    cpdef list conflicts_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,
+                                exclude)
 
     @cython.locals(use=StreamUse, entries=list, e=Span)
     cpdef record_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,

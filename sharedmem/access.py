@@ -227,10 +227,13 @@ class AccessTracker:
         launch path's test: usually there are none, and no range is looked at)."""
         uses = self._uses
         n = len(uses)
-        # (stream None: no stream is skipped -- uid 0 is no stream's)
-        uid = 0 if stream is None else stream._uid
-        if n == 0 or (n == 1 and uid and (self._last == uid or uid in uses)):
+        if n == 0:
             return False
+        uid = 0  # (stream None: no stream is skipped -- uid 0 is no stream's)
+        if stream is not None:
+            uid = stream._uid
+            if n == 1 and (self._last == uid or uid in uses):
+                return False
         dead = None  # (streams whose work all finished: dropped after the walk, not in it)
         for k, use in uses.items():
             if k == uid:

@@ -342,7 +342,7 @@ def plan_for(adapter, kernel, device):
     """The cached KernelPlan of ``kernel`` on ``device`` (made by ``adapter.plan`` once). A
     host kernel keeps its own (it dies with the kernel, and what the kernel's function
     closes over with it); other kernels' plans are cached here, at most _PLANS_MAX."""
-    if type(kernel) is HostKernel:
+    if type(kernel) is _HOST_KERNEL:
         plan = kernel._plan
         if plan is None or plan.device is not device:
             check_device_kind(adapter, device)
@@ -706,6 +706,9 @@ class HostKernel(Generic[_P, _R]):
 
     def __repr__(self) -> str:
         return f"<host_kernel {self.__qualname__}>"
+
+
+_HOST_KERNEL = cython.declare(object, HostKernel)  # (a C global where compiled: no dict lookup)
 
 
 def numpy_lease(arr):
