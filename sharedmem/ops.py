@@ -401,6 +401,13 @@ class ComputedFuture(DeviceFuture):
         """True once the value (or its error) is computed."""
         return self._out.done()
 
+    def __repr__(self) -> str:
+        out = self._out
+        state = ("pending" if not out.done() else "done" if out._error is None else
+                 f"failed: {out._error!r}")
+        return f"<DeviceFuture (a composite op's value, last {self._s.label} on " \
+               f"{self._s.stream}): {state}>"
+
     def _add_callback(self, cb) -> None:
         self._out._add_callback(cb)
         # and the computation, once the work retired: the one queued at creation may never

@@ -74,6 +74,13 @@ class trace:
         self._pid = 0  # the process recording (a forked child does not: see _after_fork_child)
 
     def __enter__(self) -> "trace":
+        if self.path is not None:  # (a path that cannot be written fails now, before any work:
+            self.path = os.path.abspath(self.path)  # at the end it hid the block's own error)
+            why = ("it is a directory" if os.path.isdir(self.path) else
+                   None if os.access(os.path.dirname(self.path), os.W_OK) else
+                   "its directory is missing or not writable")
+            if why is not None:
+                raise OSError(f"sm.trace cannot write {self.path!r}: {why}")
         with locked():
             if RUNTIME.tracer is not None:
                 raise SharedMemError("a sharedmem.trace is already recording in this process; "
@@ -105,9 +112,17 @@ class trace:
             if r is not None:
                 self._nvtx.end_range(r)
         if self.path is not None:
-            with open(self.path, "w") as f:
-                json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
-                           "otherData": {"producer": "sharedmem.trace"}}, f)
+            try:
+                with open(self.path, "w") as f:
+                    json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
+                               "otherData": {"producer": "sharedmem.trace"}}, f)
+            except OSError as e:
+                if exc[1] is None:
+                    raise
+                # (the block's own error goes on: this one would replace it; the events are
+                # in .events)
+                log.warning("sm.trace could not write %s: %r (its events are in .events)",
+                            self.path, e)
 
     # -- called by the runtime -----------------------------------------------------------
     def _us(self, t) -> float:
@@ -128,9 +143,10 @@ class trace:
                                 "tid": tid, "ts": ts, "args": {"seq": sub.seq, "leases": leases}},
                                r)
         if waits:
-            for other, (seq, _marker) in waits.items():
+            for other, (seq, marker) in waits.items():
+                what = f"up to #{seq}" if marker is not None else "a consumer's open hold"
                 self.events.append({"ph": "i", "s": "t", "cat": "wait", "pid": 0, "tid": tid,
-                                    "ts": ts, "name": f"waits for {other} (up to #{seq})"})
+                                    "ts": ts, "name": f"waits for {other} ({what})"})
 
     def retired(self, subs) -> None:
         """Submissions left their stream's FIFO (retired, or kept as of unknown completion;

@@ -1653,3 +1653,48 @@ def test_the_host_pool_keeps_at_most_its_cache_limit_of_free_blocks(host, monkey
     assert sm.Buffer.empty(16384, "uint8", device=host).ptr == ptr  # (reused at once)
     pool.free_all_blocks()
     assert pool.cached == 0
+
+
+def test_a_trace_that_cannot_be_written_fails_at_once_and_never_hides_the_blocks_error(
+        host, tmp_path):
+    """sm.trace("/no/such/dir/run.json") failed only as the block ended -- its
+    FileNotFoundError replacing the error the block raised. A path that cannot be written is
+    an OSError as the block begins; a write failing at the end leaves the block's error."""
+    with pytest.raises(OSError, match=r"^sm\.trace cannot write '.*run\.json': its directory "
+                                      r"is missing or not writable$"):
+        with sm.trace(str(tmp_path / "no" / "such" / "run.json")):
+            pytest.fail("the block ran")
+    with pytest.raises(OSError, match=r"it is a directory$"):
+        with sm.trace(tmp_path):
+            pass
+
+    class StageFailed(Exception):
+        pass
+    path = tmp_path / "run.json"
+    with pytest.raises(StageFailed):
+        with sm.trace(path) as tr:
+            sm.Buffer.zeros(4, "float32", device=host).fill_zero().result()
+            path.mkdir()  # (the file cannot be written now)
+            raise StageFailed
+    assert tr.events
+
+
+def test_reprs_say_when_a_future_failed_or_its_value_is_computing(host):
+    """A DeviceFuture whose host kernel raised said "done"; a composite op's value said "done"
+    while its function still ran and when it failed."""
+    import threading
+    b = sm.Buffer.zeros(4, "float32", device=host)
+
+    @sm.host_kernel
+    def bad(x):
+        raise ValueError("row 3")
+    f = sm.launch(bad, 1, 1, b)
+    f.exception(5)
+    assert repr(f).endswith(": failed: ValueError('row 3')>"), repr(f)
+    gate = threading.Event()
+    c = sm.op(sm.host_kernel(lambda x: None), 1, 1, b).apply(lambda v: gate.wait(5)).submit()
+    assert repr(c).startswith("<DeviceFuture (a composite op's value, last host kernel ")
+    assert repr(c).endswith(": pending>") and not c.done()
+    gate.set()
+    c.result(5)
+    assert repr(c).endswith(": done>")

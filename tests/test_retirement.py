@@ -109,7 +109,7 @@ def test_kernel_fault_means_completion_unknown(host):
     alloc_ref = b.allocation
     fut = sm.launch(faulting, 1, 1, b, stream=s)
     del b
-    with pytest.warns(sm.LeakWarning, match=r"^completion of work on <Stream .*> is unknown \(HostFault\('illegal address \(simulated\)'\)\); its memory and leases are kept, never freed"):
+    with pytest.warns(sm.LeakWarning, match=r"^completion of work on <Stream .*> \(stream #\d+\) is unknown \(HostFault\('illegal address \(simulated\)'\)\); its memory and leases are kept, never freed"):
         with pytest.raises(sm.CompletionUnknownError, match=r"^completion of host kernel .*faulting on <Stream .*> is unknown: HostFault") as ei:
             fut.result(5)
     assert isinstance(ei.value.__cause__, HostFault)

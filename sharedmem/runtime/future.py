@@ -169,6 +169,9 @@ class DeviceFuture(_FutureBase):
 
     def __repr__(self) -> str:
         state = ("pending", "done", "completion unknown")[self._s.state]
+        failure = getattr(self._s.marker, "failure", None)  # (a host kernel that raised)
+        if failure is not None:
+            state = f"failed: {failure!r}"
         return f"<DeviceFuture {self._s.label} on {self._s.stream}: {state}>"
 
     @property

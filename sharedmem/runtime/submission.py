@@ -651,8 +651,10 @@ def _sweep_locked(stream, record=True) -> list:
                 rt.leaked_bytes += sub.nbytes
                 if not stream._leak_warned:
                     stream._leak_warned = True
-                    rt.warnings.append(
-                        f"completion of work on {stream} is unknown ({sub.marker.error!r}); its "
+                    rt.warnings.append(  # (the stream's number: one text a stream, not
+                        # deduplicated by Python's warning filter against another's)
+                        f"completion of work on {stream} (stream #{stream._uid}) is unknown "
+                        f"({sub.marker.error!r}); its "
                         f"memory and leases are kept, never freed (see sharedmem.stats().leaked). "
                         f"Create a new stream for further work.")
             rt.in_flight -= 1
