@@ -149,8 +149,9 @@ def check_required() -> None:
             f"SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core is not in use "
             f"({', '.join(interpreted)} run from source"
             f"{'; SHAREDMEM_PURE_PYTHON is set' if pure_python_requested() else why}). "
-            f"Build it: pip install Cython and a C compiler, then reinstall sharedmem "
-            f"(or `make speedups` in a checkout).")
+            f"Build it: with a C compiler on the machine, pip install --no-cache-dir "
+            f"--force-reinstall --no-deps sharedmem-gpu (pip's cache holds the uncompiled "
+            f"build; `make speedups` in a checkout).")
     if not pure_python_requested():
         import warnings
 
@@ -158,7 +159,8 @@ def check_required() -> None:
         what = (f"the compiled core cannot run here ({_unusable})" if _unusable else
                 "the compiled core is not built here")
         warnings.warn(f"sharedmem: {what}, so it runs interpreted "
-                      "(about 3x slower per launch). Reinstall with Cython and a C compiler "
+                      "(about 3x slower per launch). With a C compiler on the machine, pip "
+                      "install --no-cache-dir --force-reinstall --no-deps sharedmem-gpu "
                       "(`make speedups` in a checkout), or set SHAREDMEM_PURE_PYTHON=1 to "
                       "choose the interpreted core and silence this", SharedMemWarning,
                       stacklevel=3)

@@ -595,7 +595,7 @@ def test_a_wait_for_a_faulted_host_stream_refuses_instead_of_faulting_the_waiter
         raise HostFault("boom")
     a, c = host.create_stream("a"), host.create_stream("c")
     buf = sm.Buffer.zeros(4, "int32", device=host, stream=a)
-    with pytest.raises(sm.CompletionUnknownError):
+    with pytest.raises(sm.CompletionUnknownError), pytest.warns(sm.LeakWarning):
         sm.launch(fault, 1, 1, buf, stream=a).result(5)
     with pytest.raises(sm.CompletionUnknownError):
         c.wait(a)
