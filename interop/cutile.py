@@ -407,7 +407,8 @@ class TilePlan(KernelPlan):
                 return True
             ev = threading.Event()
             ev.compiler = threading.get_ident()
-            if warmed.setdefault(key, ev) is ev:  # (else another thread's, just put there)
+            got = warmed.setdefault(key, ev)
+            if got is ev:  # (else another thread's, just put there: maybe deleted since)
                 try:
                     self._compile(call_args)
                 except BaseException:  # not compiled (an interrupt too): not warmed
@@ -416,7 +417,7 @@ class TilePlan(KernelPlan):
                 finally:
                     ev.set()
                 return True
-            ev = warmed[key]
+            ev = got
         if not ev.is_set() and ev.compiler == threading.get_ident():
             return True  # (this thread compiles it, frames below: a finalizer's launch; no wait)
         ev.wait()

@@ -31,7 +31,7 @@ from .launch import (Intent, _as_view, adapter_for, check_device_kind, default_d
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
-from .runtime.future import DeviceFuture, HostFuture, _composing, _outcome
+from .runtime.future import DeviceFuture, HostFuture, _composing, _outcome, peek_quietly
 from .runtime.state import OwnedLock, fork_safe
 from .stream import Stream, as_stream, streams_entered
 
@@ -204,9 +204,8 @@ class _Apply(DeviceOp):
             raise CaptureError("apply() cannot be captured into a graph: its host function would "
                                "run once at capture, not at each replay")
         inner = self.ops[0]._submit_on(stream)
-        fn = self.fn
         # (the work completed: _peek is safe in the retiring thread)
-        return ComputedFuture(inner._s, lambda: fn(inner._peek()), (inner,))
+        return ComputedFuture(inner._s, partial(_applied, inner, self.fn), (inner,))
 
 
 class _Zip(DeviceOp):
@@ -242,13 +241,19 @@ def _values(futures) -> tuple:
     values, error = [], None
     for f in futures:
         try:
-            values.append(f._peek())
+            values.append(peek_quietly(f))
         except Exception as e:
             if error is None:
                 error = e
     if error is not None:
         raise error
     return tuple(values)
+
+
+def _applied(inner, fn):
+    """apply()'s value: ``fn`` of the inner op's value (read quietly; ``fn``, the user's
+    function, runs as any user code)."""
+    return fn(peek_quietly(inner))
 
 
 def _last_value(futures):
@@ -388,13 +393,7 @@ class ComputedFuture(DeviceFuture):
                 else:
                     _waiting[me] = outer
         fn, self._fn = self._fn, None
-        outer = getattr(_composing, "on", False)
-        _composing.on = True  # (the parts' failures: not seen by a user yet)
-        try:
-            outcome = _outcome(fn)
-        finally:
-            _composing.on = outer
-        self._out._set(*outcome)
+        self._out._set(*_outcome(fn))  # (the parts read quietly: see _values, _applied)
         return True
 
     def done(self) -> bool:

@@ -588,3 +588,33 @@ def test_a_then_function_waiting_for_its_own_future_raises_instead_of_hanging(ho
     with pytest.raises(sm.SharedMemError, match=r"^a then\(\) function waits for the "
                                                 r"HostFuture that then\(\) returned"):
         box["h"].result(5)
+
+
+def test_a_then_chain_after_a_failure_raises_the_failure_and_counts_it_retrieved(host, caplog):
+    """launch(bad).then(f).then(g): the last future raised AttributeError ('HostFuture' has
+    no '_retrieved') instead of the kernel's failure, and the failure was still logged as never
+    retrieved. It raises HostKernelError, and looking counts."""
+    caplog.set_level(logging.INFO, logger="sharedmem")
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    f = sm.launch(_nobody_looks, 1, 1, b).then(len).then(str)
+    assert type(f.exception(5)) is sm.HostKernelError
+    with pytest.raises(sm.HostKernelError):
+        f.result(5)
+    del f, b
+    sm.synchronize()
+    gc_collect_harder()
+    assert _never_retrieved(caplog) == []
+
+
+def test_a_failure_an_apply_function_looks_at_counts_as_retrieved(host, caplog):
+    """What a user's apply() function retrieves, it retrieves: the quiet look at an op's parts
+    covered the user's function too, and a failure it saw was logged as never retrieved."""
+    caplog.set_level(logging.INFO, logger="sharedmem")
+    b, c = (sm.Buffer.zeros(4, "float32", device=host) for _ in range(2))
+    other = sm.launch(_nobody_looks, 1, 1, b)
+    seen = sm.op(fill, 1, 1, c, 1.0).apply(lambda v: type(other.exception(5))).submit()
+    assert seen.result(5) is sm.HostKernelError
+    del other, seen, b, c
+    sm.synchronize()
+    gc_collect_harder()
+    assert _never_retrieved(caplog) == []

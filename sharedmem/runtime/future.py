@@ -244,17 +244,24 @@ def _then(fut, fn, out, _f) -> None:
     """then()'s callback: ``out`` set to ``fn(fut's value)`` (_peek: no deferred warnings or
     errors, so any thread may run this; fn is not called when the work failed)."""
     out._owner = threading.get_ident()  # (a wait for ``out`` inside fn would never end)
-    outer = getattr(_composing, "on", False)
-    _composing.on = True  # (its failure: seen by a user once out's outcome is)
-    try:
-        value, error = _outcome(fut._peek)
-    finally:
-        _composing.on = outer
+    value, error = _outcome(partial(peek_quietly, fut))  # (seen once out's outcome is)
     if error is None:
         value, error = _outcome(lambda: fn(value))
     else:
         out._source = fut
     out._set(value, error)
+
+
+def peek_quietly(fut):
+    """``fut._peek()`` as sharedmem's own look at the outcome of work a continuation or a
+    composite op's value follows: a failure found is not retrieved (see _composing). Only
+    the look: a user's function runs outside it (what it retrieves, it retrieves)."""
+    outer = getattr(_composing, "on", False)
+    _composing.on = True
+    try:
+        return fut._peek()
+    finally:
+        _composing.on = outer
 
 
 def future_of(submission: Submission) -> DeviceFuture[Any]:
@@ -332,7 +339,12 @@ class HostFuture(_FutureBase):
     def _peek(self):
         """The value, or the error it failed with (the value or error is set)."""
         if self._error is not None:
-            if self._source is not None and not getattr(_composing, "on", False):
-                self._source._retrieved()  # (its user sees the failure: see _then)
+            if not getattr(_composing, "on", False):
+                self._retrieved()  # (its user sees the failure: see _then)
             raise self._error
         return self._value
+
+    def _retrieved(self) -> None:
+        """The failure it carries (then()'s source's), if any, seen by its user."""
+        if self._source is not None:
+            self._source._retrieved()
