@@ -26,7 +26,8 @@ cdef class AccessTracker:
     @cython.locals(use=StreamUse, uid=cython.longlong)
     cdef StreamUse _use_of(self, Stream stream)
 
-    @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list, uid=cython.longlong)
+    @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list,
+                   uid=cython.longlong)
     cpdef bint elsewhere_locked(self, Stream stream)
 
     @cython.locals(out=list, uses=dict, s=Stream, use=StreamUse, best=Span, hw=bint,

@@ -188,8 +188,8 @@ def _newest_overlap(entries: list, lo, hi, best):
 class AccessTracker:
     """The unfinished accesses (leases) and open holds of one allocation, by stream.
 
-    Holds strong references to the streams and completion markers of work in flight. Every
-    method requires core_lock."""
+    Holds the completion markers of work in flight, and its streams weakly (see the module
+    docstring). Every method requires core_lock."""
 
     __slots__ = ("_uses", "_last", "_last_use")
 

@@ -1124,5 +1124,5 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 __all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked",
            "end_holds_locked", "order_consumer", "wait_before", "export_hold",
            "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait",
-           "raise_deferred", "deferring", "HOLD_SEQ", "FailedMarker", "fresh_marker_locked", "label_text",
-           "PENDING", "RETIRED", "UNKNOWN"]
+           "raise_deferred", "deferring", "HOLD_SEQ", "FailedMarker", "fresh_marker_locked",
+           "label_text", "PENDING", "RETIRED", "UNKNOWN"]
