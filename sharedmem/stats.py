@@ -83,7 +83,8 @@ class InFlight:
 
     def __str__(self) -> str:
         ranges = ", ".join(f"#{a}[{lo}:{hi}]{' w' if w else ''}" for a, lo, hi, w in self.leases)
-        return f"{self.stream}: {self.label} ({self.state}, {self.age * 1e3:.1f} ms) leases {ranges}"
+        return (f"{self.stream}: {self.label} ({self.state}, {self.age * 1e3:.1f} ms) leases "
+                f"{ranges or 'nothing'}")
 
 
 def inflight() -> list[InFlight]:

@@ -416,7 +416,7 @@ def test_graph_lifetime_protocol_and_replay_policy_check(host):
     s.synchronize()
     with sm.capture(s) as g:
         sm.launch(inc, 1, 1, x, stream=s)
-    assert repr(g) == f"<Graph #{g.id} on <Device host>: 1 captured, 1 ranges, ready>"
+    assert repr(g) == f"<Graph #{g.id} on <Device host>: 1 captured, 1 range, ready>"
     before = sm.stats()
     with pytest.raises(sm.SharedMemError, match=r"^unknown access policy 'fifo'; expected one of "
                                                 r"'order', 'reject'$"):

@@ -1698,3 +1698,16 @@ def test_reprs_say_when_a_future_failed_or_its_value_is_computing(host):
     gate.set()
     c.result(5)
     assert repr(c).endswith(": done>")
+
+
+def test_an_inflight_entry_of_work_without_arrays_says_it_leases_nothing(host):
+    """``str(InFlight)`` of work with no array arguments ended in "leases " and nothing."""
+    import threading
+    gate = threading.Event()
+    f = sm.launch(sm.host_kernel(lambda: gate.wait(5)), 1, 1)
+    try:
+        (entry,) = [e for e in sm.inflight() if "lambda" in e.label]
+        assert str(entry).endswith(" leases nothing"), str(entry)
+    finally:
+        gate.set()
+    f.result(5)

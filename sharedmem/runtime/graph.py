@@ -117,8 +117,9 @@ class Graph:
         self._before = None
 
     def __repr__(self) -> str:
+        n = len(self._uses)
         return (f"<Graph #{self.id} on {self.device}: {self.launches} captured, "
-                f"{len(self._uses)} ranges, {self._state}>")
+                f"{n} range{'' if n == 1 else 's'}, {self._state}>")
 
     # -- capture (called by submission.submit with core_lock held) ---------------
     def _record_locked(self, uses, enqueue, keep, label):
