@@ -5,6 +5,7 @@ nothing left half-done afterwards)."""
 import gc
 import pickle
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -445,9 +446,10 @@ def test_a_host_allocation_beyond_memory_names_the_size(host):
     and the device". On the host it was NumPy's "Unable to allocate 8.00 TiB for an array with
     shape (8796093022464,) and data type uint8" -- the pool's block, not the allocation."""
     before = sm.stats().live_allocations
-    with pytest.raises(MemoryError, match=r"^cannot allocate 8796093022208 bytes on <Device host>: "
-                                          r"out of host memory"):
-        sm.Buffer.empty(2**40, "float64", device=host)
+    # (1 EiB: past any machine's address space -- 8 TiB was allocated where memory overcommits)
+    with pytest.raises(MemoryError, match=r"^cannot allocate 1152921504606846976 bytes on "
+                                          r"<Device host>: out of host memory"):
+        sm.Buffer.empty(2**57, "float64", device=host)
     assert sm.stats().live_allocations == before
     assert sm.Buffer.zeros(4, "float64", device=host).to_host().sum() == 0  # the pool works
 
@@ -977,7 +979,7 @@ def test_a_forked_child_does_not_inherit_the_parents_deferred_errors(host):
             sm.stats()
 
 
-def test_a_view_unpickled_where_the_default_stream_faulted_uses_a_pool_stream(host):
+def test_a_view_unpickled_where_the_default_stream_faulted_uses_a_pool_stream(host, monkeypatch):
     """A child forked while its default host stream ran a kernel finds that stream faulted (it
     runs nothing more); unpickling a view copied its values there, and failed
     (CompletionUnknownError: a Pool worker died, and Pool.map hung). The copy takes a stream
@@ -985,6 +987,8 @@ def test_a_view_unpickled_where_the_default_stream_faulted_uses_a_pool_stream(ho
     import pickle
 
     from sharedmem.pickling import values_stream
+    # (unpickled on the default device: the host's here, as where there is no GPU)
+    monkeypatch.setattr(sys.modules["sharedmem.device"], "_default", host)
     s = host.default_stream
     data = pickle.dumps(sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host))
     impl = s._impl
