@@ -60,14 +60,9 @@ _SUCCESS = None
 def _load_driver():
     global cu, _SUCCESS
     if cu is None:
-        try:
+        try:  # (cuda-bindings >= 12.6, as pyproject.toml requires: no older layout)
             from cuda.bindings import driver
-        except ImportError:  # pragma: no cover - depends on the machine
-            try:
-                from cuda import cuda as driver  # cuda-python < 12.6 layout
-            except Exception:
-                return None
-        except Exception:  # pragma: no cover - an install that cannot load: as none
+        except Exception:  # pragma: no cover - not installed, or cannot load: as none
             return None
         cu = driver
     if _SUCCESS is None:
@@ -757,17 +752,19 @@ class CudaBackend:
         self._staged -= size
         _stage_lock.release()
 
-    def copy_htod(self, impl, dst_ptr: int, src) -> CudaMarker:
-        self.call("cuMemcpyHtoDAsync", dst_ptr, src.ctypes.data, src.nbytes, impl.cu_stream)
+    def _enqueue(self, impl, name: str, *args) -> CudaMarker:
+        """``cu.<name>(*args, impl's stream)`` (checked, as :meth:`call`), then the marker."""
+        self.call(name, *args, impl.cu_stream)
         return impl.submit_marker()
+
+    def copy_htod(self, impl, dst_ptr: int, src) -> CudaMarker:
+        return self._enqueue(impl, "cuMemcpyHtoDAsync", dst_ptr, src.ctypes.data, src.nbytes)
 
     def copy_dtoh(self, impl, dst, src_ptr: int) -> CudaMarker:
-        self.call("cuMemcpyDtoHAsync", dst.ctypes.data, src_ptr, dst.nbytes, impl.cu_stream)
-        return impl.submit_marker()
+        return self._enqueue(impl, "cuMemcpyDtoHAsync", dst.ctypes.data, src_ptr, dst.nbytes)
 
     def copy_dtod(self, impl, dst_ptr: int, src_ptr: int, nbytes: int) -> CudaMarker:
-        self.call("cuMemcpyDtoDAsync", dst_ptr, src_ptr, nbytes, impl.cu_stream)
-        return impl.submit_marker()
+        return self._enqueue(impl, "cuMemcpyDtoDAsync", dst_ptr, src_ptr, nbytes)
 
     def copy_strided(self, impl, dst_ptr: int, src_ptr: int, shape, byte_strides,
                      itemsize: int) -> CudaMarker:
@@ -791,13 +788,11 @@ class CudaBackend:
                   nbytes: int) -> CudaMarker:
         """Copy between devices (``cuMemcpyPeerAsync``; no peer access needed) on ``impl``, a
         stream of either device."""
-        self.call("cuMemcpyPeerAsync", dst_ptr, dst_backend.context, src_ptr, src_backend.context,
-                  nbytes, impl.cu_stream)
-        return impl.submit_marker()
+        return self._enqueue(impl, "cuMemcpyPeerAsync", dst_ptr, dst_backend.context, src_ptr,
+                             src_backend.context, nbytes)
 
     def memset(self, impl, dst_ptr: int, byte: int, nbytes: int) -> CudaMarker:
-        self.call("cuMemsetD8Async", dst_ptr, byte, nbytes, impl.cu_stream)
-        return impl.submit_marker()
+        return self._enqueue(impl, "cuMemsetD8Async", dst_ptr, byte, nbytes)
 
     # -- CUDA IPC (sharedmem.ipc) -------------------------------------------------
     def ipc_mem_handle(self, base: int) -> bytes:

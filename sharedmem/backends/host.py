@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import math
 import ctypes
@@ -267,10 +268,8 @@ def _unretrieved_now() -> list:
     a WeakSet whose set changes size raises RuntimeError; at exit, a worker running past
     EXIT_TIMEOUT may still fail a kernel)."""
     while True:
-        try:
+        with contextlib.suppress(RuntimeError):
             return list(_unretrieved)
-        except RuntimeError:
-            pass
 
 
 class _Tasks:
@@ -580,18 +579,16 @@ def _detach(e, args) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         if views:
-            try:
+            # (an exception type whose args cannot be set: kept as it is)
+            with contextlib.suppress(Exception):
                 e.args = tuple([detached(a) for a in e.args])
                 d = getattr(e, "__dict__", None)
                 for k in list(d or ()):
                     d[k] = detached(d[k])
-            except Exception:  # (an exception type whose args cannot be set: kept as it is)
-                pass
         todo += (e.__cause__, e.__context__)
-        try:  # an ExceptionGroup's members (not an attribute of that name that holds others)
+        # an ExceptionGroup's members (not an attribute of that name that holds others)
+        with contextlib.suppress(Exception):
             todo += [x for x in e.exceptions if isinstance(x, BaseException)]
-        except Exception:
-            pass
 
 
 _impls = weakref.WeakSet()  # every host stream's impl (fork restarts their workers)

@@ -23,6 +23,7 @@ retired submission kept is dropped after it (:func:`finish`), never under it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from functools import partial
 from threading import get_ident as _get_ident
@@ -768,10 +769,8 @@ def wait_before(tok, stream, writes) -> None:
             # A CUDA stream: what the driver's copy waits for is everything on it -- the work
             # other libraries enqueued there too (CuPy's on the legacy default stream, which
             # is sharedmem's default stream; a borrowed stream's owner's), not only sharedmem's
-            try:
-                fresh.append(fresh_marker_locked(stream, True))
-            except CompletionUnknownError:
-                pass  # (the copy's own submission meets that error)
+            with contextlib.suppress(CompletionUnknownError):  # (the copy's own submission
+                fresh.append(fresh_marker_locked(stream, True))  # meets that error)
             markers = list(fresh)
         tracker = tok.allocation.tracker
         if tracker.elsewhere_locked(stream):
@@ -901,10 +900,9 @@ def synchronize_stream(stream, everything=False) -> None:
                                f"be waited for; end the capture first")
         last = stream._pending[-1] if stream._pending else None
         if everything and stream._ours:  # (no owner who could be capturing it: a marker now)
-            try:
+            # (unknown: the sweep below reports what made the stream's completion unknown)
+            with contextlib.suppress(CompletionUnknownError):
                 fresh = fresh_marker_locked(stream, True)
-            except CompletionUnknownError:
-                pass  # (the sweep below reports what made the stream's completion unknown)
     if fresh is not None:
         fresh.wait(None)
         fresh.recycle()
@@ -917,10 +915,8 @@ def synchronize_stream(stream, everything=False) -> None:
             # owner's, who may be capturing it: Stream.synchronize waits for it). Its failure
             # -- the sticky error that made the marker unknown -- is no news: the sweep below
             # reports the unknown completion and keeps the memory, as for any unknown marker
-            try:
+            with contextlib.suppress(Exception):
                 stream._impl.synchronize()
-            except Exception:
-                pass
     sweep(stream)
     raise_deferred()
 
