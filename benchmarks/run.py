@@ -404,6 +404,56 @@ def bench_cutile(dev, quick):
     row("cuTile launch, 3 arrays, vs raw ct.launch", t_ours, t_raw, "ct.launch", fns=(ours, raw))
 
 
+def bench_torch_args(dev, quick):
+    """torch tensors as launch arguments (imported for each launch, ordered after torch's
+    pending work: interop.cupy_launch.coerce) of a CuPy kernel against CuPy's own launch of
+    CuPy arrays, and of a cuTile kernel against ``ct.launch`` of the same tensors. Run last:
+    importing torch grows the heap every later row's collector would walk."""
+    try:
+        import torch
+    except ImportError:
+        ROWS.append(("launch with torch tensors as arguments", "n/a", "torch not installed", "-"))
+        return
+    import cupy as cp
+    n, T = 32, 256
+    s = dev.create_stream("bench-torch")
+    cps = cp.cuda.ExternalStream(s.handle)
+    k = cp.RawKernel(LAUNCH_SRC, "k4")
+    ca, cb, cc, cd = (cp.ones(n, cp.float32) for _ in range(4))
+    ta, tb, tc, td = (torch.ones(T * 64, device=f"cuda:{dev.ordinal}") for _ in range(4))
+    nn = np.int32(n)
+    In, Out = sm.In, sm.Out
+
+    def raw():
+        k((1,), (32,), (ca, cb, cc, cd, nn), stream=cps)
+
+    def ours():
+        sm.launch(k, 1, 32, In(ta), In(tb), Out(tc), Out(td), nn, stream=s)
+
+    fns = [raw, ours]
+    try:
+        import cuda.tile as ct
+
+        @ct.kernel
+        def vadd(a, b, c, TT: ct.Constant[int]):
+            i = ct.bid(0)
+            ct.store(c, index=(i,), tile=ct.load(a, index=(i,), shape=(TT,)) +
+                     ct.load(b, index=(i,), shape=(TT,)))
+        h, grid = s.handle, (64, 1, 1)
+        fns.append(lambda: ct.launch(h, grid, vadd, (ta, tb, tc, T)))
+        fns.append(lambda: sm.launch(vadd, (64,), None, In(ta), In(tb), Out(tc), T, stream=s))
+    except ImportError:
+        pass
+    for fn in fns:
+        for _ in range(100):
+            fn()
+    torch.cuda.synchronize()
+    t = interleaved_us(fns, 2000 if quick else 10000, 7, s.synchronize)
+    row("launch with torch tensors as arguments vs CuPy (CuPy arrays)", t[1], t[0], "CuPy")
+    if len(t) == 4:
+        row("cuTile launch, 3 torch tensors, vs raw ct.launch of them", t[3], t[2], "ct.launch")
+
+
 def bench_graph(dev, quick):
     """Replay of a 32-launch graph through sharedmem vs the raw CUDA graph (CuPy capture)."""
     import cupy as cp
@@ -596,10 +646,12 @@ def main() -> int:
         except Exception as e:  # a failure here must not hide the other rows
             ROWS.append(("graph replay vs raw CUDA graph", "failed", f"{type(e).__name__}: {e}"[:60], "-"))
         total = opts.launches or (100_000 if opts.quick else 1_000_000)
+        bench_retirement(dev, total, opts.quick)
+        bench_torch_args(dev, opts.quick)  # (last: it imports torch)
     else:
         bench_host_launch(dev, opts.quick)
         total = opts.launches or (10_000 if opts.quick else 100_000)
-    bench_retirement(dev, total, opts.quick)
+        bench_retirement(dev, total, opts.quick)
     if dev.kind == "host":
         ROWS.append(("graph replay", "n/a", "CUDA only", "-"))
     w = max(len(r[0]) for r in ROWS)

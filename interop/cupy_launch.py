@@ -18,7 +18,7 @@ import weakref
 
 import numpy as np
 
-from sharedmem.allocation import View, ViewToken, import_allocation
+from sharedmem.allocation import View, ViewToken, _module, import_allocation
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
@@ -741,22 +741,24 @@ _modules = cython.declare(dict, sys.modules)
 
 
 def coerce(obj, device):
-    """``KernelAdapter.coerce`` of CuPy kernels: a CuPy array argument as its
+    """``KernelAdapter.coerce`` of CuPy and cuTile kernels: a CuPy array argument as its
     :class:`ArrayFacts` (a :class:`~sharedmem.launch.ForeignArray`: a lease of its bytes
     with no view token, made on its first launch; the launch keeps the array alive until its
-    work is done); None for anything else."""
+    work is done); any other DLPack producer (a torch tensor, a JAX array) imported for the
+    launch -- ordered after the producer's pending work on its current stream, as every
+    import is (``interop.dlpack.from_dlpack``); None for anything else."""
     nd = _ndarray[1]
     if nd is not None and type(obj) is nd:  # (the common case: no module lookup)
         return array_facts(obj)
-    modules = _modules
-    cp = modules.get("cupy")
-    if cp is None:
-        return None
-    if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)
-        _ndarray[1] = cp.ndarray
-        _ndarray[0] = cp
-    if isinstance(obj, _ndarray[1]):
-        return array_facts(obj)
+    cp = _modules.get("cupy")
+    if cp is not None:
+        if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)
+            _ndarray[1] = cp.ndarray
+            _ndarray[0] = cp
+        if isinstance(obj, _ndarray[1]):
+            return array_facts(obj)
+    if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
+        return _module("interop.dlpack").from_dlpack(obj)
     return None
 
 

@@ -36,7 +36,7 @@ try:
 except ImportError:  # interpreted, without Cython installed
     from sharedmem import _cython as cython
 
-from sharedmem.allocation import View, _module
+from sharedmem.allocation import View
 from sharedmem.buffer import DeviceBox
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.runtime.state import RUNTIME, log
@@ -46,7 +46,7 @@ from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, L
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import array_facts
+from interop.cupy_launch import coerce
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -510,12 +510,8 @@ class TileKernelAdapter(KernelAdapter):
                                                           "__name__", "kernel")
         return f"cuTile kernel {fn}"
 
-    def coerce(self, obj, device):
-        if _is_cupy_array(obj):
-            return array_facts(obj)
-        if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
-            return _module("interop.dlpack").from_dlpack(obj)
-        return None
+    def coerce(self, obj, device):  # (as CuPy kernels': a CuPy array's facts, or an import)
+        return coerce(obj, device)
 
     def plan(self, kernel, device):
         return TilePlan(kernel, self, device, _cutile())

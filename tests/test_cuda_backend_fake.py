@@ -1814,6 +1814,58 @@ def test_cupy_array_arguments_are_their_facts_and_kept_alive_by_the_work(fake, k
     assert sm.stats().submitted == leased
 
 
+class _Producer:
+    """A DLPack producer on a CUDA device other than CuPy (a torch tensor, a JAX array): it
+    hands out the memory of a sharedmem view as ``torch.from_dlpack(view)`` would, and
+    counts the ``stream`` each export was asked to order its work before."""
+
+    def __init__(self, view):
+        self.view, self.streams = view, []
+
+    def __dlpack_device__(self):
+        return self.view.__dlpack_device__()
+
+    def __dlpack__(self, stream=None, max_version=None, **kw):
+        self.streams.append(stream)
+        return self.view.__dlpack__(stream=stream, max_version=max_version)
+
+
+def test_a_dlpack_producer_argument_of_a_cupy_kernel_is_imported_for_the_launch(fake, kernels,
+                                                                              monkeypatch):
+    """A torch tensor or JAX array passed to a CuPy kernel (as to a cuTile kernel) is imported
+    for the launch: the producer is asked to order its pending work before the import, the
+    import is ordered with sharedmem's own work on those bytes, the kernel writes the memory,
+    and nothing of the import outlives the work. A refused launch leaves no import behind; a
+    read-only export is refused as Out."""
+    import sharedmem.device as sm_device
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", dev.ordinal), dev)  # (Device(0) is dev)
+    saxpy, scale_len = kernels
+    n = 8
+    t = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
+    x = _Producer(t[:])
+    s = dev.create_stream("s")
+    sm.launch(saxpy, 1, 8, 2.0, sm.In(x), x, sm.Out(x), n, stream=s).result()
+    assert x.streams == [1, 1, 1]  # (the default stream: the import is recorded there)
+    np.testing.assert_array_equal(t.to_host(), 3 * np.arange(n))
+    sm.launch(scale_len, 1, 8, sm.InOut(x, with_length=True), 2.0, stream=s).result()
+    np.testing.assert_array_equal(t.to_host(), 6 * np.arange(n))
+    sm.synchronize()
+    gc_collect_harder()
+    views = t._token.allocation.live_views
+    assert views == 2  # t and the producer's own view: no import left
+    with pytest.raises(sm.KernelError, match=r"^argument 4: parameter 'n' \(int\) is not a "
+                                             r"pointer, got an array \(Tensor\)$"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(x), sm.In(x), stream=s)
+    ro = _Producer(t.as_readonly())
+    with pytest.raises(sm.KernelError, match=r"^argument 3: Out\(.*\) would write through a "
+                                             r"read-only view"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(ro), n, stream=s)
+    sm.synchronize()
+    gc_collect_harder()  # (the imports' own arrivals were recorded; nothing else is left)
+    assert t._token.allocation.live_views == views + 1 and sm.stats().in_flight == 0
+
+
 def test_an_adapter_on_prepare_gets_cupy_arrays_themselves_and_launch_records_are_refused(
         fake, kernels, monkeypatch):
     """A CuPy adapter subclass on the ``prepare`` interface still sees each CuPy array as a

@@ -172,3 +172,31 @@ def test_first_launch_compiles_outside_the_core_lock(gpu):
     sm.launch(accumulate, (n // TILE,), None, sm.In(a), c, TILE).result()
     assert len(seen) == 1  # compiled once
     np.testing.assert_array_equal(c.to_host(), 2 * np.arange(n, dtype=np.float32))
+
+
+def test_torch_tensors_are_ordered_after_torch_work_for_cutile_and_cupy_kernels(gpu, vadd):
+    """torch tensors passed to a cuTile kernel and to a CuPy kernel are imported for the
+    launch: a launch on a sharedmem stream reading a tensor torch is still writing on its
+    own stream (behind 200 ms of spinning) reads the written values, and the results land in
+    torch's tensors."""
+    torch = pytest.importorskip("torch")
+    import gpu_kernels as K
+    n = TILE * 1024
+    dev = f"cuda:{gpu.ordinal}"
+    s = gpu.create_stream("tile")
+    a, b = torch.zeros(n, device=dev), torch.full((n,), 0.5, device=dev)
+    c, d = torch.empty(n, device=dev), torch.empty(n, device=dev)
+    values = torch.arange(n, dtype=torch.float32, device=dev)
+    torch.cuda.synchronize()
+    ts = torch.cuda.Stream()
+    with torch.cuda.stream(ts):
+        torch.cuda._sleep(K.cycles(200))
+        a.copy_(values)  # torch writes a on ts, behind the spin
+        sm.launch(vadd, (n // TILE,), None, sm.In(a), sm.In(b), sm.Out(c), TILE, stream=s)
+        sm.launch(K.kernel("saxpy"), n // 256, 256, 2.0, sm.In(a), sm.In(c), sm.Out(d), n,
+                  stream=s).result()
+    expected = np.arange(n, dtype=np.float32)
+    np.testing.assert_array_equal(c.cpu().numpy(), expected + 0.5)
+    np.testing.assert_array_equal(d.cpu().numpy(), 3 * expected + 0.5)
+    sm.synchronize()
+    assert sm.stats().in_flight == 0
