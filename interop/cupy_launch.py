@@ -744,9 +744,10 @@ def coerce(obj, device):
     """``KernelAdapter.coerce`` of CuPy and cuTile kernels: a CuPy array argument as its
     :class:`ArrayFacts` (a :class:`~sharedmem.launch.ForeignArray`: a lease of its bytes
     with no view token, made on its first launch; the launch keeps the array alive until its
-    work is done); any other DLPack producer (a torch tensor, a JAX array) imported for the
-    launch -- ordered after the producer's pending work on its current stream, as every
-    import is (``interop.dlpack.from_dlpack``); None for anything else."""
+    work is done); any other DLPack producer on a CUDA device (a torch tensor, a JAX array)
+    imported for the launch -- ordered after the producer's pending work on its current
+    stream, as every import is (``interop.dlpack.from_dlpack``); None for anything else (a
+    NumPy array: refused as a pointer argument, by name)."""
     nd = _ndarray[1]
     if nd is not None and type(obj) is nd:  # (the common case: no module lookup)
         return array_facts(obj)
@@ -757,8 +758,9 @@ def coerce(obj, device):
             _ndarray[0] = cp
         if isinstance(obj, _ndarray[1]):
             return array_facts(obj)
-    if hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float, complex)):
-        return _module("interop.dlpack").from_dlpack(obj)
+    where = getattr(obj, "__dlpack_device__", None)
+    if where is not None and hasattr(obj, "__dlpack__") and where()[0] in (2, 13):
+        return _module("interop.dlpack").from_dlpack(obj)  # (kDLCUDA, kDLCUDAManaged)
     return None
 
 

@@ -36,7 +36,7 @@ try:
 except ImportError:  # interpreted, without Cython installed
     from sharedmem import _cython as cython
 
-from sharedmem.allocation import View
+from sharedmem.allocation import View, _module
 from sharedmem.buffer import DeviceBox
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.runtime.state import RUNTIME, log
@@ -510,8 +510,14 @@ class TileKernelAdapter(KernelAdapter):
                                                           "__name__", "kernel")
         return f"cuTile kernel {fn}"
 
-    def coerce(self, obj, device):  # (as CuPy kernels': a CuPy array's facts, or an import)
-        return coerce(obj, device)
+    def coerce(self, obj, device):
+        """As CuPy kernels' (:func:`interop.cupy_launch.coerce`); a DLPack producer elsewhere
+        (a NumPy array) is imported too, and refused as on another device."""
+        got = coerce(obj, device)
+        if got is None and hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float,
+                                                                             complex)):
+            return _module("interop.dlpack").from_dlpack(obj)
+        return got
 
     def plan(self, kernel, device):
         return TilePlan(kernel, self, device, _cutile())

@@ -1836,7 +1836,7 @@ def test_a_dlpack_producer_argument_of_a_cupy_kernel_is_imported_for_the_launch(
     for the launch: the producer is asked to order its pending work before the import, the
     import is ordered with sharedmem's own work on those bytes, the kernel writes the memory,
     and nothing of the import outlives the work. A refused launch leaves no import behind; a
-    read-only export is refused as Out."""
+    read-only export is refused as Out; a NumPy array (on the host) is not imported."""
     import sharedmem.device as sm_device
     dev, drv = fake
     monkeypatch.setitem(sm_device._devices, ("cuda", dev.ordinal), dev)  # (Device(0) is dev)
@@ -1861,6 +1861,9 @@ def test_a_dlpack_producer_argument_of_a_cupy_kernel_is_imported_for_the_launch(
     with pytest.raises(sm.KernelError, match=r"^argument 3: Out\(.*\) would write through a "
                                              r"read-only view"):
         sm.launch(saxpy, 1, 8, 1.0, sm.In(x), sm.In(x), sm.Out(ro), n, stream=s)
+    with pytest.raises(sm.KernelError, match=r"^argument 1: In\(\) takes a Buffer, Tensor, "
+                                             r"DeviceBox or array, got ndarray \(dtype float32\)"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(np.zeros(n, np.float32)), x, x, n, stream=s)
     sm.synchronize()
     gc_collect_harder()  # (the imports' own arrivals were recorded; nothing else is left)
     assert t._token.allocation.live_views == views + 1 and sm.stats().in_flight == 0

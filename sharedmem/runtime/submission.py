@@ -769,8 +769,9 @@ def wait_before(tok, stream, writes) -> None:
             # A CUDA stream: what the driver's copy waits for is everything on it -- the work
             # other libraries enqueued there too (CuPy's on the legacy default stream, which
             # is sharedmem's default stream; a borrowed stream's owner's), not only sharedmem's
-            with contextlib.suppress(CompletionUnknownError):  # (the copy's own submission
-                fresh.append(fresh_marker_locked(stream, True))  # meets that error)
+            # (unknown: the copy's own submission meets that error)
+            with contextlib.suppress(CompletionUnknownError):
+                fresh.append(fresh_marker_locked(stream, True))
             markers = list(fresh)
         tracker = tok.allocation.tracker
         if tracker.elsewhere_locked(stream):
