@@ -39,7 +39,8 @@ cdef class RawKernelPlan(KernelPlan):
 
     @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, p=Py_ssize_t, j=Py_ssize_t,
                    i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, tok=ViewToken,
-                   view=View, fa=ArrayFacts, fv=cython.double, addr=cython.ulonglong)
+                   view=View, fa=ArrayFacts, fv=cython.double, addr=cython.ulonglong,
+                   torch_seen=bint)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(impl=CudaStreamImpl, c=LaunchConfig, err=int, st=Stream)
@@ -58,6 +59,7 @@ cdef int _launch_compiled(RawKernelPlan plan, CudaStreamImpl impl, config,
 cdef class ArrayFacts(ForeignArray):
     cdef public size_t addr
     cdef public bint dead
+    cdef public object ptr, layout
 
 
 @cython.locals(f=ArrayFacts, other=ArrayFacts, slot=Py_ssize_t, addr=size_t)

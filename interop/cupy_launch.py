@@ -23,7 +23,7 @@ from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, KernelError
 from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
-from sharedmem.runtime.state import OwnedLock, fork_safe
+from sharedmem.runtime.state import OwnedLock, fork_safe, locked
 from sharedmem.tensor import Tensor, extent
 
 try:
@@ -385,6 +385,7 @@ class RawKernelPlan(KernelPlan):
             out = []
         p = 0
         j = 0  # the array argument's lease in `uses`
+        torch_seen = False
         for i in range(len(args)):
             a = args[i]
             par = params[p]
@@ -408,9 +409,11 @@ class RawKernelPlan(KernelPlan):
             if type(a) is ArrayFacts:  # a CuPy array (see coerce): its lease, as for a view
                 if not par.address:
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
-                                      f"a CuPy array")
+                                      f"a {'CuPy array' if a.layout is None else 'torch tensor'}")
                 j += 1
                 fa = cython.cast(ArrayFacts, a) if cython.compiled else a
+                if fa.layout is not None and not torch_seen:  # (see torch_facts)
+                    torch_seen = True
                 addr = fa.token.allocation.ptr + fa.offset
                 if cython.compiled or par.kcode != _K_PTR:
                     _emit_address(out, par, addr)
@@ -434,7 +437,9 @@ class RawKernelPlan(KernelPlan):
                                           f"elements), got a strided {type(v).__name__}; "
                                           f"pass a contiguous copy (tensor.contiguous())")
                     lp = params[p]
-                    length = v.size  # elements (a Buffer's length)
+                    length = v.size  # elements (a Buffer's length; torch's: a method)
+                    if callable(length):
+                        length = v.numel()
                     if lp.kind in "iu":
                         _emit(out, lp, _int_value(i, lp, length))
                     elif lp.kind == "?" and lp.size in (4, 8):
@@ -483,6 +488,8 @@ class RawKernelPlan(KernelPlan):
                         f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
                         f"np.complex64(z)")
             p += 1
+        if torch_seen:  # (every argument checked: ordered only for a launch that will run)
+            order_after_torch(stream)
         return out  # (interpreted: the values, packed into the slots by enqueue)
 
     def _count_error(self, args):
@@ -540,10 +547,11 @@ class LaunchConfig:
 
 
 def _dense(v) -> bool:
-    """Whether array ``v`` (a view or a CuPy array) holds its elements one after another."""
+    """Whether array ``v`` (a view, a CuPy array or a torch tensor) holds its elements one
+    after another."""
     if isinstance(v, Buffer):
         return True
-    if isinstance(v, Tensor):
+    if isinstance(v, Tensor) or callable(getattr(v, "is_contiguous", None)):  # (torch too)
         return v.is_contiguous()
     flags = getattr(v, "flags", None)
     if flags is not None:
@@ -653,9 +661,11 @@ class ArrayFacts(ForeignArray):
     never the array (that would keep the array alive): a launch keeps the array itself.
     ``addr``: the array's address (its id); ``dead``: set by the weak reference's callback,
     which runs before the array's memory is freed -- so no later object at that address is
-    taken for it."""
+    taken for it. A torch tensor's facts (:func:`torch_facts`) also keep the data pointer and
+    ``(shape, strides)`` they were learned from (``ptr``, ``layout``; None for a CuPy array):
+    a torch tensor's memory and layout can change in place."""
 
-    __slots__ = ("addr", "dead")
+    __slots__ = ("addr", "dead", "ptr", "layout")
 
 
 # id(array) -> ArrayFacts of the live CuPy arrays passed to launches. An entry goes when its
@@ -715,7 +725,6 @@ def array_facts(arr):
 
 
 def _learn(arr):
-    key = id(arr)
     dev = Device(arr.device.id)
     alloc, lo, hi = _allocation_of(arr, dev)
     # as_cupy's array: its export's token; cupy.asarray of a view (its CAI): CuPy's memory
@@ -723,20 +732,82 @@ def _learn(arr):
     owner = getattr(arr.data.mem, "_owner", None)
     writable = (owner.token.writable if isinstance(owner, _ExportOwner) else
                 owner._token.writable if isinstance(owner, View) else True)
+    return _remember(arr, "CuPy array argument", alloc, lo, hi, writable, arr.data.ptr, None)
+
+
+def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout):
+    """New facts of ``arr`` (element 0 at ``ptr``, bytes ``[lo, hi)`` of ``alloc``), kept
+    until it dies."""
+    key = id(arr)
     f = ArrayFacts()
-    f.token = ViewToken(alloc, "CuPy array argument", lo, hi, writable, alloc)
+    f.token = ViewToken(alloc, kind, lo, hi, writable, alloc)
     f.token.live = True  # a lease's range: never a live view (not in the allocation's views)
-    f.offset = arr.data.ptr - alloc.ptr
+    f.offset = ptr - alloc.ptr
     f.addr = key
     f.dead = False
+    f.ptr = ptr
+    f.layout = layout
     f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
     _facts[key] = f
     return f
 
 
+def torch_facts(t):
+    """The :class:`ArrayFacts` of torch tensor ``t`` (on a CUDA device; None otherwise), as
+    for a CuPy array -- but ``set_``, ``resize_`` and ``as_strided_`` change a torch tensor's
+    memory or layout in place: its facts serve while its data pointer, shape and strides are
+    those they were learned from, and are learned anew otherwise. Its allocation spans its
+    storage (a foreign allocation; ours where the storage is our memory, a tensor made by
+    ``torch.from_dlpack`` of a view: then writable only where a writable view reaches it).
+    The launch orders itself after torch's current stream (:func:`order_after_torch`)."""
+    ptr = t.data_ptr()
+    layout = (t.shape, t.stride())
+    f = _facts.get(id(t))
+    if f is not None and not f.dead and f.ptr == ptr and f.layout == layout:
+        return f
+    if not t.is_cuda:
+        return None
+    dev = Device(t.device.index)
+    item = t.element_size()
+    lo, hi = extent(layout[0], [st * item for st in layout[1]], item)
+    storage = t.untyped_storage()
+    start = ptr + lo
+    alloc = import_allocation(dev, start, max(hi - lo, 1) if t.numel() else 0, "torch",
+                              region=(storage.data_ptr(), max(storage.nbytes(), 1)))
+    lo, hi = start - alloc.ptr, start - alloc.ptr + hi - lo
+    writable = True
+    if alloc.source == "sharedmem":
+        with locked():
+            views = alloc.live_tokens_locked(lo, hi)
+        writable = not views or any([v.writable for v in views])
+    return _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout)
+
+
+def order_after_torch(stream) -> None:
+    """Order later work on ``stream`` after torch's pending work on its current stream of
+    ``stream``'s device (what torch's ``__dlpack__(stream=...)`` does for an import): once per
+    launch with torch tensors among its arguments, before anything is leased; nothing where
+    torch's current stream is ``stream`` itself."""
+    cur = _torch[0].cuda.current_stream(stream.device.ordinal)
+    if cur.cuda_stream != stream.handle:
+        stream.wait(cur)
+
+
+def torch_tensor_type():
+    """torch's ``Tensor`` class where torch is imported, else None."""
+    torch = _modules.get("torch")
+    if torch is None:
+        return None
+    if torch is not _torch[0]:  # (first use, or a module replaced since: tests do)
+        _torch[1] = torch.Tensor
+        _torch[0] = torch
+    return _torch[1]
+
+
 # [the cupy module, its ndarray], once CuPy is imported; and sys.modules (C globals where
 # compiled: no dict lookups)
 _ndarray = cython.declare(list, [None, None])
+_torch = cython.declare(list, [None, None])  # [the torch module, its Tensor], once imported
 _modules = cython.declare(dict, sys.modules)
 
 
@@ -744,13 +815,17 @@ def coerce(obj, device):
     """``KernelAdapter.coerce`` of CuPy and cuTile kernels: a CuPy array argument as its
     :class:`ArrayFacts` (a :class:`~sharedmem.launch.ForeignArray`: a lease of its bytes
     with no view token, made on its first launch; the launch keeps the array alive until its
-    work is done); any other DLPack producer on a CUDA device (a torch tensor, a JAX array)
-    imported for the launch -- ordered after the producer's pending work on its current
-    stream, as every import is (``interop.dlpack.from_dlpack``); None for anything else (a
-    NumPy array: refused as a pointer argument, by name)."""
+    work is done); a CUDA torch tensor as its facts too (:func:`torch_facts`: the launch is
+    ordered after torch's current stream, as an import would be); any other DLPack producer on
+    a CUDA device (a JAX array) imported for the launch -- ordered after the producer's pending
+    work on its current stream, as every import is (``interop.dlpack.from_dlpack``); None for
+    anything else (a NumPy array: refused as a pointer argument, by name)."""
     nd = _ndarray[1]
     if nd is not None and type(obj) is nd:  # (the common case: no module lookup)
         return array_facts(obj)
+    tt = torch_tensor_type()
+    if tt is not None and isinstance(obj, tt):
+        return torch_facts(obj)
     cp = _modules.get("cupy")
     if cp is not None:
         if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)

@@ -46,7 +46,7 @@ from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, L
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import coerce
+from interop.cupy_launch import ArrayFacts, coerce, order_after_torch, torch_tensor_type
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -85,7 +85,8 @@ def _descriptor(view, writable):
                                   f"-- pass a contiguous copy")
     d = _ArrayDescriptor.__new__(_ArrayDescriptor)
     cai = d.__cuda_array_interface__ = cai_layout(view, not writable)
-    d.sig, d.bits = _array_keys(cai["typestr"], cai["shape"], cai["strides"], cai["data"][0])
+    d.sig, d.bits = _array_keys(cai["typestr"], int(cai["typestr"][2:]), cai["shape"],
+                                cai["strides"], cai["data"][0])
     return d
 
 
@@ -93,14 +94,14 @@ _writable_descriptor = partial(_descriptor, writable=True)  # (View._derived_val
 _readonly_descriptor = partial(_descriptor, writable=False)
 
 
-def _array_keys(typestr, shape, strides, ptr) -> tuple:
+def _array_keys(dtype, itemsize, shape, strides, ptr) -> tuple:
     """An array argument's two keys (see _signature): ``(exact, bits)``. ``bits`` is what
     cuTile specializes an array on (cext/tile_kernel.cpp, compute_array_specialization_bits):
     its dtype and rank, the base pointer's 16-byte alignment, whether its elements are
     disjoint, and per dimension whether the shape is a multiple of 16 or 1 and the stride a
     multiple of 16 bytes or one element. ``exact`` adds the shape and strides themselves.
-    ``strides`` in bytes, or None (C-contiguous)."""
-    itemsize = int(typestr[2:])
+    ``dtype``: any key of the element type (a typestr, torch's dtype name); ``strides`` in
+    bytes, or None (C-contiguous)."""
     ndim = len(shape)
     if strides is None:
         strides = tuple([s * itemsize for s in c_strides(shape)])
@@ -114,7 +115,7 @@ def _array_keys(typestr, shape, strides, ptr) -> tuple:
         if not (order[k][0] > 0 and order[k][0] >= order[k - 1][0] * order[k - 1][1]):
             disjoint = False
             break
-    bits = (typestr, ndim, ptr % 16 == 0, disjoint, dims)
+    bits = (dtype, ndim, ptr % 16 == 0, disjoint, dims)
     return (bits, tuple(shape), tuple(strides)), bits
 
 
@@ -200,7 +201,13 @@ def _key(x, mode):
     if mode == "runtime" and (t is int or t is float or t is bool or t is complex):
         return t
     if _is_cupy_array(x):
-        exact, bits = _array_keys(x.dtype.str, x.shape, x.strides, x.data.ptr)
+        exact, bits = _array_keys(x.dtype.str, x.dtype.itemsize, x.shape, x.strides, x.data.ptr)
+        return bits if mode == "runtime" else exact
+    tt = torch_tensor_type()
+    if tt is not None and isinstance(x, tt):
+        item = x.element_size()
+        exact, bits = _array_keys(str(x.dtype), item, tuple(x.shape),
+                                  tuple([st * item for st in x.stride()]), x.data_ptr())
         return bits if mode == "runtime" else exact
     return _scalar_key(x)
 
@@ -455,6 +462,7 @@ class TilePlan(KernelPlan):
         n = len(args)
         out = [None] * n
         foreign = False
+        torch_seen = False
         j = 0
         for i in range(n):
             a = args[i]
@@ -477,6 +485,8 @@ class TilePlan(KernelPlan):
                                           f"contiguous copy")
                 out[i] = v
                 foreign = True
+                if type(a) is ArrayFacts and a.layout is not None:  # (a torch tensor's)
+                    torch_seen = True
             else:
                 t = type(a)
                 if t is tuple or t is list:
@@ -489,6 +499,8 @@ class TilePlan(KernelPlan):
         if foreign or not _same_args(call_args, self.last_args):
             if self.warm(call_args):
                 self.last_args = None if foreign else call_args
+        if torch_seen:  # (see interop.cupy_launch.torch_facts)
+            order_after_torch(stream)
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)

@@ -1869,6 +1869,159 @@ def test_a_dlpack_producer_argument_of_a_cupy_kernel_is_imported_for_the_launch(
     assert t._token.allocation.live_views == views + 1 and sm.stats().in_flight == 0
 
 
+def _fake_torch(monkeypatch, dev):
+    """A module standing in for torch (``sys.modules["torch"]``) whose ``Tensor`` is a CUDA
+    tensor of ``dev`` over a NumPy array's memory (the fake driver's device memory is host
+    memory): ``data_ptr``, ``shape``, ``stride`` (elements), ``untyped_storage``, and
+    ``set_`` to another array, as torch's in-place change of a tensor's memory. Its current
+    stream (``torch.cuda.current_stream``) is ``torch.current``: the legacy default stream
+    until a test sets another."""
+    import sharedmem.device as sm_device
+    monkeypatch.setitem(sm_device._devices, ("cuda", dev.ordinal), dev)
+
+    class Tensor:
+        is_cuda = True
+        device = types.SimpleNamespace(type="cuda", index=dev.ordinal)
+
+        def __init__(self, host, base=None):
+            self.set_(host, base)
+
+        def set_(self, host, base=None):
+            self.host, self.base = host, host if base is None else base
+            self.shape, self.dtype = host.shape, f"torch.{host.dtype}"
+
+        def data_ptr(self):
+            return self.host.ctypes.data
+
+        def stride(self):
+            return tuple(st // self.host.itemsize for st in self.host.strides)
+
+        def element_size(self):
+            return self.host.itemsize
+
+        def numel(self):
+            return self.host.size
+
+        def size(self):  # (torch: a method, the shape)
+            return self.shape
+
+        def is_contiguous(self):
+            return self.host.flags.c_contiguous
+
+        def untyped_storage(self):
+            b = self.base
+            return types.SimpleNamespace(data_ptr=lambda: b.ctypes.data, nbytes=lambda: b.nbytes)
+
+    torch = types.ModuleType("torch")
+    torch.Tensor = Tensor
+    torch.current = types.SimpleNamespace(cuda_stream=0, device=Tensor.device)
+    torch.cuda = types.SimpleNamespace(current_stream=lambda index=None: torch.current,
+                                       is_initialized=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return torch
+
+
+def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_torch(
+        fake, kernels, monkeypatch):
+    """A CUDA torch tensor given to a CuPy kernel is leased over its bytes (a foreign
+    allocation over its storage) with facts learned on its first launch and found again, and
+    the launch is ordered after torch's current stream (one wait a launch, none where that is
+    the launch's stream). torch can change a tensor's memory in place (``set_``): the next
+    launch learns it anew and writes the new memory. The work keeps the tensor alive.
+    ``with_length`` packs its element count; a scalar slot refuses it by name; a CPU tensor
+    is refused; a refused launch leases nothing and waits for nothing."""
+    import interop.cupy_launch as icl
+    dev, drv = fake
+    saxpy, scale_len = kernels
+    torch = _fake_torch(monkeypatch, dev)
+    Tensor = torch.Tensor
+    n = 16
+    storage = np.zeros(3 * n, np.float32)  # one storage, three tensors over parts of it
+    x, y, out = (Tensor(storage[k * n:(k + 1) * n], storage) for k in range(3))
+    x.host[:], y.host[:] = np.arange(n), 10
+    s = dev.create_stream("s")
+    waits = []
+    real_wait = drv.cuStreamWaitEvent
+
+    def wait(stream, ev, flags):
+        waits.append(int(stream))
+        return real_wait(stream, ev, flags)
+    monkeypatch.setattr(drv, "cuStreamWaitEvent", wait)
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), out, n, stream=s).result()
+    np.testing.assert_array_equal(out.host, 2 * np.arange(n) + 10)
+    assert waits == [s.handle]  # ordered after torch's stream (the legacy default stream)
+    facts = icl._facts[id(out)]
+    alloc = facts.token.allocation
+    assert (alloc.ptr, alloc.nbytes, alloc.source) == (storage.ctypes.data, storage.nbytes, "torch")
+    assert (facts.token.start, facts.token.stop, facts.token.writable) == (8 * n, 12 * n, True)
+    assert icl._facts[id(x)].token.allocation is alloc  # (one storage: one allocation)
+    torch.current = types.SimpleNamespace(cuda_stream=s.handle, device=Tensor.device)
+    sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s).result()
+    assert icl._facts[id(out)] is facts and facts.layout == ((n,), (1,))
+    assert waits == [s.handle]  # torch's current stream is s: no wait
+
+    other = np.zeros(n, np.float32)
+    out.set_(other)  # torch's in-place change of memory: learned anew, the new memory written
+    sm.launch(saxpy, 1, 16, 3.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s).result()
+    assert icl._facts[id(out)] is not facts and icl._facts[id(out)].offset == 0
+    np.testing.assert_array_equal(other, 3 * np.arange(n) + 10)
+
+    drv.holding = True  # the work keeps the tensor, not the facts
+    gone = weakref.ref(out)
+    fut = sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+    del out
+    gc_collect_harder()
+    assert gone() is not None and not fut.done()
+    drv.holding = False
+    drv.finish_held()
+    fut.result()
+    sm.synchronize()
+    gc_collect_harder()
+    assert gone() is None
+
+    sm.launch(scale_len, 1, 16, sm.InOut(x, with_length=True), 2.0, stream=s).result()
+    np.testing.assert_array_equal(x.host, 2 * np.arange(n))
+    torch.current = types.SimpleNamespace(cuda_stream=0, device=Tensor.device)
+    leased, waited = sm.stats().submitted, len(waits)
+    with pytest.raises(sm.KernelError, match=r"^argument 4: parameter 'n' \(int\) is not a "
+                                             r"pointer, got a torch tensor$"):
+        sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(y), sm.In(x), stream=s)
+    cpu = Tensor(np.zeros(n, np.float32))
+    cpu.is_cuda = False
+    with pytest.raises(sm.KernelError, match=r"^argument 3: Out\(\) takes a Buffer, Tensor, "
+                                             r"DeviceBox or array, got "):
+        sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(cpu), n, stream=s)
+    assert sm.stats().submitted == leased and len(waits) == waited
+
+
+def test_a_torch_tensor_over_sharedmem_memory_is_that_allocation_and_its_read_only_view_stays_so(
+        fake, kernels, monkeypatch):
+    """A torch tensor over sharedmem memory (``torch.from_dlpack`` of a view) is a lease of
+    that allocation, so its launches are ordered with the view's own work; over memory that
+    only read-only views reach, a launch that would write it is refused."""
+    from fake_cuda import array_at
+    import interop.cupy_launch as icl
+    dev, drv = fake
+    saxpy, _ = kernels
+    Tensor = _fake_torch(monkeypatch, dev).Tensor
+    n = 8
+    t = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev)
+    over = Tensor(array_at(t.ptr, n, np.float32))
+    sm.launch(saxpy, 1, 8, 2.0, sm.In(over), sm.In(over), sm.Out(over), n).result()
+    assert icl._facts[id(over)].token.allocation is t._token.allocation
+    np.testing.assert_array_equal(t.to_host(), 3 * np.arange(n))  # 2x + x
+    ro = sm.Tensor.from_host(np.arange(n, dtype=np.float32), device=dev).as_readonly()
+    over_ro = Tensor(array_at(ro.ptr, n, np.float32))
+    leased = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 3: Out\(.*\) would write through a "
+                                             r"read-only view"):
+        sm.launch(saxpy, 1, 8, 1.0, sm.In(over), sm.In(over), sm.Out(over_ro), n)
+    assert sm.stats().submitted == leased
+    sm.launch(saxpy, 1, 8, 1.0, sm.In(over_ro), sm.In(over), sm.Out(over), n).result()
+    np.testing.assert_array_equal(t.to_host(), np.arange(n) + 3 * np.arange(n))
+    sm.synchronize()
+
+
 def test_an_adapter_on_prepare_gets_cupy_arrays_themselves_and_launch_records_are_refused(
         fake, kernels, monkeypatch):
     """A CuPy adapter subclass on the ``prepare`` interface still sees each CuPy array as a

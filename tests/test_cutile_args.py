@@ -132,3 +132,37 @@ def test_a_list_changed_in_place_is_warmed_again_off_the_lock(fake, tile):
     nested[1][0] = 5  # a list inside the same tuple
     sm.launch(kern, (1,), None, sm.Out(a), cfg, nested, stream=s).result()
     assert owners == [0, 0, 0]
+
+
+def test_torch_tensors_are_leased_keyed_by_layout_and_ordered_after_torch(fake, tile,
+                                                                          monkeypatch):
+    """torch tensors given to a cuTile kernel reach it as themselves (cuTile reads torch
+    tensors), leased through their facts as for CuPy kernels, the launch ordered after
+    torch's current stream; a tensor's part of the signature is its layout (dtype, shape,
+    strides, alignment), not its identity -- a new tensor each launch warms nothing again."""
+    from interop.cutile import _signature
+    from test_cuda_backend_fake import _fake_torch
+    dev, drv = fake
+    torch = _fake_torch(monkeypatch, dev)
+    s = dev.create_stream("s")
+    waits = []
+    real_wait = drv.cuStreamWaitEvent
+
+    def wait(stream, ev, flags):
+        waits.append(int(stream))
+        return real_wait(stream, ev, flags)
+    monkeypatch.setattr(drv, "cuStreamWaitEvent", wait)
+
+    def double(a, b):
+        b.host[:] = 2 * a.host
+
+    kern = TileKernel(double)
+    a = torch.Tensor(np.arange(16, dtype=np.float32))
+    for _ in range(2):  # a new output tensor each launch
+        b = torch.Tensor(np.zeros(16, np.float32))
+        sm.launch(kern, (1,), None, sm.In(a), sm.Out(b), stream=s).result()
+        np.testing.assert_array_equal(b.host, 2 * np.arange(16))
+    assert waits == [s.handle, s.handle]
+    c = torch.Tensor(np.zeros(16, np.float32))
+    assert _signature((a, b), None) == _signature((a, c), None) != _signature(
+        (a, torch.Tensor(np.zeros(8, np.float32))), None)

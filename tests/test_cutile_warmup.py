@@ -425,11 +425,11 @@ def test_the_disjoint_bit_counts_dimensions_of_extent_one():
     stride, extent 1 too: a zero stride there (a broadcast axis) makes the elements not
     disjoint -- another specialization, so another signature."""
     from interop.cutile import _array_keys
-    _, x = _array_keys("<f4", (3, 1), (8, 32), 0)
-    _, y = _array_keys("<f4", (3, 1), (8, 0), 0)
+    _, x = _array_keys("<f4", 4, (3, 1), (8, 32), 0)
+    _, y = _array_keys("<f4", 4, (3, 1), (8, 0), 0)
     assert x[3] is True and y[3] is False
-    assert _array_keys("<f4", (), (), 0)[1][3] is True  # (0-d: disjoint)
-    assert _array_keys("<f4", (4, 4), (4, 8), 0)[1][3] is False  # (rows overlap)
+    assert _array_keys("<f4", 4, (), (), 0)[1][3] is True  # (0-d: disjoint)
+    assert _array_keys("<f4", 4, (4, 4), (4, 8), 0)[1][3] is False  # (rows overlap)
 
 
 def test_cutile_grid_and_shared_mem_are_checked_as_cutile_launches_them(fake, tile):
