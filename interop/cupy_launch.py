@@ -21,7 +21,7 @@ import numpy as np
 from sharedmem.allocation import View, ViewToken, _module, import_allocation
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
-from sharedmem.errors import BackendUnavailableError, KernelError
+from sharedmem.errors import BackendUnavailableError, CaptureError, KernelError
 from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
 from sharedmem.runtime.state import OwnedLock, fork_safe, locked
 from sharedmem.tensor import Tensor, extent
@@ -385,7 +385,7 @@ class RawKernelPlan(KernelPlan):
             out = []
         p = 0
         j = 0  # the array argument's lease in `uses`
-        torch_seen = False
+        torch_dev = None  # (the device of the torch tensors among the arguments, or a list)
         for i in range(len(args)):
             a = args[i]
             par = params[p]
@@ -412,8 +412,8 @@ class RawKernelPlan(KernelPlan):
                                       f"a {'CuPy array' if a.layout is None else 'torch tensor'}")
                 j += 1
                 fa = cython.cast(ArrayFacts, a) if cython.compiled else a
-                if fa.layout is not None and not torch_seen:  # (see torch_facts)
-                    torch_seen = True
+                if fa.layout is not None:  # (a torch tensor's: see torch_facts)
+                    torch_dev = torch_devices(torch_dev, fa)
                 addr = fa.token.allocation.ptr + fa.offset
                 if cython.compiled or par.kcode != _K_PTR:
                     _emit_address(out, par, addr)
@@ -488,8 +488,8 @@ class RawKernelPlan(KernelPlan):
                         f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
                         f"np.complex64(z)")
             p += 1
-        if torch_seen:  # (every argument checked: ordered only for a launch that will run)
-            order_after_torch(stream)
+        if torch_dev is not None:  # (every argument checked first)
+            order_after_torch_all(stream, torch_dev)
         return out  # (interpreted: the values, packed into the slots by enqueue)
 
     def _count_error(self, args):
@@ -747,6 +747,7 @@ def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout):
     f.dead = False
     f.ptr = ptr
     f.layout = layout
+    f.keep = None
     f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
     _facts[key] = f
     return f
@@ -759,9 +760,12 @@ def torch_facts(t):
     those they were learned from, and are learned anew otherwise. Its allocation spans its
     storage (a foreign allocation; ours where the storage is our memory, a tensor made by
     ``torch.from_dlpack`` of a view: then writable only where a writable view reaches it).
-    The launch orders itself after torch's current stream (:func:`order_after_torch`)."""
+    The facts, and each launch's work, keep the storage they were learned from: a storage
+    torch swapped out (``set_``, ``.data =``, a growing ``resize_``) is neither freed nor its
+    address reused under a launch, or beside an allocation still registered for it. A launch
+    is ordered after torch's current stream of the tensor's device (:func:`order_after_torch`)."""
     ptr = t.data_ptr()
-    layout = (t.shape, t.stride())
+    layout = (t.shape, t.stride(), t.dtype)  # (strides in elements: the dtype too)
     f = _facts.get(id(t))
     if f is not None and not f.dead and f.ptr == ptr and f.layout == layout:
         return f
@@ -780,17 +784,47 @@ def torch_facts(t):
         with locked():
             views = alloc.live_tokens_locked(lo, hi)
         writable = not views or any([v.writable for v in views])
-    return _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout)
+    f = _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout)
+    f.keep = storage
+    return f
 
 
-def order_after_torch(stream) -> None:
+def order_after_torch(stream, device) -> None:
     """Order later work on ``stream`` after torch's pending work on its current stream of
-    ``stream``'s device (what torch's ``__dlpack__(stream=...)`` does for an import): once per
-    launch with torch tensors among its arguments, before anything is leased; nothing where
-    torch's current stream is ``stream`` itself."""
-    cur = _torch[0].cuda.current_stream(stream.device.ordinal)
-    if cur.cuda_stream != stream.handle:
-        stream.wait(cur)
+    ``device`` (a torch tensor argument's; what torch's ``__dlpack__(stream=...)`` does for an
+    import): once per launch and device of torch tensors among its arguments, after its
+    arguments are checked; nothing where torch's current stream is ``stream`` itself. A
+    capture cannot wait for another stream: CaptureError there, saying what to do."""
+    cur = _torch[0].cuda.current_stream(device.ordinal)
+    if cur.cuda_stream == stream.handle:
+        return
+    if stream._capture is not None:
+        raise CaptureError(
+            f"{stream} is capturing a graph, and a launch with torch tensors among its "
+            f"arguments is ordered after torch's current stream of {device} (handle "
+            f"{cur.cuda_stream:#x}), which a capture cannot wait for; capture on torch's "
+            f"current stream (with torch.cuda.stream(...) of the stream captured), or pass "
+            f"views of the tensors (sm.from_dlpack before the capture)")
+    stream.wait(cur)
+
+
+def torch_devices(seen, facts):
+    """``seen`` (None, a Device, or a list of them) with the device of torch tensor
+    ``facts``' bytes: for :func:`order_after_torch_all`."""
+    dev = facts.token.allocation.device
+    if seen is None or seen is dev:
+        return dev
+    if type(seen) is list:
+        if dev not in seen:
+            seen.append(dev)
+        return seen
+    return [seen, dev]
+
+
+def order_after_torch_all(stream, devices) -> None:
+    """:func:`order_after_torch` for each device :func:`torch_devices` collected."""
+    for dev in devices if type(devices) is list else (devices,):
+        order_after_torch(stream, dev)
 
 
 def torch_tensor_type():

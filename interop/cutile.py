@@ -46,7 +46,8 @@ from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, L
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import ArrayFacts, coerce, order_after_torch, torch_tensor_type
+from interop.cupy_launch import (ArrayFacts, coerce, order_after_torch_all, torch_devices,
+                                 torch_tensor_type)
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -206,10 +207,27 @@ def _key(x, mode):
     tt = torch_tensor_type()
     if tt is not None and isinstance(x, tt):
         item = x.element_size()
-        exact, bits = _array_keys(str(x.dtype), item, tuple(x.shape),
+        exact, bits = _array_keys(_typestr_of(x.dtype), item, tuple(x.shape),
                                   tuple([st * item for st in x.stride()]), x.data_ptr())
         return bits if mode == "runtime" else exact
     return _scalar_key(x)
+
+
+_typestrs: dict = {}  # torch dtype -> its NumPy typestr; lock-free (idempotent writes)
+
+
+def _typestr_of(dtype) -> str:
+    """A torch dtype as the typestr a view or CuPy array of its elements has (one signature
+    for one layout, whoever holds it); its name where NumPy has no such type (bfloat16)."""
+    ts = _typestrs.get(dtype)
+    if ts is None:
+        name = str(dtype)
+        try:
+            ts = np.dtype(name[6:] if name.startswith("torch.") else name).str
+        except TypeError:
+            ts = name
+        _typestrs[dtype] = ts
+    return ts
 
 
 def _same_args(a, b) -> bool:
@@ -462,7 +480,7 @@ class TilePlan(KernelPlan):
         n = len(args)
         out = [None] * n
         foreign = False
-        torch_seen = False
+        torch_dev = None
         j = 0
         for i in range(n):
             a = args[i]
@@ -486,7 +504,7 @@ class TilePlan(KernelPlan):
                 out[i] = v
                 foreign = True
                 if type(a) is ArrayFacts and a.layout is not None:  # (a torch tensor's)
-                    torch_seen = True
+                    torch_dev = torch_devices(torch_dev, a)
             else:
                 t = type(a)
                 if t is tuple or t is list:
@@ -499,8 +517,8 @@ class TilePlan(KernelPlan):
         if foreign or not _same_args(call_args, self.last_args):
             if self.warm(call_args):
                 self.last_args = None if foreign else call_args
-        if torch_seen:  # (see interop.cupy_launch.torch_facts)
-            order_after_torch(stream)
+        if torch_dev is not None:  # (see interop.cupy_launch.torch_facts)
+            order_after_torch_all(stream, torch_dev)
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)

@@ -34,7 +34,7 @@ cdef class LaunchArg:
 cdef class ForeignArray:
     cdef public ViewToken token
     cdef public Py_ssize_t offset
-    cdef public object ref
+    cdef public object ref, keep
 
 cdef class KernelPlan(Work):
     cdef public object kernel, adapter, device, label

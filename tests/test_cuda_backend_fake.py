@@ -1908,9 +1908,25 @@ def _fake_torch(monkeypatch, dev):
         def is_contiguous(self):
             return self.host.flags.c_contiguous
 
-        def untyped_storage(self):
-            b = self.base
-            return types.SimpleNamespace(data_ptr=lambda: b.ctypes.data, nbytes=lambda: b.nbytes)
+        def untyped_storage(self):  # (one object a storage, here: it is what is kept alive)
+            return _Storage.of(self.base)
+
+    class _Storage:
+        made = weakref.WeakValueDictionary()
+
+        @classmethod
+        def of(cls, base):
+            st = cls.made.get(id(base))
+            if st is None or st.base is not base:
+                st = cls.made[id(base)] = cls()
+                st.base = base
+            return st
+
+        def data_ptr(self):
+            return self.base.ctypes.data
+
+        def nbytes(self):
+            return self.base.nbytes
 
     torch = types.ModuleType("torch")
     torch.Tensor = Tensor
@@ -1957,7 +1973,7 @@ def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_
     assert icl._facts[id(x)].token.allocation is alloc  # (one storage: one allocation)
     torch.current = types.SimpleNamespace(cuda_stream=s.handle, device=Tensor.device)
     sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s).result()
-    assert icl._facts[id(out)] is facts and facts.layout == ((n,), (1,))
+    assert icl._facts[id(out)] is facts and facts.layout == ((n,), (1,), "torch.float32")
     assert waits == [s.handle]  # torch's current stream is s: no wait
 
     other = np.zeros(n, np.float32)
@@ -1966,18 +1982,28 @@ def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_
     assert icl._facts[id(out)] is not facts and icl._facts[id(out)].offset == 0
     np.testing.assert_array_equal(other, 3 * np.arange(n) + 10)
 
-    drv.holding = True  # the work keeps the tensor, not the facts
+    drv.holding = True  # the work keeps the tensor and the storage it used, not the facts
     gone = weakref.ref(out)
     fut = sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
-    del out
+    used = weakref.ref(out.untyped_storage())
+    out.set_(np.zeros(n, np.float32))  # torch swaps the storage under the running kernel
+    assert used() is not None  # (kept: torch cannot free it, nor hand its address out)
+    del out, other
     gc_collect_harder()
-    assert gone() is not None and not fut.done()
+    assert gone() is not None and used() is not None and not fut.done()
     drv.holding = False
     drv.finish_held()
     fut.result()
     sm.synchronize()
     gc_collect_harder()
-    assert gone() is None
+    assert gone() is None and used() is None
+
+    doubles = np.zeros(n, np.float64)  # `t.data = ...` of another dtype at the same address,
+    t = Tensor(doubles.view(np.float32)[:n], doubles)  # shape and element strides: its
+    sm.launch(saxpy, 1, 16, 1.0, sm.In(t), sm.In(t), sm.Out(y), n, stream=s).result()
+    assert icl.torch_facts(t).token.stop - icl.torch_facts(t).token.start == 4 * n
+    t.set_(doubles)  # 8-byte elements now: learned anew, all 8n bytes leased
+    assert icl.torch_facts(t).token.stop - icl.torch_facts(t).token.start == 8 * n
 
     sm.launch(scale_len, 1, 16, sm.InOut(x, with_length=True), 2.0, stream=s).result()
     np.testing.assert_array_equal(x.host, 2 * np.arange(n))
@@ -1992,6 +2018,15 @@ def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_
                                              r"DeviceBox or array, got "):
         sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(cpu), n, stream=s)
     assert sm.stats().submitted == leased and len(waits) == waited
+    cap = dev.create_stream("captured")
+    with sm.capture(cap):  # a capture cannot wait for torch's stream: said so, nothing leased
+        with pytest.raises(sm.CaptureError, match=r"is capturing a graph, and a launch with torch "
+                                                  r"tensors among its arguments is ordered after "
+                                                  r"torch's current stream of <Device cuda:0 .*> "
+                                                  r"\(handle 0x0\), which a capture cannot wait "
+                                                  r"for; capture on torch's current stream"):
+            sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(y), n, stream=cap)
+    assert sm.stats().submitted == leased
 
 
 def test_a_torch_tensor_over_sharedmem_memory_is_that_allocation_and_its_read_only_view_stays_so(
