@@ -732,12 +732,13 @@ def _learn(arr):
     owner = getattr(arr.data.mem, "_owner", None)
     writable = (owner.token.writable if isinstance(owner, _ExportOwner) else
                 owner._token.writable if isinstance(owner, View) else True)
-    return _remember(arr, "CuPy array argument", alloc, lo, hi, writable, arr.data.ptr, None)
+    return _remember(arr, "CuPy array argument", alloc, lo, hi, writable, arr.data.ptr, None,
+                     None)
 
 
-def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout):
+def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout, keep):
     """New facts of ``arr`` (element 0 at ``ptr``, bytes ``[lo, hi)`` of ``alloc``), kept
-    until it dies."""
+    until it dies (made whole before another thread can find them)."""
     key = id(arr)
     f = ArrayFacts()
     f.token = ViewToken(alloc, kind, lo, hi, writable, alloc)
@@ -747,7 +748,7 @@ def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout):
     f.dead = False
     f.ptr = ptr
     f.layout = layout
-    f.keep = None
+    f.keep = keep
     f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
     _facts[key] = f
     return f
@@ -758,12 +759,13 @@ def torch_facts(t):
     for a CuPy array -- but ``set_``, ``resize_`` and ``as_strided_`` change a torch tensor's
     memory or layout in place: its facts serve while its data pointer, shape and strides are
     those they were learned from, and are learned anew otherwise. Its allocation spans its
-    storage (a foreign allocation; ours where the storage is our memory, a tensor made by
-    ``torch.from_dlpack`` of a view: then writable only where a writable view reaches it).
-    The facts, and each launch's work, keep the storage they were learned from: a storage
-    torch swapped out (``set_``, ``.data =``, a growing ``resize_``) is neither freed nor its
-    address reused under a launch, or beside an allocation still registered for it. A launch
-    is ordered after torch's current stream of the tensor's device (:func:`order_after_torch`)."""
+    driver allocation (torch's caching allocator's segment: a foreign allocation, so storages
+    torch makes and frees there are ranges of one allocation; ours where it is our memory, a
+    tensor made by ``torch.from_dlpack`` of a view: then writable only where a writable view
+    reaches it). Each launch's work keeps the storage the tensor has then (``keep``): one torch
+    swaps out meanwhile (``set_``, ``.data =``, a growing ``resize_``) is not freed under the
+    kernel. A launch is ordered after torch's current stream of the tensor's device
+    (:func:`order_after_torch`)."""
     ptr = t.data_ptr()
     layout = (t.shape, t.stride(), t.dtype)  # (strides in elements: the dtype too)
     f = _facts.get(id(t))
@@ -774,19 +776,23 @@ def torch_facts(t):
     dev = Device(t.device.index)
     item = t.element_size()
     lo, hi = extent(layout[0], [st * item for st in layout[1]], item)
-    storage = t.untyped_storage()
     start = ptr + lo
+    info = dev.backend.pointer_info(start) if hi > lo else None
+    if info is not None and start + hi - lo <= info[0] + info[1]:
+        region = (info[0], info[1])
+    else:  # (memory the driver does not name: its storage)
+        storage = t.untyped_storage()
+        region = (storage.data_ptr(), max(storage.nbytes(), 1))
     alloc = import_allocation(dev, start, max(hi - lo, 1) if t.numel() else 0, "torch",
-                              region=(storage.data_ptr(), max(storage.nbytes(), 1)))
+                              region=region)
     lo, hi = start - alloc.ptr, start - alloc.ptr + hi - lo
     writable = True
     if alloc.source == "sharedmem":
         with locked():
             views = alloc.live_tokens_locked(lo, hi)
         writable = not views or any([v.writable for v in views])
-    f = _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout)
-    f.keep = storage
-    return f
+    return _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout,
+                     type(t).untyped_storage)
 
 
 def order_after_torch(stream, device) -> None:
@@ -796,8 +802,8 @@ def order_after_torch(stream, device) -> None:
     arguments are checked; nothing where torch's current stream is ``stream`` itself. A
     capture cannot wait for another stream: CaptureError there, saying what to do."""
     cur = _torch[0].cuda.current_stream(device.ordinal)
-    if cur.cuda_stream == stream.handle:
-        return
+    if device is stream.device and cur.cuda_stream == stream.handle:
+        return  # (handles name streams per device: 0 is every device's legacy stream)
     if stream._capture is not None:
         raise CaptureError(
             f"{stream} is capturing a graph, and a launch with torch tensors among its "

@@ -158,10 +158,10 @@ class ForeignArray:
     by every launch that passes that array: ``token`` (its bytes' range in their allocation,
     a lease token -- never a live view -- which must not keep the array alive), ``offset``
     (of element 0 in the token's allocation), ``ref``, a weak reference to the array, and
-    ``keep``: None, or what the work must keep besides the array (a torch tensor's storage:
-    torch can swap a tensor's storage in place, freeing the one a launch uses).
-    Read-only to the launch: ``resolve_args`` puts it in ``resolved`` as it is and keeps the
-    array itself (and ``keep``) until the work is done. A plan's ``pack`` reads it as it is
+    ``keep``: None, or a function of the array giving what each launch's work must keep
+    besides it (a torch tensor's storage: torch can swap a tensor's storage in place, freeing
+    the one a launch uses). Read-only to the launch: ``resolve_args`` puts it in ``resolved``
+    as it is and keeps the array itself (and ``keep(array)``) until the work is done. A plan's ``pack`` reads it as it is
     (``RawKernelPlan``'s does); :func:`array_args` gives a plan that wants ``LaunchArg``
     objects one with the array as ``value``."""
 
@@ -569,7 +569,7 @@ def resolve_args(adapter, args, device):
             else:
                 foreign.append(value)
             if fa is not None and fa.keep is not None:
-                foreign.append(fa.keep)
+                foreign.append(fa.keep(obj))
             if fa is not None and not with_length:
                 resolved[i] = fa
                 uses.append(u)
