@@ -662,8 +662,8 @@ class ArrayFacts(ForeignArray):
     ``addr``: the array's address (its id); ``dead``: set by the weak reference's callback,
     which runs before the array's memory is freed -- so no later object at that address is
     taken for it. A torch tensor's facts (:func:`torch_facts`) also keep the data pointer and
-    ``(shape, strides)`` they were learned from (``ptr``, ``layout``; None for a CuPy array):
-    a torch tensor's memory and layout can change in place."""
+    ``(shape, strides, dtype)`` they were learned from (``ptr``, ``layout``; None for a CuPy
+    array): a torch tensor's memory and layout can change in place."""
 
     __slots__ = ("addr", "dead", "ptr", "layout")
 

@@ -202,7 +202,8 @@ def _key(x, mode):
     if mode == "runtime" and (t is int or t is float or t is bool or t is complex):
         return t
     if _is_cupy_array(x):
-        exact, bits = _array_keys(x.dtype.str, x.dtype.itemsize, x.shape, x.strides, x.data.ptr)
+        dt = x.dtype
+        exact, bits = _array_keys(dt.str, dt.itemsize, x.shape, x.strides, x.data.ptr)
         return bits if mode == "runtime" else exact
     tt = torch_tensor_type()
     if tt is not None and isinstance(x, tt):

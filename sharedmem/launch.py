@@ -161,11 +161,14 @@ class ForeignArray:
     ``keep``: None, or a function of the array giving what each launch's work must keep
     besides it (a torch tensor's storage: torch can swap a tensor's storage in place, freeing
     the one a launch uses). Read-only to the launch: ``resolve_args`` puts it in ``resolved``
-    as it is and keeps the array itself (and ``keep(array)``) until the work is done. A plan's ``pack`` reads it as it is
-    (``RawKernelPlan``'s does); :func:`array_args` gives a plan that wants ``LaunchArg``
-    objects one with the array as ``value``."""
+    as it is and keeps the array itself (and ``keep(array)``) until the work is done. A
+    plan's ``pack`` reads it as it is (``RawKernelPlan``'s does); :func:`array_args` gives a
+    plan that wants ``LaunchArg`` objects one with the array as ``value``."""
 
     __slots__ = ("token", "offset", "ref", "keep")
+
+    def __init__(self):
+        self.keep = None  # (an adapter's own ForeignArray need not set it)
 
 
 class KernelPlan(Work):

@@ -1937,6 +1937,18 @@ def _fake_torch(monkeypatch, dev):
     return torch
 
 
+def _waits_seen(drv, monkeypatch) -> list:
+    """The stream of every ``cuStreamWaitEvent`` from now on, in order."""
+    waits = []
+    real_wait = drv.cuStreamWaitEvent
+
+    def wait(stream, ev, flags):
+        waits.append(int(stream))
+        return real_wait(stream, ev, flags)
+    monkeypatch.setattr(drv, "cuStreamWaitEvent", wait)
+    return waits
+
+
 def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_torch(
         fake, kernels, monkeypatch):
     """A CUDA torch tensor given to a CuPy kernel is leased over its bytes (a foreign
@@ -1956,13 +1968,7 @@ def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_
     x, y, out = (Tensor(storage[k * n:(k + 1) * n], storage) for k in range(3))
     x.host[:], y.host[:] = np.arange(n), 10
     s = dev.create_stream("s")
-    waits = []
-    real_wait = drv.cuStreamWaitEvent
-
-    def wait(stream, ev, flags):
-        waits.append(int(stream))
-        return real_wait(stream, ev, flags)
-    monkeypatch.setattr(drv, "cuStreamWaitEvent", wait)
+    waits = _waits_seen(drv, monkeypatch)
     sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), out, n, stream=s).result()
     np.testing.assert_array_equal(out.host, 2 * np.arange(n) + 10)
     assert waits == [s.handle]  # ordered after torch's stream (the legacy default stream)

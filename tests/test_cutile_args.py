@@ -141,17 +141,11 @@ def test_torch_tensors_are_leased_keyed_by_layout_and_ordered_after_torch(fake, 
     torch's current stream; a tensor's part of the signature is its layout (dtype, shape,
     strides, alignment), not its identity -- a new tensor each launch warms nothing again."""
     from interop.cutile import _signature
-    from test_cuda_backend_fake import _fake_torch
+    from test_cuda_backend_fake import _fake_torch, _waits_seen
     dev, drv = fake
     torch = _fake_torch(monkeypatch, dev)
     s = dev.create_stream("s")
-    waits = []
-    real_wait = drv.cuStreamWaitEvent
-
-    def wait(stream, ev, flags):
-        waits.append(int(stream))
-        return real_wait(stream, ev, flags)
-    monkeypatch.setattr(drv, "cuStreamWaitEvent", wait)
+    waits = _waits_seen(drv, monkeypatch)
 
     def double(a, b):
         b.host[:] = 2 * a.host
