@@ -405,8 +405,8 @@ def bench_cutile(dev, quick):
 
 
 def bench_torch_args(dev, quick):
-    """torch tensors as launch arguments (imported for each launch, ordered after torch's
-    pending work: interop.cupy_launch.coerce) of a CuPy kernel against CuPy's own launch of
+    """torch tensors as launch arguments (leased through cached facts, ordered after torch's
+    current stream: interop.cupy_launch.coerce) of a CuPy kernel against CuPy's own launch of
     CuPy arrays, and of a cuTile kernel against ``ct.launch`` of the same tensors. Run last:
     importing torch grows the heap every later row's collector would walk."""
     try:

@@ -225,7 +225,7 @@ def from_cuda_array_interface(obj, *, stream=None):
         if producer >= 1 << 64:
             raise ValueError(f"__cuda_array_interface__ stream {producer} is not a stream handle "
                              f"(above 64 bits)")
-        s._impl.wait_marker(dev.backend.marker_on_handle(producer))
+        dev.backend.order_after_handle(s._impl, producer)
     # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
     return import_tensor(dev, ptr, nbytes, "cai", region, not readonly, obj, dtype, shape,
                          strides, s, obj)

@@ -480,7 +480,8 @@ class TilePlan(KernelPlan):
             _check_no_aliasing(array_args(args, uses))
         n = len(args)
         out = [None] * n
-        foreign = False
+        foreign = False  # (an argument whose signature must be computed each launch)
+        known = None  # (index, what stands for a foreign array in last_args: see below)
         torch_dev = None
         j = 0
         for i in range(n):
@@ -503,9 +504,21 @@ class TilePlan(KernelPlan):
                                           f"strides; cuTile assumes strides >= 0 -- pass a "
                                           f"contiguous copy")
                 out[i] = v
-                foreign = True
-                if type(a) is ArrayFacts and a.layout is not None:  # (a torch tensor's)
-                    torch_dev = torch_devices(torch_dev, a)
+                if type(a) is ArrayFacts:
+                    # its facts' weak reference stands for it in last_args (keeping neither
+                    # the array nor the facts' allocation): a torch tensor's facts were
+                    # checked against its pointer and layout just now (new facts, a new
+                    # reference, where either changed); a CuPy array's layout may be re-set
+                    if a.layout is not None:
+                        torch_dev = torch_devices(torch_dev, a)
+                        k = a.ref
+                    else:
+                        k = (a.ref, v.shape, v.strides, v.dtype)
+                    if known is None:
+                        known = []
+                    known.append((i, k))
+                else:
+                    foreign = True
             else:
                 t = type(a)
                 if t is tuple or t is list:
@@ -515,9 +528,15 @@ class TilePlan(KernelPlan):
                 else:
                     out[i] = a.item()  # a NumPy scalar: as the Python scalar cuTile takes
         call_args = tuple(out)
-        if foreign or not _same_args(call_args, self.last_args):
+        if known is None:
+            seen = call_args
+        else:
+            for i, k in known:
+                out[i] = k
+            seen = tuple(out)
+        if foreign or not _same_args(seen, self.last_args):
             if self.warm(call_args):
-                self.last_args = None if foreign else call_args
+                self.last_args = None if foreign else seen
         if torch_dev is not None:  # (see interop.cupy_launch.torch_facts)
             order_after_torch_all(stream, torch_dev)
         return call_args

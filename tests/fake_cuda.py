@@ -489,6 +489,23 @@ class FakeHot:
             name: c.cast(cb, c.c_void_p).value for name, cb in zip(
                 ("cuLaunchKernel", "cuCtxGetCurrent", "cuEventRecord", "cuEventQuery",
                  "cuStreamWaitEvent", "cuGraphLaunch"), self._callbacks)}
+        # cuPointerGetAttributes as libcuda's, a C function writing through the pointers it
+        # is given: the real pointer_info reads it (its ctypes marshalling is what is tested)
+        from sharedmem.backends.cuda import _HotDriver
+        self._attributes = c.CFUNCTYPE(c.c_int, c.c_uint, c.c_void_p, c.c_void_p,
+                                       c.c_ulonglong)(self._pointer_attributes)
+        self.pointer_info = types.MethodType(_HotDriver.pointer_info, self)
+
+    def _pointer_attributes(self, n, attrs, data, ptr):
+        c = ctypes
+        base, size, ordinal, memtype = self._drv.cuPointerGetAttributes(n, None, ptr)[1]
+        value = {11: (c.c_ulonglong, base), 12: (c.c_size_t, size), 9: (c.c_int, ordinal),
+                 2: (c.c_uint, int(memtype))}  # (by CUpointer_attribute)
+        for kind, out in zip((c.c_int * n).from_address(attrs),
+                             (c.c_void_p * n).from_address(data)):
+            ctype, v = value[kind]
+            ctype.from_address(out).value = v
+        return 0
 
     def launch(self, func, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         """As libcuda's through ctypes with no ``argtypes`` (see _HotDriver): the pointers must

@@ -1869,13 +1869,14 @@ def test_a_dlpack_producer_argument_of_a_cupy_kernel_is_imported_for_the_launch(
     assert t._token.allocation.live_views == views + 1 and sm.stats().in_flight == 0
 
 
-def _fake_torch(monkeypatch, dev):
+def _fake_torch(monkeypatch, dev, raw_stream=True):
     """A module standing in for torch (``sys.modules["torch"]``) whose ``Tensor`` is a CUDA
     tensor of ``dev`` over a NumPy array's memory (the fake driver's device memory is host
     memory): ``data_ptr``, ``shape``, ``stride`` (elements), ``untyped_storage``, and
     ``set_`` to another array, as torch's in-place change of a tensor's memory. Its current
-    stream (``torch.cuda.current_stream``) is ``torch.current``: the legacy default stream
-    until a test sets another."""
+    stream (``torch.cuda.current_stream``; ``raw_stream``: also its handle through
+    ``torch._C._cuda_getCurrentRawStream``, as torch has it) is ``torch.current``: the legacy
+    default stream until a test sets another."""
     import sharedmem.device as sm_device
     monkeypatch.setitem(sm_device._devices, ("cuda", dev.ordinal), dev)
 
@@ -1933,6 +1934,9 @@ def _fake_torch(monkeypatch, dev):
     torch.current = types.SimpleNamespace(cuda_stream=0, device=Tensor.device)
     torch.cuda = types.SimpleNamespace(current_stream=lambda index=None: torch.current,
                                        is_initialized=lambda: True)
+    if raw_stream:
+        torch._C = types.SimpleNamespace(
+            _cuda_getCurrentRawStream=lambda index: torch.current.cuda_stream)
     monkeypatch.setitem(sys.modules, "torch", torch)
     return torch
 
@@ -2416,6 +2420,35 @@ def test_a_cutile_launch_gets_a_cupy_array_itself_leased_and_kept(fake, tile, mo
     tile[0].compiled.clear()  # (the fake logs a signature of the array itself: it keeps it)
     gc_collect_harder()
     assert ref() is None  # let go once the work is done
+
+
+def test_a_cutile_launch_of_the_same_cupy_array_signs_it_once_until_its_layout_changes(
+        fake, tile, monkeypatch):
+    """The launch before remembers a CuPy array argument by its facts' weak reference and its
+    layout, not by the array (which it does not keep): the same array again computes no
+    signature; a shape re-set in place (CuPy allows it) computes it again."""
+    import interop.cutile as icu
+    from fake_cuda import TileKernel
+    dev, drv = fake
+    signed = []
+    real = icu._signature
+    monkeypatch.setattr(icu, "_signature", lambda *a: signed.append(1) or real(*a))
+    kern = TileKernel(lambda x, c: None)
+    a, b, c, s = _vadd_operands(dev, 16)
+    (x,) = _fake_cupy_arrays(monkeypatch, dev, 16, 1)
+    x.dtype = np.dtype(np.float32)
+    for _ in range(3):
+        sm.launch(kern, 2, None, sm.In(x), sm.Out(c), stream=s).result()
+    assert len(signed) == 1
+    x.shape, x.strides = (4, 4), (16, 4)
+    sm.launch(kern, 2, None, sm.In(x), sm.Out(c), stream=s).result()
+    sm.launch(kern, 2, None, sm.In(x), sm.Out(c), stream=s).result()
+    assert len(signed) == 2
+    ref = weakref.ref(x)
+    del x
+    tile[0].compiled.clear()  # (the fake logs a signature of the array itself: it keeps it)
+    gc_collect_harder()
+    assert ref() is None  # (the plan remembers no array)
 
 
 def test_cutile_launches_take_no_shared_mem_and_a_buffer_argument(fake, tile):

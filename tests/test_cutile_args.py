@@ -139,16 +139,22 @@ def test_torch_tensors_are_leased_keyed_by_layout_and_ordered_after_torch(fake, 
     """torch tensors given to a cuTile kernel reach it as themselves (cuTile reads torch
     tensors), leased through their facts as for CuPy kernels, the launch ordered after
     torch's current stream; a tensor's part of the signature is its layout (dtype, shape,
-    strides, alignment), not its identity -- a new tensor each launch warms nothing again."""
+    strides, alignment), not its identity -- a new tensor each launch warms nothing again;
+    the same tensors again compute no signature (their facts stand for them), until torch
+    changes one in place. (torch here has no ``torch._C._cuda_getCurrentRawStream``: its
+    current stream is asked through ``torch.cuda.current_stream``.)"""
+    import interop.cutile as icu
     from interop.cutile import _signature
     from test_cuda_backend_fake import _fake_torch, _waits_seen
     dev, drv = fake
-    torch = _fake_torch(monkeypatch, dev)
+    torch = _fake_torch(monkeypatch, dev, raw_stream=False)
     s = dev.create_stream("s")
     waits = _waits_seen(drv, monkeypatch)
+    signed = []
+    monkeypatch.setattr(icu, "_signature", lambda *a: signed.append(1) or _signature(*a))
 
     def double(a, b):
-        b.host[:] = 2 * a.host
+        b.host[...] = (2 * a.host).reshape(b.host.shape)
 
     kern = TileKernel(double)
     a = torch.Tensor(np.arange(16, dtype=np.float32))
@@ -156,7 +162,16 @@ def test_torch_tensors_are_leased_keyed_by_layout_and_ordered_after_torch(fake, 
         b = torch.Tensor(np.zeros(16, np.float32))
         sm.launch(kern, (1,), None, sm.In(a), sm.Out(b), stream=s).result()
         np.testing.assert_array_equal(b.host, 2 * np.arange(16))
-    assert waits == [s.handle, s.handle]
+    assert waits == [s.handle, s.handle] and len(signed) == 2
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(b), stream=s).result()
+    assert len(signed) == 2 and waits == [s.handle] * 3  # (the same tensors: no signature)
+    d = torch.Tensor(np.zeros(16, np.float32))
+    d.set_(np.zeros((4, 4), np.float32))  # torch changes d's layout in place: signed again
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(d), stream=s).result()
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(d), stream=s).result()
+    d.set_(np.zeros((2, 8), np.float32))
+    sm.launch(kern, (1,), None, sm.In(a), sm.Out(d), stream=s).result()
+    assert len(signed) == 4
     c = torch.Tensor(np.zeros(16, np.float32))
     assert _signature((a, b), None) == _signature((a, c), None) != _signature(
         (a, torch.Tensor(np.zeros(8, np.float32))), None)

@@ -52,3 +52,5 @@ cdef class CudaBackend:
 cdef CudaMarker _open_marker(CudaStreamImpl impl)
 
 cdef _stream_wait(CudaBackend backend, stream_handle, CudaMarker marker)
+
+cdef int _record(CudaBackend backend, ev, size_t h, size_t stream_handle) except? -1

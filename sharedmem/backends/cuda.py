@@ -94,7 +94,8 @@ class _HotDriver:
                 ("launch", "cuLaunchKernel", None), ("record", "cuEventRecord", [vp, vp]),
                 ("query", "cuEventQuery", [vp]), ("graph_launch", "cuGraphLaunch", [vp, vp]),
                 ("wait", "cuStreamWaitEvent", [vp, vp, ui]),  # the handoffs between streams
-                ("_ctx_get", "cuCtxGetCurrent", [ctypes.POINTER(vp)])):
+                ("_ctx_get", "cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+                ("_attributes", "cuPointerGetAttributes", [ui, vp, vp, ctypes.c_ulonglong])):
             fn = getattr(lib, name)
             if argtypes is not None:
                 fn.argtypes = argtypes
@@ -107,6 +108,22 @@ class _HotDriver:
         out = ctypes.c_void_p()
         self._ctx_get(out)
         return out.value or 0
+
+    def pointer_info(self, ptr):
+        """:meth:`CudaBackend.pointer_info` (the context made current): every import and
+        every torch tensor new to a launch asks it."""
+        start, size = ctypes.c_ulonglong(), ctypes.c_size_t()
+        ordinal, memtype = ctypes.c_int(), ctypes.c_uint()
+        data = (ctypes.c_void_p * 4)(*[ctypes.addressof(x) for x in (start, size, ordinal,
+                                                                        memtype)])
+        if self._attributes(4, _POINTER_ATTRIBUTES, data, ptr) or memtype.value != 2:
+            return None  # (not device memory: CU_MEMORYTYPE_DEVICE is 2)
+        return start.value, size.value, ordinal.value
+
+
+#: cuPointerGetAttributes' attributes, as pointer_info reads them: RANGE_START_ADDR,
+#: RANGE_SIZE, DEVICE_ORDINAL, MEMORY_TYPE (the values of CUpointer_attribute)
+_POINTER_ATTRIBUTES = (ctypes.c_int * 4)(11, 12, 9, 2)
 
 
 def _hot_driver():
@@ -205,15 +222,7 @@ class CudaMarker:
             self._open_on = None
             return
         h = int(ev)
-        hot = backend.hot
-        if cython.compiled and backend.record_addr:
-            err = cython.cast(record_fn_t, cython.cast(cython.size_t, backend.record_addr))(
-                cython.cast(cython.p_void, cython.cast(cython.size_t, h)),
-                cython.cast(cython.p_void, cython.cast(cython.size_t, impl.handle)))
-        elif hot is not None:
-            err = hot.record(h, impl.handle)
-        else:
-            err = int(backend.cu.cuEventRecord(ev, impl.cu_stream)[0])
+        err = _record(backend, ev, h, impl.handle)
         if err:
             self.error = _error(cu.CUresult(err), "cuEventRecord")
         self.event, self.handle = ev, h
@@ -287,6 +296,20 @@ class CudaMarker:
                 self._backend.cu.cuEventDestroy(self.event)
             except Exception:
                 pass
+
+
+def _record(backend, ev, h, stream_handle) -> int:
+    """``cuEventRecord`` of event ``ev`` (handle ``h``) on the stream of raw handle
+    ``stream_handle``, through the fastest entry point there is; the driver's error code (0:
+    recorded). The caller made the context current (handle 0 is its legacy default stream)."""
+    if cython.compiled and backend.record_addr:
+        return cython.cast(record_fn_t, cython.cast(cython.size_t, backend.record_addr))(
+            cython.cast(cython.p_void, cython.cast(cython.size_t, h)),
+            cython.cast(cython.p_void, cython.cast(cython.size_t, stream_handle)))
+    hot = backend.hot
+    if hot is not None:
+        return hot.record(h, stream_handle)
+    return int(backend.cu.cuEventRecord(ev, backend.cu.CUstream(stream_handle))[0])
 
 
 def _stream_wait(backend, stream_handle, marker) -> None:
@@ -618,6 +641,8 @@ class CudaBackend:
         ``ptr`` (the driver allocation containing it), or None if the pointer
         is not device memory the driver knows."""
         self.ensure_context()
+        if self.hot is not None:
+            return self.hot.pointer_info(ptr)
         P = cu.CUpointer_attribute
         attrs = [P.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, P.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
                  P.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, P.CU_POINTER_ATTRIBUTE_MEMORY_TYPE]
@@ -698,15 +723,33 @@ class CudaBackend:
         core_lock when it may be open; CompletionUnknownError as in wait_marker)."""
         _stream_wait(self, stream_handle, marker)
 
-    def marker_on_handle(self, stream_handle: int) -> CudaMarker:
-        """A marker recorded now on a stream (a raw handle: a foreign stream's too) that owns
-        its event. Raises CudaError (keeping no event)."""
-        ev = self.call("cuEventCreate", cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        err = cu.cuEventRecord(ev, cu.CUstream(stream_handle))[0]
-        if err != _SUCCESS:
-            cu.cuEventDestroy(ev)
-            raise _error(err, "cuEventRecord")
-        return CudaMarker(ev, self, False)
+    def marker_on_handle(self, stream_handle: int, pooled: bool = False) -> CudaMarker:
+        """A marker recorded now on a stream of this device named by its raw handle (a
+        foreign stream's too). ``pooled``: its event is the pool's, given back when the marker
+        is recycled; else the marker owns it. Raises CudaError (keeping no event)."""
+        self.ensure_context()
+        ev = self._event() if pooled else \
+            self.call("cuEventCreate", cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        err = _record(self, ev, int(ev), stream_handle)
+        if err:
+            if pooled:
+                self._events.append(ev)
+            else:
+                self.cu.cuEventDestroy(ev)
+            raise _error(cu.CUresult(err), "cuEventRecord")
+        return CudaMarker(ev, self, pooled)
+
+    def order_after_handle(self, impl, stream_handle: int) -> None:
+        """Make stream ``impl`` (of any CUDA device) wait on the device for everything
+        enqueued so far on a stream of this device named by its raw handle (a foreign
+        producer's): a pooled event recorded there and waited for, given back at once (the
+        wait is enqueued: a later record of the event changes nothing it waits for). Raises
+        CudaError."""
+        m = self.marker_on_handle(stream_handle, True)
+        try:
+            impl.wait_marker(m)
+        finally:
+            m.recycle()
 
     # -- copies: enqueue, then record the submission's marker -------------------------
     @property
