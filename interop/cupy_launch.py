@@ -18,7 +18,8 @@ import weakref
 
 import numpy as np
 
-from sharedmem.allocation import View, ViewToken, _module, import_allocation
+from sharedmem.allocation import (View, ViewToken, _module, import_allocation,
+                                  lookup_allocation)
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, CaptureError, KernelError
@@ -777,14 +778,16 @@ def torch_facts(t):
     item = t.element_size()
     lo, hi = extent(layout[0], [st * item for st in layout[1]], item)
     start = ptr + lo
-    info = dev.backend.pointer_info(start) if hi > lo else None
-    if info is not None and start + hi - lo <= info[0] + info[1]:
-        region = (info[0], info[1])
-    else:  # (memory the driver does not name: its storage)
-        storage = t.untyped_storage()
-        region = (storage.data_ptr(), max(storage.nbytes(), 1))
-    alloc = import_allocation(dev, start, max(hi - lo, 1) if t.numel() else 0, "torch",
-                              region=region)
+    nbytes = max(hi - lo, 1) if t.numel() else 0
+    alloc = lookup_allocation(dev, start, nbytes)  # (a fresh tensor in torch's segment: the
+    if alloc is None:                              # driver was asked already)
+        info = dev.backend.pointer_info(start) if hi > lo else None
+        if info is not None and start + hi - lo <= info[0] + info[1]:
+            region = (info[0], info[1])
+        else:  # (memory the driver does not name: its storage)
+            storage = t.untyped_storage()
+            region = (storage.data_ptr(), max(storage.nbytes(), 1))
+        alloc = import_allocation(dev, start, nbytes, "torch", region=region)
     lo, hi = start - alloc.ptr, start - alloc.ptr + hi - lo
     writable = True
     if alloc.source == "sharedmem":

@@ -1973,9 +1973,14 @@ def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_
     x.host[:], y.host[:] = np.arange(n), 10
     s = dev.create_stream("s")
     waits = _waits_seen(drv, monkeypatch)
+    asked = []  # (the driver asked where a tensor's memory lies: once, by the first tensor)
+    real_attributes = drv.cuPointerGetAttributes
+    monkeypatch.setattr(drv, "cuPointerGetAttributes",
+                        lambda *a: asked.append(a[-1]) or real_attributes(*a))
     sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), out, n, stream=s).result()
     np.testing.assert_array_equal(out.host, 2 * np.arange(n) + 10)
     assert waits == [s.handle]  # ordered after torch's stream (the legacy default stream)
+    assert asked == [x.data_ptr()]  # (y and out: in the allocation x's facts hold)
     facts = icl._facts[id(out)]
     alloc = facts.token.allocation
     assert (alloc.ptr, alloc.nbytes, alloc.source) == (storage.ctypes.data, storage.nbytes, "torch")
