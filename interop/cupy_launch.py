@@ -24,7 +24,8 @@ from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, CaptureError, KernelError
 from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
-from sharedmem.runtime.state import OwnedLock, fork_safe, locked
+from sharedmem.runtime.state import RUNTIME, OwnedLock, fork_safe, locked
+from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, extent
 
 try:
@@ -816,6 +817,13 @@ def order_after_torch(stream, device) -> None:
             f"{h:#x}), which a capture cannot wait for; capture on torch's "
             f"current stream (with torch.cuda.stream(...) of the stream captured), or pass "
             f"views of the tensors (sm.from_dlpack before the capture)")
+    theirs = Stream.lookup(device, h) if RUNTIME.captures else None
+    if theirs is not None and theirs._capture is not None:  # (a wait on work recorded into
+        raise CaptureError(                                 # a capture joins the capture)
+            f"torch's current stream of {device} is {theirs}, which is capturing graph "
+            f"#{theirs._capture.id}, and a launch with torch tensors among its arguments on "
+            f"{stream} is ordered after it -- which would draw {stream} into the capture; "
+            f"launch on {theirs} (stream=...) to capture the launch, or outside the capture")
     device.backend.order_after_handle(stream._impl, h)
 
 

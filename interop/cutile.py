@@ -398,10 +398,11 @@ class TilePlan(KernelPlan):
 
     ``modes``: how each parameter is keyed in a signature (:func:`_param_modes`);
     ``warmed``: signature -> Event, set once its compile is done (see :meth:`warm`);
-    ``last_args``: the previous launch's arguments for cuTile once warmed, when they held no
-    foreign array (descriptors and scalars only: nothing large is kept alive) -- a launch
-    with the same ones skips the signature. Lock-free: dict operations are atomic, and a
-    racing thread at worst computes one more signature."""
+    ``last_args``: the previous launch's arguments for cuTile once warmed -- descriptors and
+    scalars, a CuPy array or torch tensor as its facts' weak reference (a CuPy array's with
+    its layout), None where another foreign array was among them: nothing large is kept
+    alive -- a launch with the same ones skips the signature. Lock-free: dict operations are
+    atomic, and a racing thread at worst computes one more signature."""
 
     __slots__ = ("backend", "ct_launch", "modes", "warmed", "last_args")
 

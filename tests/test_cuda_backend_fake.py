@@ -2041,7 +2041,17 @@ def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_
                                                   r"\(handle 0x0\), which a capture cannot wait "
                                                   r"for; capture on torch's current stream"):
             sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(y), n, stream=cap)
-    assert sm.stats().submitted == leased
+        # torch's current stream captured (as that error advises), a launch on another
+        # stream: a wait for it would draw that stream into the capture -- refused, no wait
+        torch.current = types.SimpleNamespace(cuda_stream=cap.handle, device=Tensor.device)
+        with pytest.raises(sm.CaptureError, match=r"^torch's current stream of <Device cuda:0 "
+                                                  r".*> is <Stream .*captured.*>, which is "
+                                                  r"capturing graph #\d+, and a launch with "
+                                                  r"torch tensors among its arguments on "
+                                                  r"<Stream s on .*> is ordered after it -- "
+                                                  r"which would draw"):
+            sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(y), n, stream=s)
+    assert sm.stats().submitted == leased and len(waits) == waited
 
 
 def test_a_torch_tensor_over_sharedmem_memory_is_that_allocation_and_its_read_only_view_stays_so(

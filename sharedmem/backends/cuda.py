@@ -730,13 +730,16 @@ class CudaBackend:
         self.ensure_context()
         ev = self._event() if pooled else \
             self.call("cuEventCreate", cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        err = _record(self, ev, int(ev), stream_handle)
-        if err:
+        try:
+            err = _record(self, ev, int(ev), stream_handle)
+            if err:
+                raise _error(cu.CUresult(err), "cuEventRecord")
+        except BaseException:  # (a handle the record refuses too: the event is not lost)
             if pooled:
                 self._events.append(ev)
             else:
                 self.cu.cuEventDestroy(ev)
-            raise _error(cu.CUresult(err), "cuEventRecord")
+            raise
         return CudaMarker(ev, self, pooled)
 
     def order_after_handle(self, impl, stream_handle: int) -> None:
