@@ -37,10 +37,9 @@ cdef class RawKernelPlan(KernelPlan):
     cdef public object limits, fn
     cdef public Py_ssize_t nbytes
 
-    @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, p=Py_ssize_t, j=Py_ssize_t,
-                   i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, tok=ViewToken,
-                   view=View, fa=ArrayFacts, fv=cython.double, addr=cython.ulonglong,
-                   torch_dev=object)
+    @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, extra=Py_ssize_t, exact=bint,
+                   i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, view=View,
+                   fa=ArrayFacts, fv=cython.double, torch_dev=object)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(impl=CudaStreamImpl, c=LaunchConfig, err=int, st=Stream)

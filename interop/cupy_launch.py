@@ -375,70 +375,62 @@ class RawKernelPlan(KernelPlan):
         into the slots with ``struct.pack_into``: no bytes made in between)."""
         params = self.params
         n = len(params)
-        need = len(args)
-        for a in args:
-            if type(a) is LaunchArg and a.with_length:
-                need += 1
-        if need != n:
-            raise self._count_error(args)
+        exact = len(args) == n  # (the usual case: no with_length argument, nothing to count)
+        if not exact:
+            need = len(args)
+            for a in args:
+                if type(a) is LaunchArg and a.with_length:
+                    need += 1
+            if need != n:
+                raise self._count_error(args)
         if cython.compiled:
             out = PyBytes_FromStringAndSize(cython.NULL, self.nbytes)  # written at once below
         else:
             out = []
-        p = 0
-        j = 0  # the array argument's lease in `uses`
+        extra = 0  # parameters filled beyond one per argument (lengths): argument i's is i + extra
         torch_dev = None  # (the device of the torch tensors among the arguments, or a list)
-        for i in range(len(args)):
-            a = args[i]
-            par = params[p]
+        for i, a in enumerate(args):
+            par = params[i + extra]
             t = type(a)
-            if t is _BUFFER or t is _TENSOR or isinstance(a, View):  # (its token: the lease's)
-                if not par.address:
+            if t is _BUFFER or t is _TENSOR or (t is not ArrayFacts and isinstance(a, View)):
+                if par.kcode == _K_PTR and not cython.compiled:  # (interpreted: as _emit_address,
+                    out.append(a._ptr)                           # without the call)
+                elif par.address:
+                    view = cython.cast(View, a) if cython.compiled else a  # (checked above)
+                    _emit_address(out, par, view._ptr)
+                else:
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
-                # (checked above, and a lease names a ViewToken: compiled, no second type test)
-                tok = (cython.cast(ViewToken, cython.cast(tuple, uses[j])[0]) if cython.compiled
-                       else uses[j][0])
-                j += 1
-                view = cython.cast(View, a) if cython.compiled else a
-                addr = tok.allocation.ptr + view._offset
-                if cython.compiled or par.kcode != _K_PTR:
-                    _emit_address(out, par, addr)
-                else:  # (interpreted, a pointer parameter: _emit_address's step, without a call)
-                    out.append(addr)
-                p += 1
                 continue
-            if type(a) is ArrayFacts:  # a CuPy array (see coerce): its lease, as for a view
+            if t is ArrayFacts:  # a CuPy array (see coerce): its lease, as for a view
                 if not par.address:
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"a {'CuPy array' if a.layout is None else 'torch tensor'}")
-                j += 1
                 fa = cython.cast(ArrayFacts, a) if cython.compiled else a
                 if fa.layout is not None:  # (a torch tensor's: see torch_facts)
                     torch_dev = torch_devices(torch_dev, fa)
-                addr = fa.token.allocation.ptr + fa.offset
-                if cython.compiled or par.kcode != _K_PTR:
-                    _emit_address(out, par, addr)
-                else:  # (as for a view)
-                    out.append(addr)
-                p += 1
+                if par.kcode == _K_PTR and not cython.compiled:  # (as for a view; its element 0's
+                    out.append(fa.ptr)                           # address, learned with it)
+                else:
+                    _emit_address(out, par, fa.token.allocation.ptr + fa.offset)
                 continue
             if type(a) is LaunchArg:
-                j += 1
                 la = cython.cast(LaunchArg, a) if cython.compiled else a
                 if not par.address:
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"{_what(a)}")
                 v = la.value
                 _emit_address(out, par, la.token.allocation.ptr + la.offset)
-                p += 1
                 if la.with_length:
+                    if exact:  # (a with_length argument fills two parameters: one too many)
+                        raise self._count_error(args)
                     if not _dense(v):  # (the kernel takes a pointer and a count of elements)
                         raise KernelError(f"argument {i}: with_length=True needs a contiguous "
                                           f"array (a pointer and a count of consecutive "
                                           f"elements), got a strided {type(v).__name__}; "
                                           f"pass a contiguous copy (tensor.contiguous())")
-                    lp = params[p]
+                    extra += 1
+                    lp = params[i + extra]
                     length = v.size  # elements (a Buffer's length; torch's: a method)
                     if callable(length):
                         length = v.numel()
@@ -449,7 +441,6 @@ class RawKernelPlan(KernelPlan):
                     else:
                         raise KernelError(f"argument {i}: with_length=True, but the next "
                                           f"parameter is {lp.describe()}, not an int")
-                    p += 1
                 continue
             kc = par.kcode
             if kc == _K_INT:
@@ -457,14 +448,20 @@ class RawKernelPlan(KernelPlan):
                     a = int(a)  # (then checked as an int: no isinstance walks)
                     t = int
                 if t is int and par.lo <= a < par.hi:  # (the bounds as ints: none made here)
-                    _emit(out, par, a)
+                    if cython.compiled or par.ctype == "char":
+                        _emit(out, par, a)
+                    else:  # (interpreted: _emit's step, without the call)
+                        out.append(a)
                 else:
                     _emit(out, par, _int_value(i, par, a))
             elif kc == _K_FLOAT:
                 fv = a if t is float else 0.0  # (compiled, a C double: no float made)
                 if t is float and (par.code == _F64 or
                                    (par.code == _F32 and -_F32_LIMIT < fv < _F32_LIMIT)):
-                    _emit(out, par, a)
+                    if cython.compiled:
+                        _emit(out, par, a)
+                    else:  # (interpreted: _emit's step, without the call)
+                        out.append(a)
                 else:
                     _emit(out, par, _float_value(i, par, a))
             elif kc == _K_PTR:
@@ -489,7 +486,6 @@ class RawKernelPlan(KernelPlan):
                         f"argument {i}: {par.describe()} ({why}); got {_what(a)}. Pass a NumPy "
                         f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
                         f"np.complex64(z)")
-            p += 1
         if torch_dev is not None:  # (every argument checked first)
             order_after_torch_all(stream, torch_dev)
         return out  # (interpreted: the values, packed into the slots by enqueue)
@@ -878,6 +874,10 @@ def coerce(obj, device):
     anything else (a NumPy array: refused as a pointer argument, by name)."""
     nd = _ndarray[1]
     if nd is not None and type(obj) is nd:  # (the common case: no module lookup)
+        if not cython.compiled:  # (interpreted: array_facts' lookup, without the call)
+            f = _facts.get(id(obj))
+            if f is not None and not f.dead:
+                return f
         return array_facts(obj)
     tt = torch_tensor_type()
     if tt is not None and isinstance(obj, tt):

@@ -1,6 +1,7 @@
 # Declarations for the compiled build of access.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.stream cimport Stream
+from sharedmem.allocation cimport ViewToken
 
 cdef class Span:
     cdef public Py_ssize_t lo, hi
@@ -53,3 +54,11 @@ cdef _add_range(list entries, Py_ssize_t lo, Py_ssize_t hi, long long seq, marke
 
 @cython.locals(e=Span)
 cdef Span _newest_overlap(list entries, Py_ssize_t lo, Py_ssize_t hi, Span best)
+
+@cython.locals(uid=cython.longlong, out=list, u=tuple, tok=ViewToken, tracker=AccessTracker,
+               n=Py_ssize_t)
+cpdef list leases_to_check_locked(Stream stream, list uses)
+
+@cython.locals(uid=cython.longlong, keeps=list, u=tuple, tok=ViewToken, tracker=AccessTracker,
+               use=StreamUse, entries=list, e=Span)
+cpdef list record_leases_locked(Stream stream, list uses, long long seq, marker)

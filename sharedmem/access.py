@@ -36,9 +36,13 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 import weakref
+from typing import TYPE_CHECKING
 
 from .errors import SharedMemError
 from .runtime.state import RUNTIME
+
+if TYPE_CHECKING:
+    from .allocation import ViewToken  # (compiled: cimported; allocation imports this module)
 
 __all__ = ["READ", "WRITE", "ATOMIC", "AccessTracker", "set_access_policy",
            "get_access_policy", "POLICIES", "HOLD_SEQ"]
@@ -339,3 +343,63 @@ class AccessTracker:
         """Streams with unfinished accesses or open holds (for diagnostics and tests)."""
         self.elsewhere_locked(None)  # (prunes every stream)
         return [s for s in (u.ref() for u in self._uses.values()) if s is not None]
+
+
+# -- a submission's leases, all at once (the launch path: one call, not one per lease) -----
+
+@cython.boundscheck(False)  # (every index below its list's length by construction)
+@cython.wraparound(False)
+def leases_to_check_locked(stream, uses):
+    """Of ``uses`` -- a submission's leases on ``stream``, ``(ViewToken, writes)`` pairs --
+    those the submission must look at before it enqueues, in order: a token no longer live
+    (refused), or one whose allocation another stream has unfinished work or open holds on
+    (ordered after, or refused: see :meth:`AccessTracker.conflicts_locked`). None where there
+    are none, the usual case. Caller holds core_lock."""
+    uid = stream._uid
+    out = None
+    for u in uses:
+        tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]  # (a lease's token)
+        tracker = tok.allocation.tracker
+        n = len(tracker._uses)
+        # (elsewhere_locked's first answers without its call: no stream, or this one alone)
+        if tok.live and (n == 0 or (n == 1 and tracker._last == uid) or
+                         not tracker.elsewhere_locked(stream)):
+            continue
+        if out is None:
+            out = [u]
+        else:
+            out.append(u)
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def record_leases_locked(stream, uses, seq, marker):
+    """Record ``uses`` -- ``(ViewToken, writes)`` pairs -- as accesses by submission ``seq``
+    on ``stream``, with completion ``marker`` (:meth:`AccessTracker.record_locked` of each
+    token's bytes; its common case, the stream's last use of the allocation over the same
+    range again, without the call). Returns what the leases' memory needs kept beyond the
+    tokens: each token's ``keep`` that is not its allocation (a foreign producer), in a new
+    list, or None where there is none. Caller holds core_lock."""
+    uid = stream._uid
+    keeps = None
+    for u in uses:
+        tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]
+        if tok.keep is not tok.allocation:  # (an allocation of ours is kept by its token)
+            if keeps is None:
+                keeps = [tok.keep]
+            else:
+                keeps.append(tok.keep)
+        tracker = tok.allocation.tracker
+        if tracker._last == uid:  # (an empty range matches no span: spans are never empty)
+            use = tracker._last_use
+            entries = use.writes if u[1] else use.reads
+            if len(entries) == 1:
+                e = cython.cast(Span, entries[0]) if cython.compiled else entries[0]
+                if e.lo == tok.start and e.hi == tok.stop:  # the same range: its newest
+                    use.newest = seq
+                    e.seq = seq
+                    e.marker = marker
+                    continue
+        tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
+    return keeps

@@ -41,6 +41,7 @@ cdef class View:
     cdef public long long _dead_id
     cdef public ViewToken _export
     cdef public Py_ssize_t _offset
+    cdef public unsigned long long _ptr
     cdef public object _dtype
     cdef object __weakref__
 

@@ -496,15 +496,16 @@ class View:
     :class:`~sharedmem.errors.ReleasedError`, or :class:`MovedError` when the
     storage was moved to another handle.
 
-    ``_offset``: byte offset of element 0 from the start of the allocation (the
-    launch path reads the device address as ``allocation.ptr + _offset``); ``_dtype``: the
+    ``_offset``: byte offset of element 0 from the start of the allocation; ``_ptr``: the
+    device address of element 0, ``allocation.ptr + _offset`` (what a launch packs: an
+    allocation never moves, and a view never changes its token's allocation); ``_dtype``: the
     element type (set by the subclass's constructor).
     """
 
     # _moved_to: the kind a MOVED handle was moved into ("Tensor", "Buffer"); _dead_id: the
     # allocation number of a moved or released handle, for its errors (0: unknown)
     __slots__ = ("_token", "_state", "_moved_to", "_dead_id", "_derived", "_export", "_offset",
-                 "_dtype", "__weakref__")
+                 "_ptr", "_dtype", "__weakref__")
 
     _kind = "view"
 
@@ -516,6 +517,7 @@ class View:
         self._derived = None  # see _derived_value
         self._export = None  # see _object_hold_locked; guarded by core_lock
         self._offset = offset
+        self._ptr = token.allocation.ptr + offset
 
     def _object_hold_locked(self, kind, consumers):
         """The hold this view keeps for consumers that keep *the view object itself* as their
@@ -591,7 +593,8 @@ class View:
     @property
     def ptr(self) -> int:
         """Device address of element 0."""
-        return self._live_token().allocation.ptr + self._offset
+        self._live_token()
+        return self._ptr
 
     @property
     def readonly(self) -> bool:

@@ -49,7 +49,7 @@ cdef class KernelPlan(Work):
 cdef class _PreparedPlan(KernelPlan):
     pass
 
-@cython.locals(resolved=list, uses=list, i=Py_ssize_t, n=Py_ssize_t, mode=int, u=tuple,
+@cython.locals(resolved=list, uses=list, i=Py_ssize_t, mode=int, u=tuple,
                hit=tuple, with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg,
                fa=ForeignArray, foreign=list)
 cpdef tuple resolve_args(adapter, tuple args, device)

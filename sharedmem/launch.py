@@ -71,7 +71,12 @@ class Intent:
     ``with_length=True``: the kernel takes this buffer as two parameters, its pointer and its
     length in elements (``float* x, long long n``); without it, a Buffer is one pointer."""
 
-    __slots__ = ("obj", "_mode", "with_length")
+    # ``_mode``, the intent's mode (``_READ``, ``_WRITE``, ``_ATOMIC``): a class attribute of
+    # each intent class (a subclass's: its base's), which is what an instance reads
+    # interpreted; compiled, a C field of each instance, set by __init__ from its class
+    __slots__ = ("obj", "with_length")
+    if not cython.compiled:
+        _mode = _WRITE
     if TYPE_CHECKING:
         obj: object
         with_length: bool
@@ -81,9 +86,11 @@ class Intent:
         if t is not _BUFFER and t is not _TENSOR and isinstance(obj, Intent):  # (views: no MRO walk)
             raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
         self.obj = obj
-        c = type(self)  # (the subclasses have no __init__ of their own: one call, not two)
-        self._mode = (_READ if c is In else _WRITE if c is Out else  # (subclasses: as their base)
-                      _READ if issubclass(c, In) else _ATOMIC if issubclass(c, Atomic) else _WRITE)
+        if cython.compiled:  # (the subclasses have no __init__ of their own: one call, not two)
+            c = type(self)
+            self._mode = (_READ if c is In else _WRITE if c is Out else  # (subclasses: as their
+                          _READ if issubclass(c, In) else                 # base)
+                          _ATOMIC if issubclass(c, Atomic) else _WRITE)
         self.with_length = True if with_length else False  # (a bool: compiled, a C bint)
 
     @property
@@ -99,6 +106,8 @@ class In(Intent):
     """The kernel only reads this argument (a read lease)."""
 
     __slots__ = ()
+    if not cython.compiled:
+        _mode = _READ
 
 
 class Out(Intent):
@@ -117,6 +126,8 @@ class Atomic(Intent):
     """The kernel updates this argument with atomics (tracked as a write)."""
 
     __slots__ = ()
+    if not cython.compiled:
+        _mode = _ATOMIC
 
 
 @cython.freelist(16)
@@ -463,6 +474,22 @@ def _as_view(obj):
     return None
 
 
+def _mismatch(i, shown, adev, device) -> DeviceMismatchError:
+    """The error of argument ``i`` (``shown``), on ``adev``, in a launch on ``device``."""
+    return DeviceMismatchError(f"argument {i} ({shown!r}) is on {adev}, but the launch runs on "
+                               f"{device}; copy it there first (view.to_device(...)), or let "
+                               f"{device} use {adev}'s memory: "
+                               f"{device!r}.enable_peer_access({adev!r})")
+
+
+def _read_only(i, intent, shown) -> KernelError:
+    """The error of argument ``i`` (``shown``), read-only, passed to be written (``intent``:
+    its Intent, or None for a bare argument)."""
+    written = InOut if intent is None else type(intent)
+    return KernelError(f"argument {i}: {written.__name__}({shown!r}) would write through a "
+                       f"read-only view; pass it as In(...) or copy it first")
+
+
 @cython.boundscheck(False)  # (every index below its list's length by construction)
 @cython.wraparound(False)
 def resolve_args(adapter, args, device):
@@ -476,45 +503,60 @@ def resolve_args(adapter, args, device):
     arrays leased -- their lease tokens do not keep them; the work must. Views an adapter
     makes of foreign arrays are referenced by ``resolved`` (keep it until the leases are
     taken)."""
-    n = len(args)
-    resolved = [None] * n  # (one entry an argument: sized once, not grown)
+    resolved = list(args)  # (scalars stay as they are; an array argument's entry replaced)
     uses = []
     foreign = None
     coerce = None
-    for i in range(n):
-        a = args[i]
-        t = type(a)
-        if t is int or t is float or t is bool or a is None:
-            resolved[i] = a
-            continue
-        if t is not _BUFFER and t is not _TENSOR and isinstance(a, Intent):
+    for i, a in enumerate(args):
+        if isinstance(a, Intent):
             ia = cython.cast(Intent, a) if cython.compiled else a  # (checked: no 2nd test)
             obj = ia.obj
             mode = ia._mode
-            intent = t
             with_length = ia.with_length
             t = type(obj)
-        else:  # a bare argument: InOut (intent None: what the checks of foreign arguments ask)
+        else:  # a bare argument: InOut (ia None: what the checks of foreign arguments ask)
+            t = type(a)
+            if t is int or t is float or t is bool or a is None:
+                continue  # a scalar: passed as it is
             obj = a
             mode = _WRITE
-            intent = None
             with_length = False
-        la = None
-        fa = None
+            ia = None
         if t is _BUFFER or t is _TENSOR or isinstance(obj, View):
             view = cython.cast(View, obj) if cython.compiled else obj
-        elif type(obj) is _BOX:
+        elif t is _BOX:
             view = obj.buffer
         else:
             view = None
-        if view is not None:
+        if view is not None:  # the common case: few field reads, no call
             tok = view._token  # (None once moved or released: read once, then checked)
             if tok is None:
                 view._raise_dead()
-            value = view
+            adev = tok.allocation.device
+            if adev is not device:
+                if device is None:
+                    device = adev
+                elif adev not in device._peers:
+                    raise _mismatch(i, view, adev, device)
+            if mode == _READ:
+                u = tok.use_r  # (tok.use() inlined)
+            elif tok.writable:
+                u = tok.use_w
+            else:
+                raise _read_only(i, ia, view)
+            if u is None:
+                u = tok.use(mode != _READ)
+            if not with_length:
+                resolved[i] = view  # the view itself stands for the argument
+                uses.append(u)
+                continue
+            la = LaunchArg.__new__(LaunchArg)
+            la.view = view
+            la.value = view
+            la.token = tok
+            la.offset = view._offset
         else:
-            if intent is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
-                resolved[i] = a
+            if ia is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
                 continue
             if coerce is None:
                 hit = _last_coerce[0]
@@ -528,63 +570,60 @@ def resolve_args(adapter, args, device):
                 if isinstance(obj, (ForeignArray, LaunchArg)):  # (made by and for a launch)
                     raise KernelError(f"argument {i}: a {type(obj).__name__} is what a launch "
                                       f"makes of an array argument; pass the array itself")
-                if intent is not None:
-                    raise KernelError(f"argument {i}: {intent.__name__}() takes a Buffer, Tensor, "
-                                      f"DeviceBox or array, got {_described(obj)}")
-                resolved[i] = a
+                if ia is not None:
+                    raise KernelError(f"argument {i}: {type(ia).__name__}() takes a Buffer, "
+                                      f"Tensor, DeviceBox or array, got {_described(obj)}")
                 continue
-            if type(got) is LaunchArg:  # a foreign array leased without a view
-                la = got
-                tok = la.token
-                value = la.value
-            elif isinstance(got, ForeignArray):  # prepared once for this array: not written
+            if isinstance(got, ForeignArray):  # prepared once for this array: not written
                 fa = got
+                la = None
                 tok = fa.token
                 value = obj
+            elif type(got) is LaunchArg:  # a foreign array leased without a view
+                la = got
+                fa = None
+                tok = la.token
+                value = la.value
             else:  # a view made for this launch
                 view = got
+                la = None
+                fa = None
                 tok = view._token
                 value = view
-        adev = tok.allocation.device
-        if device is None:
-            device = adev
-        elif adev is not device and adev not in device._peers:
-            shown = view if view is not None else obj
-            raise DeviceMismatchError(f"argument {i} ({shown!r}) is on {adev}, but the launch "
-                                      f"runs on {device}; copy it there first "
-                                      f"(view.to_device(...)), or let {device} use {adev}'s "
-                                      f"memory: {device!r}.enable_peer_access({adev!r})")
-        if mode != _READ and not tok.writable:
-            shown = view if view is not None else obj
-            written = InOut if intent is None else intent
-            raise KernelError(f"argument {i}: {written.__name__}({shown!r}) would write through a "
-                              f"read-only view; pass it as In(...) or copy it first")
-        u = tok.use_r if mode == _READ else tok.use_w  # (tok.use() inlined)
-        if u is None:
-            u = tok.use(mode != _READ)
-        if view is not None and not with_length:  # (a view is its own value)
-            resolved[i] = view  # the common case: the view itself stands for the argument
-            uses.append(u)
-            continue
-        if view is None:  # a foreign array: the work keeps it (its lease token does not)
-            if foreign is None:
-                foreign = [None, value]
-            else:
-                foreign.append(value)
-            if fa is not None and fa.keep is not None:
-                foreign.append(fa.keep(obj))
-            if fa is not None and not with_length:
-                resolved[i] = fa
+            adev = tok.allocation.device
+            if adev is not device:
+                if device is None:
+                    device = adev
+                elif adev not in device._peers:
+                    raise _mismatch(i, view if view is not None else obj, adev, device)
+            if mode != _READ and not tok.writable:
+                raise _read_only(i, ia, view if view is not None else obj)
+            u = tok.use_r if mode == _READ else tok.use_w
+            if u is None:
+                u = tok.use(mode != _READ)
+            if view is not None and not with_length:  # (a view made for this launch)
+                resolved[i] = view
                 uses.append(u)
                 continue
-        if la is None:  # a view with_length, or a prepared foreign array (fa) with_length
-            la = LaunchArg.__new__(LaunchArg)
-            la.view = view
-            la.value = value
-            la.token = tok
-            la.offset = view._offset if fa is None else fa.offset
+            if view is None:  # a foreign array: the work keeps it (its lease token does not)
+                if foreign is None:
+                    foreign = [None, value]
+                else:
+                    foreign.append(value)
+                if fa is not None and fa.keep is not None:
+                    foreign.append(fa.keep(obj))
+                if fa is not None and not with_length:
+                    resolved[i] = fa
+                    uses.append(u)
+                    continue
+            if la is None:  # a view with_length, or a prepared foreign array (fa) with_length
+                la = LaunchArg.__new__(LaunchArg)
+                la.view = view
+                la.value = value
+                la.token = tok
+                la.offset = view._offset if fa is None else fa.offset
         la._mode = mode
-        la.intent = InOut if intent is None else intent
+        la.intent = InOut if ia is None else type(ia)
         la.with_length = with_length
         resolved[i] = la
         uses.append(u)

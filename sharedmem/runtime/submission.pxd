@@ -1,6 +1,6 @@
 # Declarations for the compiled build of submission.py (Cython pure-Python mode).
 cimport cython
-from sharedmem.access cimport AccessTracker
+from sharedmem.access cimport AccessTracker, leases_to_check_locked, record_leases_locked
 from sharedmem.allocation cimport Allocation, View, ViewToken, register_token_locked, unregistered_token
 from sharedmem.runtime.state cimport Hooks, Runtime
 from sharedmem.stream cimport Stream
@@ -28,14 +28,11 @@ cdef class Work:
 cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payload, keep, policy,
                              label)
 
-@cython.locals(rt=Runtime, tok=ViewToken, tracker=AccessTracker, sub=Submission,
+@cython.locals(rt=Runtime, tok=ViewToken, sub=Submission,
                seq=cython.longlong, became_active=bint, keeps=list, waits=object,
-               retired=list, impl=object, marker=object, u=tuple, alloc=Allocation)
+               retired=list, impl=object, marker=object, u=tuple, check=list)
 cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
                         policy, label)
-
-cdef _guarded_enqueue(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
-                      label)
 
 @cython.locals(pending=list)
 cdef bint _filed_locked(Runtime rt, Stream stream, Submission sub, waits) except -1

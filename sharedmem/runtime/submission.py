@@ -35,7 +35,7 @@ try:
 except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
-from ..access import HOLD_SEQ, check_policy
+from ..access import HOLD_SEQ, check_policy, leases_to_check_locked, record_leases_locked
 from ..allocation import ViewToken, register_token_locked, unregistered_token
 from ..backends import COMPLETE
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
@@ -230,22 +230,22 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
             if plan is not None:
                 enqueue = partial(plan.enqueue, stream, config, payload)
             return graph._record_locked(uses, enqueue, _keep_list(keep), label)
-        fault = impl.fault if stream._checks else None
-        if fault is not None:
-            raise CompletionUnknownError(
-                f"{stream} faulted earlier ({fault!r}); the completion of its work is unknown, "
-                f"so nothing more can run on it. Create a new stream.")
+        if stream._checks:
+            fault = impl.fault
+            if fault is not None:
+                raise CompletionUnknownError(
+                    f"{stream} faulted earlier ({fault!r}); the completion of its work is "
+                    f"unknown, so nothing more can run on it. Create a new stream.")
         waits = None
-        for u in uses:
-            # (a lease names a ViewToken: compiled, read without a type test)
-            tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]
-            if not tok.live:
-                raise ReleasedError(f"a {tok.kind} passed to {label_text(label)} was released "
-                                    f"before the launch")
-            tracker = tok.allocation.tracker
-            if not tracker.elsewhere_locked(stream):
-                continue  # nothing in flight on another stream
-            waits = _conflicts_locked(tracker, stream, tok, u[1], policy, label, waits)
+        check = leases_to_check_locked(stream, uses)  # (usually None: nothing to look at)
+        if check is not None:
+            for u in check:
+                tok = u[0]
+                if not tok.live:
+                    raise ReleasedError(f"a {tok.kind} passed to {label_text(label)} was "
+                                        f"released before the launch")
+                waits = _conflicts_locked(tok.allocation.tracker, stream, tok, u[1], policy,
+                                          label, waits)
         if waits is not None:
             for other, (wseq, marker) in waits.items():
                 if marker is None:  # an open hold: a marker recorded now (never noted)
@@ -260,19 +260,25 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
         if cython.compiled and plan is not None and plan.native and not stream._checks:
             marker = plan.enqueue(stream, config, payload)  # (C through: see Work.native)
         else:
-            marker = _guarded_enqueue(stream, uses, enqueue, plan, config, payload, keep, label)
+            # Python code runs in it: an interrupt (KeyboardInterrupt from a signal handler)
+            # landing there may leave the work on the stream already -- a host stream's task
+            # queued, not yet returned -- with no lease. ``uses`` are then leased, keeping
+            # ``keep``, until the stream passes this point (a marker recorded now), as the
+            # work's would have been (a lease of work that was not enqueued only lasts until
+            # the stream reaches here), and the interrupt re-raised. An Exception means the
+            # backend enqueued nothing: no lease.
+            try:
+                marker = plan.enqueue(stream, config, payload) if plan is not None else enqueue()
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    _lease_interrupted_locked(stream, uses, keep, label)
+                raise
         seq = stream._seq + 1
         stream._seq = seq
-        keeps = None  # what the leases' memory needs beyond the tokens (foreign producers)
-        for u in uses:
-            tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]
-            alloc = tok.allocation
-            alloc.tracker.record_locked(stream, u[1], tok.start, tok.stop, seq, marker)
-            k = tok.keep
-            if k is not alloc:  # (an allocation of ours is kept by its token)
-                if keeps is None:
-                    keeps = _keep_list(keep)
-                keeps.append(k)
+        # what the leases' memory needs beyond the tokens (foreign producers), or None
+        keeps = record_leases_locked(stream, uses, seq, marker)
+        if keeps is not None:
+            keeps[:0] = _keep_list(keep)
         sub = new_submission(stream, seq, marker, keep if keeps is None else keeps, uses,
                              label)
         became_active = _filed_locked(rt, stream, sub, waits)
@@ -287,26 +293,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     return sub
 
 
-def _guarded_enqueue(stream, uses, enqueue, plan, config, payload, keep, label):
-    """_submit's enqueue where Python code runs in it (see Work.native): an interrupt
-    (KeyboardInterrupt from a signal handler) landing there may leave the work on ``stream``
-    already -- a host stream's task queued, not yet returned -- with no lease. ``uses`` are
-    then leased, keeping ``keep``, until the stream passes this point (a marker recorded now),
-    as the work's would have been (a lease of work that was not enqueued only lasts until the
-    stream reaches here), and the interrupt re-raised. An Exception means the backend enqueued
-    nothing: no lease. Caller holds core_lock."""
-    try:
-        if plan is not None:
-            return plan.enqueue(stream, config, payload)
-        return enqueue()
-    except BaseException as e:
-        if not isinstance(e, Exception):
-            _lease_interrupted_locked(stream, uses, keep, label)
-        raise
-
-
 def _lease_interrupted_locked(stream, uses, keep, label) -> None:
-    """The lease of an enqueue an interrupt cut short (see :func:`_guarded_enqueue`)."""
+    """The lease of an enqueue an interrupt cut short (see :func:`_submit`)."""
     try:
         marker = fresh_marker_locked(stream)
     except CompletionUnknownError as e:
