@@ -37,7 +37,7 @@ cdef class RawKernelPlan(KernelPlan):
     cdef public object limits, fn
     cdef public Py_ssize_t nbytes
 
-    @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, extra=Py_ssize_t, exact=bint,
+    @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, extra=Py_ssize_t,
                    i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, view=View,
                    fa=ArrayFacts, fv=cython.double, torch_dev=object)
     cpdef pack(self, list args, list uses, config, stream)

@@ -375,14 +375,13 @@ class RawKernelPlan(KernelPlan):
         into the slots with ``struct.pack_into``: no bytes made in between)."""
         params = self.params
         n = len(params)
-        exact = len(args) == n  # (the usual case: no with_length argument, nothing to count)
-        if not exact:
-            need = len(args)
+        need = len(args)  # (checked first: a wrong count is the error, whatever else is wrong)
+        if cython.compiled or LaunchArg in map(type, args):  # (interpreted: one scan in C)
             for a in args:
                 if type(a) is LaunchArg and a.with_length:
                     need += 1
-            if need != n:
-                raise self._count_error(args)
+        if need != n:
+            raise self._count_error(args)
         if cython.compiled:
             out = PyBytes_FromStringAndSize(cython.NULL, self.nbytes)  # written at once below
         else:
@@ -422,8 +421,6 @@ class RawKernelPlan(KernelPlan):
                 v = la.value
                 _emit_address(out, par, la.token.allocation.ptr + la.offset)
                 if la.with_length:
-                    if exact:  # (a with_length argument fills two parameters: one too many)
-                        raise self._count_error(args)
                     if not _dense(v):  # (the kernel takes a pointer and a count of elements)
                         raise KernelError(f"argument {i}: with_length=True needs a contiguous "
                                           f"array (a pointer and a count of consecutive "

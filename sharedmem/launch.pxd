@@ -5,6 +5,8 @@ from sharedmem.runtime.submission cimport Submission, Work, submit_plan
 from sharedmem.runtime.future cimport future_of
 from sharedmem.stream cimport Stream, as_stream, streams_entered
 
+cdef int _mode_of(c) except -1
+
 cdef class Intent:
     cdef public object obj
     cdef public int _mode

@@ -77,6 +77,11 @@ class Intent:
     __slots__ = ("obj", "with_length")
     if not cython.compiled:
         _mode = _WRITE
+
+        def __init_subclass__(cls, **kwargs):  # (a user's subclass: its mode as compiled)
+            super().__init_subclass__(**kwargs)
+            if cls.__module__ != __name__:
+                cls._mode = _mode_of(cls)
     if TYPE_CHECKING:
         obj: object
         with_length: bool
@@ -88,9 +93,7 @@ class Intent:
         self.obj = obj
         if cython.compiled:  # (the subclasses have no __init__ of their own: one call, not two)
             c = type(self)
-            self._mode = (_READ if c is In else _WRITE if c is Out else  # (subclasses: as their
-                          _READ if issubclass(c, In) else                 # base)
-                          _ATOMIC if issubclass(c, Atomic) else _WRITE)
+            self._mode = _READ if c is In else _WRITE if c is Out else _mode_of(c)
         self.with_length = True if with_length else False  # (a bool: compiled, a C bint)
 
     @property
@@ -100,6 +103,11 @@ class Intent:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.obj!r}{', with_length=True' if self.with_length else ''})"
+
+
+def _mode_of(c) -> int:
+    """The mode of intent class ``c``: its base's (a class under both In and Atomic reads)."""
+    return _READ if issubclass(c, In) else _ATOMIC if issubclass(c, Atomic) else _WRITE
 
 
 class In(Intent):

@@ -1384,6 +1384,12 @@ def test_cupy_scalar_arguments_must_fit_their_parameters(fake, kernels):
     refused(r"^the kernel takes 3 parameters \(x, n, factor\) but was given 3 arguments \(1 "
             r"with_length, each filling two\)", sm.InOut(x, with_length=True), n, 2.0,
             kernel=scale_len)
+    # the count is the error even where an argument before the with_length one, or the
+    # with_length one itself, does not fit its parameter
+    for args in ((5.5, sm.InOut(x, with_length=True), 2.0),
+                 (sm.In(x), sm.InOut(out, with_length=True), 2.0)):
+        refused(r"^the kernel takes 3 parameters \(x, n, factor\) but was given 3 arguments "
+                r"\(1 with_length, each filling two\)", *args, kernel=scale_len)
     # grid, block and shared memory within the device's limits (an H200's, on the fake)
     with pytest.raises(sm.KernelError, match=r"^block \(2048,\): dimension x is 2048, above this "
                                              r"device's limit of 1024$"):

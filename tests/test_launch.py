@@ -222,6 +222,9 @@ def test_intents_wrap_one_argument_once(host):
     for base, mode in modes.items():
         sub = type("My" + base.__name__, (base,), {})
         assert sub(b).mode == mode and sub(b, with_length=True).with_length
+    # under both In and Atomic, in either order: read, in both builds
+    for bases in ((sm.Atomic, sm.In), (sm.In, sm.Atomic)):
+        assert type("Both", bases, {"__slots__": ()})(b).mode == "read"
     w = sm.InOut(b, with_length=True)
     assert w.with_length and repr(w) == f"InOut({b!r}, with_length=True)"
 
