@@ -49,6 +49,9 @@ class CUgraphExec(_Handle):
 OK = CUresult.CUDA_SUCCESS
 
 
+_handle_ids = itertools.count(0x1000)  # (see FakeDriver.__init__)
+
+
 class FakeDriver:
     """The subset of ``cuda.bindings.driver`` that sharedmem calls."""
 
@@ -76,7 +79,9 @@ class FakeDriver:
     CUDA_MEMCPY2D = types.SimpleNamespace
 
     def __init__(self):
-        self._ids = itertools.count(0x1000)
+        # (one count for every fake driver of the process: a handle names one object, as the
+        # driver's live handles do -- a stream a test left alive is never another's stream)
+        self._ids = _handle_ids
         self.capturing = {}  # stream handle -> list of recorded operations
         self.graphs = {}  # graph handle -> operations
         self.execs = {}  # exec handle -> operations
