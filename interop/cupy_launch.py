@@ -376,10 +376,9 @@ class RawKernelPlan(KernelPlan):
         params = self.params
         n = len(params)
         need = len(args)  # (checked first: a wrong count is the error, whatever else is wrong)
-        if cython.compiled or LaunchArg in map(type, args):  # (interpreted: one scan in C)
-            for a in args:
-                if type(a) is LaunchArg and a.with_length:
-                    need += 1
+        for a in args:
+            if type(a) is LaunchArg and a.with_length:
+                need += 1
         if need != n:
             raise self._count_error(args)
         if cython.compiled:
