@@ -390,3 +390,46 @@ TestOwnershipModel = OwnershipMachine.TestCase
 TestOwnershipModel.settings = settings(max_examples=MODEL_EXAMPLES, stateful_step_count=40,
                                        deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
+
+
+# The launch path records a submission's leases in one call (access.record_leases_locked), with
+# the tracker's common case -- the stream's last use, the same range again -- done without a
+# call to AccessTracker.record_locked. Both ways must leave the same spans.
+_range = st.tuples(st.integers(0, 64), st.integers(0, 64)).map(sorted)
+_batch = st.tuples(st.integers(0, 1), st.lists(st.tuples(_range, st.booleans()), max_size=4))
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_leases_recorded_at_once_leave_the_spans_recording_each_leaves(foreign):
+    from hypothesis import given
+
+    from sharedmem.access import record_leases_locked
+    from sharedmem.allocation import unregistered_token
+    from sharedmem.runtime.state import locked
+
+    @settings(max_examples=MODEL_EXAMPLES * 5, deadline=None)
+    @given(st.lists(_batch, max_size=12))
+    def check(batches):
+        a, b = (sm.Buffer.empty(64, "uint8", device=HOST) for _ in range(2))
+        ta, tb = a._token.allocation.tracker, b._token.allocation.tracker
+        streams = [HOST.create_stream(), HOST.create_stream()]
+        producer = object()  # (a foreign producer the tokens keep, or their allocation)
+        keep = producer if foreign else a._token.allocation
+        for seq, (which, leases) in enumerate(batches, 1):
+            s, marker = streams[which], object()
+            uses = [(unregistered_token(a._token.allocation, "t", lo, hi, True, keep), w)
+                    for (lo, hi), w in leases]
+            with locked():
+                keeps = record_leases_locked(s, uses, seq, marker)
+                for (lo, hi), w in leases:
+                    tb.record_locked(s, w, lo, hi, seq, marker)
+            assert keeps == ([producer] * len(leases) if foreign and leases else None)
+            for s2 in streams:
+                ua, ub = ta._uses.get(s2._uid), tb._uses.get(s2._uid)
+                assert (ua is None) == (ub is None)
+                if ua is not None:
+                    assert ua.newest == ub.newest
+                    for x, y in ((ua.reads, ub.reads), (ua.writes, ub.writes)):
+                        assert [(e.lo, e.hi, e.seq, e.marker) for e in x] == \
+                               [(e.lo, e.hi, e.seq, e.marker) for e in y]
+    check()
