@@ -392,9 +392,10 @@ TestOwnershipModel.settings = settings(max_examples=MODEL_EXAMPLES, stateful_ste
                                        suppress_health_check=[HealthCheck.too_slow])
 
 
-# The launch path records a submission's leases in one call (access.record_leases_locked), with
-# the tracker's common case -- the stream's last use, the same range again -- done without a
-# call to AccessTracker.record_locked. Both ways must leave the same spans.
+# The launch path checks and records a submission's leases in one call each
+# (access.leases_to_check_locked, access.record_leases_locked), with the tracker's common cases
+# done without a call to AccessTracker.elsewhere_locked or record_locked. Both ways must give
+# the same answers and leave the same spans.
 _range = st.tuples(st.integers(0, 64), st.integers(0, 64)).map(sorted)
 _batch = st.tuples(st.integers(0, 1), st.lists(st.tuples(_range, st.booleans()), max_size=4))
 
@@ -403,7 +404,7 @@ _batch = st.tuples(st.integers(0, 1), st.lists(st.tuples(_range, st.booleans()),
 def test_leases_recorded_at_once_leave_the_spans_recording_each_leaves(foreign):
     from hypothesis import given
 
-    from sharedmem.access import record_leases_locked
+    from sharedmem.access import leases_to_check_locked, record_leases_locked
     from sharedmem.allocation import unregistered_token
     from sharedmem.runtime.state import locked
 
@@ -419,7 +420,13 @@ def test_leases_recorded_at_once_leave_the_spans_recording_each_leaves(foreign):
             s, marker = streams[which], object()
             uses = [(unregistered_token(a._token.allocation, "t", lo, hi, True, keep), w)
                     for (lo, hi), w in leases]
+            for i, (tok, _) in enumerate(uses):
+                tok.live = i % 3 != 2  # (a released token among them: to be looked at)
             with locked():
+                # the leases to look at before the enqueue: those elsewhere_locked names, and
+                # the released ones, in order
+                want = [u for u in uses if not u[0].live or ta.elsewhere_locked(s)]
+                assert leases_to_check_locked(s, uses) == (want or None)
                 keeps = record_leases_locked(s, uses, seq, marker)
                 for (lo, hi), w in leases:
                     tb.record_locked(s, w, lo, hi, seq, marker)
