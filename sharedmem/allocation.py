@@ -26,6 +26,7 @@ import bisect
 import importlib
 from typing import TYPE_CHECKING
 import itertools
+import operator
 import os
 import sys
 import threading
@@ -96,7 +97,11 @@ class ViewToken:
                  "consumers", "use_r", "use_w")
 
     def __init__(self, allocation, kind, start, stop, writable, keep, origin=None):
-        _init_token(self, allocation, kind, start, stop, writable, keep, origin)
+        # (as the compiled fields take them: integer offsets, a bool, a str)
+        if type(kind) is not str:
+            raise TypeError(f"ViewToken: kind must be a str, got {type(kind).__name__}")
+        _init_token(self, allocation, kind, operator.index(start), operator.index(stop),
+                    True if writable else False, keep, origin)
 
     def use(self, writes):
         """``(self, writes)``: this token as a lease of ``submit()``'s ``uses``, made once."""
@@ -237,6 +242,13 @@ class Allocation:
                  "_views", "__weakref__")
 
     def __init__(self, device, ptr, nbytes, owner=None, source="sharedmem"):
+        # (checked before the compiled fields convert them: a float is refused, not truncated)
+        ptr, nbytes = operator.index(ptr), operator.index(nbytes)
+        if type(source) is not str:
+            raise TypeError(f"Allocation: source must be a str, got {type(source).__name__}")
+        if not (0 <= ptr < 1 << 64 and nbytes >= 0):
+            raise ValueError(f"Allocation: ptr must be an address (0 to 2**64 - 1) and nbytes "
+                             f"a size (>= 0), got {ptr} and {nbytes}")
         self.id = next(_ids)
         self.device = device
         self.ptr = ptr
@@ -271,6 +283,12 @@ class Allocation:
         one raises its MovedError / ReleasedError here instead of leaving a live view of bytes
         the source no longer owns. (A hold for consumers' streams, made in the same step:
         ``runtime.submission.export_hold``.)"""
+        if not cython.compiled:  # (as the compiled arguments convert them)
+            start, stop = operator.index(start), operator.index(stop)
+            writable = True if writable else False
+            if source is not None and not isinstance(source, View):
+                raise TypeError(f"new_token: source must be a View or None, got "
+                                f"{type(source).__name__}")
         tok = unregistered_token(self, kind, start, stop, writable, keep)
         rt = RUNTIME
         rt.acquire()
@@ -442,9 +460,11 @@ def live_allocation_count() -> int:
 
 # -- the handle base -----------------------------------------------------------
 # A handle's state (View._state), as C constants where compiled: compared with a C field on
-# every use of a view (as Python ints, each compare boxed the field and looked up the global)
-_LIVE = cython.declare(cython.int, 0)
-_RELEASED = cython.declare(cython.int, 1)
+# every use of a view (as Python ints, each compare boxed the field and looked up the global).
+# 0, what the compiled field holds before a constructor ran (a View made by ``__new__``
+# alone), is released: such a view raises ReleasedError, as it has no token
+_RELEASED = cython.declare(cython.int, 0)
+_LIVE = cython.declare(cython.int, 1)
 _MOVED = cython.declare(cython.int, 2)
 
 #: Advice per alias kind, for AliasError messages: how to end that kind of view.

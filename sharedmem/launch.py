@@ -21,6 +21,7 @@ same as reused views), packs them, and runs :func:`~sharedmem.runtime.submission
 from __future__ import annotations
 
 import importlib
+import operator
 from functools import partial
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
@@ -73,7 +74,8 @@ class Intent:
 
     # ``_mode``, the intent's mode (``_READ``, ``_WRITE``, ``_ATOMIC``): a class attribute of
     # each intent class (a subclass's: its base's), which is what an instance reads
-    # interpreted; compiled, a C field of each instance, set by __init__ from its class
+    # interpreted; compiled, a C field of each instance, set by __cinit__ from its class (which
+    # runs for every instance, a subclass's that skips Intent.__init__ too)
     __slots__ = ("obj", "with_length")
     if not cython.compiled:
         _mode = _WRITE
@@ -86,14 +88,15 @@ class Intent:
         obj: object
         with_length: bool
 
+    def __cinit__(self):  # (compiled only: see _mode above)
+        c = type(self)
+        self._mode = _READ if c is In else _WRITE if c is Out else _mode_of(c)
+
     def __init__(self, obj: object, with_length: bool = False) -> None:
         t = type(obj)
         if t is not _BUFFER and t is not _TENSOR and isinstance(obj, Intent):  # (views: no MRO walk)
             raise KernelError(f"{type(self).__name__}({obj!r}): an argument takes one intent")
         self.obj = obj
-        if cython.compiled:  # (the subclasses have no __init__ of their own: one call, not two)
-            c = type(self)
-            self._mode = _READ if c is In else _WRITE if c is Out else _mode_of(c)
         self.with_length = True if with_length else False  # (a bool: compiled, a C bint)
 
     @property
@@ -103,6 +106,13 @@ class Intent:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.obj!r}{', with_length=True' if self.with_length else ''})"
+
+
+def _mode_named(name) -> int:
+    """The mode called ``name`` (``"read"``, ``"write"``, ``"atomic"``), or ValueError."""
+    if name in _MODE_NAMES and type(name) is str:
+        return _MODE_NAMES.index(name)
+    raise ValueError(f"mode {name!r} is not one of 'read', 'write', 'atomic' (or None: write)")
 
 
 def _mode_of(c) -> int:
@@ -153,13 +163,18 @@ class LaunchArg:
     __slots__ = ("view", "value", "token", "_mode", "intent", "with_length", "offset")
 
     def __init__(self, view, value, token, mode, intent, with_length=False, offset=0):
+        # (checked as the compiled fields check them: the same TypeError in both builds)
+        if view is not None and not isinstance(view, View) or not isinstance(token, ViewToken):
+            raise TypeError(f"LaunchArg: view must be a sharedmem view or None and token a "
+                            f"ViewToken, got {type(view).__name__} and {type(token).__name__}")
         self.view = view
         self.value = value
         self.token = token
-        self._mode = mode
+        self._mode = (mode if type(mode) is int and _READ <= mode <= _ATOMIC else
+                      _WRITE if mode is None else _mode_named(mode))
         self.intent = intent
         self.with_length = True if with_length else False  # (a bool: compiled, a C bint)
-        self.offset = offset
+        self.offset = operator.index(offset)
 
     @property
     def mode(self) -> str:
@@ -187,6 +202,10 @@ class ForeignArray:
     __slots__ = ("token", "offset", "ref", "keep")
 
     def __init__(self):
+        # (what the adapter sets; unset, as the compiled fields start: refused by the launch)
+        self.token = None
+        self.offset = 0
+        self.ref = None
         self.keep = None  # (an adapter's own ForeignArray need not set it)
 
 
@@ -598,6 +617,12 @@ def resolve_args(adapter, args, device):
                 fa = None
                 tok = view._token
                 value = view
+                if tok is None:  # (released already)
+                    view._raise_dead()
+            if tok is None:  # (compiled, read through: checked, as a view's is)
+                raise KernelError(f"argument {i}: the {type(got).__name__} the adapter made of "
+                                  f"{_described(obj)} has no lease token (its coerce must set "
+                                  f"token)")
             adev = tok.allocation.device
             if adev is not device:
                 if device is None:

@@ -3022,3 +3022,26 @@ def test_an_upload_in_pieces_is_not_cut_by_another_work_s_deferred_error(fake, m
     with pytest.raises(ValueError, match="other work's callback"):
         f.result()
     np.testing.assert_array_equal(b.to_host(), src)
+
+
+def test_a_context_another_library_made_current_is_seen_in_both_builds(monkeypatch):
+    """One device, and another library (PyCUDA's make_context, a cuCtxCreate) makes its own
+    context current on this thread between sharedmem's calls: with the hot driver, both
+    builds ask the driver which context is current (interpreted, it used to trust its last
+    own switch and launch in the other context: CUDA_ERROR_INVALID_CONTEXT, work of unknown
+    completion) and make the device's primary context current again."""
+    from fake_cuda import RawKernel, install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    kern = RawKernel(drv, "k", ["Q"], lambda p: None, 'extern "C" __global__ void k(float* x) {}')
+    s = dev.create_stream("s")
+    b = sm.Buffer.from_host(np.ones(4, np.float32), device=dev, stream=s)
+    sm.launch(kern, 1, 1, b, stream=s).result()
+    leaked = sm.stats().leaked
+    for use in (lambda: sm.launch(kern, 1, 1, b, stream=s).result(),
+                lambda: b.fill_zero(stream=s).result(), b.to_host, lambda: s.record().synchronize()):
+        drv.cuCtxSetCurrent(0xF00D)  # the other library's context
+        use()
+        assert drv.current == dev.backend.context_handle
+    np.testing.assert_array_equal(b.to_host(), np.zeros(4))
+    sm.synchronize()
+    assert sm.stats().leaked == leaked  # (no work of unknown completion)

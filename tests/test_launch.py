@@ -201,6 +201,60 @@ def test_views_an_adapter_makes_of_foreign_arrays_live_through_the_launch(host):
     assert b.allocation.live_views == 1
 
 
+def test_a_lease_an_adapter_makes_without_a_token_is_refused_in_both_builds(host):
+    """What a coerce returns is checked as a view is: a ForeignArray whose token was never
+    set, or a view released already, is refused before anything is leased (compiled, the
+    token used to be read through unchecked). A LaunchArg is checked where it is made."""
+    from sharedmem.launch import ForeignArray, KernelAdapter, LaunchArg
+
+    class Kernel:
+        pass
+
+    made = {}
+
+    class Adapter(KernelAdapter):
+        name = "test kernel"
+        device_kinds = ("host",)
+
+        def coerce(self, obj, device):
+            return made["lease"]
+
+        def prepare(self, kernel, grid, block, args, shared_mem, stream):
+            return (lambda: stream._impl.submit(lambda: None, True)), ()
+
+    sm.register_kernel_adapter(Kernel, Adapter())
+    fa = ForeignArray()
+    assert (fa.token, fa.offset, fa.ref, fa.keep) == (None, 0, None, None)
+    gone = sm.Buffer.empty(4, device=host)
+    gone.release()
+    before = sm.stats().submitted
+    for lease, error, message in (
+            (fa, sm.KernelError, r"^argument 0: the ForeignArray the adapter made of object "
+                                 r"has no lease token \(its coerce must set token\)$"),
+            (gone, sm.ReleasedError, r"^this Buffer \(allocation #\d+\) was released")):
+        made["lease"] = lease
+        with pytest.raises(error, match=message):
+            sm.launch(Kernel(), 1, 1, sm.In(object()), stream=host.default_stream)
+    assert sm.stats().submitted == before
+    # LaunchArg: a view or None, a ViewToken, a mode by number or name (None: write), an
+    # integer offset -- the same refusals in both builds
+    b = sm.Buffer.zeros(4, device=host)
+    tok = b._token
+    assert LaunchArg(None, object(), tok, "read", None).mode == "read"
+    assert LaunchArg(None, object(), tok, None, None, offset=np.int64(8)).mode == "write"
+    assert LaunchArg(b, b, tok, 2, None).mode == "atomic"
+    with pytest.raises(TypeError, match=r"^LaunchArg: view must be a sharedmem view or None "
+                                        r"and token a ViewToken, got NoneType and NoneType$"):
+        LaunchArg(None, object(), None, "write", None)
+    with pytest.raises(TypeError, match=r"got ndarray and ViewToken$"):
+        LaunchArg(np.zeros(2), object(), tok, "write", None)
+    with pytest.raises(ValueError, match=r"^mode 'rw' is not one of 'read', 'write', 'atomic' "
+                                         r"\(or None: write\)$"):
+        LaunchArg(None, object(), tok, "rw", None)
+    with pytest.raises(TypeError):
+        LaunchArg(None, object(), tok, "read", None, offset=1.5)
+
+
 def test_intents_wrap_one_argument_once(host):
     b = sm.Buffer.zeros(4, device=host)
     for cls in (sm.In, sm.Out, sm.InOut, sm.Atomic):
@@ -232,6 +286,15 @@ def test_intents_wrap_one_argument_once(host):
         pass
     r = Read(b)
     assert type(r) is Read and r.obj is b and r.mode == "read"
+
+    class OwnInit(sm.Atomic):  # one that skips Intent.__init__ keeps its base's mode
+        def __init__(self, obj):
+            self.obj, self.with_length = obj, False
+    assert OwnInit(b).mode == "atomic"
+    written = []
+    sm.launch(sm.host_kernel(lambda x: written.append(x.flags.writeable)), 1, 1,
+              OwnInit(b)).result()
+    assert written == [True]  # (leased as a write: compiled, not the zeroed mode, a read)
 
 
 def test_launch_is_the_same_function_on_either_path(host):

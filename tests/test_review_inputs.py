@@ -1106,3 +1106,57 @@ def _run_script(script, *flags):
                          timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     return out
+
+
+def test_a_view_made_without_its_constructor_is_refused_not_crashed():
+    """``Buffer.__new__(Buffer)`` alone: compiled, its C fields start zeroed, and state 0 is
+    released (a ReleasedError, never a read through its missing token); interpreted, its slots
+    are unset (AttributeError)."""
+    host = sm.Device.host()
+    for cls in (sm.Buffer, sm.Tensor):
+        v = cls.__new__(cls)
+        uses = [lambda: v.ptr, lambda: v.allocation, lambda: v.readonly, lambda: v.to_host(),
+                lambda: v.__dlpack__(), lambda: sm.launch(sm.host_kernel(lambda x: None), 1, 1, v),
+                lambda: sm.Tensor.from_buffer(v, 0) if cls is sm.Buffer else v.into_buffer()]
+        for use in uses:
+            with pytest.raises((sm.ReleasedError, AttributeError)):
+                use()
+        if sm.config.compiled():
+            assert not v.is_live and repr(v) == f"<{cls.__name__} (released)>"
+
+
+def test_allocations_and_tokens_take_what_their_compiled_fields_take():
+    """``sm.Allocation`` and ``ViewToken``, made directly (an adapter or backend of one's own):
+    the same refusals in both builds -- a float address is refused, never truncated to an
+    int (compiled, the C field converted it), an address outside 64 bits or a negative size
+    is a ValueError, a source or kind that is not a str a TypeError; a token's offsets are
+    integers and its writable flag a bool."""
+    from sharedmem.allocation import ViewToken
+    host = sm.Device.host()
+    b = sm.Buffer.zeros(4, device=host)
+    a = b.allocation
+    for ptr, nbytes in ((1.5, 8), (16, 8.0)):
+        with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an "
+                                            r"integer$"):
+            sm.Allocation(host, ptr, nbytes)
+    for ptr, nbytes in ((-1, 8), (1 << 64, 8), (16, -1)):
+        with pytest.raises(ValueError, match=rf"^Allocation: ptr must be an address \(0 to "
+                                             rf"2\*\*64 - 1\) and nbytes a size \(>= 0\), got "
+                                             rf"{ptr} and {nbytes}$"):
+            sm.Allocation(host, ptr, nbytes)
+    with pytest.raises(TypeError, match=r"^Allocation: source must be a str, got bytes$"):
+        sm.Allocation(host, 16, 8, source=b"x")
+    assert sm.Allocation(host, np.uint64(16), np.int32(8)).ptr == 16
+    tok = ViewToken(a, "t", np.int64(0), 4, "no", None)
+    assert (tok.start, tok.stop, tok.writable) == (0, 4, True)
+    with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an integer$"):
+        ViewToken(a, "t", 0.0, 4, True, None)
+    with pytest.raises(TypeError, match=r"^ViewToken: kind must be a str, got bytes$"):
+        ViewToken(a, b"t", 0, 4, True, None)
+    with pytest.raises(TypeError):
+        a.new_token("t", 0.0, 4, True, None)
+    with pytest.raises(TypeError):
+        a.new_token("t", 0, 4, True, None, source=42)
+    t = a.new_token("t", 0, 4, 2, None)
+    assert t.writable is True
+    t.release()

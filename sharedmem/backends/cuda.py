@@ -105,7 +105,9 @@ class _HotDriver:
 
     def current_context(self) -> int:
         """The calling thread's current context (0: none)."""
-        out = ctypes.c_void_p()
+        out = getattr(_ctx_out, "v", None)  # (made once per thread: asked on every launch)
+        if out is None:
+            out = _ctx_out.v = ctypes.c_void_p()
         self._ctx_get(out)
         return out.value or 0
 
@@ -471,10 +473,12 @@ def _init():
 
 
 #: The context this module last made current, per thread (every device's backend shares it;
-#: compiled with a hot driver, ensure_context asks the driver instead).
+#: with a hot driver, ensure_context asks the driver instead).
 _current = threading.local()
-#: How many devices have a backend. With one, ``_current`` is the truth for our own calls;
-#: with several, ensure_context asks the driver (written under device.py's lock).
+_ctx_out = threading.local()  # (_HotDriver.current_context's out parameter, per thread)
+#: How many devices have a backend. With one and no hot driver, ``_current`` is the truth for
+#: our own calls; with several, ensure_context asks the driver (written under device.py's
+#: lock).
 _backends = [0]
 
 
@@ -562,8 +566,11 @@ class CudaBackend:
     # -- context ------------------------------------------------------------
     def ensure_context(self) -> None:
         """Make this device's primary context current in the calling thread, if it is not.
-        Compiled, the driver is asked (``cuCtxGetCurrent`` through its address: a few
-        nanoseconds), so a context another library made current is always seen."""
+        The driver is asked (``cuCtxGetCurrent``: compiled, through its address, a few
+        nanoseconds; interpreted, through ctypes, about 0.1 us), so a context another library
+        made current is always seen, in both builds. Only without the hot driver (libcuda
+        not loadable through ctypes) and with one device is the thread's last own switch
+        trusted."""
         if cython.compiled:
             addr = cython.declare(cython.size_t, self.ctx_get_addr)
             if addr:
@@ -572,16 +579,16 @@ class CudaBackend:
                 if cython.cast(cython.size_t, ctx) != self.context_handle:
                     self.force_context()
                 return
-        if _backends[0] == 1:
+        hot = self.hot
+        if hot is not None:  # (asked, as above: interpreted, through ctypes)
+            if hot.current_context() == self.context_handle:
+                return
+        elif _backends[0] == 1:
             if getattr(_current, "ctx", None) is self.context:
                 return
-        else:
-            hot = self.hot
-            cur = hot.current_context() if hot is not None else \
-                int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"))
-            if cur == self.context_handle:
-                _current.ctx = self.context
-                return
+        elif int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == self.context_handle:
+            _current.ctx = self.context
+            return
         self.force_context()
 
     def call(self, name: str, *args):
