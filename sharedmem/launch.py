@@ -92,6 +92,10 @@ class Intent:
         c = type(self)
         self._mode = _READ if c is In else _WRITE if c is Out else _mode_of(c)
 
+    def __reduce__(self):  # (compiled, __cinit__ turns Cython's own pickling off)
+        return (_new_intent, (type(self), self.obj, self.with_length),
+                getattr(self, "__dict__", None))
+
     def __init__(self, obj: object, with_length: bool = False) -> None:
         t = type(obj)
         if t is not _BUFFER and t is not _TENSOR and isinstance(obj, Intent):  # (views: no MRO walk)
@@ -108,11 +112,24 @@ class Intent:
         return f"{type(self).__name__}({self.obj!r}{', with_length=True' if self.with_length else ''})"
 
 
-def _mode_named(name) -> int:
-    """The mode called ``name`` (``"read"``, ``"write"``, ``"atomic"``), or ValueError."""
-    if name in _MODE_NAMES and type(name) is str:
-        return _MODE_NAMES.index(name)
-    raise ValueError(f"mode {name!r} is not one of 'read', 'write', 'atomic' (or None: write)")
+def _new_intent(cls, obj, with_length):
+    """An intent of class ``cls`` unpickled or copied (its mode: from its class)."""
+    it = cls.__new__(cls)
+    it.obj = obj
+    it.with_length = True if with_length else False
+    return it
+
+
+def _mode_given(mode) -> int:
+    """A LaunchArg's mode: by name (``"read"``, ``"write"``, ``"atomic"``), by number (0 to 2:
+    an int, a bool, a NumPy integer) or None (write); ValueError otherwise."""
+    if mode is None:
+        return _WRITE
+    m = (_MODE_NAMES.index(mode) if mode in _MODE_NAMES else -1) if type(mode) is str else \
+        operator.index(mode)
+    if _READ <= m <= _ATOMIC:
+        return m
+    raise ValueError(f"mode {mode!r} is not one of 'read', 'write', 'atomic' (or None: write)")
 
 
 def _mode_of(c) -> int:
@@ -170,8 +187,7 @@ class LaunchArg:
         self.view = view
         self.value = value
         self.token = token
-        self._mode = (mode if type(mode) is int and _READ <= mode <= _ATOMIC else
-                      _WRITE if mode is None else _mode_named(mode))
+        self._mode = mode if type(mode) is int and _READ <= mode <= _ATOMIC else _mode_given(mode)
         self.intent = intent
         self.with_length = True if with_length else False  # (a bool: compiled, a C bint)
         self.offset = operator.index(offset)

@@ -3045,3 +3045,24 @@ def test_a_context_another_library_made_current_is_seen_in_both_builds(monkeypat
     np.testing.assert_array_equal(b.to_host(), np.zeros(4))
     sm.synchronize()
     assert sm.stats().leaked == leaked  # (no work of unknown completion)
+
+
+def test_the_current_context_asked_through_ctypes_is_none_where_the_driver_call_fails():
+    """``_HotDriver.current_context`` reuses one out parameter per thread: a failed
+    ``cuCtxGetCurrent`` (after a fork, at driver teardown) may leave it as the last call left
+    it, which must not be reported as current (compiled, the driver's answer starts NULL)."""
+    import ctypes
+    from sharedmem.backends.cuda import _HotDriver
+    answer = {"ctx": 0x1234, "err": 0}
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+    def ctx_get(out):
+        if not answer["err"]:
+            out[0] = answer["ctx"]
+        return answer["err"]
+
+    hot = _HotDriver.__new__(_HotDriver)
+    hot._ctx_get = ctx_get
+    assert hot.current_context() == 0x1234
+    answer["err"] = 3  # CUDA_ERROR_NOT_INITIALIZED, the out parameter untouched
+    assert hot.current_context() == 0

@@ -243,6 +243,10 @@ def test_a_lease_an_adapter_makes_without_a_token_is_refused_in_both_builds(host
     assert LaunchArg(None, object(), tok, "read", None).mode == "read"
     assert LaunchArg(None, object(), tok, None, None, offset=np.int64(8)).mode == "write"
     assert LaunchArg(b, b, tok, 2, None).mode == "atomic"
+    assert LaunchArg(b, b, tok, True, None).mode == "write"  # (numbers: 0 to 2, as indexes)
+    assert LaunchArg(b, b, tok, np.int32(0), None).mode == "read"
+    with pytest.raises(ValueError, match=r"^mode 3 is not one of"):
+        LaunchArg(b, b, tok, 3, None)
     with pytest.raises(TypeError, match=r"^LaunchArg: view must be a sharedmem view or None "
                                         r"and token a ViewToken, got NoneType and NoneType$"):
         LaunchArg(None, object(), None, "write", None)
@@ -286,6 +290,14 @@ def test_intents_wrap_one_argument_once(host):
         pass
     r = Read(b)
     assert type(r) is Read and r.obj is b and r.mode == "read"
+
+    import copy
+    import pickle
+    for w in (sm.In(b, with_length=True), sm.Out(5), sm.InOut("x"), sm.Atomic(7), Read(3)):
+        pickled = [] if type(w) is Read else [pickle.loads(pickle.dumps(w))]  # (a local class)
+        for again in (*pickled, copy.copy(w), copy.deepcopy(w)):
+            assert type(again) is type(w) and again.mode == w.mode
+            assert again.with_length == w.with_length and type(again.obj) is type(w.obj)
 
     class OwnInit(sm.Atomic):  # one that skips Intent.__init__ keeps its base's mode
         def __init__(self, obj):

@@ -108,7 +108,8 @@ class _HotDriver:
         out = getattr(_ctx_out, "v", None)  # (made once per thread: asked on every launch)
         if out is None:
             out = _ctx_out.v = ctypes.c_void_p()
-        self._ctx_get(out)
+        if self._ctx_get(out):  # (a failed call may leave out as it was: none known current)
+            return 0
         return out.value or 0
 
     def pointer_info(self, ptr):
