@@ -568,7 +568,7 @@ class CudaBackend:
     def ensure_context(self) -> None:
         """Make this device's primary context current in the calling thread, if it is not.
         The driver is asked (``cuCtxGetCurrent``: compiled, through its address, a few
-        nanoseconds; interpreted, through ctypes, about 0.1 us), so a context another library
+        nanoseconds; interpreted, through ctypes, 0.2-0.3 us), so a context another library
         made current is always seen, in both builds. Only without the hot driver (libcuda
         not loadable through ctypes) and with one device is the thread's last own switch
         trusted."""
