@@ -410,7 +410,7 @@ class RawKernelPlan(KernelPlan):
                 if par.kcode == _K_PTR and not cython.compiled:  # (as for a view; its element 0's
                     out.append(fa.ptr)                           # address, learned with it)
                 else:
-                    _emit_address(out, par, fa.token.allocation.ptr + fa.offset)
+                    _emit_address(out, par, fa.ptr)
                 continue
             if type(a) is LaunchArg:
                 la = cython.cast(LaunchArg, a) if cython.compiled else a
