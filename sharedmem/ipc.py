@@ -53,7 +53,7 @@ import numpy as np
 
 from .allocation import View
 from .errors import BackendUnavailableError, CaptureError, SharedMemError
-from .runtime.state import at_fork_child, fork_safe, locked, log
+from .runtime.state import OwnedLock, at_fork_child, fork_safe, locked, log
 from .runtime.submission import record_arrival
 
 __all__ = ["IpcExport", "IpcHandle", "export", "open", "exports", "POLL", "GRACE"]
@@ -148,14 +148,18 @@ class IpcExport:
 
 
 # -- slots ---------------------------------------------------------------------------------
-_lock = fork_safe(threading.Lock())  # guards _files, _free, _exports, _thread
+# guards _files, _free, _exports, _thread. An OwnedLock: its sections allocate (a collection
+# there may run a finalizer that calls revoke() or export() on this thread -- a user's wrapper
+# that ends its export when dropped): that call raises SharedMemError instead of deadlocking
+# this thread and, with it, the poller and every later export
+_lock = fork_safe(OwnedLock("an IPC export's bookkeeping"))
 _files: list = []  # (path, mmap, fd) of this process's slot files
 _free: list = []  # (file index, slot index) not in use
 _generation = itertools.count(1)
 _exports: list = []  # live IpcExport objects (the poller's work)
 _thread = None
 _opened: dict = {}  # path -> _SlotFile, the importer's view of exporters' slot files
-_opened_lock = fork_safe(threading.Lock())
+_opened_lock = fork_safe(OwnedLock("the opening of a CUDA IPC handle"))  # (as _lock)
 
 
 def _dir() -> str:
@@ -246,7 +250,8 @@ def export(view, stream=None) -> IpcExport:
                                       f"(pickle it instead: a copy through host memory)")
     backend = dev.backend
     ptr = tok.allocation.ptr + tok.start
-    info = backend.pointer_info(ptr)
+    # (an empty view may end at its allocation's end: its address would name the next one)
+    info = backend.pointer_info(ptr if tok.stop > tok.start else tok.allocation.ptr)
     if info is None:
         raise SharedMemError(f"cannot export {view!r} by CUDA IPC: the driver does not know "
                              f"its memory as a device allocation")
@@ -388,15 +393,28 @@ def _alive(pid: int, start: int) -> bool:
 
 class _Mapping:
     """An exporter's allocation mapped into this process; unmapped when the last import of it
-    is gone (every view and every launch that used one finished)."""
+    is gone (every view and every launch that used one finished).
+
+    Unmapped by a weakref callback (:func:`_new_mapping`), not ``__del__``: a dying object's
+    ``__del__`` runs while weak references still return it, so an open() on another thread,
+    during the close (a driver call: the GIL is let go), took the mapping being closed from
+    ``_mappings`` -- an import of unmapped memory. Callbacks run after every weak reference
+    is cleared: that open() maps the handle anew (the driver counts the opens)."""
 
     __slots__ = ("backend", "base", "__weakref__")
 
-    def __del__(self):
-        try:
-            self.backend.ipc_close_mem(self.base)
-        except Exception:  # pragma: no cover - interpreter teardown
-            pass
+
+def _close_mapping(backend, base) -> None:
+    try:
+        backend.ipc_close_mem(base)
+    except Exception:  # pragma: no cover - interpreter teardown
+        pass
+
+
+def _new_mapping(backend, base) -> _Mapping:
+    mapping = _new(_Mapping, backend=backend, base=base)
+    weakref.finalize(mapping, _close_mapping, backend, base).atexit = False
+    return mapping
 
 
 _mappings: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # (device, mem) -> _Mapping
@@ -548,8 +566,7 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
             key = (dev.key, handle.mem)
             mapping = _mappings.get(key)  # (one in _recent is here too: _recent keeps it alive)
             if mapping is None:
-                mapping = _mappings[key] = _new(_Mapping, backend=backend,
-                                                base=backend.ipc_open_mem(handle.mem))
+                mapping = _mappings[key] = _new_mapping(backend, backend.ipc_open_mem(handle.mem))
             _remember_locked(_recent, key, mapping, pid, CACHED_MAPPINGS)
             ekey = (dev.key, handle.event)
             hit = _events.get(ekey)

@@ -443,3 +443,110 @@ def test_an_export_orders_after_pending_writes_under_policy_reject_too(fake):
     assert ex.state == "exported"
     assert sum(1 for c in drv.calls if c[0] == "wait") == waits + 1  # ordered after the write
     assert ex.revoke()
+
+
+def test_an_open_during_the_close_of_its_mapping_maps_the_handle_anew(fake):
+    """The last import of a mapping ends on one thread (the mapping is closed: a driver call,
+    the GIL let go) while another thread opens an export of the same driver allocation: the
+    open must not take the mapping being closed (its import would use unmapped memory), but
+    map the handle again."""
+    import threading
+    dev, drv = fake
+    b, ex1 = _exported(dev, drv)
+    ex2 = ipc.export(b)  # (the same driver allocation: the same mem handle)
+    v1 = ipc.open(_as_received(ex1.handle))
+    sm.synchronize()
+    gc_collect_harder()
+    ipc._recent.clear()  # (evicted from the cache: the import alone keeps the mapping)
+    closing = threading.Event()
+    close = drv.cuIpcCloseMemHandle
+
+    def slow_close(base):
+        closing.set()
+        time.sleep(0.3)
+        return close(base)
+
+    drv.cuIpcCloseMemHandle = slow_close
+    held = [v1]
+    del v1
+
+    def drop():
+        held.clear()
+        sm.synchronize()
+        gc_collect_harder()
+
+    t = threading.Thread(target=drop)
+    t.start()
+    try:
+        assert closing.wait(5)
+        v2 = ipc.open(_as_received(ex2.handle))  # during the close
+    finally:
+        t.join()
+    assert v2.is_live and v2.allocation.ptr in drv.ipc_maps  # still mapped
+    del v2
+    assert _released(ex2) and _released(ex1)
+
+
+def test_a_finalizer_that_revokes_inside_a_revoke_raises_instead_of_deadlocking(fake):
+    """A collection inside revoke()'s locked section runs a user's finalizer that revokes
+    another export (a wrapper that ends its export when dropped): SharedMemError in that
+    finalizer (reported as unraisable), never a deadlock of this thread -- nor of the poller
+    and every later export, which wait for the same lock."""
+    import sys
+    import threading
+    dev, drv = fake
+    b = sm.Buffer.from_host(np.arange(64, dtype=np.float32), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+
+    class Shared:
+        def __init__(self, ex):
+            self.ex, self.me = ex, self  # (a cycle: freed by a collection)
+
+        def __del__(self):
+            self.ex.revoke()
+
+    seen = []
+    hook, sys.unraisablehook = sys.unraisablehook, lambda u: seen.append(u.exc_value)
+    try:
+        for n in range(1, 41):  # a collection n allocations into revoke()
+            ex1, ex2 = ipc.export(b), ipc.export(b)
+            out = []
+
+            def run():
+                gc.collect()
+                Shared(ex2)
+                gc.set_threshold(n)
+                try:
+                    out.append(ex1.revoke())
+                finally:
+                    gc.set_threshold(700)
+
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            t.join(5)
+            assert not t.is_alive(), f"revoke() deadlocked (collection at {n})"
+            assert out == [True]
+            gc.collect()
+            ex2.revoke()
+    finally:
+        sys.unraisablehook = hook
+    assert any(isinstance(e, sm.SharedMemError) and "called from a finalizer" in str(e)
+               for e in seen)
+    assert ipc.exports() == 0
+
+
+def test_an_empty_view_at_the_end_of_its_allocation_exports_its_own_allocation(fake):
+    """``b[n:]`` starts one past its allocation's last byte: the export asks the driver about
+    the allocation's own address, not that one (unknown memory, or the next allocation's)."""
+    dev, drv = fake
+    b = sm.Buffer.from_host(np.arange(256, dtype=np.float32), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    drv.ranges[b.allocation.ptr + b.allocation.nbytes] = 4096  # the next driver allocation
+    ex = ipc.export(b[256:])
+    mine = ipc.export(b)
+    assert ex.handle.mem == mine.handle.mem and ex.handle.nbytes == 0
+    assert ex.handle.offset == b.allocation.nbytes
+    v = ipc.open(_as_received(ex.handle))
+    assert v.shape == (0,) and v.to_host().tolist() == []
+    del v
+    assert _released(ex) and mine.revoke()
