@@ -47,7 +47,8 @@ from distributed.protocol.serialize import dask_deserialize, dask_serialize
 from sharedmem.buffer import Buffer, DeviceBox, new_buffer
 from sharedmem.pickling import rebuild_box, rebuild_tensor, values_stream
 from sharedmem.runtime.submission import order_consumer
-from sharedmem.tensor import Tensor
+from sharedmem.errors import LayoutError
+from sharedmem.tensor import Tensor, c_strides
 
 __all__ = ["DeviceFrame", "register"]
 
@@ -195,6 +196,15 @@ def cuda_loads(header, frames):
         return _rebuild(header, Tensor.empty(shape, dtype))
     from sharedmem.bridges import from_cuda_array_interface
     cai = frame.__cuda_array_interface__
+    # (the header's shape is read from the frame's address on: a frame of other bytes -- a
+    # corrupt or mismatched message -- would be read past its end, other memory copied in)
+    item, want = np.dtype(cai["typestr"]).itemsize, math.prod(shape) * dtype.itemsize
+    have, strides = math.prod(cai["shape"]) * item, cai.get("strides")
+    if have != want or (strides is not None and
+                        tuple(strides) != tuple(n * item for n in c_strides(cai["shape"]))):
+        raise LayoutError(f"cannot load a {header['kind']} of {dtype} x {shape} ({want} bytes) "
+                          f"from a device frame of {have} bytes (strides {strides}): the frame "
+                          f"does not hold those values contiguously")
     # the frame seen as an array of the sender's dtype and shape, C order (the import keeps
     # it alive, and the frame with it, as its producer)
     src = from_cuda_array_interface(SimpleNamespace(frame=frame, __cuda_array_interface__={

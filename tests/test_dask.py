@@ -203,3 +203,25 @@ def test_a_device_frame_is_refused_when_its_writer_faults_during_the_wait(host):
             f.result(5)  # (and the faulted work's LeakWarning, reported once: here, not later)
     assert [w.category for w in seen] == [sm.LeakWarning]
     assert b.allocation.live_views == 1  # the frame's own view went with it
+
+
+def test_a_device_frame_smaller_than_its_header_says_is_refused(monkeypatch):
+    """cuda_loads copies the header's dtype x shape from the device frame's address: a frame of
+    fewer bytes (a corrupt or mismatched message) is a LayoutError naming both sizes -- never
+    a copy that reads past the frame's end."""
+    import types
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setitem(sys.modules, "ucxx", types.ModuleType("ucxx"))  # (device frames)
+    big = sm.Buffer.from_host(np.arange(64, dtype=np.float32), device=dev)
+    drv.ranges[big.allocation.ptr] = big.allocation.nbytes
+    header, frames = smdask.cuda_dumps(big[:4])
+    assert header["frame"] == "device" and frames[0].nbytes == 16
+    assert smdask.cuda_loads(dict(header), frames).to_host().tolist() == [0, 1, 2, 3]
+    header["shape"] = [64]
+    with pytest.raises(sm.LayoutError, match=r"^cannot load a Buffer of float32 x \(64,\) "
+                                             r"\(256 bytes\) from a device frame of 16 bytes"):
+        smdask.cuda_loads(header, frames)
+    del frames
+    sm.synchronize()
+    gc.collect()
