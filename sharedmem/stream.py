@@ -242,11 +242,12 @@ class Stream:
     def record(self) -> Event:
         """An :class:`Event` marking the work submitted so far on this stream (CaptureError
         while it captures a graph: that work has not run)."""
-        if self._capture is not None:
-            raise CaptureError(f"{self} is capturing a graph: its work has not run, so an event "
-                               f"recorded now would mark nothing; record it after the capture "
-                               f"ends")
-        return Event(self, self.device.backend.record_marker(self._impl))
+        with locked():  # (where captures begin: one begun since the check would take the record)
+            if self._capture is not None:
+                raise CaptureError(f"{self} is capturing a graph: its work has not run, so an "
+                                   f"event recorded now would mark nothing; record it after the "
+                                   f"capture ends")
+            return Event(self, self.device.backend.record_marker(self._impl))
 
     def wait(self, event_or_stream: Event | Stream) -> None:
         """Make later work on this stream wait (on the device, without blocking
@@ -263,15 +264,21 @@ class Stream:
             raise TypeError(f"Stream.wait takes an Event or a stream (a sharedmem Stream, or a "
                             f"foreign one: Stream.from_external), got {type(ev).__name__}")
         if self._capture is not None:
-            raise CaptureError(f"{self} is capturing a graph: it cannot wait for work outside "
-                               f"the capture; make the wait before the capture begins")
+            raise self._uncapturable_wait()
         other = ev.stream.device
         if other is not self.device and (other.kind != "cuda" or self.device.kind != "cuda"):
             raise DeviceMismatchError(f"cannot make {self} wait for an event on {other} "
                                       f"(only CUDA devices wait on each other's events)")
         if ev._marker.query() == 2:  # (known unknown: the stream would never be trusted again)
             raise ev._unknown()
-        self._impl.wait_marker(ev._marker)
+        with locked():  # (where captures begin: the wait is made before one, or refused)
+            if self._capture is not None:  # (again: one may have begun since)
+                raise self._uncapturable_wait()
+            self._impl.wait_marker(ev._marker)
+
+    def _uncapturable_wait(self) -> CaptureError:
+        return CaptureError(f"{self} is capturing a graph: it cannot wait for work outside the "
+                            f"capture; make the wait before the capture begins")
 
     @property
     def pending(self) -> int:

@@ -447,3 +447,65 @@ def test_a_view_released_while_a_captured_launch_packs_is_not_captured(host):
     with pytest.raises(sm.CaptureError, match=r"is failed"):
         g.replay(s)
     sm.launch(inc, 1, 1, x, stream=s).result(5)  # the stream runs on
+
+
+def test_a_capture_block_exited_twice_or_never_entered_is_refused_and_changes_nothing(host):
+    s = host.create_stream("cap")
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    s.synchronize()
+    with pytest.raises(sm.CaptureError, match=r"is not capturing \(exited twice, or never "
+                                              r"entered\); nothing was changed$"):
+        sm.capture(s).__exit__(None, None, None)
+    c1 = sm.capture(s)
+    with c1 as g1:
+        sm.launch(inc, 1, 1, x, stream=s)
+    with sm.capture(s) as g2:  # a stale exit of c1 inside another capture on the same stream
+        with pytest.raises(sm.CaptureError, match=r"is not capturing"):
+            c1.__exit__(None, None, None)
+        assert s._capture is g2
+        sm.launch(inc, 1, 1, x, stream=s)
+    assert s._capture is None and s._impl.recording is None
+    g1.replay(s).result(5)  # g1 was not failed by the stale exit
+    g2.replay(s).result(5)
+    sm.launch(inc, 1, 1, x, stream=s).result(5)  # the stream runs work again
+    np.testing.assert_array_equal(x.to_host(), np.full(4, 3))
+    g1.release()
+    g2.release()
+
+
+def test_an_event_recorded_as_another_thread_begins_a_capture_marks_the_work_before_it(
+        host, monkeypatch):
+    """Stream.record() decides under the core lock, where captures begin: a capture begun
+    after its check can no longer take the record (the Event said "reached" while the
+    stream's earlier work still ran). The window is widened by a delay in record_marker."""
+    s = host.create_stream("s")
+    x = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    s.synchronize()
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def slow(v):
+        gate.wait(5)
+        v += 1
+    sm.launch(slow, 1, 1, x, stream=s)
+    real = type(host.backend).record_marker
+    in_record = threading.Event()
+
+    def delayed(self, impl, pooled=False):
+        if threading.current_thread().name == "recorder":
+            in_record.set()
+            time.sleep(0.2)  # (a capture that begins now waits for the lock, held here)
+        return real(self, impl, pooled)
+    monkeypatch.setattr(type(host.backend), "record_marker", delayed)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("ev", s.record()), name="recorder")
+    t.start()
+    assert in_record.wait(5)
+    with sm.capture(s):
+        pass
+    t.join()
+    monkeypatch.undo()
+    assert out["ev"].query() is False  # slow() has not run: the event is not reached
+    gate.set()
+    assert out["ev"].synchronize(5) is True
+    np.testing.assert_array_equal(x.to_host(), np.ones(4))

@@ -231,6 +231,7 @@ class capture:
         self.stream = Stream.from_external(stream)  # (a Stream: itself)
         self.graph = None
         self._mine = None  # the entering thread's capturing streams (CAPTURING.streams)
+        self._recorder = None  # the backend's capture while it runs (see __exit__)
 
     def __enter__(self) -> Graph:
         s = self.stream
@@ -263,6 +264,11 @@ class capture:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
         s, g = self.stream, self.graph
+        with locked():  # (this block's capture, still going: else nothing is touched -- a second
+            # exit would end whatever capture the stream began since, or find no list)
+            if g is None or s._capture is not g or self._recorder is None:
+                raise CaptureError(f"this capture block on {s} is not capturing (exited twice, "
+                                   f"or never entered); nothing was changed")
         ended = exec_ = captured = None
         self._mine.remove(s)  # (the entering thread's list, whichever thread ends the block)
         try:  # (a block ended in another thread or asyncio task: the capture ends all the same)
