@@ -590,6 +590,31 @@ def test_a_then_function_waiting_for_its_own_future_raises_instead_of_hanging(ho
         box["h"].result(5)
 
 
+def test_a_then_function_waiting_for_a_then_of_its_own_future_raises_instead_of_hanging(host):
+    """As above, through a then() of the HostFuture then() returned (or a then() of that): the
+    future waited for follows the function's own, set only once it returns."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    box, seen = {}, []
+    gate = threading.Event()
+
+    def fn(v):
+        assert gate.wait(5)
+        for derived in (box["h"].then(lambda v: v), box["h"].then(lambda v: v).then(int)):
+            t0 = time.monotonic()
+            with pytest.raises(sm.SharedMemError, match=r"^a then\(\) function waits for the "
+                                                        r"HostFuture that then\(\) returned "
+                                                        r"\(through a then\(\) of it\)"):
+                derived.result(3)
+            seen.append(time.monotonic() - t0)
+        return 7
+    box["h"] = sm.launch(fill, 1, 1, b, 1.0).then(fn)
+    gate.set()
+    assert box["h"].result(10) == 7
+    assert len(seen) == 2 and max(seen) < 1  # raised at once, not after the timeout
+    # outside the function, a then() of a then() waits as before
+    assert box["h"].then(lambda v: v + 1).then(lambda v: v * 2).result(5) == 16
+
+
 def test_a_then_chain_after_a_failure_raises_the_failure_and_counts_it_retrieved(host, caplog):
     """launch(bad).then(f).then(g): the last future raised AttributeError ('HostFuture' has
     no '_retrieved') instead of the kernel's failure, and the failure was still logged as never

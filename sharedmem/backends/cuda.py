@@ -294,9 +294,10 @@ class CudaMarker:
         # cuEventDestroy never blocks: waits already enqueued on it still complete.
         # Through the driver module the backend was built with, not the global:
         # a destructor may run long after (tests swap the module for a fake).
-        if not self._pooled and self.event is not None and not sys.is_finalizing():
-            try:
-                self._backend.cu.cuEventDestroy(self.event)
+        if not self._pooled and self.event is not None:
+            try:  # (at teardown ``sys`` itself may be None: inside the try)
+                if not sys.is_finalizing():
+                    self._backend.cu.cuEventDestroy(self.event)
             except Exception:
                 pass
 

@@ -69,6 +69,9 @@ class _FutureBase:
         if not callable(fn):
             raise TypeError(f"then takes a callable, got {fn!r}")
         out = HostFuture()
+        if isinstance(self, HostFuture) and not self.done():
+            out._after = self  # (a wait for ``out`` inside the function computing self's value
+            # would never end either: see HostFuture._wait_done)
         self.add_done_callback(partial(_then, self, fn, out))
         return out
 
@@ -275,7 +278,8 @@ def future_of(submission: Submission) -> DeviceFuture[Any]:
 class HostFuture(_FutureBase):
     """The outcome of a host function run after device work (``then``)."""
 
-    __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock", "_owner", "_source")
+    __slots__ = ("_event", "_value", "_error", "_callbacks", "_lock", "_owner", "_source",
+                 "_after")
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -285,6 +289,9 @@ class HostFuture(_FutureBase):
         self._lock = threading.Lock()
         self._owner = None  # the ident of the thread computing its value (then()'s function)
         self._source = None  # the future whose failure is its error (then()'s), or None
+        # the HostFuture whose then() made this one, until this one is set (None: another
+        # future's); a wait for this one waits for it too
+        self._after = None
 
     def __repr__(self) -> str:
         if not self._event.is_set():
@@ -303,6 +310,7 @@ class HostFuture(_FutureBase):
             if self._callbacks is None:
                 return
             self._value, self._error = value, error
+            self._after = None
             self._event.set()
             cbs, self._callbacks = self._callbacks, None
         if cbs:
@@ -314,11 +322,18 @@ class HostFuture(_FutureBase):
 
     def _wait_done(self, timeout) -> None:
         if not self._event.is_set():
-            if self._owner == threading.get_ident():
-                raise SharedMemError(
-                    "a then() function waits for the HostFuture that then() returned, which is "
-                    "set only once that function returns: it would wait forever. Wait for it "
-                    "outside the function (chain another then() after it instead)")
+            me = threading.get_ident()
+            f = self
+            while f is not None:  # (this future, and the unset ones it follows by then())
+                if f._owner == me:
+                    raise SharedMemError(
+                        f"a then() function waits for the HostFuture that then() returned"
+                        f"{'' if f is self else ' (through a then() of it)'}, which is set only "
+                        f"once that function returns: it would wait forever. Wait for it "
+                        f"outside the function (chain another then() after it instead)")
+                f = f._after
+                if f is not None and f._event.is_set():
+                    break
             with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
                 done = self._event.wait(timeout)
             if not done:
