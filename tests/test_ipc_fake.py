@@ -487,52 +487,25 @@ def test_an_open_during_the_close_of_its_mapping_maps_the_handle_anew(fake):
     assert _released(ex2) and _released(ex1)
 
 
-def test_a_finalizer_that_revokes_inside_a_revoke_raises_instead_of_deadlocking(fake):
-    """A collection inside revoke()'s locked section runs a user's finalizer that revokes
-    another export (a wrapper that ends its export when dropped): SharedMemError in that
-    finalizer (reported as unraisable), never a deadlock of this thread -- nor of the poller
-    and every later export, which wait for the same lock."""
-    import sys
-    import threading
+def test_a_finalizer_calling_ipc_inside_its_locked_section_raises_instead_of_deadlocking(fake):
+    """A collection inside an IPC locked section (they allocate) may run a user's finalizer
+    that revokes, exports or opens on the same thread (a wrapper that ends its export when
+    dropped): SharedMemError, the export unchanged -- never a deadlock of this thread, and
+    with it of the poller and every later export, which wait for the same lock."""
     dev, drv = fake
-    b = sm.Buffer.from_host(np.arange(64, dtype=np.float32), device=dev)
-    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
-
-    class Shared:
-        def __init__(self, ex):
-            self.ex, self.me = ex, self  # (a cycle: freed by a collection)
-
-        def __del__(self):
-            self.ex.revoke()
-
-    seen = []
-    hook, sys.unraisablehook = sys.unraisablehook, lambda u: seen.append(u.exc_value)
-    try:
-        for n in range(1, 41):  # a collection n allocations into revoke()
-            ex1, ex2 = ipc.export(b), ipc.export(b)
-            out = []
-
-            def run():
-                gc.collect()
-                Shared(ex2)
-                gc.set_threshold(n)
-                try:
-                    out.append(ex1.revoke())
-                finally:
-                    gc.set_threshold(700)
-
-            t = threading.Thread(target=run, daemon=True)
-            t.start()
-            t.join(5)
-            assert not t.is_alive(), f"revoke() deadlocked (collection at {n})"
-            assert out == [True]
-            gc.collect()
-            ex2.revoke()
-    finally:
-        sys.unraisablehook = hook
-    assert any(isinstance(e, sm.SharedMemError) and "called from a finalizer" in str(e)
-               for e in seen)
-    assert ipc.exports() == 0
+    b, ex = _exported(dev, drv)
+    finalizer = r"^sharedmem was called from a finalizer .* interrupted {} on the same thread"
+    books, opening = "an IPC export's bookkeeping", "the opening of a CUDA IPC handle"
+    with ipc._lock:  # (the section a collection interrupted, as the finalizer finds it)
+        with pytest.raises(sm.SharedMemError, match=finalizer.format(books)):
+            ex.revoke()
+        with pytest.raises(sm.SharedMemError, match=finalizer.format(books)):
+            ipc.export(b)
+    assert ex.state == "exported" and ipc.exports() == 1
+    with ipc._opened_lock:
+        with pytest.raises(sm.SharedMemError, match=finalizer.format(opening)):
+            ipc.open(_as_received(ex.handle))
+    assert ex.state == "exported" and ex.revoke() and ipc.exports() == 0
 
 
 def test_an_empty_view_at_the_end_of_its_allocation_exports_its_own_allocation(fake):
