@@ -211,7 +211,9 @@ def test_a_device_frame_smaller_than_its_header_says_is_refused(monkeypatch):
     a copy that reads past the frame's end."""
     import types
     from fake_cuda import install_fake_devices
+    import sharedmem.device as sm_device
     (dev,), drv = install_fake_devices(monkeypatch, False)
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
     monkeypatch.setitem(sys.modules, "ucxx", types.ModuleType("ucxx"))  # (device frames)
     big = sm.Buffer.from_host(np.arange(64, dtype=np.float32), device=dev)
     drv.ranges[big.allocation.ptr] = big.allocation.nbytes
