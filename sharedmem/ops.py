@@ -110,9 +110,10 @@ class DeviceOp(Generic[_T_co]):
             # A composite op submits its parts one after another: their arguments are checked
             # first (moved, released, read-only for a write, on another device), so that such
             # an error leaves no part submitted -- resubmitting the whole op must not run its
-            # first parts twice. (A later part can still fail as it is submitted: a conflict
-            # under "reject", a view another thread moves meanwhile.)
-            self._check(stream.device)
+            # first parts twice; so does an apply() onto a capturing stream. (A later part can
+            # still fail as it is submitted: a conflict under "reject", a view another thread
+            # moves meanwhile.)
+            self._check(stream)
             _sub.raise_deferred()  # (before its first part: none between them)
             with _sub.deferring():
                 return self._submit_on(stream)
@@ -122,10 +123,10 @@ class DeviceOp(Generic[_T_co]):
     def _submit_on(self, stream) -> DeviceFuture:  # pragma: no cover
         raise NotImplementedError
 
-    def _check(self, device) -> None:
-        """Check every part's arguments for ``device`` (raising as launch would)."""
+    def _check(self, stream) -> None:
+        """Check every part for ``stream`` (raising as launch, or _submit_on, would)."""
         for o in self.ops:
-            o._check(device)
+            o._check(stream)
 
     def _adapter(self):
         """The adapter of its first kernel (whose kind of device an op with no array
@@ -157,8 +158,9 @@ class _LaunchOp(DeviceOp):
         return DeviceFuture(launch_submission(self.kernel, self.grid, self.block, self.args,
                                               stream, self.shared_mem, self.policy))
 
-    def _check(self, device):
+    def _check(self, stream):
         adapter = adapter_for(self.kernel)
+        device = stream.device
         check_device_kind(adapter, device)  # (a kernel that runs elsewhere: as launch raises)
         resolve_args(adapter, self.args, device)  # (raises as launch would)
 
@@ -199,10 +201,17 @@ class _Apply(DeviceOp):
     def __repr__(self) -> str:
         return f"{self.ops[0]!r}.apply({getattr(self.fn, '__name__', self.fn)!r})"
 
-    def _submit_on(self, stream):
+    def _check(self, stream):
+        # (a zip's later parts run on pool streams, which never capture: checked for
+        # ``stream`` as if they ran there, they pass alike)
         if stream._capture is not None:
             raise CaptureError("apply() cannot be captured into a graph: its host function would "
                                "run once at capture, not at each replay")
+        self.ops[0]._check(stream)
+
+    def _submit_on(self, stream):
+        if stream._capture is not None:
+            self._check(stream)  # (sm.graph(op): no check before; raises)
         inner = self.ops[0]._submit_on(stream)
         # (the work completed: _peek is safe in the retiring thread)
         return ComputedFuture(inner._s, partial(_applied, inner, self.fn), (inner,))

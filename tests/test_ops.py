@@ -444,3 +444,24 @@ def test_and_then_fails_with_the_first_parts_error(host):
     ok = sm.op(second, 1, 1, b).and_then(sm.op(second, 1, 1, b).apply(lambda _: "done"))
     assert ok.submit(stream=s).result(timeout=10) == "done"
     assert ran == [1, 1, 1]
+
+
+def test_an_apply_after_other_parts_onto_a_capturing_stream_records_nothing(host):
+    """An apply() cannot be captured: a composite op whose apply() came after other parts
+    recorded those parts into the graph before it raised -- each replay ran them."""
+    x = sm.Buffer.zeros(4, "int64", device=host)
+    s = host.create_stream("cap")
+    msg = r"^apply\(\) cannot be captured into a graph: its host function would run once at " \
+          r"capture, not at each replay$"
+    with sm.capture(s) as g:
+        with pytest.raises(sm.CaptureError, match=msg):
+            sm.op(inc, 1, 1, x).and_then(sm.op(inc, 1, 1, x).apply(int)).submit(s)
+        with pytest.raises(sm.CaptureError, match=msg):
+            sm.zip(sm.op(inc, 1, 1, x), sm.op(inc, 1, 1, x).apply(int)).submit(s)
+    assert g.launches == 0
+    g.replay(s).result(10)
+    np.testing.assert_array_equal(x.to_host(stream=s), [0, 0, 0, 0])
+    # not capturing, a zip's apply() runs on a pool stream as before
+    z = sm.zip(sm.op(inc, 1, 1, x), sm.op(inc, 1, 1, sm.Buffer.zeros(1, "int64", device=host))
+               .apply(lambda _: "v"))
+    assert z.submit(s).result(10) == (None, "v")
