@@ -230,7 +230,9 @@ class Buffer(View):
                                   f"temporary buffer")
             return DeviceFuture(copy_bytes(tok, stok, stream, "copy_from"))
         s = resolve_stream(stream, tok.allocation.device)
-        a = np.ascontiguousarray(src, dtype=self._dtype)
+        a = np.asarray(src)
+        as_dtype(a.dtype.newbyteorder("="))  # (as from_host: None, strings, objects are no values)
+        a = np.ascontiguousarray(a, dtype=self._dtype)
         if a.size != self._length:
             raise LayoutError(f"copy_from needs {self._length} elements, got an array of {a.size}")
         if s._capture is not None and (a is src or a.base is not None):
@@ -461,10 +463,15 @@ def to_device(view, device, stream, policy=None):
         raw = view._read_bytes(on_device(stream, sdev))  # (a dense view: its token's bytes)
         s = resolve_stream(on_device(stream, dev), dev)
         out = allocate(dev, raw.nbytes, s, view._kind)
-        upload(s, out, raw, "to_device")
-        return out
-    out = allocate(dev, tok.stop - tok.start, on_device(stream, dev), view._kind)
-    copy_bytes(out, tok, stream, "to_device", policy)
+        copy = partial(upload, s, out, raw, "to_device")
+    else:
+        out = allocate(dev, tok.stop - tok.start, on_device(stream, dev), view._kind)
+        copy = partial(copy_bytes, out, tok, stream, "to_device", policy)
+    try:
+        copy()
+    except BaseException:
+        out.release()  # (no view holds it yet: a refused copy leaves no allocation behind)
+        raise
     return out
 
 

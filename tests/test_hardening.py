@@ -114,6 +114,19 @@ def test_fill_zero_and_copy_from_refuse_read_only_views(host):
     assert box.get() == 1.0
 
 
+def test_copy_from_refuses_what_from_host_refuses(host):
+    """copy_from(None) wrote nan (NumPy's float of None), copy_from("2.5") parsed the string:
+    values from_host and DeviceBox.set refuse with a TypeError."""
+    b = sm.Buffer.from_host(np.arange(1, dtype=np.float32), device=host)
+    with pytest.raises(TypeError, match=r"^dtype object cannot live in device memory; use a "
+                                        r"numeric or bool dtype$"):
+        b.copy_from(None)
+    with pytest.raises(TypeError, match=r"^dtype <U3 cannot live in device memory"):
+        b.copy_from("2.5")
+    b.copy_from(np.array([7], ">i8")).result(5)  # (another byte order, another dtype: cast)
+    assert b.to_host().tolist() == [7.0]
+
+
 # -- graphs ---------------------------------------------------------------------------------------
 def test_the_host_default_stream_cannot_be_captured(host):
     s = host.default_stream

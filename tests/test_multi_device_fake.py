@@ -323,6 +323,31 @@ def test_a_strided_copy_to_another_device_is_not_refused_for_its_own_temporary(t
     np.testing.assert_array_equal(u.to_host(), a[::2])
 
 
+def test_a_refused_copy_to_another_device_leaves_no_allocation(two):
+    """A peer copy refused under "reject" left the new allocation's token live with no view
+    to release it: the destination's memory stayed allocated until a cyclic collection."""
+    import gc
+    from sharedmem.allocation import live_allocation_count
+    d0, d1, drv = two
+    b0 = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=d0)
+    sm.synchronize()
+    before = live_allocation_count()
+    gc.disable()
+    sm.set_access_policy("reject")
+    try:
+        drv.holding = True
+        b0.fill_zero(stream=d0.create_stream())  # a write in flight
+        with pytest.raises(sm.AccessConflictError, match=r"^to_device on <Stream default on "
+                                                         r"<Device cuda:1 Fake GPU>"):
+            b0.to_device(d1)
+        assert live_allocation_count() == before
+    finally:
+        gc.enable()
+        sm.set_access_policy("order")
+        drv.holding = False
+        drv.finish_held()
+
+
 def test_copies_between_devices_take_a_foreign_stream_of_either_device(two):
     d0, d1, drv = two
     a = np.arange(8, dtype=np.float32)
