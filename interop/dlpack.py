@@ -16,8 +16,8 @@ Export -- ``__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=No
   legacy default stream, ``2`` the per-thread default stream, ``-1`` no
   synchronization; ``0`` is ambiguous and refused (``ValueError``). On the
   host device only ``None`` is valid.
-* ``dl_device`` other than ours: ``BufferError`` unless ``copy=True`` (then a
-  copy on that device, flagged ``IS_COPIED``). ``copy=True`` always copies,
+* ``dl_device`` other than ours: a copy on that device, flagged ``IS_COPIED``
+  (``BufferError`` with ``copy=False``). ``copy=True`` always copies,
   ``copy=False`` never does.
 
 Import -- ``from_dlpack(obj, *, stream=None, device=None)``: zero-copy; the
@@ -326,9 +326,9 @@ def export_positional(view, stream, max_version, dl_device, copy):
             raise TypeError(f"dl_device must be None or a (device_type, device_id) pair of ints, "
                             f"got {given!r}")
     elsewhere = dl_device is not None and dl_device != ours
-    if elsewhere and copy is not True:
-        raise BufferError(f"cannot export {view!r} to device {dl_device} without a copy "
-                          f"(it lives on {ours}); pass copy=True")
+    if elsewhere and copy is False:  # (None: a copy where one is needed, as the protocol says)
+        raise BufferError(f"cannot export {view!r} to device {dl_device} with copy=False: it "
+                          f"lives on {ours} (copy=None or copy=True makes a copy there)")
     try:  # (a pair of ints: read as it is -- an export's hot path)
         versioned = max_version is not None and max_version[0] >= 1
     except (TypeError, IndexError, KeyError):
@@ -656,7 +656,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     try:
         return import_tensor(dev, ptr, nbytes, "dlpack", region, not (flags & FLAG_READ_ONLY),
                              owner, dtype, shape, strides, s, None if obj is capsule else obj,
-                             not _adopt)
+                             not (_adopt or ours))  # (our views count themselves)
     finally:
         if ours:  # the import's token keeps our memory: the export ends now (kept, it was
             _delete(addr)  # an alias of the import itself, which could never be moved)

@@ -77,11 +77,13 @@ def test_stream_and_device_arguments_on_host(host):
     t = sm.Tensor.from_host(np.zeros(2), device=host)
     with pytest.raises(BufferError, match=r"^stream=1 is not valid for a host-device export; only None$"):
         t.__dlpack__(stream=1)
-    with pytest.raises(BufferError, match=r"^cannot export <Tensor float64 .* to device \(2, 0\) without a copy"):
-        t.__dlpack__(dl_device=(dl.kDLCUDA, 0))
+    with pytest.raises(BufferError, match=r"^cannot export <Tensor float64 .* to device "
+                                          r"\(2, 0\) with copy=False: it lives on \(1, 0\) "
+                                          r"\(copy=None or copy=True makes a copy there\)$"):
+        t.__dlpack__(dl_device=(dl.kDLCUDA, 0), copy=False)
     for bad in (1, ()):  # (the device is refused first, whatever max_version says)
-        with pytest.raises(BufferError, match=r"^cannot export .* without a copy"):
-            t.__dlpack__(max_version=bad, dl_device=(dl.kDLCUDA, 0))
+        with pytest.raises(BufferError, match=r"^cannot export .* with copy=False"):
+            t.__dlpack__(max_version=bad, dl_device=(dl.kDLCUDA, 0), copy=False)
     assert t.allocation.live_views == 1  # failed exports take no token
 
 
@@ -184,6 +186,13 @@ def test_our_export_imported_back_is_the_same_allocation(host):
     t.release()
     b = back.into_buffer()
     assert b.to_host().tolist() == list(range(6)) and b.allocation.live_views == 1
+    # a bare capsule of ours: no "producer" alias either (our views count themselves)
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.uint8), device=host)
+    back = sm.from_dlpack(t.__dlpack__(max_version=(1, 0)))
+    assert back.allocation.views() == [f"tensor, bytes [0, 6) of allocation #{t.allocation.id}",
+                                       f"tensor, bytes [0, 6) of allocation #{t.allocation.id}"]
+    t.release()
+    assert back.into_buffer().allocation.live_views == 1
 
 
 def test_bad_input_errors():

@@ -508,9 +508,23 @@ def test_a_dlpack_copy_to_a_cuda_device_is_made_there_or_refused(two, monkeypatc
             (dl.kDLCUDA, dd) and d.data != src.ptr
         back = sm.from_dlpack(cap)
         assert back.device is (d0, d1)[dd] and back.allocation is not src.allocation
-        assert back.allocation.live_views == 2  # the import, its producer (the export ended)
+        assert back.allocation.live_views == 1  # the import (the export ended; nothing else
+        # reaches the copy: no producer alias)
         np.testing.assert_array_equal(back.to_host(), values)
         del cap, m, d, back
+    # to the host with copy=None (NumPy's from_dlpack(x, device="cpu")): a copy, as the
+    # protocol asks ("copy: If None, ... reuse the existing memory buffer if possible and copy
+    # otherwise")
+    np.testing.assert_array_equal(np.from_dlpack(t, device="cpu"), values)
+    cap = t.__dlpack__(dl_device=(dl.kDLCPU, 0), max_version=(1, 0))
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    assert m.flags == dl.FLAG_IS_COPIED and m.dl_tensor.device.device_type == dl.kDLCPU
+    with pytest.raises(BufferError, match=r"^cannot export <Tensor float32 shape=\(2, 3\) .*> to "
+                                          r"device \(1, 0\) with copy=False: it lives on "
+                                          r"\(2, 0\) \(copy=None or copy=True makes a copy "
+                                          r"there\)$"):
+        t.__dlpack__(dl_device=(dl.kDLCPU, 0), copy=False)
+    del cap, m
     gc_collect_harder()
     sm.synchronize()
     assert sm.stats().live_allocations == before.live_allocations and t.allocation.live_views == 1
