@@ -3066,3 +3066,108 @@ def test_the_current_context_asked_through_ctypes_is_none_where_the_driver_call_
     assert hot.current_context() == 0x1234
     answer["err"] = 3  # CUDA_ERROR_NOT_INITIALIZED, the out parameter untouched
     assert hot.current_context() == 0
+
+
+def test_a_strided_copy_failing_after_its_first_pieces_leases_what_was_enqueued(fake, monkeypatch):
+    """Tensor.copy of a strided tensor enqueues one 2-D copy a piece. A piece that fails after
+    others were enqueued raises the CudaError, and the work already on the stream stays leased
+    until the stream passes it (its destination was freed at once, under the running pieces)."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.from_host(np.arange(16, dtype=np.float32), device=dev, stream=s)
+    t = sm.Tensor.from_buffer(b, (4, 4), (1, 4))  # transposed: 4 pieces
+    sm.synchronize()
+    before = sm.stats()
+    drv.holding = True
+    real, n = drv.cuMemcpy2DAsync, []
+    monkeypatch.setattr(drv, "cuMemcpy2DAsync", lambda p, st: (
+        n.append(1), (CUresult.CUDA_ERROR_INVALID_VALUE,) if len(n) == 2 else real(p, st))[1])
+    with pytest.raises(sm.CudaError, match=r"^cuMemcpy2DAsync failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\)$"):
+        t.copy(stream=s)
+    gc_collect_harder()
+    after = sm.stats()
+    assert (after.submitted, after.in_flight, after.live_allocations) == (
+        before.submitted + 1, 1, before.live_allocations + 1)  # the destination kept
+    drv.holding = False
+    drv.finish_held()
+    monkeypatch.setattr(drv, "cuMemcpy2DAsync", real)
+    np.testing.assert_array_equal(t.copy(stream=s).to_host(), np.arange(16).reshape(4, 4).T)
+    sm.synchronize()
+    gc_collect_harder()
+    assert sm.stats().live_allocations == before.live_allocations
+
+
+def test_a_capture_whose_context_cannot_be_made_current_at_its_end_still_ends(fake, monkeypatch):
+    """The end of a capture makes the device's context current first; where that fails the
+    capture is ended all the same (cuStreamEndCapture takes the stream's own context). It was
+    left capturing: every later launch on the stream was recorded into a graph nobody runs, its
+    future done at once, and to_host returned what the copy never read."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(4, "float32", device=dev, stream=s)
+    sm.synchronize()
+    real = drv.cuCtxSetCurrent
+    with pytest.raises(sm.CaptureError, match=r"^capture of graph #\d+ on .* failed: "
+                                              r"cuCtxSetCurrent failed: CUDA_ERROR_INVALID_VALUE"):
+        with sm.capture(s):
+            b.fill_zero(stream=s)
+            drv.current = 0  # another library switched contexts; making ours current fails
+            bc._current.ctx = None
+            monkeypatch.setattr(drv, "cuCtxSetCurrent",
+                                lambda c: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    monkeypatch.setattr(drv, "cuCtxSetCurrent", real)
+    assert not s._impl.capturing and drv.capturing == {} and drv.graphs == {}
+    b.copy_from(np.arange(4, dtype=np.float32), stream=s)
+    np.testing.assert_array_equal(b.to_host(stream=s), np.arange(4))
+
+
+@pytest.mark.parametrize("call", ["cuEventCreate", "cuEventRecord"])
+def test_a_capture_that_cannot_record_its_start_is_a_cuda_error_and_begins_nothing(
+        fake, monkeypatch, call):
+    """sm.capture records an event as it begins; where that fails: the CudaError of the call
+    (it was a CompletionUnknownError asking whether a consumer's stream was destroyed), no
+    capture begun, the stream usable."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(4, "float32", device=dev, stream=s)
+    sm.synchronize()
+    real = getattr(drv, call)
+    monkeypatch.setattr(drv, call, lambda *a: (CUresult.CUDA_ERROR_INVALID_VALUE, None))
+    with pytest.raises(sm.CudaError, match=rf"^{call} failed: CUDA_ERROR_INVALID_VALUE \(1\)$"):
+        with sm.capture(s):
+            pass
+    monkeypatch.setattr(drv, call, real)
+    assert s._capture is None and not s._impl.capturing and drv.capturing == {}
+    b.copy_from(np.arange(4, dtype=np.float32), stream=s)
+    np.testing.assert_array_equal(b.to_host(stream=s), np.arange(4))
+
+
+def test_an_open_marker_whose_record_fails_gives_its_event_back_to_the_pool(fake, monkeypatch):
+    """An open marker's event comes from the pool; a cuEventRecord that fails makes the marker
+    unknown and gives the event back (it was kept by the leaked marker, neither pooled nor
+    destroyed: one CUevent lost a failed record), once."""
+    from fake_cuda import CUresult
+    from sharedmem.runtime.state import locked
+    dev, drv, s, b, before = _quiet_stream(fake, monkeypatch)
+    pool = dev.backend._events
+    pooled, alive = list(pool), len(drv.events) - drv.destroyed_events
+    assert pooled
+    real = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord", lambda ev, st: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    fut = b.fill_zero(stream=s)
+    with pytest.warns(sm.LeakWarning, match=r"cuEventRecord failed"):
+        with pytest.raises(sm.CompletionUnknownError):
+            fut.result()
+    monkeypatch.setattr(drv, "cuEventRecord", real)
+    assert fut._s.marker.event is None and sorted(pool) == sorted(pooled)
+    assert len(drv.events) - drv.destroyed_events == alive
+    with pytest.raises(sm.CudaError, match=r"^cuEventRecord failed"):
+        monkeypatch.setattr(drv, "cuEventRecord", lambda ev, st: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+        with locked():
+            dev.backend.record_marker(s._impl, pooled=True)
+    assert sorted(pool) == sorted(pooled)  # (not given back twice)

@@ -226,9 +226,11 @@ class CudaMarker:
             return
         h = int(ev)
         err = _record(backend, ev, h, impl.handle)
-        if err:
+        if err:  # (the event, not recorded, back to the pool: the marker keeps none)
             self.error = _error(cu.CUresult(err), "cuEventRecord")
-        self.event, self.handle = ev, h
+            backend._events.append(ev)
+        else:
+            self.event, self.handle = ev, h
         # Published last: wait() reads _open_on without the lock, and once it is None the
         # event must be the recorded one (an event not recorded yet reads as complete).
         self._open_on = None
@@ -720,9 +722,7 @@ class CudaBackend:
         if pooled:  # (recorded as an open marker is: the pool, and the driver's entry point)
             m = _open_marker(impl)
             m.close_locked()
-            if m.error is not None:
-                if m.event is not None:
-                    self._events.append(m.event)
+            if m.error is not None:  # (its event back in the pool: close_locked)
                 raise m.error
             return m
         return self.marker_on_handle(impl.handle)
@@ -833,10 +833,14 @@ class CudaBackend:
             p.dstPitch = width
             p.WidthInBytes = width
             p.Height = height
-            for so, do in pieces:
+            for i, (so, do) in enumerate(pieces):
                 p.srcDevice = src_ptr + so
                 p.dstDevice = dst_ptr + do
-                self.call("cuMemcpy2DAsync", p, impl.cu_stream)
+                try:
+                    self.call("cuMemcpy2DAsync", p, impl.cu_stream)
+                except CudaError as e:
+                    e.enqueued = i > 0  # (the pieces before it run: submit leases them)
+                    raise
         return impl.submit_marker()
 
     def copy_peer(self, impl, dst_ptr: int, dst_backend, src_ptr: int, src_backend,
@@ -903,8 +907,11 @@ class CudaBackend:
     def end_capture(self, impl: CudaStreamImpl):
         """The CUgraph captured on ``impl`` (caller holds core_lock: a launch of another
         thread is either in the capture or after it, never enqueued into it after its end)."""
-        self.ensure_context()
         impl.capturing = False
+        try:  # (ended whatever the context: left capturing, the stream would record all later
+            self.ensure_context()  # work into a graph that never runs, its futures done)
+        except CudaError:
+            pass
         return check(cu.cuStreamEndCapture(impl.cu_stream), "cuStreamEndCapture")
 
     def instantiate_graph(self, graph):

@@ -247,7 +247,7 @@ class capture:
                 raise CaptureError(f"{s} is already capturing graph #{s._capture.id}")
             # (what the end of a hold on the stream during the capture leases until: the work
             # given to it so far -- see joined_marker_locked)
-            g._before = _sub.fresh_marker_locked(s)
+            g._before = s.device.backend.record_marker(s._impl)  # (CudaError: nothing begun)
             self._recorder = s.device.backend.begin_capture(s._impl)
             s._capture = g
             RUNTIME.captures += 1

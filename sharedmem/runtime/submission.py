@@ -265,12 +265,13 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
             # queued, not yet returned -- with no lease. ``uses`` are then leased, keeping
             # ``keep``, until the stream passes this point (a marker recorded now), as the
             # work's would have been (a lease of work that was not enqueued only lasts until
-            # the stream reaches here), and the interrupt re-raised. An Exception means the
-            # backend enqueued nothing: no lease.
+            # the stream reaches here), and the interrupt re-raised. So is an error that says
+            # part of the work was enqueued (``enqueued``: a later piece of a copy failed).
+            # Any other Exception means the backend enqueued nothing: no lease.
             try:
                 marker = plan.enqueue(stream, config, payload) if plan is not None else enqueue()
             except BaseException as e:
-                if not isinstance(e, Exception):
+                if not isinstance(e, Exception) or getattr(e, "enqueued", False):
                     _lease_interrupted_locked(stream, uses, keep, label)
                 raise
         seq = stream._seq + 1
