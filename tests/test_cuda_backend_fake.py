@@ -3171,3 +3171,35 @@ def test_an_open_marker_whose_record_fails_gives_its_event_back_to_the_pool(fake
         with locked():
             dev.backend.record_marker(s._impl, pooled=True)
     assert sorted(pool) == sorted(pooled)  # (not given back twice)
+
+
+def test_a_strided_copy_failing_after_its_first_pieces_in_a_capture_is_kept_by_the_graph(
+        fake, monkeypatch):
+    """As above, into a capture: the pieces recorded before the failure are replayed by the
+    graph, so the graph keeps what they touch (it kept nothing: the destination was freed at
+    once, and each replay wrote into the memory of whatever was allocated there next)."""
+    from fake_cuda import CUresult
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.from_host(np.arange(16, dtype=np.float32), device=dev, stream=s)
+    t = sm.Tensor.from_buffer(b, (4, 4), (1, 4))  # transposed: 4 pieces
+    sm.synchronize()
+    before = sm.stats().live_allocations
+    real, n = drv.cuMemcpy2DAsync, []
+    monkeypatch.setattr(drv, "cuMemcpy2DAsync", lambda p, st: (
+        n.append(1), (CUresult.CUDA_ERROR_INVALID_VALUE,) if len(n) == 2 else real(p, st))[1])
+    with sm.capture(s) as g:
+        with pytest.raises(sm.CudaError, match=r"^cuMemcpy2DAsync failed: "
+                                               r"CUDA_ERROR_INVALID_VALUE \(1\)$"):
+            t.copy(stream=s)
+    monkeypatch.setattr(drv, "cuMemcpy2DAsync", real)
+    gc_collect_harder()
+    assert g.launches == 0 and len(g._uses) == 2  # the source and the destination, kept
+    assert sm.stats().live_allocations == before + 1
+    other = sm.Buffer.from_host(np.full(16, -1, dtype=np.float32), device=dev, stream=s)
+    g.replay(s).result(5)
+    assert other.to_host(stream=s).tolist() == [-1.0] * 16  # not written by the replay
+    g.release()
+    sm.synchronize()
+    gc_collect_harder()
+    assert sm.stats().live_allocations == before + 1  # (other)

@@ -501,10 +501,10 @@ def test_an_event_recorded_as_another_thread_begins_a_capture_marks_the_work_bef
     t = threading.Thread(target=lambda: out.setdefault("ev", s.record()), name="recorder")
     t.start()
     assert in_record.wait(5)
-    with sm.capture(s):
-        pass
-    t.join()
+    with sm.capture(s):  # (open while the record runs: an empty block ended before it)
+        t.join(5)
     monkeypatch.undo()
+    assert "ev" in out  # (the record was not refused: it came first)
     assert out["ev"].query() is False  # slow() has not run: the event is not reached
     gate.set()
     assert out["ev"].synchronize(5) is True

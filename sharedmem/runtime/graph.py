@@ -127,9 +127,26 @@ class Graph:
             if not tok.live:
                 raise ReleasedError(f"a {tok.kind} passed to {_sub.label_text(label)} was "
                                     f"released before the launch")
-        marker = enqueue()  # recorded by the backend, not run
+        try:
+            marker = enqueue()  # recorded by the backend, not run
+        except BaseException as e:
+            # (part of the work recorded -- a later piece of a copy failed, or an interrupt:
+            # the graph keeps what it touches, as _submit leases it, else every replay would
+            # write into memory freed and reused meanwhile)
+            if not isinstance(e, Exception) or getattr(e, "enqueued", False):
+                self._file_uses_locked(uses, keep)
+            raise
         if marker is not None:
             marker.recycle()
+        self._file_uses_locked(uses, keep)
+        self.launches += 1
+        sub = _sub.new_submission(None, 0, COMPLETE, None, None,
+                                  f"{_sub.label_text(label)} (captured into graph #{self.id})")
+        sub.state = _sub.RETIRED
+        return sub
+
+    def _file_uses_locked(self, uses, keep) -> None:
+        """Retain ``uses`` (and ``keep``) for the graph's lifetime (core_lock held)."""
         kind = f"graph #{self.id}"
         for tok, writes in uses:
             key = (tok.allocation.id, tok.start, tok.stop)
@@ -144,11 +161,6 @@ class Graph:
                 if tok.writable:  # a later use through a writable view: as writable an alias
                     entry[0].writable = True  # (guarded by core_lock, as every token's fields)
         self._keep.extend(keep)
-        self.launches += 1
-        sub = _sub.new_submission(None, 0, COMPLETE, None, None,
-                                  f"{_sub.label_text(label)} (captured into graph #{self.id})")
-        sub.state = _sub.RETIRED
-        return sub
 
     # -- replay ----------------------------------------------------------------
     def replay(self, stream: Stream | object | None = None,
