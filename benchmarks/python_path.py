@@ -220,11 +220,62 @@ def this_build():
     def replay():  # the host time of one replay call (4 captured launches)
         g.replay(gs)
 
+    # torch-style tensors: a stand-in module (sys.modules["torch"]) whose Tensor has torch's
+    # accessors as plain methods, over one foreign segment as torch's caching allocator has
+    # (imported once: what a tensor new to a launch finds); what is timed is sharedmem's work
+    # around torch's accessors, which cost about as much as these here
+    seg = np.zeros(1 << 20, np.float32)  # (the fake driver's device memory is host memory)
+    base = seg.ctypes.data
+
+    class _TorchTensor:
+        __slots__ = ("_p", "shape", "_st", "__weakref__")
+        is_cuda = True
+        dtype = "torch.float32"
+        device = types.SimpleNamespace(type="cuda", index=0)
+
+        def __init__(self, i):
+            self._p, self.shape, self._st = base + 512 * i, (32,), (1,)
+
+        def data_ptr(self):
+            return self._p
+
+        def stride(self):
+            return self._st
+
+        def element_size(self):
+            return 4
+
+        def numel(self):
+            return 32
+
+        def untyped_storage(self):
+            return self
+
+    torch_mod = types.ModuleType("torch")
+    torch_mod.Tensor = _TorchTensor
+    torch_mod._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: s.handle)
+    sys.modules["torch"] = torch_mod
+    sm.from_dlpack  # (the import of a tensor new to a launch finds this segment)
+    from sharedmem.allocation import import_allocation
+    seg_alloc = import_allocation(dev, base, seg.nbytes, "torch")
+    tt = [_TorchTensor(i) for i in range(4)]
+    nxt = [4]
+
+    def torch_tensors():  # the same 4 tensors each launch (on torch's current stream: no wait)
+        sm.launch(k, 8, 128, In(tt[0]), In(tt[1]), Out(tt[2]), Out(tt[3]), n, stream=s)
+
+    def torch_fresh():  # a new output tensor each launch, as torch.empty gives
+        i = nxt[0] = 4 + (nxt[0] - 3) % 4000
+        sm.launch(k, 8, 128, In(tt[0]), In(tt[1]), Out(_TorchTensor(i)), Out(tt[3]), n,
+                  stream=s)
+
     rows = [("launch, 4 views reused", reused), ("launch with a move (fresh views)", fresh),
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
             ("launch, 4 CuPy-style arrays", cupy_arrays),
             ("launch on a CuPy-style stream object", borrowed_stream),
+            ("launch, 4 torch-style tensors", torch_tensors),
+            ("launch, a fresh torch-style tensor", torch_fresh),
             ("pipeline step (3 launches, 2 moves, 2 streams)", pipeline_step),
             ("cuTile launch, 3 tensors + a constant", cutile),
             ("DLPack export (stream=1) + release", dlpack),

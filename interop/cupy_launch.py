@@ -406,7 +406,11 @@ class RawKernelPlan(KernelPlan):
                                       f"a {'CuPy array' if a.layout is None else 'torch tensor'}")
                 fa = cython.cast(ArrayFacts, a) if cython.compiled else a
                 if fa.layout is not None:  # (a torch tensor's: see torch_facts)
-                    torch_dev = torch_devices(torch_dev, fa)
+                    tdev = fa.token.allocation.device
+                    if torch_dev is None:  # (one device, the usual: no call)
+                        torch_dev = tdev
+                    elif torch_dev is not tdev:
+                        torch_dev = torch_devices(torch_dev, fa)
                 if par.kcode == _K_PTR and not cython.compiled:  # (as for a view; its element 0's
                     out.append(fa.ptr)                           # address, learned with it)
                 else:
@@ -771,7 +775,7 @@ def torch_facts(t):
     item = t.element_size()
     lo, hi = extent(layout[0], [st * item for st in layout[1]], item)
     start = ptr + lo
-    nbytes = max(hi - lo, 1) if t.numel() else 0
+    nbytes = hi - lo  # (0 where empty: extent's (0, 0))
     alloc = lookup_allocation(dev, start, nbytes)  # (a fresh tensor in torch's segment: the
     if alloc is None:                              # driver was asked already)
         info = dev.backend.pointer_info(start) if hi > lo else None

@@ -499,25 +499,28 @@ class TilePlan(KernelPlan):
                 # a foreign array, which cuTile reads itself (a CuPy array's facts, see coerce,
                 # give it back: alive, the launch holds it)
                 v = a.value if type(a) is LaunchArg else a.ref()
+                if type(a) is ArrayFacts and a.layout is not None:
+                    # a torch tensor's facts' weak reference stands for it in last_args
+                    # (keeping neither the tensor nor the facts' allocation): they were checked
+                    # against its pointer and layout just now (new facts, a new reference,
+                    # where either changed); torch has no negative strides (nor `strides`:
+                    # a getattr of it raised and caught an AttributeError a launch)
+                    out[i] = v
+                    torch_dev = torch_devices(torch_dev, a)
+                    if known is None:
+                        known = []
+                    known.append((i, a.ref))
+                    continue
                 for st in getattr(v, "strides", ()):
                     if st < 0:
                         raise KernelError(f"argument {i}: a {type(v).__name__} with negative "
                                           f"strides; cuTile assumes strides >= 0 -- pass a "
                                           f"contiguous copy")
                 out[i] = v
-                if type(a) is ArrayFacts:
-                    # its facts' weak reference stands for it in last_args (keeping neither
-                    # the array nor the facts' allocation): a torch tensor's facts were
-                    # checked against its pointer and layout just now (new facts, a new
-                    # reference, where either changed); a CuPy array's layout may be re-set
-                    if a.layout is not None:
-                        torch_dev = torch_devices(torch_dev, a)
-                        k = a.ref
-                    else:
-                        k = (a.ref, v.shape, v.strides, v.dtype)
-                    if known is None:
+                if type(a) is ArrayFacts:  # a CuPy array: as a torch tensor's above, but its
+                    if known is None:        # layout may be re-set
                         known = []
-                    known.append((i, k))
+                    known.append((i, (a.ref, v.shape, v.strides, v.dtype)))
                 else:
                     foreign = True
             else:

@@ -311,6 +311,12 @@ class AccessTracker:
                 e.seq = seq
                 e.marker = marker
                 return
+        else:  # several ranges (slices of one buffer, torch tensors of one segment): the same
+            for e in entries:  # range again is its newest (the entries stay disjoint)
+                if e.lo == lo and e.hi == hi:
+                    e.seq = seq
+                    e.marker = marker
+                    return
         _add_range(entries, lo, hi, seq, marker, stream._done)
 
     def add_hold_locked(self, stream, tok, lo, hi) -> None:

@@ -433,9 +433,10 @@ def lookup_allocation(device, ptr, nbytes=1):
     if not hasattr(device, "key"):
         raise TypeError(f"lookup_allocation takes a sharedmem.Device, got {device!r}; use "
                         f"sharedmem.Device.host() or sharedmem.Device(0)")
-    for name, v in (("ptr", ptr), ("nbytes", nbytes)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"lookup_allocation: {name} must be an int, got {v!r}")
+    if type(ptr) is not int or type(nbytes) is not int:  # (ints, the usual: no walk)
+        for name, v in (("ptr", ptr), ("nbytes", nbytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"lookup_allocation: {name} must be an int, got {v!r}")
     if nbytes < 0 or ptr < 0:
         raise ValueError(f"lookup_allocation: a range of {nbytes} bytes at {ptr:#x} is no "
                          f"range; pass a pointer and a length >= 0")

@@ -48,10 +48,15 @@ def c_strides(shape) -> tuple[int, ...]:
 def extent(shape, strides, itemsize=1) -> tuple[int, int]:
     """Offsets ``[lo, hi)`` relative to element 0 that the layout touches, ``(0, 0)`` when
     empty: in elements, or in bytes for strides in bytes and the ``itemsize``."""
-    if any(n == 0 for n in shape):
-        return 0, 0
-    lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    for n in shape:
+        if n == 0:
+            return 0, 0
+    lo = hi = 0  # (loops, not generator expressions: a torch tensor new to a launch asks)
+    for n, s in zip(shape, strides):
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
     return lo, hi + itemsize
 
 

@@ -400,6 +400,45 @@ def test_a_chunk_written_on_one_stream_is_read_on_another_without_waiting_for_la
     sm.synchronize()
 
 
+def test_a_range_used_again_among_others_is_its_newest_work(host):
+    # (several ranges of one allocation in flight -- two chunks, as torch tensors of one
+    # caching-allocator segment are -- and one used again: its span now names the newest
+    # work, in place, and the spans stay two)
+    from sharedmem.runtime.submission import sweep_all
+    a, b = host.create_stream("writer"), host.create_stream("reader")
+    gates = [threading.Event() for _ in range(3)]
+
+    @sm.host_kernel
+    def write(x, gate):
+        gate.wait(5)
+        x[:] = 1
+
+    @sm.host_kernel
+    def read(x):
+        pass
+
+    x = sm.Buffer.zeros(16, "int32", device=host)
+    x.to_host()
+    f1 = sm.launch(write, 1, 1, sm.Out(x[0:4]), gates[0], stream=a)
+    sm.launch(write, 1, 1, sm.Out(x[4:8]), gates[1], stream=a)
+    f3 = sm.launch(write, 1, 1, sm.Out(x[0:4]), gates[2], stream=a)
+    writes = x.allocation.tracker._uses[a._uid].writes
+    assert sorted((e.lo, e.hi) for e in writes) == [(0, 16), (16, 32)]
+    gates[0].set()
+    f1.result(5)
+    sweep_all()
+    with pytest.raises(sm.AccessConflictError):  # (the first write is done; the third is not)
+        sm.launch(read, 1, 1, sm.In(x[0:4]), stream=b, policy="reject")
+    fb = sm.launch(read, 1, 1, sm.In(x[0:4]), stream=b)
+    gates[1].set()
+    time.sleep(0.05)
+    assert not fb.done() and not f3.done()
+    gates[2].set()
+    fb.result(5)
+    assert f3.done()
+    sm.synchronize()
+
+
 def test_many_distinct_ranges_in_flight_merge_past_a_bound(host):
     from sharedmem.access import MAX_SPANS
     s = host.create_stream()
