@@ -269,6 +269,9 @@ def this_build():
         sm.launch(k, 8, 128, In(tt[0]), In(tt[1]), Out(_TorchTensor(i)), Out(tt[3]), n,
                   stream=s)
 
+    def cutile_torch():  # as run.py's cuTile row, with torch-style tensors
+        sm.launch(vadd, (4,), None, In(tt[0]), In(tt[1]), Out(tt[2]), 256, stream=s)
+
     rows = [("launch, 4 views reused", reused), ("launch with a move (fresh views)", fresh),
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
@@ -278,6 +281,7 @@ def this_build():
             ("launch, a fresh torch-style tensor", torch_fresh),
             ("pipeline step (3 launches, 2 moves, 2 streams)", pipeline_step),
             ("cuTile launch, 3 tensors + a constant", cutile),
+            ("cuTile launch, 3 torch-style tensors", cutile_torch),
             ("DLPack export (stream=1) + release", dlpack),
             ("CUDA Array Interface export", cai),
             ("graph replay call", replay)]

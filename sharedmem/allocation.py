@@ -331,6 +331,14 @@ class _Registry:
     by the longest made a lookup among 100,000 small allocations beside one large arena walk
     them all). Entries are removed when their allocation dies.
 
+    The allocation a lookup found last is tried first (imports and new foreign arrays
+    usually fall in the one found before: a torch tensor new to a launch in its caching
+    allocator's segment) where no live allocation overlapped it as either registered: then
+    it is the only one containing any non-empty range inside it (another would overlap it,
+    and was registered while it lived or the other way round). Overlaps are found as an
+    allocation registers and kept, for both, until each dies (conservative after the other
+    died: the full walk then).
+
     Its lock is a leaf: nothing else is called while it is held, so it may be taken under
     core_lock. Nothing under it allocates a garbage-collected object (tuples and lists are
     made before it is taken; strong references a lookup takes are dropped after it is let
@@ -342,7 +350,8 @@ class _Registry:
     def __init__(self):
         self._lock = fork_safe(threading.Lock())
         # device key -> [{length class: sorted (ptr, id) keys}, {key: (weakref, nbytes)},
-        # [the classes that ever held one]]
+        # [the classes that ever held one], {the keys of allocations that overlapped another
+        # as either registered}, the key a lookup found last (or None)]
         self._maps = {}  # guarded by self._lock
         self._live = 0  # entries registered and not removed; written under self._lock
 
@@ -352,14 +361,34 @@ class _Registry:
         ref = weakref.ref(alloc, lambda _r, dkey=dkey, key=key: self._remove(dkey, key))
         value = (ref, alloc.nbytes)
         c = alloc.nbytes.bit_length()
-        fresh, fresh_class = [{}, {}, []], []  # (made here: nothing is allocated under the lock)
+        lo = alloc.ptr
+        hi = lo + alloc.nbytes
+        probe = (hi, -1)  # (before every key at hi: ids are >= 0)
+        # (made here: nothing is allocated under the lock)
+        fresh, fresh_class = [{}, {}, [], set(), None], []
         lock = self._lock
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
             entry = self._maps.setdefault(dkey, fresh)
-            keys = entry[0].setdefault(c, fresh_class)
+            classes, refs, order, overlapped = entry[0], entry[1], entry[2], entry[3]
+            # the live entries this one overlaps: per class, those starting below hi and
+            # less than the class's bound before lo (their lengths, no dereference)
+            j = 0
+            while j < len(order) and hi > lo:
+                oc = order[j]
+                j += 1
+                okeys = classes[oc]
+                span = 1 << oc
+                i = bisect.bisect_left(okeys, probe) - 1
+                while i >= 0 and okeys[i][0] + span > lo:
+                    k = okeys[i]
+                    if k[0] + refs[k][1] > lo and refs[k][1]:
+                        overlapped.add(k)
+                        overlapped.add(key)
+                    i -= 1
+            keys = classes.setdefault(c, fresh_class)
             if keys is fresh_class:
-                entry[2].append(c)
+                order.append(c)
             bisect.insort(keys, key)
             entry[1][key] = value
             self._live += 1
@@ -375,10 +404,12 @@ class _Registry:
         if not held:
             lock.acquire()
         try:
-            classes, refs, _ = self._maps[dkey]
+            entry = self._maps[dkey]
+            classes, refs = entry[0], entry[1]
             got = refs.pop(key)
             keys = classes[got[1].bit_length()]
             del keys[bisect.bisect_left(keys, key)]
+            entry[3].discard(key)
             self._live -= 1
         finally:
             if not held:
@@ -395,8 +426,16 @@ class _Registry:
         try:
             entry = self._maps.get(dkey)
             if entry is not None:
-                classes, refs, order = entry
-                j = 0
+                classes, refs, order, last = entry[0], entry[1], entry[2], entry[4]
+                if nbytes > 0 and last is not None and last not in entry[3]:
+                    got = refs.get(last)  # (the one found last: see the class docstring)
+                    a = got[0]() if got is not None else None
+                    if a is not None:
+                        seen.append(a)
+                        if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                            best = a
+                best_key = None
+                j = 0 if best is None else len(order)  # (found: no walk)
                 while j < len(order):  # (index loops: no iterator object is made here)
                     c = order[j]
                     j += 1
@@ -410,7 +449,10 @@ class _Registry:
                             if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
                                 if best is None or a.nbytes < best.nbytes:
                                     best = a
+                                    best_key = keys[i]
                         i -= 1
+                if best_key is not None:
+                    entry[4] = best_key
         finally:
             lock.release()
         a = None

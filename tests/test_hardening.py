@@ -1629,24 +1629,63 @@ def test_registry_lookups_find_the_innermost_allocation_across_length_classes(ho
     allocation made a lookup among many small allocations beside one large one walk them
     all): the innermost containing allocation is still found, nested across classes, at a
     range's ends, for empty ranges, and nothing outside every allocation."""
-    from sharedmem.allocation import import_allocation
-    arena = np.zeros(1 << 16, np.uint8)  # a foreign arena, allocations inside it imported
+    from sharedmem.allocation import Allocation
+    arena = np.zeros(1 << 16, np.uint8)  # a foreign arena, allocations nested inside it
     base = arena.ctypes.data
-    outer = import_allocation(host, base, 1 << 16, "test arena")
-    mid = import_allocation(host, base + 4096, 4096, "test mid")
-    small = [import_allocation(host, base + 4096 + 64 * i, 64, "test small") for i in range(8)]
+    outer = Allocation(host, base, 1 << 16, None, "test arena")
+    mid = Allocation(host, base + 4096, 4096, None, "test mid")
+    small = [Allocation(host, base + 4096 + 64 * i, 64, None, "test small") for i in range(8)]
     assert sm.lookup_allocation(host, base + 4096 + 64 * 3 + 5, 10) is small[3]
     assert sm.lookup_allocation(host, base + 4096 + 64 * 3, 64) is small[3]
     assert sm.lookup_allocation(host, base + 4096 + 64 * 3, 65) is mid  # (spans two smalls)
     assert sm.lookup_allocation(host, base + 8192 - 1, 1) is mid
     assert sm.lookup_allocation(host, base + 8192, 1) is outer
     assert sm.lookup_allocation(host, base, 1 << 16) is outer
-    assert sm.lookup_allocation(host, base + 4096 + 64 * 7 + 64, 0) is mid  # (empty, at an end)
+    assert sm.lookup_allocation(host, base + 4096 + 64 * 7 + 64, 0) is small[7]  # (empty, at
+    assert sm.lookup_allocation(host, base + 4096 + 64 * 8 + 1, 0) is mid        # its end)
     assert sm.lookup_allocation(host, base + (1 << 16), 1) is None
     del small
     gc_collect_harder()  # (their entries removed: the mid one is found there again)
     assert sm.lookup_allocation(host, base + 4096 + 5, 10) is mid
     del mid, outer, arena
+
+
+def test_the_allocation_a_lookup_found_last_is_tried_first_only_while_nothing_overlaps_it(
+        host):
+    """A lookup tries the allocation found last before the walk (a torch tensor new to a
+    launch lies in the segment the one before did) -- only where no allocation overlapped it
+    as either registered: one registered inside it later, or around it, is still found as
+    the innermost."""
+    from sharedmem.allocation import Allocation, _registry
+    arena = np.zeros(1 << 16, np.uint8)
+    base = arena.ctypes.data
+    outer = Allocation(host, base, 1 << 16, None, "test arena")
+    entry = _registry._maps[host.key]
+    assert sm.lookup_allocation(host, base + 64, 8) is outer
+    assert entry[4] == (outer.ptr, outer.id) and entry[4] not in entry[3]  # (tried first now)
+    inner = Allocation(host, base + 4096, 64, None, "test inner")  # registered inside it
+    assert {(outer.ptr, outer.id), (inner.ptr, inner.id)} <= entry[3]
+    assert sm.lookup_allocation(host, base + 4096 + 8, 8) is inner
+    assert sm.lookup_allocation(host, base + 64, 8) is outer
+    # one registered around allocations found before: they are inner to it
+    small = Allocation(host, base + (1 << 16) + 4096, 32, None, "test small")
+    assert sm.lookup_allocation(host, base + (1 << 16) + 4096, 32) is small
+    assert entry[4] == (small.ptr, small.id) and entry[4] not in entry[3]
+    around = Allocation(host, base + (1 << 16), 1 << 14, None, "test around")
+    assert sm.lookup_allocation(host, base + (1 << 16) + 4096 + 1, 4) is small
+    assert sm.lookup_allocation(host, base + (1 << 16) + 8, 4) is around
+    # adjacent allocations do not overlap: each is tried first alone
+    assert (outer.ptr, outer.id) in entry[3] and (around.ptr, around.id) in entry[3]
+    beside = Allocation(host, base + (1 << 16) + (1 << 14), 128, None, "test beside")
+    assert (beside.ptr, beside.id) not in entry[3]
+    assert sm.lookup_allocation(host, beside.ptr, 128) is beside
+    assert sm.lookup_allocation(host, beside.ptr + 4, 4) is beside
+    keys = [(a.ptr, a.id) for a in (outer, inner, small, around, beside)]
+    del inner, small
+    gc_collect_harder()  # (their entries gone, the overlap marks with them)
+    assert sm.lookup_allocation(host, base + 4096 + 8, 8) is outer
+    assert not set(keys[1:3]) & entry[3]
+    del outer, around, beside, arena
 
 
 def test_the_host_pool_keeps_at_most_its_cache_limit_of_free_blocks(host, monkeypatch):
