@@ -370,7 +370,12 @@ class _Registry:
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
             entry = self._maps.setdefault(dkey, fresh)
-            classes, refs, order, overlapped = entry[0], entry[1], entry[2], entry[3]
+            # (one name a statement: interpreted, four at once build a tuple -- an allocation
+            # that may start a collection, whose finalizers take this lock)
+            classes = entry[0]
+            refs = entry[1]
+            order = entry[2]
+            overlapped = entry[3]
             # the live entries this one overlaps: per class, those starting below hi and
             # less than the class's bound before lo (their lengths, no dereference)
             j = 0
@@ -426,7 +431,10 @@ class _Registry:
         try:
             entry = self._maps.get(dkey)
             if entry is not None:
-                classes, refs, order, last = entry[0], entry[1], entry[2], entry[4]
+                classes = entry[0]  # (one name a statement: see register)
+                refs = entry[1]
+                order = entry[2]
+                last = entry[4]
                 if nbytes > 0 and last is not None and last not in entry[3]:
                     got = refs.get(last)  # (the one found last: see the class docstring)
                     a = got[0]() if got is not None else None

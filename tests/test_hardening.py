@@ -1688,6 +1688,48 @@ def test_the_allocation_a_lookup_found_last_is_tried_first_only_while_nothing_ov
     del outer, around, beside, arena
 
 
+def test_no_collection_starts_while_the_registry_lock_is_held(host):
+    """Nothing under the registry lock may allocate a GC-tracked object: a collection there
+    runs finalizers that take the lock (an allocation dying in a cycle: its entry's
+    removal), on the thread that holds it. Interpreted, ``a, b, c, d = x[0], x[1], x[2],
+    x[3]`` builds a 4-tuple (CPython turns only 2 or 3 names into swaps): new, and so a
+    possible collection, whenever no freed 4-tuple is at hand."""
+    import gc
+    from sharedmem.allocation import Allocation, _registry
+    arena = np.zeros(1 << 12, np.uint8)
+    base = arena.ctypes.data
+    outer = Allocation(host, base, 1 << 12, None, "test arena")
+    under = []
+
+    class X:
+        pass
+
+    def cb(phase, info):
+        if phase == "start" and _registry._lock.locked():
+            under.append(info["generation"])
+
+    old = gc.get_threshold()
+    gc.callbacks.append(cb)
+    try:
+        for k in range(12):
+            for op in ("lookup", "register"):
+                hold = [(i, i, i, i) for i in range(3000)]  # no freed 4-tuple left to reuse
+                xs = [X() for _ in range(k % 3)]  # (the collector's count, phase by phase)
+                gc.set_threshold(1)
+                try:
+                    if op == "lookup":
+                        sm.lookup_allocation(host, base + 8, 8)
+                    else:
+                        Allocation(host, base + 64, 64, None, "test inner")
+                finally:
+                    gc.set_threshold(*old)
+                del hold, xs
+    finally:
+        gc.callbacks.remove(cb)
+    assert not under, f"{len(under)} collections started under the registry lock"
+    del outer, arena
+
+
 def test_the_host_pool_keeps_at_most_its_cache_limit_of_free_blocks(host, monkeypatch):
     """Blocks of sizes that never come again were cached for good (random sizes of up to
     512 KiB: 554 MiB cached after 3,000). Past POOL_CACHE_MAX a block given back is freed;
