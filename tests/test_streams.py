@@ -359,12 +359,11 @@ def test_with_stream_makes_it_current_for_launches_and_ops_in_this_thread_or_tas
     np.testing.assert_array_equal(x.to_host(), [3, 3, 3, 3])
 
 
-def test_a_chunk_written_on_one_stream_is_read_on_another_without_waiting_for_later_chunks(host):
-    # (the tracker keeps adjacent chunks, and the parts of a range a smaller write left, apart:
-    # a reader waits for the work that wrote its bytes, not for the stream's newest)
-    from sharedmem.runtime.submission import sweep_all
+def _gated_writer_and_reader(host, n):
+    """A writer and a reader stream; ``n`` gates; a host kernel writing its argument once its
+    gate opens, and one reading nothing."""
     a, b = host.create_stream("writer"), host.create_stream("reader")
-    gates = [threading.Event() for _ in range(2)]
+    gates = [threading.Event() for _ in range(n)]
 
     @sm.host_kernel
     def write(x, gate):
@@ -375,6 +374,14 @@ def test_a_chunk_written_on_one_stream_is_read_on_another_without_waiting_for_la
     def read(x):
         pass
 
+    return a, b, gates, write, read
+
+
+def test_a_chunk_written_on_one_stream_is_read_on_another_without_waiting_for_later_chunks(host):
+    # (the tracker keeps adjacent chunks, and the parts of a range a smaller write left, apart:
+    # a reader waits for the work that wrote its bytes, not for the stream's newest)
+    from sharedmem.runtime.submission import sweep_all
+    a, b, gates, write, read = _gated_writer_and_reader(host, 2)
     for first, second, probe in ((slice(0, 4), slice(4, 8), slice(0, 4)),  # adjacent chunks
                                  (slice(0, 16), slice(0, 1), slice(8, 12))):  # a part rewritten
         x = sm.Buffer.zeros(16, "int32", device=host)
@@ -405,18 +412,7 @@ def test_a_range_used_again_among_others_is_its_newest_work(host):
     # caching-allocator segment are -- and one used again: its span now names the newest
     # work, in place, and the spans stay two)
     from sharedmem.runtime.submission import sweep_all
-    a, b = host.create_stream("writer"), host.create_stream("reader")
-    gates = [threading.Event() for _ in range(3)]
-
-    @sm.host_kernel
-    def write(x, gate):
-        gate.wait(5)
-        x[:] = 1
-
-    @sm.host_kernel
-    def read(x):
-        pass
-
+    a, b, gates, write, read = _gated_writer_and_reader(host, 3)
     x = sm.Buffer.zeros(16, "int32", device=host)
     x.to_host()
     f1 = sm.launch(write, 1, 1, sm.Out(x[0:4]), gates[0], stream=a)
