@@ -3203,3 +3203,51 @@ def test_a_strided_copy_failing_after_its_first_pieces_in_a_capture_is_kept_by_t
     sm.synchronize()
     gc_collect_harder()
     assert sm.stats().live_allocations == before + 1  # (other)
+
+
+def test_a_sweep_that_cannot_ask_past_work_of_unknown_completion_still_finishes_that_work(
+        fake, monkeypatch):
+    """A sweep that met a marker of unknown completion walks the stream's work one by one;
+    where the next query raised (the device's context could not be made current), the work
+    it had taken off the stream already -- unknown, counted as leaked -- never reached
+    finish(): its callbacks never ran (a then() chained on it hung). Now the sweep stops
+    there, hands on what it took, and asks again next time."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult
+    from sharedmem.config import compiled
+    from sharedmem.runtime.state import locked
+    from sharedmem.runtime.submission import add_callback, sweep_all
+    if compiled():
+        pytest.skip("the fake's context check is not reached by the compiled query")
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    drv.holding = True
+    futs = []
+    for _ in range(3):
+        futs.append(b.fill_zero(stream=s))
+        with locked():
+            futs[-1]._s.marker.close_locked()  # (a marker each)
+    drv.holding = False
+    ran = threading.Event()
+    add_callback(futs[0]._s, ran.set)
+    real = drv.cuCtxSetCurrent
+    before = sm.stats()
+    err = sm.CudaError("cuEventQuery failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719)
+    with pytest.warns(sm.LeakWarning, match=r"CUDA_ERROR_LAUNCH_FAILED"):
+        with locked():  # (the retirer sweeps too: whichever sweep comes, the same answers)
+            futs[0]._s.marker.error = err  # the first and the newest: unknown
+            futs[2]._s.marker.error = err
+            drv.current = 0  # another library switched contexts; making ours current fails
+            bc._current.ctx = None
+            monkeypatch.setattr(drv, "cuCtxSetCurrent",
+                                lambda c: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+        sweep_all()  # (no CudaError: the next sweep asks again)
+        assert ran.wait(5) and futs[0].done() and not futs[1].done()
+        monkeypatch.setattr(drv, "cuCtxSetCurrent", real)
+        drv.held.clear()
+        futs[1].result(5)
+        with pytest.raises(sm.CompletionUnknownError):
+            futs[2].result(5)
+    assert sm.stats().leaked == before.leaked + 2  # (the first and the newest)

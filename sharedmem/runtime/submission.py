@@ -626,7 +626,10 @@ def _sweep_locked(stream, record=True) -> list:
             sub = pending[0]
             if not record and not sub.marker.recorded:
                 break
-            st = sub.marker.query()
+            try:
+                st = sub.marker.query()
+            except Exception:  # (the device's context cannot be made current: what this
+                break          # loop took still reaches finish(); the next sweep asks again)
             if st == _M_PENDING:
                 break
             del pending[0]
