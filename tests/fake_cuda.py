@@ -503,7 +503,10 @@ class FakeHot:
 
     def _pointer_attributes(self, n, attrs, data, ptr):
         c = ctypes
-        base, size, ordinal, memtype = self._drv.cuPointerGetAttributes(n, None, ptr)[1]
+        res = self._drv.cuPointerGetAttributes(n, None, ptr)
+        if int(res[0]):  # (the driver's error, returned as libcuda returns it)
+            return int(res[0])
+        base, size, ordinal, memtype = res[1]
         value = {11: (c.c_ulonglong, base), 12: (c.c_size_t, size), 9: (c.c_int, ordinal),
                  2: (c.c_uint, int(memtype))}  # (by CUpointer_attribute)
         for kind, out in zip((c.c_int * n).from_address(attrs),
