@@ -42,7 +42,7 @@ except ImportError:  # interpreted, without Cython installed
 
 import numpy as np
 
-from sharedmem.allocation import View, import_allocation
+from sharedmem.allocation import View, import_allocation, lookup_allocation
 from sharedmem.device import Device, as_device
 from sharedmem.errors import CaptureError, DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
@@ -643,10 +643,13 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         raise BufferError(f"DLPack tensor at 0x{dlt.data or 0:x} + byte_offset {dlt.byte_offset} "
                           f"({nbytes} bytes) lies beyond user-space addresses")
     region = None
+    known = None  # (an allocation the bytes lie in, held until the import is made of it)
     if dev.kind == "cuda" and nbytes:
-        info = dev.backend.pointer_info(ptr)
-        if info is not None:
-            region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)
+        known = lookup_allocation(dev, ptr, nbytes)  # (one imported before: its region was
+        if known is None:                            # asked and checked then; 5 us a call)
+            info = dev.backend.pointer_info(ptr)
+            if info is not None:
+                region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)
     elif isinstance(obj, np.ndarray) and nbytes:  # (its base's memory: see numpy_region)
         region = numpy_region(obj)
     # consume: from here on we own the managed tensor and must call its deleter

@@ -253,7 +253,11 @@ def test_a_cuda_import_covers_the_driver_allocation_it_lies_in(monkeypatch):
     assert (alloc.ptr, alloc.nbytes, alloc.source) == (base, 256, "dlpack")
     tok = a._live_token()
     assert (tok.start, tok.stop) == (64, 128)
+    asked = []  # (a later import inside it finds it: the driver is not asked again)
+    real = drv.cuPointerGetAttributes
+    monkeypatch.setattr(drv, "cuPointerGetAttributes", lambda *a: asked.append(a) or real(*a))
     b = sm.from_dlpack(cuda_capsule(mem[40:48]))
+    assert asked == []
     assert b.allocation is alloc and (b._live_token().start, b._live_token().stop) == (160, 192)
     np.testing.assert_array_equal(b.to_host(), np.arange(40, 48, dtype=np.float32))
     assert sm.stats().live_allocations == before + 1
