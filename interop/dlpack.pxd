@@ -7,7 +7,8 @@ cimport cython
 from cpython.exc cimport PyErr_Fetch, PyErr_Restore
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_New
+from cpython.pycapsule cimport (PyCapsule_Destructor, PyCapsule_GetPointer, PyCapsule_IsValid,
+                                PyCapsule_New, PyCapsule_SetName)
 from cpython.ref cimport PyObject
 from sharedmem.allocation cimport View, ViewToken
 from sharedmem.tensor cimport Tensor
@@ -55,6 +56,19 @@ cdef inline void _c_deleter(void* managed) noexcept with gil:
 
 cdef inline size_t _c_deleter_address() noexcept:
     return <size_t>_c_deleter
+
+
+# The capsule calls of an import, through the C API (through ctypes, interpreted)
+cdef inline bint _c_is_valid(object capsule, const char* name) noexcept:
+    return PyCapsule_IsValid(capsule, name) == 1
+
+
+cdef inline size_t _c_get_pointer(object capsule, const char* name) except? 0:
+    return <size_t>PyCapsule_GetPointer(capsule, name)
+
+
+cdef inline int _c_set_name(object capsule, const char* name) except -1:
+    return PyCapsule_SetName(capsule, name)
 
 
 cdef inline object _c_capsule(size_t addr, bint versioned):

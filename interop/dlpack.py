@@ -589,9 +589,13 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
             capsule = obj.__dlpack__(max_version=DLPACK_VERSION, **kwargs)
         except TypeError:
             capsule = obj.__dlpack__(**kwargs)  # a producer from before DLPack 1.0
-    if _is_valid(capsule, _VERSIONED):
+    if cython.compiled:  # (dlpack.pxd: the C API, not ctypes)
+        valid = 2 if _c_is_valid(capsule, _VERSIONED) else _c_is_valid(capsule, _LEGACY)
+    else:
+        valid = 2 if _is_valid(capsule, _VERSIONED) else _is_valid(capsule, _LEGACY)
+    if valid == 2:
         versioned, name, used = True, _VERSIONED, _USED_VERSIONED
-    elif _is_valid(capsule, _LEGACY):
+    elif valid:
         versioned, name, used = False, _LEGACY, _USED_LEGACY
     else:
         try:
@@ -602,7 +606,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
             raise BufferError("this DLPack capsule was already consumed; a capsule can be "
                               "imported once -- ask the producer for a new one")
         raise BufferError(f"not a DLPack capsule (capsule name {got!r})")
-    addr = _get_pointer(capsule, name)
+    addr = _c_get_pointer(capsule, name) if cython.compiled else _get_pointer(capsule, name)
     if versioned:
         m = DLManagedTensorVersioned.from_address(addr)
         if m.version.major != 1:
@@ -653,7 +657,10 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     elif isinstance(obj, np.ndarray) and nbytes:  # (its base's memory: see numpy_region)
         region = numpy_region(obj)
     # consume: from here on we own the managed tensor and must call its deleter
-    _set_name(capsule, used)
+    if cython.compiled:
+        _c_set_name(capsule, used)
+    else:
+        _set_name(capsule, used)
     ours = ctypes.cast(m.deleter, ctypes.c_void_p).value == _DELETER_ADDR  # (our own export)
     owner = None if ours else _Imported(addr, versioned)
     try:
