@@ -650,7 +650,11 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     known = None  # (an allocation the bytes lie in, held until the import is made of it)
     if dev.kind == "cuda" and nbytes:
         known = lookup_allocation(dev, ptr, nbytes)  # (one imported before: its region was
-        if known is None:                            # asked and checked then; 5 us a call)
+        # asked and checked then; 5 us a call) -- where it cannot have outlived its memory:
+        # ours (its pool block lives with it) or a foreign one a live view's producer keeps.
+        # A foreign allocation without views may be kept past its producer (a user's
+        # t.allocation, torch facts): the driver may have given its start out again, smaller
+        if known is None or (known.owner is None and known.live_views == 0):
             info = dev.backend.pointer_info(ptr)
             if info is not None:
                 region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)

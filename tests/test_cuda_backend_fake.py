@@ -5,6 +5,7 @@ ownership, stream identity, capture bookkeeping. The driver's semantics are
 checked by the gpu-marked tests on a real device.
 """
 
+import contextlib
 import gc
 import os
 import re
@@ -3215,7 +3216,7 @@ def test_a_sweep_that_cannot_ask_past_work_of_unknown_completion_still_finishes_
     import sharedmem.backends.cuda as bc
     from fake_cuda import CUresult
     from sharedmem.config import compiled
-    from sharedmem.runtime.state import locked
+    from sharedmem.runtime.state import RUNTIME, locked
     from sharedmem.runtime.submission import add_callback, sweep_all
     if compiled():
         pytest.skip("the fake's context check is not reached by the compiled query")
@@ -3243,11 +3244,72 @@ def test_a_sweep_that_cannot_ask_past_work_of_unknown_completion_still_finishes_
             bc._current.ctx = None
             monkeypatch.setattr(drv, "cuCtxSetCurrent",
                                 lambda c: (CUresult.CUDA_ERROR_INVALID_VALUE,))
-        sweep_all()  # (no CudaError: the next sweep asks again)
-        assert ran.wait(5) and futs[0].done() and not futs[1].done()
+        with contextlib.suppress(sm.CudaError):  # (the sweep that takes the first -- this
+            sweep_all()                           # one or the retirer's -- raises nothing)
+        assert ran.wait(5) and futs[0].done()
+        with pytest.raises(sm.CudaError):  # (nothing left to take: the error comes out)
+            futs[1].done()
         monkeypatch.setattr(drv, "cuCtxSetCurrent", real)
+        RUNTIME.errors.clear()  # (the retirer's sweeps' meanwhile)
         drv.held.clear()
         futs[1].result(5)
         with pytest.raises(sm.CompletionUnknownError):
             futs[2].result(5)
     assert sm.stats().leaked == before.leaked + 2  # (the first and the newest)
+
+
+def test_waiting_for_work_behind_a_query_that_cannot_ask_raises_rather_than_hangs(
+        fake, monkeypatch):
+    """The walk of a stream's work after a marker of unknown completion stops where a query
+    raises (the device's context cannot be made current). Where it took nothing, the error
+    must come out as before: a wait for the newest (unknown) submission sweeps in a loop until
+    that submission leaves the stream, and a sweep that neither progresses nor raises keeps it
+    there forever -- result(timeout) never returned, its timeout not honoured."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult
+    from sharedmem.config import compiled
+    from sharedmem.runtime.state import RUNTIME, locked
+    if compiled():
+        pytest.skip("the fake's context check is not reached by the compiled query")
+    dev, drv = fake
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    drv.holding = True
+    futs = []
+    for _ in range(3):
+        futs.append(b.fill_zero(stream=s))
+        with locked():
+            futs[-1]._s.marker.close_locked()  # (a marker each)
+    drv.holding = False
+    real = drv.cuCtxSetCurrent
+    err = sm.CudaError("cuEventQuery failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719)
+    got = []
+
+    def waiter():
+        try:
+            futs[2].result(1)
+            got.append(None)
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    t = threading.Thread(target=waiter, daemon=True)
+    with pytest.warns(sm.LeakWarning):
+        with locked():
+            futs[0]._s.marker.error = err  # the first and the newest: unknown
+            futs[2]._s.marker.error = err
+            drv.current = 0  # another library switched contexts; making ours current fails
+            bc._current.ctx = None
+            monkeypatch.setattr(drv, "cuCtxSetCurrent",
+                                lambda c: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+        t.start()
+        t.join(5)
+        hung = t.is_alive()
+        monkeypatch.setattr(drv, "cuCtxSetCurrent", real)  # (lets a hung waiter end)
+        drv.held.clear()
+        t.join(5)
+        RUNTIME.errors.clear()  # (the retirer's sweeps' meanwhile)
+        with contextlib.suppress(Exception):
+            sm.synchronize()
+    assert not hung, "result(1) of work behind an unaskable query never returned"
+    assert got and isinstance(got[0], (sm.CudaError, TimeoutError)), got

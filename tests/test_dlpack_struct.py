@@ -301,3 +301,40 @@ def test_a_cuda_import_past_its_driver_allocation_is_refused_and_the_capsule_kep
     dev.default_stream.synchronize()
     gc.collect()
     assert sm.stats().live_allocations == before
+
+
+def test_a_cuda_import_inside_a_foreign_allocation_whose_memory_was_freed_is_checked(
+        monkeypatch):
+    """A foreign allocation outlives its memory when something keeps the object but nothing
+    keeps its producer (a user's ``t.allocation``; the torch facts of interop.cupy_launch
+    keep a segment's allocation, not the segment): the producer frees the memory, the driver
+    gives the address out again -- smaller. A capsule there that claims bytes past the new
+    driver allocation's end lies inside that dead allocation: the driver must still be asked,
+    and the claim refused (BufferError) as for memory never seen."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    import sharedmem.device as smd
+    monkeypatch.setitem(smd._devices, ("cuda", 0), dev)
+    mem = np.arange(64, dtype=np.float32)  # one "driver allocation" of 256 bytes
+    base = mem.ctypes.data
+    drv.ranges[base] = mem.nbytes
+
+    def cuda_capsule(part):
+        cap = part.__dlpack__(max_version=(1, 0))
+        d = dl.DLManagedTensorVersioned.from_address(
+            dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
+        d.device.device_type, d.device.device_id = dl.kDLCUDA, 0
+        return cap
+
+    a = sm.from_dlpack(cuda_capsule(mem[16:32]))
+    dead = a.allocation  # (the object kept; its producer is not)
+    assert (dead.ptr, dead.nbytes) == (base, 256)
+    a.release()
+    del a
+    dev.default_stream.synchronize()
+    gc.collect()
+    drv.ranges[base] = 64  # freed by its producer; given out again at the same address, smaller
+    cap = cuda_capsule(mem[0:32])  # 128 bytes: 64 past the new driver allocation's end
+    with pytest.raises(BufferError, match="runs past the end of the CUDA allocation"):
+        sm.from_dlpack(cap)
+    del dead

@@ -629,7 +629,9 @@ def _sweep_locked(stream, record=True) -> list:
             try:
                 st = sub.marker.query()
             except Exception:  # (the device's context cannot be made current: what this
-                break          # loop took still reaches finish(); the next sweep asks again)
+                if not out:    # loop took still reaches finish(), and the next sweep asks
+                    raise      # again; one that took nothing raises, as the first queries
+                break          # do -- else a wait sweeping until its work leaves spins on)
             if st == _M_PENDING:
                 break
             del pending[0]
