@@ -3206,21 +3206,10 @@ def test_a_strided_copy_failing_after_its_first_pieces_in_a_capture_is_kept_by_t
     assert sm.stats().live_allocations == before + 1  # (other)
 
 
-def test_a_sweep_that_cannot_ask_past_work_of_unknown_completion_still_finishes_that_work(
-        fake, monkeypatch):
-    """A sweep that met a marker of unknown completion walks the stream's work one by one;
-    where the next query raised (the device's context could not be made current), the work
-    it had taken off the stream already -- unknown, counted as leaked -- never reached
-    finish(): its callbacks never ran (a then() chained on it hung). Now the sweep stops
-    there, hands on what it took, and asks again next time."""
-    import sharedmem.backends.cuda as bc
-    from fake_cuda import CUresult
-    from sharedmem.config import compiled
-    from sharedmem.runtime.state import RUNTIME, locked
-    from sharedmem.runtime.submission import add_callback, sweep_all
-    if compiled():
-        pytest.skip("the fake's context check is not reached by the compiled query")
-    dev, drv = fake
+def _three_markers(dev, drv):
+    """Three fills of one buffer on a new stream, each with its own recorded marker, all
+    pending (the fake holds their events)."""
+    from sharedmem.runtime.state import locked
     s = dev.create_stream("s")
     b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
     sm.synchronize()
@@ -3231,19 +3220,45 @@ def test_a_sweep_that_cannot_ask_past_work_of_unknown_completion_still_finishes_
         with locked():
             futs[-1]._s.marker.close_locked()  # (a marker each)
     drv.holding = False
+    return futs
+
+
+def _unknown_ends_unaskable_middle(drv, futs, err, monkeypatch):
+    """The first and the newest of ``futs``' work of unknown completion (``err``); the
+    device's context no longer made current, so asking about the middle one raises. Under the
+    core lock: the retirer sweeps too, and whichever sweep comes sees it all at once."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult
+    from sharedmem.runtime.state import locked
+    with locked():
+        futs[0]._s.marker.error = err
+        futs[2]._s.marker.error = err
+        drv.current = 0  # another library switched contexts; making ours current fails
+        bc._current.ctx = None
+        monkeypatch.setattr(drv, "cuCtxSetCurrent", lambda c: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+
+
+def test_a_sweep_that_cannot_ask_past_work_of_unknown_completion_still_finishes_that_work(
+        fake, monkeypatch):
+    """A sweep that met a marker of unknown completion walks the stream's work one by one;
+    where the next query raised (the device's context could not be made current), the work
+    it had taken off the stream already -- unknown, counted as leaked -- never reached
+    finish(): its callbacks never ran (a then() chained on it hung). Now the sweep stops
+    there, hands on what it took, and asks again next time."""
+    from sharedmem.config import compiled
+    from sharedmem.runtime.state import RUNTIME
+    from sharedmem.runtime.submission import add_callback, sweep_all
+    if compiled():
+        pytest.skip("the fake's context check is not reached by the compiled query")
+    dev, drv = fake
+    futs = _three_markers(dev, drv)
     ran = threading.Event()
     add_callback(futs[0]._s, ran.set)
     real = drv.cuCtxSetCurrent
     before = sm.stats()
     err = sm.CudaError("cuEventQuery failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719)
     with pytest.warns(sm.LeakWarning, match=r"CUDA_ERROR_LAUNCH_FAILED"):
-        with locked():  # (the retirer sweeps too: whichever sweep comes, the same answers)
-            futs[0]._s.marker.error = err  # the first and the newest: unknown
-            futs[2]._s.marker.error = err
-            drv.current = 0  # another library switched contexts; making ours current fails
-            bc._current.ctx = None
-            monkeypatch.setattr(drv, "cuCtxSetCurrent",
-                                lambda c: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+        _unknown_ends_unaskable_middle(drv, futs, err, monkeypatch)
         with contextlib.suppress(sm.CudaError):  # (the sweep that takes the first -- this
             sweep_all()                           # one or the retirer's -- raises nothing)
         assert ran.wait(5) and futs[0].done()
@@ -3265,23 +3280,12 @@ def test_waiting_for_work_behind_a_query_that_cannot_ask_raises_rather_than_hang
     must come out as before: a wait for the newest (unknown) submission sweeps in a loop until
     that submission leaves the stream, and a sweep that neither progresses nor raises keeps it
     there forever -- result(timeout) never returned, its timeout not honoured."""
-    import sharedmem.backends.cuda as bc
-    from fake_cuda import CUresult
     from sharedmem.config import compiled
-    from sharedmem.runtime.state import RUNTIME, locked
+    from sharedmem.runtime.state import RUNTIME
     if compiled():
         pytest.skip("the fake's context check is not reached by the compiled query")
     dev, drv = fake
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    drv.holding = True
-    futs = []
-    for _ in range(3):
-        futs.append(b.fill_zero(stream=s))
-        with locked():
-            futs[-1]._s.marker.close_locked()  # (a marker each)
-    drv.holding = False
+    futs = _three_markers(dev, drv)
     real = drv.cuCtxSetCurrent
     err = sm.CudaError("cuEventQuery failed: CUDA_ERROR_LAUNCH_FAILED (719)", 719)
     got = []
@@ -3295,13 +3299,7 @@ def test_waiting_for_work_behind_a_query_that_cannot_ask_raises_rather_than_hang
 
     t = threading.Thread(target=waiter, daemon=True)
     with pytest.warns(sm.LeakWarning):
-        with locked():
-            futs[0]._s.marker.error = err  # the first and the newest: unknown
-            futs[2]._s.marker.error = err
-            drv.current = 0  # another library switched contexts; making ours current fails
-            bc._current.ctx = None
-            monkeypatch.setattr(drv, "cuCtxSetCurrent",
-                                lambda c: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+        _unknown_ends_unaskable_middle(drv, futs, err, monkeypatch)
         t.start()
         t.join(5)
         hung = t.is_alive()

@@ -226,28 +226,37 @@ def test_cuda_fake_export_roundtrip(monkeypatch):
     assert t.allocation.live_views == 1
 
 
+def _fake_driver_allocation(monkeypatch):
+    """A fake CUDA device and one "driver allocation" of 256 bytes over NumPy memory (the
+    fake's device memory is host memory): ``(dev, drv, mem, base)``."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, False)
+    import sharedmem.device as smd
+    monkeypatch.setitem(smd._devices, ("cuda", 0), dev)
+    mem = np.arange(64, dtype=np.float32)
+    base = mem.ctypes.data
+    drv.ranges[base] = mem.nbytes
+    return dev, drv, mem, base
+
+
+def _cuda_capsule(part):
+    """NumPy array ``part``'s DLPack capsule relabelled as CUDA memory of device 0."""
+    cap = part.__dlpack__(max_version=(1, 0))
+    d = dl.DLManagedTensorVersioned.from_address(
+        dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
+    d.device.device_type, d.device.device_id = dl.kDLCUDA, 0
+    return cap
+
+
 def test_a_cuda_import_covers_the_driver_allocation_it_lies_in(monkeypatch):
     """A foreign CUDA capsule over part of a driver allocation sharedmem has not seen is
     imported as an allocation over the whole driver allocation (``cuPointerGetAttributes``'s
     range), leasing just the capsule's bytes: a second capsule over another part of it is the
     same allocation. (Fake device memory is host memory: NumPy's capsules, relabelled CUDA.)"""
-    from fake_cuda import install_fake_devices
-    (dev,), drv = install_fake_devices(monkeypatch, False)
-    import sharedmem.device as smd
-    monkeypatch.setitem(smd._devices, ("cuda", 0), dev)
-    mem = np.arange(64, dtype=np.float32)  # one "driver allocation" of 256 bytes
-    base = mem.ctypes.data
-    drv.ranges[base] = mem.nbytes
-
-    def cuda_capsule(part):
-        cap = part.__dlpack__(max_version=(1, 0))
-        d = dl.DLManagedTensorVersioned.from_address(
-            dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
-        d.device.device_type, d.device.device_id = dl.kDLCUDA, 0
-        return cap
+    dev, drv, mem, base = _fake_driver_allocation(monkeypatch)
 
     before = sm.stats().live_allocations
-    a = sm.from_dlpack(cuda_capsule(mem[16:32]))
+    a = sm.from_dlpack(_cuda_capsule(mem[16:32]))
     alloc = a.allocation
     assert a.device is dev and (a.shape, a.strides, a.ptr) == ((16,), (1,), base + 64)
     assert (alloc.ptr, alloc.nbytes, alloc.source) == (base, 256, "dlpack")
@@ -256,7 +265,7 @@ def test_a_cuda_import_covers_the_driver_allocation_it_lies_in(monkeypatch):
     asked = []  # (a later import inside it finds it: the driver is not asked again)
     real = drv.cuPointerGetAttributes
     monkeypatch.setattr(drv, "cuPointerGetAttributes", lambda *a: asked.append(a) or real(*a))
-    b = sm.from_dlpack(cuda_capsule(mem[40:48]))
+    b = sm.from_dlpack(_cuda_capsule(mem[40:48]))
     assert asked == []
     assert b.allocation is alloc and (b._live_token().start, b._live_token().stop) == (160, 192)
     np.testing.assert_array_equal(b.to_host(), np.arange(40, 48, dtype=np.float32))
@@ -311,22 +320,9 @@ def test_a_cuda_import_inside_a_foreign_allocation_whose_memory_was_freed_is_che
     gives the address out again -- smaller. A capsule there that claims bytes past the new
     driver allocation's end lies inside that dead allocation: the driver must still be asked,
     and the claim refused (BufferError) as for memory never seen."""
-    from fake_cuda import install_fake_devices
-    (dev,), drv = install_fake_devices(monkeypatch, False)
-    import sharedmem.device as smd
-    monkeypatch.setitem(smd._devices, ("cuda", 0), dev)
-    mem = np.arange(64, dtype=np.float32)  # one "driver allocation" of 256 bytes
-    base = mem.ctypes.data
-    drv.ranges[base] = mem.nbytes
+    dev, drv, mem, base = _fake_driver_allocation(monkeypatch)
 
-    def cuda_capsule(part):
-        cap = part.__dlpack__(max_version=(1, 0))
-        d = dl.DLManagedTensorVersioned.from_address(
-            dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
-        d.device.device_type, d.device.device_id = dl.kDLCUDA, 0
-        return cap
-
-    a = sm.from_dlpack(cuda_capsule(mem[16:32]))
+    a = sm.from_dlpack(_cuda_capsule(mem[16:32]))
     dead = a.allocation  # (the object kept; its producer is not)
     assert (dead.ptr, dead.nbytes) == (base, 256)
     a.release()
@@ -334,7 +330,7 @@ def test_a_cuda_import_inside_a_foreign_allocation_whose_memory_was_freed_is_che
     dev.default_stream.synchronize()
     gc.collect()
     drv.ranges[base] = 64  # freed by its producer; given out again at the same address, smaller
-    cap = cuda_capsule(mem[0:32])  # 128 bytes: 64 past the new driver allocation's end
+    cap = _cuda_capsule(mem[0:32])  # 128 bytes: 64 past the new driver allocation's end
     with pytest.raises(BufferError, match="runs past the end of the CUDA allocation"):
         sm.from_dlpack(cap)
     del dead
