@@ -413,3 +413,38 @@ def test_a_stream_waiting_for_work_that_then_faults_faults_too(host):
                                                         r"\(owned\)> faulted earlier "
                                                         r"\(CompletionUnknownError\(\"" + why):
         sm.launch(reads, 1, 1, sm.In(out), sm.Out(out), stream=b)
+
+
+def test_a_failure_at_every_retirer_pass_is_reported_once_until_taken(monkeypatch):
+    """A pass that fails the same way every time (a device whose context cannot be made
+    current) queued one error a pass -- every 0.2 ms, without bound -- each re-raised by the
+    next user call in turn. It waits once now, until a user thread takes it; a failure that
+    differs is queued beside it."""
+    import time
+    from sharedmem.runtime import retirer
+    from sharedmem.runtime.state import RUNTIME
+    calls = []
+
+    def failing(rt, last):
+        calls.append(1)
+        raise sm.CudaError("cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT (201)", 201)
+
+    RUNTIME.errors.clear()
+    monkeypatch.setattr(retirer, "_pass", failing)
+    try:
+        retirer.ensure()
+        retirer.wake()
+        deadline = time.monotonic() + 5
+        while len(calls) < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) >= 50  # (the retirer kept trying: it polls after a failure)
+        assert [str(e) for e in RUNTIME.errors] == [
+            "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT (201)"]
+        assert retirer._pending(RUNTIME.errors, sm.CudaError(
+            "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT (201)", 201))
+        assert not retirer._pending(RUNTIME.errors, sm.CudaError("another", 1))
+    finally:
+        monkeypatch.undo()
+        retirer.wake()
+        time.sleep(0.05)
+        RUNTIME.errors.clear()

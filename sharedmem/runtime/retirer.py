@@ -89,8 +89,9 @@ def _run() -> None:
     while not sys.is_finalizing():
         try:
             seen, poll = _pass(rt, seen)
-        except BaseException as e:  # re-raised in a user thread
-            rt.errors.append(e)
+        except BaseException as e:  # re-raised in a user thread (once while it repeats)
+            if not _pending(rt.errors, e):
+                rt.errors.append(e)
             seen, poll = {}, True
         now = time.monotonic()
         submitted = rt.submitted
@@ -110,6 +111,16 @@ def _run() -> None:
             if not _polled_active(rt):
                 bell.sleep(IDLE_INTERVAL)
             rt.retirer_idle = False
+
+
+def _pending(errors, e) -> bool:
+    """Whether an error like ``e`` (its type and message) waits in ``errors`` already: a
+    failure at every pass (a device whose context cannot be made current: each pass every
+    0.2 ms) is reported once until a user thread takes it, not queued without bound."""
+    for x in list(errors):  # (a copy: user threads take errors meanwhile)
+        if type(x) is type(e) and str(x) == str(e):
+            return True
+    return False
 
 
 def _pass(rt, last):
