@@ -657,6 +657,10 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         if known is None or (known.owner is None and known.live_views == 0):
             info = dev.backend.pointer_info(ptr)
             if info is not None:
+                if info[2] != dev.ordinal:  # (the capsule names another device than the driver)
+                    raise BufferError(f"DLPack tensor at 0x{ptr:x} says it is on {dev}, but "
+                                      f"the driver has that memory on CUDA device {info[2]}; "
+                                      f"the producer's dl_device is wrong")
                 region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)
     elif isinstance(obj, np.ndarray) and nbytes:  # (its base's memory: see numpy_region)
         region = numpy_region(obj)

@@ -334,3 +334,27 @@ def test_a_cuda_import_inside_a_foreign_allocation_whose_memory_was_freed_is_che
     with pytest.raises(BufferError, match="runs past the end of the CUDA allocation"):
         sm.from_dlpack(cap)
     del dead
+
+
+def test_a_cuda_capsule_naming_another_device_than_the_driver_is_refused_unconsumed(
+        monkeypatch):
+    """A capsule whose dl_device says CUDA device 0 over memory the driver has on device 1
+    was imported as device 0's (the driver's ordinal was not read): leases on the wrong
+    device's streams, launches there. BufferError now, before the capsule is consumed."""
+    from fake_cuda import install_fake_devices
+    (d0, d1), drv = install_fake_devices(monkeypatch, False, count=2)
+    import sharedmem.device as smd
+    monkeypatch.setitem(smd._devices, ("cuda", 0), d0)
+    monkeypatch.setitem(smd._devices, ("cuda", 1), d1)
+    mem = np.arange(64, dtype=np.float32)
+    drv.ranges[mem.ctypes.data] = mem.nbytes
+    drv.range_device[mem.ctypes.data] = 1
+    before = sm.stats().live_allocations
+    cap = _cuda_capsule(mem[16:32])  # (labelled device 0)
+    with pytest.raises(BufferError, match=r"^DLPack tensor at 0x[0-9a-f]+ says it is on "
+                                          r"<Device cuda:0 .*>, but the driver has that "
+                                          r"memory on CUDA device 1; the producer's dl_device "
+                                          r"is wrong$"):
+        sm.from_dlpack(cap)
+    assert dl._is_valid(cap, b"dltensor_versioned")  # (not consumed: its deleter runs at GC)
+    assert sm.stats().live_allocations == before
