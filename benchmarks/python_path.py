@@ -167,6 +167,9 @@ def this_build():
     def borrowed_stream():  # a foreign stream object passed as stream= on every launch
         sm.launch(k, 8, 128, In(a), In(b), Out(e), Out(d), n, stream=foreign)
 
+    sys.modules["cupy"].current.ptr = s.handle  # (CuPy's current stream: a launch of CuPy
+    # arrays on it waits for nothing, as run.py's row runs)
+
     def cupy_arrays():  # foreign arrays as arguments (learned on their first launch)
         sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(arrays[2]), Out(arrays[3]), n,
                   stream=s)

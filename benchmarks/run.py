@@ -240,8 +240,14 @@ def bench_launch_gpu(dev, quick):
         sm.launch(k, 1, 32, In(A), In(B), Out(t), Out(D), nn, stream=s)
         box[0] = t.into_buffer()
 
-    def ours_cupy():  # CuPy arrays as arguments: leased for the launch, no view made
+    def ours_cupy():  # CuPy arrays as arguments: leased for the launch, no view made; on
+        # CuPy's current stream (made cps below, as raw runs there): no wait
         sm.launch(k, 1, 32, In(ca), In(cb), Out(cc), Out(cd), nn, stream=s)
+
+    s_other = dev.create_stream("bench-other")
+
+    def ours_cupy_other():  # the same on a stream other than CuPy's current: a wait a launch
+        sm.launch(k, 1, 32, In(ca), In(cb), Out(cc), Out(cd), nn, stream=s_other)
 
     def raw16():
         k16((1,), (32,), tuple(cmany), stream=cps)
@@ -268,27 +274,34 @@ def bench_launch_gpu(dev, quick):
 
     floor_core, why = _cuda_core_floor(dev, s, [ca.data.ptr, cb.data.ptr, cc.data.ptr,
                                                 cd.data.ptr], n)
-    fns = [raw, ours, ours_fresh, ours_cupy, ours_op, floor, raw16, ours16]
+    fns = [raw, ours, ours_fresh, ours_cupy, ours_op, floor, raw16, ours16, ours_cupy_other]
     if floor_core is not None:
         fns.append(floor_core)
-    for fn in fns:  # warm up
-        for _ in range(200):
-            fn()
-    sync()
-    t = interleaved_us(fns, n_launch, 7, sync)
-    t_raw, t_ours, t_fresh, t_cupy, t_op, t_floor, t_raw16, t_ours16 = t[:8]
+    before = cp.cuda.get_current_stream()
+    cps.use()  # (CuPy's current stream: where raw launches, and ours_cupy with no wait)
+    try:
+        for fn in fns:  # warm up
+            for _ in range(200):
+                fn()
+        sync()
+        t = interleaved_us(fns, n_launch, 7, lambda: (sync(), s_other.synchronize()))
+    finally:
+        before.use()
+    t_raw, t_ours, t_fresh, t_cupy, t_op, t_floor, t_raw16, t_ours16, t_cupy_other = t[:9]
     sm.synchronize()
     core = sm.show_config(open(os.devnull, "w"))["core"].split(" (")[0]
     row(f"launch, 4 views reused + scalar, vs CuPy RawKernel call ({core})", t_ours, t_raw, "CuPy",
         fns=(ours, raw))
     if floor_core is not None:
-        row("launch, same, vs cuda.core launch", t_ours, t[8], "cuda.core")
+        row("launch, same, vs cuda.core launch", t_ours, t[9], "cuda.core")
     else:
         ROWS.append(("launch, same, vs cuda.core launch", "n/a", why, "-"))
     row("launch, same, vs cuLaunchKernel floor (cuda.bindings)", t_ours, t_floor, "cuLaunchKernel")
     row("launch with fresh views (a move between launches) vs CuPy", t_fresh, t_raw, "CuPy",
         fns=(ours_fresh,))
     row("launch with CuPy arrays as arguments vs CuPy", t_cupy, t_raw, "CuPy", fns=(ours_cupy,))
+    row("same, on a stream other than CuPy's current (a wait a launch)", t_cupy_other, t_raw,
+        "CuPy")
     row("launch, 16 buffers, vs CuPy with 16 arrays", t_ours16, t_raw16, "CuPy",
         fns=(ours16, raw16))
     row("op.submit of that launch vs CuPy", t_op, t_raw, "CuPy", fns=(ours_op,))

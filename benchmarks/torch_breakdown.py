@@ -51,8 +51,9 @@ def main() -> int:
 
     cps = cp.cuda.ExternalStream(s.handle)
     row("raw CuPy launch of CuPy arrays", lambda: k((1,), (32,), (ca, cb, cc, cd, nn), stream=cps))
-    row("sm.launch, CuPy arrays", lambda: sm.launch(k, 1, 32, In(ca), In(cb), Out(cc), Out(cd),
-                                                   nn, stream=s))
+    with cps:  # (CuPy's current stream: a launch of CuPy arrays there waits for nothing)
+        row("sm.launch, CuPy arrays, CuPy's current stream (no wait)",
+            lambda: sm.launch(k, 1, 32, In(ca), In(cb), Out(cc), Out(cd), nn, stream=s))
     row("sm.launch, torch tensors, a sharedmem stream (a wait a launch)",
         lambda: sm.launch(k, 1, 32, In(ta), In(tb), Out(tc), Out(td), nn, stream=s))
     row("sm.launch, torch tensors, torch's current stream (no wait)",

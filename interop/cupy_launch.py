@@ -387,6 +387,7 @@ class RawKernelPlan(KernelPlan):
             out = []
         extra = 0  # parameters filled beyond one per argument (lengths): argument i's is i + extra
         torch_dev = None  # (the device of the torch tensors among the arguments, or a list)
+        cupy_dev = None  # (of the CuPy arrays)
         for i, a in enumerate(args):
             par = params[i + extra]
             t = type(a)
@@ -405,12 +406,16 @@ class RawKernelPlan(KernelPlan):
                     raise KernelError(f"argument {i}: {par.describe()} is not a pointer, got "
                                       f"a {'CuPy array' if a.layout is None else 'torch tensor'}")
                 fa = cython.cast(ArrayFacts, a) if cython.compiled else a
+                adev = fa.token.allocation.device
                 if fa.layout is not None:  # (a torch tensor's: see torch_facts)
-                    tdev = fa.token.allocation.device
                     if torch_dev is None:  # (one device, the usual: no call)
-                        torch_dev = tdev
-                    elif torch_dev is not tdev:
-                        torch_dev = torch_devices(torch_dev, fa)
+                        torch_dev = adev
+                    elif torch_dev is not adev:
+                        torch_dev = devices_of(torch_dev, fa)
+                elif cupy_dev is None:  # (a CuPy array's: ordered after CuPy's stream)
+                    cupy_dev = adev
+                elif cupy_dev is not adev:
+                    cupy_dev = devices_of(cupy_dev, fa)
                 if par.kcode == _K_PTR and not cython.compiled:  # (as for a view; its element 0's
                     out.append(fa.ptr)                           # address, learned with it)
                 else:
@@ -487,7 +492,9 @@ class RawKernelPlan(KernelPlan):
                         f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
                         f"np.complex64(z)")
         if torch_dev is not None:  # (every argument checked first)
-            order_after_torch_all(stream, torch_dev)
+            order_after_all(stream, torch_dev, True)
+        if cupy_dev is not None:
+            order_after_all(stream, cupy_dev, False)
         return out  # (interpreted: the values, packed into the slots by enqueue)
 
     def _count_error(self, args):
@@ -763,7 +770,7 @@ def torch_facts(t):
     reaches it). Each launch's work keeps the storage the tensor has then (``keep``): one torch
     swaps out meanwhile (``set_``, ``.data =``, a growing ``resize_``) is not freed under the
     kernel. A launch is ordered after torch's current stream of the tensor's device
-    (:func:`order_after_torch`)."""
+    (:func:`order_after_library`)."""
     ptr = t.data_ptr()
     layout = (t.shape, t.stride(), t.dtype)  # (strides in elements: the dtype too)
     f = _facts.get(id(t))
@@ -795,37 +802,53 @@ def torch_facts(t):
                      type(t).untyped_storage)
 
 
-def order_after_torch(stream, device) -> None:
-    """Order later work on ``stream`` after torch's pending work on its current stream of
-    ``device`` (a torch tensor argument's; what torch's ``__dlpack__(stream=...)`` does for an
-    import): once per launch and device of torch tensors among its arguments, after its
-    arguments are checked; nothing where torch's current stream is ``stream`` itself. A
-    capture cannot wait for another stream: CaptureError there, saying what to do."""
-    raw = _torch[2]  # (torch's own C entry point, as its compiled kernels call: 5 us less)
-    h = raw(device.ordinal) if raw is not None else \
-        _torch[0].cuda.current_stream(device.ordinal).cuda_stream
-    if device is stream.device and h == stream.handle:
+def order_after_library(stream, device, torch) -> None:
+    """Order later work on ``stream`` after the pending work on the current stream of
+    ``device`` of the library whose arrays a launch was given: torch's (``torch`` true) or
+    CuPy's -- what that library's ``__dlpack__(stream=...)`` does for an import, so that a
+    kernel reads what the library wrote there before the launch. Once per launch, library and
+    device, after the arguments are checked; nothing where that stream is ``stream`` itself
+    (launch there: no wait). A capture cannot wait for another stream: CaptureError there,
+    saying what to do."""
+    if torch:
+        raw = _torch[2]  # (torch's own C entry point, as its compiled kernels call: 5 us less)
+        h = raw(device.ordinal) if raw is not None else \
+            _torch[0].cuda.current_stream(device.ordinal).cuda_stream
+    else:
+        cp = _ndarray[0]  # (set: a CuPy array's facts are made after CuPy's module is seen)
+        h = cp.cuda.get_current_stream(device.ordinal).ptr
+    if device is stream.device and h == stream._impl.handle:
         return  # (handles name streams per device: 0 is every device's legacy stream)
-    if stream._capture is not None:
-        raise CaptureError(
-            f"{stream} is capturing a graph, and a launch with torch tensors among its "
-            f"arguments is ordered after torch's current stream of {device} (handle "
-            f"{h:#x}), which a capture cannot wait for; capture on torch's "
-            f"current stream (with torch.cuda.stream(...) of the stream captured), or pass "
-            f"views of the tensors (sm.from_dlpack before the capture)")
-    theirs = Stream.lookup(device, h) if RUNTIME.captures else None
-    if theirs is not None and theirs._capture is not None:  # (a wait on work recorded into
-        raise CaptureError(                                 # a capture joins the capture)
-            f"torch's current stream of {device} is {theirs}, which is capturing graph "
-            f"#{theirs._capture.id}, and a launch with torch tensors among its arguments on "
-            f"{stream} is ordered after it -- which would draw {stream} into the capture; "
-            f"launch on {theirs} (stream=...) to capture the launch, or outside the capture")
+    if stream._capture is not None or RUNTIME.captures:
+        _check_capture(stream, device, h, torch)
     device.backend.order_after_handle(stream._impl, h)
 
 
-def torch_devices(seen, facts):
-    """``seen`` (None, a Device, or a list of them) with the device of torch tensor
-    ``facts``' bytes: for :func:`order_after_torch_all`."""
+def _check_capture(stream, device, h, torch) -> None:
+    """CaptureError where :func:`order_after_library` cannot wait: ``stream`` capturing (a
+    capture cannot wait for another stream), or the library's current stream (handle ``h``
+    on ``device``) capturing (the wait would draw ``stream`` into that capture)."""
+    lib, arrays = ("torch", "torch tensors") if torch else ("CuPy", "CuPy arrays")
+    if stream._capture is not None:
+        how = ("with torch.cuda.stream(...) of the stream captured" if torch else
+               "with cupy.cuda.ExternalStream(stream.handle) of the stream captured")
+        raise CaptureError(
+            f"{stream} is capturing a graph, and a launch with {arrays} among its arguments "
+            f"is ordered after {lib}'s current stream of {device} (handle {h:#x}), which a "
+            f"capture cannot wait for; capture on {lib}'s current stream ({how}), or pass "
+            f"views of the arrays (sm.from_dlpack before the capture)")
+    theirs = Stream.lookup(device, h)
+    if theirs is not None and theirs._capture is not None:  # (a wait on work recorded into
+        raise CaptureError(                                 # a capture joins the capture)
+            f"{lib}'s current stream of {device} is {theirs}, which is capturing graph "
+            f"#{theirs._capture.id}, and a launch with {arrays} among its arguments on "
+            f"{stream} is ordered after it -- which would draw {stream} into the capture; "
+            f"launch on {theirs} (stream=...) to capture the launch, or outside the capture")
+
+
+def devices_of(seen, facts):
+    """``seen`` (None, a Device, or a list of them) with the device of foreign array
+    ``facts``' bytes: for :func:`order_after_all`."""
     dev = facts.token.allocation.device
     if seen is None or seen is dev:
         return dev
@@ -836,10 +859,10 @@ def torch_devices(seen, facts):
     return [seen, dev]
 
 
-def order_after_torch_all(stream, devices) -> None:
-    """:func:`order_after_torch` for each device :func:`torch_devices` collected."""
+def order_after_all(stream, devices, torch) -> None:
+    """:func:`order_after_library` for each device :func:`devices_of` collected."""
     for dev in devices if type(devices) is list else (devices,):
-        order_after_torch(stream, dev)
+        order_after_library(stream, dev, torch)
 
 
 def torch_tensor_type():

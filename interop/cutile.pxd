@@ -21,7 +21,8 @@ cdef class TilePlan(KernelPlan):
     cdef public tuple last_args
 
     @cython.locals(n=Py_ssize_t, i=Py_ssize_t, j=Py_ssize_t, out=list,
-                   call_args=tuple, seen=tuple, foreign=bint, torch_dev=object, t=type)
+                   call_args=tuple, seen=tuple, foreign=bint, torch_dev=object,
+                   cupy_dev=object, t=type)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(st=Stream, impl=CudaStreamImpl)

@@ -46,8 +46,7 @@ from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, L
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import (ArrayFacts, coerce, order_after_torch_all, torch_devices,
-                                 torch_tensor_type)
+from interop.cupy_launch import ArrayFacts, coerce, devices_of, order_after_all, torch_tensor_type
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -483,7 +482,8 @@ class TilePlan(KernelPlan):
         out = [None] * n
         foreign = False  # (an argument whose signature must be computed each launch)
         known = None  # (index, what stands for a foreign array in last_args: see below)
-        torch_dev = None
+        torch_dev = None  # (the devices of the torch tensors and of the CuPy arrays: see pack
+        cupy_dev = None   # in interop.cupy_launch)
         j = 0
         for i in range(n):
             a = args[i]
@@ -506,7 +506,7 @@ class TilePlan(KernelPlan):
                     # where either changed); torch has no negative strides (nor `strides`:
                     # a getattr of it raised and caught an AttributeError a launch)
                     out[i] = v
-                    torch_dev = torch_devices(torch_dev, a)
+                    torch_dev = devices_of(torch_dev, a)
                     if known is None:
                         known = []
                     known.append((i, a.ref))
@@ -521,6 +521,7 @@ class TilePlan(KernelPlan):
                     if known is None:        # layout may be re-set
                         known = []
                     known.append((i, (a.ref, v.shape, v.strides, v.dtype)))
+                    cupy_dev = devices_of(cupy_dev, a)
                 else:
                     foreign = True
             else:
@@ -541,8 +542,10 @@ class TilePlan(KernelPlan):
         if foreign or not _same_args(seen, self.last_args):
             if self.warm(call_args):
                 self.last_args = None if foreign else seen
-        if torch_dev is not None:  # (see interop.cupy_launch.torch_facts)
-            order_after_torch_all(stream, torch_dev)
+        if torch_dev is not None:  # (see interop.cupy_launch.order_after_library)
+            order_after_all(stream, torch_dev, True)
+        if cupy_dev is not None:
+            order_after_all(stream, cupy_dev, False)
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)

@@ -1663,6 +1663,65 @@ def test_cupy_array_facts_are_found_again_and_forgotten_with_the_array(fake, ker
     assert facts.dead and facts not in icl._facts.values() and facts not in icl.recent_facts()
 
 
+def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kernels, tile,
+                                                                      monkeypatch):
+    """A launch with CuPy arrays among its arguments is ordered after CuPy's current stream of
+    their device (what CuPy's ``__dlpack__(stream=...)`` does for an import): one wait a
+    launch where that stream is another, none where it is the launch's own -- for CuPy
+    kernels and cuTile kernels alike. A launch refused before it is enqueued waits for
+    nothing; a capture cannot wait for CuPy's stream, and says what to do."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    cp = sys.modules["cupy"]
+    s = dev.create_stream("s")
+    sm.synchronize()  # (the arrays' uploads: done, nothing to order after there)
+    waits = _waits_seen(drv, monkeypatch)
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), out, n, stream=s).result()
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))  # 2 * 0 + 1
+    assert waits == [s.handle]  # CuPy's current stream: the legacy default stream
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n).result()
+    assert waits == [s.handle]  # on the legacy default stream itself: no wait
+    with cp.cuda.ExternalStream(s.handle):  # CuPy's current stream is s: no wait
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s).result()
+    assert waits == [s.handle]
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(y), sm.In(y), sm.Out(out), n, stream=s).result()
+    assert waits == [s.handle] * 2  # (one wait for all three arrays of one device)
+
+    from fake_cuda import TileKernel
+    kern = TileKernel(lambda a, b: None)
+    for a in (x, out):  # (what cuTile reads of an array beside its address)
+        a.dtype = np.dtype(np.float32)
+    sm.launch(kern, (1,), None, sm.In(x), sm.Out(out), stream=s).result()
+    assert waits == [s.handle] * 3
+    with cp.cuda.ExternalStream(s.handle):
+        sm.launch(kern, (1,), None, sm.In(x), sm.Out(out), stream=s).result()
+    assert waits == [s.handle] * 3
+
+    leased = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 4: parameter 'n' \(int\) is not a "
+                                             r"pointer, got a CuPy array$"):
+        sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), sm.In(x), stream=s)
+    assert sm.stats().submitted == leased and waits == [s.handle] * 3
+    cap = dev.create_stream("captured")
+    with sm.capture(cap):
+        with pytest.raises(sm.CaptureError, match=r"is capturing a graph, and a launch with CuPy "
+                                                  r"arrays among its arguments is ordered after "
+                                                  r"CuPy's current stream of <Device cuda:0 .*> "
+                                                  r"\(handle 0x0\), which a capture cannot wait "
+                                                  r"for; capture on CuPy's current stream "
+                                                  r"\(with cupy.cuda.ExternalStream"):
+            sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=cap)
+        with cp.cuda.ExternalStream(cap.handle):  # as that error advises: captured, no wait
+            sm.launch(saxpy, 1, 16, 3.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=cap)
+            with pytest.raises(sm.CaptureError, match=r"^CuPy's current stream of <Device "
+                                                      r"cuda:0 .*> is <Stream .*captured.*>, "
+                                                      r"which is capturing graph #\d+"):
+                sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+    assert sm.stats().submitted == leased and waits == [s.handle] * 3  # (captured: not run)
+
+
 def test_two_cupy_arrays_whose_addresses_hash_alike_are_both_found_by_the_recent_table(
         fake, kernels, monkeypatch):
     """Compiled, a CuPy array argument's facts are found in a table indexed by a hash of the

@@ -105,6 +105,35 @@ def test_cupy_arrays_as_launch_arguments_get_leases(cp, ic):
     assert alloc is None or alloc.live_views == 0  # no alias lingers after the launch
 
 
+def test_a_launch_of_cupy_arrays_is_ordered_after_cupys_current_stream(cp, ic):
+    """CuPy writes an array on its current stream (the legacy default stream here, and then a
+    non-blocking stream of its own), slowly; a launch reading it on a sharedmem stream
+    (non-blocking: nothing orders the two but the launch's wait) sees what CuPy wrote; so does
+    one on CuPy's current stream itself (ordered by the stream: no wait there, which
+    test_cuda_backend_fake counts)."""
+    import gpu_kernels as K
+    dev = cuda_device()
+    s = dev.create_stream()
+    n = 1 << 16
+    x = cp.zeros(n, cp.float32)
+    out = cp.zeros(n, cp.float32)
+    cp.cuda.Device(0).synchronize()
+    slow_fill = K.kernel("slow_fill")
+    for value, theirs in ((3.0, None), (4.0, cp.cuda.Stream(non_blocking=True))):
+        with theirs if theirs is not None else cp.cuda.Stream.null:
+            slow_fill((64,), (256,), (x, np.int32(n), np.float32(value),
+                                      np.int64(K.cycles(30))))  # CuPy's own launch
+            sm.launch(K.kernel("slow_copy"), 64, 256, sm.In(x), sm.Out(out), n, np.int64(0),
+                      stream=s).result()
+        assert float(out.min()) == value and float(out.max()) == value
+    on_theirs = sm.Stream.from_external(theirs, dev)
+    with theirs:
+        slow_fill((64,), (256,), (x, np.int32(n), np.float32(5.0), np.int64(K.cycles(30))))
+        sm.launch(K.kernel("slow_copy"), 64, 256, sm.In(x), sm.Out(out), n, np.int64(0),
+                  stream=on_theirs).result()  # (its own stream: ordered without a wait)
+    assert float(out.min()) == 5.0 and float(out.max()) == 5.0
+
+
 def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, ic):
     import gc
     import weakref
