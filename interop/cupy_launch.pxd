@@ -40,7 +40,7 @@ cdef class RawKernelPlan(KernelPlan):
     @cython.locals(params=tuple, n=Py_ssize_t, need=Py_ssize_t, extra=Py_ssize_t,
                    i=Py_ssize_t, par=Param, lp=Param, la=LaunchArg, kc=int, view=View,
                    fa=ArrayFacts, fv=cython.double, torch_dev=object,
-                   cupy_dev=object, adev=object)
+                   cupy_dev=object, adev=object, lib=int)
     cpdef pack(self, list args, list uses, config, stream)
 
     @cython.locals(impl=CudaStreamImpl, c=LaunchConfig, err=int, st=Stream)
@@ -67,7 +67,7 @@ cpdef ArrayFacts array_facts(arr)
 
 cpdef coerce(obj, device)
 
-@cython.locals(h=object)
-cpdef order_after_library(Stream stream, device, bint torch)
+@cython.locals(todo=list, h=object)
+cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*)
 
-cpdef order_after_all(Stream stream, devices, bint torch)
+cpdef int library_of(a) except -2

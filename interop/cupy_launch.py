@@ -428,6 +428,11 @@ class RawKernelPlan(KernelPlan):
                                       f"{_what(a)}")
                 v = la.value
                 _emit_address(out, par, la.token.allocation.ptr + la.offset)
+                lib = library_of(la)  # (a CuPy array or torch tensor with_length: ordered
+                if lib == 0:          # as one without)
+                    cupy_dev = devices_of(cupy_dev, la)
+                elif lib == 1:
+                    torch_dev = devices_of(torch_dev, la)
                 if la.with_length:
                     if not _dense(v):  # (the kernel takes a pointer and a count of elements)
                         raise KernelError(f"argument {i}: with_length=True needs a contiguous "
@@ -491,10 +496,8 @@ class RawKernelPlan(KernelPlan):
                         f"argument {i}: {par.describe()} ({why}); got {_what(a)}. Pass a NumPy "
                         f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
                         f"np.complex64(z)")
-        if torch_dev is not None:  # (every argument checked first)
-            order_after_all(stream, torch_dev, True)
-        if cupy_dev is not None:
-            order_after_all(stream, cupy_dev, False)
+        if torch_dev is not None or cupy_dev is not None:  # (every argument checked first)
+            order_after_libraries(stream, torch_dev, cupy_dev)
         return out  # (interpreted: the values, packed into the slots by enqueue)
 
     def _count_error(self, args):
@@ -770,7 +773,7 @@ def torch_facts(t):
     reaches it). Each launch's work keeps the storage the tensor has then (``keep``): one torch
     swaps out meanwhile (``set_``, ``.data =``, a growing ``resize_``) is not freed under the
     kernel. A launch is ordered after torch's current stream of the tensor's device
-    (:func:`order_after_library`)."""
+    (:func:`order_after_libraries`)."""
     ptr = t.data_ptr()
     layout = (t.shape, t.stride(), t.dtype)  # (strides in elements: the dtype too)
     f = _facts.get(id(t))
@@ -802,36 +805,60 @@ def torch_facts(t):
                      type(t).untyped_storage)
 
 
-def order_after_library(stream, device, torch) -> None:
-    """Order later work on ``stream`` after the pending work on the current stream of
-    ``device`` of the library whose arrays a launch was given: torch's (``torch`` true) or
-    CuPy's -- what that library's ``__dlpack__(stream=...)`` does for an import, so that a
-    kernel reads what the library wrote there before the launch. Once per launch, library and
-    device, after the arguments are checked; nothing where that stream is ``stream`` itself
-    (launch there: no wait). A capture cannot wait for another stream: CaptureError there,
-    saying what to do."""
+def _library_handle(device, torch):
+    """The raw handle of torch's (``torch`` true) or CuPy's current stream of ``device``."""
     if torch:
         raw = _torch[2]  # (torch's own C entry point, as its compiled kernels call: 5 us less)
-        h = raw(device.ordinal) if raw is not None else \
+        return raw(device.ordinal) if raw is not None else \
             _torch[0].cuda.current_stream(device.ordinal).cuda_stream
-    else:
-        cp = _ndarray[0]  # (set: a CuPy array's facts are made after CuPy's module is seen)
-        h = cp.cuda.get_current_stream(device.ordinal).ptr
-    if device is stream.device and h == stream._impl.handle:
-        return  # (handles name streams per device: 0 is every device's legacy stream)
+    cp = _ndarray[0]  # (set: a CuPy array's facts are made after CuPy's module is seen)
+    return cp.cuda.get_current_stream(device.ordinal).ptr
+
+
+def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
+    """Order later work on ``stream`` after the pending work on the current streams of the
+    libraries whose arrays one launch was given: torch's current stream of each device in
+    ``torch_devs`` and CuPy's of each in ``cupy_devs`` (None, a Device, or a list:
+    :func:`devices_of`) -- what the library's ``__dlpack__(stream=...)`` does for an import,
+    so that a kernel reads what the library wrote there before the launch. Called once the
+    arguments are checked. Nothing where that stream is ``stream`` itself (launch there: no
+    wait); one wait where torch's and CuPy's are one stream. A capture cannot wait for
+    another stream: CaptureError there, saying what to do, raised before any wait is
+    enqueued. ``wait`` false: those checks only (a composite op makes them for each part
+    before it submits the first: see :func:`check_capture`)."""
+    todo = None
+    for devs, torch in ((torch_devs, True), (cupy_devs, False)):
+        if devs is None:
+            continue
+        for dev in devs if type(devs) is list else (devs,):
+            h = _library_handle(dev, torch)
+            if dev is stream.device and h == stream._impl.handle:
+                continue  # (handles name streams per device: 0 is every device's legacy stream)
+            if todo is None:
+                todo = []
+            elif any([d is dev and x == h for d, x, _ in todo]):
+                continue
+            todo.append((dev, h, torch))
+    if todo is None:
+        return
     if stream._capture is not None or RUNTIME.captures:
-        _check_capture(stream, device, h, torch)
-    device.backend.order_after_handle(stream._impl, h)
+        for dev, h, torch in todo:
+            _check_capture(stream, dev, h, torch)
+    if wait:
+        for dev, h, torch in todo:
+            dev.backend.order_after_handle(stream._impl, h)
 
 
 def _check_capture(stream, device, h, torch) -> None:
-    """CaptureError where :func:`order_after_library` cannot wait: ``stream`` capturing (a
+    """CaptureError where :func:`order_after_libraries` cannot wait: ``stream`` capturing (a
     capture cannot wait for another stream), or the library's current stream (handle ``h``
     on ``device``) capturing (the wait would draw ``stream`` into that capture)."""
     lib, arrays = ("torch", "torch tensors") if torch else ("CuPy", "CuPy arrays")
     if stream._capture is not None:
         how = ("with torch.cuda.stream(...) of the stream captured" if torch else
-               "with cupy.cuda.ExternalStream(stream.handle) of the stream captured")
+               "with cupy.cuda.Stream.from_external(stream) around the capture -- CuPy 13: "
+               "cupy.cuda.ExternalStream(stream.handle, device_id) -- and pass that stream to "
+               "sm.graph(op, stream)")
         raise CaptureError(
             f"{stream} is capturing a graph, and a launch with {arrays} among its arguments "
             f"is ordered after {lib}'s current stream of {device} (handle {h:#x}), which a "
@@ -846,9 +873,41 @@ def _check_capture(stream, device, h, torch) -> None:
             f"launch on {theirs} (stream=...) to capture the launch, or outside the capture")
 
 
+def library_of(a) -> int:
+    """Whose current stream a launch with resolved argument ``a`` is ordered after: 1
+    torch's (a torch tensor's facts, or a torch tensor with_length), 0 CuPy's (a CuPy
+    array's), -1 none (a view, a scalar, another foreign array)."""
+    if type(a) is ArrayFacts:
+        return 0 if a.layout is None else 1
+    if type(a) is not LaunchArg or a.view is not None:
+        return -1
+    v = a.value  # (a foreign array with_length: its facts' token, the array itself)
+    nd = _ndarray[1]
+    if nd is not None and isinstance(v, nd):
+        return 0
+    tt = torch_tensor_type()
+    return 1 if tt is not None and isinstance(v, tt) else -1
+
+
+def check_capture(resolved, stream) -> None:
+    """``KernelAdapter.check_capture`` of CuPy and cuTile kernels: the CaptureError
+    :func:`order_after_libraries` would raise for a launch of ``resolved`` (the arguments as
+    ``resolve_args`` gives them) onto ``stream``."""
+    if stream._capture is None and not RUNTIME.captures:
+        return
+    devs = [None, None]  # (CuPy's, torch's)
+    for a in resolved:
+        k = library_of(a)
+        if k >= 0:
+            devs[k] = devices_of(devs[k], a)
+    if devs[0] is not None or devs[1] is not None:
+        order_after_libraries(stream, devs[1], devs[0], False)
+
+
 def devices_of(seen, facts):
     """``seen`` (None, a Device, or a list of them) with the device of foreign array
-    ``facts``' bytes: for :func:`order_after_all`."""
+    ``facts``' bytes (an ArrayFacts, or a LaunchArg with its token): for
+    :func:`order_after_libraries`."""
     dev = facts.token.allocation.device
     if seen is None or seen is dev:
         return dev
@@ -857,12 +916,6 @@ def devices_of(seen, facts):
             seen.append(dev)
         return seen
     return [seen, dev]
-
-
-def order_after_all(stream, devices, torch) -> None:
-    """:func:`order_after_library` for each device :func:`devices_of` collected."""
-    for dev in devices if type(devices) is list else (devices,):
-        order_after_library(stream, dev, torch)
 
 
 def torch_tensor_type():

@@ -46,7 +46,8 @@ from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, L
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import ArrayFacts, coerce, devices_of, order_after_all, torch_tensor_type
+from interop.cupy_launch import (ArrayFacts, check_capture, coerce, devices_of,
+                                 order_after_libraries, torch_tensor_type)
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
@@ -542,10 +543,8 @@ class TilePlan(KernelPlan):
         if foreign or not _same_args(seen, self.last_args):
             if self.warm(call_args):
                 self.last_args = None if foreign else seen
-        if torch_dev is not None:  # (see interop.cupy_launch.order_after_library)
-            order_after_all(stream, torch_dev, True)
-        if cupy_dev is not None:
-            order_after_all(stream, cupy_dev, False)
+        if torch_dev is not None or cupy_dev is not None:  # (see interop.cupy_launch)
+            order_after_libraries(stream, torch_dev, cupy_dev)
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)
@@ -575,6 +574,8 @@ class TileKernelAdapter(KernelAdapter):
                                                                              complex)):
             return _module("interop.dlpack").from_dlpack(obj)
         return got
+
+    check_capture = staticmethod(check_capture)
 
     def plan(self, kernel, device):
         return TilePlan(kernel, self, device, _cutile())

@@ -314,6 +314,11 @@ class KernelAdapter:
         """Validate and pack, with no side effects; return ``(enqueue, keep)``."""
         raise NotImplementedError
 
+    def check_capture(self, resolved, stream) -> None:
+        """Raise the CaptureError a launch of ``resolved`` (the arguments as ``resolve_args``
+        gives them) onto ``stream`` would raise in its plan's ``pack`` -- a composite op asks
+        each part before it submits the first (default: none)."""
+
 
 class _PreparedPlan(KernelPlan):
     """The plan of an adapter that implements ``prepare`` (the interface before plans)."""

@@ -162,7 +162,8 @@ class _LaunchOp(DeviceOp):
         adapter = adapter_for(self.kernel)
         device = stream.device
         check_device_kind(adapter, device)  # (a kernel that runs elsewhere: as launch raises)
-        resolve_args(adapter, self.args, device)  # (raises as launch would)
+        resolved = resolve_args(adapter, self.args, device)[0]  # (raises as launch would)
+        adapter.check_capture(resolved, stream)  # (and what pack raises under a capture)
 
     def _adapter(self):
         return adapter_for(self.kernel)

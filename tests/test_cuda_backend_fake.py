@@ -1668,8 +1668,10 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
     """A launch with CuPy arrays among its arguments is ordered after CuPy's current stream of
     their device (what CuPy's ``__dlpack__(stream=...)`` does for an import): one wait a
     launch where that stream is another, none where it is the launch's own -- for CuPy
-    kernels and cuTile kernels alike. A launch refused before it is enqueued waits for
-    nothing; a capture cannot wait for CuPy's stream, and says what to do."""
+    kernels and cuTile kernels alike, and for an array passed with_length. A launch whose
+    arguments are refused waits for nothing; a capture cannot wait for CuPy's stream, and
+    says what to do (nothing waited for then, not even for torch's stream beside it, and no
+    part of a composite op captured)."""
     dev, drv = fake
     saxpy, _ = kernels
     n = 16
@@ -1699,27 +1701,43 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
         sm.launch(kern, (1,), None, sm.In(x), sm.Out(out), stream=s).result()
     assert waits == [s.handle] * 3
 
+    _, scale_len = kernels  # a pointer and its length from one array: ordered as well
+    sm.launch(scale_len, 1, 16, sm.InOut(x, with_length=True), 2.0, stream=s).result()
+    assert waits == [s.handle] * 4
+    np.testing.assert_array_equal(x._block.to_host(), np.full(n, 0.0))  # (x: zeros, doubled)
+
     leased = sm.stats().submitted
     with pytest.raises(sm.KernelError, match=r"^argument 4: parameter 'n' \(int\) is not a "
                                              r"pointer, got a CuPy array$"):
         sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), sm.In(x), stream=s)
-    assert sm.stats().submitted == leased and waits == [s.handle] * 3
+    assert sm.stats().submitted == leased and waits == [s.handle] * 4
     cap = dev.create_stream("captured")
-    with sm.capture(cap):
+    with sm.capture(cap) as g:
         with pytest.raises(sm.CaptureError, match=r"is capturing a graph, and a launch with CuPy "
                                                   r"arrays among its arguments is ordered after "
                                                   r"CuPy's current stream of <Device cuda:0 .*> "
                                                   r"\(handle 0x0\), which a capture cannot wait "
                                                   r"for; capture on CuPy's current stream "
-                                                  r"\(with cupy.cuda.ExternalStream"):
+                                                  r"\(with cupy.cuda.Stream.from_external"):
             sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=cap)
+        plain = sm.op(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block),
+                      sm.Out(out._block), n)
+        with pytest.raises(sm.CaptureError, match=r"a launch with CuPy arrays"):  # no part
+            plain.and_then(sm.op(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out),  # taken
+                                 n)).submit(cap)
+        assert ": 0 captured" in repr(g)
+        torch = _fake_torch(monkeypatch, dev)  # torch's stream beside: not waited for either
+        t = torch.Tensor(np.zeros(n, np.float32))
+        with cp.cuda.ExternalStream(cap.handle):
+            with pytest.raises(sm.CaptureError, match=r"a launch with CuPy arrays"):
+                sm.launch(saxpy, 1, 16, 1.0, sm.In(t), sm.In(y), sm.Out(out), n, stream=s)
         with cp.cuda.ExternalStream(cap.handle):  # as that error advises: captured, no wait
             sm.launch(saxpy, 1, 16, 3.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=cap)
             with pytest.raises(sm.CaptureError, match=r"^CuPy's current stream of <Device "
                                                       r"cuda:0 .*> is <Stream .*captured.*>, "
                                                       r"which is capturing graph #\d+"):
                 sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
-    assert sm.stats().submitted == leased and waits == [s.handle] * 3  # (captured: not run)
+    assert sm.stats().submitted == leased and waits == [s.handle] * 4  # (captured: not run)
 
 
 def test_two_cupy_arrays_whose_addresses_hash_alike_are_both_found_by_the_recent_table(
