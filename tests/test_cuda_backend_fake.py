@@ -1754,11 +1754,14 @@ def test_two_cupy_arrays_whose_addresses_hash_alike_are_both_found_by_the_recent
     dev, drv = fake
     saxpy, _ = kernels
     n = 16
-    arrays = _fake_cupy_arrays(monkeypatch, dev, n, 65)  # (65 objects, 64 slots: two share)
+    gc_collect_harder()  # (arrays of earlier tests: dead, their facts too)
+    arrays = _fake_cupy_arrays(monkeypatch, dev, n, 130)  # (130 objects, 64 slots)
     by_slot = {}
     for a in arrays:
         by_slot.setdefault((id(a) >> 6) % 64, []).append(a)
-    x, out = next(v for v in by_slot.values() if len(v) > 1)[:2]
+    table = icl.recent_facts()  # (a pair that holds another live array's facts would keep
+    x, out = next(v for k, v in by_slot.items() if len(v) > 1 and all(  # one of these out)
+        f is None or f.dead for f in (table[k], table[k ^ 1])))[:2]
     for _ in range(2):
         sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), sm.Out(out), n).result()
     recent = icl.recent_facts()
