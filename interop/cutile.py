@@ -494,9 +494,7 @@ class TilePlan(KernelPlan):
             elif type(a) is LaunchArg or isinstance(a, ForeignArray):
                 j += 1
                 if type(a) is LaunchArg and a.with_length:  # (a view's LaunchArg: only then)
-                    raise KernelError(f"argument {i}: with_length=True is for CuPy kernels (a "
-                                      f"pointer and a length); a cuTile kernel takes the array "
-                                      f"itself, with its shape")
+                    raise _with_length_error(i)
                 # a foreign array, which cuTile reads itself (a CuPy array's facts, see coerce,
                 # give it back: alive, the launch holds it)
                 v = a.value if type(a) is LaunchArg else a.ref()
@@ -575,10 +573,24 @@ class TileKernelAdapter(KernelAdapter):
             return _module("interop.dlpack").from_dlpack(obj)
         return got
 
-    check_capture = staticmethod(check_capture)
+    @staticmethod
+    def check_capture(resolved, stream):
+        """What TilePlan.pack raises first of what a capture check would see: with_length's
+        KernelError, whatever the capture; then the libraries' CaptureError
+        (:func:`interop.cupy_launch.check_capture`)."""
+        for i, a in enumerate(resolved):
+            if type(a) is LaunchArg and a.with_length:
+                raise _with_length_error(i)
+        check_capture(resolved, stream)
 
     def plan(self, kernel, device):
         return TilePlan(kernel, self, device, _cutile())
+
+
+def _with_length_error(i) -> KernelError:
+    """The refusal of argument ``i`` given with_length to a cuTile kernel."""
+    return KernelError(f"argument {i}: with_length=True is for CuPy kernels (a pointer and a "
+                       f"length); a cuTile kernel takes the array itself, with its shape")
 
 
 # By name: importing this module must not import cuda.tile.

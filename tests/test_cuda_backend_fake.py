@@ -1740,6 +1740,33 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
     assert sm.stats().submitted == leased and waits == [s.handle] * 4  # (captured: not run)
 
 
+def test_a_composite_op_under_a_capture_raises_what_its_part_would_raise_first(
+        fake, kernels, tile, monkeypatch):
+    """A cuTile kernel refuses an array given with_length (KernelError), whatever the capture:
+    a composite op's pre-check raises that, not the CaptureError of the CuPy array -- whose
+    advice (capture on CuPy's stream) would then capture the first part before the second
+    failed."""
+    from fake_cuda import TileKernel
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    cp = sys.modules["cupy"]
+    for a in (x, out):
+        a.dtype = np.dtype(np.float32)
+    plain = sm.op(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block), sm.Out(out._block), n)
+    bad = sm.op(TileKernel(lambda a, b: None), (1,), None, sm.In(x, with_length=True),
+                sm.Out(out))
+    cap = dev.create_stream("cap")
+    with sm.capture(cap) as g:
+        for current in (None, cap.handle):  # (CuPy's current stream: another, then cap)
+            with cp.cuda.ExternalStream(current) if current else contextlib.nullcontext():
+                with pytest.raises(sm.KernelError, match=r"^argument 0: with_length=True is "
+                                                         r"for CuPy kernels"):
+                    plain.and_then(bad).submit(cap)
+        assert ": 0 captured" in repr(g)
+
+
 def test_two_cupy_arrays_whose_addresses_hash_alike_are_both_found_by_the_recent_table(
         fake, kernels, monkeypatch):
     """Compiled, a CuPy array argument's facts are found in a table indexed by a hash of the
