@@ -67,7 +67,11 @@ cpdef ArrayFacts array_facts(arr)
 
 cpdef coerce(obj, device)
 
-@cython.locals(todo=list, h=object)
 cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*)
+
+cdef object _library_handle(device, bint torch)
+
+@cython.locals(h=object)
+cdef object _to_wait(Stream stream, devs, bint torch, todo)
 
 cpdef int library_of(a) except -2

@@ -811,8 +811,8 @@ def _library_handle(device, torch):
         raw = _torch[2]  # (torch's own C entry point, as its compiled kernels call: 5 us less)
         return raw(device.ordinal) if raw is not None else \
             _torch[0].cuda.current_stream(device.ordinal).cuda_stream
-    cp = _ndarray[0]  # (set: a CuPy array's facts are made after CuPy's module is seen)
-    return cp.cuda.get_current_stream(device.ordinal).ptr
+    return _ndarray[2](device.ordinal).ptr  # (cupy.cuda.get_current_stream: set where a CuPy
+    # array's facts are made, after CuPy's module is seen)
 
 
 def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
@@ -826,19 +826,11 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
     another stream: CaptureError there, saying what to do, raised before any wait is
     enqueued. ``wait`` false: those checks only (a composite op makes them for each part
     before it submits the first: see :func:`check_capture`)."""
-    todo = None
-    for devs, torch in ((torch_devs, True), (cupy_devs, False)):
-        if devs is None:
-            continue
-        for dev in devs if type(devs) is list else (devs,):
-            h = _library_handle(dev, torch)
-            if dev is stream.device and h == stream._impl.handle:
-                continue  # (handles name streams per device: 0 is every device's legacy stream)
-            if todo is None:
-                todo = []
-            elif any([d is dev and x == h for d, x, _ in todo]):
-                continue
-            todo.append((dev, h, torch))
+    todo = None  # ((device, handle, torch) of each wait: the usual launch has none)
+    if torch_devs is not None:
+        todo = _to_wait(stream, torch_devs, True, todo)
+    if cupy_devs is not None:
+        todo = _to_wait(stream, cupy_devs, False, todo)
     if todo is None:
         return
     if stream._capture is not None or RUNTIME.captures:
@@ -847,6 +839,26 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
     if wait:
         for dev, h, torch in todo:
             dev.backend.order_after_handle(stream._impl, h)
+
+
+def _to_wait(stream, devs, torch, todo):
+    """``todo`` (None, or a list) with the wait of ``stream`` for torch's (``torch`` true) or
+    CuPy's current stream of each device in ``devs`` (a Device, or a list of them) -- none
+    where that stream is ``stream`` itself, or a wait listed already."""
+    if type(devs) is list:
+        for dev in devs:
+            todo = _to_wait(stream, dev, torch, todo)
+        return todo
+    h = _library_handle(devs, torch)
+    if devs is stream.device and h == stream._impl.handle:
+        return todo  # (handles name streams per device: 0 is every device's legacy stream)
+    if todo is None:
+        return [(devs, h, torch)]
+    for d, x, _ in todo:
+        if d is devs and x == h:  # (torch's and CuPy's current stream: one stream)
+            return todo
+    todo.append((devs, h, torch))
+    return todo
 
 
 def _check_capture(stream, device, h, torch) -> None:
@@ -930,9 +942,9 @@ def torch_tensor_type():
     return _torch[1]
 
 
-# [the cupy module, its ndarray], once CuPy is imported; and sys.modules (C globals where
-# compiled: no dict lookups)
-_ndarray = cython.declare(list, [None, None])
+# [the cupy module, its ndarray, its cuda.get_current_stream], once CuPy is imported; and
+# sys.modules (C globals where compiled: no dict lookups)
+_ndarray = cython.declare(list, [None, None, None])
 # [the torch module, its Tensor, its current stream's handle by device (None: not there)],
 # once torch is imported
 _torch = cython.declare(list, [None, None, None])
@@ -962,6 +974,7 @@ def coerce(obj, device):
     if cp is not None:
         if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)
             _ndarray[1] = cp.ndarray
+            _ndarray[2] = cp.cuda.get_current_stream
             _ndarray[0] = cp
         if isinstance(obj, _ndarray[1]):
             return array_facts(obj)
