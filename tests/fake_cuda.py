@@ -341,6 +341,9 @@ class FakeDriver:
         return (OK,)
 
     # -- capture and graphs ------------------------------------------------------------
+    def cuStreamIsCapturing(self, stream):  # (status 1: CU_STREAM_CAPTURE_STATUS_ACTIVE)
+        return (OK, 1 if int(stream) in self.capturing else 0)
+
     def cuStreamBeginCapture(self, stream, mode):
         if int(stream) in self.capturing:
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)

@@ -1740,6 +1740,35 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
     assert sm.stats().submitted == leased and waits == [s.handle] * 4  # (captured: not run)
 
 
+def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monkeypatch):
+    """CuPy's current stream capturing a graph CuPy started (``begin_capture``: no sharedmem
+    capture knows it): a launch of CuPy arrays on another stream, whose wait for that stream
+    would draw it into the capture (its kernel recorded there, not run), is refused --
+    CaptureError, nothing waited for or leased. Once the capture ended, the launch waits and
+    runs."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    cp = sys.modules["cupy"]
+    s = dev.create_stream("s")
+    sm.synchronize()
+    theirs = cp.cuda.Stream(non_blocking=True)
+    waits = _waits_seen(drv, monkeypatch)
+    leased = sm.stats().submitted
+    with theirs:
+        drv.cuStreamBeginCapture(theirs.ptr, 0)  # (CuPy's own capture)
+        with pytest.raises(sm.CaptureError, match=rf"^the stream of handle {theirs.ptr:#x} on "
+                                                  rf"cuda:0 is capturing a CUDA graph that "
+                                                  rf"sharedmem did not start"):
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+        assert waits == [] and sm.stats().submitted == leased
+        drv.cuStreamEndCapture(theirs.ptr)
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s).result()
+    assert waits == [s.handle] and sm.stats().submitted == leased + 1
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))
+
+
 def test_a_composite_op_under_a_capture_raises_what_its_part_would_raise_first(
         fake, kernels, tile, monkeypatch):
     """A cuTile kernel refuses an array given with_length (KernelError), whatever the capture:

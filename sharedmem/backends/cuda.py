@@ -41,7 +41,7 @@ import numpy as np
 
 from ..runtime.state import fork_safe, locked
 from ..stream import borrowed_handle
-from ..errors import BackendUnavailableError, CompletionUnknownError, CudaError
+from ..errors import BackendUnavailableError, CaptureError, CompletionUnknownError, CudaError
 from . import COMPLETE, DONE, PENDING, UNKNOWN, copy_pieces
 
 try:
@@ -756,7 +756,19 @@ class CudaBackend:
         enqueued so far on a stream of this device named by its raw handle (a foreign
         producer's): a pooled event recorded there and waited for, given back at once (the
         wait is enqueued: a later record of the event changes nothing it waits for). Raises
-        CudaError."""
+        CudaError; CaptureError, waiting for nothing, where that stream is capturing a graph
+        (a capture of another library's: sharedmem's own the caller refuses first) -- the
+        wait would draw ``impl``'s stream into that capture, its work recorded there, not
+        run."""
+        self.ensure_context()
+        err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
+        if err == _SUCCESS and int(status) != 0:  # (an error: the record below says it)
+            raise CaptureError(
+                f"the stream of handle {stream_handle:#x} on cuda:{self.ordinal} is capturing a "
+                f"CUDA graph that sharedmem did not start (cupy.cuda.Stream.begin_capture, "
+                f"torch.cuda.graph); ordering work after it would draw that work into the "
+                f"capture, recorded there and not run. Launch on that stream to capture the "
+                f"work with it, or after its capture ends")
         m = self.marker_on_handle(stream_handle, True)
         try:
             impl.wait_marker(m)
