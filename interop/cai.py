@@ -28,7 +28,8 @@ from sharedmem.buffer import as_dtype
 from sharedmem.device import Device
 from sharedmem.runtime.state import OwnedLock, fork_safe
 from sharedmem.runtime.submission import object_export_hold
-from sharedmem.stream import resolve_stream
+from sharedmem.errors import CaptureError
+from sharedmem.stream import Stream, resolve_stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent
 
 from interop.dlpack import driver_region, import_tensor, uncapturable_import
@@ -225,6 +226,12 @@ def from_cuda_array_interface(obj, *, stream=None):
         if producer >= 1 << 64:
             raise ValueError(f"__cuda_array_interface__ stream {producer} is not a stream handle "
                              f"(above 64 bits)")
+        theirs = Stream.lookup(dev, producer)
+        if theirs is not None and theirs._capture is not None:  # (sharedmem's own capture)
+            raise CaptureError(
+                f"the producer's stream is {theirs}, which is capturing graph "
+                f"#{theirs._capture.id}: an import ordered after it would draw {s} into the "
+                f"capture; import before the capture begins or after it ends")
         dev.backend.order_after_handle(s._impl, producer)
     # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
     return import_tensor(dev, ptr, nbytes, "cai", region, not readonly, obj, dtype, shape,

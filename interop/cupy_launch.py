@@ -836,9 +836,13 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
     if stream._capture is not None or RUNTIME.captures:
         for dev, h, torch in todo:
             _check_capture(stream, dev, h, torch)
+    for dev, h, torch in todo:  # (every stream asked before any wait: a refusal waits for
+        e = dev.backend.foreign_capture_error(h)  # nothing)
+        if e is not None:
+            raise e
     if wait:
         for dev, h, torch in todo:
-            dev.backend.order_after_handle(stream._impl, h)
+            dev.backend.order_after_handle(stream._impl, h, True)
 
 
 def _to_wait(stream, devs, torch, todo):
@@ -905,9 +909,8 @@ def check_capture(resolved, stream) -> None:
     """``KernelAdapter.check_capture`` of CuPy and cuTile kernels: the CaptureError
     :func:`order_after_libraries` would raise for a launch of ``resolved`` (the arguments as
     ``resolve_args`` gives them) onto ``stream``."""
-    if stream._capture is None and not RUNTIME.captures:
-        return
-    devs = [None, None]  # (CuPy's, torch's)
+    devs = [None, None]  # (CuPy's, torch's; asked without a capture of sharedmem's too: the
+    # current stream may be capturing another library's graph)
     for a in resolved:
         k = library_of(a)
         if k >= 0:
@@ -973,8 +976,8 @@ def coerce(obj, device):
     cp = _modules.get("cupy")
     if cp is not None:
         if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)
-            _ndarray[1] = cp.ndarray
-            _ndarray[2] = cp.cuda.get_current_stream
+            _ndarray[2] = cp.cuda.get_current_stream  # (before [1]: the fast path above
+            _ndarray[1] = cp.ndarray                   # reads [1], _library_handle then [2])
             _ndarray[0] = cp
         if isinstance(obj, _ndarray[1]):
             return array_facts(obj)

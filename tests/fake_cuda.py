@@ -23,6 +23,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+    CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
 
 
 class _Handle(int):
@@ -256,6 +257,8 @@ class FakeDriver:
     def cuEventRecord(self, ev, stream):
         if not self._in_context(stream) or self.ctx_of.get(int(ev), self.current) != self.current:
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        if self._legacy_joined(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self.calls.append(("record", int(ev), int(stream)))
         if self.holding:
             self.held.add(int(ev))
@@ -341,7 +344,15 @@ class FakeDriver:
         return (OK,)
 
     # -- capture and graphs ------------------------------------------------------------
+    def _legacy_joined(self, stream):
+        """The legacy default stream (0, 1) while a blocking stream captures: the driver
+        refuses it (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and invalidates that capture."""
+        return int(stream) in (0, 1) and any(
+            not self.stream_flags.get(h, 0) & 1 for h in self.capturing)
+
     def cuStreamIsCapturing(self, stream):  # (status 1: CU_STREAM_CAPTURE_STATUS_ACTIVE)
+        if self._legacy_joined(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, None)
         return (OK, 1 if int(stream) in self.capturing else 0)
 
     def cuStreamBeginCapture(self, stream, mode):

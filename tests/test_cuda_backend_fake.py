@@ -1744,8 +1744,9 @@ def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monk
     """CuPy's current stream capturing a graph CuPy started (``begin_capture``: no sharedmem
     capture knows it): a launch of CuPy arrays on another stream, whose wait for that stream
     would draw it into the capture (its kernel recorded there, not run), is refused --
-    CaptureError, nothing waited for or leased. Once the capture ended, the launch waits and
-    runs."""
+    CaptureError, nothing waited for (not even for torch's stream beside it) or leased, no
+    part of a composite op submitted. Once the capture ended, the launch waits and runs. The
+    legacy stream while a blocking stream captures: refused too, nothing recorded there."""
     dev, drv = fake
     saxpy, _ = kernels
     n = 16
@@ -1763,10 +1764,56 @@ def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monk
                                                   rf"sharedmem did not start"):
             sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
         assert waits == [] and sm.stats().submitted == leased
+        torch = _fake_torch(monkeypatch, dev)  # torch's stream beside, not capturing: not
+        t = torch.Tensor(np.zeros(n, np.float32))  # waited for either (every stream asked first)
+        with pytest.raises(sm.CaptureError, match=r"is capturing a CUDA graph that sharedmem"):
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(t), sm.In(y), sm.Out(out), n, stream=s)
+        plain = sm.op(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block),
+                      sm.Out(out._block), n)
+        with pytest.raises(sm.CaptureError, match=r"is capturing a CUDA graph that sharedmem"):
+            plain.and_then(sm.op(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out),
+                                 n)).submit(s)  # (no part submitted)
+        assert waits == [] and sm.stats().submitted == leased
         drv.cuStreamEndCapture(theirs.ptr)
         sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s).result()
     assert waits == [s.handle] and sm.stats().submitted == leased + 1
     np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))
+
+    # A blocking stream captures and CuPy's current stream is the legacy one (begin_capture
+    # without `with`): the driver answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT for the legacy
+    # stream, and a record there would fail and invalidate that capture -- refused first
+    blocking = cp.cuda.Stream()
+    leased = sm.stats().submitted
+    drv.cuStreamBeginCapture(blocking.ptr, 0)
+    records = len([c for c in drv.calls if c[0] == "record"])
+    with pytest.raises(sm.CaptureError, match=r"^the legacy default stream of cuda:0 \(handle "
+                                              r"0x0\) is joined to a capture"):
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+    assert len([c for c in drv.calls if c[0] == "record"]) == records
+    drv.cuStreamEndCapture(blocking.ptr)
+    assert waits == [s.handle] and sm.stats().submitted == leased
+
+
+def test_a_cai_import_after_a_stream_sharedmem_captures_on_names_that_capture(fake,
+                                                                             monkeypatch):
+    """A CUDA Array Interface producer naming a stream sharedmem is capturing on: the import,
+    ordered after it, would draw its own stream into the capture -- refused, by the stream and
+    graph (not as another library's capture)."""
+    import sharedmem.device as sm_device
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)
+    b = sm.Buffer.from_host(np.arange(4, dtype="f4"), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    cap, imp = dev.create_stream("cap"), dev.create_stream("imp")
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (b.ptr, False),
+                                    "version": 3, "stream": cap.handle}
+    with sm.capture(cap):
+        with pytest.raises(sm.CaptureError, match=r"^the producer's stream is <Stream cap .*>, "
+                                                  r"which is capturing graph #\d+: an import "
+                                                  r"ordered after it would draw <Stream imp "):
+            sm.from_cuda_array_interface(Producer(), stream=imp)
 
 
 def test_a_composite_op_under_a_capture_raises_what_its_part_would_raise_first(

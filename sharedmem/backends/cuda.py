@@ -55,6 +55,7 @@ except ImportError:  # interpreted, without Cython installed
 # driver here before they make a backend).
 cu = None
 _SUCCESS = None
+_CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
 
 
 def _load_driver():
@@ -751,24 +752,42 @@ class CudaBackend:
             raise
         return CudaMarker(ev, self, pooled)
 
-    def order_after_handle(self, impl, stream_handle: int) -> None:
+    def foreign_capture_error(self, stream_handle: int):
+        """The CaptureError a wait for the stream of this device named by raw handle
+        ``stream_handle`` must raise, or None: that stream capturing a graph (a capture of
+        another library's: sharedmem's own its callers refuse first, by name), or the legacy
+        default stream (0, 1) while a blocking stream of this context captures -- the driver
+        answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and a record there would fail and
+        invalidate that capture. Another error: None (the record says it)."""
+        self.ensure_context()
+        err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
+        if err == _SUCCESS:
+            if int(status) == 0:
+                return None
+            what = f"the stream of handle {stream_handle:#x} on cuda:{self.ordinal} is capturing"
+        elif int(err) == _CAPTURE_IMPLICIT:
+            what = (f"the legacy default stream of cuda:{self.ordinal} (handle "
+                    f"{stream_handle:#x}) is joined to a capture: a blocking stream of its "
+                    f"context is capturing")
+        else:
+            return None
+        return CaptureError(
+            f"{what} a CUDA graph that sharedmem did not start (cupy.cuda.Stream.begin_capture, "
+            f"torch.cuda.graph); ordering work after it would draw that work into the "
+            f"capture, recorded there and not run. Launch on that stream to capture the "
+            f"work with it, or after its capture ends")
+
+    def order_after_handle(self, impl, stream_handle: int, checked: bool = False) -> None:
         """Make stream ``impl`` (of any CUDA device) wait on the device for everything
         enqueued so far on a stream of this device named by its raw handle (a foreign
         producer's): a pooled event recorded there and waited for, given back at once (the
         wait is enqueued: a later record of the event changes nothing it waits for). Raises
-        CudaError; CaptureError, waiting for nothing, where that stream is capturing a graph
-        (a capture of another library's: sharedmem's own the caller refuses first) -- the
-        wait would draw ``impl``'s stream into that capture, its work recorded there, not
-        run."""
-        self.ensure_context()
-        err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
-        if err == _SUCCESS and int(status) != 0:  # (an error: the record below says it)
-            raise CaptureError(
-                f"the stream of handle {stream_handle:#x} on cuda:{self.ordinal} is capturing a "
-                f"CUDA graph that sharedmem did not start (cupy.cuda.Stream.begin_capture, "
-                f"torch.cuda.graph); ordering work after it would draw that work into the "
-                f"capture, recorded there and not run. Launch on that stream to capture the "
-                f"work with it, or after its capture ends")
+        CudaError; CaptureError, waiting for nothing, where :meth:`foreign_capture_error`
+        gives one (``checked``: the caller asked already)."""
+        if not checked:
+            e = self.foreign_capture_error(stream_handle)
+            if e is not None:
+                raise e
         m = self.marker_on_handle(stream_handle, True)
         try:
             impl.wait_marker(m)
