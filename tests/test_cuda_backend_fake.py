@@ -1663,6 +1663,18 @@ def test_cupy_array_facts_are_found_again_and_forgotten_with_the_array(fake, ker
     assert facts.dead and facts not in icl._facts.values() and facts not in icl.recent_facts()
 
 
+def _cupy_arrays_and_a_stream(fake, kernels, monkeypatch):
+    """The setup of the tests of CuPy ordering: ``(dev, drv, saxpy, n, x, y, out, cupy, s)``
+    -- three CuPy-style arrays of ``n`` floats (0, 1 and 2), their uploads done (nothing to
+    order after there), and a stream ``s``."""
+    dev, drv = fake
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    s = dev.create_stream("s")
+    sm.synchronize()
+    return dev, drv, kernels[0], n, x, y, out, sys.modules["cupy"], s
+
+
 def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kernels, tile,
                                                                       monkeypatch):
     """A launch with CuPy arrays among its arguments is ordered after CuPy's current stream of
@@ -1672,13 +1684,7 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
     arguments are refused waits for nothing; a capture cannot wait for CuPy's stream, and
     says what to do (nothing waited for then, not even for torch's stream beside it, and no
     part of a composite op captured)."""
-    dev, drv = fake
-    saxpy, _ = kernels
-    n = 16
-    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
-    cp = sys.modules["cupy"]
-    s = dev.create_stream("s")
-    sm.synchronize()  # (the arrays' uploads: done, nothing to order after there)
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
     waits = _waits_seen(drv, monkeypatch)
     sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), out, n, stream=s).result()
     np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))  # 2 * 0 + 1
@@ -1747,13 +1753,7 @@ def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monk
     CaptureError, nothing waited for (not even for torch's stream beside it) or leased, no
     part of a composite op submitted. Once the capture ended, the launch waits and runs. The
     legacy stream while a blocking stream captures: refused too, nothing recorded there."""
-    dev, drv = fake
-    saxpy, _ = kernels
-    n = 16
-    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
-    cp = sys.modules["cupy"]
-    s = dev.create_stream("s")
-    sm.synchronize()
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
     theirs = cp.cuda.Stream(non_blocking=True)
     waits = _waits_seen(drv, monkeypatch)
     leased = sm.stats().submitted
