@@ -4,8 +4,9 @@ What the ownership core asks of a backend is written down here as ``typing.Proto
 classes -- :class:`Backend`, :class:`StreamImpl`, :class:`Marker` -- and checked against both
 backends by ``tests/test_api.py``. A backend for another device implements them; nothing in
 the core looks at a backend's own names. (CUDA adds foreign-stream calls for the interop
-bridges -- ``wait_on_handle``, ``marker_on_handle``, ``order_after_handle``, ``pointer_info``,
-``borrow_stream`` -- which only CUDA bridges call.)
+bridges -- ``wait_on_handle``, ``marker_on_handle``, ``order_after_handle``,
+``foreign_capture_error``, ``pointer_info``, ``borrow_stream`` -- which only CUDA bridges
+call.)
 """
 
 from __future__ import annotations
