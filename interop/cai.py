@@ -232,6 +232,9 @@ def from_cuda_array_interface(obj, *, stream=None):
                 f"the producer's stream is {theirs}, which is capturing graph "
                 f"#{theirs._capture.id}: an import ordered after it would draw {s} into the "
                 f"capture; import before the capture begins or after it ends")
+        e = dev.backend.foreign_capture_error(producer)  # (another library's capture)
+        if e is not None:
+            raise e
         dev.backend.order_after_handle(s._impl, producer)
     # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
     return import_tensor(dev, ptr, nbytes, "cai", region, not readonly, obj, dtype, shape,

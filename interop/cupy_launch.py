@@ -842,7 +842,7 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
             raise e
     if wait:
         for dev, h, torch in todo:
-            dev.backend.order_after_handle(stream._impl, h, True)
+            dev.backend.order_after_handle(stream._impl, h)
 
 
 def _to_wait(stream, devs, torch, todo):

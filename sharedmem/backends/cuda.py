@@ -777,17 +777,13 @@ class CudaBackend:
             f"capture, recorded there and not run. Launch on that stream to capture the "
             f"work with it, or after its capture ends")
 
-    def order_after_handle(self, impl, stream_handle: int, checked: bool = False) -> None:
+    def order_after_handle(self, impl, stream_handle: int) -> None:
         """Make stream ``impl`` (of any CUDA device) wait on the device for everything
         enqueued so far on a stream of this device named by its raw handle (a foreign
         producer's): a pooled event recorded there and waited for, given back at once (the
         wait is enqueued: a later record of the event changes nothing it waits for). Raises
-        CudaError; CaptureError, waiting for nothing, where :meth:`foreign_capture_error`
-        gives one (``checked``: the caller asked already)."""
-        if not checked:
-            e = self.foreign_capture_error(stream_handle)
-            if e is not None:
-                raise e
+        CudaError. Callers ask :meth:`foreign_capture_error` first (every handle of one
+        launch before any wait)."""
         m = self.marker_on_handle(stream_handle, True)
         try:
             impl.wait_marker(m)
