@@ -2,7 +2,9 @@
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
-from libc.string cimport memcpy
+from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
+from libc.stdint cimport intptr_t
+from libc.string cimport memcpy, strcmp
 from sharedmem.allocation cimport View, ViewToken
 from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
 from sharedmem.backends.cuda cimport CudaStreamImpl, ctx_get_fn_t
@@ -11,6 +13,10 @@ from sharedmem.stream cimport Stream
 ctypedef int (*launch_fn_t)(void*, unsigned int, unsigned int, unsigned int, unsigned int,
                             unsigned int, unsigned int, unsigned int, void*, void**,
                             void**) noexcept nogil
+# CuPy's cupy_backends.cuda.stream.get_stream_ptr (see _cupy_stream_entry); errors are asked
+# for after every call, as CuPy's modules built by Cython 3 and by 0.29 differ in the clause
+ctypedef intptr_t (*stream_ptr_fn_t)(int) except *
+cdef size_t _cupy_stream_fn
 
 # Param.kcode values (C constants when compiled)
 cdef int _K_PTR, _K_INT, _K_FLOAT, _K_ANY
@@ -70,6 +76,9 @@ cpdef coerce(obj, device)
 cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*)
 
 cdef object _library_handle(device, bint torch)
+
+@cython.locals(name=cython.p_const_char)
+cdef size_t _cupy_stream_entry(cp) except? 0
 
 @cython.locals(h=object)
 cdef object _to_wait(Stream stream, devs, bint torch, todo)

@@ -6,6 +6,7 @@ checked by the gpu-marked tests on a real device.
 """
 
 import contextlib
+import ctypes
 import gc
 import os
 import re
@@ -1744,6 +1745,50 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
                                                       r"which is capturing graph #\d+"):
                 sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
     assert sm.stats().submitted == leased and waits == [s.handle] * 4  # (captured: not run)
+
+
+@pytest.mark.parametrize("signature, cupys", [(b"intptr_t (int)", True),
+                                               (b"intptr_t (void)", True),
+                                               (b"intptr_t (int)", False)])
+def test_cupys_current_stream_is_read_through_its_c_entry_point_where_found(
+        fake, kernels, monkeypatch, signature, cupys):
+    """Compiled, a launch of CuPy arrays asks CuPy's current stream of their device through the
+    C function CuPy's own kernels ask (``cupy_backends.cuda.stream.get_stream_ptr``, found in
+    that module's ``__pyx_capi__`` by its signature ``intptr_t (int)``): with the device's
+    ordinal, and not ``cupy.cuda.get_current_stream``. With another signature, or a ``cupy``
+    whose ``get_current_stream`` is not CuPy's (a stand-in), and interpreted: through
+    ``cupy.cuda.get_current_stream``."""
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    asked = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int)
+    def entry(device_id):  # (says s is current; cupy.cuda.get_current_stream says legacy)
+        asked.append(device_id)
+        return s.handle
+
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                   ctypes.c_void_p]
+    name = ctypes.create_string_buffer(signature)  # (the capsule keeps its address)
+    capi = types.ModuleType("cupy_backends.cuda.stream")
+    capi.__pyx_capi__ = {"get_stream_ptr": new(ctypes.cast(entry, ctypes.c_void_p), name, None)}
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.stream", capi)
+    python_level = cp.cuda.get_current_stream
+
+    def get_current_stream(device_id=-1):
+        return python_level(device_id)
+
+    if cupys:
+        get_current_stream.__module__ = "cupy.cuda.stream"
+    monkeypatch.setattr(cp.cuda, "get_current_stream", get_current_stream)
+    waits = _waits_seen(drv, monkeypatch)
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s).result()
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))
+    compiled = sm.show_config(open(os.devnull, "w"))["core"].startswith("compiled")
+    if compiled and cupys and signature == b"intptr_t (int)":
+        assert asked == [dev.ordinal] and waits == []  # (CuPy's current: s itself)
+    else:
+        assert asked == [] and waits == [s.handle]  # (CuPy's current: the legacy stream)
 
 
 def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monkeypatch):
