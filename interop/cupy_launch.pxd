@@ -78,7 +78,7 @@ cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*)
 cdef object _library_handle(device, bint torch)
 
 @cython.locals(name=cython.p_const_char)
-cdef size_t _cupy_stream_entry(cp) except? 0
+cpdef size_t _cupy_stream_entry(cp) except? 0
 
 @cython.locals(h=object)
 cdef object _to_wait(Stream stream, devs, bint torch, todo)

@@ -1,5 +1,6 @@
 """interop.cupy on a real GPU: wrap, adopt, as_cupy, identity across moves."""
 
+import os
 
 import numpy as np
 import pytest
@@ -110,8 +111,12 @@ def test_a_launch_of_cupy_arrays_is_ordered_after_cupys_current_stream(cp, ic):
     non-blocking stream of its own), slowly; a launch reading it on a sharedmem stream
     (non-blocking: nothing orders the two but the launch's wait) sees what CuPy wrote; so does
     one on CuPy's current stream itself (ordered by the stream: no wait there, which
-    test_cuda_backend_fake counts)."""
+    test_cuda_backend_fake counts). Compiled, CuPy's current stream is read through CuPy's
+    own C entry point (found in its ``__pyx_capi__``)."""
     import gpu_kernels as K
+    import interop.cupy_launch as icl
+    if sm.show_config(open(os.devnull, "w"))["core"].startswith("compiled"):
+        assert icl._cupy_stream_entry(cp) != 0
     dev = cuda_device()
     s = dev.create_stream()
     n = 1 << 16
