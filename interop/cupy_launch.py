@@ -856,6 +856,11 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
     if cupy_devs is not None:
         todo = _to_wait(stream, cupy_devs, False, todo)
     if todo is None:
+        if wait and stream._capture is not None:  # (captured on the libraries' streams: each
+            with locked():                        # replay of the graph is ordered as this is)
+                g = stream._capture  # (the graph's steps: guarded by core_lock while it runs)
+                if g is not None:
+                    g.before_replays(_ReplayOrder, _ReplayOrder).add(torch_devs, cupy_devs)
         return
     if stream._capture is not None or RUNTIME.captures:
         for dev, h, torch in todo:
@@ -867,6 +872,26 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
     if wait:
         for dev, h, torch in todo:
             dev.backend.order_after_handle(stream._impl, h)
+
+
+class _ReplayOrder:
+    """A graph's replay step (``Graph.before_replays``): a replay is ordered after the
+    current streams of the libraries whose arrays its captured launches were given, of
+    their devices, as a launch of them is (:func:`order_after_libraries`, with its
+    refusals: a replay that would be drawn into another library's capture)."""
+
+    __slots__ = ("torch", "cupy")
+
+    def __init__(self):
+        self.torch = None  # (devices: None, a Device, or a list -- see devices_of)
+        self.cupy = None
+
+    def add(self, torch_devs, cupy_devs) -> None:
+        self.torch = _merged(self.torch, torch_devs)
+        self.cupy = _merged(self.cupy, cupy_devs)
+
+    def __call__(self, stream) -> None:
+        order_after_libraries(stream, self.torch, self.cupy)
 
 
 def _to_wait(stream, devs, torch, todo):
@@ -947,14 +972,25 @@ def devices_of(seen, facts):
     """``seen`` (None, a Device, or a list of them) with the device of foreign array
     ``facts``' bytes (an ArrayFacts, or a LaunchArg with its token): for
     :func:`order_after_libraries`."""
-    dev = facts.token.allocation.device
-    if seen is None or seen is dev:
-        return dev
-    if type(seen) is list:
-        if dev not in seen:
-            seen.append(dev)
+    return _merged(seen, facts.token.allocation.device)
+
+
+def _merged(seen, devs):
+    """``seen`` with the devices of ``devs`` (each None, a Device, or a list of them; a list
+    ``seen`` is extended)."""
+    if devs is None or seen is devs:
         return seen
-    return [seen, dev]
+    if type(devs) is list:
+        for dev in devs:
+            seen = _merged(seen, dev)
+        return seen
+    if seen is None:
+        return devs
+    if type(seen) is list:
+        if devs not in seen:
+            seen.append(devs)
+        return seen
+    return [seen, devs]
 
 
 def torch_tensor_type():

@@ -1747,6 +1747,54 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
     assert sm.stats().submitted == leased and waits == [s.handle] * 4  # (captured: not run)
 
 
+def test_a_replay_is_ordered_after_the_libraries_as_its_captured_launches_were(fake, kernels,
+                                                                                monkeypatch):
+    """A graph that captured launches of CuPy arrays and torch tensors (on the libraries'
+    current streams: the only way) is replayed as a launch of them runs: after CuPy's and
+    torch's current streams of their device -- one wait for both where they are one stream
+    other than the replay's, none where it is the replay's own; refused where that stream
+    captures another library's graph (CaptureError, nothing waited for or submitted). A graph
+    of views alone asks no library; a composite op's pre-check alone orders no replay."""
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    torch = _fake_torch(monkeypatch, dev)
+    t = torch.Tensor(np.full(n, 1.0, np.float32))
+    cap = dev.create_stream("captured")
+    torch.current.cuda_stream = cap.handle
+    with cp.cuda.ExternalStream(cap.handle):
+        with sm.capture(cap) as g:
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(t), sm.Out(out), n)
+        with sm.capture(cap) as plain:  # (views alone; and an op whose pre-check saw arrays
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block), sm.Out(out._block),
+                      n)                           # but that was refused: no step left)
+            with pytest.raises(sm.KernelError, match=r"^argument 4"):
+                sm.op(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block), sm.Out(out._block),
+                      n).and_then(sm.op(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out),
+                                        sm.In(x))).submit(cap)
+    torch.current.cuda_stream = 0
+    waits = _waits_seen(drv, monkeypatch)
+    plain.replay(s).result()
+    assert waits == []
+    g.replay(s).result()
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))  # 2 * 0 + 1
+    assert waits == [s.handle]  # (one wait: CuPy's and torch's stream, the legacy one)
+    torch.current.cuda_stream = s.handle
+    with cp.cuda.ExternalStream(s.handle):  # both current streams the replay's own: no wait
+        g.replay(s).result()
+    assert waits == [s.handle]
+    theirs = cp.cuda.Stream(non_blocking=True)
+    submitted = sm.stats().submitted
+    with theirs:
+        drv.cuStreamBeginCapture(theirs.ptr, 0)  # (CuPy's own capture)
+        with pytest.raises(sm.CaptureError, match=rf"^the stream of handle {theirs.ptr:#x} on "
+                                                  rf"cuda:0 is capturing a CUDA graph that "
+                                                  rf"sharedmem did not start"):
+            g.replay(s)
+        drv.cuStreamEndCapture(theirs.ptr)
+    assert waits == [s.handle] and sm.stats().submitted == submitted
+    g.release()
+    plain.release()
+
+
 @pytest.mark.parametrize("signature, cupys", [(b"intptr_t (int)", True),
                                                (b"intptr_t (void)", True),
                                                (b"intptr_t (int)", False)])

@@ -139,6 +139,32 @@ def test_a_launch_of_cupy_arrays_is_ordered_after_cupys_current_stream(cp, ic):
     assert float(out.min()) == 5.0 and float(out.max()) == 5.0
 
 
+def test_a_replay_of_cupy_arrays_is_ordered_after_cupys_current_stream(cp, ic):
+    """A graph captured a launch reading a CuPy array (on CuPy's current stream, as a capture
+    of CuPy arrays must be); CuPy then writes the array on its current stream (a non-blocking
+    stream of its own), slowly; a replay on a sharedmem stream sees what CuPy wrote: it is
+    ordered after CuPy's current stream, as the launch itself would be."""
+    import gpu_kernels as K
+    dev = cuda_device()
+    n = 1 << 16
+    x = cp.zeros(n, cp.float32)
+    out = cp.zeros(n, cp.float32)
+    cp.cuda.Device(0).synchronize()
+    cap, s = dev.create_stream(), dev.create_stream()
+    from_external = getattr(cp.cuda.Stream, "from_external", None)  # (CuPy 13: ExternalStream)
+    with from_external(cap) if from_external else cp.cuda.ExternalStream(cap.handle):
+        with sm.capture(cap) as g:
+            sm.launch(K.kernel("slow_copy"), 64, 256, sm.In(x), sm.Out(out), n, np.int64(0))
+    theirs = cp.cuda.Stream(non_blocking=True)
+    for value in (3.0, 4.0):
+        with theirs:
+            K.kernel("slow_fill")((64,), (256,), (x, np.int32(n), np.float32(value),
+                                                  np.int64(K.cycles(30))))  # CuPy's own launch
+            g.replay(s).result()
+        assert float(out.min()) == value and float(out.max()) == value
+    g.release()
+
+
 def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, ic):
     import gc
     import weakref

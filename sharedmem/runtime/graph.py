@@ -18,8 +18,9 @@ While capturing, submissions take no leases and make no cross-stream waits
 (nothing runs; a capture cannot depend on work outside it); launches return
 futures that are already done. Each replay is one ordinary submission with
 fresh leases over every captured range, so a replay that conflicts with other
-work is ordered or refused like any launch, and the backend graph stays alive
-until its last replay has finished. Replays keep
+work is ordered or refused like any launch (and after the work an adapter orders it after: see
+``Graph.before_replays``), and the backend graph stays alive until its last replay has
+finished. Replays keep
 the executable and the memory, not the Graph: once the user drops (or
 releases) the Graph, it is no alias any more, even while a replay runs -- the
 replay's leases protect that memory. Leaving the ``with`` block ends the
@@ -97,7 +98,7 @@ class Graph:
     collection does the same once no replay is in flight."""
 
     __slots__ = ("id", "device", "_uses", "_keep", "_exec", "_state", "launches",
-                 "_lock", "_replay", "_before", "__weakref__")
+                 "_lock", "_replay", "_before", "_steps", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.id = next(_ids)
@@ -115,6 +116,9 @@ class Graph:
         # a marker recorded on the capturing stream as the capture began (see capture), until
         # it ends; guarded by core_lock
         self._before = None
+        # key -> what each replay calls first (see before_replays); guarded by core_lock while
+        # capturing (the steps too), fixed in _replay once the capture ended
+        self._steps: dict = {}
 
     def __repr__(self) -> str:
         n = len(self._uses)
@@ -162,6 +166,18 @@ class Graph:
                     entry[0].writable = True  # (guarded by core_lock, as every token's fields)
         self._keep.extend(keep)
 
+    def before_replays(self, key, factory):
+        """The step kept under ``key``, made by ``factory()`` the first time: every replay
+        calls each step with its stream first, before its leases -- what an adapter orders a
+        replay after that sharedmem does not track (interop's: the current streams of the
+        libraries whose arrays a captured launch was given, as a launch of them is ordered).
+        A step raises to refuse the replay. Called while capturing, with core_lock held (which
+        guards the step's state too until the capture ends)."""
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = factory()
+        return step
+
     # -- replay ----------------------------------------------------------------
     def replay(self, stream: Stream | object | None = None,
                policy: Literal["order", "reject"] | None = None) -> DeviceFuture[None]:
@@ -172,13 +188,16 @@ class Graph:
         # by release, under the graph's lock with the state)
         if r is None:
             raise self._unreplayable()
-        uses, keep, label, executable, dev = r
+        uses, keep, label, executable, dev, steps = r
         if type(stream) is Stream and stream.device is dev:
             s = stream  # (the usual call: nothing to resolve)
         else:
             s = resolve_stream(stream, dev)
         if s._capture is not None:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
+        if steps is not None:
+            for step in steps:
+                step(s)
         # keeps the executable and (through the uses) the memory -- not this Graph. (A release
         # racing this replay makes submit() refuse it: its tokens are checked live there.)
         try:
@@ -213,6 +232,7 @@ class Graph:
         # flight hold what they need (executable, memory) by themselves.
         self._exec = None
         self._keep = []
+        self._steps = {}
         for t in toks:
             t.release()
 
@@ -315,10 +335,10 @@ class capture:
         with locked():
             uses = [(tok, writes) for tok, writes in g._uses.values()]
         with g._lock:
-            # (uses, keep, label, executable, device): everything a replay reads, in one tuple
-            # published with the state -- replay() reads it once, without the lock
+            # (uses, keep, label, executable, device, steps): everything a replay reads, in
+            # one tuple published with the state -- replay() reads it once, without the lock
             g._replay = (uses, (g._exec,) + tuple(g._keep), f"replay of graph #{g.id}", g._exec,
-                         g.device)
+                         g.device, tuple(g._steps.values()) or None)
             g._state = "ready"
         return False
 
