@@ -449,9 +449,10 @@ class _CurrentStream:
         self.ptr = 0
 
 
-def fake_cupy():
+def fake_cupy(drv=None):
     """A module standing in for CuPy: ``cuda.Device``, ``cuda.alloc`` and
-    ``cuda.get_current_stream`` (one current stream for every device: ``m.current``)."""
+    ``cuda.get_current_stream`` (one current stream for every device: ``m.current``); the
+    streams it makes are known to fake driver ``drv`` with their flags, where given."""
     m = types.ModuleType("cupy")
     m.current = _CurrentStream()
     saved = threading.local()  # (per thread, as CuPy's own stack of current streams)
@@ -472,6 +473,8 @@ def fake_cupy():
         def __init__(self, null=False, non_blocking=False):
             self.ptr = next(_stream_handles)
             self.non_blocking = non_blocking
+            if drv is not None:  # (the driver knows its flags, as of a stream it made)
+                drv.stream_flags[self.ptr] = 1 if non_blocking else 0
     m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock, ExternalStream=ExternalStream,
                                    Stream=Stream, get_current_stream=lambda device_id=-1: m.current,
                                    alloc_pinned_memory=_PinnedBlock)
@@ -627,7 +630,7 @@ def install_fake_devices(monkeypatch, hot: bool, count: int = 1):
     monkeypatch.setattr(bc, "cu", drv)
     monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
     monkeypatch.setattr(bc, "_hot_driver", (lambda: FakeHot(drv)) if hot else (lambda: None))
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(drv))
     monkeypatch.setattr(bc, "_backends", [0])
     monkeypatch.setattr(bc, "_current", threading.local())
     devs = []

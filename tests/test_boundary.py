@@ -31,7 +31,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(bc, "cu", drv)
     monkeypatch.setattr(bc, "_SUCCESS", CUresult.CUDA_SUCCESS)
     monkeypatch.setattr(bc, "_hot_driver", lambda: None)
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(drv))
     backend = bc.CudaBackend(0)
     dev = object.__new__(sm.Device)
     dev._setup("cuda", 0, backend.name, ("fake-boundary", next(_keys)), backend)

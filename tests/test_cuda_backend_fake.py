@@ -1879,11 +1879,22 @@ def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monk
     leased = sm.stats().submitted
     drv.cuStreamBeginCapture(blocking.ptr, 0)
     records = len([c for c in drv.calls if c[0] == "record"])
-    with pytest.raises(sm.CaptureError, match=r"^the legacy default stream of cuda:0 \(handle "
-                                              r"0x0\) is joined to a capture"):
+    legacy = (r"^the legacy default stream of cuda:0 \(handle 0x0\) is joined to a capture: a "
+              r"blocking stream of its context is capturing a CUDA graph \(sm.capture of a "
+              r"borrowed blocking stream, cupy.cuda.Stream.begin_capture, torch.cuda.graph\); "
+              r"ordering work after the legacy stream would draw that work into the capture, "
+              r"recorded there and not run. Make a non-blocking stream the library's current "
+              r"one \(with cupy.cuda.Stream\(non_blocking=True\): ...\), or launch after the "
+              r"capture ends$")
+    with pytest.raises(sm.CaptureError, match=legacy):
         sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
     assert len([c for c in drv.calls if c[0] == "record"]) == records
     drv.cuStreamEndCapture(blocking.ptr)
+    with sm.capture(sm.Stream.from_external(blocking.ptr, dev)):  # (sharedmem's capture of a
+        with pytest.raises(sm.CaptureError, match=legacy):        # borrowed blocking stream)
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
+    assert len([c for c in drv.calls if c[0] == "record"]) == records + 1  # (the capture's
+    # marker of the work before it, recorded as it began: nothing of the launch)
     assert waits == [s.handle] and sm.stats().submitted == leased
 
 

@@ -764,18 +764,22 @@ class CudaBackend:
         if err == _SUCCESS:
             if int(status) == 0:
                 return None
-            what = f"the stream of handle {stream_handle:#x} on cuda:{self.ordinal} is capturing"
-        elif int(err) == _CAPTURE_IMPLICIT:
-            what = (f"the legacy default stream of cuda:{self.ordinal} (handle "
-                    f"{stream_handle:#x}) is joined to a capture: a blocking stream of its "
-                    f"context is capturing")
-        else:
+            return CaptureError(
+                f"the stream of handle {stream_handle:#x} on cuda:{self.ordinal} is capturing a "
+                f"CUDA graph that sharedmem did not start (cupy.cuda.Stream.begin_capture, "
+                f"torch.cuda.graph); ordering work after it would draw that work into the "
+                f"capture, recorded there and not run. Launch on that stream to capture the "
+                f"work with it, or after its capture ends")
+        if int(err) != _CAPTURE_IMPLICIT:
             return None
-        return CaptureError(
-            f"{what} a CUDA graph that sharedmem did not start (cupy.cuda.Stream.begin_capture, "
-            f"torch.cuda.graph); ordering work after it would draw that work into the "
-            f"capture, recorded there and not run. Launch on that stream to capture the "
-            f"work with it, or after its capture ends")
+        return CaptureError(  # (the capturing stream may be sharedmem's: one it borrowed)
+            f"the legacy default stream of cuda:{self.ordinal} (handle {stream_handle:#x}) is "
+            f"joined to a capture: a blocking stream of its context is capturing a CUDA graph "
+            f"(sm.capture of a borrowed blocking stream, cupy.cuda.Stream.begin_capture, "
+            f"torch.cuda.graph); ordering work after the legacy stream would draw that work "
+            f"into the capture, recorded there and not run. Make a non-blocking stream the "
+            f"library's current one (with cupy.cuda.Stream(non_blocking=True): ...), or "
+            f"launch after the capture ends")
 
     def order_after_handle(self, impl, stream_handle: int) -> None:
         """Make stream ``impl`` (of any CUDA device) wait on the device for everything
