@@ -61,6 +61,9 @@ def main() -> None:
     def ours():
         sm.launch(k, 1, 32, In(A), In(B), Out(box[0]), Out(D), nn, stream=s)
 
+    def arrays():  # CuPy arrays as arguments, on CuPy's current stream (made cps below)
+        sm.launch(k, 1, 32, In(ca), In(cb), Out(cc), Out(cd), nn, stream=s)
+
     def fresh():
         t = sm.Tensor.from_buffer(box[0], (n,))
         sm.launch(k, 1, 32, In(A), In(B), Out(t), Out(D), nn, stream=s)
@@ -82,12 +85,15 @@ def main() -> None:
 
     sync = s.synchronize
     rows = {"raw CuPy": raw, "cuLaunchKernel floor": floor, "sharedmem reused views": ours,
+            "sharedmem CuPy arrays": arrays,
             "sharedmem fresh views (move between)": fresh, "move pair alone": move}
+    cps.use()  # (CuPy's current stream: where raw launches, and arrays() with no wait)
     for fn in rows.values():
         for _ in range(300):
             fn()
     res = {name: ([], []) for name in rows}
     parked = {"sharedmem reused, retirer parked": ([], []),
+              "sharedmem CuPy arrays, retirer parked": ([], []),
               "sharedmem fresh, retirer parked": ([], [])}
     saved = (retirer.POLL_INTERVAL, retirer.BUSY_INTERVAL, retirer.LINGER)
     for _ in range(7):
@@ -99,7 +105,7 @@ def main() -> None:
         retirer.POLL_INTERVAL = retirer.BUSY_INTERVAL = 2.0
         retirer.LINGER = 0.0
         time.sleep(0.05)
-        for name, fn in zip(parked, (ours, fresh)):
+        for name, fn in zip(parked, (ours, arrays, fresh)):
             h, _ = timed(fn, 400, sync)
             _, b = timed(fn, 20000, sync)
             parked[name][0].append(h)
