@@ -187,8 +187,8 @@ class Tensor(View):
 
 
     # -- construction ---------------------------------------------------------
-    @classmethod
-    def from_buffer(cls, buf: Buffer, shape: int | tuple[int, ...] | list[int],
+    @staticmethod  # (not a classmethod: no bound method made on each call of this hot path)
+    def from_buffer(buf: Buffer, shape: int | tuple[int, ...] | list[int],
                     strides: tuple[int, ...] | list[int] | None = None) -> Tensor:
         """Move ``buf`` into a tensor of ``shape`` (C order unless ``strides``,
         in elements, non-negative, is given) without copying.
