@@ -1747,6 +1747,14 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
     assert sm.stats().submitted == leased and waits == [s.handle] * 4  # (captured: not run)
 
 
+def _refused_for_their_capture(theirs):
+    """``pytest.raises`` of the refusal of work ordered after CuPy stream ``theirs`` while it
+    captures a graph CuPy began."""
+    return pytest.raises(sm.CaptureError, match=rf"^the stream of handle {theirs.ptr:#x} on "
+                                                rf"cuda:0 is capturing a CUDA graph that "
+                                                rf"sharedmem did not start")
+
+
 def test_a_replay_is_ordered_after_the_libraries_as_its_captured_launches_were(fake, kernels,
                                                                                 monkeypatch):
     """A graph that captured launches of CuPy arrays and torch tensors (on the libraries'
@@ -1785,9 +1793,7 @@ def test_a_replay_is_ordered_after_the_libraries_as_its_captured_launches_were(f
     submitted = sm.stats().submitted
     with theirs:
         drv.cuStreamBeginCapture(theirs.ptr, 0)  # (CuPy's own capture)
-        with pytest.raises(sm.CaptureError, match=rf"^the stream of handle {theirs.ptr:#x} on "
-                                                  rf"cuda:0 is capturing a CUDA graph that "
-                                                  rf"sharedmem did not start"):
+        with _refused_for_their_capture(theirs):
             g.replay(s)
         drv.cuStreamEndCapture(theirs.ptr)
     assert waits == [s.handle] and sm.stats().submitted == submitted
@@ -1852,9 +1858,7 @@ def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monk
     leased = sm.stats().submitted
     with theirs:
         drv.cuStreamBeginCapture(theirs.ptr, 0)  # (CuPy's own capture)
-        with pytest.raises(sm.CaptureError, match=rf"^the stream of handle {theirs.ptr:#x} on "
-                                                  rf"cuda:0 is capturing a CUDA graph that "
-                                                  rf"sharedmem did not start"):
+        with _refused_for_their_capture(theirs):
             sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
         assert waits == [] and sm.stats().submitted == leased
         torch = _fake_torch(monkeypatch, dev)  # torch's stream beside, not capturing: not
