@@ -73,7 +73,7 @@ cpdef ArrayFacts array_facts(arr)
 
 cpdef coerce(obj, device)
 
-cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*)
+cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*, uses=*)
 
 cdef object _library_handle(device, bint torch)
 

@@ -15,6 +15,7 @@ import re
 import struct
 import sys
 import weakref
+from functools import partial
 
 import numpy as np
 
@@ -497,7 +498,7 @@ class RawKernelPlan(KernelPlan):
                         f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
                         f"np.complex64(z)")
         if torch_dev is not None or cupy_dev is not None:  # (every argument checked first)
-            order_after_libraries(stream, torch_dev, cupy_dev)
+            order_after_libraries(stream, torch_dev, cupy_dev, True, uses)
         return out  # (interpreted: the values, packed into the slots by enqueue)
 
     def _count_error(self, args):
@@ -839,7 +840,7 @@ def _cupy_stream_entry(cp):
     return cython.cast(cython.size_t, PyCapsule_GetPointer(cap, name))
 
 
-def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
+def order_after_libraries(stream, torch_devs, cupy_devs, wait=True, uses=None) -> None:
     """Order later work on ``stream`` after the pending work on the current streams of the
     libraries whose arrays one launch was given: torch's current stream of each device in
     ``torch_devs`` and CuPy's of each in ``cupy_devs`` (None, a Device, or a list:
@@ -849,18 +850,21 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
     wait); one wait where torch's and CuPy's are one stream. A capture cannot wait for
     another stream: CaptureError there, saying what to do, raised before any wait is
     enqueued. ``wait`` false: those checks only (a composite op makes them for each part
-    before it submits the first: see :func:`check_capture`)."""
+    before it submits the first: see :func:`check_capture`). ``uses``: the launch's leases,
+    given by a plan's pack -- captured (on the libraries' streams), the graph then orders each
+    of its replays so, once the launch is recorded (see ``Graph.after_recorded_locked``)."""
     todo = None  # ((device, handle, torch) of each wait: the usual launch has none)
     if torch_devs is not None:
         todo = _to_wait(stream, torch_devs, True, todo)
     if cupy_devs is not None:
         todo = _to_wait(stream, cupy_devs, False, todo)
     if todo is None:
-        if wait and stream._capture is not None:  # (captured on the libraries' streams: each
-            with locked():                        # replay of the graph is ordered as this is)
+        if stream._capture is not None and uses is not None and wait:  # (captured on the
+            with locked():  # libraries' streams: each replay is ordered as this launch is)
                 g = stream._capture  # (the graph's steps: guarded by core_lock while it runs)
-                if g is not None:
-                    g.before_replays(_ReplayOrder, _ReplayOrder).add(torch_devs, cupy_devs)
+                if g is not None:  # (once recorded: not a launch refused or failed after this)
+                    g.after_recorded_locked(uses, partial(_add_replay_order, torch_devs,
+                                                          cupy_devs))
         return
     if stream._capture is not None or RUNTIME.captures:
         for dev, h, torch in todo:
@@ -872,6 +876,11 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True) -> None:
     if wait:
         for dev, h, torch in todo:
             dev.backend.order_after_handle(stream._impl, h)
+
+
+def _add_replay_order(torch_devs, cupy_devs, g) -> None:
+    """A captured launch's part of graph ``g``'s :class:`_ReplayOrder` (core_lock held)."""
+    g.before_replays(_ReplayOrder, _ReplayOrder).add(torch_devs, cupy_devs)
 
 
 class _ReplayOrder:

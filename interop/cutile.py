@@ -542,7 +542,7 @@ class TilePlan(KernelPlan):
             if self.warm(call_args):
                 self.last_args = None if foreign else seen
         if torch_dev is not None or cupy_dev is not None:  # (see interop.cupy_launch)
-            order_after_libraries(stream, torch_dev, cupy_dev)
+            order_after_libraries(stream, torch_dev, cupy_dev, True, uses)
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)

@@ -1801,6 +1801,89 @@ def test_a_replay_is_ordered_after_the_libraries_as_its_captured_launches_were(f
     plain.release()
 
 
+@pytest.mark.parametrize("how", ["driver", "tile"])
+def test_a_captured_launch_that_fails_after_its_pack_orders_no_replay(fake, kernels, tile,
+                                                                        monkeypatch, how):
+    """A launch of CuPy arrays captured on CuPy's current stream whose kernel launch then fails
+    (the driver refuses it; cuTile raises) is not in the graph, and adds no replay step: a
+    replay of the graph's other launches (views alone) waits for no library's stream, and is
+    not refused while CuPy's current stream captures a graph of CuPy's own."""
+    from fake_cuda import CUresult, TileKernel
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    mod, tile_fail = tile
+    cap = dev.create_stream("captured")
+    real = drv.cuLaunchKernel
+    refuse = []
+
+    def launch(*a):
+        if refuse:
+            refuse.pop()
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return real(*a)
+    monkeypatch.setattr(drv, "cuLaunchKernel", launch)
+    kern = TileKernel(lambda a, b: None)
+    for a in (x, out):
+        a.dtype = np.dtype(np.float32)
+    with cp.cuda.ExternalStream(cap.handle):
+        with sm.capture(cap) as g:
+            if how == "driver":
+                refuse.append(True)
+                with pytest.raises(sm.SharedMemError, match="CUDA_ERROR_INVALID_VALUE"):
+                    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n)
+            else:
+                tile_fail.append(RuntimeError("cuLaunchKernelEx failed"))
+                with pytest.raises(RuntimeError, match="cuLaunchKernelEx failed"):
+                    sm.launch(kern, (1,), None, sm.In(x), sm.Out(out))
+                tile_fail.clear()
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block), sm.Out(out._block),
+                      n)
+    assert g.launches == 1
+    waits = _waits_seen(drv, monkeypatch)
+    g.replay(s).result()
+    assert waits == []  # (CuPy's current stream, the legacy one: not waited for)
+    theirs = cp.cuda.Stream(non_blocking=True)
+    with theirs:
+        drv.cuStreamBeginCapture(theirs.ptr, 0)  # (CuPy's own capture: nothing of it replayed)
+        try:
+            g.replay(s).result()
+        finally:
+            drv.cuStreamEndCapture(theirs.ptr)
+    assert waits == []
+    g.release()
+
+
+def test_a_launch_packed_for_a_capture_that_ended_before_its_submission_orders_no_replay(
+        fake, kernels, monkeypatch):
+    """A launch of CuPy arrays packed while its stream captured (on CuPy's current stream),
+    whose capture ended (another thread) before it was submitted, runs -- it is not in the
+    graph, and adds no replay step to it: a replay waits for no library's stream. (The capture
+    ends here where a submission reports a pending leak warning, between pack and record.)"""
+    import warnings
+
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    cap = dev.create_stream("captured")
+    c = sm.capture(cap)
+    ended = []
+
+    def show(*a, **k):
+        if not ended:
+            ended.append(c.__exit__(None, None, None))
+    with cp.cuda.ExternalStream(cap.handle):
+        g = c.__enter__()
+        RUNTIME.warnings.append("a leak, reported by the next submission")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            monkeypatch.setattr(warnings, "showwarning", show)
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n).result()
+    assert ended == [False] and g.launches == 0
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))  # (it ran)
+    waits = _waits_seen(drv, monkeypatch)
+    g.replay(s).result()
+    assert waits == []
+    g.release()
+
+
 @pytest.mark.parametrize("signature, cupys", [(b"intptr_t (int)", True),
                                                (b"intptr_t (void)", True),
                                                (b"intptr_t (int)", False)])
@@ -1843,6 +1926,26 @@ def test_cupys_current_stream_is_read_through_its_c_entry_point_where_found(
         assert asked == [dev.ordinal] and waits == []  # (CuPy's current: s itself)
     else:
         assert asked == [] and waits == [s.handle]  # (CuPy's current: the legacy stream)
+
+
+def test_a_replay_given_an_unknown_policy_is_refused_before_it_waits(fake, kernels,
+                                                                     monkeypatch):
+    """``g.replay(s, policy=...)`` with an unknown policy raises SharedMemError before its
+    steps order it after CuPy's current stream (as a launch checks its policy first): nothing
+    waited for, nothing submitted."""
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    cap = dev.create_stream("captured")
+    with cp.cuda.ExternalStream(cap.handle):
+        with sm.capture(cap) as g:
+            sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n)
+    waits = _waits_seen(drv, monkeypatch)
+    submitted = sm.stats().submitted
+    with pytest.raises(sm.SharedMemError, match=r"^unknown access policy 'bogus'"):
+        g.replay(s, policy="bogus")
+    assert waits == [] and sm.stats().submitted == submitted
+    g.replay(s, policy="reject").result()
+    assert waits == [s.handle]
+    g.release()
 
 
 def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monkeypatch):

@@ -40,6 +40,7 @@ except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
 from .state import CAPTURING, RUNTIME, locked, log
+from ..access import check_policy
 from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError, SharedMemError
@@ -98,7 +99,7 @@ class Graph:
     collection does the same once no replay is in flight."""
 
     __slots__ = ("id", "device", "_uses", "_keep", "_exec", "_state", "launches",
-                 "_lock", "_replay", "_before", "_steps", "__weakref__")
+                 "_lock", "_replay", "_before", "_steps", "_staged", "__weakref__")
 
     def __init__(self, device: Device) -> None:
         self.id = next(_ids)
@@ -119,6 +120,9 @@ class Graph:
         # key -> what each replay calls first (see before_replays); guarded by core_lock while
         # capturing (the steps too), fixed in _replay once the capture ended
         self._steps: dict = {}
+        # id(uses) -> (uses, fn): what a launch's pack left for its record (see
+        # after_recorded_locked), until it is recorded or the capture ends; guarded by core_lock
+        self._staged = None
 
     def __repr__(self) -> str:
         n = len(self._uses)
@@ -127,6 +131,9 @@ class Graph:
 
     # -- capture (called by submission.submit with core_lock held) ---------------
     def _record_locked(self, uses, enqueue, keep, label):
+        staged = None
+        if self._staged:  # (this launch's, left by its pack: applied once it is recorded)
+            staged = self._staged.pop(id(uses), None)
         for tok, _ in uses:
             if not tok.live:
                 raise ReleasedError(f"a {tok.kind} passed to {_sub.label_text(label)} was "
@@ -138,19 +145,23 @@ class Graph:
             # the graph keeps what it touches, as _submit leases it, else every replay would
             # write into memory freed and reused meanwhile)
             if not isinstance(e, Exception) or getattr(e, "enqueued", False):
-                self._file_uses_locked(uses, keep)
+                self._file_uses_locked(uses, keep, staged)
             raise
         if marker is not None:
             marker.recycle()
-        self._file_uses_locked(uses, keep)
+        self._file_uses_locked(uses, keep, staged)
         self.launches += 1
         sub = _sub.new_submission(None, 0, COMPLETE, None, None,
                                   f"{_sub.label_text(label)} (captured into graph #{self.id})")
         sub.state = _sub.RETIRED
         return sub
 
-    def _file_uses_locked(self, uses, keep) -> None:
-        """Retain ``uses`` (and ``keep``) for the graph's lifetime (core_lock held)."""
+    def _file_uses_locked(self, uses, keep, staged=None) -> None:
+        """Retain ``uses`` (and ``keep``) for the graph's lifetime, and apply what the
+        launch's pack left for its record (``staged``: see :meth:`after_recorded_locked`);
+        core_lock held."""
+        if staged is not None and staged[0] is uses:  # (recorded, or part of it: every
+            staged[1](self)                            # replay runs it)
         kind = f"graph #{self.id}"
         for tok, writes in uses:
             key = (tok.allocation.id, tok.start, tok.stop)
@@ -172,11 +183,22 @@ class Graph:
         replay after that sharedmem does not track (interop's: the current streams of the
         libraries whose arrays a captured launch was given, as a launch of them is ordered).
         A step raises to refuse the replay. Called while capturing, with core_lock held (which
-        guards the step's state too until the capture ends)."""
+        guards the step's state too until the capture ends) -- by a plan's pack, through
+        :meth:`after_recorded_locked`, so that a launch refused or failed after its pack adds
+        no step."""
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = factory()
         return step
+
+    def after_recorded_locked(self, uses, fn) -> None:
+        """While capturing, core_lock held: ``fn(self)`` is called (core_lock held) once the
+        launch whose leases are ``uses`` (the list its plan's ``pack`` is given) is recorded
+        into this graph -- never where it is refused or fails after its pack, nor where it is
+        not captured after all (the capture ended first: it ran)."""
+        if self._staged is None:
+            self._staged = {}
+        self._staged[id(uses)] = (uses, fn)  # (uses kept: no other list gets its id meanwhile)
 
     # -- replay ----------------------------------------------------------------
     def replay(self, stream: Stream | object | None = None,
@@ -196,6 +218,8 @@ class Graph:
         if s._capture is not None:
             raise CaptureError(f"cannot replay graph #{self.id} into a capture on {s}")
         if steps is not None:
+            if policy is not None:
+                check_policy(policy)  # (as a launch does: refused before a step waits)
             for step in steps:
                 step(s)
         # keeps the executable and (through the uses) the memory -- not this Graph. (A release
@@ -315,6 +339,7 @@ class capture:
                 ended = ended or e
             s._capture = None
             g._before = None  # (the hold ends filed with it keep it)
+            g._staged = None  # (launches packed for it but never recorded: no steps)
             RUNTIME.captures -= 1
             self._recorder = None
         if captured is not None:  # (instantiated even when the block failed: that frees it)
