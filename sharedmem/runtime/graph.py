@@ -18,12 +18,12 @@ While capturing, submissions take no leases and make no cross-stream waits
 (nothing runs; a capture cannot depend on work outside it); launches return
 futures that are already done. Each replay is one ordinary submission with
 fresh leases over every captured range, so a replay that conflicts with other
-work is ordered or refused like any launch (and after the work an adapter orders it after: see
-``Graph.before_replays``), and the backend graph stays alive until its last replay has
-finished. Replays keep
-the executable and the memory, not the Graph: once the user drops (or
-releases) the Graph, it is no alias any more, even while a replay runs -- the
-replay's leases protect that memory. Leaving the ``with`` block ends the
+work is ordered or refused like any launch (and ordered after what an adapter
+asks for: see ``Graph.before_replays``), and the backend graph stays alive
+until its last replay has finished. Replays keep the executable and the
+memory, not the Graph: once the user drops (or releases) the Graph, it is no
+alias any more, even while a replay runs -- the replay's leases protect that
+memory. Leaving the ``with`` block ends the
 capture on every path; a capture left by an exception gives no graph.
 """
 
