@@ -30,6 +30,8 @@ int record_stub(void *e, void *s) { return 0; }
 int query_stub(void *e) { return 0; }
 int wait_stub(void *s, void *e, unsigned f) { return 0; }
 int graph_launch_stub(void *g, void *s) { return 0; }
+long long cupy_current = 0;  /* CuPy's current stream, as its C entry point gives it */
+long long get_stream_ptr_stub(int device_id) { return cupy_current; }
 """
 
 
@@ -89,6 +91,29 @@ class _NullHot:
 
 
 
+def _cupy_c_entry(cp):
+    """Give stand-in CuPy ``cp`` the C entry point real CuPy exports for its current stream
+    (``cupy_backends.cuda.stream.get_stream_ptr`` in its ``__pyx_capi__``, which the compiled
+    build calls): a C stub returning a settable value. Returns that value (a ctypes
+    c_longlong), or None without a C compiler (then the stand-in's Python call is timed)."""
+    import ctypes
+    import types
+    so = _c_stubs()
+    if so is None:
+        return None
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                   ctypes.c_void_p]
+    _cupy_c_entry.name = name = ctypes.create_string_buffer(b"intptr_t (int)")  # (kept)
+    capi = types.ModuleType("cupy_backends.cuda.stream")
+    capi.__pyx_capi__ = {"get_stream_ptr": new(ctypes.cast(so.get_stream_ptr_stub,
+                                                           ctypes.c_void_p), name, None)}
+    capi.so = so
+    sys.modules["cupy_backends.cuda.stream"] = capi
+    cp.cuda.get_current_stream.__module__ = "cupy.cuda.stream"  # (CuPy's own, as it says)
+    return ctypes.c_longlong.in_dll(so, "cupy_current")
+
+
 def per_call_us(fn, n=20000, reps=7):
     times = []
     for _ in range(reps):
@@ -110,6 +135,7 @@ def this_build():
     bc._SUCCESS = CUresult.CUDA_SUCCESS
     bc._hot_driver = _NullHot
     sys.modules["cupy"] = fake_cupy()
+    cupy_c = _cupy_c_entry(sys.modules["cupy"])
     backend = bc.CudaBackend(0)
     dev = object.__new__(sm.Device)
     dev._setup("cuda", 0, backend.name, ("fake-cuda", 1), backend)
@@ -169,6 +195,8 @@ def this_build():
 
     sys.modules["cupy"].current.ptr = s.handle  # (CuPy's current stream: a launch of CuPy
     # arrays on it waits for nothing, as run.py's row runs)
+    if cupy_c is not None:
+        cupy_c.value = s.handle
 
     def cupy_arrays():  # foreign arrays as arguments (learned on their first launch)
         sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(arrays[2]), Out(arrays[3]), n,
