@@ -1884,6 +1884,30 @@ def test_a_launch_packed_for_a_capture_that_ended_before_its_submission_orders_n
     g.release()
 
 
+def test_a_captured_launch_whose_after_record_step_raises_keeps_its_memory_in_the_graph(
+        fake, kernels, monkeypatch):
+    """A launch recorded into a graph whose ``after_recorded_locked`` function then raises (a
+    plan's step that cannot be made: here a MemoryError) raises that error, but the kernel is
+    in the graph: the graph counts it and keeps the memory it touches (its three ranges), as
+    for a launch recorded in part -- else every replay would run it on memory freed and
+    reused meanwhile."""
+    import interop.cupy_launch as icl
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    cap = dev.create_stream("captured")
+
+    def add(self, torch_devs, cupy_devs):
+        raise MemoryError("no room for the step")
+    monkeypatch.setattr(icl._ReplayOrder, "add", add)
+    with cp.cuda.ExternalStream(cap.handle):
+        with sm.capture(cap) as g:
+            with pytest.raises(MemoryError, match="no room for the step"):
+                sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n)
+    assert g.launches == 1 and len(g._uses) == 3
+    g.replay(s).result()
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))  # 2 * 0 + 1
+    g.release()
+
+
 @pytest.mark.parametrize("signature, cupys", [(b"intptr_t (int)", True),
                                                (b"intptr_t (void)", True),
                                                (b"intptr_t (int)", False)])

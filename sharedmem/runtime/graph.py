@@ -149,8 +149,8 @@ class Graph:
             raise
         if marker is not None:
             marker.recycle()
+        self.launches += 1  # (recorded: counted, and its memory kept, whatever staged raises)
         self._file_uses_locked(uses, keep, staged)
-        self.launches += 1
         sub = _sub.new_submission(None, 0, COMPLETE, None, None,
                                   f"{_sub.label_text(label)} (captured into graph #{self.id})")
         sub.state = _sub.RETIRED
@@ -159,9 +159,8 @@ class Graph:
     def _file_uses_locked(self, uses, keep, staged=None) -> None:
         """Retain ``uses`` (and ``keep``) for the graph's lifetime, and apply what the
         launch's pack left for its record (``staged``: see :meth:`after_recorded_locked`);
-        core_lock held."""
-        if staged is not None and staged[0] is uses:  # (recorded, or part of it: every
-            staged[1](self)                            # replay runs it)
+        core_lock held. ``staged`` runs last: an error there leaves the work recorded with
+        its memory kept, as every replay runs it."""
         kind = f"graph #{self.id}"
         for tok, writes in uses:
             key = (tok.allocation.id, tok.start, tok.stop)
@@ -176,6 +175,8 @@ class Graph:
                 if tok.writable:  # a later use through a writable view: as writable an alias
                     entry[0].writable = True  # (guarded by core_lock, as every token's fields)
         self._keep.extend(keep)
+        if staged is not None and staged[0] is uses:  # (recorded, or part of it: every
+            staged[1](self)                            # replay runs it)
 
     def before_replays(self, key, factory):
         """The step kept under ``key``, made by ``factory()`` the first time: every replay
