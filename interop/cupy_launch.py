@@ -900,7 +900,14 @@ class _ReplayOrder:
         self.cupy = _merged(self.cupy, cupy_devs)
 
     def __call__(self, stream) -> None:
-        order_after_libraries(stream, self.torch, self.cupy)
+        try:
+            order_after_libraries(stream, self.torch, self.cupy)
+        except CaptureError as e:  # (said of a launch: what it means for a replay, which no
+            raise CaptureError(    # capture of sharedmem's takes)
+                f"a replay on {stream} of a graph that captured launches of CuPy arrays or "
+                f"torch tensors is ordered after those libraries' current streams, as the "
+                f"launches were, and cannot be now: {e} -- replay once that capture has "
+                f"ended") from None
 
 
 def _to_wait(stream, devs, torch, todo):

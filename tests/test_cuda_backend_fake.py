@@ -1747,11 +1747,13 @@ def test_cupy_array_arguments_are_ordered_after_cupys_current_stream(fake, kerne
     assert sm.stats().submitted == leased and waits == [s.handle] * 4  # (captured: not run)
 
 
-def _refused_for_their_capture(theirs):
+def _refused_for_their_capture(theirs, replay=False):
     """``pytest.raises`` of the refusal of work ordered after CuPy stream ``theirs`` while it
-    captures a graph CuPy began."""
-    return pytest.raises(sm.CaptureError, match=rf"^the stream of handle {theirs.ptr:#x} on "
-                                                rf"cuda:0 is capturing a CUDA graph that "
+    captures a graph CuPy began (``replay``: of a replay, said as such)."""
+    said = (r"^a replay on <Stream .*> of a graph that captured launches of CuPy arrays or "
+            r"torch tensors is .* and cannot be now: " if replay else "^")
+    return pytest.raises(sm.CaptureError, match=rf"{said}the stream of handle {theirs.ptr:#x} "
+                                                rf"on cuda:0 is capturing a CUDA graph that "
                                                 rf"sharedmem did not start")
 
 
@@ -1793,10 +1795,22 @@ def test_a_replay_is_ordered_after_the_libraries_as_its_captured_launches_were(f
     submitted = sm.stats().submitted
     with theirs:
         drv.cuStreamBeginCapture(theirs.ptr, 0)  # (CuPy's own capture)
-        with _refused_for_their_capture(theirs):
+        with _refused_for_their_capture(theirs, replay=True):
             g.replay(s)
         drv.cuStreamEndCapture(theirs.ptr)
     assert waits == [s.handle] and sm.stats().submitted == submitted
+    cap2 = dev.create_stream("captured too")
+    with cp.cuda.ExternalStream(cap2.handle), sm.capture(cap2) as g2:  # (CuPy's current
+        with pytest.raises(sm.CaptureError, match=r"^a replay on <Stream .*> of a graph that "  # stream
+                                                  r"captured launches of CuPy arrays or torch "  # is
+                                                  r"tensors is ordered after those libraries' "  # sharedmem's,
+                                                  r"current streams, as the launches were, and "  # capturing)
+                                                  r"cannot be now: CuPy's current stream of "
+                                                  r"<Device cuda:0 .*> is <Stream .*captured "
+                                                  r"too.*>, which is capturing graph #\d+.* -- "
+                                                  r"replay once that capture has ended$"):
+            g.replay(s)
+    assert waits == [s.handle] and sm.stats().submitted == submitted and g2.launches == 0
     g.release()
     plain.release()
 
@@ -3729,3 +3743,4 @@ def test_waiting_for_work_behind_a_query_that_cannot_ask_raises_rather_than_hang
             sm.synchronize()
     assert not hung, "result(1) of work behind an unaskable query never returned"
     assert got and isinstance(got[0], (sm.CudaError, TimeoutError)), got
+
