@@ -104,10 +104,7 @@ def _span(lo, hi, seq, marker):
 def _hold_writes(tok, stream) -> bool:
     """Whether the consumer on ``stream`` may write through hold ``tok``: its entry in the
     token's ``consumers`` (a hold that is ending counts as writing: the safe answer)."""
-    cons = tok.consumers
-    if cons is None:
-        return True
-    for c in cons:
+    for c in tok.consumers or ():
         if c[0] is stream:
             return c[1]
     return True
@@ -271,9 +268,7 @@ class AccessTracker:
             if k == uid or s is None:  # (gone since the walk that pruned: nothing unfinished)
                 continue
             held = None
-            ex = None
-            if exclude is not None and use.holds and s in exclude[1]:
-                ex = exclude[0]
+            ex = exclude[0] if exclude is not None and use.holds and s in exclude[1] else None
             for h in use.holds:
                 if h.start < hi and lo < h.stop and h is not ex:
                     hw = _hold_writes(h, s)
@@ -297,26 +292,22 @@ class AccessTracker:
         use = self._last_use if self._last == stream._uid else self._use_of(stream)  # (no call)
         use.newest = seq
         entries = use.writes if writes else use.reads
-        if len(entries) == 1:  # the common case: the same range again
-            e = cython.cast(Span, entries[0]) if cython.compiled else entries[0]  # (Spans only)
-            # (the same range: this access is its newest, finished or not -- the branch below
-            # would write what it holds already. A range inside it: split, see _add_range)
+        # the same range again (the common case; with several ranges -- slices of one buffer,
+        # torch tensors of one segment -- one of them): this access is its newest, finished or
+        # not (the entries stay disjoint)
+        for e in entries:
             if e.lo == lo and e.hi == hi:
                 e.seq = seq
                 e.marker = marker
                 return
+        if len(entries) == 1:  # (another range: kept apart by _add_range, unless finished)
+            e = cython.cast(Span, entries[0]) if cython.compiled else entries[0]  # (Spans only)
             if e.seq <= stream._done:  # finished: this access alone is unfinished now
                 e.lo = lo
                 e.hi = hi
                 e.seq = seq
                 e.marker = marker
                 return
-        else:  # several ranges (slices of one buffer, torch tensors of one segment): the same
-            for e in entries:  # range again is its newest (the entries stay disjoint)
-                if e.lo == lo and e.hi == hi:
-                    e.seq = seq
-                    e.marker = marker
-                    return
         _add_range(entries, lo, hi, seq, marker, stream._done)
 
     def add_hold_locked(self, stream, tok, lo, hi) -> None:

@@ -309,13 +309,8 @@ class Allocation:
         (it conflicts with nothing) are decided in O(1) before the call (View._move_token, the
         caller). Empty views conflict with nothing; read-only views do not conflict with a
         read-only move."""
-        out = []
-        for tok in self._views.values():
-            if tok is exclude or tok.start >= tok.stop:
-                continue
-            if tok.start < stop and start < tok.stop and (writable or tok.writable):
-                out.append(tok)
-        return out
+        return [t for t in self._views.values() if t is not exclude and t.start < t.stop
+                and t.start < stop and start < t.stop and (writable or t.writable)]
 
 
 # -- the registry -------------------------------------------------------------

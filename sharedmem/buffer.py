@@ -438,13 +438,12 @@ def copy_stream(stream, a, b):
     s = stream
     if not isinstance(s, Stream):
         for d in (b, a):  # (the destination's first)
-            if d.kind != "cuda":
-                continue
-            try:
-                s = Stream.from_external(stream, d)
-                break
-            except DeviceMismatchError:
-                continue
+            if d.kind == "cuda":
+                try:
+                    s = Stream.from_external(stream, d)
+                    break
+                except DeviceMismatchError:
+                    pass
     if not isinstance(s, Stream) or (s.device is not a and s.device is not b):
         raise DeviceMismatchError(f"a copy between {a} and {b} runs on a stream of one of "
                                   f"them, not on {s!r}")

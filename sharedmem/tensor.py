@@ -48,9 +48,8 @@ def c_strides(shape) -> tuple[int, ...]:
 def extent(shape, strides, itemsize=1) -> tuple[int, int]:
     """Offsets ``[lo, hi)`` relative to element 0 that the layout touches, ``(0, 0)`` when
     empty: in elements, or in bytes for strides in bytes and the ``itemsize``."""
-    for n in shape:
-        if n == 0:
-            return 0, 0
+    if 0 in shape:
+        return 0, 0
     lo = hi = 0  # (loops, not generator expressions: a torch tensor new to a launch asks)
     for n, s in zip(shape, strides):
         if s < 0:
@@ -436,8 +435,7 @@ class Tensor(View):
             if len(free) > 1:
                 raise LayoutError(f"reshape{tuple(shape)}: only one size can be -1")
             if free:
-                rest = _shape([n for i, n in enumerate(shape) if i != free[0]])
-                known = math.prod(rest)
+                known = math.prod(_shape([n for i, n in enumerate(shape) if i != free[0]]))
                 if known == 0 or self._size % known:
                     raise LayoutError(f"cannot reshape {self!r} ({self._size} elements) to "
                                       f"{tuple(shape)}")
