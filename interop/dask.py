@@ -117,10 +117,9 @@ class DeviceFrame:
         of its own; ``view`` may be released afterwards)."""
         tok = view._live_token()
         lo = view._offset
-        hi = lo + view.nbytes
-        t = tok.allocation.new_token("dask device frame (read-only)", lo, hi, False, tok.keep,
-                                     source=view)
-        self._view = new_buffer(t, _U8, hi - lo)
+        t = tok.allocation.new_token("dask device frame (read-only)", lo, lo + view.nbytes,
+                                     False, tok.keep, source=view)
+        self._view = new_buffer(t, _U8, view.nbytes)
         self._cai = None
 
     @property
@@ -138,10 +137,9 @@ class DeviceFrame:
     def __cuda_array_interface__(self) -> dict:
         if self._view.device.kind != "cuda":
             raise AttributeError("__cuda_array_interface__: this frame is on the host device")
-        cai = self._cai
-        if cai is None:  # one export per frame (its hold lasts as long as the frame)
-            cai = self._cai = self._view.__cuda_array_interface__
-        return cai
+        if self._cai is None:  # one export per frame (its hold lasts as long as the frame)
+            self._cai = self._view.__cuda_array_interface__
+        return self._cai
 
     def __buffer__(self, flags):  # PEP 688 (Python >= 3.12): a TCP comm reads a host copy
         return memoryview(self._view.to_host())
@@ -166,15 +164,11 @@ def device_frame(view) -> DeviceFrame:
         view = view.copy()  # (a new allocation that only the frame keeps)
     frame = DeviceFrame(view)
     try:
-        order_consumer(frame._view._token, _wait)
+        order_consumer(frame._view._token, lambda marker: marker.wait())
     except BaseException:
         frame._view.release()  # (no frame: its view of the bytes goes now, not at a collection)
         raise
     return frame
-
-
-def _wait(marker) -> None:
-    marker.wait()
 
 
 def cuda_dumps(x):

@@ -112,9 +112,7 @@ def unusable_build() -> str | None:
     one interpreted) -- else None. The caller then runs it all interpreted, and
     :func:`check_required` says why."""
     global _unusable
-    found = []
-    for m in COMPILED_MODULES:
-        found.append((m, _origin(m)))
+    found = [(m, _origin(m)) for m in COMPILED_MODULES]
     from_source = [m for m, origin in found if (origin or ".py").endswith(".py")]
     if from_source and len(from_source) < len(found):
         _unusable = f"it is partly built: {', '.join(from_source)} not compiled"
@@ -214,8 +212,7 @@ def show_config(file=None) -> dict:
         "cuda-tile": _version("cuda-tile"),
         "default device": _default_device_text(),
     }
-    out = file if file is not None else sys.stdout
     width = max(map(len, info))
-    for k, v in info.items():
-        print(f"{k:<{width}}  {v if v is not None else '(not installed)'}", file=out)
+    for k, v in info.items():  # (print's file=None is sys.stdout)
+        print(f"{k:<{width}}  {v if v is not None else '(not installed)'}", file=file)
     return info

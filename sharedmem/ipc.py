@@ -371,9 +371,7 @@ def _start_time(pid: int) -> int:
         return -1
     except OSError:
         return 0
-    if fields[0] in (b"Z", b"X"):
-        return -1
-    return int(fields[19])
+    return -1 if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
 def _alive(pid: int, start: int) -> bool:

@@ -160,7 +160,6 @@ class HostPool:
             if self.cached + size_class <= POOL_CACHE_MAX:
                 self._free.setdefault(size_class, fresh).append(raw)
                 self.cached += size_class
-                raw = None
             self.bytes_in_use -= size_class
         finally:
             if not held:
@@ -217,9 +216,8 @@ class HostMarker:
                 raise SharedMemError(
                     f"a host kernel on host stream {mine.name!r} waits for its own work or work "
                     f"queued behind it on its own stream{how}, which cannot finish before the "
-                    f"kernel returns: "
-                    f"it would wait forever. Wait outside the kernel, or submit that work to "
-                    f"another stream")
+                    f"kernel returns: it would wait forever. Wait outside the kernel, or submit "
+                    f"that work to another stream")
         return ev.wait(timeout)
 
     def recycle(self) -> None:
@@ -489,11 +487,10 @@ def _waits_for(marker, mine) -> bool:
         if q is mine:
             return True
         seen.add(id(m))
+        ahead = []  # (the waits queued before m's task: counted only once it is found)
         # (one step under the GIL: the deque's iterator is made before it is read, and the
         # copy runs no Python code -- no thread, nor a finalizer, can change it meanwhile)
-        items = [q.running, *q.items]
-        ahead = []  # (the waits queued before m's task: counted only once it is found)
-        for item in items:
+        for item in [q.running, *q.items]:
             if item is not None:
                 if item[1] is m:
                     todo += ahead
