@@ -239,8 +239,7 @@ def _same_args(a, b) -> bool:
     if b is None or len(b) != n:
         return False
     for i in range(n):
-        x = a[i]
-        y = b[i]
+        x, y = a[i], b[i]
         t = type(x)
         if t is list:  # (changed in place, the same list is another constant for cuTile)
             return False
@@ -497,32 +496,30 @@ class TilePlan(KernelPlan):
                     raise _with_length_error(i)
                 # a foreign array, which cuTile reads itself (a CuPy array's facts, see coerce,
                 # give it back: alive, the launch holds it)
-                v = a.value if type(a) is LaunchArg else a.ref()
+                v = out[i] = a.value if type(a) is LaunchArg else a.ref()
                 if type(a) is ArrayFacts and a.layout is not None:
                     # a torch tensor's facts' weak reference stands for it in last_args
                     # (keeping neither the tensor nor the facts' allocation): they were checked
                     # against its pointer and layout just now (new facts, a new reference,
                     # where either changed); torch has no negative strides (nor `strides`:
                     # a getattr of it raised and caught an AttributeError a launch)
-                    out[i] = v
                     torch_dev = devices_of(torch_dev, a)
-                    if known is None:
-                        known = []
-                    known.append((i, a.ref))
-                    continue
-                for st in getattr(v, "strides", ()):
-                    if st < 0:
-                        raise KernelError(f"argument {i}: a {type(v).__name__} with negative "
-                                          f"strides; cuTile assumes strides >= 0 -- pass a "
-                                          f"contiguous copy")
-                out[i] = v
-                if type(a) is ArrayFacts:  # a CuPy array: as a torch tensor's above, but its
-                    if known is None:        # layout may be re-set
-                        known = []
-                    known.append((i, (a.ref, v.shape, v.strides, v.dtype)))
-                    cupy_dev = devices_of(cupy_dev, a)
+                    stand_in = a.ref
                 else:
-                    foreign = True
+                    for st in getattr(v, "strides", ()):
+                        if st < 0:
+                            raise KernelError(f"argument {i}: a {type(v).__name__} with "
+                                              f"negative strides; cuTile assumes strides >= 0 "
+                                              f"-- pass a contiguous copy")
+                    if type(a) is not ArrayFacts:
+                        foreign = True
+                        continue
+                    # a CuPy array: as a torch tensor's above, but its layout may be re-set
+                    cupy_dev = devices_of(cupy_dev, a)
+                    stand_in = (a.ref, v.shape, v.strides, v.dtype)
+                if known is None:
+                    known = []
+                known.append((i, stand_in))
             else:
                 t = type(a)
                 if t is tuple or t is list:

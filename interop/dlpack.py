@@ -146,11 +146,9 @@ def _np_dtype(t: DLDataType) -> np.dtype:
         except ImportError:
             raise BufferError("bfloat16 tensors need the ml_dtypes package") from None
     kind = {kDLBool: "b", kDLInt: "i", kDLUInt: "u", kDLFloat: "f", kDLComplex: "c"}.get(code)
-    # (bools of one byte only; floats up to 64 bits, complex up to 128: DLPack's wider ones
-    # are IEEE binary128, not the platform's long double that NumPy's float128 is)
-    if kind == "b" and bits == 8:
-        return np.dtype(bool)
-    if kind in ("i", "u") or (kind == "f" and bits <= 64) or (kind == "c" and bits <= 128):
+    # (bools of one byte only: "b1"; floats up to 64 bits, complex up to 128: DLPack's wider
+    # ones are IEEE binary128, not the platform's long double that NumPy's float128 is)
+    if kind in ("b", "i", "u") or (kind == "f" and bits <= 64) or (kind == "c" and bits <= 128):
         try:
             if not bits % 8:
                 return np.dtype(f"{kind}{bits // 8}")
@@ -647,8 +645,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         raise BufferError(f"DLPack tensor at 0x{dlt.data or 0:x} + byte_offset {dlt.byte_offset} "
                           f"({nbytes} bytes) lies beyond user-space addresses")
     region = None
-    known = None  # (an allocation the bytes lie in, held until the import is made of it)
     if dev.kind == "cuda" and nbytes:
+        # (known: an allocation the bytes lie in, held until the import is made of it)
         known = lookup_allocation(dev, ptr, nbytes)  # (one imported before: its region was
         # asked and checked then; 5 us a call) -- where it cannot have outlived its memory:
         # ours (its pool block lives with it) or a foreign one a live view's producer keeps.

@@ -19,7 +19,7 @@ import numpy as np
 
 from .runtime.state import locked
 from .allocation import View, ViewToken, add_consumer_locked, lookup_allocation
-from .errors import AliasError
+from .errors import AliasError, CaptureError
 
 __all__ = ["from_dlpack", "from_cuda_array_interface", "adopt", "record_use"]
 
@@ -112,8 +112,7 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
         if use_count(obj.untyped_storage()._cdata) > 1:
             raise AliasError("cannot adopt a torch tensor whose storage other tensors (views) "
                              "share; drop them first, or copy.", ("torch storage",))
-    elif getattr(obj, "base", None) is not None:
-        base = obj.base
+    elif (base := getattr(obj, "base", None)) is not None:
         if not hasattr(base, "shape"):  # (np.frombuffer of bytes, an mmap...)
             raise AliasError(f"cannot adopt a {name} over memory a {type(base).__name__} "
                              f"owns: that object still reaches it. Copy it instead.",
@@ -181,7 +180,6 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
         lo, hi, keep = ptr - alloc.ptr, ptr - alloc.ptr + nbytes, x
     stream = resolve_stream(stream, alloc.device)
     if stream._capture is not None:
-        from .errors import CaptureError
         raise CaptureError(f"record_use on {stream}: it is capturing a graph, whose work runs "
                            f"only at replay; declare the use on the replaying stream")
     lease = ViewToken(alloc, "declared use", lo, hi, True, keep)  # never live: a lease's range

@@ -206,10 +206,10 @@ def default_device() -> Device:
         raise BackendUnavailableError(
             f"SHAREDMEM_BACKEND={choice!r} is not a backend; use 'host' or 'cuda' (or unset it)")
     if choice == "host":
-        dev = Device.host()
+        _default = Device.host()
     else:
         try:
-            dev = Device(0)
+            _default = Device(0)
         except (BackendUnavailableError, CudaError) as e:
             # CudaError: a GPU the driver sees but cannot use (its primary context refused:
             # an exclusive-process GPU busy elsewhere, out of memory)
@@ -218,9 +218,8 @@ def default_device() -> Device:
             if choice == "cuda":
                 raise BackendUnavailableError(f"SHAREDMEM_BACKEND=cuda: {why}") from e
             _fallback[0] = why
-            dev = Device.host()
-    _default = dev
-    return dev
+            _default = Device.host()
+    return _default
 
 
 _fallback = [None]  # why default_device() fell back to the host (BackendUnavailableError's text)
