@@ -49,8 +49,7 @@ retirer_ident = [0]
 def hand_off(sub) -> None:
     """Queue ``sub``'s callbacks for the workers (the retirer calls this; it never blocks on
     a callback: the lock is held only to queue)."""
-    if _fork_dropped:  # (a forked child's first hand-off: what the parent had queued goes)
-        _fork_dropped.clear()
+    _fork_dropped.clear()  # (a forked child's first hand-off: what the parent had queued goes)
     with _lock:
         _queue.append(sub)
         if _workers == _blocked:  # no worker, or every one waits inside a callback

@@ -78,8 +78,7 @@ class _FutureBase:
     def result(self, timeout: float | None = None) -> _T:
         """The value once done, blocking up to ``timeout`` seconds (then TimeoutError); raises
         the error it failed with (a DeviceFuture's: see its class docstring)."""
-        timeout = check_timeout(timeout)
-        self._wait_done(timeout)
+        self._wait_done(check_timeout(timeout))
         return self._peek()
 
     def add_done_callback(self, fn: Callable[[_FutureBase[_T]], object]) -> None:
@@ -90,8 +89,8 @@ class _FutureBase:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the work ended with, or None (a TimeoutError when it has not ended
         within ``timeout``; as ``result``, errors of other work's callbacks are re-raised)."""
-        timeout = check_timeout(timeout)
-        self._wait_done(timeout)  # (an interrupt while waiting propagates: not the outcome)
+        # (an interrupt while waiting propagates: not the outcome)
+        self._wait_done(check_timeout(timeout))
         # (done: _peek does not wait) its own outcome, whatever its type (TimeoutError too)
         return _outcome(self._peek)[1]
 

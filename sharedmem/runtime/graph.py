@@ -131,9 +131,8 @@ class Graph:
 
     # -- capture (called by submission.submit with core_lock held) ---------------
     def _record_locked(self, uses, enqueue, keep, label):
-        staged = None
-        if self._staged:  # (this launch's, left by its pack: applied once it is recorded)
-            staged = self._staged.pop(id(uses), None)
+        # (this launch's, left by its pack: applied once it is recorded)
+        staged = self._staged.pop(id(uses), None) if self._staged else None
         for tok, _ in uses:
             if not tok.live:
                 raise ReleasedError(f"a {tok.kind} passed to {_sub.label_text(label)} was "

@@ -99,17 +99,16 @@ def _run() -> None:
         last_submitted = submitted
         if poll:
             last_busy = now
-        bell = _bell
         if burst:
-            bell.sleep(BUSY_INTERVAL)
+            _bell.sleep(BUSY_INTERVAL)
         elif poll or now - last_busy < LINGER:
-            bell.sleep(POLL_INTERVAL)
+            _bell.sleep(POLL_INTERVAL)
         else:
             rt.retirer_idle = True  # submit() wakes us only while this is set
             # (looked at again once it is set: a stream to poll that became active after this
             # pass saw it unset and did not ring -- its work would wait the idle interval)
             if not _polled_active(rt):
-                bell.sleep(IDLE_INTERVAL)
+                _bell.sleep(IDLE_INTERVAL)
             rt.retirer_idle = False
 
 
@@ -117,10 +116,8 @@ def _pending(errors, e) -> bool:
     """Whether an error like ``e`` (its type and message) waits in ``errors`` already: a
     failure at every pass (a device whose context cannot be made current: each pass every
     0.2 ms) is reported once until a user thread takes it, not queued without bound."""
-    for x in list(errors):  # (a copy: user threads take errors meanwhile)
-        if type(x) is type(e) and str(x) == str(e):
-            return True
-    return False
+    # (a copy: user threads take errors meanwhile)
+    return any(type(x) is type(e) and str(x) == str(e) for x in list(errors))
 
 
 def _pass(rt, last):
@@ -158,10 +155,7 @@ def _pass(rt, last):
 def _polled_active(rt) -> bool:
     """Whether an active stream's backend must be polled (a copy of the set is walked: it is
     also read without the lock)."""
-    for s in list(rt.active):
-        if s.device.backend.needs_polling:
-            return True
-    return False
+    return any(s.device.backend.needs_polling for s in list(rt.active))
 
 
 def _after_fork_child() -> None:

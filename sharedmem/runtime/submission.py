@@ -711,8 +711,7 @@ def settle(timeout=1.0) -> None:
     a view kept only by work that is done. Never waits for the device."""
     sweep_all()
     mine = getattr(_finishing, "n", 0)  # (this thread's: finished after the caller returns)
-    if RUNTIME.unfinished <= mine:  # (a plain read of an int written under the lock)
-        return
+    # (RUNTIME.unfinished: a plain read of an int written under the lock)
     deadline = _monotonic() + timeout
     while RUNTIME.unfinished > mine and _monotonic() < deadline:
         _sleep(20e-6)
@@ -879,8 +878,7 @@ def record_arrival(tok, stream) -> None:
     """Record an import's arrival as a write of ``tok``'s bytes on ``stream`` (a marker, no
     work; None: the device's default stream), made to wait for the producer's writes already:
     later use on any other stream is ordered after it (DLPack, CAI and IPC imports)."""
-    dev = tok.allocation.device
-    s = stream if stream is not None else dev.default_stream
+    s = stream if stream is not None else tok.allocation.device.default_stream
     submit_plan(s, [(tok, True)], _ARRIVAL, None, None, (), "order", "import")
 
 
