@@ -54,9 +54,8 @@ def _tensor_view(arr):
     cp = _cupy()
     if not isinstance(arr, cp.ndarray):
         raise TypeError(f"expected a cupy.ndarray, got {type(arr).__name__}")
-    dev = Device(arr.device.id)
     export = export_token(arr)
-    alloc, lo, hi = _allocation_of(arr, dev)
+    alloc, lo, hi = _allocation_of(arr, Device(arr.device.id))
     isz = arr.itemsize
     if any(s % isz for s in arr.strides):
         raise LayoutError(f"a CuPy array with strides {arr.strides} (not multiples of the "
@@ -81,7 +80,6 @@ def wrap(arr) -> Tensor:
         start = root.data.ptr + lo - alloc.ptr
         desc = f"CuPy array (shape {tuple(root.shape)}, {root.dtype})"
         alias = alloc.new_token(desc, start, start + hi - lo, True, None)
-        import weakref
         weakref.finalize(root, alias.release)
     return t
 

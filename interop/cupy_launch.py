@@ -11,6 +11,7 @@ what runs on every launch. Importing it imports no GPU library.
 from __future__ import annotations
 
 import ctypes
+import math
 import re
 import struct
 import sys
@@ -63,8 +64,7 @@ class _ExportOwner:
 
 def export_token(arr):
     """The view token behind an array made by as_cupy, or None."""
-    mem = arr.data.mem
-    owner = getattr(mem, "_owner", None)
+    owner = getattr(arr.data.mem, "_owner", None)
     return owner.token if isinstance(owner, _ExportOwner) else None
 
 
@@ -184,8 +184,7 @@ def param_types(code, name):
         if len(words) < 2:
             return None
         ctype = " ".join(words[:-1])
-        kind = _C_TYPES.get(ctype, ("?", 0))[0]
-        out.append((kind, ctype, words[-1]))
+        out.append((_C_TYPES.get(ctype, ("?", 0))[0], ctype, words[-1]))
     return out
 
 
@@ -245,8 +244,7 @@ def _param_sizes(func):
 
 
 def _function_handle(kernel, dev):
-    cp = _cupy()
-    with cp.cuda.Device(dev.ordinal):
+    with _cupy().cuda.Device(dev.ordinal):
         fn = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel or Function
         return fn, int(fn.ptr)
 
@@ -331,9 +329,8 @@ class RawKernelPlan(KernelPlan):
         off = 0
         for p in params:
             p.offset = off
-            f = _FORMATS.get((p.kind, p.size), f"{p.size}s")
             slot = (p.size + 7) // 8 * 8
-            fmt.append(f)
+            fmt.append(_FORMATS.get((p.kind, p.size), f"{p.size}s"))
             if slot > p.size:
                 fmt.append(f"{slot - p.size}x")
             off += slot
@@ -356,9 +353,7 @@ class RawKernelPlan(KernelPlan):
         lim = self.limits
         g = check_dims(grid, "grid", lim.grid)
         b = check_dims(block, "block", lim.block)
-        threads = 1
-        for d in b:
-            threads *= d
+        threads = math.prod(b)
         if lim.threads and threads > lim.threads:
             raise KernelError(f"block {block!r} has {threads} threads, above this device's "
                               f"limit of {lim.threads} per block")
@@ -503,11 +498,10 @@ class RawKernelPlan(KernelPlan):
 
     def _count_error(self, args):
         n = len(self.params)
-        got = len(args)
         wl = sum(1 for a in args if type(a) is LaunchArg and a.with_length)
         more = f" ({wl} with_length, each filling two)" if wl else ""
         names = ", ".join(p.name or "?" for p in self.params)
-        return KernelError(f"the kernel takes {n} parameters ({names}) but was given {got} "
+        return KernelError(f"the kernel takes {n} parameters ({names}) but was given {len(args)} "
                            f"arguments{more}; a buffer given as In/Out/InOut(x, "
                            f"with_length=True) fills a pointer and a length parameter")
 
@@ -734,8 +728,7 @@ def array_facts(arr):
 
 
 def _learn(arr):
-    dev = Device(arr.device.id)
-    alloc, lo, hi = _allocation_of(arr, dev)
+    alloc, lo, hi = _allocation_of(arr, Device(arr.device.id))
     # as_cupy's array: its export's token; cupy.asarray of a view (its CAI): CuPy's memory
     # names the view as its owner
     owner = getattr(arr.data.mem, "_owner", None)

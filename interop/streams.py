@@ -93,9 +93,8 @@ def _current(dev) -> tuple:
         if h == 2:  # the calling thread's default stream: ordered after by the legacy one
             per_thread = True
             continue
-        st = Stream.lookup(dev, h)  # (a Stream of that stream is alive: it keeps the object)
-        if st is None:
-            st = Stream.from_external(obj, dev)
+        # (a Stream of that stream is alive: it keeps the object)
+        st = Stream.lookup(dev, h) or Stream.from_external(obj, dev)
         if st not in out:
             out.append(st)
     return out, per_thread

@@ -821,8 +821,7 @@ class CudaBackend:
         if not fits:
             return None
         try:
-            mem = self._cupy.cuda.alloc_pinned_memory(size)
-            out = np.ndarray((n,), np.uint8, mem)
+            out = np.ndarray((n,), np.uint8, self._cupy.cuda.alloc_pinned_memory(size))
             # (raises nothing once registered: finalize's __init__ has no interrupt check
             # after it filed the finalizer, and the caller's array is counted from there)
             weakref.finalize(out, self._unstage, size)
