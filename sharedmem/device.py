@@ -206,10 +206,10 @@ def default_device() -> Device:
         raise BackendUnavailableError(
             f"SHAREDMEM_BACKEND={choice!r} is not a backend; use 'host' or 'cuda' (or unset it)")
     if choice == "host":
-        _default = Device.host()
+        dev = Device.host()
     else:
         try:
-            _default = Device(0)
+            dev = Device(0)
         except (BackendUnavailableError, CudaError) as e:
             # CudaError: a GPU the driver sees but cannot use (its primary context refused:
             # an exclusive-process GPU busy elsewhere, out of memory)
@@ -218,8 +218,11 @@ def default_device() -> Device:
             if choice == "cuda":
                 raise BackendUnavailableError(f"SHAREDMEM_BACKEND=cuda: {why}") from e
             _fallback[0] = why
-            _default = Device.host()
-    return _default
+            dev = Device.host()
+    # (returned from the local: re-read, the global may be None again by then -- another
+    # thread's show_config resets it, and the except clause's cleanup above can run finalizers)
+    _default = dev
+    return dev
 
 
 _fallback = [None]  # why default_device() fell back to the host (BackendUnavailableError's text)

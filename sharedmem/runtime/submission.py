@@ -711,7 +711,8 @@ def settle(timeout=1.0) -> None:
     a view kept only by work that is done. Never waits for the device."""
     sweep_all()
     mine = getattr(_finishing, "n", 0)  # (this thread's: finished after the caller returns)
-    # (RUNTIME.unfinished: a plain read of an int written under the lock)
+    if RUNTIME.unfinished <= mine:  # (a plain read of an int written under the lock; and
+        return                      # nothing to wait for: ``timeout`` is not looked at)
     deadline = _monotonic() + timeout
     while RUNTIME.unfinished > mine and _monotonic() < deadline:
         _sleep(20e-6)
