@@ -68,8 +68,19 @@ cdef class ArrayFacts(ForeignArray):
     cdef public object ptr, layout
 
 
-@cython.locals(f=ArrayFacts, other=ArrayFacts, slot=Py_ssize_t, addr=size_t)
+@cython.locals(f=ArrayFacts)
 cpdef ArrayFacts array_facts(arr)
+
+@cython.locals(f=ArrayFacts, slot=Py_ssize_t, addr=size_t)
+cdef ArrayFacts _known(arr)
+
+@cython.locals(other=ArrayFacts, slot=Py_ssize_t)
+cdef _recall(ArrayFacts f)
+
+@cython.locals(f=ArrayFacts, layout=tuple)
+cpdef ArrayFacts torch_facts(t)
+
+cpdef torch_tensor_type()
 
 cpdef coerce(obj, device)
 

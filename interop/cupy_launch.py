@@ -704,27 +704,40 @@ def _forget(key, ref):
 
 def array_facts(arr):
     """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
+    f = _known(arr)
+    return f if f is not None else _learn(arr)
+
+
+def _known(arr):
+    """The live facts learned before of foreign array ``arr``, or None. Compiled, the
+    recent-lookup table first (field reads, no call), then the dict (an entry found there goes
+    into the table)."""
     if cython.compiled:
         addr = cython.cast(cython.size_t, cython.cast(cython.p_void, arr))
         slot = (addr >> 6) % _RECENT  # (an array object is some 100 bytes long)
         f = _recent[slot]
-        if f is not None and f.addr == addr and not f.dead:  # (field reads, no call)
+        if f is not None and f.addr == addr and not f.dead:
             return f
         f = _recent[slot ^ 1]
         if f is not None and f.addr == addr and not f.dead:
             return f
         f = _facts.get(addr)  # (the key id() would give, without the builtin's call)
-    else:
-        slot = 0
-        f = _facts.get(id(arr))
-    if f is None or f.dead:
-        f = _learn(arr)
-    if cython.compiled:
-        other = _recent[slot]
-        if other is not None and not other.dead:  # (another live array's: the pair's other)
-            slot ^= 1
-        _recent[slot] = f
-    return f
+        if f is None or f.dead:
+            return None
+        _recall(f)
+        return f
+    f = _facts.get(id(arr))
+    return f if f is not None and not f.dead else None
+
+
+def _recall(f) -> None:
+    """Compiled: put facts ``f`` into the recent-lookup table (into the pair's other slot
+    where this one holds another live array's)."""
+    slot = (f.addr >> 6) % _RECENT
+    other = _recent[slot]
+    if other is not None and not other.dead:
+        slot ^= 1
+    _recent[slot] = f
 
 
 def _learn(arr):
@@ -753,6 +766,8 @@ def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout, keep):
     f.keep = keep
     f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
     _facts[key] = f
+    if cython.compiled:
+        _recall(f)
     return f
 
 
@@ -769,10 +784,15 @@ def torch_facts(t):
     kernel. A launch is ordered after torch's current stream of the tensor's device
     (:func:`order_after_libraries`)."""
     ptr = t.data_ptr()
-    layout = (t.shape, t.stride(), t.dtype)  # (strides in elements: the dtype too)
-    f = _facts.get(id(t))
-    if f is not None and not f.dead and f.ptr == ptr and f.layout == layout:
-        return f
+    shape = t.shape
+    strides = t.stride()  # (in elements: the dtype too)
+    dtype = t.dtype
+    f = _known(t)
+    if f is not None and f.ptr == ptr:
+        layout = f.layout  # (compared a part at a time: no tuple made)
+        if layout[0] == shape and layout[1] == strides and layout[2] == dtype:
+            return f
+    layout = (shape, strides, dtype)
     if not t.is_cuda:
         return None
     dev = Device(t.device.index)

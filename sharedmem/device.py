@@ -44,6 +44,10 @@ class Device:
     bridge_facts: Any
 
     def __new__(cls, ordinal: int | Device = 0) -> Device:
+        if type(ordinal) is int:  # (the usual: a device made already, one dict read)
+            dev = _devices.get(("cuda", ordinal))
+            if dev is not None:
+                return dev
         if isinstance(ordinal, Device):
             return ordinal
         if isinstance(ordinal, np.integer):  # (as every other int parameter is taken)

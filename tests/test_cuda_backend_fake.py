@@ -2493,6 +2493,41 @@ def test_torch_tensor_arguments_are_leased_as_cupy_arrays_are_and_ordered_after_
     assert sm.stats().submitted == leased and len(waits) == waited
 
 
+def test_a_torch_tensor_whose_layout_changes_at_the_same_pointer_is_learned_anew(
+        fake, kernels, monkeypatch):
+    """A torch tensor's facts serve while its data pointer, shape, strides and dtype are those
+    they were learned from: ``resize_`` or ``as_strided_`` keep the pointer and change the
+    layout, and the next launch leases the bytes the new layout reaches -- fewer, or more.
+    Compiled, a known tensor's facts are found in the recent-lookup table, as a CuPy array's."""
+    import interop.cupy_launch as icl
+    from sharedmem.config import compiled
+    dev, drv = fake
+    saxpy, _ = kernels
+    torch = _fake_torch(monkeypatch, dev)
+    n = 16
+    storage = np.zeros(4 * n, np.float32)
+    x = torch.Tensor(np.arange(n, dtype=np.float32))
+    t = torch.Tensor(storage[:n], storage)
+    s = dev.create_stream("s")
+    torch.current = types.SimpleNamespace(cuda_stream=s.handle, device=torch.Tensor.device)
+    sm.launch(saxpy, 1, 16, 1.0, sm.In(x), sm.In(x), sm.Out(t), n, stream=s).result()
+    facts = icl.torch_facts(t)
+    assert (facts.token.start, facts.token.stop) == (0, 4 * n)
+    assert icl.torch_facts(t) is facts  # (found again: nothing changed)
+    if compiled():
+        assert facts in icl.recent_facts()
+    t.set_(storage[:n // 2], storage)  # a smaller shape at the same pointer (resize_)
+    assert icl.torch_facts(t) is not facts
+    assert (icl.torch_facts(t).token.start, icl.torch_facts(t).token.stop) == (0, 2 * n)
+    t.set_(storage[:2 * n:2], storage)  # the same shape and pointer, strides of 2 (as_strided_)
+    strided = icl.torch_facts(t)
+    assert strided.layout == ((n,), (2,), "torch.float32")
+    assert (strided.token.start, strided.token.stop) == (0, 4 * (2 * n - 1))
+    t.set_(storage[:4 * n:4], storage)  # strides of 4: the lease reaches further
+    assert (icl.torch_facts(t).token.start, icl.torch_facts(t).token.stop) == (0, 4 * (4 * n - 3))
+    sm.synchronize()
+
+
 def test_a_torch_tensor_over_sharedmem_memory_is_that_allocation_and_its_read_only_view_stays_so(
         fake, kernels, monkeypatch):
     """A torch tensor over sharedmem memory (``torch.from_dlpack`` of a view) is a lease of
