@@ -420,8 +420,8 @@ def bench_cutile(dev, quick):
 def bench_torch_args(dev, quick):
     """torch tensors as launch arguments (leased through cached facts, ordered after torch's
     current stream: interop.cupy_launch.coerce) of a CuPy kernel against CuPy's own launch of
-    CuPy arrays -- on a stream other than torch's current one (a wait a launch), and on it --
-    and of a cuTile kernel against ``ct.launch`` of the same tensors. Run last:
+    CuPy arrays, and of a cuTile kernel against ``ct.launch`` of the same tensors -- each on a
+    stream other than torch's current one (a wait a launch), and on it. Run last:
     importing torch grows the heap every later row's collector would walk."""
     try:
         import torch
@@ -469,12 +469,14 @@ def bench_torch_args(dev, quick):
     before = torch.cuda.current_stream()
     torch.cuda.set_stream(torch.cuda.ExternalStream(s.handle))
     try:
-        same = interleaved_us([raw, ours], 2000 if quick else 10000, 7, s.synchronize)
+        same = interleaved_us(fns, 2000 if quick else 10000, 7, s.synchronize)
     finally:
         torch.cuda.set_stream(before)
     row("same, on torch's current stream (no wait a launch)", same[1], same[0], "CuPy")
     if len(t) == 4:
         row("cuTile launch, 3 torch tensors, vs raw ct.launch of them", t[3], t[2], "ct.launch")
+        row("same, on torch's current stream (no wait a launch)", same[3], same[2],
+            "ct.launch")
 
 
 def bench_graph(dev, quick):

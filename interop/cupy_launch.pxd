@@ -5,7 +5,7 @@ from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
 from libc.stdint cimport intptr_t
 from libc.string cimport memcpy, strcmp
-from sharedmem.allocation cimport View, ViewToken
+from sharedmem.allocation cimport View, ViewToken, unregistered_token
 from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
 from sharedmem.backends.cuda cimport CudaStreamImpl, ctx_get_fn_t
 from sharedmem.stream cimport Stream
@@ -68,6 +68,9 @@ cdef class ArrayFacts(ForeignArray):
     cdef public object ptr, layout
 
 
+@cython.locals(f=ArrayFacts, slot=Py_ssize_t, i=int)
+cdef _forget(size_t key, ref)
+
 @cython.locals(f=ArrayFacts)
 cpdef ArrayFacts array_facts(arr)
 
@@ -85,6 +88,8 @@ cpdef torch_tensor_type()
 cpdef coerce(obj, device)
 
 cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*, uses=*)
+
+cpdef devices_of(seen, facts)
 
 cdef object _library_handle(device, bint torch)
 

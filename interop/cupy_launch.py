@@ -20,8 +20,8 @@ from functools import partial
 
 import numpy as np
 
-from sharedmem.allocation import (View, ViewToken, _module, import_allocation,
-                                  lookup_allocation)
+from sharedmem.allocation import (View, _module, import_allocation, lookup_allocation,
+                                  unregistered_token)
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, CaptureError, KernelError
@@ -695,11 +695,13 @@ def _forget(key, ref):
     if f is not None and f.ref is ref:
         f.dead = True
         del _facts[key]
-    for slot in ((key >> 6) % _RECENT, ((key >> 6) % _RECENT) ^ 1):  # (see array_facts)
+    slot = (key >> 6) % _RECENT  # (see _known)
+    for i in range(2):
         f = _recent[slot]
         if f is not None and f.ref is ref:  # (nothing outlives the array: its allocation goes)
             f.dead = True
             _recent[slot] = None
+        slot ^= 1
 
 
 def array_facts(arr):
@@ -756,8 +758,8 @@ def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout, keep):
     until it dies (made whole before another thread can find them)."""
     key = id(arr)
     f = ArrayFacts()
-    f.token = ViewToken(alloc, kind, lo, hi, writable, alloc)
-    f.token.live = True  # a lease's range: never a live view (not in the allocation's views)
+    f.token = tok = unregistered_token(alloc, kind, lo, hi, writable, alloc)
+    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
     f.offset = ptr - alloc.ptr
     f.addr = key
     f.dead = False
@@ -788,10 +790,12 @@ def torch_facts(t):
     strides = t.stride()  # (in elements: the dtype too)
     dtype = t.dtype
     f = _known(t)
-    if f is not None and f.ptr == ptr:
-        layout = f.layout  # (compared a part at a time: no tuple made)
-        if layout[0] == shape and layout[1] == strides and layout[2] == dtype:
-            return f
+    if f is not None:
+        if f.ptr == ptr:
+            layout = f.layout  # (compared a part at a time: no tuple made)
+            if layout[0] == shape and layout[1] == strides and layout[2] == dtype:
+                return f
+        f.dead = True  # (no longer the tensor's: not found again, in the dict or the table)
     layout = (shape, strides, dtype)
     if not t.is_cuda:
         return None

@@ -157,6 +157,13 @@ def _add_range(entries: list, lo, hi, seq, marker, done) -> None:
     waits for no more than it must (chunk i of a buffer written, chunk i-1 read elsewhere).
     Above MAX_SPANS entries they are merged into their hull, tagged ``seq``: conservative,
     never a missed conflict, and the walks stay short."""
+    if len(entries) < MAX_SPANS:  # (the usual: a new range beside unfinished ones, appended --
+        for e in entries:         # no list rebuilt)
+            if e.seq <= done or (e.lo < hi and lo < e.hi):
+                break
+        else:
+            entries.append(_span(lo, hi, seq, marker))
+            return
     keep = []
     for e in entries:
         if e.seq <= done:

@@ -2517,8 +2517,10 @@ def test_a_torch_tensor_whose_layout_changes_at_the_same_pointer_is_learned_anew
     if compiled():
         assert facts in icl.recent_facts()
     t.set_(storage[:n // 2], storage)  # a smaller shape at the same pointer (resize_)
-    assert icl.torch_facts(t) is not facts
-    assert (icl.torch_facts(t).token.start, icl.torch_facts(t).token.stop) == (0, 2 * n)
+    smaller = icl.torch_facts(t)
+    assert smaller is not facts and facts.dead  # (the old facts no longer found, anywhere)
+    assert icl.torch_facts(t) is smaller  # (the new ones found again: not learned each time)
+    assert (smaller.token.start, smaller.token.stop) == (0, 2 * n)
     t.set_(storage[:2 * n:2], storage)  # the same shape and pointer, strides of 2 (as_strided_)
     strided = icl.torch_facts(t)
     assert strided.layout == ((n,), (2,), "torch.float32")
