@@ -734,12 +734,17 @@ def _known(arr):
 
 def _recall(f) -> None:
     """Compiled: put facts ``f`` into the recent-lookup table (into the pair's other slot
-    where this one holds another live array's)."""
+    where this one holds another live array's), and out of it any other facts of the same
+    address (a torch tensor's replaced ones, which two threads learning it at once may leave
+    there: they would keep its old allocation)."""
     slot = (f.addr >> 6) % _RECENT
     other = _recent[slot]
-    if other is not None and not other.dead:
+    if other is not None and not other.dead and other.addr != f.addr:
         slot ^= 1
     _recent[slot] = f
+    other = _recent[slot ^ 1]
+    if other is not None and other.addr == f.addr:
+        _recent[slot ^ 1] = None
 
 
 def _learn(arr):
@@ -760,6 +765,7 @@ def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout, keep):
     f = ArrayFacts()
     f.token = tok = unregistered_token(alloc, kind, lo, hi, writable, alloc)
     tok.live = True  # a lease's range: never a live view (not in the allocation's views)
+    tok.origin = None  # (as ViewToken(...) made it: a lease names no place it was created)
     f.offset = ptr - alloc.ptr
     f.addr = key
     f.dead = False
@@ -796,6 +802,8 @@ def torch_facts(t):
             if layout[0] == shape and layout[1] == strides and layout[2] == dtype:
                 return f
         f.dead = True  # (no longer the tensor's: not found again, in the dict or the table)
+        _forget(f.addr, f.ref)  # (and out of both: dead facts left in the table's other slot
+        # kept the old allocation alive, registered, until the tensor died)
     layout = (shape, strides, dtype)
     if not t.is_cuda:
         return None

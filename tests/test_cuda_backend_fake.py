@@ -2530,6 +2530,50 @@ def test_a_torch_tensor_whose_layout_changes_at_the_same_pointer_is_learned_anew
     sm.synchronize()
 
 
+def test_a_torch_tensors_stale_facts_leave_the_recent_table_and_free_its_old_allocation(
+        fake, kernels, monkeypatch):
+    """A torch tensor set_ to other memory and asked again: its old facts are dead and in no
+    table (compiled: not left in the recent-lookup pair's other slot), so the allocation they
+    named is not kept alive (registered) until the tensor dies."""
+    import interop.cupy_launch as icl
+    dev, drv = fake
+    torch = _fake_torch(monkeypatch, dev)
+    n = 16
+    home = lambda o: (id(o) >> 6) % 64  # noqa: E731  (the table's slot of an address)
+    st1, st2, st3 = (np.zeros(n, np.float32) for _ in range(3))
+    t = torch.Tensor(st1)
+    pool = [torch.Tensor(st3) for _ in range(2000)]
+    g = next(o for o in pool if home(o) == home(t))
+    del pool
+    icl.torch_facts(g)  # (g takes t's slot; t's facts then go to the pair's other one)
+    old = icl.torch_facts(t)
+    alloc = weakref.ref(old.token.allocation)
+    del g
+    gc_collect_harder()  # (g's callback empties its slot)
+    t.set_(st2)
+    new = icl.torch_facts(t)
+    assert new is not old and old.dead and old not in icl.recent_facts()
+    assert old not in icl._facts.values()
+    del old, new
+    sm.synchronize()
+    gc_collect_harder()
+    assert alloc() is None
+
+
+def test_foreign_array_lease_tokens_name_no_origin(fake, kernels, monkeypatch):
+    """A CuPy array's or torch tensor's lease token names no place it was created, also with
+    TRACK_ORIGINS (as ViewToken(...) made it: the place would be the first launch's)."""
+    import interop.cupy_launch as icl
+    import sharedmem.allocation as sm_allocation
+    dev, drv = fake
+    monkeypatch.setattr(sm_allocation, "TRACK_ORIGINS", True)
+    torch = _fake_torch(monkeypatch, dev)
+    x, = _fake_cupy_arrays(monkeypatch, dev, 16, 1)
+    t = torch.Tensor(np.zeros(16, np.float32))
+    assert icl.array_facts(x).token.origin is None and icl.torch_facts(t).token.origin is None
+    sm.synchronize()
+
+
 def test_a_torch_tensor_over_sharedmem_memory_is_that_allocation_and_its_read_only_view_stays_so(
         fake, kernels, monkeypatch):
     """A torch tensor over sharedmem memory (``torch.from_dlpack`` of a view) is a lease of
