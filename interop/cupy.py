@@ -41,7 +41,7 @@ from sharedmem.runtime.submission import export_hold
 from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, extent, new_tensor
 
-from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, check_capture, coerce,
+from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce,
                                  export_token, plan_kernel)
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
@@ -162,7 +162,6 @@ class RawKernelAdapter(KernelAdapter):
         return f"CuPy kernel {getattr(kernel, 'name', '?')}"
 
     coerce = staticmethod(coerce)
-    check_capture = staticmethod(check_capture)
 
     def plan(self, kernel, device):
         return plan_kernel(self, kernel, device)

@@ -87,7 +87,7 @@ cpdef torch_tensor_type()
 
 cpdef coerce(obj, device)
 
-cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, bint wait=*, uses=*)
+cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, uses=*)
 
 cpdef devices_of(seen, facts)
 

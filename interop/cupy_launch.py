@@ -493,7 +493,7 @@ class RawKernelPlan(KernelPlan):
                         f"scalar of the parameter's size, e.g. np.int32(n), np.float32(x) or "
                         f"np.complex64(z)")
         if torch_dev is not None or cupy_dev is not None:  # (every argument checked first)
-            order_after_libraries(stream, torch_dev, cupy_dev, True, uses)
+            order_after_libraries(stream, torch_dev, cupy_dev, uses)
         return out  # (interpreted: the values, packed into the slots by enqueue)
 
     def _count_error(self, args):
@@ -865,7 +865,7 @@ def _cupy_stream_entry(cp):
     return cython.cast(cython.size_t, PyCapsule_GetPointer(cap, name))
 
 
-def order_after_libraries(stream, torch_devs, cupy_devs, wait=True, uses=None) -> None:
+def order_after_libraries(stream, torch_devs, cupy_devs, uses=None) -> None:
     """Order later work on ``stream`` after the pending work on the current streams of the
     libraries whose arrays one launch was given: torch's current stream of each device in
     ``torch_devs`` and CuPy's of each in ``cupy_devs`` (None, a Device, or a list:
@@ -874,8 +874,7 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True, uses=None) -
     arguments are checked. Nothing where that stream is ``stream`` itself (launch there: no
     wait); one wait where torch's and CuPy's are one stream. A capture cannot wait for
     another stream: CaptureError there, saying what to do, raised before any wait is
-    enqueued. ``wait`` false: those checks only (a composite op makes them for each part
-    before it submits the first: see :func:`check_capture`). ``uses``: the launch's leases,
+    enqueued. ``uses``: the launch's leases,
     given by a plan's pack -- captured (on the libraries' streams), the graph then orders each
     of its replays so, once the launch is recorded (see ``Graph.after_recorded_locked``)."""
     todo = None  # ((device, handle, torch) of each wait: the usual launch has none)
@@ -884,7 +883,7 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True, uses=None) -
     if cupy_devs is not None:
         todo = _to_wait(stream, cupy_devs, False, todo)
     if todo is None:
-        if stream._capture is not None and uses is not None and wait:  # (captured on the
+        if stream._capture is not None and uses is not None:  # (captured on the
             with locked():  # libraries' streams: each replay is ordered as this launch is)
                 g = stream._capture  # (the graph's steps: guarded by core_lock while it runs)
                 if g is not None:  # (once recorded: not a launch refused or failed after this)
@@ -898,9 +897,8 @@ def order_after_libraries(stream, torch_devs, cupy_devs, wait=True, uses=None) -
         e = dev.backend.foreign_capture_error(h)  # nothing)
         if e is not None:
             raise e
-    if wait:
-        for dev, h, torch in todo:
-            dev.backend.order_after_handle(stream._impl, h)
+    for dev, h, torch in todo:
+        dev.backend.order_after_handle(stream._impl, h)
 
 
 def _add_replay_order(torch_devs, cupy_devs, g) -> None:
@@ -993,20 +991,6 @@ def library_of(a) -> int:
         return 0
     tt = torch_tensor_type()
     return 1 if tt is not None and isinstance(v, tt) else -1
-
-
-def check_capture(resolved, stream) -> None:
-    """``KernelAdapter.check_capture`` of CuPy and cuTile kernels: the CaptureError
-    :func:`order_after_libraries` would raise for a launch of ``resolved`` (the arguments as
-    ``resolve_args`` gives them) onto ``stream``."""
-    devs = [None, None]  # (CuPy's, torch's; asked without a capture of sharedmem's too: the
-    # current stream may be capturing another library's graph)
-    for a in resolved:
-        k = library_of(a)
-        if k >= 0:
-            devs[k] = devices_of(devs[k], a)
-    if devs[0] is not None or devs[1] is not None:
-        order_after_libraries(stream, devs[1], devs[0], False)
 
 
 def devices_of(seen, facts):

@@ -46,7 +46,7 @@ from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, L
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import (ArrayFacts, check_capture, coerce, devices_of,
+from interop.cupy_launch import (ArrayFacts, coerce, devices_of,
                                  order_after_libraries, torch_tensor_type)
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
@@ -539,7 +539,7 @@ class TilePlan(KernelPlan):
             if self.warm(call_args):
                 self.last_args = None if foreign else seen
         if torch_dev is not None or cupy_dev is not None:  # (see interop.cupy_launch)
-            order_after_libraries(stream, torch_dev, cupy_dev, True, uses)
+            order_after_libraries(stream, torch_dev, cupy_dev, uses)
         return call_args
 
     def enqueue(self, stream, config, payload):  # (config: the grid; payload: the arguments)
@@ -569,16 +569,6 @@ class TileKernelAdapter(KernelAdapter):
                                                                              complex)):
             return _module("interop.dlpack").from_dlpack(obj)
         return got
-
-    @staticmethod
-    def check_capture(resolved, stream):
-        """What TilePlan.pack raises first of what a capture check would see: with_length's
-        KernelError, whatever the capture; then the libraries' CaptureError
-        (:func:`interop.cupy_launch.check_capture`)."""
-        for i, a in enumerate(resolved):
-            if type(a) is LaunchArg and a.with_length:
-                raise _with_length_error(i)
-        check_capture(resolved, stream)
 
     def plan(self, kernel, device):
         return TilePlan(kernel, self, device, _cutile())

@@ -57,7 +57,11 @@ cdef class _PreparedPlan(KernelPlan):
 cpdef tuple resolve_args(adapter, tuple args, device)
 
 @cython.locals(plan=KernelPlan, sub=Submission, st=Stream, adapters=dict)
-cpdef Submission launch_submission(kernel, grid, block, tuple args, stream, shared_mem, policy)
+cpdef launch_submission(kernel, grid, block, tuple args, stream, shared_mem, policy,
+                        bint submit=*)
+
+@cython.locals(plan=KernelPlan, sub=Submission)
+cpdef Submission submit_planned(tuple planned)
 
 @cython.locals(plan=KernelPlan, plans=dict)
 cpdef KernelPlan plan_for(adapter, kernel, device)

@@ -314,11 +314,6 @@ class KernelAdapter:
         """Validate and pack, with no side effects; return ``(enqueue, keep)``."""
         raise NotImplementedError
 
-    def check_capture(self, resolved, stream) -> None:
-        """Raise the CaptureError a launch of ``resolved`` (the arguments as ``resolve_args``
-        gives them) onto ``stream`` would raise in its plan's ``pack`` -- a composite op asks
-        each part before it submits the first (default: none)."""
-
 
 class _PreparedPlan(KernelPlan):
     """The plan of an adapter that implements ``prepare`` (the interface before plans)."""
@@ -740,8 +735,11 @@ def entered_stream(device, adapter):
     return stream
 
 
-def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
-    """:func:`launch` up to its Submission (ops submit through here too)."""
+def launch_submission(kernel, grid, block, args, stream, shared_mem, policy, submit=True):
+    """:func:`launch` up to its Submission (ops submit through here too). ``submit`` False:
+    everything but the submission -- arguments resolved, plan found, configured and packed,
+    nothing leased -- returned for :func:`submit_planned` (a composite op plans every part
+    before it submits the first)."""
     adapters = _adapters  # (a typed local: a C dict lookup)
     adapter = adapters.get(type(kernel))
     if adapter is None:
@@ -775,8 +773,18 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy):
         keep = foreign
     # `resolved` stays referenced until the leases are taken: views an adapter made of
     # foreign arrays live only as long as it does
+    if not submit:
+        return (stream, uses, plan, config, payload, keep, policy, resolved)
     sub = submit_plan(stream, uses, plan, config, payload, keep, policy, plan.label)
     resolved = None
+    return sub
+
+
+def submit_planned(planned):
+    """Submit a launch :func:`launch_submission` planned (``submit=False``); its Submission."""
+    stream, uses, plan, config, payload, keep, policy, resolved = planned
+    sub = submit_plan(stream, uses, plan, config, payload, keep, policy, plan.label)
+    resolved = None  # (referenced until the leases are taken: see launch_submission)
     return sub
 
 

@@ -20,14 +20,15 @@ chain like any two launches: every launch takes its own leases.
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import threading
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from .launch import (Intent, _as_view, adapter_for, check_device_kind, default_device_for,
-                     entered_stream, launch_submission, resolve_args)
+from .launch import (Intent, _as_view, adapter_for, default_device_for, entered_stream,
+                     launch_submission, submit_planned)
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
@@ -107,26 +108,29 @@ class DeviceOp(Generic[_T_co]):
         elif not isinstance(stream, Stream):
             stream = as_stream(stream)
         if type(self) is not _LaunchOp:
-            # A composite op submits its parts one after another: their arguments are checked
-            # first (moved, released, read-only for a write, on another device), so that such
-            # an error leaves no part submitted -- resubmitting the whole op must not run its
-            # first parts twice; so does an apply() onto a capturing stream. (A later part can
-            # still fail as it is submitted: a conflict under "reject", a view another thread
-            # moves meanwhile.)
-            self._check(stream)
+            # A composite op submits its parts one after another: every part is first resolved,
+            # planned and packed (_planned) -- raising what its launch would: an argument
+            # moved, released, read-only for a write or on another device, a grid, block or
+            # parameter that does not fit, an apply() onto a capturing stream -- so that such
+            # an error leaves no part submitted: resubmitting the whole op must not run its
+            # first parts twice. (A later part can still fail as it is submitted: a conflict
+            # under "reject", a view another thread moves meanwhile.)
+            go = self._planned(stream)
             _sub.raise_deferred()  # (before its first part: none between them)
             with _sub.deferring():
-                return self._submit_on(stream)
+                return go()
         return self._submit_on(stream)
 
     # -- implemented by the node types; a composite's ``ops`` are its parts ---------------
-    def _submit_on(self, stream) -> DeviceFuture:  # pragma: no cover
-        raise NotImplementedError
+    def _submit_on(self, stream) -> DeviceFuture:
+        """Submit on ``stream`` (every part planned before the first is submitted)."""
+        return self._planned(stream)()
 
-    def _check(self, stream) -> None:
-        """Check every part for ``stream`` (raising as launch, or _submit_on, would)."""
-        for o in self.ops:
-            o._check(stream)
+    def _planned(self, stream):  # pragma: no cover
+        """Every part resolved, planned and packed for ``stream``, nothing submitted (raising
+        as a submission would); returns the call that submits them, which returns the op's
+        DeviceFuture."""
+        raise NotImplementedError
 
     def _adapter(self):
         """The adapter of its first kernel (whose kind of device an op with no array
@@ -158,12 +162,10 @@ class _LaunchOp(DeviceOp):
         return DeviceFuture(launch_submission(self.kernel, self.grid, self.block, self.args,
                                               stream, self.shared_mem, self.policy))
 
-    def _check(self, stream):
-        adapter = adapter_for(self.kernel)
-        device = stream.device
-        check_device_kind(adapter, device)  # (a kernel that runs elsewhere: as launch raises)
-        resolved = resolve_args(adapter, self.args, device)[0]  # (raises as launch would)
-        adapter.check_capture(resolved, stream)  # (and what pack raises under a capture)
+    def _planned(self, stream):
+        planned = launch_submission(self.kernel, self.grid, self.block, self.args, stream,
+                                    self.shared_mem, self.policy, False)
+        return lambda: DeviceFuture(submit_planned(planned))
 
     def _adapter(self):
         return adapter_for(self.kernel)
@@ -185,12 +187,15 @@ class _Then(DeviceOp):
     def __repr__(self) -> str:
         return f"{self.ops[0]!r}.and_then({self.ops[1]!r})"
 
-    def _submit_on(self, stream):
-        first = self.ops[0]._submit_on(stream)
-        second = self.ops[1]._submit_on(stream)
-        # (its outcome: the first part's failure -- a host kernel that raised, after which the
-        # stream ran the second -- else the second's; both looked at, as zip's branches)
-        return ComputedFuture(second._s, partial(_last_value, (first, second)), (first, second))
+    def _planned(self, stream):
+        first, second = self.ops[0]._planned(stream), self.ops[1]._planned(stream)
+
+        def go():
+            a, b = first(), second()
+            # (its outcome: the first part's failure -- a host kernel that raised, after which
+            # the stream ran the second -- else the second's; both looked at, as zip's branches)
+            return ComputedFuture(b._s, partial(_last_value, (a, b)), (a, b))
+        return go
 
 
 class _Apply(DeviceOp):
@@ -202,20 +207,17 @@ class _Apply(DeviceOp):
     def __repr__(self) -> str:
         return f"{self.ops[0]!r}.apply({getattr(self.fn, '__name__', self.fn)!r})"
 
-    def _check(self, stream):
-        # (a zip's later parts run on pool streams, which never capture: checked for
-        # ``stream`` as if they ran there, they pass alike)
+    def _planned(self, stream):
         if stream._capture is not None:
             raise CaptureError("apply() cannot be captured into a graph: its host function would "
                                "run once at capture, not at each replay")
-        self.ops[0]._check(stream)
+        inner, fn = self.ops[0]._planned(stream), self.fn
 
-    def _submit_on(self, stream):
-        if stream._capture is not None:
-            self._check(stream)  # (sm.graph(op): no check before; raises)
-        inner = self.ops[0]._submit_on(stream)
-        # (the work completed: _peek is safe in the retiring thread)
-        return ComputedFuture(inner._s, partial(_applied, inner, self.fn), (inner,))
+        def go():
+            f = inner()
+            # (the work completed: _peek is safe in the retiring thread)
+            return ComputedFuture(f._s, partial(_applied, f, fn), (f,))
+        return go
 
 
 class _Zip(DeviceOp):
@@ -227,20 +229,27 @@ class _Zip(DeviceOp):
     def __repr__(self) -> str:
         return f"zip({', '.join(map(repr, self.ops))})"
 
-    def _submit_on(self, stream):
+    def _planned(self, stream):
         if stream._capture is not None:
             # Captured: the branches are recorded one after another on the capturing
             # stream (independent work may run in any order, so this is a valid
             # schedule); the graph then replays them in that order.
-            futures = [o._submit_on(stream) for o in self.ops]
-            return ComputedFuture(futures[-1]._s, partial(_values, futures), futures)
-        futures = [self.ops[0]._submit_on(stream)]
-        for o in self.ops[1:]:
-            futures.append(o._submit_on(pool_stream(stream.device, avoid=stream)))
-        for f in futures[1:]:
-            stream.wait(f.stream)  # the join, on the device: no host block
-        join = _sub.submit(stream, [], stream._impl.submit_marker, label="zip join")
-        return ComputedFuture(join, partial(_values, futures), futures)
+            parts = [o._planned(stream) for o in self.ops]
+
+            def captured():
+                futures = [p() for p in parts]
+                return ComputedFuture(futures[-1]._s, partial(_values, futures), futures)
+            return captured
+        streams = [stream] + [pool_stream(stream.device, avoid=stream) for _ in self.ops[1:]]
+        parts = [o._planned(s) for o, s in builtins.zip(self.ops, streams)]
+
+        def go():
+            futures = [p() for p in parts]
+            for f in futures[1:]:
+                stream.wait(f.stream)  # the join, on the device: no host block
+            join = _sub.submit(stream, [], stream._impl.submit_marker, label="zip join")
+            return ComputedFuture(join, partial(_values, futures), futures)
+        return go
 
 
 def _values(futures) -> tuple:

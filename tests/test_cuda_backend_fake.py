@@ -1986,6 +1986,40 @@ def test_a_replay_given_an_unknown_policy_is_refused_before_it_waits(fake, kerne
     g.release()
 
 
+def test_a_composite_op_whose_later_part_is_refused_at_its_plan_submits_no_part(fake, kernels):
+    """A later part of a composite op whose grid or block is out of range, or whose scalar its
+    kernel's parameter does not take, is refused before the first part is submitted: nothing
+    leased, nothing run (every part is configured and packed first). The op submitted again
+    with the part fixed runs each part once."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    x = sm.Buffer.from_host(np.arange(n, dtype=np.float32), device=dev)
+    first, second = (sm.Buffer.zeros(n, "float32", device=dev) for _ in range(2))
+    s = dev.create_stream("s")
+    ok = sm.op(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), sm.Out(first), n)
+    before = sm.stats().submitted
+    bad_parts = [
+        (sm.op(saxpy, 1, (16, 1, 1, 1), 1.0, sm.In(x), sm.In(x), sm.Out(second), n),
+         r"block"),
+        (sm.op(saxpy, 1, 16, 1.0, sm.In(x), sm.In(x), sm.Out(second), "n"),
+         r"^argument 4: parameter 'n' \(int\)"),
+        (sm.op(saxpy, 1, 16, 1.0, sm.In(x), sm.In(x), sm.Out(second)),
+         r"takes 5 arguments|argument"),
+    ]
+    for bad, match in bad_parts:
+        for composite in (ok.and_then(bad), sm.zip(ok, bad), ok.and_then(bad).apply(len)):
+            with pytest.raises(sm.KernelError, match=match):
+                composite.submit(s)
+            assert sm.stats().submitted == before, composite
+    sm.synchronize()
+    fixed = sm.op(saxpy, 1, 16, 1.0, sm.In(x), sm.In(x), sm.Out(second), n)
+    ok.and_then(fixed).submit(s).result()
+    assert sm.stats().submitted == before + 2  # (each part once)
+    np.testing.assert_array_equal(first.to_host(), 3 * np.arange(n))
+    np.testing.assert_array_equal(second.to_host(), 2 * np.arange(n))
+
+
 def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monkeypatch):
     """CuPy's current stream capturing a graph CuPy started (``begin_capture``: no sharedmem
     capture knows it): a launch of CuPy arrays on another stream, whose wait for that stream
@@ -2571,6 +2605,129 @@ def test_foreign_array_lease_tokens_name_no_origin(fake, kernels, monkeypatch):
     x, = _fake_cupy_arrays(monkeypatch, dev, 16, 1)
     t = torch.Tensor(np.zeros(16, np.float32))
     assert icl.array_facts(x).token.origin is None and icl.torch_facts(t).token.origin is None
+    sm.synchronize()
+
+
+def test_foreign_array_facts_against_a_model_of_the_live_arrays(fake, kernels, monkeypatch):
+    """A hypothesis state machine over the facts launches keep of foreign arrays (the dict, and
+    compiled the recent-lookup table): CuPy arrays and torch tensors made, dropped (their
+    addresses reused by later objects), torch tensors set_ to other memory and layouts, and
+    looked up. The model is the live arrays themselves: every lookup's facts are the array's
+    own (its weak reference, its address, not dead), a torch tensor's are its present pointer
+    and layout with a lease of exactly the bytes it reaches, and a second lookup finds the same
+    facts (not learned again)."""
+    from hypothesis import HealthCheck, settings
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
+
+    import interop.cupy_launch as icl
+    from sharedmem.tensor import extent
+    dev, drv = fake
+    torch = _fake_torch(monkeypatch, dev)
+    n = 16
+    CupyArray = type(_fake_cupy_arrays(monkeypatch, dev, n, 1)[0])
+    storages = [np.zeros(8 * n, np.float32) for _ in range(3)]
+
+    class Facts(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.live = []
+
+        @rule(which=st.integers(0, 2), size=st.integers(1, n), torch_tensor=st.booleans())
+        def make(self, which, size, torch_tensor):
+            st_ = storages[which]
+            self.live.append(torch.Tensor(st_[:size], st_) if torch_tensor else
+                             CupyArray(np.zeros(n, np.float32)))
+
+        @rule(i=st.integers(0, 1 << 16), collect=st.booleans())
+        def drop(self, i, collect):
+            if self.live:
+                del self.live[i % len(self.live)]
+                if collect:
+                    gc.collect()
+
+        @rule(i=st.integers(0, 1 << 16), which=st.integers(0, 2), step=st.integers(1, 4),
+              size=st.integers(1, n))
+        def set_(self, i, which, step, size):  # (a CuPy array's memory and layout are fixed)
+            if self.live and isinstance(self.live[i % len(self.live)], torch.Tensor):
+                st_ = storages[which]
+                self.live[i % len(self.live)].set_(st_[:step * size:step], st_)
+
+        @rule(i=st.integers(0, 1 << 16))
+        def look_up(self, i):
+            if not self.live:
+                return
+            o = self.live[i % len(self.live)]
+            if isinstance(o, torch.Tensor):
+                f = icl.torch_facts(o)
+                assert (f.ptr, f.layout) == (o.data_ptr(), (o.shape, o.stride(), o.dtype))
+                lo, hi = extent(o.shape, [s * 4 for s in o.stride()], 4)
+                base = f.token.allocation.ptr
+                assert (base + f.token.start, base + f.token.stop) == (o.data_ptr() + lo,
+                                                                       o.data_ptr() + hi)
+                again = icl.torch_facts(o)
+            else:
+                f = icl.array_facts(o)
+                again = icl.array_facts(o)
+            assert f.ref() is o and f.addr == id(o) and not f.dead and again is f
+
+    run_state_machine_as_test(Facts, settings=settings(
+        max_examples=40, stateful_step_count=60, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+    gc_collect_harder()
+    sm.synchronize()
+
+
+def test_torch_facts_stay_right_while_another_thread_sets_the_tensors(fake, kernels,
+                                                                      monkeypatch):
+    """Threads looking torch tensors' and CuPy arrays' facts up while another thread set_s the
+    tensors: every lookup gives the object's own facts, and once the setter stops each
+    tensor's facts are its present pointer and layout, found again."""
+    import interop.cupy_launch as icl
+    dev, drv = fake
+    torch = _fake_torch(monkeypatch, dev)
+    n = 16
+    arrays = _fake_cupy_arrays(monkeypatch, dev, n, 4)
+    storage = np.zeros(8 * n, np.float32)
+    tensors = [torch.Tensor(storage[:n], storage) for _ in range(4)]
+    stop = threading.Event()
+    errors = []
+
+    def look_up():
+        try:
+            while not stop.is_set():
+                for t in tensors:
+                    assert icl.torch_facts(t).ref() is t
+                for a in arrays:
+                    assert icl.array_facts(a).ref() is a
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+
+    def set_tensors():
+        k = 0
+        while not stop.is_set():
+            k += 1
+            step = 1 + k % 4
+            tensors[k % 4].set_(storage[:step * (1 + k % n):step], storage)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=look_up) for _ in range(3)]
+    threads.append(threading.Thread(target=set_tensors))
+    try:
+        for th in threads:
+            th.start()
+        stop.wait(0.5)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    for t in tensors:
+        f = icl.torch_facts(t)
+        assert (f.ptr, f.layout) == (t.data_ptr(), (t.shape, t.stride(), t.dtype))
+        assert icl.torch_facts(t) is f
     sm.synchronize()
 
 
