@@ -1,5 +1,6 @@
 import gc
 import os
+import sys
 
 # JAX would otherwise take most of the GPU's memory at its first use.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -81,3 +82,20 @@ def count_plans(monkeypatch, adapter_cls) -> list:
 
     monkeypatch.setattr(adapter_cls, "plan", counting)
     return calls
+
+
+def run_threads(threads, stop, seconds) -> None:
+    """Start ``threads`` with the interpreter switching threads every microsecond (races
+    show), let them run ``seconds``, then set ``stop`` and join them (the switch interval
+    restored, whatever happened)."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for th in threads:
+            th.start()
+        stop.wait(seconds)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(10)
+        sys.setswitchinterval(interval)

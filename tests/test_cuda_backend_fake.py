@@ -20,7 +20,7 @@ import pytest
 
 import sharedmem as sm
 
-from conftest import count_plans, gc_collect_harder
+from conftest import count_plans, gc_collect_harder, run_threads
 
 
 
@@ -2710,19 +2710,8 @@ def test_torch_facts_stay_right_while_another_thread_sets_the_tensors(fake, kern
             step = 1 + k % 4
             tensors[k % 4].set_(storage[:step * (1 + k % n):step], storage)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    threads = [threading.Thread(target=look_up) for _ in range(3)]
-    threads.append(threading.Thread(target=set_tensors))
-    try:
-        for th in threads:
-            th.start()
-        stop.wait(0.5)
-    finally:
-        stop.set()
-        for th in threads:
-            th.join()
-        sys.setswitchinterval(interval)
+    run_threads([threading.Thread(target=look_up) for _ in range(3)] +
+                [threading.Thread(target=set_tensors)], stop, 0.5)
     assert not errors, errors[:3]
     for t in tensors:
         f = icl.torch_facts(t)
