@@ -2020,6 +2020,88 @@ def test_a_composite_op_whose_later_part_is_refused_at_its_plan_submits_no_part(
     np.testing.assert_array_equal(second.to_host(), 2 * np.arange(n))
 
 
+def test_one_op_twice_in_a_composite_with_cupy_arrays_runs_and_replays_each_part(
+        fake, kernels, monkeypatch):
+    """An op used twice in one composite (``a.and_then(a)``, ``zip(a, a)``, nested) has each
+    part planned and packed on its own before the first is submitted: each runs, nothing is
+    left in flight. Captured (on CuPy's current stream), both parts are recorded, and each
+    replay is ordered after CuPy's stream once."""
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    a = sm.op(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n)
+    before = sm.stats().submitted
+    a.and_then(a).submit(s).result()
+    sm.zip(a, a).submit(s).result()
+    sm.zip(a.and_then(a), sm.zip(a, a)).submit(s).result()
+    # (each launch once, and a join a zip: 2, then 2 + 1, then 2 + (2 + 1) + 1)
+    assert sm.stats().in_flight == 0 and sm.stats().submitted == before + 2 + 3 + 6
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))
+    cap = dev.create_stream("captured")
+    with cp.cuda.ExternalStream(cap.handle):
+        g = sm.graph(a.and_then(a), stream=cap)
+        g2 = sm.graph(sm.zip(a, a), stream=cap)
+    assert g.launches == 2 and g2.launches == 2
+    waits = _waits_seen(drv, monkeypatch)
+    g.replay(s).result()
+    g2.replay(s).result()
+    assert waits == [s.handle, s.handle]
+
+
+def test_a_captured_composite_whose_first_part_fails_records_nothing_of_the_second(
+        fake, kernels, monkeypatch):
+    """Captured, a composite op's second part (CuPy arrays: its pack stages the graph's
+    replay ordering) is packed before the first is submitted; when the first part's launch
+    fails, the second is never recorded -- its staged step is not applied, so replays of the
+    graph are not ordered after CuPy's stream for a launch the graph does not hold."""
+    from fake_cuda import CUresult
+    dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
+    cap = dev.create_stream("captured")
+    real = drv.cuLaunchKernel
+    refuse = []
+
+    def launch(*args):
+        if refuse:
+            refuse.pop()
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return real(*args)
+    monkeypatch.setattr(drv, "cuLaunchKernel", launch)
+    plain = sm.op(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block), sm.Out(out._block), n)
+    with_cupy = sm.op(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n)
+    with cp.cuda.ExternalStream(cap.handle):
+        with sm.capture(cap) as g:
+            refuse.append(True)
+            with pytest.raises(sm.SharedMemError):
+                plain.and_then(with_cupy).submit(cap)
+            plain.submit(cap)
+    assert g.launches == 1
+    waits = _waits_seen(drv, monkeypatch)
+    g.replay(s).result()
+    assert waits == []
+
+
+def test_a_composite_of_one_cutile_kernel_with_two_signatures_runs_each_part_as_packed(
+        fake, tile):
+    """One cuTile kernel with two argument signatures in one composite: each part is packed
+    (and its signature warmed) before the first is submitted, and each runs with its own
+    arguments."""
+    from fake_cuda import TileKernel
+    dev, drv = fake
+
+    def vadd(a, b, c, k):
+        c[:] = a + k * b
+    kern = TileKernel(vadd)
+    n = 16
+    a, a2 = (sm.Tensor.from_host(np.arange(m, dtype=np.float32), device=dev) for m in (n, 2 * n))
+    b, b2 = (sm.Tensor.from_host(np.ones(m, np.float32), device=dev) for m in (n, 2 * n))
+    c, c2 = (sm.Tensor.zeros((m,), "float32", device=dev) for m in (n, 2 * n))
+    s = dev.create_stream("t")
+    o1 = sm.op(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c), 1)
+    o2 = sm.op(kern, (2,), None, sm.In(a2), sm.In(b2), sm.Out(c2), 3)
+    o1.and_then(o2).and_then(o1).submit(s).result()
+    sm.zip(o1, o2, o1).submit(s).result()
+    np.testing.assert_array_equal(c.to_host(), np.arange(n) + 1)
+    np.testing.assert_array_equal(c2.to_host(), np.arange(2 * n) + 3)
+
+
 def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monkeypatch):
     """CuPy's current stream capturing a graph CuPy started (``begin_capture``: no sharedmem
     capture knows it): a launch of CuPy arrays on another stream, whose wait for that stream
