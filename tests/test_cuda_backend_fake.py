@@ -1822,19 +1822,11 @@ def test_a_captured_launch_that_fails_after_its_pack_orders_no_replay(fake, kern
     (the driver refuses it; cuTile raises) is not in the graph, and adds no replay step: a
     replay of the graph's other launches (views alone) waits for no library's stream, and is
     not refused while CuPy's current stream captures a graph of CuPy's own."""
-    from fake_cuda import CUresult, TileKernel
+    from fake_cuda import TileKernel
     dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
     mod, tile_fail = tile
     cap = dev.create_stream("captured")
-    real = drv.cuLaunchKernel
-    refuse = []
-
-    def launch(*a):
-        if refuse:
-            refuse.pop()
-            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-        return real(*a)
-    monkeypatch.setattr(drv, "cuLaunchKernel", launch)
+    refuse = _refused_launches(drv, monkeypatch)
     kern = TileKernel(lambda a, b: None)
     for a in (x, out):
         a.dtype = np.dtype(np.float32)
@@ -2052,18 +2044,9 @@ def test_a_captured_composite_whose_first_part_fails_records_nothing_of_the_seco
     replay ordering) is packed before the first is submitted; when the first part's launch
     fails, the second is never recorded -- its staged step is not applied, so replays of the
     graph are not ordered after CuPy's stream for a launch the graph does not hold."""
-    from fake_cuda import CUresult
     dev, drv, saxpy, n, x, y, out, cp, s = _cupy_arrays_and_a_stream(fake, kernels, monkeypatch)
     cap = dev.create_stream("captured")
-    real = drv.cuLaunchKernel
-    refuse = []
-
-    def launch(*args):
-        if refuse:
-            refuse.pop()
-            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
-        return real(*args)
-    monkeypatch.setattr(drv, "cuLaunchKernel", launch)
+    refuse = _refused_launches(drv, monkeypatch)
     plain = sm.op(saxpy, 1, 16, 2.0, sm.In(x._block), sm.In(y._block), sm.Out(out._block), n)
     with_cupy = sm.op(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n)
     with cp.cuda.ExternalStream(cap.handle):
@@ -2494,6 +2477,22 @@ def _fake_torch(monkeypatch, dev, raw_stream=True):
             _cuda_getCurrentRawStream=lambda index: torch.current.cuda_stream)
     monkeypatch.setitem(sys.modules, "torch", torch)
     return torch
+
+
+def _refused_launches(drv, monkeypatch) -> list:
+    """A list whose entries each make the driver refuse the next ``cuLaunchKernel``
+    (CUDA_ERROR_INVALID_VALUE), one entry a launch."""
+    real = drv.cuLaunchKernel
+    refuse = []
+
+    def launch(*args):
+        if refuse:
+            refuse.pop()
+            from fake_cuda import CUresult
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return real(*args)
+    monkeypatch.setattr(drv, "cuLaunchKernel", launch)
+    return refuse
 
 
 def _waits_seen(drv, monkeypatch) -> list:
