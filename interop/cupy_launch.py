@@ -801,9 +801,8 @@ def torch_facts(t):
             layout = f.layout  # (compared a part at a time: no tuple made)
             if layout[0] == shape and layout[1] == strides and layout[2] == dtype:
                 return f
-        f.dead = True  # (no longer the tensor's: not found again, in the dict or the table)
-        _forget(f.addr, f.ref)  # (and out of both: dead facts left in the table's other slot
-        # kept the old allocation alive, registered, until the tensor died)
+        _forget(f.addr, f.ref)  # (no longer the tensor's: dead, out of the dict and the
+        # table -- left in the table's other slot, they kept the old allocation registered)
     layout = (shape, strides, dtype)
     if not t.is_cuda:
         return None

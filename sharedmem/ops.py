@@ -230,21 +230,19 @@ class _Zip(DeviceOp):
         return f"zip({', '.join(map(repr, self.ops))})"
 
     def _planned(self, stream):
-        if stream._capture is not None:
-            # Captured: the branches are recorded one after another on the capturing
-            # stream (independent work may run in any order, so this is a valid
-            # schedule); the graph then replays them in that order.
-            parts = [o._planned(stream) for o in self.ops]
-
-            def captured():
-                futures = [p() for p in parts]
-                return ComputedFuture(futures[-1]._s, partial(_values, futures), futures)
-            return captured
-        streams = [stream] + [pool_stream(stream.device, avoid=stream) for _ in self.ops[1:]]
+        # Captured, the branches are recorded one after another on the capturing stream
+        # (independent work may run in any order, so this is a valid schedule) and the graph
+        # replays them in that order; else the first runs on ``stream``, the others on pool
+        # streams that ``stream`` then waits for
+        captured = stream._capture is not None
+        streams = [stream] + [stream if captured else pool_stream(stream.device, avoid=stream)
+                              for _ in self.ops[1:]]
         parts = [o._planned(s) for o, s in builtins.zip(self.ops, streams)]
 
         def go():
             futures = [p() for p in parts]
+            if captured:
+                return ComputedFuture(futures[-1]._s, partial(_values, futures), futures)
             for f in futures[1:]:
                 stream.wait(f.stream)  # the join, on the device: no host block
             join = _sub.submit(stream, [], stream._impl.submit_marker, label="zip join")
