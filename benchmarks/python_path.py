@@ -285,6 +285,9 @@ def this_build():
     torch_mod = types.ModuleType("torch")
     torch_mod.Tensor = _TorchTensor
     torch_mod._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: s.handle)
+    current = types.SimpleNamespace(cuda_stream=s.handle)  # (torch imported and initialized)
+    torch_mod.cuda = types.SimpleNamespace(is_initialized=lambda: True,
+                                           current_stream=lambda index=None: current)
     sys.modules["torch"] = torch_mod
     sm.from_dlpack  # (the import of a tensor new to a launch finds this segment)
     from sharedmem.allocation import import_allocation

@@ -2,21 +2,16 @@
 cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
-from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
-from libc.stdint cimport intptr_t
-from libc.string cimport memcpy, strcmp
+from libc.string cimport memcpy
 from sharedmem.allocation cimport View, ViewToken, unregistered_token
 from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
 from sharedmem.backends.cuda cimport CudaStreamImpl, ctx_get_fn_t
 from sharedmem.stream cimport Stream
+from interop.streams cimport library_handle
 
 ctypedef int (*launch_fn_t)(void*, unsigned int, unsigned int, unsigned int, unsigned int,
                             unsigned int, unsigned int, unsigned int, void*, void**,
                             void**) noexcept nogil
-# CuPy's cupy_backends.cuda.stream.get_stream_ptr (see _cupy_stream_entry); errors are asked
-# for after every call, as CuPy's modules built by Cython 3 and by 0.29 differ in the clause
-ctypedef intptr_t (*stream_ptr_fn_t)(int) except *
-cdef size_t _cupy_stream_fn
 
 # Param.kcode values (C constants when compiled)
 cdef int _K_PTR, _K_INT, _K_FLOAT, _K_ANY
@@ -90,11 +85,6 @@ cpdef coerce(obj, device)
 cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, uses=*)
 
 cpdef devices_of(seen, facts)
-
-cdef object _library_handle(device, bint torch)
-
-@cython.locals(name=cython.p_const_char)
-cpdef size_t _cupy_stream_entry(cp) except? 0
 
 @cython.locals(h=object)
 cdef object _to_wait(Stream stream, devs, bint torch, todo)

@@ -30,6 +30,8 @@ from sharedmem.runtime.state import RUNTIME, OwnedLock, fork_safe, locked
 from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, extent
 
+from interop.streams import library_handle
+
 try:
     import cython
 except ImportError:  # interpreted, without Cython installed
@@ -830,40 +832,6 @@ def torch_facts(t):
                      type(t).untyped_storage)
 
 
-def _library_handle(device, torch):
-    """The raw handle of torch's (``torch`` true) or CuPy's current stream of ``device``."""
-    if torch:
-        raw = _torch[2]  # (torch's own C entry point, as its compiled kernels call: 5 us less)
-        return raw(device.ordinal) if raw is not None else \
-            _torch[0].cuda.current_stream(device.ordinal).cuda_stream
-    if cython.compiled and _cupy_stream_fn:  # (CuPy's own C entry point: 0.1-0.2 us less)
-        return cython.cast(stream_ptr_fn_t, _cupy_stream_fn)(device.ordinal)
-    return _ndarray[2](device.ordinal).ptr  # (cupy.cuda.get_current_stream: set where a CuPy
-    # array's facts are made, after CuPy's module is seen)
-
-
-def _cupy_stream_entry(cp):
-    """Compiled only: the address of the C function CuPy's kernels ask for the current stream
-    of a device (``cupy_backends.cuda.stream.get_stream_ptr(int device_id)``, which CuPy's
-    Cython modules import from one another through its ``__pyx_capi__``), or 0: interpreted,
-    a module ``cp`` that is not CuPy's (tests install stand-ins), or another signature than
-    the one known (then :func:`_library_handle` asks ``cupy.cuda.get_current_stream``).
-    It reads the stream CuPy's kernels are launched on, which is that stream object's."""
-    if not cython.compiled:
-        return 0
-    mod = _modules.get("cupy_backends.cuda.stream")
-    get = getattr(getattr(cp, "cuda", None), "get_current_stream", None)
-    if mod is None or getattr(get, "__module__", None) != "cupy.cuda.stream":
-        return 0
-    cap = getattr(mod, "__pyx_capi__", {}).get("get_stream_ptr")
-    if cap is None or not PyCapsule_CheckExact(cap):
-        return 0
-    name = PyCapsule_GetName(cap)
-    if name == cython.NULL or strcmp(name, b"intptr_t (int)") != 0:
-        return 0
-    return cython.cast(cython.size_t, PyCapsule_GetPointer(cap, name))
-
-
 def order_after_libraries(stream, torch_devs, cupy_devs, uses=None) -> None:
     """Order later work on ``stream`` after the pending work on the current streams of the
     libraries whose arrays one launch was given: torch's current stream of each device in
@@ -940,7 +908,7 @@ def _to_wait(stream, devs, torch, todo):
         for dev in devs:
             todo = _to_wait(stream, dev, torch, todo)
         return todo
-    h = _library_handle(devs, torch)
+    h = library_handle(devs, torch)
     if devs is stream.device and h == stream._impl.handle:
         return todo  # (handles name streams per device: 0 is every device's legacy stream)
     if todo is None:
@@ -1024,18 +992,14 @@ def torch_tensor_type():
         return None
     if torch is not _torch[0]:  # (first use, or a module replaced since: tests do)
         _torch[1] = torch.Tensor
-        _torch[2] = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
         _torch[0] = torch
     return _torch[1]
 
 
-# [the cupy module, its ndarray, its cuda.get_current_stream], once CuPy is imported; and
-# sys.modules (C globals where compiled: no dict lookups)
-_ndarray = cython.declare(list, [None, None, None])
-_cupy_stream_fn = cython.declare(cython.size_t, 0)  # (compiled: see _cupy_stream_entry)
-# [the torch module, its Tensor, its current stream's handle by device (None: not there)],
-# once torch is imported
-_torch = cython.declare(list, [None, None, None])
+# [the cupy module, its ndarray] once CuPy is imported, [the torch module, its Tensor] once
+# torch is; sys.modules (C globals where compiled: no dict lookups)
+_ndarray = cython.declare(list, [None, None])
+_torch = cython.declare(list, [None, None])
 _modules = cython.declare(dict, sys.modules)
 
 
@@ -1061,10 +1025,7 @@ def coerce(obj, device):
     cp = _modules.get("cupy")
     if cp is not None:
         if cp is not _ndarray[0]:  # (first use, or a module replaced since: tests do)
-            global _cupy_stream_fn
-            _cupy_stream_fn = _cupy_stream_entry(cp)  # (these two before [1]: the fast path
-            _ndarray[2] = cp.cuda.get_current_stream  # above reads [1], _library_handle
-            _ndarray[1] = cp.ndarray                  # then these)
+            _ndarray[1] = cp.ndarray
             _ndarray[0] = cp
         if isinstance(obj, _ndarray[1]):
             return array_facts(obj)

@@ -25,26 +25,113 @@ import sys
 
 from sharedmem.stream import Stream
 
-__all__ = ["consumer_stream", "current_consumers", "current_streams", "ordered_among"]
+try:
+    import cython
+except ImportError:  # interpreted, without Cython installed
+    from sharedmem import _cython as cython
+
+__all__ = ["consumer_stream", "current_consumers", "current_streams", "library_handle",
+           "ordered_among"]
 
 
-def _library_streams(dev) -> list:
-    """The current stream objects on ``dev`` of CuPy and torch, of those imported (torch:
-    and initialized)."""
+def library_handle(device, torch) -> int:
+    """The raw handle of torch's (``torch`` true) or CuPy's current stream of ``device``; the
+    library is imported (and torch's CUDA initialized: asking torch would initialize it). Read
+    through the library's own C entry point where there is one -- torch's
+    ``_cuda_getCurrentRawStream``, which its compiled kernels call (3 us less than
+    ``torch.cuda.current_stream``), CuPy's ``get_stream_ptr`` (compiled only: see
+    :func:`cupy_stream_entry`) -- else through the stream object."""
+    if torch:
+        t = _modules.get("torch")
+        if t is not _torch[0]:  # (first use, or a module replaced since: tests do)
+            _torch[1] = getattr(getattr(t, "_C", None), "_cuda_getCurrentRawStream", None)
+            _torch[0] = t
+        raw = _torch[1]
+        return raw(device.ordinal) if raw is not None else \
+            t.cuda.current_stream(device.ordinal).cuda_stream
+    cp = _modules.get("cupy")
+    if cp is not _cupy[0]:
+        global _cupy_fn
+        _cupy_fn = cupy_stream_entry(cp)
+        _cupy[0] = cp
+    if cython.compiled and _cupy_fn:
+        return cython.cast(stream_ptr_fn_t, _cupy_fn)(device.ordinal)
+    return cp.cuda.get_current_stream(device.ordinal).ptr
+
+
+def cupy_stream_entry(cp):
+    """Compiled only: the address of the C function CuPy's kernels ask for the current stream
+    of a device (``cupy_backends.cuda.stream.get_stream_ptr(int device_id)``, which CuPy's
+    Cython modules import from one another through its ``__pyx_capi__``), or 0: interpreted,
+    a module ``cp`` that is not CuPy's (tests install stand-ins), or another signature than
+    the one known (then :func:`library_handle` asks ``cupy.cuda.get_current_stream``).
+    It reads the stream CuPy's kernels are launched on, which is that stream object's."""
+    if not cython.compiled:
+        return 0
+    mod = _modules.get("cupy_backends.cuda.stream")
+    get = getattr(getattr(cp, "cuda", None), "get_current_stream", None)
+    if mod is None or getattr(get, "__module__", None) != "cupy.cuda.stream":
+        return 0
+    cap = getattr(mod, "__pyx_capi__", {}).get("get_stream_ptr")
+    if cap is None or not PyCapsule_CheckExact(cap):
+        return 0
+    name = PyCapsule_GetName(cap)
+    if name == cython.NULL or strcmp(name, b"intptr_t (int)") != 0:
+        return 0
+    return cython.cast(cython.size_t, PyCapsule_GetPointer(cap, name))
+
+
+# [the module seen, torch's raw-stream entry point (None: none)] and [the cupy module seen],
+# and CuPy's C entry point (compiled: see cupy_stream_entry); sys.modules. C globals where
+# compiled: no dict lookups. Lock-free: a racing thread stores the same entries.
+_torch = cython.declare(list, [None, None])
+_cupy = cython.declare(list, [None])
+_cupy_fn = cython.declare(cython.size_t, 0)
+_modules = cython.declare(dict, sys.modules)
+
+
+def _library_handles(dev) -> list:
+    """``(torch, handle)`` of CuPy's and torch's current streams on ``dev``, of the libraries
+    imported (torch: and initialized)."""
     out = []
-    cp, torch = sys.modules.get("cupy"), sys.modules.get("torch")
-    if cp is not None:
+    if _modules.get("cupy") is not None:
         try:
-            out.append(cp.cuda.get_current_stream(dev.ordinal))
+            out.append((False, library_handle(dev, False)))
         except Exception:  # a CuPy without that signature, or no CUDA: not a consumer here
             pass
+    torch = _modules.get("torch")
     if torch is not None:
         try:
             if torch.cuda.is_initialized():
-                out.append(torch.cuda.current_stream(dev.ordinal))
+                out.append((True, library_handle(dev, True)))
         except Exception:
             pass
     return out
+
+
+def _library_stream(dev, torch):
+    """torch's (``torch`` true) or CuPy's current stream object on ``dev``."""
+    if torch:
+        return _modules["torch"].cuda.current_stream(dev.ordinal)
+    return _modules["cupy"].cuda.get_current_stream(dev.ordinal)
+
+
+def _borrowed(dev, handle, torch) -> Stream:
+    """The Stream of the library's current stream ``handle``: the one sharedmem has, else
+    borrowed from the library's stream object -- the Stream keeps that object alive, so the
+    handle cannot be reused for another stream while a hold on it lasts -- or from the bare
+    handle where the object no longer names it (the library's current stream changed
+    meanwhile, in another thread of a library whose current stream is global)."""
+    st = Stream.lookup(dev, handle)
+    if st is not None:
+        return st
+    try:
+        obj = _library_stream(dev, torch)
+    except Exception:
+        obj = None
+    if obj is not None and _handle_of(obj) == handle:
+        return Stream.from_external(obj, dev)
+    return Stream.from_external(handle, dev)
 
 
 def _handle_of(obj) -> int | None:
@@ -61,9 +148,9 @@ def consumer_stream(dev, handle: int) -> Stream:
     st = Stream.lookup(dev, handle)
     if st is not None:
         return st
-    for obj in _library_streams(dev):
-        if _handle_of(obj) == handle:
-            return Stream.from_external(obj, dev)
+    for torch, h in _library_handles(dev):
+        if h == handle:
+            return _borrowed(dev, handle, torch)
     return Stream.from_external(handle, dev)
 
 
@@ -86,15 +173,13 @@ def current_consumers(dev) -> tuple:
 def _current(dev) -> tuple:
     out = [dev.default_stream]
     per_thread = False
-    for obj in _library_streams(dev):
-        h = _handle_of(obj)
-        if h is None or h == 0 or h == 1:
-            continue  # (no handle, or the legacy default stream: already in)
+    for torch, h in _library_handles(dev):
+        if h == 0 or h == 1 or type(h) is not int:
+            continue  # (the legacy default stream: already in)
         if h == 2:  # the calling thread's default stream: ordered after by the legacy one
             per_thread = True
             continue
-        # (a Stream of that stream is alive: it keeps the object)
-        st = Stream.lookup(dev, h) or Stream.from_external(obj, dev)
+        st = _borrowed(dev, h, torch)  # (a Stream of that stream alive keeps the object)
         if st not in out:
             out.append(st)
     return out, per_thread

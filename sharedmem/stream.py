@@ -96,7 +96,7 @@ class Stream:
             getattr(impl, "throttle", None) is not None or device.kind != "cuda"
         if owned and device.kind == "cuda":
             with _by_handle_lock:  # so that from_external(handle) finds this very Stream
-                _by_handle[(device.key, impl.handle)] = self
+                _keep_locked((device.key, impl.handle), self)
         return self
 
     @classmethod
@@ -144,8 +144,7 @@ class Stream:
         # wrappers of one stream would look like two streams to each other. A stream
         # sharedmem made is found too.
         key = (dev.key, impl.handle)
-        with _by_handle_lock:
-            st = _by_handle.get(key)
+        st = _stream_at(key)
         stale = None
         if st is not None and st._external is not obj and not _names_its_stream(st):
             stale, st = st, None  # its object's stream was destroyed, the handle reused
@@ -154,9 +153,9 @@ class Stream:
             # a raw handle borrowed before on the device it lives on (handles are unique in
             # the process): found there, without asking the driver again
             with _by_handle_lock:
-                found = [s for (k, h), s in _by_handle.items() if h == impl.handle]
+                found = [r() for (k, h), r in _by_handle.items() if h == impl.handle]
             for s in found:
-                if _names_its_stream(s):
+                if s is not None and _names_its_stream(s):
                     _last_borrowed[0] = weakref.ref(s)
                     return s
         if st is None:
@@ -174,9 +173,10 @@ class Stream:
                         f"{obj!r} is a stream of {where}, not of {dev}'s primary context (the "
                         f"one sharedmem, CuPy and torch launch in); use a stream of {dev}")
             with _by_handle_lock:
-                st = _by_handle.get(key)
+                st = _stream_at(key)
                 if st is None or st is stale:
-                    st = _by_handle[key] = cls._create(dev, impl, owned=False, external=obj)
+                    st = cls._create(dev, impl, owned=False, external=obj)
+                    _keep_locked(key, st)
         if memo and st._external is obj:
             _last_borrowed[0] = weakref.ref(st)
         return st
@@ -185,8 +185,7 @@ class Stream:
     def lookup(device: Device, handle: int) -> Stream | None:
         """The live Stream (made by sharedmem, or borrowed) of CUDA stream ``handle`` on
         ``device``, or None."""
-        with _by_handle_lock:
-            st = _by_handle.get((device.key, handle))
+        st = _stream_at((device.key, handle))
         return st if st is not None and _names_its_stream(st) else None
 
     def __enter__(self) -> Stream:
@@ -333,9 +332,30 @@ class Event:
                                       f"is unknown: {self._marker.error!r}")
 
 
-# (device key, handle) -> the Stream of that CUDA stream, made or borrowed; weak, so a Stream
-# lives only while used
-_by_handle: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # guarded by _by_handle_lock
+# (device key, handle) -> a weak reference to the Stream of that CUDA stream, made or borrowed
+# (a Stream lives only while used). Written under _by_handle_lock (a check and a store: one
+# Stream per stream); read without it (one dict lookup, atomic). A dead reference reads as
+# none; dead ones are dropped as the dict grows (_keep_locked), so it stays within twice its
+# live entries -- no weakref callback, which would need the lock from wherever the collector
+# runs, the thread holding it included.
+_by_handle: dict = {}
+_prune_at = [64]
+
+
+def _stream_at(key):
+    """The live Stream stored at ``key`` in ``_by_handle``, or None."""
+    r = _by_handle.get(key)
+    return r() if r is not None else None
+
+
+def _keep_locked(key, st) -> None:
+    """Store Stream ``st`` at ``key`` (caller holds _by_handle_lock)."""
+    if len(_by_handle) >= _prune_at[0]:
+        for k in [k for k, r in _by_handle.items() if r() is None]:
+            del _by_handle[k]
+        _prune_at[0] = max(64, 2 * len(_by_handle))
+    _by_handle[key] = weakref.ref(st)
+
 # The Stream that Stream.from_external(obj) returned last for a foreign stream object (a
 # CuPy or torch stream passed as stream= in a launch loop): found again without borrowing the
 # object anew, while the object still names that Stream's handle. A weak

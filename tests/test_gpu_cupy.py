@@ -114,9 +114,9 @@ def test_a_launch_of_cupy_arrays_is_ordered_after_cupys_current_stream(cp, ic):
     test_cuda_backend_fake counts). Compiled, CuPy's current stream is read through CuPy's
     own C entry point (found in its ``__pyx_capi__``)."""
     import gpu_kernels as K
-    import interop.cupy_launch as icl
+    import interop.streams as ist
     if sm.show_config(open(os.devnull, "w"))["core"].startswith("compiled"):
-        assert icl._cupy_stream_entry(cp) != 0
+        assert ist.cupy_stream_entry(cp) != 0
     dev = cuda_device()
     s = dev.create_stream()
     n = 1 << 16

@@ -1,0 +1,18 @@
+# Declarations for the compiled build of streams.py (Cython pure-Python mode).
+cimport cython
+from cpython.pycapsule cimport PyCapsule_CheckExact, PyCapsule_GetName, PyCapsule_GetPointer
+from libc.stdint cimport intptr_t
+from libc.string cimport strcmp
+
+# CuPy's cupy_backends.cuda.stream.get_stream_ptr (see cupy_stream_entry); errors are asked
+# for after every call, as CuPy's modules built by Cython 3 and by 0.29 differ in the clause
+ctypedef intptr_t (*stream_ptr_fn_t)(int) except *
+
+cdef list _torch, _cupy
+cdef size_t _cupy_fn
+cdef dict _modules
+
+cpdef object library_handle(device, bint torch)
+
+@cython.locals(name=cython.p_const_char)
+cpdef size_t cupy_stream_entry(cp) except? 0
