@@ -16,3 +16,19 @@ cpdef object library_handle(device, bint torch)
 
 @cython.locals(name=cython.p_const_char)
 cpdef size_t cupy_stream_entry(cp) except? 0
+
+cdef list _library_handles(dev)
+
+cdef object _borrowed(dev, handle, bint torch)
+
+cdef object _handle_of(obj)
+
+cpdef object consumer_stream(dev, handle)
+
+cpdef list current_streams(dev)
+
+cpdef tuple current_consumers(dev)
+
+cdef tuple _current(dev)
+
+cpdef bint ordered_among(streams) except -1

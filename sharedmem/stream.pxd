@@ -19,3 +19,9 @@ cpdef bint streams_entered()
 cdef Stream _borrowed_last(obj)
 
 cpdef Stream as_stream(obj)
+
+cdef dict _by_handle
+
+cdef object _stream_at(key)
+
+cdef bint _names_its_stream(Stream st)
