@@ -19,7 +19,7 @@ cpdef size_t cupy_stream_entry(cp) except? 0
 
 cdef list _library_handles(dev)
 
-cdef object _borrowed(dev, handle, bint torch)
+cdef object _borrowed(dev, handle, bint torch, bint named=*)
 
 cdef object _handle_of(obj)
 

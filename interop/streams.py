@@ -53,7 +53,8 @@ def library_handle(device, torch) -> int:
     if cp is not _cupy[0]:
         global _cupy_fn
         _cupy_fn = cupy_stream_entry(cp)
-        _cupy[0] = cp
+        if _cupy_fn or getattr(getattr(cp, "cuda", None), "get_current_stream", None) is not None:
+            _cupy[0] = cp  # (not while CuPy is half imported, in another thread: asked again)
     if cython.compiled and _cupy_fn:
         return cython.cast(stream_ptr_fn_t, _cupy_fn)(device.ordinal)
     return cp.cuda.get_current_stream(device.ordinal).ptr
@@ -83,7 +84,9 @@ def cupy_stream_entry(cp):
 
 # [the module seen, torch's raw-stream entry point (None: none)] and [the cupy module seen],
 # and CuPy's C entry point (compiled: see cupy_stream_entry); sys.modules. C globals where
-# compiled: no dict lookups. Lock-free: a racing thread stores the same entries.
+# compiled: no dict lookups. Lock-free: a racing thread stores the same entries. Kept while
+# the module is the same object (torch never replaces its entry point; a launch kept it so
+# before, too).
 _torch = cython.declare(list, [None, None])
 _cupy = cython.declare(list, [None])
 _cupy_fn = cython.declare(cython.size_t, 0)
@@ -116,12 +119,14 @@ def _library_stream(dev, torch):
     return _modules["cupy"].cuda.get_current_stream(dev.ordinal)
 
 
-def _borrowed(dev, handle, torch) -> Stream:
+def _borrowed(dev, handle, torch, named=True) -> Stream:
     """The Stream of the library's current stream ``handle``: the one sharedmem has, else
     borrowed from the library's stream object -- the Stream keeps that object alive, so the
-    handle cannot be reused for another stream while a hold on it lasts -- or from the bare
-    handle where the object no longer names it (the library's current stream changed
-    meanwhile, in another thread of a library whose current stream is global)."""
+    handle cannot be reused for another stream while a hold on it lasts. Where the object
+    names another stream than the handle read just before (a stand-in library, or foreign
+    code run in between: CuPy's and torch's current streams are per thread), the object's
+    Stream -- the library's current stream now -- unless a consumer ``named`` the handle, or
+    the object names a default stream: then the bare handle."""
     st = Stream.lookup(dev, handle)
     if st is not None:
         return st
@@ -129,8 +134,10 @@ def _borrowed(dev, handle, torch) -> Stream:
         obj = _library_stream(dev, torch)
     except Exception:
         obj = None
-    if obj is not None and _handle_of(obj) == handle:
-        return Stream.from_external(obj, dev)
+    if obj is not None:
+        h = _handle_of(obj)
+        if h == handle or (not named and h is not None and h > 2):
+            return Stream.from_external(obj, dev)
     return Stream.from_external(handle, dev)
 
 
@@ -179,7 +186,7 @@ def _current(dev) -> tuple:
         if h == 2:  # the calling thread's default stream: ordered after by the legacy one
             per_thread = True
             continue
-        st = _borrowed(dev, h, torch)  # (a Stream of that stream alive keeps the object)
+        st = _borrowed(dev, h, torch, False)  # (borrowed from the library's object)
         if st not in out:
             out.append(st)
     return out, per_thread

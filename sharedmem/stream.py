@@ -335,9 +335,10 @@ class Event:
 # (device key, handle) -> a weak reference to the Stream of that CUDA stream, made or borrowed
 # (a Stream lives only while used). Written under _by_handle_lock (a check and a store: one
 # Stream per stream); read without it (one dict lookup, atomic). A dead reference reads as
-# none; dead ones are dropped as the dict grows (_keep_locked), so it stays within twice its
-# live entries -- no weakref callback, which would need the lock from wherever the collector
-# runs, the thread holding it included.
+# none; dead ones are dropped as the dict grows (_keep_locked): it stays within 64 entries or
+# twice those live at the last drop (Streams that die since stay until the next one) -- no
+# weakref callback, which would need the lock from wherever the collector runs, the thread
+# holding it included.
 _by_handle: dict = {}
 _prune_at = [64]
 
