@@ -14,6 +14,7 @@ import sharedmem as sm
 import sharedmem.stream as sms
 import interop.streams as ist
 
+
 @pytest.fixture
 def fake(monkeypatch):
     from fake_cuda import install_fake_devices
@@ -21,6 +22,7 @@ def fake(monkeypatch):
     yield dev, drv
     gc.collect()
     sm.synchronize()
+
 
 def _torch(monkeypatch, handle, initialized=True, raw=True):
     cur = types.SimpleNamespace(cuda_stream=handle)
@@ -47,6 +49,7 @@ def _torch(monkeypatch, handle, initialized=True, raw=True):
     monkeypatch.setitem(sys.modules, "torch", m)
     return m
 
+
 def test_torch_imported_not_initialized_is_never_asked(fake, monkeypatch):
     """torch imported, its CUDA not initialized: neither its raw-stream entry nor
     torch.cuda.current_stream is asked (either would initialize it)."""
@@ -62,6 +65,7 @@ def test_torch_imported_not_initialized_is_never_asked(fake, monkeypatch):
     assert t.asked == []
     del cap, buf
 
+
 def test_torch_without_raw_entry_and_modules_replaced_between_calls(fake, monkeypatch):
     """torch's current stream read through ``torch._C._cuda_getCurrentRawStream``, its
     stream object asked only to borrow a stream sharedmem has no Stream of; a torch without
@@ -75,6 +79,7 @@ def test_torch_without_raw_entry_and_modules_replaced_between_calls(fake, monkey
     c = _torch(monkeypatch, 0x7004)
     assert [s.handle for s in ist.current_streams(dev)] == [0, 0x7004]
     assert c.asked == ["raw", "object"]
+
 
 def test_by_handle_stays_bounded_and_finds_live_streams(fake):
     """Streams made and dropped by the thousand: the table drops dead entries as it grows
@@ -95,6 +100,7 @@ def test_by_handle_stays_bounded_and_finds_live_streams(fake):
         assert sm.Stream.from_external(s.handle, dev) is s
         assert sm.Stream.from_external(s.handle) is s
 
+
 def test_a_dead_entry_and_a_reused_handle_give_a_new_stream(fake):
     """A borrowed Stream collected: its handle finds nothing; the handle reused by another
     stream object gives a new Stream, found by handle too."""
@@ -111,6 +117,7 @@ def test_a_dead_entry_and_a_reused_handle_give_a_new_stream(fake):
     assert st2._external is y and sm.Stream.lookup(dev, 0x7100) is st2
     assert sm.Stream.from_external(0x7100) is st2  # (infer path: the found scan skips dead)
 
+
 def test_a_stale_borrow_is_replaced_when_its_handle_is_reused(fake):
     """A live Stream whose object no longer names its handle (its stream destroyed) is
     replaced when another object brings that handle."""
@@ -122,6 +129,7 @@ def test_a_stale_borrow_is_replaced_when_its_handle_is_reused(fake):
     new = sm.Stream.from_external(y, dev)
     assert new is not old and new._external is y
     assert sm.Stream.lookup(dev, 0x7200) is new
+
 
 def test_current_stream_changed_between_handle_and_object(fake, monkeypatch):
     """A library whose current stream changes between the handle read and the object fetch
@@ -140,6 +148,7 @@ def test_current_stream_changed_between_handle_and_object(fake, monkeypatch):
     assert first[1]._external is y
     again = ist.current_streams(dev)  # (x current throughout now)
     assert again[1]._external is x, again[1]._external
+
 
 def test_threads_borrow_one_stream_per_handle(fake):
     """8 threads borrowing the same 200 stream objects (and looking them up by handle) at a
