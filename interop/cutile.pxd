@@ -8,8 +8,8 @@ from sharedmem.stream cimport Stream
 from interop.cupy_launch cimport (ArrayFacts, coerce, devices_of, order_after_libraries,
                                   torch_tensor_type)
 
-@cython.locals(n=Py_ssize_t, p=Py_ssize_t, q=Py_ssize_t, ta=ViewToken, tb=ViewToken,
-               wa=bint, wb=bint)
+@cython.locals(n=Py_ssize_t, p=Py_ssize_t, q=Py_ssize_t, up=tuple, uq=tuple, ta=ViewToken,
+               tb=ViewToken, wa=bint, wb=bint)
 cpdef bint _aliased(list uses)
 
 @cython.locals(d=dict, tok=ViewToken, t=Tensor, key=tuple, by_layout=dict)

@@ -293,14 +293,18 @@ def _view_descriptor(i, view, writes):
     return got
 
 
+@cython.boundscheck(False)  # (every index below the list's length)
+@cython.wraparound(False)
 def _aliased(uses) -> bool:
     """True when two leases of ``uses`` overlap and one of them writes (no argument numbers:
     :func:`_check_no_aliasing` finds them, on this rare path only)."""
     n = len(uses)
     for p in range(n):
-        ta, wa = uses[p]
+        up = uses[p]
+        ta, wa = up[0], up[1]
         for q in range(p + 1, n):
-            tb, wb = uses[q]
+            uq = uses[q]
+            tb, wb = uq[0], uq[1]
             if (ta.allocation is tb.allocation and ta.start < tb.stop and tb.start < ta.stop
                     and ta.start < ta.stop and tb.start < tb.stop and (wa or wb)):
                 return True
@@ -475,6 +479,8 @@ class TilePlan(KernelPlan):
         g = check_dims(grid, "grid", [min(n, _TILE_GRID_MAX) for n in self.backend.limits.grid])
         return tuple(g) + (1,) * (3 - len(g))
 
+    @cython.boundscheck(False)  # (every index below its list's length by construction: a
+    @cython.wraparound(False)   # use for each array argument, see resolve_args)
     def pack(self, args, uses, config, stream):
         if len(uses) > 1 and _aliased(uses):
             _check_no_aliasing(array_args(args, uses))
