@@ -98,7 +98,6 @@ def test_by_handle_stays_bounded_and_finds_live_streams(fake):
     for s in keep:
         assert sm.Stream.lookup(dev, s.handle) is s
         assert sm.Stream.from_external(s.handle, dev) is s
-        assert sm.Stream.from_external(s.handle) is s
 
 
 def test_a_dead_entry_and_a_reused_handle_give_a_new_stream(fake):
@@ -115,7 +114,7 @@ def test_a_dead_entry_and_a_reused_handle_give_a_new_stream(fake):
     y = types.SimpleNamespace(ptr=0x7100)  # (the handle reused by another stream)
     st2 = sm.Stream.from_external(y, dev)
     assert st2._external is y and sm.Stream.lookup(dev, 0x7100) is st2
-    assert sm.Stream.from_external(0x7100) is st2  # (infer path: the found scan skips dead)
+    assert sm.Stream.from_external(0x7100, dev) is st2
 
 
 def test_a_stale_borrow_is_replaced_when_its_handle_is_reused(fake):
