@@ -182,7 +182,7 @@ def _current(dev) -> tuple:
     per_thread = False
     for torch, h in _library_handles(dev):
         if h == 0 or h == 1 or type(h) is not int:
-            continue  # (the legacy default stream: already in)
+            continue  # (no handle, or the legacy default stream: already in)
         if h == 2:  # the calling thread's default stream: ordered after by the legacy one
             per_thread = True
             continue
