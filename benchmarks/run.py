@@ -477,6 +477,8 @@ def bench_torch_args(dev, quick):
         row("cuTile launch, 3 torch tensors, vs raw ct.launch of them", t[3], t[2], "ct.launch")
         row("same, on torch's current stream (no wait a launch)", same[3], same[2],
             "ct.launch")
+    # (torch now imported and its CUDA initialized: a CAI export also asks torch's stream)
+    bench_cai(dev, quick, "same CAI export, torch imported and initialized")
 
 
 def bench_graph(dev, quick):
@@ -533,19 +535,29 @@ def bench_dlpack(dev, quick):
     t_raw, t_ours = interleaved_us([raw, ours], n, 7, sync)
     row("DLPack export consumed by cupy.from_dlpack", t_ours, t_raw, "CuPy->CuPy", fns=(ours, raw))
 
-    # cupy.asarray through the CUDA Array Interface (it reads the property more than once),
-    # against the least a producer can do: an object whose property returns a fixed dict
-    class Plain:
-        def __init__(self, a):
-            d = dict(a.__cuda_array_interface__)
-            d["stream"] = None
-            self._d = d
+    bench_cai(dev, quick, "CUDA Array Interface export consumed by cupy.asarray")
 
-        @property
-        def __cuda_array_interface__(self):
-            return self._d
 
-    p = Plain(c)
+class _FixedCAI:
+    """The least a CUDA Array Interface producer can do: a property returning a fixed dict."""
+
+    def __init__(self, a):
+        d = dict(a.__cuda_array_interface__)
+        d["stream"] = None
+        self._d = d
+
+    @property
+    def __cuda_array_interface__(self):
+        return self._d
+
+
+def bench_cai(dev, quick, name):
+    """cupy.asarray of a Tensor through the CUDA Array Interface (it reads the property more
+    than once; each read orders and holds on the consumers' likely streams: CuPy's and
+    torch's current ones, where imported) against a fixed-dict producer."""
+    import cupy as cp
+    t = sm.Tensor.from_host(np.ones((64, 64), np.float32), device=dev)
+    p = _FixedCAI(cp.ones((64, 64), cp.float32))
     cp.asarray(t)
 
     def raw_cai():
@@ -553,9 +565,9 @@ def bench_dlpack(dev, quick):
 
     def ours_cai():
         cp.asarray(t)
-    t_raw, t_ours = interleaved_us([raw_cai, ours_cai], n, 7, sync)
-    row("CUDA Array Interface export consumed by cupy.asarray", t_ours, t_raw, "fixed dict",
-        fns=(ours_cai, raw_cai))
+    sync = cp.cuda.get_current_stream().synchronize
+    t_raw, t_ours = interleaved_us([raw_cai, ours_cai], 2000 if quick else 20000, 7, sync)
+    row(name, t_ours, t_raw, "fixed dict", fns=(ours_cai, raw_cai))
 
 
 def bench_host_launch(dev, quick):
