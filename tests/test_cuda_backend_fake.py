@@ -3520,8 +3520,10 @@ def test_device_limits_the_driver_does_not_give_are_zero(fake, monkeypatch):
 
 
 def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
-    """``cuPointerGetAttributes`` failing: the pointer is not known device memory -- a CAI
-    import of it is the ValueError errors.md names, and nothing is imported."""
+    """``cuPointerGetAttributes`` answering zeroed attributes (memory it does not know) is
+    not device memory: a CAI import of it is the ValueError errors.md names. The call itself
+    failing is the driver's CudaError, not an answer about the memory. Neither imports
+    anything."""
     import sharedmem.device as sm_device
     from fake_cuda import CUresult
     dev, drv = fake
@@ -3530,17 +3532,27 @@ def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
     drv.ranges[b.allocation.ptr] = b.allocation.nbytes
     sm.synchronize()
     assert dev.backend.pointer_info(b.ptr) == (b.ptr, 16, 0)
-    monkeypatch.setattr(drv, "cuPointerGetAttributes",
-                        lambda n, attrs, p: (CUresult.CUDA_ERROR_INVALID_VALUE, None))
-    assert dev.backend.pointer_info(b.ptr) is None
     before = sm.stats()
 
     class Producer:
         __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (b.ptr, False),
                                     "version": 3}
+    del drv.ranges[b.allocation.ptr]  # (the driver's answer for memory it does not know)
+    assert dev.backend.pointer_info(b.ptr) is None
     with pytest.raises(ValueError, match=rf"^0x{b.ptr:x} is not CUDA device memory$"):
         sm.from_cuda_array_interface(Producer())
     assert sm.stats() == before and b.allocation.live_views == 1
+    monkeypatch.setattr(drv, "cuPointerGetAttributes",
+                        lambda n, attrs, p: (CUresult.CUDA_ERROR_INVALID_CONTEXT, None))
+    for hot in (dev.backend.hot, None):  # (both paths: ctypes on libcuda, cuda.bindings)
+        monkeypatch.setattr(dev.backend, "hot", hot)
+        with pytest.raises(sm.errors.CudaError, match=r"^cuPointerGetAttributes failed: "
+                           r"CUDA_ERROR_INVALID_CONTEXT \(201\)$") as err:
+            dev.backend.pointer_info(b.ptr)
+        assert err.value.code == 201
+        with pytest.raises(sm.errors.CudaError, match=r"^cuPointerGetAttributes failed"):
+            sm.from_cuda_array_interface(Producer())
+        assert sm.stats() == before and b.allocation.live_views == 1
 
 
 def test_an_event_the_driver_cannot_record_is_destroyed_and_none_is_made(fake, monkeypatch):

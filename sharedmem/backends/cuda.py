@@ -120,7 +120,10 @@ class _HotDriver:
         ordinal, memtype = ctypes.c_int(), ctypes.c_uint()
         data = (ctypes.c_void_p * 4)(*[ctypes.addressof(x) for x in (start, size, ordinal,
                                                                         memtype)])
-        if self._attributes(4, _POINTER_ATTRIBUTES, data, ptr) or memtype.value != 2:
+        err = self._attributes(4, _POINTER_ATTRIBUTES, data, ptr)
+        if err:
+            raise _error(cu.CUresult(err), "cuPointerGetAttributes")
+        if memtype.value != 2:
             return None  # (not device memory: CU_MEMORYTYPE_DEVICE is 2)
         return start.value, size.value, ordinal.value
 
@@ -651,17 +654,17 @@ class CudaBackend:
     def pointer_info(self, ptr: int):
         """``(range_start, range_size, device_ordinal)`` of device memory at
         ``ptr`` (the driver allocation containing it), or None if the pointer
-        is not device memory the driver knows."""
+        is not device memory the driver knows (host memory, NULL, an address it never gave:
+        the driver answers those with zeroed attributes). CudaError when the driver call
+        itself fails (no usable context, a driver shut down): nothing can be said then."""
         self.ensure_context()
         if self.hot is not None:
             return self.hot.pointer_info(ptr)
         P = cu.CUpointer_attribute
         attrs = [P.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, P.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
                  P.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, P.CU_POINTER_ATTRIBUTE_MEMORY_TYPE]
-        res = cu.cuPointerGetAttributes(len(attrs), attrs, ptr)
-        if res[0] != _SUCCESS:
-            return None
-        start, size, ordinal, memtype = res[1]
+        start, size, ordinal, memtype = check(cu.cuPointerGetAttributes(len(attrs), attrs, ptr),
+                                              "cuPointerGetAttributes")
         if not memtype or int(memtype) != int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE):
             return None
         return int(start), int(size), int(ordinal)
