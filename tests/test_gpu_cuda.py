@@ -9,8 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-import types
-from functools import partial
 
 import numpy as np
 import pytest
@@ -38,16 +36,16 @@ def test_device_identity(gpu):
 
 def test_pointer_info_answers_for_memory_the_driver_does_not_know(gpu):
     """The driver answers ``cuPointerGetAttributes`` for NULL, host memory and addresses it
-    never gave with zeroed attributes, not an error: pointer_info says None for them (the
-    imports' "not CUDA device memory"), on both paths; a CudaError is left for the driver
-    call failing. Device memory: its whole driver allocation and ordinal."""
+    never gave with zeroed attributes, not an error: pointer_info says None for them (the imports' "not CUDA device
+    memory"), on both paths; a CudaError is left for the driver call failing. Device memory:
+    its whole driver allocation and ordinal."""
     b = sm.Buffer.empty(1000, "float32", device=gpu)
     host = np.zeros(16, np.float32)
-    backend = gpu.backend
-    assert backend.hot is not None  # (libcuda through ctypes, as every GPU run has it)
-    # the cuda.bindings path: the same method over a backend without ctypes entry points
-    bindings = types.SimpleNamespace(hot=None, ensure_context=backend.ensure_context)
-    for info in (backend.pointer_info, partial(type(backend).pointer_info, bindings)):
+    from sharedmem.backends.cuda import CudaBackend
+    assert gpu.backend.hot is not None  # (libcuda through ctypes, as every GPU run has it)
+    bindings = CudaBackend(gpu.ordinal)  # the cuda.bindings path: a backend of its own
+    bindings.hot = None                  # without the ctypes entry points (no other user)
+    for info in (gpu.backend.pointer_info, bindings.pointer_info):
         for ptr in (0, 1, host.ctypes.data, 2**63):
             assert info(ptr) is None, (info, hex(ptr))
         start, size, ordinal = info(b.ptr + 8)
