@@ -167,6 +167,37 @@ cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
 
 
+cdef inline tuple _c_read_managed(size_t addr, bint versioned, int max_ndim):
+    # dlpack.py's _read_managed, from the C structs (interpreted: through ctypes)
+    cdef _DLTensor* t
+    cdef _DLManagedTensorVersioned* mv
+    cdef _DLManagedTensor* m
+    cdef size_t deleter
+    cdef uint32_t major = 1
+    cdef uint64_t flags = 0
+    cdef int ndim, i
+    if versioned:
+        mv = <_DLManagedTensorVersioned*>addr
+        major = mv.version.major
+        if major != 1:  # (the rest of the layout is unknown)
+            return major, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, None
+        flags = mv.flags
+        deleter = <size_t>mv.deleter
+        t = &mv.dl_tensor
+    else:
+        m = <_DLManagedTensor*>addr
+        deleter = <size_t>m.deleter
+        t = &m.dl_tensor
+    ndim = t.ndim
+    shape = strides = None
+    if 0 <= ndim <= max_ndim and (t.shape != NULL or ndim == 0):
+        shape = tuple([t.shape[i] for i in range(ndim)])
+        if t.strides != NULL:
+            strides = tuple([t.strides[i] for i in range(ndim)])
+    return (major, flags, deleter, <size_t>t.data, t.byte_offset, t.device.device_type,
+            t.device.device_id, ndim, t.dtype.code, t.dtype.bits, t.dtype.lanes, shape, strides)
+
+
 @cython.locals(cache=dict, t=Tensor)
 cpdef _make_capsule(View view, ViewToken export_tok, bint versioned, int flags, tuple where)
 

@@ -135,8 +135,18 @@ def _dl_dtype(dt: np.dtype) -> tuple:
     return code, dt.itemsize * 8
 
 
-def _np_dtype(t: DLDataType) -> np.dtype:
-    code, bits, lanes = t.code, t.bits, t.lanes
+_DTYPES = {}  # (code, bits, lanes) -> the NumPy dtype of an import (those it took before)
+
+
+def _np_dtype(code: int, bits: int, lanes: int) -> np.dtype:
+    """The NumPy dtype of a DLPack data type; BufferError where it has none."""
+    dt = _DTYPES.get((code, bits, lanes))
+    if dt is None:
+        dt = _DTYPES[(code, bits, lanes)] = _new_np_dtype(code, bits, lanes)
+    return dt
+
+
+def _new_np_dtype(code, bits, lanes):
     if lanes != 1:
         raise BufferError(f"DLPack dtype with {lanes} lanes (vector types) is not supported")
     if code == kDLBfloat and bits == 16:
@@ -516,6 +526,34 @@ def import_tensor(dev, ptr: int, nbytes: int, source: str, region, writable: boo
     return t
 
 
+def _read_managed(addr: int, versioned: bool, max_ndim: int) -> tuple:
+    """What an import reads of the managed tensor at ``addr``: ``(major, flags, deleter,
+    data, byte_offset, device_type, device_id, ndim, code, bits, lanes, shape, strides)`` --
+    addresses as ints (0: NULL); ``major`` 1 for a legacy one (and nothing else read where a
+    versioned one's is not 1); ``shape`` and ``strides`` tuples of ints, or None where the
+    pointer is NULL (``shape`` also where ``ndim`` is not 0 to ``max_ndim``). Compiled:
+    ``_c_read_managed`` (dlpack.pxd), from the C structs."""
+    if versioned:
+        m = DLManagedTensorVersioned.from_address(addr)
+        if m.version.major != 1:
+            return m.version.major, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, None
+        major, flags = 1, m.flags
+    else:
+        m = DLManagedTensor.from_address(addr)
+        major, flags = 1, 0
+    t = m.dl_tensor
+    ndim = t.ndim
+    shape = strides = None
+    if 0 <= ndim <= max_ndim and (t.shape or ndim == 0):
+        shape = tuple(t.shape[:ndim]) if ndim else ()
+        if t.strides:
+            strides = tuple(t.strides[:ndim]) if ndim else ()
+    dtype = t.dtype
+    return (major, flags, ctypes.cast(m.deleter, ctypes.c_void_p).value or 0, t.data or 0,
+            t.byte_offset, t.device.device_type, t.device.device_id, ndim, dtype.code,
+            dtype.bits, dtype.lanes, shape, strides)
+
+
 class _Imported:
     """Owns a consumed managed tensor: calls the producer's deleter when the
     last view or lease using it is gone."""
@@ -534,8 +572,7 @@ class _Imported:
                 m.deleter(addr)
 
 
-def _device_of(dl: DLDevice):
-    t, i = dl.device_type, dl.device_id
+def _device_of(t: int, i: int):
     if t in (kDLCPU, kDLCUDAHost):
         return Device.host()
     if t in (kDLCUDA, kDLCUDAManaged):
@@ -605,16 +642,13 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
                               "imported once -- ask the producer for a new one")
         raise BufferError(f"not a DLPack capsule (capsule name {got!r})")
     addr = _c_get_pointer(capsule, name) if cython.compiled else _get_pointer(capsule, name)
-    if versioned:
-        m = DLManagedTensorVersioned.from_address(addr)
-        if m.version.major != 1:
-            raise BufferError(f"DLPack major version {m.version.major} is not supported (this "
-                              f"consumer knows 1.x)")
-        dlt, flags = m.dl_tensor, m.flags
-    else:
-        m = DLManagedTensor.from_address(addr)
-        dlt, flags = m.dl_tensor, 0
-    dev = _device_of(dlt.device)
+    (major, flags, deleter, data, byte_offset, dev_type, dev_id, ndim, code, bits, lanes, shape,
+     strides) = (_c_read_managed(addr, versioned, MAX_NDIM) if cython.compiled else
+                 _read_managed(addr, versioned, MAX_NDIM))
+    if major != 1:
+        raise BufferError(f"DLPack major version {major} is not supported (this consumer knows "
+                          f"1.x)")
+    dev = _device_of(dev_type, dev_id)
     if s is not None and s.device is not dev:  # (a bare capsule: its device known only now)
         raise _elsewhere(s, f"the capsule on {dev}")
     if device is not None:
@@ -622,15 +656,14 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         if want is not dev:
             raise BufferError(f"the producer's memory is on {dev}, not on {want}; sharedmem does "
                               f"not copy on import")
-    dtype = _np_dtype(dlt.dtype)
-    ndim = dlt.ndim
+    dtype = _np_dtype(code, bits, lanes)
     if not 0 <= ndim <= MAX_NDIM:
         raise BufferError(f"DLPack tensor with ndim={ndim}; sharedmem takes 0 to {MAX_NDIM} "
                           f"dimensions")
-    if ndim and not dlt.shape:
+    if shape is None:
         raise BufferError(f"DLPack tensor with ndim={ndim} and a NULL shape pointer")
-    shape = tuple(int(dlt.shape[i]) for i in range(ndim))
-    strides = tuple(int(dlt.strides[i]) for i in range(ndim)) if dlt.strides else c_strides(shape)
+    if strides is None:
+        strides = c_strides(shape)
     if any(n < 0 for n in shape):
         raise BufferError(f"DLPack tensor with negative shape {shape}")
     if any(st < 0 for st, n in zip(strides, shape) if n > 1):
@@ -638,11 +671,11 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
                           f"make it contiguous first")
     lo, hi = extent(shape, strides)
     nbytes = (hi - lo) * dtype.itemsize
-    ptr = (dlt.data or 0) + dlt.byte_offset
-    if nbytes and not dlt.data:
+    ptr = data + byte_offset
+    if nbytes and not data:
         raise BufferError(f"DLPack tensor of shape {shape} has a NULL data pointer")
     if ptr + nbytes > _ADDRESS_END:
-        raise BufferError(f"DLPack tensor at 0x{dlt.data or 0:x} + byte_offset {dlt.byte_offset} "
+        raise BufferError(f"DLPack tensor at 0x{data:x} + byte_offset {byte_offset} "
                           f"({nbytes} bytes) lies beyond user-space addresses")
     region = None
     if dev.kind == "cuda" and nbytes:
@@ -667,7 +700,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         _c_set_name(capsule, used)
     else:
         _set_name(capsule, used)
-    ours = ctypes.cast(m.deleter, ctypes.c_void_p).value == _DELETER_ADDR  # (our own export)
+    ours = deleter == _DELETER_ADDR  # (our own export)
     owner = None if ours else _Imported(addr, versioned)
     try:
         return import_tensor(dev, ptr, nbytes, "dlpack", region, not (flags & FLAG_READ_ONLY),
