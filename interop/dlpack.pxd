@@ -167,7 +167,7 @@ cdef inline void _c_free_managed(size_t addr) noexcept:
     PyMem_Free(<void*>addr)
 
 
-cdef inline tuple _c_read_managed(size_t addr, bint versioned, int max_ndim):
+cdef inline tuple _c_read_managed(size_t addr, bint versioned):
     # dlpack.py's _read_managed, from the C structs (interpreted: through ctypes)
     cdef _DLTensor* t
     cdef _DLManagedTensorVersioned* mv
@@ -175,12 +175,11 @@ cdef inline tuple _c_read_managed(size_t addr, bint versioned, int max_ndim):
     cdef size_t deleter
     cdef uint32_t major = 1
     cdef uint64_t flags = 0
-    cdef int ndim, i
     if versioned:
         mv = <_DLManagedTensorVersioned*>addr
         major = mv.version.major
         if major != 1:  # (the rest of the layout is unknown)
-            return major, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, None
+            return major, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
         flags = mv.flags
         deleter = <size_t>mv.deleter
         t = &mv.dl_tensor
@@ -188,14 +187,19 @@ cdef inline tuple _c_read_managed(size_t addr, bint versioned, int max_ndim):
         m = <_DLManagedTensor*>addr
         deleter = <size_t>m.deleter
         t = &m.dl_tensor
-    ndim = t.ndim
-    shape = strides = None
-    if 0 <= ndim <= max_ndim and (t.shape != NULL or ndim == 0):
-        shape = tuple([t.shape[i] for i in range(ndim)])
-        if t.strides != NULL:
-            strides = tuple([t.strides[i] for i in range(ndim)])
     return (major, flags, deleter, <size_t>t.data, t.byte_offset, t.device.device_type,
-            t.device.device_id, ndim, t.dtype.code, t.dtype.bits, t.dtype.lanes, shape, strides)
+            t.device.device_id, t.ndim, t.dtype.code, t.dtype.bits, t.dtype.lanes,
+            <size_t>t.shape, <size_t>t.strides)
+
+
+cdef inline tuple _c_read_dims(size_t shape, size_t strides, int ndim):
+    # dlpack.py's _read_dims: called once the tensor is one an import takes (0 <= ndim <=
+    # MAX_NDIM, shape not NULL unless ndim is 0), never before
+    cdef int64_t* sh = <int64_t*>shape
+    cdef int64_t* st = <int64_t*>strides
+    cdef int i
+    return (tuple([sh[i] for i in range(ndim)]),
+            None if st == NULL else tuple([st[i] for i in range(ndim)]))
 
 
 @cython.locals(cache=dict, t=Tensor)

@@ -526,32 +526,40 @@ def import_tensor(dev, ptr: int, nbytes: int, source: str, region, writable: boo
     return t
 
 
-def _read_managed(addr: int, versioned: bool, max_ndim: int) -> tuple:
+def _read_managed(addr: int, versioned: bool) -> tuple:
     """What an import reads of the managed tensor at ``addr``: ``(major, flags, deleter,
     data, byte_offset, device_type, device_id, ndim, code, bits, lanes, shape, strides)`` --
-    addresses as ints (0: NULL); ``major`` 1 for a legacy one (and nothing else read where a
-    versioned one's is not 1); ``shape`` and ``strides`` tuples of ints, or None where the
-    pointer is NULL (``shape`` also where ``ndim`` is not 0 to ``max_ndim``). Compiled:
-    ``_c_read_managed`` (dlpack.pxd), from the C structs."""
+    addresses as ints (0: NULL), ``shape`` and ``strides`` the addresses of the arrays, not
+    read here (see _read_dims); ``major`` 1 for a legacy one (and nothing else read where a
+    versioned one's is not 1). Compiled: ``_c_read_managed`` (dlpack.pxd), from the C
+    structs."""
     if versioned:
         m = DLManagedTensorVersioned.from_address(addr)
         if m.version.major != 1:
-            return m.version.major, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, None, None
+            return m.version.major, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
         major, flags = 1, m.flags
     else:
         m = DLManagedTensor.from_address(addr)
         major, flags = 1, 0
     t = m.dl_tensor
-    ndim = t.ndim
-    shape = strides = None
-    if 0 <= ndim <= max_ndim and (t.shape or ndim == 0):
-        shape = tuple(t.shape[:ndim]) if ndim else ()
-        if t.strides:
-            strides = tuple(t.strides[:ndim]) if ndim else ()
     dtype = t.dtype
     return (major, flags, ctypes.cast(m.deleter, ctypes.c_void_p).value or 0, t.data or 0,
-            t.byte_offset, t.device.device_type, t.device.device_id, ndim, dtype.code,
-            dtype.bits, dtype.lanes, shape, strides)
+            t.byte_offset, t.device.device_type, t.device.device_id, t.ndim, dtype.code,
+            dtype.bits, dtype.lanes, ctypes.cast(t.shape, ctypes.c_void_p).value or 0,
+            ctypes.cast(t.strides, ctypes.c_void_p).value or 0)
+
+
+def _read_dims(shape: int, strides: int, ndim: int) -> tuple:
+    """``(shape, strides)`` of the tensor whose arrays are at those addresses: tuples of ints,
+    ``strides`` None where its address is 0 (NULL). Called only once the tensor is one an
+    import takes (``0 <= ndim <= MAX_NDIM``, ``shape`` not NULL unless ``ndim`` is 0): a
+    capsule refused for its device or dtype has its arrays never read. Compiled:
+    ``_c_read_dims`` (dlpack.pxd)."""
+    if not ndim:
+        return (), (() if strides else None)
+    arr = ctypes.c_int64 * ndim
+    return (tuple(arr.from_address(shape)),
+            tuple(arr.from_address(strides)) if strides else None)
 
 
 class _Imported:
@@ -642,9 +650,9 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
                               "imported once -- ask the producer for a new one")
         raise BufferError(f"not a DLPack capsule (capsule name {got!r})")
     addr = _c_get_pointer(capsule, name) if cython.compiled else _get_pointer(capsule, name)
-    (major, flags, deleter, data, byte_offset, dev_type, dev_id, ndim, code, bits, lanes, shape,
-     strides) = (_c_read_managed(addr, versioned, MAX_NDIM) if cython.compiled else
-                 _read_managed(addr, versioned, MAX_NDIM))
+    (major, flags, deleter, data, byte_offset, dev_type, dev_id, ndim, code, bits, lanes,
+     shape_at, strides_at) = (_c_read_managed(addr, versioned) if cython.compiled else
+                              _read_managed(addr, versioned))
     if major != 1:
         raise BufferError(f"DLPack major version {major} is not supported (this consumer knows "
                           f"1.x)")
@@ -660,8 +668,11 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if not 0 <= ndim <= MAX_NDIM:
         raise BufferError(f"DLPack tensor with ndim={ndim}; sharedmem takes 0 to {MAX_NDIM} "
                           f"dimensions")
-    if shape is None:
+    if ndim and not shape_at:
         raise BufferError(f"DLPack tensor with ndim={ndim} and a NULL shape pointer")
+    # (read only now: a capsule refused above for its device or dtype has its arrays unread)
+    shape, strides = (_c_read_dims(shape_at, strides_at, ndim) if cython.compiled else
+                      _read_dims(shape_at, strides_at, ndim))
     if strides is None:
         strides = c_strides(shape)
     if any(n < 0 for n in shape):

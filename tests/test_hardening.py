@@ -201,6 +201,41 @@ def test_malformed_dlpack_tensors_are_refused_and_left_unconsumed(host, field, v
     assert alloc.live_views == 1
 
 
+_REFUSED_UNREAD = r"""
+import ctypes, sys, numpy as np, sharedmem as sm, interop.dlpack as dl
+t = sm.Tensor.from_host(np.arange(3.0), device=sm.Device.host())
+cap = t.__dlpack__(max_version=(1, 0))
+d = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor
+good = d.shape
+if sys.argv[1] == "device_type":
+    d.device.device_type = 7  # (Vulkan)
+else:
+    d.dtype.lanes = 2
+d.shape = ctypes.cast(ctypes.c_void_p(8), ctypes.POINTER(ctypes.c_int64))  # (nothing there)
+try:
+    sm.from_dlpack(cap)
+except BufferError as e:
+    print(e)
+d.shape = good
+print(bool(dl._is_valid(cap, b"dltensor_versioned")))
+"""
+
+
+@pytest.mark.parametrize("field, message", [
+    ("device_type", "DLPack device type 7 (id 0) is not supported; sharedmem imports CPU and "
+                    "CUDA memory"),
+    ("lanes", "DLPack dtype with 2 lanes (vector types) is not supported")])
+def test_a_capsule_refused_for_its_device_or_dtype_has_its_arrays_unread(field, message):
+    """The shape and strides arrays are read only once the device, dtype and ndim are ones an
+    import takes: a capsule refused for those, whose shape pointer points nowhere, is refused
+    with its BufferError and left unconsumed -- not a crash (a fresh interpreter: a bad read
+    is a SIGSEGV)."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", _REFUSED_UNREAD, field], capture_output=True,
+                       text=True, timeout=120)
+    assert (r.returncode, r.stdout.splitlines()) == (0, [message, "True"]), r.stderr[-2000:]
+
+
 # -- the DLPack capsule destructor, run with an exception set ---------------------------------------
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_capsule_destructor_with_an_exception_set_still_ends_the_export(host):
