@@ -3542,9 +3542,22 @@ def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
     with pytest.raises(ValueError, match=rf"^0x{b.ptr:x} is not CUDA device memory$"):
         sm.from_cuda_array_interface(Producer())
     assert sm.stats() == before and b.allocation.live_views == 1
+    import interop.dlpack as dl  # a foreign DLPack capsule of memory no import knows yet
+    mem = np.zeros(64, np.uint8)
+    drv.ranges[mem.ctypes.data] = mem.nbytes
+    deleted = []
+    deleter, shape = dl._DELETER(deleted.append), (ctypes.c_int64 * 1)(4)
+    m = dl.DLManagedTensorVersioned()
+    m.version.major, m.deleter = 1, deleter
+    d = m.dl_tensor
+    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCUDA, 1
+    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
+    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
+    real, hot0 = drv.cuPointerGetAttributes, dev.backend.hot
     monkeypatch.setattr(drv, "cuPointerGetAttributes",
                         lambda n, attrs, p: (CUresult.CUDA_ERROR_INVALID_CONTEXT, None))
-    for hot in (dev.backend.hot, None):  # (both paths: ctypes on libcuda, cuda.bindings)
+    for hot in (hot0, None):  # (both paths: ctypes on libcuda, cuda.bindings)
         monkeypatch.setattr(dev.backend, "hot", hot)
         with pytest.raises(sm.errors.CudaError, match=r"^cuPointerGetAttributes failed: "
                            r"CUDA_ERROR_INVALID_CONTEXT \(201\)$") as err:
@@ -3552,7 +3565,18 @@ def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
         assert err.value.code == 201
         with pytest.raises(sm.errors.CudaError, match=r"^cuPointerGetAttributes failed"):
             sm.from_cuda_array_interface(Producer())
+        with pytest.raises(sm.errors.CudaError, match=r"^cuPointerGetAttributes failed"):
+            sm.from_dlpack(cap)  # (asked before the capsule is consumed)
+        assert dl._is_valid(cap, b"dltensor_versioned") and deleted == []
         assert sm.stats() == before and b.allocation.live_views == 1
+    monkeypatch.setattr(dev.backend, "hot", hot0)
+    monkeypatch.setattr(drv, "cuPointerGetAttributes", real)
+    t = sm.from_dlpack(cap)  # (left usable: imported once the driver answers)
+    assert (t.ptr, t.shape, t.device) == (mem.ctypes.data, (4,), dev)
+    del t
+    sm.synchronize()
+    gc_collect_harder()
+    assert deleted == [ctypes.addressof(m)]
 
 
 def test_an_event_the_driver_cannot_record_is_destroyed_and_none_is_made(fake, monkeypatch):
