@@ -318,6 +318,19 @@ def export(view, *, stream=None, max_version=None, dl_device=None, copy=None):
     return export_positional(view, stream, max_version, dl_device, copy)
 
 
+def _version_major(max_version) -> int:
+    """The major version of a ``max_version`` that is a pair of ints (NumPy ints too);
+    TypeError otherwise."""
+    try:
+        if isinstance(max_version, (str, bytes, dict)) or len(max_version) != 2:
+            raise TypeError
+        major, _ = [operator.index(v) for v in max_version]
+    except TypeError:
+        raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got "
+                        f"{max_version!r}") from None
+    return major
+
+
 def export_positional(view, stream, max_version, dl_device, copy):
     """:func:`export` with positional arguments (what ``View.__dlpack__`` calls: a call
     without keywords is cheaper)."""
@@ -337,11 +350,17 @@ def export_positional(view, stream, max_version, dl_device, copy):
     if elsewhere and copy is False:  # (None: a copy where one is needed, as the protocol says)
         raise BufferError(f"cannot export {view!r} to device {dl_device} with copy=False: it "
                           f"lives on {ours} (copy=None or copy=True makes a copy there)")
-    try:  # (a pair of ints: read as it is -- an export's hot path)
-        versioned = max_version is not None and max_version[0] >= 1
-    except (TypeError, IndexError, KeyError):
-        raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got "
-                        f"{max_version!r}") from None
+    if max_version is None:
+        versioned = False
+    elif (type(max_version) is tuple and len(max_version) == 2  # (the hot path: two ints)
+          and type(max_version[0]) is int and type(max_version[1]) is int):
+        versioned = max_version[0] >= 1
+    else:
+        versioned = _version_major(max_version) >= 1
+    if copy is not None and copy is not True and copy is not False:
+        if not isinstance(copy, np.bool_):  # (np.True_ is a bool; 1, "yes" are not)
+            raise TypeError(f"copy must be None, True or False, got {copy!r}")
+        copy = bool(copy)
     if copy is True or elsewhere:
         return _export_copy(view, stream, versioned, dl_device or ours)
     if not versioned and not tok.writable:
@@ -424,6 +443,9 @@ def _ctypes_capsule(export_tok, ptr, dev_type, dev_id, code, bits, shape, stride
 
 def _export_copy(view, stream, versioned, target):
     if target[0] == kDLCPU:
+        if target[1] != 0:  # (DLPack's one CPU device is (kDLCPU, 0))
+            raise BufferError(f"cannot copy {view!r} to DLPack device {target}: there is no "
+                              f"such CPU device; the host is (1, 0)")
         if stream is not None:  # (as for an export of host memory: CPU consumers name none)
             raise BufferError(f"stream={stream!r} is not valid for a copy to the host; only None")
         dev = Device.host()

@@ -389,3 +389,52 @@ def test_imports_of_views_of_one_numpy_array_are_one_allocation_in_any_order(hos
     sm.launch(sm.host_kernel(lambda y: seen.append(y.copy())), 1, 1, sm.In(part), stream=s2)
     sm.synchronize()
     assert seen[0].tolist() == [1.0] * 4
+
+
+# -- the export's arguments, checked as documented (errors.md; from a review) ------------------
+def _exported_nothing(t):
+    gc.collect()
+    assert t.allocation.live_views == 1 and sm.stats().live_allocations >= 1
+    assert t.into_buffer().to_host().tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("bad", [(1,), (1, 0, 0), (1.5, 0), {0: 1}, (1, "0"), "10"])
+def test_max_version_that_is_not_a_pair_of_ints_is_a_type_error(bad):
+    """Only ``max_version[0] >= 1`` was read: these exported a versioned capsule."""
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.float32), device=sm.Device.host())
+    with pytest.raises(TypeError, match=r"^max_version must be None or a \(major, minor\) tuple "
+                                        r"of ints, got "):
+        t.__dlpack__(max_version=bad)
+    _exported_nothing(t)
+
+
+def test_copy_takes_numpy_bools_and_refuses_other_truthy_values():
+    """``copy is True`` was the test: ``copy=np.True_`` (or 1) exported the view's own bytes,
+    a zero-copy capsule, to a consumer that asked for a copy."""
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.float32), device=sm.Device.host())
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(TypeError, match=rf"^copy must be None, True or False, got {bad!r}$"):
+            t.__dlpack__(copy=bad)
+    cap = t.__dlpack__(max_version=(1, 0), copy=np.True_)
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    assert m.flags & dl.FLAG_IS_COPIED and m.dl_tensor.data != t.ptr
+    del cap, m
+    cap = t.__dlpack__(max_version=(1, 0), copy=np.False_)
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    assert not m.flags & dl.FLAG_IS_COPIED and m.dl_tensor.data == t.ptr
+    del cap, m
+    _exported_nothing(t)
+
+
+@pytest.mark.parametrize("where", [(1, 7), (1, -1)])
+def test_a_copy_to_a_cpu_device_that_does_not_exist_is_a_buffer_error(where):
+    """DLPack's one CPU device is ``(kDLCPU, 0)``: another id was ignored (a host copy whose
+    capsule said ``(1, 0)``)."""
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.float32), device=sm.Device.host())
+    before = sm.stats().live_allocations
+    with pytest.raises(BufferError, match=rf"^cannot copy .* to DLPack device \({where[0]}, "
+                                          rf"{where[1]}\): there is no such CPU device; the host "
+                                          rf"is \(1, 0\)$"):
+        t.__dlpack__(dl_device=where)
+    assert sm.stats().live_allocations == before  # (no copy left behind)
+    _exported_nothing(t)
