@@ -75,8 +75,9 @@ MAX_NDIM = 64  # NumPy's limit: to_host must be able to hold any tensor
 
 def _ints(seq, what) -> tuple[int, ...]:
     """``seq`` as a tuple of Python ints; TypeError ``what`` (naming ``seq``) unless it is a
-    sequence of ints (bools and strings are not)."""
-    bad = isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__")
+    sequence of ints (bools and strings are not, nor mappings and sets: their iteration gives
+    keys, or no order)."""
+    bad = isinstance(seq, (str, bytes, dict, set, frozenset)) or not hasattr(seq, "__iter__")
     out = () if bad else tuple(seq)
     if bad or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) for n in out):
         raise TypeError(f"{what}, got {seq!r}")

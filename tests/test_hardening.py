@@ -40,9 +40,16 @@ def test_device_box_takes_one_number(host):
 
 
 def test_shapes_must_be_ints_and_at_most_64_dimensions(host):
-    for bad in ("34", (2.9, 2.1), (True, 2), 3.0):
+    for bad in ("34", (2.9, 2.1), (True, 2), 3.0, {2: 3}, {4}):
         with pytest.raises(TypeError, match=r"^shape must be an int or a sequence of ints"):
             sm.Tensor.empty(bad, "float32", device=host)
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    for bad in ({4: 1}, frozenset([4])):  # (a dict's keys, a set's unordered items)
+        with pytest.raises(TypeError, match=r"^shape must be an int or a sequence of ints"):
+            sm.Tensor.from_buffer(b, bad)
+        assert b.is_live  # refused before the move
+    with pytest.raises(TypeError, match=r"^strides must be a sequence of ints \(elements\)"):
+        sm.Tensor.from_buffer(b, (2, 2), {2: 0, 1: 0})
     with pytest.raises(sm.LayoutError, match=r"^a tensor has at most 64 dimensions \(as in "
                                              r"NumPy\), got a shape of 65$"):
         sm.Tensor.empty((1,) * 65, "float32", device=host)
