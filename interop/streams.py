@@ -120,16 +120,14 @@ def _library_stream(dev, torch):
 
 
 def _borrowed(dev, handle, torch, named=True) -> Stream:
-    """The Stream of the library's current stream ``handle``: the one sharedmem has, else
-    borrowed from the library's stream object -- the Stream keeps that object alive, so the
-    handle cannot be reused for another stream while a hold on it lasts. Where the object
+    """The Stream of the library's current stream ``handle``, which sharedmem has none of
+    (callers look it up first): borrowed from the library's stream object -- the Stream keeps
+    that object alive, so the handle cannot be reused for another stream while a hold on it
+    lasts. Where the object
     names another stream than the handle read just before (a stand-in library, or foreign
     code run in between: CuPy's and torch's current streams are per thread), the object's
     Stream -- the library's current stream now -- unless a consumer ``named`` the handle, or
     the object names a default stream: then the bare handle."""
-    st = Stream.lookup(dev, handle)
-    if st is not None:
-        return st
     try:
         obj = _library_stream(dev, torch)
     except Exception:
@@ -186,7 +184,9 @@ def _current(dev) -> tuple:
         if h == 2:  # the calling thread's default stream: ordered after by the legacy one
             per_thread = True
             continue
-        st = _borrowed(dev, h, torch, False)  # (borrowed from the library's object)
+        st = Stream.lookup(dev, h)
+        if st is None:
+            st = _borrowed(dev, h, torch, False)  # (borrowed from the library's object)
         if st not in out:
             out.append(st)
     return out, per_thread
