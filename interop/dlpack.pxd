@@ -96,7 +96,7 @@ cdef struct _DLTensor:
     int64_t* strides
     uint64_t byte_offset
 
-ctypedef void (*_Deleter)(void*) noexcept
+ctypedef void (*_Deleter)(void*) noexcept nogil
 
 cdef struct _DLManagedTensor:
     _DLTensor dl_tensor
@@ -190,6 +190,19 @@ cdef inline tuple _c_read_managed(size_t addr, bint versioned):
     return (major, flags, deleter, <size_t>t.data, t.byte_offset, t.device.device_type,
             t.device.device_id, t.ndim, t.dtype.code, t.dtype.bits, t.dtype.lanes,
             <size_t>t.shape, <size_t>t.strides)
+
+
+cdef inline void _c_call_deleter(size_t addr, bint versioned) noexcept:
+    # a consumed tensor's own deleter, if any, called without the GIL (as a ctypes call
+    # makes it, interpreted): a producer's deleter takes the GIL itself where it needs it
+    cdef _Deleter deleter
+    if versioned:
+        deleter = (<_DLManagedTensorVersioned*>addr).deleter
+    else:
+        deleter = (<_DLManagedTensor*>addr).deleter
+    if deleter != NULL:
+        with nogil:
+            deleter(<void*>addr)
 
 
 cdef inline tuple _c_read_dims(size_t shape, size_t strides, int ndim):

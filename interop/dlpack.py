@@ -596,10 +596,14 @@ class _Imported:
 
     def __del__(self):
         addr, self.addr = self.addr, 0
-        if addr:
-            m = (DLManagedTensorVersioned if self.versioned else DLManagedTensor).from_address(addr)
-            if m.deleter:
-                m.deleter(addr)
+        if not addr:
+            return
+        if cython.compiled:
+            _c_call_deleter(addr, self.versioned)  # (dlpack.pxd)
+            return
+        m = (DLManagedTensorVersioned if self.versioned else DLManagedTensor).from_address(addr)
+        if m.deleter:
+            m.deleter(addr)
 
 
 def _device_of(t: int, i: int):

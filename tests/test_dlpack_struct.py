@@ -184,6 +184,41 @@ def test_deleter_keeps_pending_exception(host):
     assert t.allocation.live_views == 1
 
 
+@pytest.mark.parametrize("versioned", [True, False])
+def test_a_foreign_capsules_deleter_runs_once_when_its_import_is_gone(host, versioned):
+    # a producer's managed tensor (not ours): its deleter runs once, with the address the
+    # capsule held, when the last view and lease of the import are gone -- never before
+    mem = np.arange(6, dtype=np.float32)
+    calls = []
+    deleter = dl._DELETER(lambda addr: calls.append((addr, threading.get_ident())))
+    shape = (ctypes.c_int64 * 1)(6)
+    m = (dl.DLManagedTensorVersioned if versioned else dl.DLManagedTensor)()
+    if versioned:
+        m.version.major = 1
+    m.deleter = deleter
+    d = m.dl_tensor
+    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCPU, 1
+    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
+    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    cap = dl._capsule_new(ctypes.addressof(m), name, dl._CAPSULE_DESTRUCTOR())
+    t = sm.from_dlpack(cap)
+    part = t[2:]
+    assert (t.ptr, part.to_host().tolist()) == (mem.ctypes.data, [2.0, 3.0, 4.0, 5.0])
+    del cap
+    t.release()
+    gc.collect()
+    assert calls == []  # `part` still reads the producer's memory
+    part.release()
+    gc.collect()
+    assert calls == [(ctypes.addressof(m), threading.get_ident())]
+    m.deleter = dl._DELETER()  # a NULL deleter: nothing to call
+    cap = dl._capsule_new(ctypes.addressof(m), name, dl._CAPSULE_DESTRUCTOR())
+    sm.from_dlpack(cap).release()
+    gc.collect()
+    assert len(calls) == 1
+
+
 @pytest.mark.skipif(not COMPILED, reason="compiled export only")
 def test_compiled_conversion_failure_frees_and_registers_nothing(host):
     t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host)
