@@ -20,6 +20,7 @@ on the device (an event recorded on it), never a host synchronize.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import numpy as np
@@ -60,15 +61,8 @@ def _export_stream(dev):
         return impl
 
 
-_typestrs: dict = {}  # np.dtype -> its typestr (NumPy formats a new one on every .str)
-
-
-def typestr(dt) -> str:
-    """``dt.str``, remembered (lock-free: idempotent writes)."""
-    s = _typestrs.get(dt)
-    if s is None:
-        s = _typestrs[dt] = dt.str
-    return s
+#: ``dt.str``, remembered (NumPy formats a new one on every .str)
+typestr = functools.cache(operator.attrgetter("str"))
 
 
 def cai_layout(view, read_only: bool) -> dict:

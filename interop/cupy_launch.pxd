@@ -84,7 +84,7 @@ cpdef coerce(obj, device)
 
 cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, uses=*)
 
-cpdef devices_of(seen, facts)
+cpdef merged_devices(seen, devs)
 
 @cython.locals(h=object)
 cdef object _to_wait(Stream stream, devs, bint torch, todo)

@@ -245,12 +245,6 @@ def _param_sizes(func):
     return sizes
 
 
-def _function_handle(kernel, dev):
-    with _cupy().cuda.Device(dev.ordinal):
-        fn = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel or Function
-        return fn, int(fn.ptr)
-
-
 _BOOLS = (bool, np.bool_)  # (module constants: no attribute lookup on numpy per argument)
 _INTS = (int, np.integer)
 # NumPy's integer scalar types (np.int32(n), the usual way to pass a C int): found by identity
@@ -409,11 +403,11 @@ class RawKernelPlan(KernelPlan):
                     if torch_dev is None:  # (one device, the usual: no call)
                         torch_dev = adev
                     elif torch_dev is not adev:
-                        torch_dev = devices_of(torch_dev, fa)
+                        torch_dev = merged_devices(torch_dev, adev)
                 elif cupy_dev is None:  # (a CuPy array's: ordered after CuPy's stream)
                     cupy_dev = adev
                 elif cupy_dev is not adev:
-                    cupy_dev = devices_of(cupy_dev, fa)
+                    cupy_dev = merged_devices(cupy_dev, adev)
                 if par.kcode == _K_PTR and not cython.compiled:  # (as for a view; its element 0's
                     out.append(fa.ptr)                           # address, learned with it)
                 else:
@@ -428,9 +422,9 @@ class RawKernelPlan(KernelPlan):
                 _emit_address(out, par, la.token.allocation.ptr + la.offset)
                 lib = library_of(la)  # (a CuPy array or torch tensor with_length: ordered
                 if lib == 0:          # as one without)
-                    cupy_dev = devices_of(cupy_dev, la)
+                    cupy_dev = merged_devices(cupy_dev, la.token.allocation.device)
                 elif lib == 1:
-                    torch_dev = devices_of(torch_dev, la)
+                    torch_dev = merged_devices(torch_dev, la.token.allocation.device)
                 if la.with_length:
                     if not _dense(v):  # (the kernel takes a pointer and a count of elements)
                         raise KernelError(f"argument {i}: with_length=True needs a contiguous "
@@ -632,7 +626,9 @@ def _launch_compiled(plan, impl, config, packed):
 def plan_kernel(adapter, kernel, device):
     """The RawKernelPlan of ``kernel`` on ``device``: one per CUfunction (RawModule.get_function
     makes a new object on every call, and each must not be planned again)."""
-    fn, func = _function_handle(kernel, device)
+    with _cupy().cuda.Device(device.ordinal):
+        fn = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel or Function
+        func = int(fn.ptr)
     with _sig_lock:
         hit = _by_function.get((func, device.key))
     if hit is not None:
@@ -709,7 +705,16 @@ def _forget(key, ref):
 def array_facts(arr):
     """The :class:`ArrayFacts` of CuPy array ``arr``, learned on its first launch."""
     f = _known(arr)
-    return f if f is not None else _learn(arr)
+    if f is not None:
+        return f
+    alloc, lo, hi = _allocation_of(arr, Device(arr.device.id))
+    # as_cupy's array: its export's token; cupy.asarray of a view (its CAI): CuPy's memory
+    # names the view as its owner
+    owner = getattr(arr.data.mem, "_owner", None)
+    writable = (owner.token.writable if isinstance(owner, _ExportOwner) else
+                owner._token.writable if isinstance(owner, View) else True)
+    return _remember(arr, "CuPy array argument", alloc, lo, hi, writable, arr.data.ptr, None,
+                     None)
 
 
 def _known(arr):
@@ -747,17 +752,6 @@ def _recall(f) -> None:
     other = _recent[slot ^ 1]
     if other is not None and other.addr == f.addr:
         _recent[slot ^ 1] = None
-
-
-def _learn(arr):
-    alloc, lo, hi = _allocation_of(arr, Device(arr.device.id))
-    # as_cupy's array: its export's token; cupy.asarray of a view (its CAI): CuPy's memory
-    # names the view as its owner
-    owner = getattr(arr.data.mem, "_owner", None)
-    writable = (owner.token.writable if isinstance(owner, _ExportOwner) else
-                owner._token.writable if isinstance(owner, View) else True)
-    return _remember(arr, "CuPy array argument", alloc, lo, hi, writable, arr.data.ptr, None,
-                     None)
 
 
 def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout, keep):
@@ -886,8 +880,8 @@ class _ReplayOrder:
         self.cupy = None
 
     def add(self, torch_devs, cupy_devs) -> None:
-        self.torch = _merged(self.torch, torch_devs)
-        self.cupy = _merged(self.cupy, cupy_devs)
+        self.torch = merged_devices(self.torch, torch_devs)
+        self.cupy = merged_devices(self.cupy, cupy_devs)
 
     def __call__(self, stream) -> None:
         try:
@@ -960,21 +954,14 @@ def library_of(a) -> int:
     return 1 if tt is not None and isinstance(v, tt) else -1
 
 
-def devices_of(seen, facts):
-    """``seen`` (None, a Device, or a list of them) with the device of foreign array
-    ``facts``' bytes (an ArrayFacts, or a LaunchArg with its token): for
-    :func:`order_after_libraries`."""
-    return _merged(seen, facts.token.allocation.device)
-
-
-def _merged(seen, devs):
+def merged_devices(seen, devs):
     """``seen`` with the devices of ``devs`` (each None, a Device, or a list of them; a list
     ``seen`` is extended)."""
     if devs is None or seen is devs:
         return seen
     if type(devs) is list:
         for dev in devs:
-            seen = _merged(seen, dev)
+            seen = merged_devices(seen, dev)
         return seen
     if seen is None:
         return devs

@@ -5,7 +5,7 @@ from sharedmem.tensor cimport Tensor
 from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
 from sharedmem.backends.cuda cimport CudaBackend, CudaStreamImpl
 from sharedmem.stream cimport Stream
-from interop.cupy_launch cimport (ArrayFacts, coerce, devices_of, order_after_libraries,
+from interop.cupy_launch cimport (ArrayFacts, coerce, merged_devices, order_after_libraries,
                                   torch_tensor_type)
 
 @cython.locals(n=Py_ssize_t, p=Py_ssize_t, q=Py_ssize_t, up=tuple, uq=tuple, ta=ViewToken,

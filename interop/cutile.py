@@ -26,7 +26,7 @@ import importlib
 import struct
 import sys
 import threading
-from functools import partial
+from functools import cache, partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -46,7 +46,7 @@ from sharedmem.launch import (ForeignArray, Intent, KernelAdapter, KernelPlan, L
 from sharedmem.tensor import Tensor, c_strides
 
 from interop.cai import cai_layout
-from interop.cupy_launch import (ArrayFacts, coerce, devices_of,
+from interop.cupy_launch import (ArrayFacts, coerce, merged_devices,
                                  order_after_libraries, torch_tensor_type)
 
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
@@ -214,21 +214,15 @@ def _key(x, mode):
     return _scalar_key(x)
 
 
-_typestrs: dict = {}  # torch dtype -> its NumPy typestr; lock-free (idempotent writes)
-
-
+@cache
 def _typestr_of(dtype) -> str:
     """A torch dtype as the typestr a view or CuPy array of its elements has (one signature
     for one layout, whoever holds it); its name where NumPy has no such type (bfloat16)."""
-    ts = _typestrs.get(dtype)
-    if ts is None:
-        name = str(dtype)
-        try:
-            ts = np.dtype(name[6:] if name.startswith("torch.") else name).str
-        except TypeError:
-            ts = name
-        _typestrs[dtype] = ts
-    return ts
+    name = str(dtype)
+    try:
+        return np.dtype(name[6:] if name.startswith("torch.") else name).str
+    except TypeError:
+        return name
 
 
 def _same_args(a, b) -> bool:
@@ -324,16 +318,13 @@ def _check_no_aliasing(args) -> None:
                     f"is written; cuTile assumes distinct array arguments do not alias")
 
 
-_TOO_HARD = getattr(np, "exceptions", np).TooHardError  # (np.exceptions: NumPy 1.25+)
-
-
 def _share_elements(a, b) -> bool:
     """Whether array arguments ``a`` and ``b`` (LaunchArgs whose byte spans overlap) have an
     element byte in common: interleaved views (``t[0::2]``, ``t[1::2]``) share none. Exact
     (``np.shares_memory``); where that is too much work, assumed to (refused)."""
     try:
         return bool(np.shares_memory(_layout(a), _layout(b), max_work=1 << 16))
-    except _TOO_HARD:
+    except np.exceptions.TooHardError:
         return True
 
 
@@ -499,7 +490,9 @@ class TilePlan(KernelPlan):
             elif type(a) is LaunchArg or isinstance(a, ForeignArray):
                 j += 1
                 if type(a) is LaunchArg and a.with_length:  # (a view's LaunchArg: only then)
-                    raise _with_length_error(i)
+                    raise KernelError(f"argument {i}: with_length=True is for CuPy kernels (a "
+                                      f"pointer and a length); a cuTile kernel takes the array "
+                                      f"itself, with its shape")
                 # a foreign array, which cuTile reads itself (a CuPy array's facts, see coerce,
                 # give it back: alive, the launch holds it)
                 v = out[i] = a.value if type(a) is LaunchArg else a.ref()
@@ -509,7 +502,7 @@ class TilePlan(KernelPlan):
                     # against its pointer and layout just now (new facts, a new reference,
                     # where either changed); torch has no negative strides (nor `strides`:
                     # a getattr of it raised and caught an AttributeError a launch)
-                    torch_dev = devices_of(torch_dev, a)
+                    torch_dev = merged_devices(torch_dev, a.token.allocation.device)
                     stand_in = a.ref
                 else:
                     for st in getattr(v, "strides", ()):
@@ -521,7 +514,7 @@ class TilePlan(KernelPlan):
                         foreign = True
                         continue
                     # a CuPy array: as a torch tensor's above, but its layout may be re-set
-                    cupy_dev = devices_of(cupy_dev, a)
+                    cupy_dev = merged_devices(cupy_dev, a.token.allocation.device)
                     stand_in = (a.ref, v.shape, v.strides, v.dtype)
                 if known is None:
                     known = []
@@ -578,12 +571,6 @@ class TileKernelAdapter(KernelAdapter):
 
     def plan(self, kernel, device):
         return TilePlan(kernel, self, device, _cutile())
-
-
-def _with_length_error(i) -> KernelError:
-    """The refusal of argument ``i`` given with_length to a cuTile kernel."""
-    return KernelError(f"argument {i}: with_length=True is for CuPy kernels (a pointer and a "
-                       f"length); a cuTile kernel takes the array itself, with its shape")
 
 
 # By name: importing this module must not import cuda.tile.

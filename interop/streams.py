@@ -112,13 +112,6 @@ def _library_handles(dev) -> list:
     return out
 
 
-def _library_stream(dev, torch):
-    """torch's (``torch`` true) or CuPy's current stream object on ``dev``."""
-    if torch:
-        return _modules["torch"].cuda.current_stream(dev.ordinal)
-    return _modules["cupy"].cuda.get_current_stream(dev.ordinal)
-
-
 def _borrowed(dev, handle, torch, named=True) -> Stream:
     """The Stream of the library's current stream ``handle``, which sharedmem has none of
     (callers look it up first): borrowed from the library's stream object -- the Stream keeps
@@ -129,7 +122,8 @@ def _borrowed(dev, handle, torch, named=True) -> Stream:
     Stream -- the library's current stream now -- unless a consumer ``named`` the handle, or
     the object names a default stream: then the bare handle."""
     try:
-        obj = _library_stream(dev, torch)
+        obj = (_modules["torch"].cuda.current_stream(dev.ordinal) if torch else
+               _modules["cupy"].cuda.get_current_stream(dev.ordinal))
     except Exception:
         obj = None
     if obj is not None:

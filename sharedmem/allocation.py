@@ -529,11 +529,6 @@ _ADVICE = (
 )
 
 
-def _advice(toks) -> str:
-    said = (next(text for key, text in _ADVICE if key in t.kind) for t in toks)
-    return "; ".join(dict.fromkeys(said))  # (each piece of advice once, in order)
-
-
 # Modules fully imported, by name (sys.modules holds a module from the start of its import:
 # another thread may still be executing it). Lock-free: a racing thread stores the same module.
 _imported = {}
@@ -821,8 +816,10 @@ class View:
         hint = "" if TRACK_ORIGINS else (
             "\n(set SHAREDMEM_TRACK_ORIGINS=1 to see where each view was created)")
         n = len(others)
+        advice = dict.fromkeys(next(text for key, text in _ADVICE if key in t.kind)
+                               for t in others)  # (each piece of advice once, in order)
         return AliasError(
             f"cannot move {self._describe_short()} into a {target_name}: {n} other live "
             f"view{'s' if n != 1 else ''} of its bytes exist{'s' if n == 1 else ''}:\n{lines}\n"
-            f"To move, {_advice(others)}; or copy instead of moving.{hint}",
+            f"To move, {'; '.join(advice)}; or copy instead of moving.{hint}",
             tuple(t.describe() for t in others))

@@ -1,20 +1,12 @@
 # Declarations for the compiled build of state.py (Cython pure-Python mode).
 from cpython.pythread cimport PyThread_get_thread_ident
 
-# The core lock, compiled: a pthread mutex where there is one. CPython's PyThread lock (a
+# The core lock, compiled: a pthread mutex (POSIX only, as ipc.py is). CPython's PyThread lock (a
 # semaphore) reads the monotonic clock on every acquire, a try included -- it computes a
 # deadline before it looks -- which cost a launch ~130 instructions, an export and its release
-# three times that. Elsewhere (Windows) the PyThread lock. Locked and unlocked by one thread.
+# three times that. Locked and unlocked by one thread.
 cdef extern from *:
     """
-    #if defined(_WIN32)
-    #include "pythread.h"
-    typedef PyThread_type_lock sm_core_lock;
-    static __inline sm_core_lock sm_lock_new(void) { return PyThread_allocate_lock(); }
-    static __inline int sm_lock_try(sm_core_lock l) { return PyThread_acquire_lock(l, NOWAIT_LOCK); }
-    static __inline void sm_lock_wait(sm_core_lock l) { PyThread_acquire_lock(l, WAIT_LOCK); }
-    static __inline void sm_lock_release(sm_core_lock l) { PyThread_release_lock(l); }
-    #else
     #include <pthread.h>
     #include <stdlib.h>
     typedef pthread_mutex_t *sm_core_lock;
@@ -26,7 +18,6 @@ cdef extern from *:
     static inline int sm_lock_try(sm_core_lock l) { return pthread_mutex_trylock(l) == 0; }
     static inline void sm_lock_wait(sm_core_lock l) { pthread_mutex_lock(l); }
     static inline void sm_lock_release(sm_core_lock l) { pthread_mutex_unlock(l); }
-    #endif
     """
     ctypedef void* sm_core_lock
     sm_core_lock sm_lock_new() nogil

@@ -404,6 +404,5 @@ def _after_fork_child() -> None:
             gc.enable()
 
 
-if hasattr(os, "register_at_fork"):  # (not on Windows)
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
-                        after_in_child=_after_fork_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent,
+                    after_in_child=_after_fork_child)

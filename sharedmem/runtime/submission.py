@@ -37,7 +37,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from ..access import HOLD_SEQ, check_policy, leases_to_check_locked, record_leases_locked
 from ..allocation import ViewToken, register_token_locked, unregistered_token
-from ..backends import COMPLETE
+from ..backends import COMPLETE, CompleteMarker
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError, SharedMemWarning
 from . import callbacks as _callbacks
@@ -386,25 +386,18 @@ def note_waited_locked(stream, other, seq, marker) -> None:
         waited[key] = seq
 
 
-class FailedMarker:
+class FailedMarker(CompleteMarker):
     """The marker of work whose completion cannot be known because its marker could not be
-    recorded (the consumer's stream is gone, a sticky error): what it leases is kept forever."""
+    recorded (the consumer's stream is gone, a sticky error): what it leases is kept forever.
+    (As COMPLETE's, nothing to wait for or recycle.)"""
 
     __slots__ = ("error",)
-    recorded = True
-    handle = 0
 
     def __init__(self, error):
         self.error = error
 
     def query(self) -> int:
         return _M_UNKNOWN
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def recycle(self) -> None:
-        pass
 
 
 def fresh_marker_locked(stream, pooled=False):
