@@ -96,7 +96,7 @@ cdef struct _DLTensor:
     int64_t* strides
     uint64_t byte_offset
 
-ctypedef void (*_Deleter)(void*) noexcept nogil
+ctypedef void (*_Deleter)(void*) noexcept
 
 cdef struct _DLManagedTensor:
     _DLTensor dl_tensor
@@ -193,16 +193,17 @@ cdef inline tuple _c_read_managed(size_t addr, bint versioned):
 
 
 cdef inline void _c_call_deleter(size_t addr, bint versioned) noexcept:
-    # a consumed tensor's own deleter, if any, called without the GIL (as a ctypes call
-    # makes it, interpreted): a producer's deleter takes the GIL itself where it needs it
+    # a consumed tensor's own deleter, if any, called with the GIL held: DLPack's deleters
+    # take it themselves (CuPy's are `with gil`, NumPy's PyGILState_Ensure), so holding it
+    # costs nothing there, and one that assumes it is held works too. (Interpreted, a
+    # ctypes call, which lets the GIL go around it.)
     cdef _Deleter deleter
     if versioned:
         deleter = (<_DLManagedTensorVersioned*>addr).deleter
     else:
         deleter = (<_DLManagedTensor*>addr).deleter
     if deleter != NULL:
-        with nogil:
-            deleter(<void*>addr)
+        deleter(<void*>addr)
 
 
 cdef inline tuple _c_read_dims(size_t shape, size_t strides, int ndim):

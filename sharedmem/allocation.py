@@ -176,7 +176,10 @@ def _release_locked(tok) -> None:
         rt.live_views -= 1
         if tok.consumers is not None:  # a hold ends: stream-ordered, never at once
             rt.hooks.end_holds(tok)
+        keep = tok.keep
         tok.keep = None
+        if keep is not tok.allocation and keep is not None:  # (a foreign producer: its
+            rt.drop_later(keep)  # deleter runs once the lock is let go, not under it)
 
 
 def _add_locked(tok):

@@ -219,6 +219,35 @@ def test_a_foreign_capsules_deleter_runs_once_when_its_import_is_gone(host, vers
     assert len(calls) == 1
 
 
+def test_a_producers_deleter_runs_outside_the_core_lock_and_may_call_sharedmem(host):
+    # the import's release lets its token go under the core lock; the producer's deleter
+    # (foreign code: it may block, or call sharedmem) runs only once the lock is let go
+    from sharedmem.runtime.state import RUNTIME
+    mem = np.arange(4, dtype=np.float32)
+    seen = []
+
+    def deleter(addr):
+        seen.append(RUNTIME.owner)
+        sm.synchronize()  # (raised SharedMemError when run under this thread's own lock)
+        seen.append(sm.stats().live_views)
+
+    deleter = dl._DELETER(deleter)
+    shape = (ctypes.c_int64 * 1)(4)
+    m = dl.DLManagedTensorVersioned()
+    m.version.major, m.deleter = 1, deleter
+    d = m.dl_tensor
+    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCPU, 1
+    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
+    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
+    before = sm.stats().live_views
+    t = sm.from_dlpack(cap)
+    del cap
+    t.release()
+    assert seen == [0, before]  # (at once: the release's own thread, the lock let go)
+    assert RUNTIME.later is None
+
+
 @pytest.mark.skipif(not COMPILED, reason="compiled export only")
 def test_compiled_conversion_failure_frees_and_registers_nothing(host):
     t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host)

@@ -1,4 +1,5 @@
 # Declarations for the compiled build of state.py (Cython pure-Python mode).
+cimport cython
 from cpython.pythread cimport PyThread_get_thread_ident
 
 # The core lock, compiled: a pthread mutex (POSIX only, as ipc.py is). CPython's PyThread lock (a
@@ -33,6 +34,7 @@ cdef class Runtime:
     cdef sm_core_lock _plock
     cdef public unsigned long owner
     cdef readonly object staged
+    cdef public list later
     cdef readonly set active
     cdef readonly list leaked
     cdef public long long in_flight, submitted, retired, leaked_count, leaked_bytes
@@ -47,7 +49,9 @@ cdef class Runtime:
     cdef object __weakref__
 
     cpdef acquire(self)
+    @cython.locals(later=list)
     cpdef release(self)
+    cpdef drop_later(self, obj)
     cpdef bint enter_or_stage(self, fn, arg) except -1
 
 cdef unsigned long _thread_ident()

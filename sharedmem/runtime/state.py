@@ -12,7 +12,9 @@ locked():``) that guards them and also
 Rules every caller keeps:
 
 * Nothing that can block on the GPU or on another thread runs under the lock, except enqueueing
-  work on a stream (a driver call that does not wait).
+  work on a stream (a driver call that does not wait). Nor does foreign code: the last
+  reference to a foreign producer's memory (an import's deleter) is handed to
+  :meth:`Runtime.drop_later` and dropped when the lock is let go.
 * Destructors may run in any thread at any time -- also inside a critical section of the same
   thread, when a garbage collection is triggered there. So a destructor never blocks on the
   lock: :meth:`Runtime.enter_or_stage` tries it and, when it is busy, stages the operation; whoever
@@ -54,7 +56,7 @@ _get_ident = threading.get_ident
 class Runtime:
     """The ownership core's state (see the module docstring). One per process: ``RUNTIME``."""
 
-    __slots__ = ("_acquire", "_release", "_plock", "owner", "staged", "active", "leaked",
+    __slots__ = ("_acquire", "_release", "_plock", "owner", "staged", "later", "active", "leaked",
                  "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
                  "unfinished", "live_views", "warnings", "errors", "retirer_running",
                  "retirer_idle", "ensure_retirer", "wake_retirer", "hooks", "policy", "pid",
@@ -66,6 +68,10 @@ class Runtime:
         # Lock-free (deque.append and popleft are atomic under the GIL): (function, argument)
         # pairs to run under the lock, staged by destructors that found it busy.
         self.staged = collections.deque()
+        # What a release under the lock let go whose finalizer is not ours to run there (a
+        # foreign producer's deleter, which may block or call sharedmem): dropped by release(),
+        # after the lock is let go (see drop_later): None, or a list. guarded by lock
+        self.later = None
         self.active = set()  # streams whose FIFO is not empty; guarded by lock
         self.leaked = []  # submissions whose completion is unknown, kept forever; guarded by lock
         # What sharedmem.stats() reports, counted in launches and copies. guarded by lock
@@ -134,11 +140,24 @@ class Runtime:
                 raise
 
     def release(self) -> None:
+        later = self.later  # (None but where drop_later kept something: taken while held)
+        if later is not None:
+            self.later = None
         self.owner = 0
         if cython.compiled:
             sm_lock_release(self._plock)
         else:
             self._release()
+        later = None  # what drop_later kept: its finalizers run now, outside the lock
+
+    def drop_later(self, obj) -> None:
+        """Keep ``obj`` until this thread lets the lock go, then drop it: for the last
+        reference to an object whose finalizer may block or call sharedmem (a foreign
+        producer's memory). Caller holds the lock."""
+        if self.later is None:
+            self.later = [obj]
+        else:
+            self.later.append(obj)
 
     # ``with RUNTIME:`` (what locked() returns): the lock held, staged releases applied
     def __enter__(self) -> None:
