@@ -1836,3 +1836,47 @@ def test_an_inflight_entry_of_work_without_arrays_says_it_leases_nothing(host):
     finally:
         gate.set()
     f.result(5)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_fork_while_the_retirer_finishes_work_leaves_the_child_nothing_unfinished(host):
+    """The retirer retires work under the core lock and drops what it kept after it
+    (finish()); RUNTIME.unfinished counts the retired work not finished yet, and settle()
+    -- run by every move that finds an alias -- waits until it is 0. A fork while the
+    retirer is in finish() (here: dropping an imported array's producer, whose finalizer
+    is slow) copies the count into a child where no thread will ever finish that work: the
+    count stayed above 0 for good, and every refused move in the child waited settle()'s
+    whole second first."""
+    from sharedmem.runtime.state import RUNTIME
+    inside, go = threading.Event(), threading.Event()
+
+    class Producer(np.ndarray):
+        def __del__(self):
+            if threading.current_thread().name == "sharedmem-retirer":
+                inside.set()
+                go.wait(10)
+
+    x = np.zeros(4, np.float32).view(Producer)
+    t = sm.from_dlpack(x)  # (the import keeps x: dropped when the work that used it retires)
+    del x
+    s = host.create_stream()
+    sm.launch(sm.host_kernel(lambda a: time.sleep(0.05)), 1, 1, sm.In(t), stream=s)
+    del t  # the future too (dropped): the retirer finishes the work
+    try:
+        assert inside.wait(10)  # the retirer is in finish(): the work is counted unfinished
+        assert RUNTIME.unfinished >= 1
+
+        def child():
+            b = sm.Buffer.zeros(8, device=host)
+            alias = b[0:2]
+            t0 = time.monotonic()
+            with pytest.raises(sm.AliasError):
+                sm.Tensor.from_buffer(b, (8,))
+            return RUNTIME.unfinished, time.monotonic() - t0 < 0.5, alias.is_live
+
+        out = _in_child(child)
+    finally:
+        go.set()
+    assert out == str((0, True, True)), out
+    sm.synchronize()

@@ -41,7 +41,7 @@ from ..backends import COMPLETE, CompleteMarker
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
     ReleasedError, SharedMemWarning
 from . import callbacks as _callbacks
-from .state import CAPTURING, RUNTIME, Hooks, locked, log, warn_user
+from .state import CAPTURING, RUNTIME, Hooks, at_fork_child, locked, log, warn_user
 
 #: Submission states (Submission.state).
 PENDING, RETIRED, UNKNOWN = 0, 1, 2
@@ -663,6 +663,18 @@ def _sweep_locked(stream, record=True) -> list:
 #: Per thread: how many retired submissions this thread is finishing now (settle() does not
 #: wait for those: a move inside a callback they run would wait for itself).
 _finishing = threading.local()
+
+
+def _after_fork_child() -> None:
+    # Work another thread of the parent had retired but not finished (between its sweep and
+    # finish()) is finished by nobody here: that thread does not exist in the child. What it
+    # kept stays kept (a leak of the child's copy), but it is not counted unfinished, or
+    # settle() would wait its whole timeout on every move that finds an alias. The forking
+    # thread's own (a fork from a callback run by finish()) it finishes when it returns.
+    RUNTIME.unfinished = getattr(_finishing, "n", 0)
+
+
+at_fork_child(_after_fork_child, 0)
 
 
 def finish(subs, hand_off=False) -> None:
