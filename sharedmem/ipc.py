@@ -38,10 +38,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import fcntl
+import functools
+import itertools
 import io
 import mmap
+import operator
 import os
 import struct
 import tempfile
@@ -83,9 +85,10 @@ class IpcHandle:
     def __reduce__(self):
         return (_rebuild_handle, (tuple(getattr(self, k) for k in IpcHandle.__slots__),))
 
-    def __repr__(self) -> str:
-        return (f"<IpcHandle {self.kind} {self.dtype} shape={self.shape} from pid "
-                f"{self.exporter_pid}, {self.nbytes} bytes>")
+    def __repr__(self) -> str:  # (never raises: it names handles refused as corrupt)
+        get = functools.partial(getattr, self)
+        return (f"<IpcHandle {get('kind', '?')} {get('dtype', '?')} shape={get('shape', '?')} "
+                f"from pid {get('exporter_pid', '?')}, {get('nbytes', '?')} bytes>")
 
 
 def _new(cls, **fields):
@@ -97,6 +100,12 @@ def _new(cls, **fields):
 
 
 def _rebuild_handle(values):
+    n = len(values) if isinstance(values, tuple) else "?"
+    if n != len(IpcHandle.__slots__):  # (fields pickled by position: another layout misreads)
+        raise SharedMemError(
+            f"cannot unpickle a CUDA IPC handle of {n} fields (this sharedmem's have "
+            f"{len(IpcHandle.__slots__)}): it was made by another version of sharedmem; run "
+            f"the same version in the exporter and the importer")
     return _new(IpcHandle, **dict(zip(IpcHandle.__slots__, values)))
 
 
@@ -185,7 +194,12 @@ def _take_slot_locked():
         if not _files:  # (a process's first export: what killed exporters left behind goes)
             _remove_dead_files(_dir())
         fd, path = tempfile.mkstemp(prefix=f"sharedmem-ipc-{os.getpid()}-", dir=_dir())
-        mm = _map(fd, new=True)
+        try:
+            mm = _map(fd, new=True)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         _files.append((path, mm, fd))  # (the fd stays open: its record locks are the slots')
         _free.extend((len(_files) - 1, i) for i in range(SLOTS - 1, -1, -1))
     f, i = _free.pop()
@@ -194,11 +208,15 @@ def _take_slot_locked():
 
 
 def _map(fd, new=False) -> mmap.mmap:
-    """The SLOTS slots of the file open as ``fd`` (``new``: the exporter's, sized first),
-    mapped; ``fd`` is closed when that fails."""
+    """The SLOTS slots of the file open as ``fd`` (``new``: the exporter's, written first),
+    mapped; ``fd`` is closed when that fails. A new file is written, not truncated to its
+    size: a sparse file's first store through the mapping, on a full /dev/shm, kills the
+    process with SIGBUS -- a write raises OSError (ENOSPC) instead."""
     try:
         if new:
-            os.ftruncate(fd, SLOTS * _SLOT.size)
+            data = bytes(SLOTS * _SLOT.size)
+            while data:
+                data = data[os.write(fd, data):]
         return mmap.mmap(fd, SLOTS * _SLOT.size)
     except BaseException:
         os.close(fd)
@@ -507,6 +525,48 @@ def _device_of(handle):
                          f"visible in this process (CUDA_VISIBLE_DEVICES?)")
 
 
+def _checked_dtype(handle) -> np.dtype:
+    """The dtype of ``handle``'s view, once every field is seen to describe a view inside the
+    bytes it shares, those inside the region it maps, and a slot of its exporter's slot
+    file. SharedMemError otherwise -- before a slot is written or anything mapped: a corrupt
+    handle (or one of another sharedmem version) would make a view past the mapping, or
+    consume the export and leave it unopenable."""
+    from .tensor import extent
+    try:
+        dtype = np.dtype(handle.dtype)
+        shape = tuple(operator.index(n) for n in handle.shape)
+        strides = tuple(operator.index(n) for n in handle.strides)
+        nbytes, first, offset, slot = (operator.index(x) for x in (
+            handle.nbytes, handle.first, handle.offset, handle.slot))
+        start, size = (operator.index(x) for x in handle.region)
+        operator.index(handle.generation)
+        item = dtype.itemsize
+        if dtype.hasobject or not item:
+            raise ValueError(f"dtype {dtype}")
+        if handle.kind not in ("buffer", "tensor"):
+            raise ValueError(f"kind {handle.kind!r}")
+        if len(shape) != len(strides) or min(shape, default=0) < 0:
+            raise ValueError(f"shape {shape} with strides {strides}")
+        if handle.kind == "buffer" and (len(shape) != 1 or first != 0):
+            raise ValueError(f"a buffer of shape {shape} from byte {first}")
+        lo, hi = extent(shape, [s * item for s in strides], item)  # (bytes from `first`)
+        lo, hi = first + lo, first + hi
+        if not 0 <= lo <= hi <= nbytes:
+            raise ValueError(f"its elements span bytes [{lo}, {hi}) of {nbytes} shared")
+        if start != 0 or offset < 0 or offset + nbytes > size:
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) of a region of {size}")
+        operator.index(handle.exporter_pid)
+        if not 0 <= slot < SLOTS or not os.path.basename(handle.slots).startswith(
+                "sharedmem-ipc-"):
+            raise ValueError(f"slot {slot} of {handle.slots!r}")
+        if len(handle.mem) != 64 or len(handle.event) != 64:
+            raise ValueError("IPC handles not of 64 bytes")
+    except (AttributeError, TypeError, ValueError, OverflowError) as e:
+        raise SharedMemError(f"cannot open {handle!r}: it is corrupt, or was made by another "
+                             f"version of sharedmem ({e}); nothing was opened") from None
+    return dtype
+
+
 def _slots_file(path: str, pid: int) -> _SlotFile:
     """Exporter ``pid``'s slot file at ``path`` (opened once per process while it lives)."""
     got = _opened.get(path)
@@ -516,6 +576,11 @@ def _slots_file(path: str, pid: int) -> _SlotFile:
         except FileNotFoundError:
             raise SharedMemError(f"cannot open a CUDA IPC handle: its exporter's slot file "
                                  f"{path} is gone (the exporter exited?)") from None
+        size = os.fstat(fd).st_size
+        if size != SLOTS * _SLOT.size:  # (another file: never mapped, nor written)
+            os.close(fd)
+            raise SharedMemError(f"cannot open a CUDA IPC handle: {path} is not a sharedmem "
+                                 f"slot file ({size} bytes, not {SLOTS * _SLOT.size})")
         got = _opened[path] = _new(_SlotFile, mm=_map(fd), fd=fd, pid=pid)
     return got
 
@@ -532,6 +597,7 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
     if not isinstance(handle, IpcHandle):
         raise TypeError(f"sm.ipc.open takes an IpcHandle (IpcExport.handle), got "
                         f"{type(handle).__name__}")
+    dtype = _checked_dtype(handle)
     if handle.exporter_pid == os.getpid():
         raise SharedMemError(f"{handle!r} was exported by this process: use the view itself "
                              f"(CUDA IPC handles open in other processes)")
@@ -596,7 +662,6 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         with _SlotLock(fd, off):
             _SLOT.pack_into(mm, off, EXPORTED, gen, 0, 0, 0)  # nothing changed: open it again
         raise
-    dtype = np.dtype(handle.dtype)
     if handle.kind == "tensor":
         view = new_tensor(tok, dtype, handle.shape, handle.strides, start + handle.first)
     else:

@@ -2,6 +2,7 @@
 whose exporter pid is the parent's, mappings of fresh memory), so what is tested is the slot
 bookkeeping -- who may end an export or an import, and when -- not shared bytes."""
 
+import errno
 import gc
 import os
 import pickle
@@ -523,3 +524,90 @@ def test_an_empty_view_at_the_end_of_its_allocation_exports_its_own_allocation(f
     assert v.shape == (0,) and v.to_host().tolist() == []
     del v
     assert _released(ex) and mine.revoke()
+
+
+def _with(handle, **fields):
+    h = pickle.loads(pickle.dumps(handle))
+    for k, v in fields.items():
+        setattr(h, k, v)
+    return h
+
+
+@pytest.mark.parametrize("fields", [
+    {"dtype": "not a dtype"},          # np.dtype raised TypeError after the import was armed
+    {"dtype": "<f8"},                  # 256 doubles over 1024 shared bytes
+    {"shape": (10**6,)},               # a Buffer of 4 MB over 1 KiB
+    {"kind": "tensor", "shape": (16, 16), "strides": (64, 1)},  # rows far past the bytes
+    {"nbytes": 1 << 20},               # past the end of the mapped region
+    {"offset": 4096},                  # the shared bytes outside the region
+    {"slot": ipc.SLOTS + 3},           # past the slot file (struct.error)
+    {"kind": "array"},
+])
+def test_a_corrupt_handle_is_refused_before_anything_is_opened(fake, fields):
+    """A handle whose layout does not fit the bytes it shares is a SharedMemError, raised
+    before the slot is touched or anything mapped: no view reaches past the mapping (the
+    copy below read and wrote outside it: a segfault on the fake driver, an illegal address
+    on a GPU), and the export still opens with its real handle."""
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    good = _as_received(ex.handle)
+    maps = len(drv.ipc_maps)
+    with pytest.raises(sm.SharedMemError, match=r"^cannot open <IpcHandle .*>: it is corrupt"):
+        ipc.open(_with(good, **fields))
+    assert len(drv.ipc_maps) == maps and _state_after_polls(ex) == "exported"
+    v = ipc.open(good)  # the export was left as it was
+    assert len(v) == 256 and v.to_host().size == 256
+    del v
+    assert _released(ex)
+
+
+def test_a_handle_naming_another_file_as_its_slots_leaves_that_file_alone(fake, tmp_path):
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    victim = tmp_path / "notes.bin"
+    victim.write_bytes(bytes(range(256)) * 16)
+    h = _with(_as_received(ex.handle), slots=str(victim), slot=0)
+    with pytest.raises(sm.SharedMemError, match=r"^cannot open <IpcHandle .*>: it is corrupt"):
+        ipc.open(h)
+    assert victim.read_bytes() == bytes(range(256)) * 16
+    assert ex.revoke()
+
+
+def test_a_handle_of_another_layout_says_so_when_unpickled(fake):
+    """A handle pickled by a sharedmem with other IpcHandle fields (fewer here) unpickled
+    into a handle with attributes missing: its repr and open() raised AttributeError."""
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    fn, (values, *rest) = ex.handle.__reduce__()
+    with pytest.raises(sm.SharedMemError, match=r"another version of sharedmem"):
+        fn(values[:-2], *rest)
+    assert ex.revoke()
+
+
+def test_an_export_whose_slot_file_finds_no_space_raises_and_leaves_no_file(fake, monkeypatch,
+                                                                             tmp_path):
+    """/dev/shm full (a container's 64 MB, filled by other processes): the slot file was
+    made with ftruncate -- a sparse tmpfs file -- and its first write through the mapping
+    killed the process with SIGBUS. Simulated here by a file system that has no room for
+    the file's blocks: writes raise ENOSPC."""
+    dev, drv = fake
+    monkeypatch.setattr(ipc, "_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(ipc, "_files", [])
+    monkeypatch.setattr(ipc, "_free", [])
+    real_write = os.write
+
+    def full(fd, data):
+        if os.fstat(fd).st_size == 0 and os.readlink(f"/proc/self/fd/{fd}").startswith(
+                str(tmp_path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(
+        AssertionError("a sparse slot file: its first store faults when the fs is full")))
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    with pytest.raises(OSError) as ei:
+        ipc.export(b)
+    assert ei.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == [] and ipc.exports() == 0 and b.allocation.live_views == 1
