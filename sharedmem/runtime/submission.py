@@ -471,6 +471,12 @@ def end_holds_locked(tok) -> None:
         stream = c[0]  # (a typed local: its fields are C reads)
         try:
             if tok.start < tok.stop:
+                graph = stream._capture
+                if graph is not None:
+                    # what the consumer gave its stream during the capture is recorded into
+                    # the graph and runs at every replay: the graph keeps these bytes, and
+                    # leases them at each replay, as for its own launches
+                    graph._file_uses_locked([(tok, c[1])], [tok.keep])
                 try:
                     marker = joined_marker_locked(stream)
                 except CompletionUnknownError as e:
