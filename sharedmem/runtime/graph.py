@@ -304,6 +304,13 @@ class capture:
             # (what the end of a hold on the stream during the capture leases until: the work
             # given to it so far -- see joined_marker_locked)
             g._before = s.device.backend.record_marker(s._impl)  # (CudaError: nothing begun)
+            legacy = s.device.default_stream._impl
+            if getattr(legacy, "open_marker", None) is not None and s._impl.syncs_with_legacy():
+                # a blocking stream's capture joins the legacy default stream: an event
+                # recorded there while it runs fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and
+                # would make the completion of the work given to it before unknown -- its
+                # open marker, of that work, is recorded now
+                legacy.open_marker.close_locked()
             self._recorder = s.device.backend.begin_capture(s._impl)
             s._capture = g
             RUNTIME.captures += 1
