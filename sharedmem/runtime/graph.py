@@ -379,13 +379,15 @@ def graph(op: DeviceOp[Any], stream: Stream | None = None) -> Graph:
     """Capture an op chain (``sm.op(...).and_then(...)``) into a Graph.
     ``stream``: the capturing stream (default: a new stream of the op's device, so that no
     other thread's work is captured with it)."""
-    from ..device import default_device
+    from ..launch import default_device_for
     from ..ops import DeviceOp
     if not isinstance(op, DeviceOp):
         raise TypeError(f"sm.graph takes a DeviceOp (sm.op(...), and_then, zip), got "
                         f"{type(op).__name__}; to capture launches, use `with sm.capture(stream)`")
-    c = capture((op._device() or default_device()).create_stream("sharedmem-graph")
-                if stream is None else stream)
+    # (with no array arguments, the device op.submit() and launch() pick: the host for host
+    # kernels on a GPU machine)
+    c = capture((op._device() or default_device_for(op._adapter())).create_stream(
+        "sharedmem-graph") if stream is None else stream)
     with c as g:
         op._submit_on(c.stream)
     return g
