@@ -315,13 +315,18 @@ class capture:
             s._capture = g
             RUNTIME.captures += 1
         self.graph = g
-        mine = getattr(CAPTURING, "streams", None)
-        if mine is None:
-            mine = CAPTURING.streams = []
-        mine.append(s)
-        self._mine = mine
-        log.debug("capture of graph #%d on %s begins", g.id, s)
-        s.__enter__()  # the current stream too: a launch without stream= is captured
+        try:  # (begun: whatever raises from here on -- an interrupt, a logging handler --
+            # ends it, since `with` never calls __exit__ when __enter__ raised)
+            mine = getattr(CAPTURING, "streams", None)
+            if mine is None:
+                mine = CAPTURING.streams = []
+            self._mine = mine
+            mine.append(s)
+            log.debug("capture of graph #%d on %s begins", g.id, s)
+            s.__enter__()  # the current stream too (last: see _end)
+        except BaseException:
+            self._end(True, None, None)
+            raise
         return g
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -332,18 +337,34 @@ class capture:
             if g is None or s._capture is not g or self._recorder is None:
                 raise CaptureError(f"this capture block on {s} is not capturing (exited twice, "
                                    f"or never entered); nothing was changed")
-        ended = exec_ = captured = None
-        self._mine.remove(s)  # (the entering thread's list, whichever thread ends the block)
+        ended = None
         try:  # (a block ended in another thread or asyncio task: the capture ends all the same)
             s.__exit__(exc_type, exc, tb)
         except SharedMemError as e:
             ended = e
+        except BaseException as e:  # (an interrupt: the capture ends all the same, then it
+            return self._end(exc_type is not None, None, e)  # is raised)
+        return self._end(exc_type is not None, ended, None)
+
+    def _end(self, failed, ended, interrupted) -> Literal[False]:
+        """End the capture (``s.__exit__`` done, or never entered: ``__enter__`` failed after
+        the backend began). ``failed``: the block raised. ``ended``: an error that fails the
+        capture; ``interrupted``: a BaseException that is not an Exception (KeyboardInterrupt),
+        caught here or by the steps below -- the capture ends, gives no graph, and it is
+        re-raised."""
+        s, g = self.stream, self.graph
+        exec_ = captured = None
+        mine = self._mine
+        if mine is not None and s in mine:
+            mine.remove(s)  # (the entering thread's list, whichever thread ends the block)
         backend = s.device.backend
         with locked():  # (the capture ends with the stream's: no launch of another thread
             try:        # is enqueued into it after its end, none runs while _capture is set)
                 captured = backend.end_capture(self._recorder)
             except Exception as e:
                 ended = ended or e
+            except BaseException as e:  # (the stream's capture is ended below all the same)
+                interrupted = interrupted or e
             s._capture = None
             g._before = None  # (the hold ends filed with it keep it)
             g._staged = None  # (launches packed for it but never recorded: no steps)
@@ -354,13 +375,17 @@ class capture:
                 exec_ = backend.instantiate_graph(captured)
             except Exception as e:
                 ended = ended or e
-        if ended is not None or exc_type is not None:  # no graph
+            except BaseException as e:  # (instantiation can take long: an interrupt there)
+                interrupted = interrupted or e
+        if ended is not None or failed or interrupted is not None:  # no graph
             with g._lock:
                 g._state = "failed"
             if exec_ is not None:
                 backend.destroy_graph(exec_)
             g.release()
-            if exc_type is None:
+            if interrupted is not None:
+                raise interrupted
+            if not failed:
                 raise CaptureError(f"capture of graph #{g.id} on {s} failed: {ended}") from ended
             return False
         g._exec = _Executable(backend, exec_)
