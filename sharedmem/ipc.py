@@ -672,8 +672,14 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
 
 
 def _after_fork_child() -> None:
-    """A forked child shares none of its parent's exports (it did not make them)."""
+    """A forked child shares none of its parent's exports (it did not make them): its copies
+    of the slot files' mappings and descriptors are closed (the parent's record locks are
+    the parent's: a child holds none to lose)."""
     global _thread
+    for _path, mm, fd in _files:
+        with contextlib.suppress(OSError, ValueError):
+            mm.close()
+            os.close(fd)
     for state in (_exports, _files, _free, _recent, _events):
         state.clear()
     _thread = None

@@ -129,6 +129,31 @@ def test_an_export_is_revoked_or_waited_for_only_in_the_process_that_made_it(fak
     assert _released(ex)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_closes_its_copies_of_the_slot_files(fake):
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    path = ex.handle.slots
+
+    def slot_fds():
+        return [fd for fd in os.listdir("/proc/self/fd")
+                if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path)]
+
+    mine = len(slot_fds())  # (the exporter's descriptor and its mapping's, and the simulated
+    r, w = os.pipe()        # importer's where an earlier test opened this file)
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.write(w, str(len(slot_fds())).encode())
+        os._exit(0)
+    os.close(w)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert int(os.read(r, 16)) == mine - 2  # the exporter's two, closed there
+    os.close(r)
+    assert len(slot_fds()) == mine and os.path.exists(path)  # the parent's are its own
+    assert ex.revoke()
+
+
 def test_revoke_ends_an_export_nobody_opened(fake):
     dev, drv = fake
     b, ex = _exported(dev, drv)
