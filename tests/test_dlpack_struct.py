@@ -184,14 +184,11 @@ def test_deleter_keeps_pending_exception(host):
     assert t.allocation.live_views == 1
 
 
-@pytest.mark.parametrize("versioned", [True, False])
-def test_a_foreign_capsules_deleter_runs_once_when_its_import_is_gone(host, versioned):
-    # a producer's managed tensor (not ours): its deleter runs once, with the address the
-    # capsule held, when the last view and lease of the import are gone -- never before
-    mem = np.arange(6, dtype=np.float32)
-    calls = []
-    deleter = dl._DELETER(lambda addr: calls.append((addr, threading.get_ident())))
-    shape = (ctypes.c_int64 * 1)(6)
+def _foreign_capsule(mem, deleter, versioned=True):
+    """A producer's (not ours) capsule of 1-D float32 host array ``mem``, with ``deleter``
+    (a dl._DELETER); returns ``(capsule, managed tensor, keep)`` -- keep the last two alive
+    while the capsule or its import may read them."""
+    shape = (ctypes.c_int64 * 1)(mem.size)
     m = (dl.DLManagedTensorVersioned if versioned else dl.DLManagedTensor)()
     if versioned:
         m.version.major = 1
@@ -201,7 +198,17 @@ def test_a_foreign_capsules_deleter_runs_once_when_its_import_is_gone(host, vers
     d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
     d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     name = b"dltensor_versioned" if versioned else b"dltensor"
-    cap = dl._capsule_new(ctypes.addressof(m), name, dl._CAPSULE_DESTRUCTOR())
+    return dl._capsule_new(ctypes.addressof(m), name, dl._CAPSULE_DESTRUCTOR()), m, shape
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_a_foreign_capsules_deleter_runs_once_when_its_import_is_gone(host, versioned):
+    # a producer's managed tensor (not ours): its deleter runs once, with the address the
+    # capsule held, when the last view and lease of the import are gone -- never before
+    mem = np.arange(6, dtype=np.float32)
+    calls = []
+    deleter = dl._DELETER(lambda addr: calls.append((addr, threading.get_ident())))
+    cap, m, shape = _foreign_capsule(mem, deleter, versioned)
     t = sm.from_dlpack(cap)
     part = t[2:]
     assert (t.ptr, part.to_host().tolist()) == (mem.ctypes.data, [2.0, 3.0, 4.0, 5.0])
@@ -212,8 +219,7 @@ def test_a_foreign_capsules_deleter_runs_once_when_its_import_is_gone(host, vers
     part.release()
     gc.collect()
     assert calls == [(ctypes.addressof(m), threading.get_ident())]
-    m.deleter = dl._DELETER()  # a NULL deleter: nothing to call
-    cap = dl._capsule_new(ctypes.addressof(m), name, dl._CAPSULE_DESTRUCTOR())
+    cap, m, shape = _foreign_capsule(mem, dl._DELETER(), versioned)  # a NULL deleter
     sm.from_dlpack(cap).release()
     gc.collect()
     assert len(calls) == 1
@@ -232,14 +238,7 @@ def test_a_producers_deleter_runs_outside_the_core_lock_and_may_call_sharedmem(h
         seen.append(sm.stats().live_views)
 
     deleter = dl._DELETER(deleter)
-    shape = (ctypes.c_int64 * 1)(4)
-    m = dl.DLManagedTensorVersioned()
-    m.version.major, m.deleter = 1, deleter
-    d = m.dl_tensor
-    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCPU, 1
-    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
-    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
+    cap, m, shape = _foreign_capsule(mem, deleter)
     before = sm.stats().live_views
     t = sm.from_dlpack(cap)
     del cap
