@@ -317,6 +317,8 @@ class AccessTracker:
                 return
         _add_range(entries, lo, hi, seq, marker, stream._done)
 
+    @cython.boundscheck(False)  # (Stream._holds' indices below: under its length)
+    @cython.wraparound(False)
     def add_hold_locked(self, stream, tok, lo, hi) -> None:
         """Open a hold of ``tok``, bytes ``[lo, hi)`` (its range), for work on ``stream`` (see
         ``StreamUse.holds``; its mode is the token's consumer entry, set by the caller)."""
@@ -327,7 +329,18 @@ class AccessTracker:
             if h is tok:  # (held already: a stronger mode is in its entry)
                 return
         holds.append(tok)
+        on = stream._holds  # (see Stream._holds: a stack, its entries past _nholds None)
+        n = stream._nholds
+        if on is None:
+            stream._holds = [tok]
+        elif n < len(on):
+            on[n] = tok
+        else:
+            on.append(tok)
+        stream._nholds = n + 1
 
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     def drop_hold_locked(self, stream, tok) -> None:
         """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""
         use = self._last_use if self._last == stream._uid else self._uses.get(stream._uid)
@@ -337,6 +350,15 @@ class AccessTracker:
         for i in range(len(holds)):
             if holds[i] is tok:  # (a token holds once per stream: see add_hold_locked)
                 del holds[i]
+                on = stream._holds  # (the top first: the usual, an export used, then dropped;
+                n = stream._nholds - 1  # the last entry moves into its place)
+                j = n
+                while j >= 0 and on[j] is not tok:
+                    j -= 1
+                if j >= 0:
+                    on[j] = on[n]
+                    on[n] = None
+                    stream._nholds = n
                 break
         # (newest unfinished: a span of it is left, so the use stays -- as after the lease a
         # hold's end files there -- and is not pruned now)

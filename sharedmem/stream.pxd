@@ -11,6 +11,8 @@ cdef class Stream:
     cdef public dict _waited
     cdef public bint _leak_warned, _checks
     cdef public object _external, _capture
+    cdef public list _holds
+    cdef public Py_ssize_t _nholds
     cdef object __weakref__
 
 cpdef bint streams_entered()

@@ -43,6 +43,7 @@ class Stream:
     ``_pending`` (FIFO of unretired submissions), ``_seq`` (sequence number of the newest
     submission), ``_done`` (that of the newest retired one: every lease of this stream with a
     sequence number up to it is finished), ``_capture`` (the Graph being captured),
+    ``_holds`` and ``_nholds`` (the view tokens open as holds for a consumer's work here),
     ``_waited`` (what this stream is already ordered after: see ``note_waited_locked``).
     Set once: ``_ours`` (owned, or the device's default stream: not borrowed), ``_join`` (on
     those, the impl's ``submit_marker``, bound).
@@ -50,7 +51,7 @@ class Stream:
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
                  "_uid", "_ours", "_join", "_waited", "_leak_warned",
-                 "_external", "_capture", "_checks", "__weakref__")
+                 "_external", "_capture", "_holds", "_nholds", "_checks", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
         owned: bool
@@ -90,6 +91,14 @@ class Stream:
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock
+        # The view tokens open as holds for a consumer's work on this stream: _holds[:_nholds],
+        # in no order (a list, None until the first; its entries past _nholds are None: it is
+        # not shrunk and grown again on every export). AccessTracker.add_hold_locked and
+        # drop_hold_locked keep it, as they keep each allocation's StreamUse.holds. A
+        # capture's end files them into its graph, whose replays run what the consumer gave
+        # the stream meanwhile. Guarded by core_lock
+        self._holds = None
+        self._nholds = 0
         # Whether submit() must ask the stream's impl for a fault or a full queue (host streams
         # do; a CUDA stream has neither: sticky errors surface in queries)
         self._checks = getattr(impl, "fault", None) is not None or \

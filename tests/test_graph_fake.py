@@ -47,6 +47,39 @@ def test_a_consumers_work_captured_through_an_open_hold_keeps_its_memory(fake):
     g.release()
 
 
+def test_a_hold_still_open_when_the_capture_ends_is_kept_by_the_graph(fake):
+    """As above, with the consumer done only after the capture ended: its work in the graph
+    runs at every replay all the same, so the graph keeps the hold's bytes and leases them at
+    each replay (the hold's end, later, is leased on the stream only up to then). (An export
+    to the stream during the capture is refused: only holds opened before it are open at its
+    end.)"""
+    import weakref
+    from conftest import gc_collect_harder
+    dev, drv = fake
+    s = dev.create_stream("s")
+    x, y, z = (sm.Buffer.zeros(64, "uint8", device=dev, stream=s) for _ in range(3))
+    s.synchronize()
+    # held since before the capture: x's and z's until after it; y's (opened between them)
+    # ends before it begins
+    opened = [v.__dlpack__(stream=s.handle) for v in (x, y, z)]
+    del opened[1]
+    ptr, alloc = x.ptr, weakref.ref(x.allocation)
+    others = weakref.ref(y.allocation), weakref.ref(z.allocation)
+    with sm.capture(s) as g:
+        drv.cuMemsetD8Async(ptr, 7, 64, s.handle)  # the consumer's kernel: captured
+    del opened, x, y, z  # the consumer is done with them after the capture
+    sm.synchronize()
+    gc_collect_harder()
+    assert alloc() is not None, "the graph writes memory that went back to the pool"
+    assert alloc().live_views == 1 and f"graph #{g.id}" in alloc().views()[0]
+    assert others[0]() is None and others[1]() is not None  # (z's: as x's, y's: not held)
+    r = dev.create_stream("r")
+    g.replay(r).result()
+    g.release()
+    gc_collect_harder()
+    assert alloc() is None and others[1]() is None
+
+
 def test_capturing_a_borrowed_blocking_stream_does_not_poison_the_default_streams_work(
         fake, monkeypatch):
     """A blocking stream (cupy.cuda.Stream()'s default) captured with sm.capture: the legacy

@@ -40,7 +40,7 @@ except ImportError:  # interpreted, without Cython installed
     from .. import _cython as cython
 
 from .state import CAPTURING, RUNTIME, locked, log
-from ..access import check_policy
+from ..access import _hold_writes, check_policy
 from ..allocation import ViewToken, _add_locked
 from ..backends import COMPLETE
 from ..errors import CaptureError, ReleasedError, SharedMemError
@@ -361,6 +361,14 @@ class capture:
         with locked():  # (the capture ends with the stream's: no launch of another thread
             try:        # is enqueued into it after its end, none runs while _capture is set)
                 captured = backend.end_capture(self._recorder)
+                holds = s._holds[:s._nholds] if s._nholds else None
+                if holds:
+                    # holds opened before the capture and open still (no export to a
+                    # capturing stream opens one): what their consumers gave the stream during
+                    # it runs at every replay, so the graph keeps and leases their bytes, as
+                    # end_holds_locked files those ending during the capture
+                    g._file_uses_locked([(tok, _hold_writes(tok, s)) for tok in holds],
+                                        [tok.keep for tok in holds])
             except Exception as e:
                 ended = ended or e
             except BaseException as e:  # (the stream's capture is ended below all the same)
