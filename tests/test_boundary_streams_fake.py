@@ -5,6 +5,7 @@ made default-stream exports and holds' ends cheaper; each test failed on that ve
 import threading
 
 import numpy as np
+import pytest
 
 import sharedmem as sm
 from test_cuda_backend_fake import fake  # noqa: F401  (the fixture)
@@ -141,3 +142,38 @@ def test_a_foreign_stream_object_is_borrowed_once_and_not_kept_alive(fake, monke
     del s2, other
     gc_collect_harder()
     assert alive_stream() is None and alive_obj() is None
+
+
+def test_dlpack_export_to_a_stream_in_another_librarys_capture_is_refused(fake):
+    """A DLPack consumer names its stream h while h is capturing a graph sharedmem did not
+    start (``torch.cuda.graph``, ``cupy.cuda.Stream.begin_capture``). The export's wait for our
+    pending write would be enqueued on h -- a wait on an event recorded outside the capture,
+    which the driver refuses (and which invalidates the consumer's capture) -- and the hold's
+    end would be an event recorded into the capture, which marks nothing that runs now. As for
+    a stream sharedmem captures, and for a launch ordered after such a stream: CaptureError,
+    nothing waited for on h, nothing exported (no hold left); after the capture, the export."""
+    dev, drv = fake
+    a = dev.create_stream("A")
+    buf = sm.Buffer.zeros(16, "float32", device=dev)
+    sm.synchronize()
+    drv.holding = True  # A's write stays in flight
+    try:
+        buf.copy_from(np.full(16, 2, np.float32), stream=a)
+        ok, h = drv.cuStreamCreate(1)
+        h = int(h)
+        drv.cuStreamBeginCapture(h, 0)
+        views = buf.allocation.live_views
+        mark = len(drv.calls)
+        with pytest.raises(sm.CaptureError, match=r"is capturing a CUDA graph"):
+            buf.__dlpack__(stream=h, max_version=(1, 0))
+        assert not [c for c in drv.calls[mark:] if c[0] in ("wait", "record") and c[1] == h], \
+            "the export enqueued on a stream another library is capturing"
+        assert buf.allocation.live_views == views, "a refused export left its hold"
+        drv.cuStreamEndCapture(h)
+        cap = buf.__dlpack__(stream=h, max_version=(1, 0))
+        assert [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == h]
+        del cap
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    gc_collect_harder()

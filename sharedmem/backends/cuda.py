@@ -95,6 +95,7 @@ class _HotDriver:
                 ("launch", "cuLaunchKernel", None), ("record", "cuEventRecord", [vp, vp]),
                 ("query", "cuEventQuery", [vp]), ("graph_launch", "cuGraphLaunch", [vp, vp]),
                 ("wait", "cuStreamWaitEvent", [vp, vp, ui]),  # the handoffs between streams
+                ("_is_capturing", "cuStreamIsCapturing", [vp, ctypes.POINTER(ctypes.c_int)]),
                 ("_ctx_get", "cuCtxGetCurrent", [ctypes.POINTER(vp)]),
                 ("_attributes", "cuPointerGetAttributes", [ui, vp, vp, ctypes.c_ulonglong])):
             fn = getattr(lib, name)
@@ -562,6 +563,7 @@ class CudaBackend:
         self.query_addr = addresses.get("cuEventQuery", 0)
         self.wait_addr = addresses.get("cuStreamWaitEvent", 0)
         self.graph_launch_addr = addresses.get("cuGraphLaunch", 0)
+        self.capturing_addr = addresses.get("cuStreamIsCapturing", 0)
         self.ensure_context()
         # Pooled events, and interprocess ones (ipc_event). list.append / list.pop are atomic
         # under the GIL.
@@ -763,8 +765,17 @@ class CudaBackend:
         answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and a record there would fail and
         invalidate that capture. Another error: None (the record says it)."""
         self.ensure_context()
-        err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
-        if err == _SUCCESS:
+        if cython.compiled and self.capturing_addr:  # (asked on every DLPack export to a
+            # stream handle: through its address, not cuda.bindings' wrapper)
+            c_status = cython.declare(cython.int, 0)
+            err = cython.cast(capturing_fn_t, self.capturing_addr)(
+                cython.cast(cython.p_void, cython.cast(cython.size_t, stream_handle)),
+                cython.address(c_status))
+            status = c_status
+        else:
+            err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
+            err = int(err)
+        if err == 0:
             if int(status) == 0:
                 return None
             return CaptureError(
@@ -773,7 +784,7 @@ class CudaBackend:
                 f"torch.cuda.graph); ordering work after it would draw that work into the "
                 f"capture, recorded there and not run. Launch on that stream to capture the "
                 f"work with it, or after its capture ends")
-        if int(err) != _CAPTURE_IMPLICIT:
+        if err != _CAPTURE_IMPLICIT:
             return None
         return CaptureError(  # (the capturing stream may be sharedmem's: one it borrowed)
             f"the legacy default stream of cuda:{self.ordinal} (handle {stream_handle:#x}) is "
