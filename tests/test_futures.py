@@ -364,6 +364,26 @@ def test_a_failure_whose_work_lives_to_the_exit_is_reported_at_the_exit(tmp_path
                 and "ValueError('forgotten')" in lines[0], lines[0]
 
 
+def test_callbacks_of_work_that_finished_by_the_exit_run_though_the_retirer_never_swept_it(
+        tmp_path):
+    """A then() and an add_done_callback of a kernel that succeeded run at the exit, also
+    where the retirer had not swept the work yet (here it is never woken: as when it does not
+    get the GIL before the exit): before, the exit swept only where a failure was
+    unretrieved, and the callbacks' drain, which sees only what was handed off, dropped them
+    without a word."""
+    body = ("import sharedmem.runtime.retirer as retirer\n"
+            "@sm.host_kernel\n"
+            "def slow(x):\n"
+            "    time.sleep(0.5)\n"
+            "sm.Device.host().backend.on_progress = None\n"
+            "retirer.IDLE_INTERVAL = 60\n"
+            "f = sm.launch(slow, 1, 1, b)\n"
+            "f.then(lambda v: print('then ran', flush=True))\n"
+            "f.add_done_callback(lambda g: print('callback ran', flush=True))\n")
+    out = _script_output(tmp_path, body)
+    assert out.splitlines() == ["then ran", "callback ran"], out
+
+
 def test_a_failure_nobody_retrieved_is_logged_once_when_its_work_is_gone(host, caplog):
     """A host kernel launched and forgotten that raises: once its future's state is
     garbage-collected with the exception never retrieved, the sharedmem logger says so at

@@ -1880,3 +1880,48 @@ def test_a_fork_while_the_retirer_finishes_work_leaves_the_child_nothing_unfinis
         go.set()
     assert out == str((0, True, True)), out
     sm.synchronize()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_in_a_child_forked_while_the_retirer_finishes_work_a_callback_added_to_it_runs(host):
+    """A fork while the retirer is in finish() for work that has callbacks -- retired, what
+    it kept being dropped (here: an imported array's producer, whose finalizer is slow), its
+    callbacks not handed off yet: in the child no thread will ever run that list. The child
+    drops it, as it drops what the parent had queued for its callback workers (model.md),
+    so a callback the child adds to that work runs at once -- before, it joined the orphaned
+    list, and never ran: a then() or to_concurrent() of it never finished."""
+    inside, go = threading.Event(), threading.Event()
+    ran = []
+
+    class Producer(np.ndarray):
+        def __del__(self):
+            if threading.current_thread().name == "sharedmem-retirer":
+                inside.set()
+                go.wait(10)
+
+    x = np.zeros(4, np.float32).view(Producer)
+    t = sm.from_dlpack(x)  # (the import keeps x: dropped when the work that used it retires)
+    del x
+    s = host.create_stream()
+    f = sm.launch(sm.host_kernel(lambda a: time.sleep(0.05)), 1, 1, sm.In(t), stream=s)
+    f.add_done_callback(lambda _f: ran.append(os.getpid()))  # (the parent's: runs there)
+    del t
+    try:
+        assert inside.wait(10)  # the retirer is in finish(), the callback not handed off yet
+
+        def child():
+            hit = []
+            f.add_done_callback(lambda _f: hit.append(1))
+            h = f.then(lambda _: "cont")
+            return len(hit), h.result(2), ran
+
+        out = _in_child(child)
+    finally:
+        go.set()
+    assert out == str((1, "cont", [])), out
+    f.result(5)
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [os.getpid()]  # the parent ran its own callback

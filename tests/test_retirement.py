@@ -448,3 +448,128 @@ def test_a_failure_at_every_retirer_pass_is_reported_once_until_taken(monkeypatc
         retirer.wake()
         time.sleep(0.05)
         RUNTIME.errors.clear()
+
+
+def test_an_interrupt_while_retired_work_is_finished_loses_none_of_its_callbacks(
+        host, monkeypatch):
+    """A KeyboardInterrupt (a signal handler's) that lands inside finish() -- here in the host
+    marker's recycle(), a Python call there, before the work's callbacks were looked at -- is
+    raised where it landed (or at the next API call, where another thread finished the work),
+    and the callbacks of that work still run (on the callback workers): before, they were
+    dropped, and the then() of the work never finished."""
+    from sharedmem.backends.host import HostMarker
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def k(x):
+        gate.wait(5)
+
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    s.synchronize()
+    f = sm.launch(k, 1, 1, b, stream=s)
+    h = f.then(lambda _v: "ran")
+    seen = []
+    f.add_done_callback(lambda _f: seen.append(1))
+    once = [True]
+
+    def interrupted(self):
+        if once[0]:
+            once[0] = False
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(HostMarker, "recycle", interrupted)
+    gate.set()
+    with pytest.raises(KeyboardInterrupt):
+        f.result(5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # (finished by the retirer: deferred to an API call)
+            sm.stats()
+            time.sleep(0.01)
+    assert not once[0]
+    assert h.result(5) == "ran"
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [1]
+    sm.synchronize()
+    assert sm.stats().in_flight == 0
+
+
+def test_a_callback_worker_lives_on_after_an_error_taking_callbacks(host, monkeypatch):
+    """A callback worker takes a submission's callbacks under the core lock, and taking the
+    lock applies the releases finalizers staged, which may raise (a hold's end whose lease
+    cannot be filed): the error is re-raised at the next API call of a user thread, as a
+    callback's is, and the worker runs on. Before, it died of it, still counted as a worker:
+    nothing the retirer handed off after ran again."""
+    from sharedmem.runtime import retirer
+    from sharedmem.runtime.state import RUNTIME
+    monkeypatch.setattr(retirer, "IDLE_INTERVAL", 5.0)  # (the retirer takes no lock meanwhile)
+    gate, busy = threading.Event(), threading.Event()
+    a = sm.Buffer.zeros(4, device=host)
+    sm.synchronize()
+    f1 = sm.launch(sm.host_kernel(lambda x: None), 1, 1, a, stream=host.create_stream())
+    f1.add_done_callback(lambda _f: (busy.set(), gate.wait(10)))  # occupies the worker
+    assert busy.wait(5)
+    f2 = sm.launch(sm.host_kernel(lambda x: None), 1, 1, a, stream=host.create_stream())
+    f2.add_done_callback(lambda _f: None)  # queued for the busy worker
+    deadline = time.monotonic() + 5
+    while f2._s.state == 0 and time.monotonic() < deadline:  # (retired, handed off)
+        time.sleep(0.01)
+    assert f2._s.state != 0
+
+    def failing(_arg):
+        raise RuntimeError("a staged release failed")
+
+    RUNTIME.staged.append((failing, None))
+    gate.set()  # the worker goes on to f2's callbacks: taking the lock, it drains the stage
+    deadline = time.monotonic() + 5
+    while RUNTIME.staged and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    with pytest.raises(RuntimeError, match="a staged release failed"):
+        sm.stats()
+    go = threading.Event()
+    f3 = sm.launch(sm.host_kernel(lambda x: go.wait(5)), 1, 1, a, stream=host.create_stream())
+    ran = threading.Event()
+    f3.add_done_callback(lambda _f: ran.set())
+    go.set()
+    assert ran.wait(5)  # run by the retirer's hand-off, on the worker
+    sm.synchronize()
+
+
+def test_result_honours_its_timeout_when_the_work_ahead_on_its_stream_is_still_running(host):
+    """A submission whose marker is known at once -- its completion unknown, where recording
+    the marker failed (a FailedMarker: a hold's end, an enqueue cut short, a CUDA event record
+    that failed) -- behind work still running on its stream: it leaves the FIFO only once the
+    work ahead does. result(timeout) raises TimeoutError at its timeout; before, it spun until
+    the work ahead finished, however long."""
+    from sharedmem.runtime import submission as _sub
+    from sharedmem.runtime.future import DeviceFuture
+    from sharedmem.runtime.state import locked
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def blocked(x):
+        gate.wait(10)
+
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    sm.launch(blocked, 1, 1, b, stream=s)
+    with locked():
+        sub = _sub.lease_locked(s, [], [], "failed record",
+                                _sub.FailedMarker(RuntimeError("record failed")))
+    fut = DeviceFuture(sub)
+    threading.Timer(3.0, gate.set).start()  # (the work ahead ends: the test ends either way)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            fut.result(timeout=0.2)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        gate.set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", sm.LeakWarning)
+        with pytest.raises(sm.CompletionUnknownError):
+            fut.result(5)  # (the walk reached it: kept, completion unknown)
+        sm.synchronize()

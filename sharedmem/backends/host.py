@@ -642,15 +642,18 @@ def _finish_at_exit() -> None:
         warn_at_exit(f"sharedmem: the interpreter exits with host work unfinished after "
                       f"{EXIT_TIMEOUT} s; dropped: {', '.join(dropped)}. Synchronize "
                       f"(sm.synchronize()) before exit to keep it.", RuntimeWarning)
-    if any(u.error is not None for u in _unretrieved_now()):
-        # What finished is retired, and its callbacks run (this hook, registered once a host
-        # stream exists, runs before the callbacks' own drain): a then() chained after a
-        # failed kernel looks at the exception there -- it is retrieved, not reported.
-        from ..runtime import callbacks, submission
-        try:
-            submission.sweep_all()
-        finally:
-            callbacks.drain_at_exit()
+    # What finished is retired, and its callbacks run (this hook, registered once a host
+    # stream exists, runs before the callbacks' own drain), whatever the retirer had swept
+    # by now: a then() or add_done_callback of work that finished -- waited for above, or
+    # before the exit -- runs, instead of being dropped unsaid (the drain sees only what was
+    # handed off, and the retirer, woken by the last task, may not have swept it yet); a
+    # then() chained after a failed kernel looks at the exception there -- it is retrieved,
+    # not reported.
+    from ..runtime import callbacks, submission
+    try:
+        submission.sweep_all()
+    finally:
+        callbacks.drain_at_exit()
     for u in _unretrieved_now():  # (failures whose trace lives to the exit: a buffer kept)
         u.report()
 

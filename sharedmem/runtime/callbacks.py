@@ -44,6 +44,12 @@ _local = threading.local()  # .worker: True on a callback worker
 _fork_dropped = []  # a forked child: the parent's queue and callback lists (see _after_fork_child)
 #: The retirer thread's ident (set by runtime.retirer when it starts); 0 before.
 retirer_ident = [0]
+#: Retired submissions whose callbacks are not taken yet, by id: (the ident of the thread
+#: that retired them -- which runs them, or hands them off --, the submission). Filed by
+#: submission._sweep_locked for each that has callbacks; run_of (and discard_callback, which
+#: empties them) take it out. Guarded by the core lock. A forked child drops the callbacks of
+#: those another thread of the parent retired (_after_fork_child): no thread there runs them.
+retiring = {}
 
 
 def hand_off(sub) -> None:
@@ -83,6 +89,10 @@ def _work(first: bool) -> None:
                 run(sub)
             else:
                 run_of(sub)
+        except BaseException as e:  # (run_of taking the lock applies staged releases, which
+            RUNTIME.errors.append(e)  # may raise): re-raised in a user thread, as a callback's
+            # error is -- the worker lives on (dead, it was still counted, and nothing handed
+            # off after would ever run)
         finally:
             # (nothing of the batch stays referenced while this worker waits for the next:
             # a callback's closure may keep views alive, and moves of them would be refused)
@@ -97,6 +107,7 @@ def run_of(sub) -> None:
     they are taken) and :func:`run` them."""
     with locked():
         cbs, sub.callbacks = sub.callbacks, None
+        retiring.pop(id(sub), None)
     if cbs:
         run(cbs)
 
@@ -118,6 +129,13 @@ def run(cbs) -> None:
             except BaseException as e:
                 errors.append(e)
             cb = None
+    except BaseException:
+        # an interrupt between two callbacks (KeyboardInterrupt from a signal handler): the
+        # ones left go to the workers -- run, never lost -- and it is re-raised
+        if rest:
+            hand_off(list(rest))
+            rest.clear()
+        raise
     finally:
         _local.rest = outer
 
@@ -226,6 +244,16 @@ def _after_fork_child() -> None:
         if type(item) is not list:
             _fork_dropped.append(item.callbacks)
             item.callbacks = None
+    # So is what another thread of the parent had retired and was finishing (in finish(),
+    # between the sweep and its hand-off or run): that thread does not exist here. The forking
+    # thread's own (a fork from a callback that finish() runs) it runs when it returns.
+    me = threading.get_ident()
+    for key, (ident, sub) in list(retiring.items()):
+        if ident != me or sub.callbacks is None:  # (None: its list was queued, dropped above)
+            del retiring[key]
+            if sub.callbacks is not None:
+                _fork_dropped.append(sub.callbacks)
+                sub.callbacks = None
     _fork_dropped.append(_queue)
     _cond = threading.Condition(_lock)  # (_lock itself is re-initialized by runtime.state)
     _queue = collections.deque()

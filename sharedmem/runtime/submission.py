@@ -656,6 +656,10 @@ def _sweep_locked(stream, record=True) -> list:
     if not pending:
         rt.active.discard(stream)
     rt.unfinished += len(out)
+    for i in range(len(out)):
+        sub = cython.cast(Submission, out[i]) if cython.compiled else out[i]
+        if sub.callbacks is not None:  # (taken by callbacks.run_of: see callbacks.retiring)
+            _callbacks.retiring[id(sub)] = (_get_ident(), sub)
     if out and rt.tracer is not None:
         # (under the lock, as submitted(): it guards the trace's state). Never raising: the
         # list must reach finish(), or what it keeps stays kept and settle() waits for it
@@ -692,6 +696,14 @@ def finish(subs, hand_off=False) -> None:
     _finishing.n = mine + n
     try:
         _finish(subs, hand_off)
+    except BaseException:
+        # An interrupt (KeyboardInterrupt from a signal handler, landing in a Python call
+        # here: a host marker's recycle(), callbacks.run_of) or an error cut it short: what
+        # the submissions after that point kept is dropped all the same, and their callbacks
+        # go to the workers -- never lost (a then() of them would never finish) -- before it
+        # is re-raised
+        _finish_rest(subs)
+        raise
     finally:
         _finishing.n = mine
         with locked():
@@ -714,6 +726,21 @@ def _finish(subs, hand_off=False) -> None:
                 _callbacks.hand_off(sub)  # (user code never runs on the retirer)
             else:
                 _callbacks.run_of(sub)  # (errors surface at the next API call)
+
+
+def _finish_rest(subs) -> None:
+    """What :func:`_finish` left undone when it was cut short (each step is idempotent:
+    dropping twice, a marker's recycle, handing off callbacks that are taken already --
+    ``run_of`` finds None)."""
+    for i in range(len(subs)):
+        sub = subs[i]
+        if sub.state == _RETIRED:
+            sub.keep = None
+            sub.uses = None
+            with contextlib.suppress(Exception):
+                sub.marker.recycle()
+        if sub.callbacks:
+            _callbacks.hand_off(sub)
 
 
 def settle(timeout=1.0) -> None:
@@ -869,17 +896,24 @@ def discard_callback(sub, cb) -> None:
             cbs.remove(cb)
             if not cbs:  # (none left: as before any was added -- a later one starts a list)
                 sub.callbacks = None
+                _callbacks.retiring.pop(id(sub), None)  # (retired: nothing left to run)
 
 
 def wait(sub, timeout=None) -> bool:
     """Block until ``sub`` retired -- finished, or its completion known unknown -- (True) or
     ``timeout`` passed (False)."""
     if sub.state == _PENDING:
+        deadline = None if timeout is None else _monotonic() + timeout
         if not sub.marker.wait(timeout):
             return False
         sweep(sub.stream)
         delay = 1e-5
-        while sub.state == _PENDING:  # (a sweep on another thread is retiring it: finish)
+        # (a sweep on another thread is retiring it: finish. Or its marker is known but work
+        # ahead of it on its stream is not -- a marker whose record failed is unknown at once
+        # --: it leaves the FIFO only once that work does, which ``timeout`` bounds too)
+        while sub.state == _PENDING:
+            if deadline is not None and _monotonic() >= deadline:
+                return False
             _sleep(delay)
             delay = min(delay * 2, 1e-3)
             sweep(sub.stream)
