@@ -692,7 +692,9 @@ def _forget(key, ref):
     f = _facts.get(key)
     if f is not None and f.ref is ref:
         f.dead = True
-        del _facts[key]
+        # (pop, not del: two threads finding a torch tensor's facts stale at once both
+        # forget them, and interpreted both may be past the get above)
+        _facts.pop(key, None)
     slot = (key >> 6) % _RECENT  # (see _known)
     for i in range(2):
         f = _recent[slot]
@@ -784,8 +786,10 @@ def torch_facts(t):
     torch makes and frees there are ranges of one allocation; ours where it is our memory, a
     tensor made by ``torch.from_dlpack`` of a view: then writable only where a writable view
     reaches it). Each launch's work keeps the storage the tensor has then (``keep``): one torch
-    swaps out meanwhile (``set_``, ``.data =``, a growing ``resize_``) is not freed under the
-    kernel. A launch is ordered after torch's current stream of the tensor's device
+    swaps out meanwhile (``set_``, ``.data =``) is not freed under the kernel. A ``resize_``
+    that reallocates (growing; ``untyped_storage().resize_(0)``) frees the old memory of the
+    same storage at once, which nothing kept prevents (docs/interop-cupy.md: finish the
+    launch first). A launch is ordered after torch's current stream of the tensor's device
     (:func:`order_after_libraries`)."""
     ptr = t.data_ptr()
     shape = t.shape

@@ -2801,6 +2801,60 @@ def test_torch_facts_stay_right_while_another_thread_sets_the_tensors(fake, kern
     sm.synchronize()
 
 
+def test_two_threads_forgetting_a_set_tensors_facts_at_once_both_learn_it_anew(
+        fake, kernels, monkeypatch):
+    """Two threads that find a tensor's facts stale at once (it was ``set_``) both forget
+    them: the second finds them gone from the table already -- not a KeyError (interpreted,
+    a thread switch between the lookup and the removal did that, the race behind
+    ``test_torch_facts_stay_right_while_another_thread_sets_the_tensors`` failing now and
+    then). Here the table's lookups and removals meet at a barrier, so both threads are in
+    that window."""
+    import interop.cupy_launch as icl
+    dev, drv = fake
+    torch = _fake_torch(monkeypatch, dev)
+    storage = np.zeros(64, np.float32)
+    t = torch.Tensor(storage[:16], storage)
+    old = icl.torch_facts(t)
+    t.set_(storage[:32:2], storage)
+    meet = threading.Barrier(2, timeout=5)
+    removed = [threading.Event(), threading.Event()]
+
+    class Met(dict):  # (each thread finds the facts with the other; both remove them, in
+        def get(self, key, default=None):  # turn, before either learns the tensor anew)
+            if key == id(t):
+                meet.wait()
+            return dict.get(self, key, default)
+
+        def __delitem__(self, key):
+            turn = meet.wait()
+            if turn:
+                removed[0].wait(5)
+            try:
+                dict.__delitem__(self, key)
+            finally:
+                removed[turn].set()
+                removed[1].wait(5)
+    monkeypatch.setattr(icl, "_facts", Met(icl._facts))
+    got, errors = [], []
+
+    def look_up():
+        try:
+            got.append(icl.torch_facts(t))
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=look_up) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert not errors, errors
+    assert old.dead and len(got) == 2
+    for f in got:
+        assert f.ref() is t and (f.ptr, f.layout) == (t.data_ptr(), (t.shape, t.stride(),
+                                                                      t.dtype))
+    sm.synchronize()
+
+
 def test_a_torch_tensor_over_sharedmem_memory_is_that_allocation_and_its_read_only_view_stays_so(
         fake, kernels, monkeypatch):
     """A torch tensor over sharedmem memory (``torch.from_dlpack`` of a view) is a lease of
