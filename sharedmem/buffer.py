@@ -155,9 +155,11 @@ class Buffer(View):
         return (self._dtype.itemsize,)
 
     def __repr__(self) -> str:
-        if not self.is_live:
-            return f"<Buffer ({self._gone()})>"
+        # (the token read once: another thread may release or move this view between a check
+        # and a second read -- a repr never raises. A moved or released view has no token.)
         tok = self._token
+        if tok is None:
+            return f"<Buffer ({self._gone()})>"
         ro = " read-only" if not tok.writable else ""
         return (f"<Buffer{ro} {self._dtype} x {self._length} on {tok.allocation.device}, "
                 f"bytes [{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}>")
@@ -553,6 +555,7 @@ class DeviceBox:
 
     def __repr__(self) -> str:
         b = self.buffer
-        if not b.is_live:  # (a repr never raises)
+        tok = b._token  # (read once, as Buffer.__repr__ does: a repr never raises)
+        if tok is None:
             return f"<DeviceBox ({b._gone()})>"
-        return f"<DeviceBox {b.dtype} on {b.device}>"
+        return f"<DeviceBox {b._dtype} on {tok.allocation.device}>"

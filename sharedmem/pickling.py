@@ -130,7 +130,7 @@ def _refuse(why, obj):
 
 def _register_refusals() -> None:
     """copyreg entries (exact types) for what names work and memory of this process."""
-    from .allocation import Allocation
+    from .allocation import Allocation, ViewToken
     from .ops import ComputedFuture
     from .runtime.future import DeviceFuture, HostFuture
     from .runtime.graph import Graph
@@ -140,7 +140,11 @@ def _register_refusals() -> None:
                      (Event, "an event is a point in a stream of this process"),
                      (DeviceFuture, future), (HostFuture, future), (ComputedFuture, future),
                      (Graph, "a graph records work and memory of this process"),
-                     (Allocation, "an allocation is device memory of this process")):
+                     (Allocation, "an allocation is device memory of this process"),
+                     # (copy.copy too: a copy of a live token says it is live while its
+                     # allocation does not count it, and its release raised KeyError)
+                     (ViewToken, "a view token is one live view's place in its allocation; "
+                      "make another view with a slice (view[:]) or as_readonly()")):
         copyreg.pickle(cls, functools.partial(_refuse, why))
 
 

@@ -312,9 +312,9 @@ class Tensor(View):
                         f"host (x in t.to_host()) or in a kernel")
 
     def __repr__(self) -> str:
-        if not self.is_live:
+        tok = self._token  # (read once: see Buffer.__repr__ -- a repr never raises)
+        if tok is None:
             return f"<Tensor ({self._gone()})>"
-        tok = self._token
         ro = " read-only" if not tok.writable else ""
         return (f"<Tensor{ro} {self._dtype} shape={self._shape} strides={self._strides} on "
                 f"{tok.allocation.device}, allocation #{tok.allocation.id}>")
@@ -510,9 +510,16 @@ class Tensor(View):
     # -- data movement ---------------------------------------------------------------
     def to_host(self, stream: Stream | object | None = None) -> np.ndarray:
         """A NumPy copy (C order) taken after all pending writes to these bytes."""
+        # The token read once, before the bytes: the one _read_bytes copies (a move re-labels
+        # a token, never replaces it; a release before the copy raises ReleasedError there).
+        # Once the bytes are read they are the answer, whatever another thread does to this
+        # view meanwhile (read self._token again, a release or move then made it None:
+        # AttributeError).
+        tok = self._live_token()
         raw = self._read_bytes(stream)
-        if self.size == 0:
+        if self._size == 0:
             return np.empty(self._shape, self._dtype)
-        view = np.ndarray(self._shape, self._dtype, buffer=raw,
-                          offset=self._offset - self._token.start, strides=self.byte_strides)
+        isz = self._dtype.itemsize
+        view = np.ndarray(self._shape, self._dtype, buffer=raw, offset=self._offset - tok.start,
+                          strides=tuple([k * isz for k in self._strides]))
         return np.array(view, order="C")

@@ -186,6 +186,31 @@ def test_through_a_spawned_process(host):
     np.testing.assert_array_equal(np.array(got, np.float32), a)
 
 
+def test_a_pool_block_or_a_view_token_cannot_be_copied(host):
+    """``allocation.owner`` (the host pool block) and a view's token are the ownership itself:
+    copy.copy of a block shared its memory with a second block, which gave it back to the pool
+    when it died -- while the buffer still used it -- so the next two allocations got the same
+    bytes; a copied token said it was live, was counted nowhere, and its release raised
+    KeyError. Both are refused (TypeError), as an Allocation is."""
+    import copy
+    import gc
+    b = sm.Buffer.zeros(1000, "uint8", device=host)
+    alloc = b.allocation
+    for obj in (alloc.owner, b._token):
+        for f in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match=r"cannot (copy or )?pickle (a sharedmem "
+                                                r"ViewToken|the host pool block)"):
+                f(obj)
+    gc.collect()
+    # nothing was given back: two new buffers of that size class have bytes of their own
+    x = sm.Buffer.zeros(1000, "uint8", device=host)
+    y = sm.Buffer.zeros(1000, "uint8", device=host)
+    assert len({b.ptr, x.ptr, y.ptr}) == 3
+    assert alloc.live_views == 1 and b._token.live
+    b.release()
+    assert alloc.live_views == 0
+
+
 def test_copy_and_deepcopy_make_a_copy_on_the_same_device(monkeypatch):
     """copy.copy / copy.deepcopy of a view: a new allocation with the same values on the
     view's own device (as NumPy and CuPy copy arrays) -- not a pickle round trip, which lands

@@ -269,3 +269,47 @@ def test_a_tensor_over_part_of_its_buffer_borrows_its_own_bytes(host):
                                              r"from\); t\.copy\(\) is a tensor of its own bytes$"):
         t.into_buffer()
     assert t.copy().into_buffer().to_host().tolist() == [0.0, 1.0, 2.0]
+
+
+def test_to_host_and_reprs_race_a_release_in_another_thread(host):
+    """A view released or moved by another thread while ``to_host`` or ``repr`` runs: the read
+    returns the bytes it copied while the view was live (or raises ReleasedError), a repr
+    never raises. Both read ``_token`` a second time after their check, None by then:
+    AttributeError. (The other thread's release is made at that point by a profile hook: the
+    interpreted build runs the window; compiled code makes no profile events.)"""
+    import sys
+    from sharedmem.allocation import View
+
+    a, t = _t((3, 4))
+    def code(prop):  # (compiled: a C getset descriptor, no code object -- the hook never fires)
+        fget = getattr(prop, "fget", None)
+        return getattr(fget, "__code__", None) if fget is not None else None
+
+    size, is_live = code(sm.Tensor.size), code(View.is_live)
+
+    def at(code, view):
+        def prof(frame, event, arg):
+            if event == "return" and code is not None and frame.f_code is code:
+                view.release()
+        return prof
+
+    sys.setprofile(at(size, t))
+    try:
+        try:
+            got = t.to_host()
+        except sm.ReleasedError:
+            got = None
+    finally:
+        sys.setprofile(None)
+    if got is not None:
+        np.testing.assert_array_equal(got, a)
+    for view in (sm.Buffer.zeros(4, device=host), _t((2, 2))[1],
+                 sm.DeviceBox(1.0, device=host)):
+        sys.setprofile(at(is_live, view))
+        try:
+            text = repr(view)
+        finally:
+            sys.setprofile(None)
+        assert text.startswith("<") and text.endswith(">")
+        view.release()
+        assert "(released)" in repr(view)

@@ -79,6 +79,21 @@ class HostBlock:
             self._pool._give_back(self._size_class, self._raw)
             self._raw = None
 
+    # Invariant: one HostBlock object per block handed out, so the memory goes back to the
+    # pool once. A copy (copy.copy shares ``_raw``) would give it back a second time when it
+    # died -- while the allocation's views still use it -- and the pool hand it to two
+    # allocations; a pickle would carry memory of this process. Both are refused.
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"cannot copy or pickle the host pool block at {self.ptr:#x}: it owns "
+                        f"memory of this process, which a copy would return to the pool twice. "
+                        f"Copy the data instead (copy.copy(view) makes a new allocation)")
+
+    def __copy__(self):
+        return self.__reduce_ex__(2)
+
+    def __deepcopy__(self, memo):
+        return self.__reduce_ex__(2)
+
 
 class HostFault(BaseException):
     """Raised in a host kernel, simulates a sticky device fault (an illegal address on a
