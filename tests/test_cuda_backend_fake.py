@@ -2818,14 +2818,17 @@ def test_two_threads_forgetting_a_set_tensors_facts_at_once_both_learn_it_anew(
     t.set_(storage[:32:2], storage)
     meet = threading.Barrier(2, timeout=5)
     removed = [threading.Event(), threading.Event()]
+    armed = [id(t)]  # (the key whose lookups meet; None once the threads are done)
 
     class Met(dict):  # (each thread finds the facts with the other; both remove them, in
         def get(self, key, default=None):  # turn, before either learns the tensor anew)
-            if key == id(t):
+            if key == armed[0]:
                 meet.wait()
             return dict.get(self, key, default)
 
         def __delitem__(self, key):
+            if armed[0] is None:
+                return dict.__delitem__(self, key)
             turn = meet.wait()
             if turn:
                 removed[0].wait(5)
@@ -2834,7 +2837,8 @@ def test_two_threads_forgetting_a_set_tensors_facts_at_once_both_learn_it_anew(
             finally:
                 removed[turn].set()
                 removed[1].wait(5)
-    monkeypatch.setattr(icl, "_facts", Met(icl._facts))
+    table = icl._facts
+    monkeypatch.setattr(icl, "_facts", Met(table))
     got, errors = [], []
 
     def look_up():
@@ -2842,17 +2846,27 @@ def test_two_threads_forgetting_a_set_tensors_facts_at_once_both_learn_it_anew(
             got.append(icl.torch_facts(t))
         except BaseException as e:  # (reported below)
             errors.append(e)
-    threads = [threading.Thread(target=look_up) for _ in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(10)
-    assert not errors, errors
-    assert old.dead and len(got) == 2
-    for f in got:
-        assert f.ref() is t and (f.ptr, f.layout) == (t.data_ptr(), (t.shape, t.stride(),
-                                                                      t.dtype))
-    sm.synchronize()
+    try:
+        threads = [threading.Thread(target=look_up) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(10)
+        assert not errors, errors
+        assert old.dead and len(got) == 2
+        for f in got:
+            assert f.ref() is t and (f.ptr, f.layout) == (t.data_ptr(), (t.shape, t.stride(),
+                                                                          t.dtype))
+        sm.synchronize()
+    finally:  # (the stand-in's entries become the table's: forgotten ones, t's old facts
+        # among them, must not stay there -- each array's entry goes with it)
+        armed[0] = None
+        met = icl._facts
+        del t, old, got
+        gc_collect_harder()
+        table.clear()
+        table.update(met)
+    assert all(f.ref() is not None for f in table.values())
 
 
 def test_a_torch_tensor_over_sharedmem_memory_is_that_allocation_and_its_read_only_view_stays_so(
