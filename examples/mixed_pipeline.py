@@ -186,6 +186,9 @@ def main() -> int:
 
 if __name__ == "__main__":
     if "--trace" in sys.argv:
+        if sys.argv.index("--trace") + 1 == len(sys.argv):
+            sys.exit("usage: mixed_pipeline.py [--trace FILE.json]: --trace needs the file to "
+                     "write the timeline to")
         with sm.trace(sys.argv[sys.argv.index("--trace") + 1]):
             rc = main()
         sys.exit(rc)

@@ -47,14 +47,17 @@ except ImportError:  # interpreted, without Cython installed
     from . import _cython as cython
 
 from .access import AccessTracker
+from .config import _flag
 from .errors import AliasError, MovedError, ReleasedError
 from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_holds, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
 #: Record the ``file:line`` that created each view, for AliasError messages.
-#: Read from ``SHAREDMEM_TRACK_ORIGINS`` at import; tests may set it directly.
-TRACK_ORIGINS = os.environ.get("SHAREDMEM_TRACK_ORIGINS", "") not in ("", "0")
+#: Read from ``SHAREDMEM_TRACK_ORIGINS`` at import, as every switch is read (1, true, yes or
+#: on; 0, false, no or off -- "false" turned it on: anything but "" and "0" did); tests may set
+#: it directly.
+TRACK_ORIGINS = _flag("SHAREDMEM_TRACK_ORIGINS")
 
 _PACKAGE_DIRS = tuple(
     os.path.dirname(os.path.abspath(p)) + os.sep

@@ -138,10 +138,13 @@ def check_required() -> None:
     """ImportError when ``SHAREDMEM_REQUIRE_EXTENSION=1`` and the core is not compiled; a
     warning when it is not compiled and nobody asked for that (an install without a C compiler
     or Cython: pip hides what setup.py prints)."""
+    # (read first: a value that is no switch value is refused whether the core is compiled or
+    # not -- not only on the machines where it is not)
+    required = _flag("SHAREDMEM_REQUIRE_EXTENSION")
     interpreted = _interpreted()
     if not interpreted:
         return
-    if _flag("SHAREDMEM_REQUIRE_EXTENSION"):
+    if required:
         why = f"; {_unusable}" if _unusable and not pure_python_requested() else ""
         raise ImportError(
             f"SHAREDMEM_REQUIRE_EXTENSION=1, but the compiled core is not in use "

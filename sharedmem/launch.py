@@ -21,6 +21,7 @@ same as reused views), packs them, and runs :func:`~sharedmem.runtime.submission
 from __future__ import annotations
 
 import importlib
+import inspect
 import operator
 from functools import partial
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
@@ -803,6 +804,13 @@ class HostKernel(Generic[_P, _R]):
     def __init__(self, fn: Callable[_P, _R]) -> None:
         if not callable(fn):
             raise TypeError(f"host_kernel needs a callable, got {fn!r}")
+        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or \
+                inspect.isasyncgenfunction(fn):
+            # (its call only makes a coroutine or generator, which nothing would run: the
+            # launch would succeed with the kernel's body never run)
+            raise TypeError(f"host_kernel needs a plain function, got {fn!r}: calling it "
+                            f"only makes a coroutine or generator, so the kernel's body would "
+                            f"never run; define it with `def` (not `async def`), without `yield`")
         self._plan = None  # (its KernelPlan, made at its first launch: see plan_for)
         self.fn = fn
         self.__wrapped__ = fn

@@ -201,6 +201,32 @@ def test_import_sharedmem_imports_no_interop(tmp_path):
         assert (r.returncode, r.stdout) == (0, "False\n"), (r.stdout, r.stderr)
 
 
+def test_every_switch_reads_its_value_the_same_way_compiled_or_not():
+    """config's switch values (1, true, yes, on / 0, false, no, off; else a ValueError naming
+    it) hold for every switch, whichever build runs: SHAREDMEM_TRACK_ORIGINS=false turned
+    origin tracking on (anything but "" and "0" did), and a SHAREDMEM_REQUIRE_EXTENSION that
+    is no switch value was ignored where the core is compiled (refused only where it is not)."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import sharedmem.allocation as a; print(a.TRACK_ORIGINS)"
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("SHAREDMEM_TRACK_ORIGINS", "SHAREDMEM_REQUIRE_EXTENSION")}
+    base["PYTHONPATH"] = root
+
+    def run(**env):
+        return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                              text=True, env=dict(base, **env), cwd=root, timeout=120)
+    for value, want in (("false", "False"), ("Off", "False"), ("0", "False"), ("", "False"),
+                        ("1", "True"), ("yes", "True")):
+        r = run(SHAREDMEM_TRACK_ORIGINS=value)
+        assert (r.returncode, r.stdout.strip()) == (0, want), (value, r.stderr)
+    for name in ("SHAREDMEM_TRACK_ORIGINS", "SHAREDMEM_REQUIRE_EXTENSION"):
+        r = run(**{name: "maybe"})
+        assert r.returncode != 0 and f"ValueError: {name}='maybe' is not a switch value: set " \
+                                      f"it to 1 (true, yes, on) or 0 (false, no, off)" in r.stderr, \
+            (name, r.stdout, r.stderr)
+
+
 def test_the_modules_setup_py_compiles_are_the_ones_config_knows():
     # config.COMPILED_MODULES decides what SHAREDMEM_PURE_PYTHON loads from source and what
     # compiled() / SHAREDMEM_REQUIRE_EXTENSION check: a module missing there stays compiled

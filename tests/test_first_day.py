@@ -47,6 +47,29 @@ def test_a_raising_host_kernel_fails_its_own_future_and_nothing_else(host):
     assert alloc() is None  # freed: nothing kept as leaked
 
 
+def test_an_async_or_generator_host_kernel_is_refused_not_silently_skipped(host):
+    # Calling one only makes a coroutine or generator: launched, it "succeeded" with its body
+    # never run (a generator without a word; a coroutine with a RuntimeWarning at best)
+    async def coro(x):
+        x[:] = 7
+
+    def gen(x):
+        x[:] = 7
+        yield
+
+    async def agen(x):
+        x[:] = 7
+        yield
+
+    for fn in (coro, gen, agen):
+        with pytest.raises(TypeError, match=r"^host_kernel needs a plain function, got .*: "
+                                            r"calling it only makes a coroutine or generator"):
+            sm.host_kernel(fn)
+    b = sm.Buffer.zeros(2, "int32", device=host)
+    sm.launch(sm.host_kernel(lambda x: x.__setitem__(slice(None), 7)), 1, 1, b).result(5)
+    assert b.to_host().tolist() == [7, 7]
+
+
 # -- futures ---------------------------------------------------------------------------------------
 def test_an_asyncio_timeout_leaves_nothing_behind_for_later_calls(host):
     import asyncio

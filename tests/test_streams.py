@@ -218,6 +218,33 @@ def test_a_full_host_stream_makes_submitters_wait(host, monkeypatch):
     assert x.to_host()[0] == 32
 
 
+def test_a_host_kernel_filling_another_stream_with_work_ordered_after_itself_never_hangs(
+        host, monkeypatch):
+    """A kernel on stream a writes x and launches more readers of x on stream b than b
+    queues: sharedmem ordered b after this very kernel, so b's queue frees room only once the
+    kernel returns. Waiting for room there waited forever (both workers stuck); the kernel
+    goes on instead, as it does when it fills its own stream."""
+    import sharedmem.backends.host as H
+    monkeypatch.setattr(H, "MAX_QUEUED", 8)
+    a, b = host.create_stream("fan-a"), host.create_stream("fan-b")
+    x, y = sm.Buffer.zeros(4, "int64", device=host), sm.Buffer.zeros(4, "int64", device=host)
+    sm.synchronize()
+
+    @sm.host_kernel
+    def add_to(src, dst):
+        dst += src
+
+    @sm.host_kernel
+    def produce(xv):
+        xv[:] = 1
+        for _ in range(20):  # more than MAX_QUEUED, each ordered after this kernel
+            sm.launch(add_to, 1, 1, sm.In(x), sm.InOut(y), stream=b)
+
+    sm.launch(produce, 1, 1, sm.Out(x), stream=a).result(timeout=10)
+    b.synchronize()
+    assert y.to_host().tolist() == [20] * 4
+
+
 @pytest.mark.parametrize("how", ["stream", "all", "result", "event"])
 def test_a_host_kernel_waiting_for_work_behind_it_on_its_stream_is_refused(host, how):
     # (that work cannot start before the kernel returns: the wait would never end)

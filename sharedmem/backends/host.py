@@ -381,12 +381,18 @@ class HostStreamImpl:
     def throttle(self) -> None:
         """Wait while ``MAX_QUEUED`` tasks are queued on this stream (called by
         the runtime before it takes any lock). Never in the stream's own worker:
-        a task that submits to its own stream must not wait for itself."""
+        a task that submits to its own stream must not wait for itself -- nor in another
+        stream's worker while this stream's queue waits for that worker's work (a host kernel
+        launching work that sharedmem ordered after the kernel itself): the room would come
+        only once the kernel returned, so it would wait forever."""
         q = self._q
         if len(q.items) < MAX_QUEUED or threading.get_ident() == q.worker:
             return
+        mine = getattr(_current_worker, "q", None)  # (a host kernel submitting: its queue)
         delay = 50e-6
         while len(q.items) >= MAX_QUEUED:
+            if mine is not None and _queue_waits_for(q, mine):
+                return
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
@@ -512,6 +518,15 @@ def _waits_for(marker, mine) -> bool:
                     break
                 if type(item[0]) is _WaitTask:
                     ahead.append(item[0].marker)
+    return False
+
+
+def _queue_waits_for(q, mine) -> bool:
+    """Whether a task queued (or running) on queue ``q`` waits for a task of queue ``mine``
+    that has not run (see :func:`_waits_for`; read the same way, without the locks)."""
+    for item in [q.running, *q.items]:  # (one step under the GIL: see _waits_for)
+        if item is not None and type(item[0]) is _WaitTask and _waits_for(item[0].marker, mine):
+            return True
     return False
 
 
