@@ -27,6 +27,8 @@ cdef class _Export:
 @cython.locals(exports=dict, ex=_Export)
 cpdef _delete(addr)
 
+cdef object _cuda_consumer(object stream)
+
 
 cdef inline void _end_export(size_t addr) noexcept:
     # called with the GIL held; the pending exception is set aside around the call

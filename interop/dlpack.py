@@ -277,18 +277,7 @@ def _export_hold(view, tok, stream, facts):
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
         # the consumer is the CPU itself and reads at once: wait for our work here
         return export_hold(tok, _KIND, view, (), _wait_host, True)
-    if stream is None:
-        stream = 1
-    if type(stream) is not int:
-        if isinstance(stream, bool) or not isinstance(stream, int):
-            raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
-        stream = int(stream)
-    if stream == 0:
-        raise ValueError("stream=0 is ambiguous in DLPack and not allowed; use 1 for the legacy "
-                         "default stream, 2 for the per-thread default stream, -1 for no "
-                         "synchronization, or a stream handle")
-    if stream < -1 or stream >= 1 << 64:
-        raise ValueError(f"stream={stream} is not a valid stream handle")
+    stream = _cuda_consumer(stream)
     if stream == -1:  # the consumer orders itself, on a stream it does not name
         streams = current_streams(tok.allocation.device)
         return export_hold(tok, _KIND, view, tuple([(s, tok.writable) for s in streams]), None)
@@ -317,6 +306,24 @@ def _export_hold(view, tok, stream, facts):
                 f"there); export before the capture begins or after it ends")
     return export_hold(tok, _KIND, view, ((consumer, tok.writable),), facts[2], False, consumer,
                        stream)
+
+
+def _cuda_consumer(stream):
+    """A CUDA consumer's ``stream`` argument, checked, as an int (None: 1, the legacy default
+    stream); TypeError or ValueError naming what is wrong."""
+    if stream is None:
+        return 1
+    if type(stream) is not int:
+        if isinstance(stream, bool) or not isinstance(stream, int):
+            raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
+        stream = int(stream)
+    if stream == 0:
+        raise ValueError("stream=0 is ambiguous in DLPack and not allowed; use 1 for the legacy "
+                         "default stream, 2 for the per-thread default stream, -1 for no "
+                         "synchronization, or a stream handle")
+    if stream < -1 or stream >= 1 << 64:
+        raise ValueError(f"stream={stream} is not a valid stream handle")
+    return stream
 
 
 _KIND = "DLPack export"  # (the export token's kind: how AliasError names it)
@@ -463,14 +470,15 @@ def _export_copy(view, stream, versioned, target):
             raise BufferError(f"stream={stream!r} is not valid for a copy to the host; only None")
         dev = Device.host()
     elif target[0] == kDLCUDA:
-        try:
-            dev = Device(target[1])
+        try:  # (the view's own device where it is the target: not looked up again)
+            dev = view.device if view.device.dlpack_device == target else Device(target[1])
         except (ValueError, ImportError) as e:  # (no such GPU, or CUDA unusable here)
             raise BufferError(f"cannot copy {view!r} to DLPack device {target}: {e}") from e
         if view.device is not dev and view.device.kind == "cuda":
             raise BufferError(f"copies between CUDA devices are not supported by __dlpack__ "
                               f"({view.device} -> {dev}); copy the view there first "
                               f"(view.to_device(device))")
+        _cuda_consumer(stream)  # (checked before the copy is made, not after)
     else:
         raise BufferError(f"cannot copy to DLPack device {target}; only CPU and CUDA are supported")
     src = Tensor.from_host(view.to_host(), device=dev)

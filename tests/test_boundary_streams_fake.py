@@ -177,3 +177,20 @@ def test_dlpack_export_to_a_stream_in_another_librarys_capture_is_refused(fake):
         drv.holding = False
         drv.finish_held()
     gc_collect_harder()
+
+
+def test_a_copying_export_checks_its_stream_before_it_copies(fake):
+    """``copy=True`` with a stream value DLPack refuses (0, a float) raises as an export
+    without a copy does -- before the copy is made and the device synchronized, not after."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(8, dtype=np.float32), device=dev)
+    sm.synchronize()
+    mark = len(drv.calls)
+    with pytest.raises(ValueError, match=r"^stream=0 is ambiguous in DLPack"):
+        t.__dlpack__(stream=0, max_version=(1, 0), copy=True)
+    with pytest.raises(TypeError, match=r"^stream must be an int or None, got float$"):
+        t.__dlpack__(stream=1.0, max_version=(1, 0), copy=True)
+    assert drv.calls[mark:] == [] and t.allocation.live_views == 1  # (no copy made: no event
+    cap = t.__dlpack__(stream=1, max_version=(1, 0), copy=True)     # recorded to read it)
+    assert drv.calls[mark:]
+    del cap
