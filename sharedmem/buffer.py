@@ -49,7 +49,8 @@ def _scalar(value, dtype):
         value = value.item()                          # own values of another dtype C-style)
     try:
         return np.array([value], dtype=dtype)
-    except (OverflowError, ValueError) as e:  # (300 as int8, nan as an int: NumPy's words)
+    except (OverflowError, ValueError, TypeError) as e:  # (300 as int8, nan as an int, 1j as
+        # a float: NumPy's words)
         raise type(e)(f"a DeviceBox of {dtype} cannot hold {value!r}: {e}") from None
 
 

@@ -17,6 +17,7 @@ elements (as in DLPack), ``byte_strides`` in bytes (as in NumPy).
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -394,9 +395,14 @@ class Tensor(View):
         if type(key) is tuple and len(key) == 1:
             key = key[0]  # t[i,] as t[i]
         if isinstance(key, slice):
-            if key.step is not None and key.step <= 0:  # (before indices(): 0 raises there)
-                raise LayoutError(f"tensor slices take a positive step (strides stay "
-                                  f"non-negative), got step {key.step}")
+            if key.step is not None:  # (before indices(): 0 raises there)
+                try:
+                    step = operator.index(key.step)
+                except TypeError:
+                    raise TypeError(f"tensor slice steps are ints, got {key.step!r}") from None
+                if step <= 0:
+                    raise LayoutError(f"tensor slices take a positive step (strides stay "
+                                      f"non-negative), got step {key.step}")
             start, stop, step = key.indices(n)
             count = len(range(start, stop, step))
             shape = (count,) + self._shape[1:]
@@ -436,7 +442,11 @@ class Tensor(View):
             if len(free) > 1:
                 raise LayoutError(f"reshape{tuple(shape)}: only one size can be -1")
             if free:
-                known = math.prod(_shape([n for i, n in enumerate(shape) if i != free[0]]))
+                try:  # (the others checked as sizes: a message naming the whole shape)
+                    known = math.prod(_shape([n for i, n in enumerate(shape) if i != free[0]]))
+                except TypeError:
+                    raise TypeError(f"shape must be an int or a sequence of ints, got "
+                                    f"{shape!r}") from None
                 if known == 0 or self._size % known:
                     raise LayoutError(f"cannot reshape {self!r} ({self._size} elements) to "
                                       f"{tuple(shape)}")

@@ -1160,3 +1160,20 @@ def test_allocations_and_tokens_take_what_their_compiled_fields_take():
     t = a.new_token("t", 0, 4, 2, None)
     assert t.writable is True
     t.release()
+
+
+def test_odd_shapes_steps_and_box_values_are_named_in_their_errors():
+    """A reshape whose other sizes are not ints names the whole shape given (it named the
+    rest without its -1); a slice step that is no int says so (it was Python's '<=' between
+    str and int); a DeviceBox value its dtype cannot take names the dtype (it was NumPy's
+    bare words)."""
+    t = sm.Tensor.from_host(np.arange(12, dtype=np.float32))
+    with pytest.raises(TypeError, match=r"^shape must be an int or a sequence of ints, got "
+                                        r"\[-1, True\]$"):
+        t.reshape([-1, True])
+    with pytest.raises(TypeError, match=r"^tensor slice steps are ints, got 'a'$"):
+        t[::"a"]
+    assert t[::np.int64(2)].shape == (6,)
+    with pytest.raises(TypeError, match=r"^a DeviceBox of float32 cannot hold 1j: "):
+        sm.DeviceBox(1j, "float32")
+    assert t.allocation.live_views == 1
