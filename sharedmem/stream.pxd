@@ -10,7 +10,7 @@ cdef class Stream:
     cdef public long long _seq, _done, _swept, _uid
     cdef public dict _waited
     cdef public bint _leak_warned, _checks
-    cdef public object _external, _capture
+    cdef public object _external, _capture, _joined
     cdef public list _holds
     cdef public Py_ssize_t _nholds
     cdef object __weakref__

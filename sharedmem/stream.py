@@ -51,7 +51,8 @@ class Stream:
 
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
                  "_uid", "_ours", "_join", "_waited", "_leak_warned",
-                 "_external", "_capture", "_holds", "_nholds", "_checks", "__weakref__")
+                 "_external", "_capture", "_joined", "_holds", "_nholds", "_checks",
+                 "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
         owned: bool
@@ -91,6 +92,9 @@ class Stream:
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock
+        # On a device's default (legacy) stream, while blocking streams' captures join it:
+        # [a marker recorded as the first began, how many]; None otherwise. Guarded by core_lock
+        self._joined = None
         # The view tokens open as holds for a consumer's work on this stream: _holds[:_nholds],
         # in no order (a list, None until the first; its entries past _nholds are None: it is
         # not shrunk and grown again on every export). AccessTracker.add_hold_locked and

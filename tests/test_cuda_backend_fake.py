@@ -2137,8 +2137,9 @@ def test_a_launch_is_not_drawn_into_another_librarys_capture(fake, kernels, monk
     with sm.capture(sm.Stream.from_external(blocking.ptr, dev)):  # (sharedmem's capture of a
         with pytest.raises(sm.CaptureError, match=legacy):        # borrowed blocking stream)
             sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n, stream=s)
-    assert len([c for c in drv.calls if c[0] == "record"]) == records + 1  # (the capture's
-    # marker of the work before it, recorded as it began: nothing of the launch)
+    assert len([c for c in drv.calls if c[0] == "record"]) == records + 2  # (the capture's
+    # markers of the work before it, on its stream and on the legacy one it joins, recorded
+    # as it began: nothing of the launch)
     assert waits == [s.handle] and sm.stats().submitted == leased
 
 

@@ -104,3 +104,29 @@ def test_capturing_a_borrowed_blocking_stream_does_not_poison_the_default_stream
     x.fill_zero(stream=dev.create_stream()).result()  # CompletionUnknownError before
     g.replay(blocking).result()
     g.release()
+
+
+def test_a_hold_on_the_default_stream_ending_during_a_blocking_capture_is_not_leaked(
+        fake, monkeypatch):
+    """As above, with an export to a consumer on the legacy default stream (stream=1, as
+    cupy.from_dlpack names it from CuPy's default stream) made before the capture and released
+    during it: the hold's end must not be an event recorded on the legacy stream while the
+    capture joins it (refused: the memory would be leaked, its completion unknown)."""
+    import sys
+    from sharedmem.runtime import retirer, submission as S
+    dev, drv = fake
+    monkeypatch.setattr(retirer, "_pass", lambda rt, last: ({}, True))  # (the sweep: below)
+    cp = sys.modules["cupy"]
+    x = sm.Buffer.zeros(16, "float32", device=dev)
+    sm.synchronize()
+    cap = x.__dlpack__(stream=1, max_version=(1, 0))  # a consumer on the legacy stream
+    blocking = sm.Stream.from_external(cp.cuda.Stream().ptr, dev)
+    leaked = RUNTIME.leaked_count
+    with sm.capture(blocking) as g:
+        sm.Buffer.zeros(16, "float32", device=dev, stream=blocking)
+        del cap  # (the consumer is done: the hold ends)
+        S.sweep_all()  # (the retirer, meanwhile)
+    assert sm.stats().leaked == leaked
+    x.fill_zero(stream=dev.create_stream()).result()  # CompletionUnknownError if leaked
+    g.replay(blocking).result()
+    g.release()

@@ -281,13 +281,14 @@ class capture:
     also the current stream (as ``with stream:``): launches, ops and copies given no
     ``stream=`` are captured too."""
 
-    __slots__ = ("stream", "graph", "_mine", "_recorder")
+    __slots__ = ("stream", "graph", "_mine", "_recorder", "_joins")
 
     def __init__(self, stream: Stream | object) -> None:
         self.stream = Stream.from_external(stream)  # (a Stream: itself)
         self.graph = None
         self._mine = None  # the entering thread's capturing streams (CAPTURING.streams)
         self._recorder = None  # the backend's capture while it runs (see __exit__)
+        self._joins = None  # the legacy default Stream this capture joins (a blocking stream's)
 
     def __enter__(self) -> Graph:
         s = self.stream
@@ -304,13 +305,23 @@ class capture:
             # (what the end of a hold on the stream during the capture leases until: the work
             # given to it so far -- see joined_marker_locked)
             g._before = s.device.backend.record_marker(s._impl)  # (CudaError: nothing begun)
-            legacy = s.device.default_stream._impl
-            if getattr(legacy, "open_marker", None) is not None and s._impl.syncs_with_legacy():
+            dflt = s.device.default_stream
+            legacy = dflt._impl
+            if hasattr(legacy, "open_marker") and s._impl.syncs_with_legacy():
                 # a blocking stream's capture joins the legacy default stream: an event
                 # recorded there while it runs fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and
                 # would make the completion of the work given to it before unknown -- its
-                # open marker, of that work, is recorded now
-                legacy.open_marker.close_locked()
+                # open marker, of that work, is recorded now; and what a hold's end there
+                # leases until meanwhile (no work can join it then): a marker recorded now
+                # (Stream._joined, see fresh_marker_locked)
+                if legacy.open_marker is not None:
+                    legacy.open_marker.close_locked()
+                joined = dflt._joined
+                if joined is None:
+                    dflt._joined = [s.device.backend.record_marker(legacy), 1]
+                else:
+                    joined[1] += 1
+                self._joins = dflt
             self._recorder = s.device.backend.begin_capture(s._impl)
             s._capture = g
             RUNTIME.captures += 1
@@ -374,6 +385,12 @@ class capture:
             except BaseException as e:  # (the stream's capture is ended below all the same)
                 interrupted = interrupted or e
             s._capture = None
+            dflt = self._joins
+            if dflt is not None:  # (the last capture joining it ends: events record there again)
+                self._joins = None
+                dflt._joined[1] -= 1
+                if dflt._joined[1] == 0:
+                    dflt._joined = None
             g._before = None  # (the hold ends filed with it keep it)
             g._staged = None  # (launches packed for it but never recorded: no steps)
             RUNTIME.captures -= 1

@@ -405,11 +405,16 @@ def fresh_marker_locked(stream, pooled=False):
     far has finished (for an open hold, the consumer's work of unknown extent). While
     sharedmem captures on the stream, the one recorded as the capture began (``Graph._before``):
     the work given to it since runs only at replay -- an event recorded into the capture would
-    mark nothing that runs now. Caller holds core_lock (recording enqueues; it never waits).
+    mark nothing that runs now. On the legacy default stream while a blocking stream's capture
+    joins it, the one recorded as that capture began (``Stream._joined``): a record there
+    fails then. Caller holds core_lock (recording enqueues; it never waits).
     Raises CompletionUnknownError when it cannot be recorded."""
     graph = stream._capture
     if graph is not None:
         return graph._before
+    joined = stream._joined
+    if joined is not None:  # (the legacy default stream while a blocking stream's capture
+        return joined[0]    # joins it: nothing can be given to it meanwhile)
     try:
         return stream.device.backend.record_marker(stream._impl, pooled)
     except Exception as e:
@@ -541,7 +546,7 @@ def joined_marker_locked(stream):
     # (stream._capture is set and cleared under core_lock with the impl's capture: a C field
     # read where compiled, not an attribute lookup on the impl; _join, its submit_marker bound)
     join = stream._join
-    if join is None or stream._capture is not None:
+    if join is None or stream._capture is not None or stream._joined is not None:
         return fresh_marker_locked(stream, True)
     try:
         return join()
