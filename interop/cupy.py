@@ -8,7 +8,8 @@ CuPy ``RawKernel`` / ``RawModule`` kernels launched through ``sharedmem.launch``
   array stays a live alias of those bytes -- a move raises AliasError naming
   it -- until it (and every view of it) is garbage collected.
 * ``adopt(arr)``: a Tensor that takes over the array's memory; refused while
-  other references to the array (names, containers, views) exist.
+  other references to the array (names, containers, views) exist, or other live views
+  reach its bytes (``cupy.asarray(buf)`` while ``buf`` lives).
 * ``as_cupy(x, stream=None)``: a ``cupy.ndarray`` over a view's memory. It holds
   a view token of its own until CuPy drops the memory (when the array and all its
   views are gone); that token is a hold on ``stream`` (default: CuPy's current
@@ -32,7 +33,8 @@ from __future__ import annotations
 import sys
 import weakref
 
-from sharedmem.bridges import refs_held_once, refuse_references
+from sharedmem.bridges import refs_held_once, refuse_references, refuse_shared
+from sharedmem.allocation import View
 from sharedmem.buffer import DeviceBox
 from sharedmem.device import Device
 from sharedmem.errors import AliasError, DeviceMismatchError, LayoutError
@@ -43,6 +45,7 @@ from sharedmem.tensor import Tensor, extent, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce,
                                  export_token, plan_kernel)
+from interop.dlpack import import_writable
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
 
@@ -60,7 +63,13 @@ def _tensor_view(arr):
     if any(s % isz for s in arr.strides):
         raise LayoutError(f"a CuPy array with strides {arr.strides} (not multiples of the "
                           f"item size {isz}) cannot be a Tensor")
-    tok = alloc.new_token("tensor", lo, hi, export is None or export.writable, (alloc, arr.data))
+    # (read-only where CuPy's memory is a read-only view's -- as_cupy or cupy.asarray of
+    # one, as a launch takes the array -- or only read-only views reach the bytes)
+    owner = getattr(arr.data.mem, "_owner", None)
+    writable = import_writable(alloc, lo, hi, export.writable if export is not None else
+                               owner._token.writable if isinstance(owner, View) and
+                               owner.is_live else True)
+    tok = alloc.new_token("tensor", lo, hi, writable, (alloc, arr.data))
     return new_tensor(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
                       arr.data.ptr - alloc.ptr)
 
@@ -79,7 +88,8 @@ def wrap(arr) -> Tensor:
         lo, hi = extent(root.shape, root.strides, root.itemsize)
         start = root.data.ptr + lo - alloc.ptr
         desc = f"CuPy array (shape {tuple(root.shape)}, {root.dtype})"
-        alias = alloc.new_token(desc, start, start + hi - lo, True, None)
+        # (read-only where the Tensor is: the array is then over a read-only view's bytes)
+        alias = alloc.new_token(desc, start, start + hi - lo, not t.readonly, None)
         weakref.finalize(root, alias.release)
     return t
 
@@ -104,7 +114,9 @@ def adopt(arr) -> Tensor:
         raise AliasError("cannot adopt an array made by as_cupy: its memory already belongs to "
                          "sharedmem; use the view it was made from", ("as_cupy export",))
     t = _tensor_view(arr)
-    t._token.allocation.source = "cupy (adopted)"
+    refuse_shared(t, arr, "CuPy array", "wrap()")
+    if t.allocation.source != "sharedmem":  # (sharedmem's own memory stays so named)
+        t.allocation.source = "cupy (adopted)"
     return t
 
 

@@ -46,6 +46,7 @@ from sharedmem.allocation import View, import_allocation, lookup_allocation
 from sharedmem.device import Device, as_device
 from sharedmem.errors import CaptureError, DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
+from sharedmem.runtime.state import locked
 from sharedmem.stream import Stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor, numpy_region
 
@@ -509,8 +510,8 @@ class ProducerAlias:
 
     __slots__ = ("token", "_fin", "__weakref__")
 
-    def __init__(self, alloc, start: int, stop: int, producer):
-        self.token = alloc.new_token(producer_kind(producer), start, stop, True, None)
+    def __init__(self, alloc, start: int, stop: int, producer, writable=True):
+        self.token = alloc.new_token(producer_kind(producer), start, stop, writable, None)
         self._fin = None
         if producer is not None:
             try:
@@ -559,14 +560,32 @@ def import_tensor(dev, ptr: int, nbytes: int, source: str, region, writable: boo
     anyway). On a CUDA device the import is recorded as a write on ``stream``."""
     alloc = import_allocation(dev, ptr, nbytes, source, region=region)
     lo, hi = ptr - alloc.ptr, ptr - alloc.ptr + nbytes
+    said = writable
+    writable = import_writable(alloc, lo, hi, writable)
     keep = [alloc, owner, None]  # (let go of last to first: the alias ends before the owner)
     tok = alloc.new_token("tensor", lo, hi, writable, keep)
     t = new_tensor(tok, dtype, shape, strides, lo)
-    if aliased and not isinstance(producer, View):
-        keep[2] = ProducerAlias(alloc, lo, hi, producer)
+    if aliased and not isinstance(producer, View):  # (over a read-only view's bytes: an
+        # alias of that view, read-only as it is -- else a later import counted it writable)
+        keep[2] = ProducerAlias(alloc, lo, hi, producer, writable or not said)
     if dev.kind == "cuda" and nbytes:
         record_arrival(tok, stream)
     return t
+
+
+def import_writable(alloc, lo: int, hi: int, writable: bool) -> bool:
+    """Whether an import of bytes ``[lo, hi)`` of ``alloc`` that its producer says are
+    ``writable`` may write them. Not where the memory is sharedmem's and only read-only views
+    reach those bytes: the producer is then an export of a read-only view that cannot say so
+    (``as_cupy`` of one, ``cupy.asarray`` of one -- CuPy has no read-only arrays; their
+    capsules and CAI say writable), and the import must not write where sharedmem's own views
+    may not -- as a launch takes such a CuPy array or torch tensor (interop.cupy_launch).
+    Writable where a writable view reaches the bytes, or none does."""
+    if not writable or hi <= lo or alloc.source != "sharedmem":
+        return writable
+    with locked():
+        views = alloc.live_tokens_locked(lo, hi)
+    return not views or any([v.writable for v in views])
 
 
 def _read_managed(addr: int, versioned: bool) -> tuple:

@@ -72,6 +72,33 @@ def refuse_references(obj, extra: int, name: str, share: str) -> None:
             f"instead.", (f"{name} reference",) * extra)
 
 
+def refuse_shared(t, obj, name: str, share: str) -> None:
+    """The AliasError of an adopt() of array ``obj`` (a ``name``) whose Tensor ``t``, just
+    made, is not the only live view of its bytes: sharedmem views reach that memory too (it
+    is sharedmem's -- ``cupy.asarray(buf)``, ``cupy.from_dlpack(t)`` -- or was imported or
+    wrapped before), so taking it over would leave them aliases of a Tensor said to be
+    movable. ``t`` is released first: nothing imported. None raised where ``t`` is alone."""
+    from .runtime.submission import settle
+    tok = t._token
+    alloc = tok.allocation
+    for attempt in range(2):
+        with locked():
+            others = ([] if tok.start >= tok.stop else
+                      alloc.conflicts_locked(tok.start, tok.stop, True, tok))
+        if not others:
+            return
+        if not attempt:  # (a view kept only by finished work -- an as_cupy export a launch
+            settle()     # kept -- is let go first, as a move does before it reports one)
+    t.release()
+    n = len(others)
+    lines = "\n".join(f"  - {v.describe()}" for v in others)
+    raise AliasError(
+        f"cannot adopt {name} (shape {tuple(obj.shape)}, {obj.dtype}): {n} other live "
+        f"view{'s' if n != 1 else ''} of its bytes exist{'s' if n == 1 else ''}:\n{lines}\n"
+        f"Release {'them' if n != 1 else 'it'} first, or use {share} to share instead.",
+        tuple(v.describe() for v in others))
+
+
 def _is_array(obj, root) -> bool:
     """Whether ``obj``, of a type from library ``root``, is one of its arrays (not a scalar,
     a dtype or another object of the library)."""
@@ -89,7 +116,9 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     Exclusivity must be shown, so this is refused with :class:`~sharedmem.AliasError`
     (nothing imported) unless ``obj`` is a NumPy, CuPy or torch array that is not a view of
     another array and that nothing else references: pass it as a temporary, or drop every
-    other name, container and view of it first -- and do not use ``obj`` afterwards.
+    other name, container and view of it first -- and do not use ``obj`` afterwards. Refused
+    too (nothing imported) while other live views reach its bytes (sharedmem memory:
+    ``cupy.from_dlpack(t)`` while ``t`` lives).
     (``interop.cupy.adopt`` does the same for CuPy arrays without DLPack.)"""
     # (a weak reference reaches it too, and counts in no refcount)
     extra = sys.getrefcount(obj) - refs_held_once() + weakref.getweakrefcount(obj)
@@ -123,7 +152,9 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
     refuse_references(obj, extra, name, "sharedmem.from_dlpack")
     from interop.dlpack import from_dlpack as _impl
     tensor = _impl(obj, stream=stream, _adopt=True)
-    tensor.allocation.source = f"{tensor.allocation.source} (adopted)"
+    refuse_shared(tensor, obj, name, "sharedmem.from_dlpack")
+    if tensor.allocation.source != "sharedmem":  # (sharedmem's own memory stays so named)
+        tensor.allocation.source = f"{tensor.allocation.source} (adopted)"
     return tensor
 
 

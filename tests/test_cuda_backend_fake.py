@@ -2256,6 +2256,120 @@ def test_a_cupy_array_over_a_read_only_view_is_not_written_by_a_launch(fake, ker
     np.testing.assert_array_equal(t.to_host(), np.arange(n, dtype=np.float32))  # 0 + t
 
 
+def _cupy_asarray(monkeypatch, dev, view):
+    """A CuPy-style array over sharedmem view ``view``'s memory as ``cupy.asarray(view)``
+    makes one (CuPy's memory object names the view as its owner), of type ``cupy.ndarray``
+    itself; like CuPy's, its DLPack capsule and CAI say writable (CuPy has no read-only
+    arrays) and its capsule's deleter is CuPy's, not ours. ``Device(dev.ordinal)`` is
+    ``dev`` meanwhile."""
+    import sharedmem.device as sm_device
+    from interop import dlpack as dl
+    monkeypatch.setitem(sm_device._devices, ("cuda", dev.ordinal), dev)
+    cp = sys.modules["cupy"]
+
+    class Unowned:  # cupy.cuda.UnownedMemory(ptr, size, owner)
+        def __init__(self, ptr, size, owner):
+            self.ptr, self.size, self._owner = ptr, size, owner
+
+    class ndarray(cp.ndarray):
+        __module__, __qualname__ = "cupy", "ndarray"  # (as sm.adopt names a CuPy array)
+
+        def __init__(self, v):
+            n = v.nbytes // v.dtype.itemsize
+            self.data = types.SimpleNamespace(ptr=v.ptr, mem=Unowned(v.ptr, v.nbytes, v))
+            self.device = types.SimpleNamespace(id=dev.ordinal)
+            self.base, self.dtype, self.size, self.shape = None, v.dtype, n, (n,)
+            self.strides, self.itemsize = (v.dtype.itemsize,), v.dtype.itemsize
+            self._dims = (ctypes.c_int64 * 1)(n)
+            self._managed = []
+
+        @property
+        def __cuda_array_interface__(self):
+            return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
+                    "data": (self.data.ptr, False), "strides": None}
+
+        def __dlpack_device__(self):
+            return (dl.kDLCUDA, dev.ordinal)
+
+        def __dlpack__(self, stream=None, max_version=None):
+            m = dl.DLManagedTensorVersioned()
+            m.version.major = 1
+            m.deleter = dl._DELETER()  # (CuPy's: not ours)
+            d = m.dl_tensor
+            d.data, d.device.device_type, d.device.device_id = self.data.ptr, dl.kDLCUDA, dev.ordinal
+            d.ndim, d.dtype.code, d.dtype.bits, d.dtype.lanes = 1, dl.kDLFloat, 32, 1
+            d.shape = ctypes.cast(self._dims, ctypes.POINTER(ctypes.c_int64))
+            self._managed.append(m)
+            return dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned",
+                                   dl._CAPSULE_DESTRUCTOR())
+
+    cp.ndarray = ndarray
+    alloc = view.allocation  # (the driver knows the pool block, as a CAI import asks it)
+    monkeypatch.setitem(sys.modules["sharedmem.backends.cuda"].cu.ranges, alloc.ptr,
+                        alloc.nbytes)
+    return ndarray(view)
+
+
+def test_imports_of_a_cupy_array_over_a_read_only_view_are_read_only(fake, monkeypatch):
+    """``cupy.asarray(ro)`` of a read-only view gives a normal CuPy array (CuPy has none
+    read-only); a launch refuses it as Out (above), but ``wrap`` of it, and its DLPack and CAI
+    imports, were writable Tensors -- launches wrote through them into bytes only read-only
+    views reach. Read-only now, whichever way it comes in, and a second import too (the
+    first one's producer alias is read-only as well); writable where a writable view reaches
+    the bytes."""
+    import interop.cupy as ic
+    from interop.cupy_launch import array_facts
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(8, dtype=np.float32), device=dev)
+    ro = t.as_readonly()
+    arr = _cupy_asarray(monkeypatch, dev, ro)
+    assert not array_facts(arr).token.writable  # (a launch's view of it)
+    w = ic.wrap(arr)  # the array is over ro, as a launch takes it
+    assert w.allocation is t.allocation and w.readonly
+    w.release()
+    for imp in (sm.from_dlpack(arr), sm.from_cuda_array_interface(arr)):
+        assert imp.allocation is t.allocation and not imp.readonly  # t still writes them
+        imp.release()
+        del imp
+    t.release()
+    sm.synchronize()
+    gc_collect_harder()
+    for _ in range(2):
+        for imp in (ic.wrap(arr), sm.from_dlpack(arr), sm.from_cuda_array_interface(arr)):
+            assert imp.allocation is ro.allocation and imp.readonly, imp
+            with imp.as_buffer() as b, pytest.raises(sm.ReadOnlyError):
+                b.fill_zero()
+    np.testing.assert_array_equal(ro.to_host(), np.arange(8, dtype=np.float32))
+
+
+def test_adopting_a_cupy_array_over_memory_sharedmem_views_reach_is_refused(fake, monkeypatch):
+    """``interop.cupy.adopt`` and ``sm.adopt`` take an array's memory over: refused while
+    other live views reach it (DESIGN.md: adopting succeeds only when no other live view of
+    those bytes exists, and says which do). ``cupy.asarray(buf)`` is such an array: adopted
+    while ``buf`` lived -- the Tensor could not be moved (AliasError naming buf), and the
+    allocation of sharedmem's own memory was relabelled "cupy (adopted)". Now AliasError
+    naming ``buf``, nothing imported; once buf is released, the adoption goes through."""
+    import interop.cupy as ic
+    dev, drv = fake
+    buf = sm.Buffer.from_host(np.arange(8, dtype=np.float32), device=dev)
+    alloc = buf.allocation
+    for adopt, what in ((ic.adopt, "CuPy array"), (sm.adopt, r"cupy\.ndarray")):
+        arr = _cupy_asarray(monkeypatch, dev, buf)
+        with pytest.raises(sm.AliasError, match=(
+                rf"^cannot adopt {what} \(shape \(8,\), float32\): 1 other live view of its "
+                rf"bytes exists:\n  - buffer, bytes \[0, 32\) of allocation #{alloc.id}\n")) as e:
+            adopt(arr)
+        assert len(e.value.views) == 1
+        del e
+        assert alloc.source == "sharedmem" and alloc.live_views == 1
+    buf.release()
+    sm.synchronize()
+    gc_collect_harder()
+    t = ic.adopt(arr)
+    assert t.allocation is alloc and t.into_buffer().ptr == arr.data.ptr
+    assert alloc.source == "sharedmem"  # (sharedmem's memory still: not relabelled)
+
+
 def test_integer_scalars_are_range_checked_whatever_their_type(fake, kernels):
     dev, drv = fake
     saxpy, scale_len = kernels

@@ -175,6 +175,44 @@ def test_import_readonly_is_honoured(host):
         sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.Out(t))
 
 
+def test_an_import_of_bytes_only_read_only_views_reach_is_read_only(host):
+    """A producer that cannot say read-only (CuPy: ``as_cupy`` or ``cupy.asarray`` of a
+    read-only view gives a normal array; its capsule and CAI say writable) re-exporting the
+    bytes of a read-only view: the import was a writable Tensor, which a launch wrote through
+    (as_cupy's own array, passed to a launch, is refused as Out). Read-only now, as a launch
+    takes such an array or a torch tensor -- writable only where a writable view reaches the
+    bytes, or none does."""
+    import ctypes
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.float32), device=host)
+    ro = t.as_readonly()
+    shape = (ctypes.c_int64 * 1)(6)
+
+    def capsule():  # a producer's writable capsule of ro's bytes (a NULL deleter)
+        m = dl.DLManagedTensorVersioned()
+        m.version.major = 1
+        d = m.dl_tensor
+        d.data, d.device.device_type, d.ndim = ro.ptr, dl.kDLCPU, 1
+        d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
+        d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+        return dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned",
+                               dl._CAPSULE_DESTRUCTOR()), m
+
+    cap, m = capsule()
+    both = sm.from_dlpack(cap)  # t, writable, still reaches the bytes
+    assert both.allocation is t.allocation and not both.readonly
+    both.release()
+    t.release()
+    cap, m = capsule()
+    imp = sm.from_dlpack(cap)
+    assert imp.allocation is ro.allocation and imp.readonly
+    with pytest.raises(sm.KernelError, match="would write through a read-only view"):
+        sm.launch(sm.host_kernel(lambda x: x.fill(0)), 1, 1, sm.Out(imp))
+    np.testing.assert_array_equal(ro.to_host(), np.arange(6))
+    imp.release()
+    ro.release()
+    del cap, m
+
+
 def test_our_export_imported_back_is_the_same_allocation(host):
     """Our own export imported back ends the export at once -- the import's token keeps the
     memory: kept, the export was an alias of the import itself, which could then never be
