@@ -1838,17 +1838,10 @@ def test_an_inflight_entry_of_work_without_arrays_says_it_leases_nothing(host):
     f.result(5)
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
-def test_a_fork_while_the_retirer_finishes_work_leaves_the_child_nothing_unfinished(host):
-    """The retirer retires work under the core lock and drops what it kept after it
-    (finish()); RUNTIME.unfinished counts the retired work not finished yet, and settle()
-    -- run by every move that finds an alias -- waits until it is 0. A fork while the
-    retirer is in finish() (here: dropping an imported array's producer, whose finalizer
-    is slow) copies the count into a child where no thread will ever finish that work: the
-    count stayed above 0 for good, and every refused move in the child waited settle()'s
-    whole second first."""
-    from sharedmem.runtime.state import RUNTIME
+def _work_the_retirer_finishes_slowly(host):
+    """A host launch (50 ms) of an import whose producer -- dropped when the work retires --
+    has a finalizer that, on the retirer thread, sets ``inside`` and waits for ``go``: the
+    retirer is then in finish() for that work. Returns ``(inside, go, future)``."""
     inside, go = threading.Event(), threading.Event()
 
     class Producer(np.ndarray):
@@ -1861,8 +1854,23 @@ def test_a_fork_while_the_retirer_finishes_work_leaves_the_child_nothing_unfinis
     t = sm.from_dlpack(x)  # (the import keeps x: dropped when the work that used it retires)
     del x
     s = host.create_stream()
-    sm.launch(sm.host_kernel(lambda a: time.sleep(0.05)), 1, 1, sm.In(t), stream=s)
-    del t  # the future too (dropped): the retirer finishes the work
+    return inside, go, sm.launch(sm.host_kernel(lambda a: time.sleep(0.05)), 1, 1, sm.In(t),
+                                 stream=s)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_fork_while_the_retirer_finishes_work_leaves_the_child_nothing_unfinished(host):
+    """The retirer retires work under the core lock and drops what it kept after it
+    (finish()); RUNTIME.unfinished counts the retired work not finished yet, and settle()
+    -- run by every move that finds an alias -- waits until it is 0. A fork while the
+    retirer is in finish() (here: dropping an imported array's producer, whose finalizer
+    is slow) copies the count into a child where no thread will ever finish that work: the
+    count stayed above 0 for good, and every refused move in the child waited settle()'s
+    whole second first."""
+    from sharedmem.runtime.state import RUNTIME
+    inside, go, f = _work_the_retirer_finishes_slowly(host)
+    del f  # (dropped: the retirer finishes the work)
     try:
         assert inside.wait(10)  # the retirer is in finish(): the work is counted unfinished
         assert RUNTIME.unfinished >= 1
@@ -1891,22 +1899,9 @@ def test_in_a_child_forked_while_the_retirer_finishes_work_a_callback_added_to_i
     drops it, as it drops what the parent had queued for its callback workers (model.md),
     so a callback the child adds to that work runs at once -- before, it joined the orphaned
     list, and never ran: a then() or to_concurrent() of it never finished."""
-    inside, go = threading.Event(), threading.Event()
     ran = []
-
-    class Producer(np.ndarray):
-        def __del__(self):
-            if threading.current_thread().name == "sharedmem-retirer":
-                inside.set()
-                go.wait(10)
-
-    x = np.zeros(4, np.float32).view(Producer)
-    t = sm.from_dlpack(x)  # (the import keeps x: dropped when the work that used it retires)
-    del x
-    s = host.create_stream()
-    f = sm.launch(sm.host_kernel(lambda a: time.sleep(0.05)), 1, 1, sm.In(t), stream=s)
+    inside, go, f = _work_the_retirer_finishes_slowly(host)
     f.add_done_callback(lambda _f: ran.append(os.getpid()))  # (the parent's: runs there)
-    del t
     try:
         assert inside.wait(10)  # the retirer is in finish(), the callback not handed off yet
 
