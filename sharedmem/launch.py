@@ -325,8 +325,15 @@ class _PreparedPlan(KernelPlan):
         return (grid, block, check_shared_mem(shared_mem))
 
     def pack(self, args, uses, config, stream):
-        return self.adapter.prepare(self.kernel, config[0], config[1], array_args(args, uses),
-                                    config[2], stream)
+        got = self.adapter.prepare(self.kernel, config[0], config[1], array_args(args, uses),
+                                   config[2], stream)
+        if (type(got) is not tuple and type(got) is not list) or len(got) != 2 or \
+                not callable(got[0]):
+            raise KernelError(f"the {self.adapter.name} adapter's prepare() returned "
+                              f"{_shown(got)}; it must return (enqueue, keep): a callable that "
+                              f"enqueues the work and returns its completion marker, and what "
+                              f"the work keeps")
+        return got
 
     def enqueue(self, stream, config, payload):
         return payload[0]()
@@ -404,9 +411,10 @@ def plan_for(adapter, kernel, device):
     closes over with it); other kernels' plans are cached here, at most _PLANS_MAX."""
     if type(kernel) is _HOST_KERNEL:
         plan = kernel._plan
-        if plan is None or plan.device is not device:
+        # (its adapter too: one registered since drops the plans, as the cache's are dropped)
+        if plan is None or plan.device is not device or plan.adapter is not adapter:
             check_device_kind(adapter, device)
-            plan = kernel._plan = adapter.plan(kernel, device)
+            plan = kernel._plan = new_plan(adapter, kernel, device)
         return plan
     plans = _plans
     try:
@@ -421,7 +429,7 @@ def plan_for(adapter, kernel, device):
         plan = hit[1]
     else:
         check_device_kind(adapter, device)
-        plan = adapter.plan(kernel, device)
+        plan = new_plan(adapter, kernel, device)
         if len(_plans_by_device) >= _PLANS_MAX:
             _plans_by_device.clear()
         _plans_by_device[key] = (kernel, plan)
@@ -429,6 +437,19 @@ def plan_for(adapter, kernel, device):
         if len(plans) >= _PLANS_MAX:
             plans.clear()
         plans[kernel] = plan
+    return plan
+
+
+def new_plan(adapter, kernel, device):
+    """``adapter.plan(kernel, device)``, checked to be a KernelPlan made for ``device`` (once
+    per kernel and device: a launch reads its fields unchecked)."""
+    plan = adapter.plan(kernel, device)
+    if not isinstance(plan, KernelPlan) or getattr(plan, "device", None) is not device:
+        got = (f"a {type(plan).__name__} for {getattr(plan, 'device', None)}"
+               if isinstance(plan, KernelPlan) else _shown(plan))
+        raise KernelError(f"the {adapter.name} adapter's plan() returned {got}, not a "
+                          f"sharedmem.launch.KernelPlan for {device} (one whose __init__ ran "
+                          f"KernelPlan.__init__(self, kernel, adapter, device)); fix the adapter")
     return plan
 
 
@@ -507,6 +528,11 @@ def _described(obj) -> str:
     objects, which no adapter leases: its elements are references, not data)."""
     dt = getattr(obj, "dtype", None)
     return type(obj).__name__ if dt is None else f"{type(obj).__name__} (dtype {dt})"
+
+
+def _shown(value) -> str:
+    """What an adapter returned, for a message: None, or the type of the value."""
+    return "None" if value is None else f"a value of type {type(value).__name__}"
 
 
 def _as_view(obj):
@@ -628,14 +654,18 @@ def resolve_args(adapter, args, device):
                 fa = None
                 tok = la.token
                 value = la.value
-            else:  # a view made for this launch
-                view = got
+            elif isinstance(got, View):  # a view made for this launch
+                view = cython.cast(View, got) if cython.compiled else got  # (checked: no 2nd test)
                 la = None
                 fa = None
                 tok = view._token
                 value = view
                 if tok is None:  # (released already)
                     view._raise_dead()
+            else:
+                raise KernelError(f"argument {i}: the {adapter.name} adapter's coerce() "
+                                  f"returned {_shown(got)} for a {_described(obj)}; it must "
+                                  f"return a LaunchArg, a ForeignArray, a sharedmem view or None")
             if tok is None:  # (compiled, read through: checked, as a view's is)
                 raise KernelError(f"argument {i}: the {type(got).__name__} the adapter made of "
                                   f"{_described(obj)} has no lease token (its coerce must set "
@@ -847,10 +877,55 @@ def host_kernel(fn: Callable[_P, _R]) -> HostKernel[_P, _R]:
     return HostKernel(fn)
 
 
+def host_arity(fn):
+    """How many positional arguments ``fn`` takes: ``(least, most)`` (most -1: any number),
+    a message where no call of launch() can fit it (a keyword-only parameter without a
+    default), or None where it has no signature to read (the call itself then says)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    least = most = 0
+    rest = False
+    for p in sig.parameters.values():
+        if p.kind is p.POSITIONAL_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD:
+            most += 1
+            if p.default is p.empty:
+                least = most
+        elif p.kind is p.VAR_POSITIONAL:
+            rest = True
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            return (f"has keyword-only parameter {p.name!r} without a default, which launch() "
+                    f"cannot pass")
+    return (least, -1 if rest else most)
+
+
 class _HostPlan(KernelPlan):
-    __slots__ = ()
+    __slots__ = ("arity",)
+
+    def __init__(self, kernel, adapter, device):
+        super().__init__(kernel, adapter, device)
+        self.arity = host_arity(kernel.fn)  # (checked per launch: before any lease)
+
+    def misfit(self, n) -> KernelError:
+        """The error of a launch passing ``n`` arguments its function cannot take."""
+        arity = self.arity
+        if type(arity) is str:
+            says = arity
+        else:
+            least, most = arity
+            says = (f"takes at least {least} argument{'s' if least != 1 else ''}" if most < 0
+                    else f"takes {most} argument{'s' if most != 1 else ''}" if least == most
+                    else f"takes {least} to {most} arguments") + f", got {n}"
+        return KernelError(f"{self.adapter.label(self.kernel)}: it {says}; launch() passes the "
+                           f"arguments after block to the function, in order")
 
     def pack(self, args, uses, config, stream):
+        arity = self.arity
+        if arity is not None:
+            n = len(args)
+            if type(arity) is str or n < arity[0] or n > arity[1] >= 0:
+                raise self.misfit(n)
         ndarray_of = _module("sharedmem.backends.host").ndarray_of
         out = []
         j = 0

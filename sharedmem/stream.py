@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import operator
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -394,6 +395,10 @@ def handle_reader(obj):
         return int
     if hasattr(obj, "__cuda_stream__"):
         return _protocol_handle
+    if _is_array(obj):  # (a view has a ``ptr``, as a CuPy stream does: its address, no handle)
+        raise TypeError(f"cannot use {obj!r} as a stream: it is an array, not a stream; give a "
+                        f"sharedmem.Stream, a CuPy, torch or cuda.core stream, an object with "
+                        f"__cuda_stream__, or an int (pass the array as a launch argument)")
     if hasattr(obj, "cuda_stream"):  # torch.cuda.Stream
         return _torch_handle
     if hasattr(obj, "ptr"):  # cupy.cuda.Stream
@@ -402,6 +407,16 @@ def handle_reader(obj):
         return int
     raise TypeError(f"cannot use {obj!r} as a stream: give a sharedmem.Stream, a CuPy, torch or "
                     f"cuda.core stream, an object with __cuda_stream__, or an int")
+
+
+def _is_array(obj) -> bool:
+    """Whether ``obj`` is memory rather than a stream: an array (DLPack or CUDA Array
+    Interface: a sharedmem view, a CuPy or NumPy array) or a sharedmem DeviceBox."""
+    t = type(obj)
+    if hasattr(t, "__dlpack__") or hasattr(t, "__cuda_array_interface__"):
+        return True
+    buffers = sys.modules.get("sharedmem.buffer")  # (no box exists before it is imported)
+    return buffers is not None and isinstance(obj, buffers.DeviceBox)
 
 
 def _names_a_stream(obj) -> bool:

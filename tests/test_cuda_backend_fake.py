@@ -4271,3 +4271,32 @@ def test_waiting_for_work_behind_a_query_that_cannot_ask_raises_rather_than_hang
     assert not hung, "result(1) of work behind an unaskable query never returned"
     assert got and isinstance(got[0], (sm.CudaError, TimeoutError)), got
 
+
+
+def test_a_view_given_as_stream_is_never_borrowed_as_one(fake, kernels, monkeypatch):
+    """A sharedmem view has a ``ptr``, which is how a CuPy stream names its handle: given as
+    ``stream=`` (or to ``Stream.from_external`` / ``stream.wait``) its device address was
+    borrowed as a CUstream handle, and the launch went to the driver on that "stream". It is
+    no stream: a TypeError, nothing borrowed, leased or launched."""
+    import sharedmem.device as sm_device
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (s.wait(x) asks Device(0),
+    monkeypatch.setattr(sm_device, "_default", None)            # and the default device)
+    saxpy, _ = kernels
+    s = dev.create_stream("s")
+    x, out = sm.Buffer.zeros(4, device=dev, stream=s), sm.Buffer.zeros(4, device=dev, stream=s)
+    box = sm.DeviceBox(1.0, device=dev, stream=s)
+    t = sm.Tensor.from_buffer(sm.Buffer.zeros(4, device=dev, stream=s), (4,))
+    sm.synchronize()
+    submitted, calls = sm.stats().submitted, len(drv.calls)
+    for bad in (x, x[0:2], t, box):
+        with pytest.raises(TypeError, match=r"^cannot use .* as a stream: it is an array, not a "
+                                            r"stream"):
+            sm.launch(saxpy, 1, 32, 1.0, sm.In(x), sm.In(x), sm.Out(out), 4, stream=bad)
+        with pytest.raises(TypeError, match=r"it is an array, not a stream"):
+            sm.Stream.from_external(bad, device=dev)
+        with pytest.raises(TypeError, match=r"^Stream\.wait takes an Event or a stream"):
+            s.wait(bad)
+    assert sm.stats().submitted == submitted and not out.allocation.tracker
+    # (no launch, and no driver call given a view's address as a stream)
+    assert not [c for c in drv.calls[calls:] if c[0] == "launch" or x.ptr in c[1:]]

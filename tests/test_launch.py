@@ -101,7 +101,7 @@ def test_atomic_is_tracked_as_write(host):
     fa = sm.launch(slow_atomic, 1, 1, sm.Atomic(buf), stream=a)
     # a reader on another stream conflicts with an atomic as with a write
     with pytest.raises(sm.AccessConflictError, match=r"while unfinished work on <Stream .*> writes them"):
-        sm.launch(saxpy, 1, 1, sm.In(buf), stream=b, policy="reject")
+        sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(buf), stream=b, policy="reject")
     gate.set()
     fa.result(5)
     assert buf.to_host()[0] == 1
@@ -343,12 +343,14 @@ def test_grid_block_and_shared_memory_take_numpy_ints(host):
 
 class _PreparedKernel:
     """A kernel type launched through _PreparingAdapter: ``act(args)`` runs in ``prepare``
-    (given the LaunchArg list the adapter sees), the work itself does nothing."""
+    (given the LaunchArg list the adapter sees), the work itself does nothing; ``returns``,
+    where given, is what ``prepare`` returns instead."""
 
     __name__ = "prepared"
 
-    def __init__(self, act):
+    def __init__(self, act, *returns):
         self.act = act
+        self.returns = returns
 
 
 class _PreparingAdapter(sm.KernelAdapter):
@@ -358,6 +360,8 @@ class _PreparingAdapter(sm.KernelAdapter):
 
     def prepare(self, kernel, grid, block, args, shared_mem, stream):
         kernel.act(args)
+        if kernel.returns:
+            return kernel.returns[0]
         return (lambda: stream._impl.submit(lambda: None, True)), ()
 
 
@@ -613,3 +617,230 @@ def test_a_dropped_host_kernel_and_what_it_closes_over_are_not_kept(host):
     gc_collect_harder()
     assert gone() is None
     sm.Tensor.from_buffer(buf, (4, 4))  # (no alias left)
+
+
+def test_a_view_given_as_stream_is_no_stream(host):
+    """A sharedmem view (or box) has a ``ptr``, which is how a CuPy stream names its handle:
+    given as ``stream=`` it was borrowed as a foreign stream -- on CUDA its device address
+    became a CUstream handle given to the driver; on the host a DeviceMismatchError said the
+    host has no foreign streams. It is no stream at all: a TypeError, nothing leased."""
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    s.synchronize()
+    before = sm.stats().submitted
+    for bad in (b, b[0:2], sm.Tensor.from_buffer(sm.Buffer.zeros(4, device=host), (4,)),
+                sm.DeviceBox(1.0, device=host), np.zeros(3)):
+        sm.synchronize()
+        before = sm.stats().submitted
+        with pytest.raises(TypeError, match=r"^cannot use .* as a stream: it is an array, not "
+                                            r"a stream; give a sharedmem\.Stream"):
+            sm.launch(saxpy, 1, 1, 1.0, b, b, b, stream=bad)
+        assert sm.stats().submitted == before
+        with pytest.raises(TypeError, match=r"it is an array, not a stream"):
+            sm.Stream.from_external(bad)
+        with pytest.raises(TypeError, match=r"^Stream\.wait takes an Event or a stream"):
+            s.wait(bad)
+    assert not b.allocation.tracker
+
+
+class _PlannedKernel:
+    """A kernel type whose adapter's plan() returns ``made[0]``."""
+
+    __name__ = "planned"
+
+
+class _PlanningAdapter(sm.KernelAdapter):
+    name = "planning kernel"
+    device_kinds = ("host",)
+    made = [None]
+
+    def plan(self, kernel, device):
+        return self.made[0](kernel, self, device)
+
+
+sm.register_kernel_adapter(_PlannedKernel, _PlanningAdapter())
+
+
+def test_a_plan_that_is_no_kernel_plan_for_the_device_is_refused(host):
+    """What an adapter's plan() returns is checked once, as it is made: None crashed the
+    compiled build (a NULL read through its typed local), anything else not a KernelPlan was
+    an AttributeError (interpreted) or Cython's "Cannot convert" (compiled), and a plan that
+    skipped KernelPlan.__init__ (its device not the one asked) an AttributeError or a
+    TypeError about NoneType. Nothing is leased."""
+    from sharedmem.launch import KernelPlan
+
+    class NoInit(KernelPlan):
+        __slots__ = ()
+
+        def __init__(self, kernel, adapter, device):
+            pass  # (forgets KernelPlan.__init__)
+
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    s.synchronize()
+    before = sm.stats().submitted
+    for made, got in ((lambda k, a, d: None, "None"),
+                      (lambda k, a, d: object(), "a value of type object"),
+                      (lambda k, a, d: 5, "a value of type int"), (NoInit, "a NoInit for None")):
+        _PlanningAdapter.made[0] = made
+        with pytest.raises(sm.KernelError, match=rf"^the planning kernel adapter's plan\(\) "
+                                                 rf"returned {got}, not a sharedmem\.launch\."
+                                                 rf"KernelPlan for <Device host>"):
+            sm.launch(_PlannedKernel(), 1, 1, sm.In(b), stream=s)
+    assert sm.stats().submitted == before and not b.allocation.tracker
+
+
+class _CoercedKernel:
+    """A kernel type whose adapter's coerce() returns ``made[0](obj)``."""
+
+    __name__ = "coerced"
+
+
+class _CoercingAdapter(sm.KernelAdapter):
+    name = "coercing kernel"
+    device_kinds = ("host",)
+    made = [None]
+
+    def coerce(self, obj, device):
+        return self.made[0](obj)
+
+    def prepare(self, kernel, grid, block, args, shared_mem, stream):
+        return (lambda: stream._impl.submit(lambda: None, True)), ()
+
+
+sm.register_kernel_adapter(_CoercedKernel, _CoercingAdapter())
+
+
+def test_what_coerce_returns_is_a_lease_a_view_or_none(host):
+    """An adapter's coerce() returning something else -- a string, an array, a DeviceBox --
+    was taken for a view: compiled, Cython's "Cannot convert str to View"; interpreted, an
+    AttributeError about _token. Both builds now say which argument, which adapter and what
+    it may return; nothing is leased."""
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    box = sm.DeviceBox(1.0, device=host)
+    sm.synchronize()
+    before = sm.stats().submitted
+
+    class Foreign:
+        pass
+    for made, got in ((lambda o: "x", "str"), (lambda o: np.zeros(2), "ndarray"),
+                      (lambda o: box, "DeviceBox"), (lambda o: (b,), "tuple")):
+        _CoercingAdapter.made[0] = made
+        with pytest.raises(sm.KernelError, match=rf"^argument 1: the coercing kernel adapter's "
+                                                 rf"coerce\(\) returned a value of type {got} "
+                                                 rf"for a Foreign; it must return a LaunchArg, "
+                                                 rf"a ForeignArray, a sharedmem view or None$"):
+            sm.launch(_CoercedKernel(), 1, 1, sm.In(b), sm.In(Foreign()), stream=s)
+    assert sm.stats().submitted == before and not b.allocation.tracker
+    _CoercingAdapter.made[0] = lambda o: b[0:2]  # (a view: fine)
+    sm.launch(_CoercedKernel(), 1, 1, sm.In(b), sm.In(Foreign()), stream=s).result(5)
+
+
+def test_prepare_returns_enqueue_and_keep_and_enqueue_its_marker(host):
+    """prepare() must return ``(enqueue, keep)``: None or a 1-tuple was a bare TypeError or
+    IndexError from inside the launch. And enqueue() must return its work's completion marker:
+    one returning None was filed as a submission with no marker -- the launch raised an
+    AttributeError after its leases were taken, and every later sweep (sm.stats(),
+    sm.synchronize(), the exit) raised one too, for good. Now a KernelError; the work enqueue
+    may have put on the stream is leased until the stream passes that point, as for an
+    interrupt (see test_an_interrupt_inside_the_enqueue_leaves_the_work_leased)."""
+    import weakref
+
+    from conftest import gc_collect_harder
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    s.synchronize()
+    before = sm.stats().submitted
+    for bad, got in ((None, "None"), ((lambda: None,), "a value of type tuple"),
+                     ((5, ()), "a value of type tuple")):
+        with pytest.raises(sm.KernelError, match=rf"^the preparing kernel adapter's prepare\(\) "
+                                                 rf"returned {got}; it must return \(enqueue, "
+                                                 rf"keep\): a callable that enqueues the work and "
+                                                 rf"returns its completion marker, and what the "
+                                                 rf"work keeps$"):
+            sm.launch(_PreparedKernel(lambda args: None, bad), 1, 1, sm.Out(b), stream=s)
+    assert sm.stats().submitted == before and not b.allocation.tracker
+    ran = threading.Event()
+
+    def enqueue_no_marker():
+        s._impl.submit(ran.set, True)  # (the work is queued, its marker dropped)
+    with pytest.raises(sm.KernelError, match=r"^preparing kernel prepared on <Stream .*>: its "
+                                             r"enqueue returned None, not the completion marker "
+                                             r"of the work"):
+        sm.launch(_PreparedKernel(lambda args: None, (enqueue_no_marker, ())), 1, 1, sm.Out(b),
+                  stream=s)
+    assert ran.wait(5)
+    alloc = weakref.ref(b.allocation)
+    del b
+    sm.synchronize()  # (raised AttributeError: the submission had no marker)
+    gc_collect_harder()
+    assert sm.stats().in_flight == 0 and alloc() is None
+
+
+def test_host_kernel_arguments_that_do_not_fit_its_parameters_are_refused(host):
+    """A host kernel launched with arguments its function cannot take (too few, too many, a
+    keyword-only parameter launch cannot pass) was launched: its future failed later with
+    HostKernelError, and in a composite op the parts before it ran. errors.md: a KernelError,
+    no lease taken -- and an op submits none of its parts."""
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, device=host, stream=s)
+    s.synchronize()
+    ran = []
+
+    @sm.host_kernel
+    def two(x, y):
+        ran.append(2)
+
+    @sm.host_kernel
+    def kw(x, *, n):
+        ran.append(3)
+
+    @sm.host_kernel
+    def many(x, y=1, *rest):
+        ran.append(len(rest))
+
+    before = sm.stats().submitted
+    for k, args, says in (
+            (two, (b,), r"takes 2 arguments, got 1"),
+            (two, (b, 1, 2), r"takes 2 arguments, got 3"),
+            (many, (), r"takes at least 1 argument, got 0"),
+            (kw, (b,), r"has keyword-only parameter 'n' without a default, which launch\(\) "
+                       r"cannot pass")):
+        with pytest.raises(sm.KernelError, match=rf"^host kernel .*\.{k.__name__}: it {says}; "
+                                                 rf"launch\(\) passes the arguments after "
+                                                 rf"block to the function, in order$"):
+            sm.launch(k, 1, 1, *args, stream=s)
+        with pytest.raises(sm.KernelError, match=says):
+            sm.op(two, 1, 1, b, b).and_then(sm.op(k, 1, 1, *args)).submit(s)
+    assert sm.stats().submitted == before and ran == [] and not b.allocation.tracker
+    sm.launch(many, 1, 1, b, stream=s).result(5)
+    sm.launch(many, 1, 1, b, 2, 3, 4, stream=s).result(5)
+    sm.launch(sm.host_kernel(print), 1, 1, stream=s).result(5)  # (no signature to read: as is)
+    assert ran == [0, 2]
+
+
+def test_an_adapter_registered_again_plans_host_kernels_launched_before(host):
+    """register_kernel_adapter drops every cached plan, so the next launch of any kernel of
+    that type plans with the adapter now registered -- except host kernels, which keep their
+    plan on themselves: one launched before went on with the old adapter's plan (a kernel
+    first launched afterwards got the new one)."""
+    from sharedmem.launch import _adapters
+    old = _adapters[sm.HostKernel]
+    planned = []
+
+    class Counting(type(old)):
+        def plan(self, kernel, device):
+            planned.append(kernel)
+            return super().plan(kernel, device)
+
+    k = sm.host_kernel(lambda: None)
+    sm.launch(k, 1, 1).result(5)
+    try:
+        sm.register_kernel_adapter(sm.HostKernel, Counting())
+        sm.launch(k, 1, 1).result(5)
+        assert planned == [k] and type(k._plan.adapter) is Counting
+    finally:
+        sm.register_kernel_adapter(sm.HostKernel, old)
+    sm.launch(k, 1, 1).result(5)
+    assert k._plan.adapter is old

@@ -38,8 +38,8 @@ except ImportError:  # interpreted, without Cython installed
 from ..access import HOLD_SEQ, check_policy, leases_to_check_locked, record_leases_locked
 from ..allocation import ViewToken, register_token_locked, unregistered_token
 from ..backends import COMPLETE, CompleteMarker
-from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, LeakWarning, \
-    ReleasedError, SharedMemWarning
+from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, KernelError, \
+    LeakWarning, ReleasedError, SharedMemWarning
 from . import callbacks as _callbacks
 from .state import CAPTURING, RUNTIME, Hooks, at_fork_child, locked, log, warn_user
 
@@ -270,6 +270,8 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
             # Any other Exception means the backend enqueued nothing: no lease.
             try:
                 marker = plan.enqueue(stream, config, payload) if plan is not None else enqueue()
+                if marker is None or not hasattr(marker, "query"):  # (an adapter's enqueue)
+                    raise _no_marker(stream, label, marker)
             except BaseException as e:
                 if not isinstance(e, Exception) or getattr(e, "enqueued", False):
                     _lease_interrupted_locked(stream, uses, keep, label)
@@ -292,6 +294,17 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     if became_active and rt.retirer_idle:
         rt.wake_retirer()  # it is sleeping its idle interval
     return sub
+
+
+def _no_marker(stream, label, got) -> KernelError:
+    """The error of an enqueue that returned ``got``, not its work's completion marker: what
+    it may have queued stays leased until the stream passes this point (``enqueued``)."""
+    e = KernelError(f"{label_text(label)} on {stream}: its enqueue returned {got!r:.80}, not "
+                    f"the completion marker of the work it queued (what stream._impl.submit() "
+                    f"or a backend's enqueueing call returns); fix its adapter. The arguments "
+                    f"stay leased until the stream passes this point")
+    e.enqueued = True
+    return e
 
 
 def _lease_interrupted_locked(stream, uses, keep, label) -> None:
