@@ -307,22 +307,26 @@ class capture:
             g._before = s.device.backend.record_marker(s._impl)  # (CudaError: nothing begun)
             dflt = s.device.default_stream
             legacy = dflt._impl
+            joins = before_legacy = None
             if hasattr(legacy, "open_marker") and s._impl.syncs_with_legacy():
                 # a blocking stream's capture joins the legacy default stream: an event
                 # recorded there while it runs fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and
                 # would make the completion of the work given to it before unknown -- its
                 # open marker, of that work, is recorded now; and what a hold's end there
                 # leases until meanwhile (no work can join it then): a marker recorded now
-                # (Stream._joined, see fresh_marker_locked)
+                # (Stream._joined, see fresh_marker_locked; set once the capture has begun)
                 if legacy.open_marker is not None:
                     legacy.open_marker.close_locked()
-                joined = dflt._joined
-                if joined is None:
-                    dflt._joined = [s.device.backend.record_marker(legacy), 1]
-                else:
-                    joined[1] += 1
-                self._joins = dflt
+                if dflt._joined is None:
+                    before_legacy = s.device.backend.record_marker(legacy)
+                joins = dflt
             self._recorder = s.device.backend.begin_capture(s._impl)
+            if joins is not None:
+                if before_legacy is not None:
+                    joins._joined = [before_legacy, 1]
+                else:
+                    joins._joined[1] += 1
+                self._joins = joins
             s._capture = g
             RUNTIME.captures += 1
         self.graph = g
