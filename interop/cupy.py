@@ -34,7 +34,6 @@ import sys
 import weakref
 
 from sharedmem.bridges import refs_held_once, refuse_references, refuse_shared
-from sharedmem.allocation import View
 from sharedmem.buffer import DeviceBox
 from sharedmem.device import Device
 from sharedmem.errors import AliasError, DeviceMismatchError, LayoutError
@@ -44,7 +43,7 @@ from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, extent, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce,
-                                 export_token, plan_kernel)
+                                 export_token, owner_writable, plan_kernel)
 from interop.dlpack import import_writable
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
@@ -57,7 +56,6 @@ def _tensor_view(arr):
     cp = _cupy()
     if not isinstance(arr, cp.ndarray):
         raise TypeError(f"expected a cupy.ndarray, got {type(arr).__name__}")
-    export = export_token(arr)
     alloc, lo, hi = _allocation_of(arr, Device(arr.device.id))
     isz = arr.itemsize
     if any(s % isz for s in arr.strides):
@@ -65,10 +63,7 @@ def _tensor_view(arr):
                           f"item size {isz}) cannot be a Tensor")
     # (read-only where CuPy's memory is a read-only view's -- as_cupy or cupy.asarray of
     # one, as a launch takes the array -- or only read-only views reach the bytes)
-    owner = getattr(arr.data.mem, "_owner", None)
-    writable = import_writable(alloc, lo, hi, export.writable if export is not None else
-                               owner._token.writable if isinstance(owner, View) and
-                               owner.is_live else True)
+    writable = import_writable(alloc, lo, hi, owner_writable(arr))
     tok = alloc.new_token("tensor", lo, hi, writable, (alloc, arr.data))
     return new_tensor(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
                       arr.data.ptr - alloc.ptr)

@@ -70,6 +70,18 @@ def export_token(arr):
     return owner.token if isinstance(owner, _ExportOwner) else None
 
 
+def owner_writable(arr) -> bool:
+    """Whether the sharedmem view behind CuPy array ``arr``'s memory lets it write: as_cupy's
+    array, its export's token; ``cupy.asarray`` of a view (its CAI), CuPy's memory names the
+    view as its owner (one released or moved since: the bytes are not its any more). True
+    for CuPy's own memory."""
+    owner = getattr(arr.data.mem, "_owner", None)
+    if isinstance(owner, _ExportOwner):
+        return owner.token.writable
+    tok = owner._token if isinstance(owner, View) else None
+    return tok is None or tok.writable
+
+
 def _allocation_of(arr, dev):
     """The allocation holding the array's bytes (ours, or foreign over CuPy's
     own memory unit), and the array's byte range in it."""
@@ -710,13 +722,8 @@ def array_facts(arr):
     if f is not None:
         return f
     alloc, lo, hi = _allocation_of(arr, Device(arr.device.id))
-    # as_cupy's array: its export's token; cupy.asarray of a view (its CAI): CuPy's memory
-    # names the view as its owner
-    owner = getattr(arr.data.mem, "_owner", None)
-    writable = (owner.token.writable if isinstance(owner, _ExportOwner) else
-                owner._token.writable if isinstance(owner, View) else True)
-    return _remember(arr, "CuPy array argument", alloc, lo, hi, writable, arr.data.ptr, None,
-                     None)
+    return _remember(arr, "CuPy array argument", alloc, lo, hi, owner_writable(arr),
+                     arr.data.ptr, None, None)
 
 
 def _known(arr):
