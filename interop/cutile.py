@@ -52,7 +52,7 @@ from interop.cupy_launch import (ArrayFacts, coerce, merged_devices,
 __all__ = ["TileKernelAdapter", "INSTALL_HINT"]
 
 INSTALL_HINT = ("cuTile is not installed: pip install 'cuda-tile[tileiras]' (or "
-                "'sharedmem[cutile]'). Hopper GPUs (sm_90) need the CUDA 13.3+ tile compiler "
+                "'sharedmem-gpu[cutile]'). Hopper GPUs (sm_90) need the CUDA 13.3+ tile compiler "
                 "tools (tileiras, ptxas, libnvvm) on PATH.")
 
 

@@ -18,8 +18,9 @@ copy with out-of-band buffers (:mod:`sharedmem.pickling`).
   comm keeps the frame, the sender's memory is never freed, reused or moved. Pending writes
   to the bytes are waited for (on the host) before the frame is handed over, because UCX
   sends without stream ordering. On Python >= 3.12 the frame also has the buffer protocol
-  (PEP 688), read as a host copy, so the same frame goes over TCP; on older Pythons, and for
-  memory on the host device, the frame is a host copy unless a UCX comm is loaded.
+  (PEP 688), read as a host copy, so the same frame goes over TCP; on older Pythons the frame
+  is a host copy unless a UCX comm is loaded. Memory on the host device always goes as a host
+  copy.
 
 The receiver always makes a **new allocation**: from host frames on its
 :func:`~sharedmem.default_device` (a copy from host memory), from device frames (received by

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cmath
 from collections import deque
 from functools import partial
 
@@ -48,10 +49,23 @@ def _scalar(value, dtype):
     if isinstance(value, (np.generic, np.ndarray)):  # (as a Python number: NumPy casts its
         value = value.item()                          # own values of another dtype C-style)
     try:
-        return np.array([value], dtype=dtype)
+        with np.errstate(over="ignore"):  # (a finite value cast to an infinity: refused below)
+            a = np.array([value], dtype=dtype)
     except (OverflowError, ValueError, TypeError) as e:  # (300 as int8, nan as an int, 1j as
         # a float: NumPy's words)
         raise type(e)(f"a DeviceBox of {dtype} cannot hold {value!r}: {e}") from None
+    if a.dtype.kind in "fc" and not np.isfinite(a[0]) and _finite(value):
+        raise OverflowError(f"a DeviceBox of {dtype} cannot hold {value!r}: it is beyond the "
+                            f"range of {dtype}")
+    return a
+
+
+def _finite(value) -> bool:
+    """Whether the number ``value`` is finite (an int of any size is)."""
+    try:
+        return cmath.isfinite(value)
+    except (TypeError, OverflowError):  # (an int beyond a float's range: finite)
+        return True
 
 
 #: The most bytes one allocation may ask for (what NumPy and CuPy sizes can express).
@@ -485,12 +499,16 @@ def on_device(stream, device):
 
 def _length(n) -> int:
     """A buffer length as given, checked as a tensor's shape is: TypeError for what is not an
-    int, LayoutError (a ValueError) for a negative one."""
+    int, LayoutError (a ValueError) for a negative one or one of 2**63 or more (DLPack and
+    NumPy sizes are int64s)."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         raise TypeError(f"a buffer length must be an int >= 0, got {n!r}")
     if n < 0:
         raise LayoutError(f"a buffer length must be an int >= 0, got {n!r}")
-    return int(n)
+    n = int(n)
+    if n >= 1 << 63:
+        raise LayoutError(f"a buffer length must be below 2**63, got {n}")
+    return n
 
 
 class DeviceBox:

@@ -103,7 +103,7 @@ class KernelError(SharedMemError, TypeError):
 
 class CaptureError(SharedMemError, RuntimeError):
     """A graph capture was misused: work that cannot be captured (a host
-    read, a zip across streams), a stream already capturing, a capture that
+    read, ``apply``), a stream already capturing, the default stream, a capture that
     failed and left no graph, or waiting on a stream that is capturing."""
 
 

@@ -284,7 +284,8 @@ class KernelAdapter:
     ``plan(kernel, device)`` returns a :class:`KernelPlan` (made once per kernel and device).
     Adapters written against the older interface instead implement ``prepare(kernel, grid,
     block, args, shared_mem, stream)`` -- validate and pack without side effects, return
-    ``(enqueue, keep)`` -- which the default ``plan`` calls on every launch.
+    ``(enqueue, keep)``, ``keep`` a tuple or list of what the work keeps alive -- which the
+    default ``plan`` calls on every launch.
 
     ``coerce(obj, device)`` may turn a foreign array (a CuPy array...) into a
     lease -- a :class:`LaunchArg` with ``view`` None, ``value`` (what the plan packs),
@@ -312,7 +313,9 @@ class KernelAdapter:
         return _PreparedPlan(kernel, self, device)
 
     def prepare(self, kernel, grid, block, args, shared_mem, stream):  # pragma: no cover
-        """Validate and pack, with no side effects; return ``(enqueue, keep)``."""
+        """Validate and pack, with no side effects; return ``(enqueue, keep)``: ``enqueue()``
+        enqueues the work and returns its completion marker, ``keep`` is a tuple or list of
+        what the work keeps alive until it is done."""
         raise NotImplementedError
 
 
@@ -328,7 +331,7 @@ class _PreparedPlan(KernelPlan):
         got = self.adapter.prepare(self.kernel, config[0], config[1], array_args(args, uses),
                                    config[2], stream)
         if (type(got) is not tuple and type(got) is not list) or len(got) != 2 or \
-                not callable(got[0]):
+                not callable(got[0]) or not isinstance(got[1], (tuple, list)):
             raise KernelError(f"the {self.adapter.name} adapter's prepare() returned "
                               f"{_shown(got)}; it must return (enqueue, keep): a callable that "
                               f"enqueues the work and returns its completion marker, and what "

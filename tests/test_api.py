@@ -98,6 +98,16 @@ def test_dtype_and_length_errors(host):
     for bad in (2.0, True, "3", None):
         with pytest.raises(TypeError, match=r"^a buffer length must be an int >= 0, got "):
             sm.Buffer.empty(bad, device=host)
+    # errors.md: a length (a Buffer's one dimension) of 2**63 or more is a LayoutError, as a
+    # tensor's is -- it was a MemoryError (its byte count beyond memory), unlike
+    # Tensor.empty((2**63,))
+    for n in (2**63, np.uint64(2**63), 2**70):
+        with pytest.raises(sm.LayoutError, match=r"^a buffer length must be below 2\*\*63, got "):
+            sm.Buffer.empty(n, "int8", device=host)
+    with pytest.raises(sm.LayoutError):
+        sm.Tensor.empty((2**63,), "int8", device=host)
+    with pytest.raises(MemoryError):  # (below 2**63 elements, beyond memory: as documented)
+        sm.Buffer.empty(2**62, device=host)
     t = sm.Tensor.empty((2, 2), device=host)
     assert t.is_contiguous() is True and t[::2].is_contiguous() is True
     b2 = sm.Buffer.zeros(8, device=host)

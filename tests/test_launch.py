@@ -167,8 +167,11 @@ def test_missing_cutile_says_how_to_install(monkeypatch):
     import sys
     import interop.cutile as icut
     monkeypatch.setitem(sys.modules, "cuda.tile", None)  # import cuda.tile now fails
-    with pytest.raises(sm.BackendUnavailableError, match=r"^cuTile is not installed: pip install 'cuda-tile\[tileiras\]'.*Hopper GPUs \(sm_90\) need the CUDA 13.3\+"):
+    with pytest.raises(sm.BackendUnavailableError, match=r"^cuTile is not installed: pip install 'cuda-tile\[tileiras\]'.*Hopper GPUs \(sm_90\) need the CUDA 13.3\+") as e:
         icut._cutile()
+    # the extra is on the PyPI project sharedmem-gpu (README, interop-cutile.md): `sharedmem` there
+    # is an unrelated project, which the hint named
+    assert "'sharedmem-gpu[cutile]'" in str(e.value) and "'sharedmem[" not in str(e.value)
     assert issubclass(sm.BackendUnavailableError, ImportError)
 
 
@@ -752,8 +755,11 @@ def test_prepare_returns_enqueue_and_keep_and_enqueue_its_marker(host):
     b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
     s.synchronize()
     before = sm.stats().submitted
+    # (a keep that is no tuple or list -- None -- raised TypeError "Value after * must be an
+    # iterable" from inside launch)
     for bad, got in ((None, "None"), ((lambda: None,), "a value of type tuple"),
-                     ((5, ()), "a value of type tuple")):
+                     ((5, ()), "a value of type tuple"),
+                     ((lambda: None, None), "a value of type tuple")):
         with pytest.raises(sm.KernelError, match=rf"^the preparing kernel adapter's prepare\(\) "
                                                  rf"returned {got}; it must return \(enqueue, "
                                                  rf"keep\): a callable that enqueues the work and "

@@ -224,6 +224,31 @@ def test_a_devicebox_refuses_a_numpy_value_its_dtype_cannot_hold(host):
     assert box.get() == 7
 
 
+def test_a_devicebox_refuses_a_finite_value_beyond_its_float_range(host):
+    """errors.md: a value the box's dtype cannot hold is an OverflowError. A finite number beyond
+    a float dtype's range was stored as an infinity (1e300 in a float32 box read back inf, with
+    only NumPy's RuntimeWarning), as CuPy scalar parameters refuse it (interop-cupy.md). NaN
+    and the infinities stay what they are."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (and no NumPy "overflow encountered in cast")
+        for value, dtype in ((1e300, "float32"), (np.float64(-1e39), "float32"),
+                             (70000, "float16"), (complex(1e300, 0), "complex64"),
+                             (10**39, "float32")):
+            with pytest.raises(OverflowError, match=rf"^a DeviceBox of {dtype} cannot hold "):
+                sm.DeviceBox(value, dtype, device=host)
+        box = sm.DeviceBox(1.5, "float32", device=host)
+        with pytest.raises(OverflowError):
+            box.set(1e39)
+        assert box.get() == 1.5
+        for value in (float("inf"), float("-inf")):
+            box.set(value).result(5)
+            assert box.get() == value
+        box.set(float("nan")).result(5)
+        assert np.isnan(box.get())
+        assert sm.DeviceBox(3.4e38, "float32", device=host).get() == np.float32(3.4e38)
+
+
 def test_strides_past_int64_are_never_made(host):
     """t[::2**62] of a tensor gave a stride of 2**64 on its one row, from_buffer took a stride
     of 2**64 on an extent-1 dimension, and an empty shape (0, 2**62, 2**62) C strides up to

@@ -161,7 +161,9 @@ class DeviceFuture(_FutureBase):
     ``done()`` never blocks; ``result(timeout=None)`` blocks until the device
     has finished, then returns the value (``None`` for a launch) or raises
     :class:`~sharedmem.errors.CompletionUnknownError` if completion cannot be
-    known. ``await fut`` works in asyncio. Dropping the future is safe.
+    known (:class:`~sharedmem.errors.HostKernelError` where a host kernel raised,
+    ``TimeoutError`` where ``timeout`` passed first). ``await fut`` works in asyncio.
+    Dropping the future is safe.
     """
 
     __slots__ = ()
@@ -178,7 +180,8 @@ class DeviceFuture(_FutureBase):
 
     @property
     def stream(self) -> Stream:
-        """The stream the work was submitted on."""
+        """The stream the work was submitted on (None for a launch captured into a graph: it
+        runs where the graph is replayed)."""
         return self._s.stream
 
     def done(self) -> bool:

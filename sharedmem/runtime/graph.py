@@ -203,9 +203,9 @@ class Graph:
     # -- replay ----------------------------------------------------------------
     def replay(self, stream: Stream | object | None = None,
                policy: Literal["order", "reject"] | None = None) -> DeviceFuture[None]:
-        """Run the graph on ``stream`` (default: the device's default stream
-        on the host; a CUDA graph needs a created stream or the legacy default
-        stream) with fresh leases on everything it touches."""
+        """Run the graph on ``stream`` (default: the current stream of the graph's device,
+        ``with stream:``, else its default stream -- on CUDA the legacy default stream) with
+        fresh leases on everything it touches."""
         r = self._replay  # (one attribute read: set when the capture ends, dropped first thing
         # by release, under the graph's lock with the state)
         if r is None:
