@@ -44,18 +44,20 @@ def native(a: np.ndarray) -> np.ndarray:
 def _scalar(value, dtype):
     """``value`` as a 1-element array of ``dtype``: a number, bool or 0-d array -- never
     None or a string, which NumPy would turn into nan or parse."""
-    if value is None or isinstance(value, (str, bytes)) or np.ndim(value) != 0:
+    v = value
+    if isinstance(v, (np.generic, np.ndarray)) and np.ndim(v) == 0:  # (as a Python number:
+        v = v.item()  # NumPy casts its own values of another dtype C-style; checked below as
+        # one: a 0-d array of None or of a string holds no number either)
+    if v is None or isinstance(v, (str, bytes)) or np.ndim(v) != 0:
         raise TypeError(f"a DeviceBox holds one number, got {value!r}")
-    if isinstance(value, (np.generic, np.ndarray)):  # (as a Python number: NumPy casts its
-        value = value.item()                          # own values of another dtype C-style)
     try:
         with np.errstate(over="ignore"):  # (a finite value cast to an infinity: refused below)
-            a = np.array([value], dtype=dtype)
+            a = np.array([v], dtype=dtype)
     except (OverflowError, ValueError, TypeError) as e:  # (300 as int8, nan as an int, 1j as
         # a float: NumPy's words)
-        raise type(e)(f"a DeviceBox of {dtype} cannot hold {value!r}: {e}") from None
-    if a.dtype.kind in "fc" and not np.isfinite(a[0]) and _finite(value):
-        raise OverflowError(f"a DeviceBox of {dtype} cannot hold {value!r}: it is beyond the "
+        raise type(e)(f"a DeviceBox of {dtype} cannot hold {v!r}: {e}") from None
+    if a.dtype.kind in "fc" and not np.isfinite(a[0]) and _finite(v):
+        raise OverflowError(f"a DeviceBox of {dtype} cannot hold {v!r}: it is beyond the "
                             f"range of {dtype}")
     return a
 

@@ -79,7 +79,10 @@ def _ints(seq, what) -> tuple[int, ...]:
     sequence of ints (bools and strings are not, nor mappings and sets: their iteration gives
     keys, or no order)."""
     bad = isinstance(seq, (str, bytes, dict, set, frozenset)) or not hasattr(seq, "__iter__")
-    out = () if bad else tuple(seq)
+    try:
+        out = () if bad else tuple(seq)
+    except TypeError:  # (an __iter__ that refuses: a 0-d array's, "iteration over a 0-d array")
+        bad, out = True, ()
     if bad or any(isinstance(n, bool) or not isinstance(n, (int, np.integer)) for n in out):
         raise TypeError(f"{what}, got {seq!r}")
     return tuple(int(n) for n in out)

@@ -1177,3 +1177,41 @@ def test_odd_shapes_steps_and_box_values_are_named_in_their_errors():
     with pytest.raises(TypeError, match=r"^a DeviceBox of float32 cannot hold 1j: "):
         sm.DeviceBox(1j, "float32")
     assert t.allocation.live_views == 1
+
+
+def test_a_devicebox_refuses_a_0d_array_of_none_or_of_a_string(host):
+    """api.md: a DeviceBox value is "one number, bool or 0-d array (TypeError for None,
+    strings, sequences)". A 0-d array holding None or a string passed the check (its ndim is
+    0) and was then converted as its item: ``DeviceBox(np.array(None))`` held nan, and
+    ``np.array("7")`` or ``np.array(b"7")`` were parsed -- what the check refuses for the bare
+    None and strings. Nothing is written by a refused set."""
+    for bad in (np.array(None), np.array("7"), np.array(b"7"), np.array(None, dtype=object)):
+        with pytest.raises(TypeError, match=r"^a DeviceBox holds one number, got array\("):
+            sm.DeviceBox(bad, "float64", device=host)
+    box = sm.DeviceBox(2.5, "float32", device=host)
+    with pytest.raises(TypeError, match=r"^a DeviceBox holds one number, got array\(None, "
+                                        r"dtype=object\)$"):
+        box.set(np.array(None))
+    assert box.get() == 2.5
+    box.set(np.array(4.0)).result(5)  # (a 0-d array of a number is one)
+    assert box.get() == 4.0
+
+
+def test_a_0d_array_as_a_shape_or_strides_is_named_in_the_error(host):
+    """A 0-d array has ``__iter__`` but cannot be iterated: ``Tensor.empty(np.array(5))``,
+    ``t.reshape(np.array(6))`` and ``from_buffer(b, (6,), strides=np.array(1))`` raised
+    NumPy's bare "iteration over a 0-d array" -- no word of a shape or strides. Now the
+    TypeError every other non-sequence gets, naming the value; nothing is moved."""
+    with pytest.raises(TypeError, match=r"^shape must be an int or a sequence of ints, got "
+                                        r"array\(5\)$"):
+        sm.Tensor.empty(np.array(5), "float32", device=host)
+    t = sm.Tensor.from_host(np.arange(6, dtype=np.float32), device=host)
+    with pytest.raises(TypeError, match=r"^shape must be an int or a sequence of ints, got "
+                                        r"array\(6\)$"):
+        t.reshape(np.array(6))
+    b = t.into_buffer()
+    with pytest.raises(TypeError, match=r"^strides must be a sequence of ints \(elements\), got "
+                                        r"array\(1\)$"):
+        sm.Tensor.from_buffer(b, (6,), strides=np.array(1))
+    assert b.is_live and b.allocation.live_views == 1  # not moved
+    assert sm.Tensor.from_buffer(b, (6,), strides=np.array([1])).shape == (6,)
