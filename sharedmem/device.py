@@ -209,6 +209,7 @@ def default_device() -> Device:
     if choice not in ("", "host", "cuda"):
         raise BackendUnavailableError(
             f"SHAREDMEM_BACKEND={choice!r} is not a backend; use 'host' or 'cuda' (or unset it)")
+    why = None  # (the last choice's: a reason an earlier one -- show_config's -- gave is gone)
     if choice == "host":
         dev = Device.host()
     else:
@@ -221,8 +222,8 @@ def default_device() -> Device:
                 f"CUDA device 0 is not usable: {e}"
             if choice == "cuda":
                 raise BackendUnavailableError(f"SHAREDMEM_BACKEND=cuda: {why}") from e
-            _fallback[0] = why
             dev = Device.host()
+    _fallback[0] = why
     # (returned from the local: re-read, the global may be None again by then -- another
     # thread's show_config resets it, and the except clause's cleanup above can run finalizers)
     _default = dev

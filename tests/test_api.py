@@ -273,6 +273,45 @@ def test_show_config_names_the_default_device_and_why_it_is_the_host(monkeypatch
     assert d.host_fallback_reason() == "the CUDA backend needs cuda-bindings (test)"
 
 
+def test_a_fallback_reason_is_forgotten_once_the_default_is_chosen_without_falling_back(
+        monkeypatch):
+    """show_config() asks for the default device without fixing it: where CUDA was unusable
+    then (a GPU busy in exclusive-process mode), the reason stayed for good -- the next
+    choice, CUDA device 0 once usable (or the host as SHAREDMEM_BACKEND=host asks),
+    reported "<Device cuda:0 ...> (CUDA unusable: ...)", and host_fallback_reason() said
+    why it had fallen back although it had not. The reason is the last choice's."""
+    import io
+
+    import sharedmem.device as d
+    monkeypatch.setattr(d, "_default", None)
+    monkeypatch.setattr(d, "_fallback", [None])
+    monkeypatch.delenv("SHAREDMEM_BACKEND", raising=False)
+    gpu = object.__new__(sm.Device)
+    gpu._setup("cuda", 0, "Stand-in GPU", ("stand-in", 0), sm.Device.host().backend)
+    busy = [True]
+
+    def device0(cls, ordinal=0):
+        if busy[0]:
+            raise sm.CudaError("cuDevicePrimaryCtxRetain: CUDA_ERROR_DEVICE_BUSY", 46)
+        return gpu
+    monkeypatch.setattr(d, "Device", type("D", (), {"__new__": staticmethod(device0),
+                                                    "host": staticmethod(sm.Device.host)}))
+    info = sm.show_config(io.StringIO())
+    assert info["default device"].startswith("<Device host> (CUDA unusable: CUDA device 0 is "
+                                             "not usable: ")
+    assert d._default is None  # (asking fixed nothing)
+    busy[0] = False
+    assert sm.default_device() is gpu
+    assert d.host_fallback_reason() is None
+    assert sm.show_config(io.StringIO())["default device"] == repr(gpu)
+    monkeypatch.setattr(d, "_default", None)
+    busy[0] = True
+    assert sm.default_device() is sm.Device.host() and d.host_fallback_reason() is not None
+    monkeypatch.setattr(d, "_default", None)
+    monkeypatch.setenv("SHAREDMEM_BACKEND", "host")
+    assert sm.default_device() is sm.Device.host() and d.host_fallback_reason() is None
+
+
 def test_check_required_refuses_or_warns_about_an_interpreted_core(monkeypatch):
     """Interpreted: ``SHAREDMEM_REQUIRE_EXTENSION=1`` makes it an ImportError naming what
     runs from source and that SHAREDMEM_PURE_PYTHON is set; unasked for (neither variable),

@@ -663,3 +663,67 @@ def test_a_failure_an_apply_function_looks_at_counts_as_retrieved(host, caplog):
     sm.synchronize()
     gc_collect_harder()
     assert _never_retrieved(caplog) == []
+
+
+def test_an_apply_function_waiting_for_a_then_of_its_own_value_raises_instead_of_hanging(host):
+    """apply(fn) where fn waits for a then() of the value it computes (or a then() of that):
+    the HostFuture follows the value, set only once fn returns, so the wait hung fn's thread
+    for ever (without a timeout; with one it ran out: TimeoutError). It raises SharedMemError
+    at once, as a wait for the value itself does (api.md), and fn's future fails with it."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    for chain in (lambda f: f.then(lambda v: v), lambda f: f.then(lambda v: v).then(str)):
+        box, took = {}, []
+        gate = threading.Event()
+
+        def fn(v):
+            assert gate.wait(5)
+            t0 = time.monotonic()
+            try:
+                return chain(box["f"]).result(3)
+            finally:
+                took.append(time.monotonic() - t0)
+        box["f"] = sm.op(fill, 1, 1, b, 1.0).apply(fn).submit()
+        gate.set()
+        e = box["f"].exception(10)
+        assert type(e) is sm.SharedMemError, e
+        assert re.match(r"^a function computing the value of host kernel fill on <Stream .*> "
+                        r"\(an apply\(\) or zip\(\) value\) waits for a then\(\) of that "
+                        r"value, which is set only once the function returns: it would wait "
+                        r"forever\. Wait for it outside apply\(\)'s functions \(chain then\(\) "
+                        r"after the future instead\)$", str(e)), str(e)
+        assert took[0] < 1  # raised at once, not after the timeout
+    # outside the function, a then() of the value waits as before
+    f = sm.op(fill, 1, 1, b, 1.0).apply(lambda v: 5).submit()
+    assert f.then(lambda v: v + 1).then(lambda v: v * 2).result(5) == 12
+
+
+@pytest.mark.parametrize("timeout", [-10**400, -10**309], ids=["-10**400", "-10**309"])
+def test_a_huge_negative_timeout_waits_for_nothing(host, timeout):
+    """result(timeout=) / exception(timeout=) / Event.synchronize(timeout=) of an int below
+    what a float holds: OverflowError ('int too large to convert to float', from adding it to
+    the clock), no documented error and nothing said about the timeout. A negative timeout
+    waits for nothing, as 0 does: TimeoutError (False for an event) while the work runs."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    s = host.create_stream()
+    f = sm.launch(slow_fill, 1, 1, b, 1.0, 0.5, stream=s)
+    a = sm.op(fill, 1, 1, b, 2.0).apply(lambda v: 7).submit(s)
+    ev = s.record()
+    for wait in (f.result, f.exception, a.result):
+        with pytest.raises(TimeoutError, match=r" within 0 s$"):
+            wait(timeout)
+    assert ev.synchronize(timeout) is False
+    assert f.result(5) is None and a.result(5) == 7 and ev.synchronize(5) is True
+
+
+def test_add_done_callback_of_something_not_callable_says_so(host):
+    """add_done_callback(5) raised functools.partial's TypeError ('the first argument must be
+    callable'), naming neither the call nor the value; as then() does, it names both, and
+    nothing is added."""
+    b = sm.Buffer.zeros(4, "float32", device=host)
+    f = sm.launch(slow_fill, 1, 1, b, 1.0, 0.2)
+    h = f.then(lambda v: v)
+    for fut in (f, h):
+        with pytest.raises(TypeError, match=r"^add_done_callback takes a callable, got 5$"):
+            fut.add_done_callback(5)
+    assert h.result(5) is None and f.result(5) is None
+    sm.synchronize()  # (no deferred error: nothing was added)

@@ -44,14 +44,15 @@ def check_timeout(timeout):
     """A wait's ``timeout`` as the wait takes it: None (no limit) or seconds -- a real number,
     TypeError naming it otherwise, ValueError for NaN (checked before the wait, which would
     compare it only once it has to wait). Infinite, or past what a wait can take
-    (``threading.TIMEOUT_MAX``), it is None."""
+    (``threading.TIMEOUT_MAX``), it is None; negative, 0 (no wait: an int below what a float
+    holds overflowed where a wait adds it to the clock)."""
     if timeout is None:
         return None
     if not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be None or a number of seconds, got {timeout!r}")
     if timeout != timeout:
         raise ValueError(f"timeout must be None or a number of seconds, got {timeout!r}")
-    return None if timeout >= threading.TIMEOUT_MAX else timeout
+    return None if timeout >= threading.TIMEOUT_MAX else timeout if timeout > 0 else 0
 
 
 @cython.freelist(16)  # (a launch makes a DeviceFuture: same size as this, compiled)
@@ -69,9 +70,12 @@ class _FutureBase:
         if not callable(fn):
             raise TypeError(f"then takes a callable, got {fn!r}")
         out = HostFuture()
-        if isinstance(self, HostFuture) and not self.done():
-            out._after = self  # (a wait for ``out`` inside the function computing self's value
-            # would never end either: see HostFuture._wait_done)
+        if not isinstance(self, DeviceFuture) or hasattr(self, "_owner"):
+            # a HostFuture, or a composite op's value (ops.ComputedFuture), computed by a
+            # function whose thread each names (_owner): a wait for ``out`` inside that function
+            # would never end either (see HostFuture._wait_done)
+            if not self.done():
+                out._after = self
         self.add_done_callback(partial(_then, self, fn, out))
         return out
 
@@ -84,6 +88,8 @@ class _FutureBase:
     def add_done_callback(self, fn: Callable[[_FutureBase[_T]], object]) -> None:
         """Call ``fn(self)`` once this future is done -- its work finished, or its value or
         error set -- (at once if it is)."""
+        if not callable(fn):
+            raise TypeError(f"add_done_callback takes a callable, got {fn!r}")
         self._add_callback(partial(fn, self))
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -291,8 +297,8 @@ class HostFuture(_FutureBase):
         self._lock = threading.Lock()
         self._owner = None  # the ident of the thread computing its value (then()'s function)
         self._source = None  # the future whose failure is its error (then()'s), or None
-        # the HostFuture whose then() made this one, until this one is set (None: another
-        # future's); a wait for this one waits for it too
+        # the HostFuture -- or the composite op's value -- whose then() made this one, until
+        # this one is set (None: another future's); a wait for this one waits for it too
         self._after = None
 
     def __repr__(self) -> str:
@@ -328,13 +334,20 @@ class HostFuture(_FutureBase):
             f = self
             while f is not None:  # (this future, and the unset ones it follows by then())
                 if f._owner == me:
+                    if isinstance(f, DeviceFuture):  # (a composite op's value: see then())
+                        raise SharedMemError(
+                            f"a function computing the value of {f._s.label} on {f._s.stream} "
+                            f"(an apply() or zip() value) waits for a then() of that value, which "
+                            f"is set only once the function returns: it would wait forever. Wait "
+                            f"for it outside apply()'s functions (chain then() after the "
+                            f"future instead)")
                     raise SharedMemError(
                         f"a then() function waits for the HostFuture that then() returned"
                         f"{'' if f is self else ' (through a then() of it)'}, which is set only "
                         f"once that function returns: it would wait forever. Wait for it "
                         f"outside the function (chain another then() after it instead)")
-                f = f._after
-                if f is not None and f._event.is_set():
+                f = getattr(f, "_after", None)  # (a composite op's value follows nothing here)
+                if f is not None and f.done():
                     break
             with _callbacks.waiting():  # (a continuation waiting: another worker takes over)
                 done = self._event.wait(timeout)
