@@ -87,13 +87,17 @@ EXPORT_KIND = "CUDA Array Interface export (it lasts as long as the exported obj
 
 
 def export_cai(view) -> dict:
-    """The CUDA Array Interface v3 dict of a CUDA view (see the module
+    """The CUDA Array Interface v3 dict of a CUDA view (TypeError for another; see the module
     docstring: ``stream`` names a stream made to wait for our pending work on
     these bytes, or is None when none is pending). The view keeps a hold on the
     consumers' likely streams (``interop.streams.current_streams``) until it is
     garbage collected."""
     tok = view._live_token()
     dev = tok.allocation.device
+    if dev.kind != "cuda":  # (the property says AttributeError first: hasattr() is False)
+        raise TypeError(f"export_cai({view!r}): the CUDA Array Interface describes CUDA "
+                        f"memory, and this view is on {dev}; use np.from_dlpack(view) for a "
+                        f"zero-copy host array")
     impl = _export_stream(dev)
     # (the layout first: a view released meanwhile raises with no hold made)
     cai = dict(view._derived_value("cai", _layout))  # (a dict of its own for each consumer)

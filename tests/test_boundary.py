@@ -277,3 +277,20 @@ def test_a_move_retires_finished_work_before_it_reports_an_alias(host, monkeypat
     fut._s.marker.wait()  # the work is done, but nobody retired it (usually)
     b = t.into_buffer()  # no AliasError from a submission that is only done
     assert b.is_live and fut.done()
+
+
+def test_a_host_view_has_no_cuda_array_interface(host):
+    """The property is an AttributeError on the host (hasattr() is False); interop.cai's public
+    export_cai(view) of a host view returned a CUDA Array Interface dict naming a host address
+    as device memory, and took a hold. Now a TypeError, and nothing held."""
+    from interop.cai import export_cai
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=host)
+    assert not hasattr(t, "__cuda_array_interface__")
+    with pytest.raises(TypeError, match=r"^export_cai\(<Tensor .*\): the CUDA Array Interface "
+                                        r"describes CUDA memory, and this view is on "
+                                        r"<Device host>; use np.from_dlpack\(view\) for a "
+                                        r"zero-copy host array$"):
+        export_cai(t)
+    assert t.allocation.live_views == 1
+    b = t.into_buffer()  # (no hold was taken: the move goes through)
+    assert b.allocation.live_views == 1
