@@ -33,8 +33,20 @@ COMPILED = [
     "interop/streams.py",
 ]
 
-REQUIRE = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "").strip().lower() in (
-    "1", "true", "yes", "on")  # (as sharedmem.config._flag reads it)
+
+def _require() -> bool:
+    """``SHAREDMEM_REQUIRE_EXTENSION`` as sharedmem.config._flag reads it: 1, true, yes or on;
+    unset, empty, 0, false, no or off is off (any case); anything else stops the build (the
+    import would refuse it later)."""
+    value = os.environ.get("SHAREDMEM_REQUIRE_EXTENSION", "")
+    v = value.strip().lower()
+    if v not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise SystemExit(f"SHAREDMEM_REQUIRE_EXTENSION={value!r} is not a switch value: set it "
+                         f"to 1 (true, yes, on) or 0 (false, no, off), or unset it")
+    return v in ("1", "true", "yes", "on")
+
+
+REQUIRE = _require()
 
 #: Cython and the C compiler run one job a core: a first install compiles 16 large C files.
 JOBS = os.cpu_count() or 1

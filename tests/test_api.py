@@ -255,6 +255,25 @@ def test_the_modules_setup_py_compiles_are_the_ones_config_knows():
     assert sorted(p[:-3].replace("/", ".") for p in paths) == sorted(config.COMPILED_MODULES)
 
 
+def test_the_build_refuses_a_require_switch_that_is_no_switch_value():
+    """setup.py read SHAREDMEM_REQUIRE_EXTENSION=maybe as off (it built, or warned, and went
+    on), while importing sharedmem refuses that value (config._flag): the build now stops at
+    once, naming it; 0 builds as unset does."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, "setup.py")):
+        pytest.skip("needs the checkout (setup.py): an installed wheel's tests run without it")
+    for value, refused in (("maybe", True), (" Off ", False)):
+        env = dict(os.environ, SHAREDMEM_REQUIRE_EXTENSION=value)
+        r = subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=120)
+        said = f"SHAREDMEM_REQUIRE_EXTENSION={value!r} is not a switch value"
+        assert (said in r.stderr) is refused and (r.returncode != 0) is refused, \
+            (value, r.returncode, r.stderr[-500:])
+
+
 def test_show_config_names_the_default_device_and_why_it_is_the_host(monkeypatch):
     import io
 
