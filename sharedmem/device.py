@@ -113,7 +113,10 @@ class Device:
         return s
 
     def create_stream(self, name: str | None = None) -> Stream:
-        """A new stream owned by the returned :class:`~sharedmem.Stream`."""
+        """A new stream owned by the returned :class:`~sharedmem.Stream` (``name``: a str
+        shown in reprs, traces and profilers, or None)."""
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"create_stream(name=) takes a str or None, got {name!r}")
         return Stream._create(self, self.backend.create_stream(name), owned=True, name=name)
 
     # -- peers --------------------------------------------------------------------------------

@@ -271,17 +271,17 @@ class Stream:
         if not isinstance(ev, (Event, Stream, int)) and _names_a_stream(ev):  # (CuPy's, torch's:
             named = _device_named_by(ev)  # on the device it names, else on this stream's)
             ev = Stream.from_external(ev, self.device if named is None else None)
-        if isinstance(ev, Stream):
-            ev = ev.record()
-        if not isinstance(ev, Event):
+        if not isinstance(ev, (Event, Stream)):
             raise TypeError(f"Stream.wait takes an Event or a stream (a sharedmem Stream, or a "
                             f"foreign one: Stream.from_external), got {type(ev).__name__}")
         if self._capture is not None:
             raise self._uncapturable_wait()
-        other = ev.stream.device
+        other = ev.device if isinstance(ev, Stream) else ev.stream.device
         if other is not self.device and (other.kind != "cuda" or self.device.kind != "cuda"):
             raise DeviceMismatchError(f"cannot make {self} wait for an event on {other} "
                                       f"(only CUDA devices wait on each other's events)")
+        if isinstance(ev, Stream):  # (recorded once the wait is known to be made: a refused
+            ev = ev.record()        # one leaves no marker on the other stream)
         if ev._marker.query() == 2:  # (known unknown: the stream would never be trusted again)
             raise ev._unknown()
         with locked():  # (where captures begin: the wait is made before one, or refused)

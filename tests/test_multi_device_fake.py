@@ -169,6 +169,12 @@ def test_cross_device_event_waits(two):
     assert drv.calls[-1] == ("wait", s1.handle, ev._marker.handle)
     with pytest.raises(sm.DeviceMismatchError, match="only CUDA devices wait on each other"):
         sm.Device.host().create_stream("h").wait(ev)
+    # a refused wait for a stream records nothing on it (an event was recorded there first:
+    # on a foreign stream its owner captures, that record would have gone into the capture)
+    mark = len(drv.calls)
+    with pytest.raises(sm.DeviceMismatchError, match="only CUDA devices wait on each other"):
+        sm.Device.host().create_stream("h").wait(s0)
+    assert drv.calls[mark:] == []
 
 
 def test_a_stream_of_another_device_is_refused_before_anything_is_imported(two, monkeypatch):

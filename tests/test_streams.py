@@ -694,3 +694,12 @@ def test_a_dropped_stream_is_gone_once_its_work_retired_whatever_it_touched(host
         __import__("time").sleep(0.01)
     assert threading.active_count() <= threads
     assert all(r.to_host().tolist() == [0.0, 1.0, 2.0, 3.0] for r in results)
+
+
+def test_a_stream_name_is_a_str(host):
+    """create_stream(name=5) made a stream whose name was the int (shown as such in reprs,
+    traces and sm.inflight); it is a TypeError naming it, and no stream is made."""
+    for bad in (5, b"s", ["s"]):
+        with pytest.raises(TypeError, match=r"^create_stream\(name=\) takes a str or None, got "):
+            host.create_stream(bad)
+    assert host.create_stream("ok").name == "ok" and host.create_stream().name is not None
