@@ -569,7 +569,8 @@ class DeviceBox:
         self.buffer.release()
 
     def __enter__(self):
-        return self
+        self.buffer.__enter__()  # (ReleasedError or MovedError for a box no longer usable, as
+        return self              # a view's `with` says)
 
     def __exit__(self, *exc):
         self.release()

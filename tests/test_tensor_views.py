@@ -224,6 +224,16 @@ def test_a_devicebox_refuses_a_numpy_value_its_dtype_cannot_hold(host):
     assert box.get() == 7
 
 
+def test_with_a_released_devicebox_raises_as_a_released_view_does(host):
+    """``with view:`` of a released view raises ReleasedError; ``with box:`` of a released box
+    entered silently (the body then failed on its first use of the box, or not at all)."""
+    box = sm.DeviceBox(1.5, "float32", device=host)
+    with box as b:
+        assert b is box and box.get() == 1.5
+    with pytest.raises(sm.ReleasedError, match=r"^this Buffer \(allocation #\d+\) was released"):
+        with box:
+            pass  # pragma: no cover - not entered
+
 def test_a_devicebox_refuses_a_finite_value_beyond_its_float_range(host):
     """errors.md: a value the box's dtype cannot hold is an OverflowError. A finite number beyond
     a float dtype's range was stored as an infinity (1e300 in a float32 box read back inf, with
