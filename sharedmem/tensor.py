@@ -450,6 +450,8 @@ class Tensor(View):
                 except TypeError:
                     raise TypeError(f"shape must be an int or a sequence of ints, got "
                                     f"{shape!r}") from None
+                except LayoutError as e:  # (what it names is the shape less its -1)
+                    raise LayoutError(f"reshape{tuple(shape)}: {e}") from None
                 if known == 0 or self._size % known:
                     raise LayoutError(f"cannot reshape {self!r} ({self._size} elements) to "
                                       f"{tuple(shape)}")

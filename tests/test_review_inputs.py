@@ -1171,6 +1171,11 @@ def test_odd_shapes_steps_and_box_values_are_named_in_their_errors():
     with pytest.raises(TypeError, match=r"^shape must be an int or a sequence of ints, got "
                                         r"\[-1, True\]$"):
         t.reshape([-1, True])
+    # (a size the checks refuse beside the -1: the message names the shape given too -- it
+    # named the rest alone, "(-2,)", a shape nobody passed)
+    with pytest.raises(sm.LayoutError, match=r"^reshape\(-1, -2\): shape must not have negative "
+                                             r"sizes, got \(-2,\)$"):
+        t.reshape(-1, -2)
     with pytest.raises(TypeError, match=r"^tensor slice steps are ints, got 'a'$"):
         t[::"a"]
     assert t[::np.int64(2)].shape == (6,)
