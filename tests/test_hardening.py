@@ -825,6 +825,64 @@ def test_a_fork_while_a_worker_sets_a_marker_never_hangs_the_child(host, monkeyp
     fut.result(5)
 
 
+@fork_only
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
+def test_a_fork_while_a_thread_enters_a_wait_on_a_marker_never_hangs_the_child(host, monkeypatch):
+    """A thread waiting for a host task (``fut.result()``, another stream's wait) holds the
+    marker's Event lock as it enters and leaves Event.wait(); a fork then -- that lock held by
+    a thread the child does not have -- left the child's new worker hanging in set() for that
+    queued task's marker, and every wait on it with it (found by a fork fuzzer: about 1 fork
+    in 500 with a thread waiting in a loop). The window is widened with a sleep inside wait()."""
+    import time
+    import types
+    from sharedmem.backends import host as hostmod
+    in_wait = threading.Event()
+
+    class SlowWaitEvent(threading.Event):
+        slow = False
+
+        def wait(self, timeout=None):
+            if SlowWaitEvent.slow and not self.is_set():
+                with self._cond:  # (as Event.wait holds it on entry)
+                    in_wait.set()
+                    time.sleep(0.5)
+            return super().wait(timeout)
+
+    fake = types.SimpleNamespace(**{k: getattr(threading, k) for k in dir(threading)
+                                    if not k.startswith("__")})
+    fake.Event = SlowWaitEvent
+    monkeypatch.setattr(hostmod, "threading", fake)
+    s = host.create_stream("fork-in-wait")
+    gate = threading.Event()
+    b = sm.Buffer.zeros(4, "int32", device=host)
+    first = sm.launch(sm.host_kernel(lambda x: gate.wait(10)), 1, 1, sm.In(b), stream=s)
+    fut = sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(b), stream=s)  # queued
+    while s._impl._q.running is None:
+        time.sleep(0.001)
+    SlowWaitEvent.slow = True
+    waiter = threading.Thread(target=fut.result, args=(10,))
+    waiter.start()
+    assert in_wait.wait(5)  # the waiter holds the queued task's marker's Event lock
+
+    def child():
+        SlowWaitEvent.slow = False
+        t0 = time.monotonic()
+        try:
+            fut.result(2.0)
+        except sm.CompletionUnknownError:  # (its stream was running a task at the fork)
+            pass
+        return f"done in {time.monotonic() - t0 < 1.0}"
+
+    try:
+        assert _in_child(child, timeout=6.0) == "done in True"
+    finally:
+        SlowWaitEvent.slow = False
+        gate.set()
+    waiter.join(10)
+    first.result(5)
+    fut.result(5)
+
+
 _TASK_FREED_UNDER_LOCK_SCRIPT = r"""
 import os, threading, time
 import sharedmem as sm

@@ -221,7 +221,9 @@ class HostMarker:
         caller is the worker that would run it: a task waiting for one queued behind it on
         its own stream would wait forever."""
         ev = self._event
-        if timeout != 0 and not ev.is_set():
+        if ev.is_set():  # (no Event lock taken: a forked child may have a copy of it held)
+            return True
+        if timeout != 0:
             mine = getattr(_current_worker, "q", None)  # (a worker's own queue, else None)
             if mine is not None and mine.worker == threading.get_ident() and \
                     _waits_for(self, mine):
@@ -376,6 +378,13 @@ class HostStreamImpl:
                 marker.error = self._state["fault"]
         if marker is not None:
             marker._event.set()  # (done; unknown -- or failed by an earlier fault: never a hang)
+        # The queued tasks' markers get new Events too: a thread of the parent entering or
+        # leaving a wait on one (a user thread in result(), another stream's worker) held its
+        # Event's lock, which no thread of the child will release -- the new worker's set()
+        # and every wait would hang on it. (None of them is set: their tasks have not run.)
+        for item in q.items:
+            if item is not None and item[1] is not None:
+                item[1]._event = threading.Event()
         self._start_worker()
 
     def throttle(self) -> None:
