@@ -113,7 +113,12 @@ for _names, _kind, _size in (
         (("float",), "f", 4), (("double",), "f", 8), (("half", "__half"), "f", 2)):
     for _n in _names:
         _C_TYPES[_n] = (_kind, _size)
-_QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict|register|struct)\b")
+#: Types sharedmem does not convert that are certainly no integer (CUDA's vector types,
+#: complex numbers): ``with_length`` refuses to put a length there.
+_NOT_AN_INT = re.compile(r"\b(?:__)?(?:u?(?:char|short|int|long|longlong)|float|double|half|"
+                         r"bfloat16|nv_bfloat16)[1-4]\b|[Cc]omplex")
+_QUALIFIERS = re.compile(r"\b(const|volatile|__restrict__|__restrict|restrict|register|struct|"
+                         r"__grid_constant__)\b")
 
 
 class Param:
@@ -180,19 +185,36 @@ def param_types(code, name):
     # comments out first: one in a parameter list would be read as a type or a name, and a
     # kernel commented out would be found before the real one
     code = _COMMENTS.sub(" ", code)
-    m = re.search(r"__global__[^;{]*?\b" + re.escape(name) + r"\s*\(", code)
-    decls = None if m is None else _split_params(code, m.end())
-    if decls is None:
-        return None
+    found = None
+    # every declaration of the kernel: a declaration and its definition agree, but two
+    # definitions (#if / #else, an old one under #if 0) leave the one compiled to the
+    # preprocessor -- neither is read then
+    for m in re.finditer(r"__global__[^;{]*?\b" + re.escape(name) + r"\s*\(", code):
+        decls = _split_params(code, m.end())
+        out = None if decls is None else _read_params(decls)
+        if out is None:
+            return None
+        if found is not None and [p[:2] for p in out] != [p[:2] for p in found]:
+            return None
+        found = found or out
+    return found
+
+
+def _read_params(decls):
+    """``[(kind, ctype, pname), ...]`` of a parameter list's declarations, or None."""
     out = []
     for raw in decls:
-        decl = " ".join(_QUALIFIERS.sub(" ", raw).split())
+        decl = " ".join(_QUALIFIERS.sub(" ", raw).split("=", 1)[0].split())  # (no default)
         if not decl or decl == "void":
             continue
-        if "*" in decl or "&" in decl:
-            pname = re.split(r"[*&\s]", decl)[-1]
+        # an array parameter (``double y[4]``) is a pointer to its element, as C adjusts it
+        arr = re.fullmatch(r"(.*?)\s*(\[[^\[\]]*\]\s*)+", decl)
+        if arr is not None:
+            decl = arr.group(1)
+        if "*" in decl or "&" in decl or arr is not None:
+            pname = re.split(r"[*&\s]", decl)[-1] if arr is None or " " in decl else ""
             ctype = decl[:len(decl) - len(pname)].replace(" *", "*").strip() if pname else decl
-            out.append(("p", ctype, pname))
+            out.append(("p", ctype + "*" if arr is not None else ctype, pname))
             continue
         words = decl.split()
         if len(words) < 2:
@@ -292,14 +314,27 @@ def _float_value(i, p, a):
     infinities pass as they are."""
     if not isinstance(a, (float, int, np.floating, np.integer)) or isinstance(a, (bool, np.bool_)):
         raise KernelError(f"argument {i}: {p.describe()} takes a number, got {_what(a)}")
+    v = a
+    if p.size == 4 and isinstance(a, _INTS) and abs(int(a)) >> 53:
+        # (an int past a double's 53 bits, for a float: rounded once, to float's 24 --
+        # float() then float32 round twice, which can miss the nearest float)
+        v = int(a)
+        shift = abs(v).bit_length() - 24
+        q, r = divmod(abs(v), 1 << shift)
+        if r > 1 << (shift - 1) or (r == 1 << (shift - 1) and q & 1):
+            q += 1
+        v = q << shift if v > 0 else -(q << shift)
     try:
-        x = float(a)
-        if p.size == 2:
-            return struct.pack("<e", x)
+        x = float(v)
     except OverflowError:
         x = None
     if x is not None and abs(x) == _INF and abs(a) != _INF:  # (a finite longdouble past it)
         x = None
+    if x is not None and p.size == 2:
+        try:
+            return struct.pack("<e", x)
+        except OverflowError:
+            x = None
     if x is not None and (p.size == 8 or x != x or -_F32_LIMIT < x < _F32_LIMIT or
                           abs(x) == _INF):
         return x
@@ -450,7 +485,17 @@ class RawKernelPlan(KernelPlan):
                         length = v.numel()
                     if lp.kind in "iu":
                         _emit(out, lp, _int_value(i, lp, length))
-                    elif lp.kind == "?" and lp.size in (4, 8):
+                    elif lp.kind == "?" and lp.size in (4, 8) and \
+                            _NOT_AN_INT.search(lp.ctype or "") is None:
+                        # (sizes alone: no source, or a type sharedmem does not convert -- a
+                        # typedef of an int, idx_t, says no more -- but never a vector or
+                        # complex type, float2: its value is no count)
+                        if length >= lp.hi:  # (its size's unsigned range: see Param)
+                            raise KernelError(
+                                f"argument {i}: with_length=True, but its length, {length} "
+                                f"elements, does not fit the next parameter, "
+                                f"{lp.describe()}, which takes 0..{lp.hi - 1}; launch it on "
+                                f"fewer elements")
                         _emit(out, lp, int(length).to_bytes(lp.size, "little"))
                     else:
                         raise KernelError(f"argument {i}: with_length=True, but the next "

@@ -4300,3 +4300,199 @@ def test_a_view_given_as_stream_is_never_borrowed_as_one(fake, kernels, monkeypa
     assert sm.stats().submitted == submitted and not out.allocation.tracker
     # (no launch, and no driver call given a view's address as a stream)
     assert not [c for c in drv.calls[calls:] if c[0] == "launch" or x.ptr in c[1:]]
+
+
+def test_array_parameters_are_pointers():
+    """A parameter declared as an array (``long long x[]``, ``double y[4]``) is a pointer
+    (C adjusts it so): read as an 8-byte scalar, it took a Python int or float as the
+    address the kernel dereferences, and refused the array it should take."""
+    from interop.cupy_launch import param_types
+    code = 'extern "C" __global__ void arr(long long x[], const double y[4], float* z[2], int n) { }'
+    assert param_types(code, "arr") == [("p", "long long*", "x"), ("p", "double*", "y"),
+                                        ("p", "float**", "z"), ("i", "int", "n")]
+
+
+def test_array_parameters_take_arrays(fake):
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void arr(long long x[], double y[4], int n) { }'
+    k = RawKernel(drv, "arr", ["Q", "Q", "i"], lambda *v: got.append(v), code)
+    x = sm.Buffer.zeros(4, "int64", device=dev)
+    y = sm.Buffer.zeros(4, "float64", device=dev)
+    sm.launch(k, 1, 1, sm.InOut(x), sm.In(y), 4).result()
+    assert got == [(x.ptr, y.ptr, 4)]
+    before = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 0: parameter 'x' \(long long\*\) is a "
+                                             r"pointer, got int 5; pass the array"):
+        sm.launch(k, 1, 1, 5, 1.0, 4, stream=dev.default_stream)
+    assert sm.stats().submitted == before
+
+
+def test_parameters_with_default_arguments_are_read_by_their_names(fake):
+    """A default argument (``int n = 0``) is no part of the parameter's type or name: it was
+    read as type 'int n =' named '0', and a Python int for it refused."""
+    from fake_cuda import RawKernel
+    from interop.cupy_launch import param_types
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void dflt(float* p = nullptr, int n = 0, double f = 1.5) { }'
+    assert param_types(code, "dflt") == [("p", "float*", "p"), ("i", "int", "n"),
+                                         ("f", "double", "f")]
+    k = RawKernel(drv, "dflt", ["Q", "i", "d"], lambda *v: got.append(v), code)
+    x = sm.Buffer.zeros(4, "float32", device=dev)
+    sm.launch(k, 1, 1, x, 3, 2.5).result()
+    assert got == [(x.ptr, 3, 2.5)]
+
+
+def test_a_kernel_defined_twice_in_its_source_has_no_types_read(fake):
+    """Two definitions of one kernel (``#if`` / ``#else``, or an old one left under ``#if
+    0``) whose parameter types differ: which one is compiled is the preprocessor's, so
+    neither is read (sizes only, as without the source). The first was taken: a Python int
+    was packed as the int the first names where the compiled kernel takes a float (its bits,
+    2.8e-45), with no error. A declaration and its definition agree: read."""
+    from fake_cuda import RawKernel
+    from interop.cupy_launch import param_types
+    dev, drv = fake
+    got = []
+    code = """
+    #ifndef USE_FLOAT
+    extern "C" __global__ void two(int a, float* x) { }
+    #else
+    extern "C" __global__ void two(float a, float* x) { }
+    #endif
+    """
+    k = RawKernel(drv, "two", ["f", "Q"], lambda *v: got.append(v), code)  # (-DUSE_FLOAT)
+    x = sm.Buffer.zeros(4, "float32", device=dev)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: a 4-byte parameter of unknown type"):
+        sm.launch(k, 1, 1, 2, x)
+    assert param_types(code, "two") is None
+    sm.launch(k, 1, 1, np.float32(2), x).result()
+    assert got == [(2.0, x.ptr)]
+    declared = """extern "C" __global__ void two(int n, float* x);
+                  extern "C" __global__ void two(int count, float* out) { }"""
+    assert param_types(declared, "two") == [("i", "int", "n"), ("p", "float*", "x")]
+
+
+def test_a_half_parameter_refuses_a_longdouble_beyond_its_range(fake):
+    """interop-cupy.md: a finite number beyond a half parameter's range (an np.longdouble
+    can be) raises KernelError. A finite np.longdouble beyond a double's range became an
+    infinity (float() made it one) and was packed as half's +inf."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void h(half v) { }'
+    k = RawKernel(drv, "h", ["e"], lambda v: got.append(v), code)
+    big = np.longdouble("1e400")
+    assert np.isfinite(big)
+    st = dev.create_stream("half")
+    for v in (big, -big):
+        with pytest.raises(sm.KernelError, match=r"^argument 0: np\.longdouble\('-?1e\+400'\) "
+                                                 r"is out of range for parameter 'v' \(half\)$"):
+            sm.launch(k, 1, 1, v, stream=st)
+    sm.launch(k, 1, 1, np.longdouble("inf"), stream=st).result()
+    sm.launch(k, 1, 1, np.longdouble("0.5"), stream=st).result()
+    assert got == [np.inf, 0.5]
+
+
+def test_with_length_fills_no_parameter_of_a_type_sharedmem_does_not_convert(fake):
+    """``with_length=True`` fills the pointer and the next, integer, parameter. A next one
+    of a type known from the source but not converted (``float2``: 8 bytes) took the length's
+    integer bytes as its value; it is refused by name, with no lease (without the source,
+    only sizes are known, and a 4- or 8-byte parameter takes the length; so does one of a
+    type that may be an int, a typedef)."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void vec(float* x, float2 v) { }'
+    k = RawKernel(drv, "vec", ["Q", "Q"], lambda *v: got.append(v), code)
+    blind = RawKernel(drv, "vec", ["Q", "q"], lambda *v: got.append(v))  # (no source)
+    x = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    before = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 0: with_length=True, but the next "
+                                             r"parameter is parameter 'v' \(float2\), not an "
+                                             r"int$"):
+        sm.launch(k, 1, 1, sm.InOut(x, with_length=True))
+    assert sm.stats().submitted == before and got == []
+    sm.launch(blind, 1, 1, sm.InOut(x, with_length=True)).result()
+    assert got == [(x.ptr, 8)]
+    # a type sharedmem does not convert that may be an int (a typedef of one) takes it, by size
+    typed = RawKernel(drv, "typed", ["Q", "q"], lambda *v: got.append(v),
+                      'typedef long long idx_t;\n'
+                      'extern "C" __global__ void typed(float* x, idx_t n) { }')
+    sm.launch(typed, 1, 1, sm.InOut(x, with_length=True)).result()
+    assert got[-1] == (x.ptr, 8)
+    for vec in ("double2", "int2", "cuFloatComplex", "__half2"):
+        k2 = RawKernel(drv, "vec", ["Q", "Q"], lambda *v: got.append(v),
+                       f'extern "C" __global__ void vec(float* x, {vec} v) {{ }}')
+        with pytest.raises(sm.KernelError, match=rf"^argument 0: with_length=True, but the next "
+                                                 rf"parameter is parameter 'v' \({vec}\), not "
+                                                 rf"an int$"):
+            sm.launch(k2, 1, 1, sm.InOut(x, with_length=True))
+
+
+def test_with_length_beyond_a_4_byte_parameter_of_unknown_type_is_a_kernel_error(fake):
+    """Without the source, a 4-byte parameter after a with_length array takes its length:
+    one of 2**32 elements or more raised OverflowError from int.to_bytes (not KernelError,
+    not naming the argument). (4 GiB of fake device memory, never touched.)"""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    blind = RawKernel(drv, "blind", ["Q", "i"], lambda *v: got.append(v))
+    try:
+        big = sm.Buffer.empty(1 << 32, "uint8", device=dev)
+    except (MemoryError, sm.SharedMemError):
+        pytest.skip("no 4 GiB of address space for the fake device memory")
+    sm.synchronize()
+    before = sm.stats().submitted
+    with pytest.raises(sm.KernelError, match=r"^argument 0: with_length=True, but its length, "
+                                             r"4294967296 elements, does not fit the next "
+                                             r"parameter, a 4-byte parameter of unknown type, "
+                                             r"which takes 0\.\.4294967295; launch it on fewer "
+                                             r"elements$"):
+        sm.launch(blind, 1, 1, sm.InOut(big, with_length=True))
+    assert sm.stats().submitted == before and got == []
+    sm.launch(blind, 1, 1, sm.InOut(big[:(1 << 32) - 1], with_length=True)).result()
+    assert got == [(big.ptr, -1)]
+
+
+def test_an_int_for_a_float_parameter_is_rounded_once(fake):
+    """An int (Python or NumPy) for a ``float`` parameter is the float nearest it: past a
+    double's 53 bits, float() rounded it to a double and packing rounded that again, which
+    can land on the float below (2**54 + 2**30 + 1 became 2**54, not 2**54 + 2**31), and an
+    int just below the float range's end (FLT_MAX plus half its last place, less 1) was
+    refused as out of range."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void f32(float f) { }'
+    k = RawKernel(drv, "f32", ["f"], lambda f: got.append(f), code)
+    st = dev.create_stream("f32")
+    n = 2 ** 54 + 2 ** 30 + 1
+    top = 2 ** 128 - 2 ** 103 - 1
+    for v in (n, -n, np.int64(n), np.uint64(n), top, 2 ** 64 - 1, 2 ** 54 + 2 ** 30,
+              2 ** 54 + 3 * 2 ** 30):
+        sm.launch(k, 1, 1, v, stream=st).result()
+    assert got == [2.0 ** 54 + 2 ** 31, -(2.0 ** 54 + 2 ** 31), 2.0 ** 54 + 2 ** 31,
+                   2.0 ** 54 + 2 ** 31, float(np.finfo(np.float32).max), 2.0 ** 64,
+                   2.0 ** 54, 2.0 ** 54 + 2 ** 32]
+    with pytest.raises(sm.KernelError, match=rf"^argument 0: {top + 1} is out of range for "
+                                             rf"parameter 'f' \(float\)$"):
+        sm.launch(k, 1, 1, top + 1, stream=st)
+
+
+def test_grid_constant_parameters_are_read(fake):
+    """``const __grid_constant__ int n`` (CUDA 11.7+: any const kernel parameter may be one)
+    is an int: read as type '__grid_constant__ int', which sharedmem does not convert, a
+    Python int for it was refused."""
+    from fake_cuda import RawKernel
+    from interop.cupy_launch import param_types
+    dev, drv = fake
+    got = []
+    code = 'extern "C" __global__ void gc(float* x, const __grid_constant__ int n) { }'
+    assert param_types(code, "gc") == [("p", "float*", "x"), ("i", "int", "n")]
+    k = RawKernel(drv, "gc", ["Q", "i"], lambda *v: got.append(v), code)
+    x = sm.Buffer.zeros(4, "float32", device=dev)
+    sm.launch(k, 1, 1, x, 4).result()
+    assert got == [(x.ptr, 4)]
