@@ -619,7 +619,8 @@ _device_keys = __import__("itertools").count()
 def install_fake_devices(monkeypatch, hot: bool, count: int = 1):
     """Make sharedmem's CUDA backend run over a new FakeDriver with ``count`` devices (the
     per-launch calls through ``backend.hot`` when ``hot``, else every call through the driver
-    module); returns ``(devices, driver)``. Everything is undone by ``monkeypatch``."""
+    module), registered as ``Device(0)``... (the default device is left as it is); returns
+    ``(devices, driver)``. Everything is undone by ``monkeypatch``."""
     import sys
     import threading
 
@@ -633,10 +634,15 @@ def install_fake_devices(monkeypatch, hot: bool, count: int = 1):
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy(drv))
     monkeypatch.setattr(bc, "_backends", [0])
     monkeypatch.setattr(bc, "_current", threading.local())
+    import sharedmem.device as sm_device
     devs = []
     for ordinal in range(count):
         backend = bc.CudaBackend(ordinal)
         dev = object.__new__(sm.Device)
         dev._setup("cuda", ordinal, backend.name, ("fake-cuda", next(_device_keys)), backend)
         devs.append(dev)
+        # Device(ordinal) is this one while the fake is installed: made anew, over the fake
+        # driver, it stayed in the device table once the driver was undone, and a later
+        # test's default device was a fake GPU with no driver module left
+        monkeypatch.setitem(sm_device._devices, ("cuda", ordinal), dev)
     return devs, drv
