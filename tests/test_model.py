@@ -170,20 +170,24 @@ class OwnershipMachine(RuleBasedStateMachine):
         gc.collect()
 
     @precondition(lambda self: bool(self.views()))
-    @rule(i=st.integers(0, 99), mode=st.sampled_from(["in", "out", "atomic"]))
-    def launch(self, i, mode):
+    @rule(i=st.integers(0, 99), mode=st.sampled_from(["in", "out", "atomic"]),
+          again=st.integers(0, 99) | st.none())
+    def launch(self, i, mode, again):
+        """On a new stream, or (``again``) on one whose earlier work is still pending: the
+        stream then holds several unfinished leases, overlapping or not, and the tracker must
+        keep every byte of each leased for the other streams until it is done."""
         h = self.pick(i)
         writes = mode != "in"
         if writes and not h.writable:
             with pytest.raises(sm.KernelError):
                 sm.launch(_checker, 1, 1, sm.Out(h.obj), 0, self.corrupt, threading.Event())
             return
-        expect_conflict = any(
-            l.alloc_key == h.alloc_key and overlap(l.start, l.stop, h.start, h.stop)
-            and (writes or l.writes) for l in self.leases)
+        busy = [l.stream for l in self.leases if l.stream is not None]
+        stream = busy[again % len(busy)] if again is not None and busy else \
+            HOST.create_stream()
+        expect_conflict = self._conflicts(h, writes, stream)
         gate = threading.Event()
         intent = {"in": sm.In, "out": sm.Out, "atomic": sm.Atomic}[mode]
-        stream = HOST.create_stream()
         try:
             fut = sm.launch(_checker, 1, 1, intent(h.obj), self.tags[h.alloc_key], self.corrupt,
                             gate, stream=stream, policy="reject")
@@ -191,7 +195,7 @@ class OwnershipMachine(RuleBasedStateMachine):
             assert expect_conflict
             return
         assert not expect_conflict
-        self.leases.append(Lease(fut, gate, h.alloc_key, h.start, h.stop, writes))
+        self.leases.append(Lease(fut, gate, h.alloc_key, h.start, h.stop, writes, stream))
 
     @precondition(lambda self: bool(self.views()))
     @rule(i=st.integers(0, 99), j=st.integers(0, 99), k=st.integers(0, 99),
