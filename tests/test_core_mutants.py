@@ -4,6 +4,7 @@ allocation.py or stream.py, and passes on the real code. Host streams with gated
 hold work in flight where the host backend shows the rule; the fake driver (events held
 pending) where the rule is about which markers a stream waited on."""
 
+import contextlib
 import threading
 import weakref
 
@@ -30,6 +31,17 @@ def _gated(x, gate):
 @sm.host_kernel
 def _noop(x):
     pass
+
+
+@contextlib.contextmanager
+def _held_work(drv):
+    """The fake driver's work held pending (events unreached) inside the block, then run."""
+    drv.holding = True
+    try:
+        yield
+    finally:
+        drv.holding = False
+        drv.finish_held()
 
 
 def _records_on(drv, handle, since=0):
@@ -219,8 +231,7 @@ def test_hold_ends_sharing_a_submission_leave_no_lease_once_it_retired(monkeypat
     sm.synchronize()
     parked = _park_retirer(monkeypatch)
     pending = dev.default_stream._pending
-    drv.holding = True
-    try:
+    with _held_work(drv):
         n = len(pending)
         for t in ts:
             cap = t.__dlpack__(stream=1, max_version=(1, 0))
@@ -228,9 +239,6 @@ def test_hold_ends_sharing_a_submission_leave_no_lease_once_it_retired(monkeypat
         assert len(pending) == n + 1 and len(pending[-1].uses) == 3
         shared = pending[-1]
         assert shared.seq == dev.default_stream._seq  # (the newest seq its ends took)
-    finally:
-        drv.holding = False
-        drv.finish_held()
         parked[0] = False
     sm.synchronize()
     assert sm.stats().in_flight == 0
@@ -341,8 +349,7 @@ def test_an_imports_arrival_is_a_write_that_later_readers_are_ordered_after(fake
     a, b = dev.create_stream("A"), dev.create_stream("B")
     w = sm.Buffer.zeros(8, "float32", device=dev)
     sm.synchronize()
-    drv.holding = True
-    try:
+    with _held_work(drv):
         producer = Producer()
         t = sm.from_cuda_array_interface(producer, stream=a)
         with pytest.raises(sm.AccessConflictError, match=r"unfinished work on <Stream A .*> "
@@ -353,9 +360,6 @@ def test_an_imports_arrival_is_a_write_that_later_readers_are_ordered_after(fake
         sm.launch(saxpy, 1, 8, 1.0, sm.In(t), sm.In(t), sm.Out(w), 8, stream=b)
         arrival = _records_on(drv, a.handle, mark)
         assert len(arrival) == 1 and _waits_of(drv, b.handle, mark) == arrival
-    finally:
-        drv.holding = False
-        drv.finish_held()
     sm.synchronize()
     np.testing.assert_array_equal(w.to_host(), 2 * np.arange(8, dtype=np.float32))
     del t, producer
@@ -377,8 +381,7 @@ def test_a_wait_for_an_open_hold_counts_as_waiting_for_nothing_later(fake, kerne
         sm.launch(saxpy, 1, 8, 1.0, sm.In(one), sm.In(one), sm.Out(x), 8, stream=a)
     sm.record_use(q, s)  # a consumer on S holds q (its declared use leased on S too)
     sm.synchronize()
-    drv.holding = True
-    try:
+    with _held_work(drv):
         mark = len(drv.calls)
         sm.launch(saxpy, 1, 8, 1.0, sm.In(one), sm.In(one), sm.Out(q), 8, stream=a)
         hold = _records_on(drv, s.handle, mark)
@@ -389,9 +392,6 @@ def test_a_wait_for_an_open_hold_counts_as_waiting_for_nothing_later(fake, kerne
         sm.launch(saxpy, 1, 8, 1.0, sm.In(y), sm.In(one), sm.Out(w), 8, stream=a)
         write = _records_on(drv, s.handle, mark)
         assert len(write) == 1 and _waits_of(drv, a.handle, mark) == write
-    finally:
-        drv.holding = False
-        drv.finish_held()
     sm.synchronize()
     del q
 
