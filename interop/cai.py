@@ -21,6 +21,7 @@ on the device (an event recorded on it), never a host synchronize.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 
 import numpy as np
@@ -152,6 +153,11 @@ def read_cai(obj) -> tuple:
     shape = _ints(desc["shape"], "shape", "a tuple of ints")
     if any(n < 0 for n in shape):  # (DLPack's import refuses one too)
         raise _malformed(f"negative shape {shape}")
+    if any(n >= 1 << 63 for n in shape):  # (sizes are int64s: NumPy's, CuPy's, DLPack's)
+        raise _malformed(f"'shape' {shape} has a size of 2**63 or more")
+    if 0 in shape and math.prod([n for n in shape if n]) >= 1 << 63:  # (as Tensor's shapes)
+        raise _malformed(f"'shape' {shape} spans 2**63 elements or more, its zero sizes left "
+                         f"out (as NumPy counts it)")
     if len(shape) > MAX_NDIM:  # (and this: no NumPy array could hold it)
         raise _malformed(f"{len(shape)} dimensions; sharedmem takes 0 to {MAX_NDIM}")
     try:
@@ -171,6 +177,8 @@ def read_cai(obj) -> tuple:
         strides = _ints(strides, "strides", "None or a tuple of ints")
         if len(strides) != len(shape):
             raise ValueError(f"strides {strides} do not match shape {shape}")
+        if any(not -(1 << 63) <= s < 1 << 63 for s in strides):  # (byte strides: int64s)
+            raise _malformed(f"'strides' {strides} are not 64-bit byte strides")
     try:
         ptr = 0 if ptr is None else operator.index(ptr)
     except TypeError:

@@ -30,9 +30,11 @@ export imported back) is one allocation. ``READ_ONLY`` is honoured.
 from __future__ import annotations
 
 import ctypes
+import math
 import operator
 import struct
 import sys
+import threading
 import weakref
 
 try:
@@ -46,7 +48,7 @@ from sharedmem.allocation import View, import_allocation, lookup_allocation
 from sharedmem.device import Device, as_device
 from sharedmem.errors import CaptureError, DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
-from sharedmem.runtime.state import locked
+from sharedmem.runtime.state import fork_safe, locked
 from sharedmem.stream import Stream
 from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor, numpy_region
 
@@ -658,6 +660,11 @@ def _device_of(t: int, i: int):
                       f"and CUDA memory")
 
 
+#: Held while an import takes a capsule (checks its name and renames it "used_..."): two
+#: threads importing one capsule must not both find it unconsumed.
+_consume_lock = fork_safe(threading.Lock())
+
+
 def _elsewhere(s, memory) -> DeviceMismatchError:
     return DeviceMismatchError(f"from_dlpack: {s} is on {s.device}, the memory of {memory}; use "
                                f"a stream of that device")
@@ -743,6 +750,10 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         strides = c_strides(shape)
     if any(n < 0 for n in shape):
         raise BufferError(f"DLPack tensor with negative shape {shape}")
+    if 0 in shape and math.prod([n for n in shape if n]) >= 1 << 63:  # (as Tensor's own
+        # shapes: NumPy cannot hold it, and C strides of it are past int64 -- no export)
+        raise BufferError(f"DLPack tensor of shape {shape} spans 2**63 elements or more, its "
+                          f"zero sizes left out (as NumPy counts it)")
     if any(st < 0 for st, n in zip(strides, shape) if n > 1):
         raise BufferError(f"DLPack tensor with negative strides {strides} is not supported; "
                           f"make it contiguous first")
@@ -772,11 +783,20 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
                 region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)
     elif isinstance(obj, np.ndarray) and nbytes:  # (its base's memory: see numpy_region)
         region = numpy_region(obj)
-    # consume: from here on we own the managed tensor and must call its deleter
-    if cython.compiled:
-        _c_set_name(capsule, used)
-    else:
-        _set_name(capsule, used)
+        if region is not None and not (region[0] <= ptr and
+                                       ptr + nbytes <= region[0] + region[1]):
+            region = None  # (a subclass's __dlpack__ giving other memory: not its base's)
+    # consume: from here on we own the managed tensor and must call its deleter. Checked
+    # again and renamed in one step: another thread importing the same capsule may have
+    # taken it since the check above (both took it: the deleter ran twice)
+    with _consume_lock:
+        if cython.compiled:
+            taken = _c_is_valid(capsule, name) and _c_set_name(capsule, used) == 0
+        else:
+            taken = _is_valid(capsule, name) and _set_name(capsule, used) == 0
+    if not taken:
+        raise BufferError("this DLPack capsule was already consumed; a capsule can be "
+                          "imported once -- ask the producer for a new one")
     ours = deleter == _DELETER_ADDR  # (our own export)
     owner = None if ours else _Imported(addr, versioned)
     try:

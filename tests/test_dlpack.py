@@ -476,3 +476,37 @@ def test_a_copy_to_a_cpu_device_that_does_not_exist_is_a_buffer_error(where):
         t.__dlpack__(dl_device=where)
     assert sm.stats().live_allocations == before  # (no copy left behind)
     _exported_nothing(t)
+
+
+def test_an_ndarray_subclass_whose_capsule_is_other_memory_is_not_imported_over_its_base(host):
+    """An ndarray subclass whose ``__dlpack__`` gives another array's memory (one that copies,
+    or hands out a buffer of its own) was imported as a range of the *subclass's* base:
+    an allocation over the wrong bytes, with the import's token beyond its end, and the real
+    memory's own import another allocation -- a writer of one and a reader of the other were
+    not ordered. The region of an ndarray's base is used only where it holds the capsule's
+    bytes."""
+    import time
+    other = np.zeros(8, np.float32)
+
+    class Copying(np.ndarray):
+        def __dlpack__(self, **kw):
+            return other.__dlpack__(**kw)
+
+    s = np.arange(4, dtype=np.float32).view(Copying)
+    t = sm.from_dlpack(s)
+    alloc, tok = t.allocation, t._live_token()
+    assert t.ptr == other.ctypes.data and t.shape == (8,)
+    assert 0 <= tok.start <= tok.stop <= alloc.nbytes  # the import's bytes lie in its allocation
+    assert alloc.ptr <= t.ptr and t.ptr + t.nbytes <= alloc.ptr + alloc.nbytes
+    whole = sm.from_dlpack(other)
+    assert whole.allocation is alloc  # one memory, one allocation
+    seen = []
+
+    def writer(x):
+        time.sleep(0.2)
+        x[...] = 1.0
+    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
+    sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(t), stream=s1)
+    sm.launch(sm.host_kernel(lambda y: seen.append(y.copy())), 1, 1, sm.In(whole), stream=s2)
+    sm.synchronize()
+    assert seen[0].tolist() == [1.0] * 8

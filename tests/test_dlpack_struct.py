@@ -421,3 +421,44 @@ def test_a_cuda_capsule_naming_another_device_than_the_driver_is_refused_unconsu
         sm.from_dlpack(cap)
     assert dl._is_valid(cap, b"dltensor_versioned")  # (not consumed: its deleter runs at GC)
     assert sm.stats().live_allocations == before
+
+
+def test_one_capsule_imported_by_two_threads_at_once_is_consumed_once(host, monkeypatch):
+    """The capsule's name was checked, then device, dtype, shape and region looked up (Python
+    calls: another thread may run), then the capsule renamed: two threads importing one
+    capsule both found it unconsumed, both took it, and the producer's deleter ran twice (a
+    double free of its managed tensor). The check and the rename are one step: one import
+    takes it, the other is refused as consumed ("already consumed"), the deleter runs once."""
+    mem = np.arange(6, dtype=np.float32)
+    calls = []
+    deleter = dl._DELETER(lambda addr: calls.append(addr))
+    cap, m, shape = _foreign_capsule(mem, deleter)
+    both = threading.Barrier(2, timeout=2)
+    real = dl._device_of
+
+    def device_of(*a):  # (both threads past the name check before either renames)
+        try:
+            both.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return real(*a)
+    monkeypatch.setattr(dl, "_device_of", device_of)
+    out = []
+
+    def imp():
+        try:
+            out.append(sm.from_dlpack(cap))
+        except BufferError as e:
+            out.append(e)
+    ths = [threading.Thread(target=imp) for _ in range(2)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    errors = [x for x in out if isinstance(x, BufferError)]
+    assert len(out) == 2 and len(errors) == 1, out
+    assert str(errors[0]).startswith("this DLPack capsule was already consumed")
+    out.clear()
+    del errors, cap
+    gc.collect()
+    assert calls == [ctypes.addressof(m)]

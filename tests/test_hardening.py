@@ -208,6 +208,32 @@ def test_malformed_dlpack_tensors_are_refused_and_left_unconsumed(host, field, v
     assert alloc.live_views == 1
 
 
+@pytest.mark.parametrize("strides", [False, True])
+def test_an_empty_dlpack_tensor_spanning_2_63_elements_is_refused_and_left_unconsumed(host,
+                                                                                       strides):
+    """A capsule of shape (0, 2**62, 2**62) (sizes each an int64; the empty size aside they
+    multiply to 2**124) was imported: a Tensor that sharedmem's own constructors refuse
+    (LayoutError: "spans 2**63 elements or more"), with C strides of 2**124 elements where the
+    capsule had none -- its ``__dlpack__`` then failed with struct.error interpreted, an
+    OverflowError compiled. A malformed tensor: BufferError, the capsule left unconsumed."""
+    t = sm.Tensor.from_host(np.zeros((0, 1, 1), np.float32), device=host)
+    alloc = t.allocation
+    cap = t.__dlpack__(max_version=(1, 0))
+    m = dl.DLManagedTensorVersioned.from_address(dl._get_pointer(cap, b"dltensor_versioned"))
+    m.dl_tensor.shape[1] = m.dl_tensor.shape[2] = 1 << 62
+    if not strides:
+        m.dl_tensor.strides = None
+    with pytest.raises(BufferError, match=r"^DLPack tensor of shape \(0, 4611686018427387904, "
+                                          r"4611686018427387904\) spans 2\*\*63 elements or "
+                                          r"more, its zero sizes left out \(as NumPy counts "
+                                          r"it\)$"):
+        sm.from_dlpack(cap)
+    assert dl._is_valid(cap, b"dltensor_versioned")  # not consumed: its deleter still runs
+    del cap, m
+    gc_collect_harder()
+    assert alloc.live_views == 1
+
+
 _REFUSED_UNREAD = r"""
 import ctypes, sys, numpy as np, sharedmem as sm, interop.dlpack as dl
 t = sm.Tensor.from_host(np.arange(3.0), device=sm.Device.host())

@@ -1220,3 +1220,31 @@ def test_a_0d_array_as_a_shape_or_strides_is_named_in_the_error(host):
         sm.Tensor.from_buffer(b, (6,), strides=np.array(1))
     assert b.is_live and b.allocation.live_views == 1  # not moved
     assert sm.Tensor.from_buffer(b, (6,), strides=np.array([1])).shape == (6,)
+
+
+# -- 17. CAI sizes and strides that no int64 holds ---------------------------------------------------
+@pytest.mark.parametrize("shape, strides, match", [
+    ((0, 1 << 64), None, r"'shape' \(0, 18446744073709551616\) has a size of 2\*\*63 or more"),
+    ((0, 1 << 62, 1 << 62), None, r"'shape' \(0, 4611686018427387904, 4611686018427387904\) "
+                                  r"spans 2\*\*63 elements or more"),
+    ((1,), (1 << 70,), r"'strides' \(1180591620717411303424,\) are not 64-bit byte strides"),
+])
+def test_a_cai_shape_or_strides_beyond_int64_is_refused(fake, shape, strides, match):
+    """A CAI producer's shape and strides are int64s (NumPy's, CuPy's, Numba's intp). An empty
+    shape with a size of 2**64, or sizes multiplying to 2**124, and a size-1 dimension's stride
+    of 2**70 bytes, were imported (each claims no bytes past the data): Tensors that
+    sharedmem's own constructors refuse (LayoutError), whose ``__dlpack__`` then failed with
+    struct.error interpreted and OverflowError compiled. ValueError naming the entry, as for
+    the pointer; nothing imported."""
+    dev, drv = fake
+    b = sm.Buffer.zeros(4, "float32", device=dev)
+    drv.ranges[b.allocation.ptr] = b.allocation.nbytes
+    sm.synchronize()
+
+    class Producer:
+        __cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "version": 3,
+                                    "data": (b.ptr, False), "strides": strides}
+    with pytest.raises(ValueError, match=r"^malformed __cuda_array_interface__: " + match):
+        sm.from_cuda_array_interface(Producer())
+    gc_collect_harder()
+    assert b.allocation.live_views == 1
