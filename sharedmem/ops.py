@@ -6,8 +6,11 @@ Ops compose:
 * ``a.and_then(b)`` -- ``b`` after ``a``, on the same stream;
 * ``zip(a, b, ...)`` -- independent: the first runs on the submission stream,
   the others on streams of a per-device pool; the submission stream then waits
-  for them on the device, so whatever follows the zip runs after all of them;
-  its value is the tuple of their values. Captured into a graph, the branches
+  for them on the device, so whatever follows the zip runs after all of them
+  (under policy "reject" a later part that uses a branch's bytes is still refused
+  while that branch's work is unfinished: "reject" refuses any conflict with
+  unfinished work; chain such parts under "order"); its value is the tuple of
+  their values. Captured into a graph, the branches
   are recorded one after another on the capturing stream;
 * ``a.apply(fn)`` -- ``fn(value of a)`` on the host once ``a`` completed.
 
@@ -28,7 +31,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .launch import (Intent, _as_view, adapter_for, default_device_for, entered_stream,
-                     launch_submission, submit_planned)
+                     launch_submission, resolve_args, submit_planned)
 from .errors import CaptureError, KernelError, SharedMemError
 from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
@@ -171,10 +174,28 @@ class _LaunchOp(DeviceOp):
         return adapter_for(self.kernel)
 
     def _device(self):
+        adapter = None
         for a in self.args:
-            view = _as_view(a.obj if isinstance(a, Intent) else a)
-            if view is not None and view.is_live:
-                return view.device
+            obj = a.obj if isinstance(a, Intent) else a
+            view = _as_view(obj)
+            if view is not None:
+                if view.is_live:
+                    return view.device
+                continue
+            t = type(obj)
+            if t is int or t is float or t is bool or obj is None:
+                continue  # a scalar
+            # a foreign array (a CuPy array, a torch tensor): on the device its adapter finds
+            # for it, as launch() runs there (else an op of CuPy arrays alone ran on the
+            # default device: DeviceMismatchError where they live on another)
+            if adapter is None:
+                adapter = adapter_for(self.kernel)
+            try:
+                device = resolve_args(adapter, (a,), None)[2]
+            except Exception:  # (planning raises what it is)
+                continue
+            if device is not None:
+                return device
         return None
 
 

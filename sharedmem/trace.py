@@ -108,9 +108,14 @@ class trace:
                      "args": {"name": name}} for tid, name in self._tids.values()]
             self._tids.clear()
             self.events = meta + sorted(self.events, key=lambda e: e["ts"])
+        error = None
         for _, r in left:  # still in flight: the range ends with the trace (NVTX only)
             if r is not None:
-                self._nvtx.end_range(r)
+                try:  # (the file is written all the same: raised after it)
+                    self._nvtx.end_range(r)
+                except Exception as e:
+                    if error is None:
+                        error = e
         if self.path is not None:
             try:
                 with open(self.path, "w") as f:
@@ -123,6 +128,8 @@ class trace:
                 # in .events)
                 log.warning("sm.trace could not write %s: %r (its events are in .events)",
                             self.path, e)
+        if error is not None and exc[1] is None:  # (the block's own error goes on)
+            raise error
 
     # -- called by the runtime -----------------------------------------------------------
     def _us(self, t) -> float:
@@ -152,14 +159,21 @@ class trace:
         """Submissions left their stream's FIFO (retired, or kept as of unknown completion;
         core lock held)."""
         now = self._us(time.monotonic())
+        error = None
         for sub in subs:
             ev, r = self._subs.pop(id(sub), (None, None))
-            if r is not None:  # (NVTX only)
-                self._nvtx.end_range(r)
             if ev is not None:
                 ev["dur"] = max(0.0, now - ev["ts"])
                 ev["args"]["state"] = ("pending", "retired", "completion unknown")[sub.state]
                 self.events.append(ev)
+            if r is not None:  # (NVTX only: one that fails to end loses no slice and leaves
+                try:           # the others' ranges ending; raised once all were seen)
+                    self._nvtx.end_range(r)
+                except Exception as e:
+                    if error is None:
+                        error = e
+        if error is not None:
+            raise error
 
 
 def _after_fork_child() -> None:

@@ -23,7 +23,6 @@ import sharedmem as sm
 from conftest import count_plans, gc_collect_harder, run_threads
 
 
-
 @pytest.fixture(params=["bindings", "hot"])
 def fake(monkeypatch, request):
     """A CUDA device over the fake driver; "bindings": every call through the
@@ -86,7 +85,6 @@ def test_foreign_streams_are_one_stream(fake):
     assert sm.Stream.lookup(dev, 2) is None
 
 
-
 def test_a_destroyed_borrowed_stream_is_not_found_for_its_reused_handle(fake):
     # cuda.core's Stream.close() destroys the stream; the driver may give its handle to the next
     # stream made, with other flags. The old Stream, still alive (an access record keeps it),
@@ -125,7 +123,6 @@ def test_a_destroyed_borrowed_stream_is_not_found_for_its_reused_handle(fake):
     gc_collect_harder()
 
 
-
 def test_synchronize_of_a_borrowed_stream_waits_for_its_owners_work_too(fake):
     dev, drv = fake
 
@@ -139,7 +136,6 @@ def test_synchronize_of_a_borrowed_stream_waits_for_its_owners_work_too(fake):
     dev.default_stream.synchronize()  # (sharedmem's own streams: its work is all there is)
     sm.synchronize()
     assert not any(c[0] == "stream_sync" for c in drv.calls[n:])
-
 
 
 def test_cai_import_refuses_what_device_memory_cannot_hold_and_bad_streams(fake, monkeypatch):
@@ -175,7 +171,6 @@ def test_cai_import_refuses_what_device_memory_cannot_hold_and_bad_streams(fake,
     assert sm.stats().live_allocations == before
     sm.synchronize()
     assert b.allocation.live_views == 1  # (nothing refused was left imported)
-
 
 
 def test_malformed_cai_is_refused_and_nothing_is_imported(fake, monkeypatch):
@@ -1111,7 +1106,6 @@ def test_cupy_kernel_arguments_are_packed_as_the_kernel_expects(fake, kernels):
     np.testing.assert_array_equal(t.to_host(), [0, 1, 4, 6, 8, 10, 6, 7])
 
 
-
 def test_kernel_parameter_types_are_read_past_comments():
     from interop.cupy_launch import param_types
     code = """
@@ -1617,7 +1611,6 @@ def test_a_marker_is_published_only_once_its_event_is_recorded(fake, monkeypatch
     sm.synchronize()
 
 
-
 def _fake_cupy_arrays(monkeypatch, dev, n, count):
     """CuPy-style arrays over fresh fake device memory, of type ``cupy.ndarray`` itself (as a
     launch sees real ones); each keeps its Buffer in ``_block``. ``Device(dev.ordinal)`` is
@@ -1639,6 +1632,32 @@ def _fake_cupy_arrays(monkeypatch, dev, n, count):
 
     cp.ndarray = ndarray
     return [ndarray(np.full(n, i, np.float32)) for i in range(count)]
+
+
+def test_an_op_of_cupy_arrays_alone_runs_on_their_device(fake, kernels, monkeypatch):
+    """op.submit() with no stream runs on the device of the op's first array argument -- a
+    CuPy array's too, as launch() does: it took only sharedmem views into account, so an op
+    whose arrays were all CuPy's ran on the default device (here the host) and was refused
+    with DeviceMismatchError (on a machine of several GPUs: arrays on another GPU than the
+    default one)."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    monkeypatch.setattr(sys.modules["sharedmem.device"], "_default", sm.Device.host())
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    sm.synchronize()
+    assert sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n).result() is None
+    o = sm.op(saxpy, 1, 16, 3.0, sm.In(y), sm.In(y), sm.Out(out), n)
+    fut = o.submit()
+    fut.result()
+    assert fut.stream.device is dev and fut.stream.name.startswith("sharedmem-pool-")
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 4.0))  # 3 * 1 + 1
+    chain = o.and_then(sm.op(saxpy, 1, 16, 2.0, sm.In(out), sm.In(x), sm.Out(out), n))
+    fut = chain.submit()
+    fut.result()
+    assert fut.stream.device is dev
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 8.0))  # 2 * 4 + 0
+    sm.synchronize()
 
 
 def test_cupy_array_facts_are_found_again_and_forgotten_with_the_array(fake, kernels,
@@ -2221,7 +2240,6 @@ def test_two_cupy_arrays_whose_addresses_hash_alike_are_both_found_by_the_recent
     i = next(k for k, a in enumerate(arrays) if a is x)  # (x holds i everywhere)
     np.testing.assert_array_equal(out._block.to_host(), np.full(n, 3.0 * i))
     sm.synchronize()
-
 
 
 def test_a_cupy_array_over_a_read_only_view_is_not_written_by_a_launch(fake, kernels,
@@ -4270,7 +4288,6 @@ def test_waiting_for_work_behind_a_query_that_cannot_ask_raises_rather_than_hang
             sm.synchronize()
     assert not hung, "result(1) of work behind an unaskable query never returned"
     assert got and isinstance(got[0], (sm.CudaError, TimeoutError)), got
-
 
 
 def test_a_view_given_as_stream_is_never_borrowed_as_one(fake, kernels, monkeypatch):
