@@ -402,13 +402,28 @@ def test_a_capsule_of_a_cuda_device_that_cannot_be_used_is_a_buffer_error(host):
     assert dl._is_valid(cap, b"dltensor_versioned")
 
 
+def _read_after_a_slow_write(host, written, read):
+    """What a host kernel reading ``read`` on one stream sees after a slow kernel writing 1.0
+    into ``written`` on another: the write, where the two are one allocation (ordered)."""
+    import time
+    seen = []
+
+    def writer(x):
+        time.sleep(0.2)
+        x[...] = 1.0
+    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
+    sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(written), stream=s1)
+    sm.launch(sm.host_kernel(lambda y: seen.append(y.copy())), 1, 1, sm.In(read), stream=s2)
+    sm.synchronize()
+    return seen[0]
+
+
 @pytest.mark.parametrize("first", ["part", "whole"])
 def test_imports_of_views_of_one_numpy_array_are_one_allocation_in_any_order(host, first):
     """A part of an array imported before the whole was an allocation of its own, and the
     whole another: a writer of the whole on one stream and a reader of the part on another
     were not ordered (the reader saw zeros). Every view of one array is a range of its base's
     allocation."""
-    import time
     a = np.zeros(16, np.float32)
     if first == "part":
         part = sm.from_dlpack(a[4:8])
@@ -417,16 +432,7 @@ def test_imports_of_views_of_one_numpy_array_are_one_allocation_in_any_order(hos
         whole = sm.from_dlpack(a)
         part = sm.from_dlpack(a[4:8])
     assert part.allocation is whole.allocation
-    seen = []
-
-    def writer(x):
-        time.sleep(0.2)
-        x[...] = 1.0
-    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
-    sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(whole), stream=s1)
-    sm.launch(sm.host_kernel(lambda y: seen.append(y.copy())), 1, 1, sm.In(part), stream=s2)
-    sm.synchronize()
-    assert seen[0].tolist() == [1.0] * 4
+    assert _read_after_a_slow_write(host, whole, part).tolist() == [1.0] * 4
 
 
 # -- the export's arguments, checked as documented (errors.md; from a review) ------------------
@@ -485,7 +491,6 @@ def test_an_ndarray_subclass_whose_capsule_is_other_memory_is_not_imported_over_
     memory's own import another allocation -- a writer of one and a reader of the other were
     not ordered. The region of an ndarray's base is used only where it holds the capsule's
     bytes."""
-    import time
     other = np.zeros(8, np.float32)
 
     class Copying(np.ndarray):
@@ -500,13 +505,4 @@ def test_an_ndarray_subclass_whose_capsule_is_other_memory_is_not_imported_over_
     assert alloc.ptr <= t.ptr and t.ptr + t.nbytes <= alloc.ptr + alloc.nbytes
     whole = sm.from_dlpack(other)
     assert whole.allocation is alloc  # one memory, one allocation
-    seen = []
-
-    def writer(x):
-        time.sleep(0.2)
-        x[...] = 1.0
-    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
-    sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(t), stream=s1)
-    sm.launch(sm.host_kernel(lambda y: seen.append(y.copy())), 1, 1, sm.In(whole), stream=s2)
-    sm.synchronize()
-    assert seen[0].tolist() == [1.0] * 8
+    assert _read_after_a_slow_write(host, t, whole).tolist() == [1.0] * 8
