@@ -70,10 +70,11 @@ class _FutureBase:
         if not callable(fn):
             raise TypeError(f"then takes a callable, got {fn!r}")
         out = HostFuture()
-        if not isinstance(self, DeviceFuture) or hasattr(self, "_owner"):
-            # a HostFuture, or a composite op's value (ops.ComputedFuture), computed by a
-            # function whose thread each names (_owner): a wait for ``out`` inside that function
-            # would never end either (see HostFuture._wait_done)
+        if type(self) is not DeviceFuture:
+            # a HostFuture, or a composite op's value (ops.ComputedFuture, the one subclass),
+            # computed by a function whose thread each names (_owner): a wait for ``out``
+            # inside that function would never end either (see HostFuture._wait_done) -- not
+            # a plain DeviceFuture's (no attribute looked for and missed on each then())
             if not self.done():
                 out._after = self
         self.add_done_callback(partial(_then, self, fn, out))
