@@ -71,11 +71,18 @@ class OwnershipMachine(RuleBasedStateMachine):
         return [h for h in self.handles if h.state == "live"]
 
     def pick(self, i, kind=None):
-        cands = [h for h in self.live() if h.kind != "graph" and (kind is None or h.kind == kind)]
+        cands = [h for h in self.views() if kind is None or h.kind == kind]
         return cands[i % len(cands)] if cands else None
 
     def views(self):
-        return [h for h in self.live() if h.kind != "graph"]
+        return [h for h in self.live() if h.kind not in ("graph", "export")]
+
+    def exportable(self):
+        """Views no unfinished lease overlaps: a host export waits for the work on its bytes
+        (the CPU reads at once), which the model's gated kernels never finish by themselves."""
+        return [h for h in self.views() if not any(
+            l.alloc_key == h.alloc_key and overlap(l.start, l.stop, h.start, h.stop)
+            for l in self.leases)]
 
     def move_conflicts(self, h):
         return [o for o in self.live() if o is not h and o.alloc_key == h.alloc_key
@@ -154,6 +161,31 @@ class OwnershipMachine(RuleBasedStateMachine):
         b = h.obj.as_buffer()
         assert b.ptr == h.obj.ptr
         self.handles.append(Handle(b, h.alloc_key, h.start, h.stop, h.writable, "buffer"))
+
+    @precondition(lambda self: bool(self.exportable()))
+    @rule(i=st.integers(0, 99))
+    def export(self, i):
+        """``np.from_dlpack(view)``: a zero-copy NumPy array over the view's bytes, read-only
+        for a read-only view. Until it is dropped it is one more live view of those bytes: a
+        move over them is refused naming it, and the allocation stays (the source view may
+        go first)."""
+        cands = self.exportable()
+        h = cands[i % len(cands)]
+        a = np.from_dlpack(h.obj)
+        assert a.nbytes == h.stop - h.start and a.flags.writeable == h.writable
+        if a.size:
+            assert a.ctypes.data == h.obj.ptr  # zero-copy
+            assert (a.view(np.int32) == self.tags[h.alloc_key]).all()
+        self.handles.append(Handle(a, h.alloc_key, h.start, h.stop, h.writable, "export"))
+
+    @precondition(lambda self: any(h.kind == "export" for h in self.live()))
+    @rule(i=st.integers(0, 99))
+    def drop_export(self, i):
+        live = [h for h in self.live() if h.kind == "export"]
+        h = live[i % len(live)]
+        h.state = "released"
+        h.obj = None  # (the consumer's array: its DLPack deleter ends the export)
+        gc.collect()
 
     @precondition(lambda self: bool(self.views()))
     @rule(i=st.integers(0, 99), explicit=st.booleans())
