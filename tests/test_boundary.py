@@ -114,14 +114,20 @@ def _reject_fill(b, stream):
                        policy="reject", label="fill_zero")
 
 
-def test_a_read_only_export_does_not_order_readers(fake):
-    dev, drv = fake
+def read_only_export(dev, drv):
+    """A tensor of ``dev`` exported read-only through DLPack to a consumer on a stream of its
+    own: ``(consumer stream handle, stream A, tensor, capsule)``."""
     consumer = int(drv.cuStreamCreate(1)[1])
     a = dev.create_stream("A")
     t = sm.Tensor.from_host(np.zeros(8, np.float32), device=dev)
     sm.synchronize()
-    ro = t.as_readonly()
-    cap = ro.__dlpack__(stream=consumer, max_version=(1, 0))
+    cap = t.as_readonly().__dlpack__(stream=consumer, max_version=(1, 0))
+    return consumer, a, t, cap
+
+
+def test_a_read_only_export_does_not_order_readers(fake):
+    dev, drv = fake
+    consumer, a, t, cap = read_only_export(dev, drv)
     out = sm.Buffer.empty(8, "float32", device=dev)
     mark = len(drv.calls)
     with t.as_buffer() as b:

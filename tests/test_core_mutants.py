@@ -16,7 +16,7 @@ from sharedmem.runtime import submission as _sub
 from sharedmem.runtime.state import locked
 
 from conftest import gc_collect_harder
-from test_boundary import fake as fake_boundary  # noqa: F401  (fixture)
+from test_boundary import fake as fake_boundary, read_only_export  # noqa: F401  (fixture)
 from test_cuda_backend_fake import fake, kernels  # noqa: F401  (fixtures)
 from test_waited import _park_retirer, _teardown
 
@@ -102,12 +102,7 @@ def test_a_read_only_export_orders_writers(fake_boundary):
     on the consumer's stream (the counterpart of test_a_read_only_export_does_not_order_readers),
     and under policy "reject" it is refused naming the reading consumer."""
     dev, drv = fake_boundary
-    consumer = int(drv.cuStreamCreate(1)[1])
-    a = dev.create_stream("A")
-    t = sm.Tensor.from_host(np.zeros(8, np.float32), device=dev)
-    sm.synchronize()
-    ro = t.as_readonly()
-    cap = ro.__dlpack__(stream=consumer, max_version=(1, 0))
+    consumer, a, t, cap = read_only_export(dev, drv)
     mark = len(drv.calls)
     with t.as_buffer() as b:
         b.fill_zero(stream=a)
