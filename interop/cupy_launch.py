@@ -155,7 +155,8 @@ class Param:
         return f"parameter {self.name!r} ({self.ctype})"
 
 
-_COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+# A comment, or a string or character literal (kept: a ``/*`` or ``//`` inside one starts none)
+_COMMENTS = re.compile(r"""("(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')|//[^\n]*|/\*.*?\*/""", re.S)
 
 
 def _split_params(code, i):
@@ -177,6 +178,10 @@ def _split_params(code, i):
     return None
 
 
+def _literal_or_space(m) -> str:
+    return m.group(1) or " "
+
+
 def param_types(code, name):
     """``[(kind, ctype, pname), ...]`` of ``__global__`` function ``name`` in CUDA source
     ``code``, or None where it cannot be read (no source, a template, a mangled name)."""
@@ -184,7 +189,7 @@ def param_types(code, name):
         return None
     # comments out first: one in a parameter list would be read as a type or a name, and a
     # kernel commented out would be found before the real one
-    code = _COMMENTS.sub(" ", code)
+    code = _COMMENTS.sub(_literal_or_space, code)
     found = None
     # every declaration of the kernel: a declaration and its definition agree, but two
     # definitions (#if / #else, an old one under #if 0) leave the one compiled to the

@@ -1120,6 +1120,19 @@ def test_kernel_parameter_types_are_read_past_comments():
                                       ("p", "int*", "q"), ("f", "double", "f")]
 
 
+def test_comment_marks_inside_string_and_char_literals_are_not_comments():
+    """A ``/*`` or ``//`` in a string or character literal starts no comment: read as one, it
+    hid the source up to the next ``*/`` -- here the kernel's declaration."""
+    from interop.cupy_launch import param_types
+    code = r"""
+    __device__ void note() { printf("/* start %c\"", '"'); char c = '/'; }
+    extern "C" __global__ void k(float* p, int n) { printf("// %d */ done", n); }
+    """
+    assert param_types(code, "k") == [("p", "float*", "p"), ("i", "int", "n")]
+    code = '__device__ const char* home = "http://x"; extern "C" __global__ void k(int n) {}'
+    assert param_types(code, "k") == [("i", "int", "n")]
+
+
 def test_floating_point_arguments_are_checked_before_anything_is_enqueued(fake, kernels):
     """half, float and double parameters take their values in both builds (a half as its two
     bytes); a finite value beyond the parameter's range is a KernelError raised before the
