@@ -592,8 +592,8 @@ class RawKernelPlan(KernelPlan):
         return impl.submit_marker()
 
     def _raise(self, err):
-        from sharedmem.backends.cuda import check
-        check((self.backend.cu.CUresult(err),), "cuLaunchKernel")
+        from sharedmem.backends.cuda import _error  # (a code the bindings may not know)
+        raise _error(err, "cuLaunchKernel")
 
 
 class LaunchConfig:

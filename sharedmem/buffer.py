@@ -12,7 +12,7 @@ from .allocation import Allocation, View
 from .device import Device, as_device
 from .errors import CaptureError, DeviceMismatchError, LayoutError, ReadOnlyError
 from .runtime.future import DeviceFuture
-from .runtime.submission import deferring, raise_deferred, submit, wait, wait_before
+from .runtime.submission import deferring, raise_deferred, settle, submit, wait, wait_before
 from .stream import Stream, resolve_stream
 
 __all__ = ["Buffer", "DeviceBox", "as_dtype"]
@@ -82,7 +82,15 @@ def allocate(device: Device, nbytes: int, stream, kind: str):
     if nbytes > _MAX_BYTES:  # (NumPy would say ValueError, CuPy's size_t OverflowError)
         raise MemoryError(f"cannot allocate {nbytes} bytes on {device}: more than any device "
                           f"memory can hold ({_MAX_BYTES} bytes at most)")
-    block = device.backend.allocate(nbytes, impl)
+    try:
+        block = device.backend.allocate(nbytes, impl)
+    except MemoryError:
+        # The device may be full of memory that only finished work still leases: it goes
+        # back to the pool when that work is retired -- at a sweep every SWEEP_EVERY
+        # submissions to its stream, or at the retirer's next pass. Retire it now (never
+        # waiting for the device) and try once more.
+        settle()
+        block = device.backend.allocate(nbytes, impl)
     alloc = Allocation(device, block.ptr, nbytes, owner=block, source="sharedmem")
     return alloc.new_token(kind, 0, nbytes, True, alloc)
 

@@ -123,7 +123,7 @@ class _HotDriver:
                                                                         memtype)])
         err = self._attributes(4, _POINTER_ATTRIBUTES, data, ptr)
         if err:
-            raise _error(cu.CUresult(err), "cuPointerGetAttributes")
+            raise _error(err, "cuPointerGetAttributes")
         if memtype.value != 2:
             return None  # (not device memory: CU_MEMORYTYPE_DEVICE is 2)
         return start.value, size.value, ordinal.value
@@ -150,8 +150,17 @@ def _name(err) -> str:
 
 
 def _error(err, what: str) -> CudaError:
-    """The CudaError of driver call ``what`` that returned ``err`` (a CUresult)."""
-    return CudaError(f"{what} failed: {_name(err)} ({int(err)})", int(err))
+    """The CudaError of driver call ``what`` that returned ``err`` (a CUresult, or the int an
+    entry point called through ctypes returned: libcuda may answer a code newer than the
+    bindings' CUresult knows -- named by its number then, never a ValueError raised where the
+    error is being reported)."""
+    code = int(err)
+    try:
+        err = cu.CUresult(code)
+    except ValueError:
+        return CudaError(f"{what} failed: CUresult {code} (an error code cuda-bindings does not "
+                         f"know: a newer driver's)", code)
+    return CudaError(f"{what} failed: {_name(err)} ({code})", code)
 
 
 def check(result, what: str):
@@ -232,7 +241,7 @@ class CudaMarker:
         h = int(ev)
         err = _record(backend, ev, h, impl.handle)
         if err:  # (the event, not recorded, back to the pool: the marker keeps none)
-            self.error = _error(cu.CUresult(err), "cuEventRecord")
+            self.error = _error(err, "cuEventRecord")
             backend._events.append(ev)
         else:
             self.event, self.handle = ev, h
@@ -262,7 +271,7 @@ class CudaMarker:
             return DONE
         if err == 600:  # CUDA_ERROR_NOT_READY
             return PENDING
-        self.error = _error(cu.CUresult(err), "cuEventQuery")
+        self.error = _error(err, "cuEventQuery")
         return UNKNOWN
 
     def wait(self, timeout=None) -> bool:
@@ -343,7 +352,7 @@ def _stream_wait(backend, stream_handle, marker) -> None:
     else:
         err = int(cu.cuStreamWaitEvent(cu.CUstream(stream_handle), marker.event, 0)[0])
     if err:
-        raise _error(cu.CUresult(err), "cuStreamWaitEvent")
+        raise _error(err, "cuStreamWaitEvent")
 
 
 def _open_marker(impl):
@@ -646,7 +655,15 @@ class CudaBackend:
                         self._arena = self._cupy.cuda.Stream(non_blocking=True)
                     arena = self._arena
             with arena:
-                return self._cupy.cuda.alloc(max(nbytes, 1))
+                try:
+                    return self._cupy.cuda.alloc(max(nbytes, 1))
+                except MemoryError as e:  # (CuPy's OutOfMemoryError: its words name no device)
+                    raise MemoryError(
+                        f"cannot allocate {nbytes} bytes on <Device cuda:{self.ordinal} "
+                        f"{self.name}>: out of device memory ({e}; CuPy's pool gave back its "
+                        f"cached blocks first). Release views no longer needed, wait for work "
+                        f"in flight (its memory is freed once it finished: sm.synchronize()), "
+                        f"or allocate less") from e
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory (``cuMemGetInfo``)."""
@@ -748,7 +765,7 @@ class CudaBackend:
         try:
             err = _record(self, ev, int(ev), stream_handle)
             if err:
-                raise _error(cu.CUresult(err), "cuEventRecord")
+                raise _error(err, "cuEventRecord")
         except BaseException:  # (a handle the record refuses too: the event is not lost)
             if pooled:
                 self._events.append(ev)
@@ -981,7 +998,7 @@ class CudaBackend:
         else:
             err = int(cu.cuGraphLaunch(graph_exec[1], impl.cu_stream)[0])
         if err:
-            raise _error(cu.CUresult(err), "cuGraphLaunch")
+            raise _error(err, "cuGraphLaunch")
         return impl.submit_marker()
 
     def destroy_graph(self, graph_exec) -> None:

@@ -1,0 +1,174 @@
+"""The CUDA backend under adversarial use, over the fake driver (tests/fake_cuda.py): running
+out of device memory, and driver error codes the bindings do not know."""
+
+import sys
+import weakref
+
+import pytest
+
+import sharedmem as sm
+
+from conftest import gc_collect_harder
+
+
+@pytest.fixture(params=["bindings", "hot"])
+def fake(monkeypatch, request):
+    """A CUDA device over the fake driver (as test_cuda_backend_fake's fixture)."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, request.param == "hot")
+    yield dev, drv
+    sm.synchronize()
+    del dev
+    gc_collect_harder()
+
+
+def _retirer_sweeps_nothing(monkeypatch):
+    """Only the test's own calls retire work (the retirer's passes do nothing)."""
+    from sharedmem.runtime import retirer
+    monkeypatch.setattr(retirer, "_pass", lambda rt, last: ({}, True))
+
+
+class OutOfMemoryError(MemoryError):
+    """As ``cupy.cuda.memory.OutOfMemoryError`` (a MemoryError), with CuPy's words."""
+
+
+def _device_of(monkeypatch, capacity):
+    """Make the fake CuPy pool's device hold ``capacity`` bytes: an allocation beyond what
+    is alive raises OutOfMemoryError, as CuPy's pool does once it freed its cached blocks.
+    Returns a list holding the bytes alive."""
+    import fake_cuda
+    live = [0]
+
+    def freed(n):
+        live[0] -= n
+
+    def alloc(n):
+        if live[0] + n > capacity:
+            raise OutOfMemoryError(f"Out of memory allocating {n:,} bytes (allocated so far: "
+                                   f"{live[0]:,} bytes).")
+        block = fake_cuda._FakeBlock(n)
+        live[0] += n
+        weakref.finalize(block, freed, n)
+        return block
+
+    monkeypatch.setattr(sys.modules["cupy"].cuda, "alloc", alloc)
+    return live
+
+
+def test_an_allocation_that_finds_the_device_full_retires_finished_work_first(
+        fake, monkeypatch):
+    """Memory whose last view is gone stays leased by the work that used it until that work is
+    retired (a sweep every SWEEP_EVERY submissions, or the retirer's next pass). An allocation
+    that finds the device full retires what has finished -- its blocks go back to the pool --
+    and tries again: a loop that allocates, launches and drops must not fail while finished
+    work still holds the memory it needs."""
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    sm.synchronize()
+    live = _device_of(monkeypatch, 4096)
+    a = sm.Buffer.empty(1024, "uint32", device=dev)
+    a.fill_zero(stream=s)  # done at once (the fake runs it), not retired: nothing swept yet
+    del a
+    gc_collect_harder()
+    assert live[0] == 4096 and s.pending == 1  # kept by the unretired fill
+    b = sm.Buffer.empty(1024, "uint32", device=dev)
+    assert b.nbytes == 4096 and s.pending == 0
+
+
+def test_out_of_device_memory_is_a_memory_error_naming_the_size_and_the_device(
+        fake, monkeypatch):
+    """docs/errors.md: MemoryError, its message naming the size and the device; nothing is
+    left allocated."""
+    dev, drv = fake
+    live = _device_of(monkeypatch, 4096)
+    before = sm.stats()
+    with pytest.raises(MemoryError, match=r"8192 bytes on <Device cuda:0") as e:
+        sm.Buffer.empty(2048, "uint32", device=dev)
+    assert "Out of memory allocating 8,192 bytes" in str(e.value)  # (CuPy's own words kept)
+    assert live[0] == 0 and sm.stats() == before
+
+
+@pytest.fixture
+def hot(monkeypatch):
+    """A CUDA device over the fake driver, the per-launch calls through ``backend.hot`` (the
+    driver's codes come back as ints, as libcuda returns them)."""
+    from fake_cuda import install_fake_devices
+    (dev,), drv = install_fake_devices(monkeypatch, True)
+    yield dev, drv
+    sm.synchronize()
+    del dev
+    gc_collect_harder()
+
+
+#: An error code the bindings' CUresult does not know (a driver newer than cuda-bindings: the
+#: hot driver gets libcuda's return value itself)
+NEW_CODE = 12345
+
+
+def test_a_batch_record_failing_with_a_code_the_bindings_do_not_know_keeps_the_memory(
+        hot, monkeypatch):
+    """cuEventRecord through the hot driver answers an int; one the bindings' CUresult has no
+    member for made the CudaError's construction raise ValueError -- out of the MARKER_BATCH-th
+    submission's enqueue, after its work was on the stream: that work then ran with no lease
+    (and the marker stayed open, raising again at each ask). It is a CudaError naming the code,
+    and the completion of the work that joined the marker is unknown: its memory is kept."""
+    import sharedmem.backends.cuda as bc
+    dev, drv = hot
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    real = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord",
+                        lambda ev, st: (NEW_CODE,) if int(st) == s.handle else real(ev, st))
+    futs = [b.fill_zero(stream=s) for _ in range(bc.MARKER_BATCH)]
+    marker = futs[-1]._s.marker
+    assert isinstance(marker.error, sm.CudaError) and marker.error.code == NEW_CODE
+    assert str(NEW_CODE) in str(marker.error) and "cuEventRecord" in str(marker.error)
+    with pytest.warns(sm.LeakWarning):
+        with pytest.raises(sm.CompletionUnknownError):
+            futs[-1].result()
+    after = sm.stats()
+    assert (after.submitted, after.leaked) == (before.submitted + bc.MARKER_BATCH,
+                                              before.leaked + bc.MARKER_BATCH)
+
+
+def test_a_query_failing_with_a_code_the_bindings_do_not_know_is_unknown_completion(
+        hot, monkeypatch):
+    """As above for cuEventQuery: the marker's completion is unknown (a CudaError), not a
+    ValueError out of every sweep (the retirer's re-raised at each later API call) with the
+    work never retired nor counted as leaked."""
+    dev, drv = hot
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (NEW_CODE,))
+    fut = b.fill_zero(stream=s)
+    with pytest.warns(sm.LeakWarning):
+        with pytest.raises(sm.CompletionUnknownError) as e:
+            fut.result(5)
+    assert e.value.__cause__.code == NEW_CODE
+    assert sm.stats().leaked == before.leaked + 1
+
+
+def test_a_launch_failing_with_a_code_the_bindings_do_not_know_is_a_cuda_error(
+        fake, monkeypatch):
+    """cuLaunchKernel's code through the hot driver, or as the bindings return it: a code the
+    bindings' CUresult does not know is a CudaError naming it (it was a ValueError), and the
+    launch took no lease."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    code = 'extern "C" __global__ void k(float* x, int n) { }'
+    k = RawKernel(drv, "k", ["Q", "i"], lambda x, n: None, code)
+    x = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    before = sm.stats()
+    monkeypatch.setattr(drv, "cuLaunchKernel", lambda *a: (NEW_CODE,))
+    with pytest.raises(sm.CudaError, match=rf"^cuLaunchKernel failed: CUresult {NEW_CODE} ") as e:
+        sm.launch(k, 1, 8, x, 8)
+    assert e.value.code == NEW_CODE and sm.stats().submitted == before.submitted
+    sm.Tensor.from_buffer(x, (8,))  # no lease, no alias left behind
