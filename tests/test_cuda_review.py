@@ -2,6 +2,7 @@
 out of device memory, and driver error codes the bindings do not know."""
 
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -172,3 +173,45 @@ def test_a_launch_failing_with_a_code_the_bindings_do_not_know_is_a_cuda_error(
         sm.launch(k, 1, 8, x, 8)
     assert e.value.code == NEW_CODE and sm.stats().submitted == before.submitted
     sm.Tensor.from_buffer(x, (8,))  # no lease, no alias left behind
+
+
+def test_work_on_a_borrowed_stream_has_its_completion_event_recorded_at_once(
+        fake, monkeypatch):
+    """On a stream sharedmem owns, a launch joins the stream's open event, recorded later
+    (the MARKER_BATCH-th joiner, a sweep, a wait). On a borrowed stream it is recorded at
+    once, as a hold's end is: its owner may destroy the stream right after (legal in CUDA:
+    the work still runs; cuda.core's Stream.close()) -- a later record went to a dead handle,
+    the work's completion became unknown and its memory leaked, or, the handle reused, to
+    another stream -- or begin a capture on it, which would take the record in."""
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    h = int(drv.cuStreamCreate(1)[1])
+
+    class CoreStream:  # (as cuda.core's Stream: __cuda_stream__, and close() destroys it)
+        closed = False
+
+        def __cuda_stream__(self):
+            return (0, h)
+
+        def close(self):
+            self.closed = True
+
+    cs = CoreStream()
+    real = drv.cuEventRecord
+    monkeypatch.setattr(drv, "cuEventRecord", lambda ev, st: (
+        (drv.CUresult.CUDA_ERROR_INVALID_HANDLE,) if cs.closed and int(st) == h
+        else real(ev, st)))
+    x = sm.Buffer.zeros(8, "float32", device=dev)
+    own = dev.create_stream("own")
+    sm.synchronize()
+    before = sm.stats()
+    assert not x.fill_zero(stream=own)._s.marker.recorded  # (joined: recorded later)
+    fut = x.fill_zero(stream=cs)
+    assert fut._s.marker.recorded
+    cs.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no LeakWarning)
+        assert fut.result(5) is None
+        sm.synchronize()
+    assert sm.stats().leaked == before.leaked
+    sm.Tensor.from_buffer(x, (8,))  # its bytes not kept: nothing leased them past the work

@@ -22,7 +22,10 @@ Imported only when a CUDA device is asked for; raises
   when someone needs it -- a retirement sweep's query, a wait, a cross-stream
   order -- or when MARKER_BATCH submissions have joined. Recording later than
   the work is always safe: an event marks everything enqueued before it, so
-  completion is only ever reported late, never early. Joining and recording
+  completion is only ever reported late, never early -- on streams sharedmem
+  owns and the device's default stream; on a borrowed stream, which its owner
+  may destroy or capture at any time, each submission's event is recorded at
+  once. Joining and recording
   both happen under core_lock, so no work joins a marker after its event was
   recorded. The retirer queries; there are no host callbacks per launch.
   A query that fails with anything but ``CUDA_ERROR_NOT_READY`` (a sticky
@@ -409,6 +412,13 @@ class CudaStreamImpl:
         m = self.open_marker
         if m is None:
             m = _open_marker(self)
+            if self.external is not None:
+                # A borrowed stream: recorded now, as a hold's end there is. Its owner may
+                # destroy it right after (legal: the work still runs) -- a later record
+                # would go to a dead handle, or to another stream given that handle -- or
+                # begin a capture on it, which would take the record in.
+                m.close_locked()
+                return m
             self.open_marker = m
             self.open_count = 1
             return m
