@@ -693,11 +693,18 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         if (s.device.kind == "cuda") != on_cuda or (on_cuda and s.device.ordinal != where[1]):
             raise _elsewhere(s, f"{type(obj).__name__} on DLPack device "
                                 f"{(int(where[0]), int(where[1]))}")
+    library = type(obj).__module__.partition(".")[0]  # ("torch", "jaxlib", "numpy"...)
     if type(obj).__name__ == "PyCapsule":
         capsule = obj
     elif not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{type(obj).__name__} does not support DLPack (no __dlpack__)")
     else:
+        if library == "torch" and obj.is_neg():  # torch refuses to export the conjugate bit
+            # but exports a lazily negated view (conj().imag) as its memory, without the sign
+            raise BufferError(f"cannot import a torch tensor with the negative bit set (shape "
+                              f"{tuple(obj.shape)}, {obj.dtype}): DLPack cannot say it, and its "
+                              f"values would be read with the wrong sign; import "
+                              f"x.resolve_neg() instead")
         # a CUDA producer orders its pending work before our stream (the legacy default
         # stream, 1, for none or a default stream, whose handle is 0)
         kwargs = {"stream": (s.handle or 1) if s is not None else 1} if on_cuda else {}
@@ -786,6 +793,13 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         if region is not None and not (region[0] <= ptr and
                                        ptr + nbytes <= region[0] + region[1]):
             region = None  # (a subclass's __dlpack__ giving other memory: not its base's)
+    elif library == "torch" and nbytes:  # (host memory: its storage's, as NumPy's base's --
+        # else a view imported before its base was an allocation of its own, and work on the
+        # two was not ordered)
+        storage = obj.untyped_storage()
+        region = (storage.data_ptr(), storage.nbytes())
+        if not (region[0] <= ptr and ptr + nbytes <= region[0] + region[1]):
+            region = None
     # consume: from here on we own the managed tensor and must call its deleter. Checked
     # again and renamed in one step: another thread importing the same capsule may have
     # taken it since the check above (both took it: the deleter ran twice)
@@ -800,8 +814,11 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     ours = deleter == _DELETER_ADDR  # (our own export)
     owner = None if ours else _Imported(addr, versioned)
     try:
-        return import_tensor(dev, ptr, nbytes, "dlpack", region, not (flags & FLAG_READ_ONLY),
-                             owner, dtype, shape, strides, s, None if obj is capsule else obj,
+        # (JAX arrays are immutable, but JAX exports legacy capsules, which cannot say so:
+        # a write through the import would change an array JAX assumes never changes)
+        writable = not (flags & FLAG_READ_ONLY) and library not in ("jax", "jaxlib")
+        return import_tensor(dev, ptr, nbytes, "dlpack", region, writable, owner, dtype,
+                             shape, strides, s, None if obj is capsule else obj,
                              not (_adopt or ours))  # (our views count themselves)
     finally:
         if ours:  # the import's token keeps our memory: the export ends now (kept, it was

@@ -40,5 +40,7 @@ def declare(type_=None, value=None, **kwargs):
     return value
 
 
-# The C type names the sources name in cython.declare(...): placeholders when interpreted.
-int = longlong = Py_ssize_t = bint = double = None  # noqa: A001
+# The C type names the sources name in cython.declare(...) at module level, which runs
+# interpreted too: placeholders (size_t: interop.streams' _cupy_fn -- without it no interop
+# module imported where Cython is not installed).
+int = longlong = Py_ssize_t = bint = double = size_t = None  # noqa: A001

@@ -59,6 +59,22 @@ def refs_held_once() -> int:
     return _getrefcount(probe)
 
 
+def storage_uses(tensor, use_count) -> tuple:
+    """``(uses, references)`` of torch ``tensor``'s storage: torch's use count of it
+    (``use_count``, ``torch._C._storage_Use_Count``) and the references to its Python
+    storage object, as an adopt() reads them."""
+    storage = tensor.untyped_storage()
+    return use_count(storage._cdata), sys.getrefcount(storage)
+
+
+@functools.cache
+def lone_storage_uses(use_count) -> tuple:
+    """What :func:`storage_uses` says of a tensor whose storage nothing else shares (measured
+    once, on a probe asked the same way): the storage object ``untyped_storage()`` gives
+    holds a use of its own, so a lone tensor's count is 2, not 1."""
+    return storage_uses(sys.modules["torch"].empty(1), use_count)
+
+
 def refuse_references(obj, extra: int, name: str, share: str) -> None:
     """The AliasError of an adopt() of array ``obj`` (a ``name``) while ``extra`` other
     references to it exist (none when ``extra`` <= 0): ``share`` names what shares the memory
@@ -138,9 +154,12 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
         if use_count is None:
             raise AliasError("cannot adopt a torch tensor with this torch: it cannot tell whether "
                              "other tensors share the storage. Copy it instead.", ("torch storage",))
-        if use_count(obj.untyped_storage()._cdata) > 1:
-            raise AliasError("cannot adopt a torch tensor whose storage other tensors (views) "
-                             "share; drop them first, or copy.", ("torch storage",))
+        uses, refs = storage_uses(obj, use_count)
+        lone_uses, lone_refs = lone_storage_uses(use_count)
+        if uses > lone_uses or refs > lone_refs:  # (a storage object reaches the memory too)
+            raise AliasError("cannot adopt a torch tensor whose storage other tensors (views, "
+                             "NumPy arrays of it) or storage objects (untyped_storage()) share; "
+                             "drop them first, or copy.", ("torch storage",))
     elif (base := getattr(obj, "base", None)) is not None:
         if not hasattr(base, "shape"):  # (np.frombuffer of bytes, an mmap...)
             raise AliasError(f"cannot adopt a {name} over memory a {type(base).__name__} "

@@ -28,12 +28,19 @@ def as_dtype(dtype) -> np.dtype:
         dt = np.dtype(dtype)
     except TypeError as e:
         raise TypeError(f"{dtype!r} is not a dtype NumPy understands") from e
-    if dt.hasobject or dt.kind in "OUSVMm" or dt.fields is not None or dt.subdtype is not None:
+    if (dt.hasobject or (dt.kind in "OUSVMm" and not _is_bfloat16(dt)) or dt.fields is not None
+            or dt.subdtype is not None):
         raise TypeError(f"dtype {dt} cannot live in device memory; use a numeric or bool dtype")
     if not dt.isnative:
         raise TypeError(f"dtype {dt.str!r} is not in native byte order: kernels read native "
                         f"values; use {dt.newbyteorder('=').name!r} (from_host converts arrays)")
     return dt
+
+
+def _is_bfloat16(dt: np.dtype) -> bool:
+    """Whether ``dt`` is ml_dtypes' bfloat16 (a NumPy dtype of kind "V"): the dtype a DLPack
+    import of a torch or JAX bfloat16 tensor has, so its copies must be able to have it too."""
+    return dt.name == "bfloat16" and dt.itemsize == 2 and dt.fields is None
 
 
 def native(a: np.ndarray) -> np.ndarray:
@@ -56,7 +63,8 @@ def _scalar(value, dtype):
     except (OverflowError, ValueError, TypeError) as e:  # (300 as int8, nan as an int, 1j as
         # a float: NumPy's words)
         raise type(e)(f"a DeviceBox of {dtype} cannot hold {v!r}: {e}") from None
-    if a.dtype.kind in "fc" and not np.isfinite(a[0]) and _finite(v):
+    if ((a.dtype.kind in "fc" or _is_bfloat16(a.dtype)) and not np.isfinite(a[0])
+            and _finite(v)):
         raise OverflowError(f"a DeviceBox of {dtype} cannot hold {v!r}: it is beyond the "
                             f"range of {dtype}")
     return a

@@ -1,0 +1,199 @@
+"""The host device against the real torch (CPU) and JAX (CPU), through DLPack: what the fakes
+and the GPU machine did not exercise. Each test imports its library itself and skips where it
+is absent."""
+
+import gc
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import sharedmem as sm
+
+from test_dlpack import _read_after_a_slow_write
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _in_a_process(code: str) -> None:
+    """Run ``code`` in an interpreter of its own, on these sources, interpreted: JAX starts
+    threads when imported, and later tests of this process fork (a fork of a process running
+    JAX's threads may deadlock)."""
+    env = dict(os.environ, SHAREDMEM_PURE_PYTHON="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def _needs_jax():
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("needs jax")
+
+
+def test_interop_imports_where_cython_is_not_installed():
+    """interpreted without Cython, interop.streams declared a module constant with
+    ``cython.size_t``, which sharedmem's stand-in did not name: every DLPack export and
+    import (and the CAI, CuPy and cuTile bridges) raised AttributeError on first use."""
+    code = (
+        "import sys\n"
+        "class NoCython:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('cython', 'Cython'):\n"
+        "            raise ImportError('no Cython here')\n"
+        "sys.meta_path.insert(0, NoCython())\n"
+        "import numpy as np, sharedmem as sm\n"
+        "import interop.dlpack, interop.cai, interop.cupy, interop.cutile\n"
+        "t = sm.Tensor.from_host(np.arange(4.0), device=sm.Device.host())\n"
+        "assert np.from_dlpack(t).tolist() == [0.0, 1.0, 2.0, 3.0]\n"
+        "print('ok')\n")
+    _in_a_process(code)
+
+
+# -- export: torch, JAX and NumPy consumers of host views -------------------------------------
+_EXPORT = """
+import gc
+import numpy as np
+import pytest
+import sharedmem as sm
+
+def check(convert, ptr):
+    # the consumer's array is the view's memory; while it lives, a move of the bytes is
+    # refused naming the export, a release of the source does not free them, and when the
+    # array dies the hold ends
+    t = sm.Tensor.from_host(np.arange(12, dtype=np.float32).reshape(3, 4),
+                            device=sm.Device.host())
+    y = convert(t)
+    assert ptr(y) == t.ptr and tuple(y.shape) == (3, 4)
+    gc.collect()
+    assert "DLPack export, bytes [0, 48)" in " ".join(t.allocation.views())
+    with pytest.raises(sm.AliasError, match="DLPack export"):
+        t.into_buffer()
+    assert t.to_host().tolist() == np.arange(12).reshape(3, 4).tolist()  # (still usable)
+    t.release()
+    gc.collect()
+    assert sm.stats().live_allocations == 1
+    assert np.asarray(y).tolist() == np.arange(12).reshape(3, 4).tolist()
+    del y
+    gc.collect()
+    sm.synchronize()
+    assert sm.stats().live_allocations == 0
+"""
+
+
+@pytest.mark.parametrize("consumer", ["torch", "jax", "numpy"])
+def test_export_is_zero_copy_and_its_hold_outlives_the_source(consumer):
+    if consumer == "torch":
+        pytest.importorskip("torch")
+        call = "import torch; check(torch.from_dlpack, lambda y: y.data_ptr())"
+    elif consumer == "jax":
+        _needs_jax()
+        call = ("import jax.numpy as jnp; "
+                "check(jnp.from_dlpack, lambda y: y.unsafe_buffer_pointer())")
+    else:
+        call = "check(np.from_dlpack, lambda y: y.ctypes.data)"
+    _in_a_process(_EXPORT + call + "\nprint('ok')\n")
+
+
+# -- import: torch tensors ---------------------------------------------------------------------
+@pytest.mark.parametrize("first", ["part", "whole"])
+def test_imports_of_views_of_one_torch_tensor_are_one_allocation_in_any_order(host, first):
+    """A view of a CPU tensor imported before its base was an allocation of its own (only
+    NumPy arrays were filed under their base's memory): a writer of the whole on one stream
+    and a reader of the part on another were not ordered, and the reader saw zeros."""
+    torch = pytest.importorskip("torch")
+    a = torch.zeros(16)
+    if first == "part":
+        part = sm.from_dlpack(a[4:8])
+        whole = sm.from_dlpack(a)
+    else:
+        whole = sm.from_dlpack(a)
+        part = sm.from_dlpack(a[4:8])
+    assert part.allocation is whole.allocation
+    assert _read_after_a_slow_write(host, whole, part).tolist() == [1.0] * 4
+
+
+def test_import_of_a_torch_tensor_is_zero_copy_and_keeps_it_alive(host):
+    torch = pytest.importorskip("torch")
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t = sm.from_dlpack(x)
+    assert t.ptr == x.data_ptr() and t.device is host and not t.readonly
+    for v in (x.t(), x[1:, 1:]):  # (strided, storage offset)
+        u = sm.from_dlpack(v)
+        assert u.ptr == v.data_ptr() and u.allocation is t.allocation
+        assert u.to_host().tolist() == v.numpy().tolist()
+    del x, v
+    gc.collect()
+    assert t.to_host().tolist() == np.arange(12).reshape(3, 4).tolist()
+
+
+def test_a_negated_torch_view_is_refused_not_read_with_the_wrong_sign(host):
+    """torch refuses to export a tensor with the conjugate bit, but exports one with the
+    negative bit (the imaginary part of a conjugated tensor) as its memory: the import read
+    [0, 1, 2, 3] for [-0, -1, -2, -3]."""
+    torch = pytest.importorskip("torch")
+    c = torch.arange(4, dtype=torch.float32) * (1 + 1j)
+    neg = c.conj().imag
+    assert neg.is_neg()
+    with pytest.raises(BufferError, match=r"^cannot import a torch tensor with the negative bit "
+                                          r"set \(shape \(4,\), torch.float32\).*resolve_neg"):
+        sm.from_dlpack(neg)
+    assert sm.from_dlpack(neg.resolve_neg()).to_host().tolist() == [0.0, -1.0, -2.0, -3.0]
+    with pytest.raises(BufferError, match="conjugate bit"):  # (torch's own refusal)
+        sm.from_dlpack(c.conj())
+
+
+def test_adopt_takes_a_lone_torch_tensor_over(host):
+    """The storage object ``untyped_storage()`` returns holds a use of the storage itself: a
+    tensor nothing else shared counted 2 uses, and every torch adopt() was refused."""
+    torch = pytest.importorskip("torch")
+    t = sm.adopt(torch.arange(4.0))
+    assert t.allocation.source == "dlpack (adopted)"
+    assert t.into_buffer().to_host().tolist() == [0.0, 1.0, 2.0, 3.0]
+    x = torch.arange(4.0)
+    for other in (lambda: x[1:], lambda: x.untyped_storage(), lambda: x.numpy()):
+        keep = other()
+        with pytest.raises(sm.AliasError, match="storage other tensors"):
+            sm.adopt(x)
+        del keep
+    u = sm.adopt(x)
+    del x
+    assert u.into_buffer().to_host().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# -- import: JAX arrays ------------------------------------------------------------------------
+def test_a_jax_array_is_imported_read_only():
+    """JAX arrays are immutable, but JAX exports legacy capsules, which cannot say read-only:
+    the import was writable, and a launch wrote into the JAX array."""
+    _needs_jax()
+    _in_a_process("""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import sharedmem as sm
+j = jnp.arange(6, dtype=jnp.float32)
+t = sm.from_dlpack(j)
+assert t.ptr == j.unsafe_buffer_pointer() and t.readonly
+with pytest.raises(sm.KernelError, match="would write through a read-only view"):
+    sm.launch(sm.host_kernel(lambda x: x.fill(42)), 1, 1, sm.Out(t))
+sm.synchronize()
+assert np.asarray(j).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+assert t.to_host().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # (still usable)
+print("ok")
+""")
+
+
+# -- bfloat16, which an import has ---------------------------------------------------------------
+def test_an_imported_bfloat16_tensor_can_be_copied(host):
+    """A bfloat16 tensor imported from torch (ml_dtypes' dtype) could be read, launched on
+    and exported, but t.copy() said its dtype 'cannot live in device memory'."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("ml_dtypes")
+    t = sm.from_dlpack(torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
+    c = t.copy()
+    assert c.dtype == t.dtype and c.to_host().astype(np.float32).tolist() == [[0, 1, 2], [3, 4, 5]]
+    back = torch.from_dlpack(c)
+    assert back.dtype == torch.bfloat16 and back.data_ptr() == c.ptr
