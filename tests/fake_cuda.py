@@ -23,6 +23,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
     CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
 
 
@@ -61,7 +62,9 @@ class FakeDriver:
     CUevent = CUevent
     CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=2, CU_EVENT_INTERPROCESS=4)
     CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=1)
-    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1)
+    CUstreamCaptureMode = types.SimpleNamespace(CU_STREAM_CAPTURE_MODE_GLOBAL=0,
+                                                CU_STREAM_CAPTURE_MODE_THREAD_LOCAL=1,
+                                                CU_STREAM_CAPTURE_MODE_RELAXED=2)
     CUdevice_attribute = types.SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR=75,
         CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR=76,
@@ -265,6 +268,14 @@ class FakeDriver:
         else:
             self.held.discard(int(ev))
         return (OK,)
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        """The calling thread's capture interaction mode (GLOBAL until set), swapped."""
+        modes = self.__dict__.setdefault("capture_modes", {})
+        me = threading.get_ident()
+        old = modes.get(me, self.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        modes[me] = int(mode)
+        return (OK, old)
 
     def cuEventQuery(self, ev):
         if int(ev) in self.held:

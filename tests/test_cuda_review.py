@@ -215,3 +215,49 @@ def test_work_on_a_borrowed_stream_has_its_completion_event_recorded_at_once(
         sm.synchronize()
     assert sm.stats().leaked == before.leaked
     sm.Tensor.from_buffer(x, (8,))  # its bytes not kept: nothing leased them past the work
+
+
+def test_a_query_refused_beside_a_global_mode_capture_is_pending_not_unknown(
+        hot, monkeypatch):
+    """cuEventQuery answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED to a thread whose mode
+    forbids it to ask while another thread captures in global mode (torch.cuda.graph's
+    default). That says nothing of the work: it was taken for unknown completion, and the
+    memory leaked. It is pending -- asked again, it retires."""
+    dev, drv = hot
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    real, capturing = drv.cuEventQuery, [True]
+    monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (
+        (drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,) if capturing[0] else real(ev)))
+    fut = b.fill_zero(stream=s)
+    assert not fut.done() and fut._s.marker.error is None
+    capturing[0] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no LeakWarning)
+        assert fut.result(5) is None
+    assert sm.stats().leaked == before.leaked
+
+
+def test_the_retirer_thread_asks_in_relaxed_capture_mode(fake):
+    """What a backend registers with on_retirer_thread runs once on the retirer's own thread;
+    the CUDA backend's sets the relaxed capture mode there (its queries beside another
+    library's global-mode capture are then allowed, and leave that capture valid)."""
+    import threading
+    import time
+    import sharedmem.backends.cuda as bc
+    from sharedmem.runtime import callbacks, retirer
+    dev, drv = fake
+    assert bc._relax_capture_mode in retirer._setups
+    bc._relax_capture_mode()
+    assert drv.capture_modes[threading.get_ident()] == 2  # CU_STREAM_CAPTURE_MODE_RELAXED
+    ran = []
+    retirer.on_retirer_thread(lambda: ran.append(threading.get_ident()))
+    sm.Buffer.zeros(8, "float32", device=dev).fill_zero()  # (the retirer running, woken)
+    retirer.wake()
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [callbacks.retirer_ident[0]]

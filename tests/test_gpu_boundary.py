@@ -395,3 +395,41 @@ def test_imports_of_one_vmm_reservation_share_an_allocation(cp):
         for h in handles:
             ok(cu.cuMemRelease(h))
         ok(cu.cuMemAddressFree(va, 4 * gran))
+
+
+def test_polling_beside_another_librarys_global_mode_capture_leaves_it_valid(cp):
+    """The retirer polls sharedmem's events while work is pending, from its own thread. A
+    capture another library began in global mode (torch.cuda.graph's default) forbids other
+    threads in the driver's default mode to query events: the query was refused
+    (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), which invalidated the capture, and the refusal
+    was taken for unknown completion -- the work's memory leaked with a LeakWarning. The
+    retirer's thread asks in relaxed mode: the capture ends valid and the work retires."""
+    import warnings
+    import gpu_kernels as K
+    from cuda.bindings import driver as cu
+    dev = sm.Device(0)
+    x = sm.Buffer.zeros(N, "float32", device=dev)
+    s = dev.create_stream("busy")
+    theirs = cp.cuda.Stream(non_blocking=True)
+    y = cp.zeros(1 << 20, cp.uint8)  # (before: no allocation while they capture)
+    sm.launch(K.kernel("slow_fill"), 1, 32, sm.Out(x), 32, 1.0, np.int64(K.cycles(5)), stream=s)
+    sm.synchronize()  # (the kernel loaded, the retirer thread started)
+    before = sm.stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no LeakWarning)
+        sm.launch(K.kernel("slow_fill"), 1, 32, sm.Out(x), 32, 2.0, np.int64(K.cycles(50)),
+                  stream=s)
+        err, = cu.cuStreamBeginCapture(theirs.ptr,
+                                       cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        assert err == cu.CUresult.CUDA_SUCCESS
+        try:  # (their work, captured: not run)
+            assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
+            import time
+            time.sleep(0.02)  # (the retirer polls the pending launch meanwhile)
+        finally:
+            err, graph = cu.cuStreamEndCapture(theirs.ptr)
+        assert err == cu.CUresult.CUDA_SUCCESS  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+        cu.cuGraphDestroy(graph)
+        sm.synchronize()
+    assert sm.stats().leaked == before.leaked
+    assert x.to_host()[:32].tolist() == [2.0] * 32

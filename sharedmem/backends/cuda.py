@@ -42,6 +42,7 @@ import weakref
 
 import numpy as np
 
+from ..runtime.retirer import on_retirer_thread
 from ..runtime.state import fork_safe, locked
 from ..stream import borrowed_handle
 from ..errors import BackendUnavailableError, CaptureError, CompletionUnknownError, CudaError
@@ -59,6 +60,7 @@ except ImportError:  # interpreted, without Cython installed
 cu = None
 _SUCCESS = None
 _CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+_CAPTURE_UNSUPPORTED = 900  # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
 
 
 def _load_driver():
@@ -272,7 +274,9 @@ class CudaMarker:
             err = int(cu.cuEventQuery(self.event)[0])
         if err == 0:
             return DONE
-        if err == 600:  # CUDA_ERROR_NOT_READY
+        if err == 600 or err == _CAPTURE_UNSUPPORTED:  # CUDA_ERROR_NOT_READY; or not asked:
+            # another thread captures a graph in global mode (torch.cuda.graph's default),
+            # and this thread's mode forbids it to ask meanwhile -- asked again later
             return PENDING
         self.error = _error(err, "cuEventQuery")
         return UNKNOWN
@@ -497,7 +501,23 @@ def _init():
         err = cu.cuInit(0)[0]
     except Exception as e:
         return f"{type(e).__name__}: {e}"
-    return None if err == _SUCCESS else _name(err)
+    if err != _SUCCESS:
+        return _name(err)
+    on_retirer_thread(_relax_capture_mode)  # (once: a second registration is ignored)
+    return None
+
+
+def _relax_capture_mode() -> None:
+    """Run on the retirer thread, once: its event queries run beside other libraries' graph
+    captures. In the driver's default mode a thread may not query while another thread
+    captures in global mode (torch.cuda.graph's default): refused (CUDA_ERROR_STREAM_CAPTURE_
+    UNSUPPORTED), and that capture is invalidated -- sharedmem's own background polling would
+    break a capture the user began after launching. In relaxed mode it may: the events it
+    asks about are sharedmem's, never recorded inside a capture."""
+    err = cu.cuThreadExchangeStreamCaptureMode(
+        cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)[0]
+    if err != _SUCCESS:
+        raise _error(err, "cuThreadExchangeStreamCaptureMode")
 
 
 #: The context this module last made current, per thread (every device's backend shares it;
