@@ -24,7 +24,7 @@ from sharedmem.allocation import (View, _module, import_allocation, lookup_alloc
                                   unregistered_token)
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
-from sharedmem.errors import BackendUnavailableError, CaptureError, KernelError
+from sharedmem.errors import BackendUnavailableError, CaptureError, CudaError, KernelError
 from sharedmem.launch import ForeignArray, KernelPlan, LaunchArg, check_dims, check_shared_mem
 from sharedmem.runtime.state import RUNTIME, OwnedLock, fork_safe, locked
 from sharedmem.stream import Stream
@@ -570,7 +570,7 @@ class RawKernelPlan(KernelPlan):
             if self.launch_addr and self.nbytes <= _STACK_PARAMS and len(self.params) <= 512:
                 err = _launch_compiled(self, impl, config, values)
                 if err:
-                    self._raise(err)
+                    self._raise(err, config)
                 return impl.submit_marker()
         backend = self.backend
         c = config
@@ -588,12 +588,20 @@ class RawKernelPlan(KernelPlan):
             err = int(cu.cuLaunchKernel(self.func, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shm,
                                         impl.cu_stream, self.ptrs_addr, 0)[0])
         if err:
-            self._raise(err)
+            self._raise(err, c)
         return impl.submit_marker()
 
-    def _raise(self, err):
+    def _raise(self, err, config):
         from sharedmem.backends.cuda import _error  # (a code the bindings may not know)
-        raise _error(err, "cuLaunchKernel")
+        e = _error(err, "cuLaunchKernel")
+        if err == 1 and config.shm > 48 << 10:  # CUDA_ERROR_INVALID_VALUE, past the default
+            raise CudaError(  # limit (sharedmem checked the device's opt-in maximum only)
+                f"{e}: the launch asks for {config.shm} bytes of dynamic shared memory, and "
+                f"above 48 KiB a kernel takes that only once it opted in: set "
+                f"kernel.max_dynamic_shared_size_bytes = {config.shm} (a cupy.RawKernel; "
+                f"cuFuncSetAttribute with CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES for "
+                f"a function handle) before launching", e.code) from None
+        raise e
 
 
 class LaunchConfig:

@@ -261,3 +261,28 @@ def test_the_retirer_thread_asks_in_relaxed_capture_mode(fake):
     while not ran and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ran == [callbacks.retirer_ident[0]]
+
+
+def test_a_launch_past_the_default_shared_memory_limit_says_how_to_opt_in(fake, monkeypatch):
+    """Dynamic shared memory is checked against the device's opt-in maximum (227 KiB on an
+    H200); past 48 KiB the driver refuses a kernel that has not opted in with a bare
+    CUDA_ERROR_INVALID_VALUE. The error says what to set; the launch took no lease."""
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    k = RawKernel(drv, "k", ["Q", "i"], lambda x, n: None,
+                  'extern "C" __global__ void k(float* x, int n) { }')
+    x = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    before = sm.stats()
+    monkeypatch.setattr(drv, "cuLaunchKernel",
+                        lambda *a: (drv.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(sm.CudaError, match=r"^cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\): the launch asks for 65536 bytes of dynamic "
+                                           r"shared memory.*kernel\.max_dynamic_shared_size_"
+                                           r"bytes = 65536") as e:
+        sm.launch(k, 1, 8, x, 8, shared_mem=65536)
+    assert e.value.code == 1 and sm.stats().submitted == before.submitted
+    with pytest.raises(sm.CudaError, match=r"^cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\)$"):  # (within the default limit: no hint)
+        sm.launch(k, 1, 8, x, 8, shared_mem=1024)
+    sm.Tensor.from_buffer(x, (8,))  # no lease left behind
