@@ -1008,11 +1008,9 @@ def _check_capture(stream, device, h, torch) -> None:
 
 
 def library_of(a) -> int:
-    """Whose current stream a launch with resolved argument ``a`` is ordered after: 1
-    torch's (a torch tensor's facts, or a torch tensor with_length), 0 CuPy's (a CuPy
-    array's), -1 none (a view, a scalar, another foreign array)."""
-    if type(a) is ArrayFacts:
-        return 0 if a.layout is None else 1
+    """Whose current stream a launch with resolved argument ``a``, a LaunchArg, is ordered
+    after: 1 torch's (a torch tensor's), 0 CuPy's (a CuPy array's), -1 none (a view's,
+    another foreign array's). (pack() orders an ArrayFacts argument itself.)"""
     if type(a) is not LaunchArg or a.view is not None:
         return -1
     v = a.value  # (a foreign array with_length: its facts' token, the array itself)

@@ -131,10 +131,6 @@ class DeviceFrame:
         return self._view.nbytes
 
     @property
-    def device(self):
-        return self._view.device
-
-    @property
     def __cuda_array_interface__(self) -> dict:
         if self._view.device.kind != "cuda":
             raise AttributeError("__cuda_array_interface__: this frame is on the host device")

@@ -58,7 +58,7 @@ from interop.streams import consumer_stream, current_streams
 __all__ = ["export", "from_dlpack", "DLPACK_VERSION", "kDLCPU", "kDLCUDA"]
 
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
-kDLInt, kDLUInt, kDLFloat, kDLOpaqueHandle, kDLBfloat, kDLComplex, kDLBool = 0, 1, 2, 3, 4, 5, 6
+kDLInt, kDLUInt, kDLFloat, kDLBfloat, kDLComplex, kDLBool = 0, 1, 2, 4, 5, 6  # (3: kDLOpaqueHandle)
 FLAG_READ_ONLY, FLAG_IS_COPIED = 1, 2
 DLPACK_VERSION = (1, 0)
 # where user-space addresses end (x86-64 with 5-level paging: 2**56; aarch64: 2**52): a

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import cmath
+import math
 from collections import deque
 from functools import partial
 
@@ -71,11 +71,11 @@ def _scalar(value, dtype):
 
 
 def _finite(value) -> bool:
-    """Whether the number ``value`` is finite (an int of any size is)."""
-    try:
-        return cmath.isfinite(value)
-    except (TypeError, OverflowError):  # (an int beyond a float's range: finite)
-        return True
+    """Whether the number ``value`` is finite in its own type: an int of any size is, and so
+    are a NumPy longdouble and a Decimal beyond a float's range (which cmath.isfinite would
+    first convert to a float: inf)."""
+    return all(p == p and p != math.inf and p != -math.inf
+               for p in (getattr(value, "real", value), getattr(value, "imag", 0)))
 
 
 #: The most bytes one allocation may ask for (what NumPy and CuPy sizes can express).

@@ -18,11 +18,6 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-try:
-    import cython
-except ImportError:  # interpreted, without Cython installed
-    from . import _cython as cython
-
 from .errors import CaptureError, CompletionUnknownError, DeviceMismatchError, SharedMemError
 from .runtime.state import fork_safe, locked
 

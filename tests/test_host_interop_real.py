@@ -34,25 +34,6 @@ def _needs_jax():
         pytest.skip("needs jax")
 
 
-def test_interop_imports_where_cython_is_not_installed():
-    """interpreted without Cython, interop.streams declared a module constant with
-    ``cython.size_t``, which sharedmem's stand-in did not name: every DLPack export and
-    import (and the CAI, CuPy and cuTile bridges) raised AttributeError on first use."""
-    code = (
-        "import sys\n"
-        "class NoCython:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('cython', 'Cython'):\n"
-        "            raise ImportError('no Cython here')\n"
-        "sys.meta_path.insert(0, NoCython())\n"
-        "import numpy as np, sharedmem as sm\n"
-        "import interop.dlpack, interop.cai, interop.cupy, interop.cutile\n"
-        "t = sm.Tensor.from_host(np.arange(4.0), device=sm.Device.host())\n"
-        "assert np.from_dlpack(t).tolist() == [0.0, 1.0, 2.0, 3.0]\n"
-        "print('ok')\n")
-    _in_a_process(code)
-
-
 # -- export: torch, JAX and NumPy consumers of host views -------------------------------------
 _EXPORT = """
 import gc

@@ -781,10 +781,6 @@ class HostBackend:
     def destroy_graph(self, tasks) -> None:
         pass
 
-    def mem_info(self) -> tuple[int, int]:
-        """(bytes in use by the pool, 0): host memory has no fixed total."""
-        return self.pool.bytes_in_use, 0
-
 
 def ndarray_of(view, writable: bool) -> np.ndarray:
     """A NumPy array over a host-device view's bytes (shape, strides, dtype of
