@@ -322,10 +322,20 @@ class OwnershipMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def complete(self, i):
         k = i % len(self.leases)
-        lease = self.leases[k]
-        gates = [lease.gate]  # (replays of one graph share its gate: they all finish)
-        if lease.stream is not None:  # a stream runs in order: what came before on it, too
-            gates += [l.gate for l in self.leases[:k] if l.stream is lease.stream]
+        gates = [self.leases[k].gate]
+        # Replays of one graph share its gate, and so do the submissions of one op: they all
+        # finish. A stream runs in order: what came before each of them on it, too -- and
+        # that work's gate finishes what shares it (an op's submissions on either side of a
+        # launch on its stream: the later one waits for that launch)
+        grown = True
+        while grown:
+            grown = False
+            for j, lease in enumerate(self.leases):
+                if any(lease.gate is g for g in gates) and lease.stream is not None:
+                    for l in self.leases[:j]:
+                        if l.stream is lease.stream and not any(l.gate is g for g in gates):
+                            gates.append(l.gate)
+                            grown = True
         for g in gates:
             g.set()
         for done in [l for l in self.leases if any(l.gate is g for g in gates)]:
