@@ -503,21 +503,33 @@ def _init():
         return f"{type(e).__name__}: {e}"
     if err != _SUCCESS:
         return _name(err)
-    on_retirer_thread(_relax_capture_mode)  # (once: a second registration is ignored)
+    driver = cu
+    if not any(r() is driver for r in _relaxed):  # (once per driver module: tests swap a
+        ref = weakref.ref(driver)                 # fake one in, and back)
+        _relaxed.append(ref)
+        on_retirer_thread(lambda: _relax_capture_mode(ref()))
     return None
 
 
-def _relax_capture_mode() -> None:
+_relaxed: list = []  # weak references to the drivers whose mode the retirer thread sets
+
+
+def _relax_capture_mode(driver) -> None:
     """Run on the retirer thread, once: its event queries run beside other libraries' graph
     captures. In the driver's default mode a thread may not query while another thread
     captures in global mode (torch.cuda.graph's default): refused (CUDA_ERROR_STREAM_CAPTURE_
     UNSUPPORTED), and that capture is invalidated -- sharedmem's own background polling would
     break a capture the user began after launching. In relaxed mode it may: the events it
-    asks about are sharedmem's, never recorded inside a capture."""
-    err = cu.cuThreadExchangeStreamCaptureMode(
-        cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)[0]
-    if err != _SUCCESS:
-        raise _error(err, "cuThreadExchangeStreamCaptureMode")
+    asks about are sharedmem's, never recorded inside a capture. Never raises: where the
+    driver refuses (a forked child, whose CUDA is unusable) or is gone, the retirer asks in
+    the default mode, as before. ``driver``: cuda.bindings' driver module (None: gone)."""
+    if driver is None:
+        return
+    try:
+        driver.cuThreadExchangeStreamCaptureMode(
+            driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    except Exception:
+        pass
 
 
 #: The context this module last made current, per thread (every device's backend shares it;
