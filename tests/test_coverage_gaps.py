@@ -22,6 +22,7 @@ import sharedmem as sm
 import sharedmem.ipc as ipc
 
 from conftest import gc_collect_harder
+from test_graph_fake import fake  # noqa: F401  (the fixture: one device, the driver module)
 
 # (the sources imported here: a checkout's, or an installed wheel's)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sm.__file__)))
@@ -153,15 +154,6 @@ def test_an_export_whose_capsule_cannot_be_made_ends_its_hold_and_files_nothing(
 
 
 # -- fake CUDA devices ------------------------------------------------------------------------
-@pytest.fixture
-def fake(monkeypatch):
-    """One CUDA device over the fake driver, every call through the driver module."""
-    from fake_cuda import install_fake_devices
-    (dev,), drv = install_fake_devices(monkeypatch, False)
-    yield dev, drv
-    sm.synchronize()
-    del dev
-    gc_collect_harder()
 
 
 def test_from_dlpack_onto_another_device_than_the_producers_is_refused_importing_nothing(fake):

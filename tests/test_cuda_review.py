@@ -29,6 +29,16 @@ def _retirer_sweeps_nothing(monkeypatch):
     monkeypatch.setattr(retirer, "_pass", lambda rt, last: ({}, True))
 
 
+def _quiet_stream_and_buffer(dev, monkeypatch):
+    """A stream of ``dev`` only the test's own calls retire on, a buffer made there and
+    settled, and the stats then: ``(stream, buffer, stats)``."""
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    return s, b, sm.stats()
+
+
 class OutOfMemoryError(MemoryError):
     """As ``cupy.cuda.memory.OutOfMemoryError`` (a MemoryError), with CuPy's words."""
 
@@ -116,11 +126,7 @@ def test_a_batch_record_failing_with_a_code_the_bindings_do_not_know_keeps_the_m
     and the completion of the work that joined the marker is unknown: its memory is kept."""
     import sharedmem.backends.cuda as bc
     dev, drv = hot
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
     real = drv.cuEventRecord
     monkeypatch.setattr(drv, "cuEventRecord",
                         lambda ev, st: (NEW_CODE,) if int(st) == s.handle else real(ev, st))
@@ -142,11 +148,7 @@ def test_a_query_failing_with_a_code_the_bindings_do_not_know_is_unknown_complet
     ValueError out of every sweep (the retirer's re-raised at each later API call) with the
     work never retired nor counted as leaked."""
     dev, drv = hot
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
     monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (NEW_CODE,))
     fut = b.fill_zero(stream=s)
     with pytest.warns(sm.LeakWarning):
@@ -224,11 +226,7 @@ def test_a_query_refused_beside_a_global_mode_capture_is_pending_not_unknown(
     default). That says nothing of the work: it was taken for unknown completion, and the
     memory leaked. It is pending -- asked again, it retires."""
     dev, drv = hot
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
     real, capturing = drv.cuEventQuery, [True]
     monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (
         (drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,) if capturing[0] else real(ev)))

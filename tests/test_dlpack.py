@@ -424,7 +424,12 @@ def test_imports_of_views_of_one_numpy_array_are_one_allocation_in_any_order(hos
     whole another: a writer of the whole on one stream and a reader of the part on another
     were not ordered (the reader saw zeros). Every view of one array is a range of its base's
     allocation."""
-    a = np.zeros(16, np.float32)
+    _check_part_and_whole_are_one_allocation(host, np.zeros(16, np.float32), first)
+
+
+def _check_part_and_whole_are_one_allocation(host, a, first):
+    """``a[4:8]`` and ``a`` (16 zeros), imported in the order ``first`` says, are ranges of one
+    allocation, and work on them is ordered."""
     if first == "part":
         part = sm.from_dlpack(a[4:8])
         whole = sm.from_dlpack(a)

@@ -13,7 +13,7 @@ import pytest
 
 import sharedmem as sm
 
-from test_dlpack import _read_after_a_slow_write
+from test_dlpack import _check_part_and_whole_are_one_allocation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,15 +86,7 @@ def test_imports_of_views_of_one_torch_tensor_are_one_allocation_in_any_order(ho
     NumPy arrays were filed under their base's memory): a writer of the whole on one stream
     and a reader of the part on another were not ordered, and the reader saw zeros."""
     torch = pytest.importorskip("torch")
-    a = torch.zeros(16)
-    if first == "part":
-        part = sm.from_dlpack(a[4:8])
-        whole = sm.from_dlpack(a)
-    else:
-        whole = sm.from_dlpack(a)
-        part = sm.from_dlpack(a[4:8])
-    assert part.allocation is whole.allocation
-    assert _read_after_a_slow_write(host, whole, part).tolist() == [1.0] * 4
+    _check_part_and_whole_are_one_allocation(host, torch.zeros(16), first)
 
 
 def test_import_of_a_torch_tensor_is_zero_copy_and_keeps_it_alive(host):
