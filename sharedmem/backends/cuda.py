@@ -511,7 +511,10 @@ def _init():
     return None
 
 
-_relaxed: list = []  # weak references to the drivers whose mode the retirer thread sets
+# Weak references to the drivers whose mode the retirer thread sets. No lock: two threads
+# making their first backends at once may both register one driver -- the setting is
+# idempotent, so it is set twice, harmlessly.
+_relaxed: list = []
 
 
 def _relax_capture_mode(driver) -> None:
