@@ -346,6 +346,7 @@ def test_an_imports_arrival_is_a_write_that_later_readers_are_ordered_after(fake
     sm.synchronize()
     with _held_work(drv):
         producer = Producer()
+        imported = len(drv.calls)
         t = sm.from_cuda_array_interface(producer, stream=a)
         with pytest.raises(sm.AccessConflictError, match=r"unfinished work on <Stream A .*> "
                                                          r"writes them"):
@@ -353,7 +354,9 @@ def test_an_imports_arrival_is_a_write_that_later_readers_are_ordered_after(fake
                       policy="reject")
         mark = len(drv.calls)
         sm.launch(saxpy, 1, 8, 1.0, sm.In(t), sm.In(t), sm.Out(w), 8, stream=b)
-        arrival = _records_on(drv, a.handle, mark)
+        # (the arrival's event is recorded on A when first asked for: by this launch, or
+        # before it by the retirer thread sweeping A -- so looked for since the import)
+        arrival = _records_on(drv, a.handle, imported)
         assert len(arrival) == 1 and _waits_of(drv, b.handle, mark) == arrival
     sm.synchronize()
     np.testing.assert_array_equal(w.to_host(), 2 * np.arange(8, dtype=np.float32))

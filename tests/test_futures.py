@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import re
+import signal
 import sys
 import threading
 import time
@@ -75,9 +76,15 @@ def test_exception_returns_the_futures_own_exception_whatever_its_type(host):
 def test_an_interrupt_while_exception_waits_propagates(host):
     b = sm.Buffer.zeros(4, "float32", device=host)
     f = sm.launch(slow_fill, 1, 1, b, 1.0, 1.0)
-    threading.Timer(0.2, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        f.exception()  # Ctrl-C while waiting is not the future's exception
+    # (a process a shell without job control started in the background -- `make test &`,
+    # nohup -- inherits SIGINT ignored, and interrupt_main() then does nothing)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            f.exception()  # Ctrl-C while waiting is not the future's exception
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert f.exception() is None
 
 
