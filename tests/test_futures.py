@@ -371,6 +371,24 @@ def test_a_failure_whose_work_lives_to_the_exit_is_reported_at_the_exit(tmp_path
                 and "ValueError('forgotten')" in lines[0], lines[0]
 
 
+def test_callbacks_handed_off_at_the_exit_run_where_no_thread_can_start(tmp_path):
+    """Python 3.12 starts no thread once the interpreter exits (atexit hooks included): the
+    retirer, sweeping a kernel that finished in the exit hook, could not start a callback
+    worker for its then() -- the RuntimeError was reported as a callback's error, and the
+    kernel's exception, which the then() would have looked at, as never retrieved. The exit
+    now runs such callbacks itself. (3.12's refusal made here on every version: a hook
+    registered after sharedmem's runs before them.)"""
+    body = ("import atexit, threading\n"
+            "def refuse(self):\n"
+            "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
+            "atexit.register(setattr, threading.Thread, 'start', refuse)\n"
+            "f = sm.launch(boom, 1, 1, b)\n"
+            "g = f.then(print)\n"
+            "g.add_done_callback(lambda h: print('looked:', type(h.exception()).__name__))\n")
+    out = _script_output(tmp_path, body, "0.5", "then")
+    assert "looked: HostKernelError" in out and "never" not in out, out
+
+
 def test_callbacks_of_work_that_finished_by_the_exit_run_though_the_retirer_never_swept_it(
         tmp_path):
     """A then() and an add_done_callback of a kernel that succeeded run at the exit, also

@@ -59,7 +59,14 @@ def hand_off(sub) -> None:
     with _lock:
         _queue.append(sub)
         if _workers == _blocked:  # no worker, or every one waits inside a callback
-            _start_locked()
+            try:
+                _start_locked()
+            except RuntimeError:
+                # The interpreter exits (the retirer retiring work that finished in an exit
+                # hook), and Python 3.12 starts no thread then: drain_at_exit runs the queue
+                # in the exiting thread. Any other time it is an error of its own.
+                if threading.main_thread().is_alive():
+                    raise
         _cond.notify()
 
 
@@ -184,19 +191,34 @@ class waiting:
 
 
 def drain_at_exit() -> None:
-    """At exit, let the workers run what was handed off (bounded), or say what was dropped.
+    """At exit, let the workers run what was handed off (bounded) -- or run it here where no
+    worker could be started --, or say what was dropped.
     Registered with atexit; the host backend's exit hook calls it earlier too (a second call
     finds nothing left to run or to say)."""
     if on_worker():
         return
     deadline = time.monotonic() + EXIT_TIMEOUT
-    with _lock:
-        while (_queue or _running - _blocked > 0) and _workers:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            _cond.wait(left)
-        dropped = len(_queue)
+    while True:
+        with _lock:
+            while (_queue or _running - _blocked > 0) and _workers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                _cond.wait(left)
+            # what no worker can take -- none could be started: Python 3.12 starts no thread
+            # once the interpreter exits (see hand_off) -- runs here, one batch at a time
+            sub = _queue.popleft() if _queue and not _workers else None
+            dropped = len(_queue)
+        if sub is None:
+            break
+        try:
+            if type(sub) is list:
+                run(sub)
+            else:
+                run_of(sub)
+        except BaseException as e:  # (as a worker does: said below with the others)
+            RUNTIME.errors.append(e)
+        sub = None
     if dropped:
         log.warning("exit: callbacks of %d retired submissions dropped after %s s", dropped,
                     EXIT_TIMEOUT)
