@@ -947,11 +947,36 @@ class _HostPlan(KernelPlan):
                     out.append(ro)
                 j += 1
             else:
+                t = type(a)
+                if t is list or t is tuple or t is dict or t is set or t is frozenset:
+                    _no_views_inside(len(out), a, a, set())
                 out.append(a)
         return out
 
     def enqueue(self, stream, config, payload):
         return stream._impl.submit(partial(self.kernel.fn, *payload), True)
+
+
+def _no_views_inside(i, arg, seq, seen) -> None:
+    """KernelError where host-kernel argument ``i``, a container, holds a sharedmem view, an
+    Intent or a DeviceBox at any depth (``seen``: the containers walked, by id): a launch
+    leases only the arrays passed as arguments themselves, and the function would read or
+    write one inside unleased while other work uses it. Lists, tuples, dicts (keys and values)
+    and sets are walked; other objects are passed as they are."""
+    if id(seq) in seen:
+        return
+    seen.add(id(seq))
+    for x in (seq.items() if type(seq) is dict else seq):
+        t = type(x)
+        if t is int or t is float or t is str or t is bool or x is None:
+            continue  # (the common items, at no isinstance walk: a list is walked each launch)
+        if t is list or t is tuple or t is dict or t is set or t is frozenset:
+            _no_views_inside(i, arg, x, seen)
+        elif isinstance(x, (View, Intent, DeviceBox)):
+            raise KernelError(f"argument {i}: a {t.__name__} inside a {type(arg).__name__}; a "
+                              f"launch leases only the arrays passed as arguments themselves, so "
+                              f"the kernel would use it unleased -- pass each array as its own "
+                              f"argument")
 
 
 class _HostAdapter(KernelAdapter):

@@ -163,6 +163,43 @@ def test_scalars_and_foreign_objects_pass_through(host):
     assert got == [(1, 2.5, "s", obj)]
 
 
+@pytest.mark.parametrize("make", [
+    lambda b: [1, b], lambda b: (2.5, [None, sm.In(b)]), lambda b: {"x": b},
+    lambda b: {"k": (1, sm.Out(b))}, lambda b: {("k", b)}])
+def test_views_inside_a_container_argument_of_a_host_kernel_are_refused(host, make):
+    """A launch leases only its arguments themselves: a view inside a list, tuple, dict or set
+    would reach the function unleased -- refused before anything is leased, naming where it
+    is; the buffer stays usable and unleased."""
+    ran = []
+
+    @sm.host_kernel
+    def k(x, box):
+        ran.append(box)
+
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.int32), device=host)
+    arg = make(b)
+    with pytest.raises(sm.KernelError, match=rf"^argument 1: a (Buffer|In|Out) inside a "
+                                             rf"{type(arg).__name__}; a launch leases only the "
+                                             rf"arrays passed as arguments themselves"):
+        sm.launch(k, 1, 1, 0, arg).result(5)
+    sm.synchronize()
+    assert ran == [] and sm.Tensor.from_buffer(b, (2, 2)).to_host().tolist() == [[0, 1], [2, 3]]
+
+
+def test_containers_without_views_pass_to_a_host_kernel_as_they_are(host):
+    got = []
+
+    @sm.host_kernel
+    def k(*args):
+        got.append(args)
+
+    loop = [1, "s", None]
+    loop.append(loop)  # (a container holding itself: walked once)
+    nested = ({"a": [1.5, (2, frozenset({3}))]}, np.arange(2))
+    sm.launch(k, 1, 1, loop, nested).result(5)
+    assert len(got) == 1 and got[0][0] is loop and got[0][1] is nested
+
+
 def test_missing_cutile_says_how_to_install(monkeypatch):
     import sys
     import interop.cutile as icut
