@@ -30,6 +30,7 @@ int record_stub(void *e, void *s) { return 0; }
 int query_stub(void *e) { return 0; }
 int wait_stub(void *s, void *e, unsigned f) { return 0; }
 int graph_launch_stub(void *g, void *s) { return 0; }
+int exchange_stub(int *mode) { *mode = 0; return 0; }
 long long cupy_current = 0;  /* CuPy's current stream, as its C entry point gives it */
 long long get_stream_ptr_stub(int device_id) { return cupy_current; }
 """
@@ -77,7 +78,8 @@ class _NullHot:
                                ("cuCtxGetCurrent", "ctx_get_stub"),
                                ("cuEventRecord", "record_stub"), ("cuEventQuery", "query_stub"),
                                ("cuStreamWaitEvent", "wait_stub"),
-                               ("cuGraphLaunch", "graph_launch_stub"))}
+                               ("cuGraphLaunch", "graph_launch_stub"),
+                               ("cuThreadExchangeStreamCaptureMode", "exchange_stub"))}
         else:
             self.launch = lambda *a: 0
             self.record = lambda *a: 0
@@ -87,6 +89,9 @@ class _NullHot:
             self.addresses = {}
 
     def graph_launch(self, *a):
+        return 0
+
+    def exchange_capture_mode(self, mode):
         return 0
 
 

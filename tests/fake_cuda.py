@@ -24,6 +24,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901
     CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906
 
 
@@ -87,6 +88,8 @@ class FakeDriver:
         # driver's live handles do -- a stream a test left alive is never another's stream)
         self._ids = _handle_ids
         self.capturing = {}  # stream handle -> list of recorded operations
+        self.capture_info = {}  # stream handle -> (its capture's mode, the capturing thread)
+        self.invalidated = set()  # capturing streams a refused unsafe call invalidated
         self.graphs = {}  # graph handle -> operations
         self.execs = {}  # exec handle -> operations
         self.events = set()
@@ -277,12 +280,31 @@ class FakeDriver:
         modes[me] = int(mode)
         return (OK, old)
 
+    def _unsafe_call_refused(self) -> bool:
+        """Whether the calling thread may not make a potentially unsafe call (an event query
+        or wait) now, as the driver decides by capture modes: in its mode GLOBAL (the default)
+        while any thread captures in global mode or it captures itself (not relaxed); in
+        THREAD_LOCAL while it captures itself; never in RELAXED. A refused call invalidates
+        those captures (their end answers CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)."""
+        me = threading.get_ident()
+        mine = self.__dict__.get("capture_modes", {}).get(me, 0)
+        if mine == 2 or not self.capturing:
+            return False
+        hit = [h for h, (mode, thread) in self.capture_info.items()
+               if mode != 2 and (thread == me or (mine == 0 and mode == 0))]
+        self.invalidated.update(hit)
+        return bool(hit)
+
     def cuEventQuery(self, ev):
+        if self._unsafe_call_refused():
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
         if int(ev) in self.held:
             return (CUresult.CUDA_ERROR_NOT_READY,)
         return (OK,) if int(ev) in self.events else (CUresult.CUDA_ERROR_INVALID_HANDLE,)
 
     def cuEventSynchronize(self, ev):
+        if self._unsafe_call_refused():
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
         self.held.discard(int(ev))
         return (OK,)
 
@@ -370,12 +392,17 @@ class FakeDriver:
         if int(stream) in self.capturing:
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         self.capturing[int(stream)] = []
+        self.capture_info[int(stream)] = (int(mode), threading.get_ident())
         return (OK,)
 
     def cuStreamEndCapture(self, stream):
         ops = self.capturing.pop(int(stream), None)
+        self.capture_info.pop(int(stream), None)
         if ops is None:
             return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        if int(stream) in self.invalidated:
+            self.invalidated.discard(int(stream))
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
         g = CUgraph(next(self._ids))
         self.graphs[int(g)] = ops
         return (OK, g)
@@ -513,15 +540,26 @@ class FakeHot:
         QUERY = c.CFUNCTYPE(c.c_int, c.c_void_p)
         WAIT = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p, c.c_uint)
         GRAPH_LAUNCH = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
+        EXCHANGE = c.CFUNCTYPE(c.c_int, c.POINTER(c.c_int))
+
+        def exchange(mode):  # (libcuda's: the mode pointed to swapped with the thread's)
+            old = self.exchange_capture_mode(mode[0])
+            if old < 0:
+                return 1
+            mode[0] = old
+            return 0
+
         self._callbacks = (LAUNCH(self._launch), CTX_GET(ctx_get),
                            RECORD(lambda e, s: self.record(e or 0, s or 0)),
                            QUERY(lambda e: self.query(e or 0)),
                            WAIT(lambda s, e, f: self.wait(s or 0, e or 0, f)),
-                           GRAPH_LAUNCH(lambda g, s: self.graph_launch(g or 0, s or 0)))
+                           GRAPH_LAUNCH(lambda g, s: self.graph_launch(g or 0, s or 0)),
+                           EXCHANGE(exchange))
         self.addresses = {
             name: c.cast(cb, c.c_void_p).value for name, cb in zip(
                 ("cuLaunchKernel", "cuCtxGetCurrent", "cuEventRecord", "cuEventQuery",
-                 "cuStreamWaitEvent", "cuGraphLaunch"), self._callbacks)}
+                 "cuStreamWaitEvent", "cuGraphLaunch", "cuThreadExchangeStreamCaptureMode"),
+                self._callbacks)}
         # cuPointerGetAttributes as libcuda's, a C function writing through the pointers it
         # is given: the real pointer_info reads it (its ctypes marshalling is what is tested)
         from sharedmem.backends.cuda import _HotDriver
@@ -567,6 +605,10 @@ class FakeHot:
 
     def query(self, ev):
         return int(self._drv.cuEventQuery(CUevent(ev))[0])
+
+    def exchange_capture_mode(self, mode):
+        res = self._drv.cuThreadExchangeStreamCaptureMode(mode)
+        return int(res[1]) if int(res[0]) == 0 else -1
 
     def graph_launch(self, exec_, stream):
         return int(self._drv.cuGraphLaunch(CUgraphExec(exec_), CUstream(stream))[0])

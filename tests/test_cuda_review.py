@@ -288,3 +288,53 @@ def test_a_launch_past_the_default_shared_memory_limit_says_how_to_opt_in(fake, 
                                            r"\(1\)$"):  # (within the default limit: no hint)
         sm.launch(k, 1, 8, x, 8, shared_mem=1024)
     sm.Tensor.from_buffer(x, (8,))  # no lease left behind
+
+
+@pytest.mark.parametrize("where", ["another thread", "this thread"])
+def test_queries_and_waits_beside_another_librarys_global_mode_capture_leave_it_valid(
+        fake, monkeypatch, where):
+    """A capture another library began in global mode (torch.cuda.graph's default) forbids a
+    thread in the driver's default mode to query or wait for events -- any thread while it
+    lasts, the capturing thread itself too -- and a refused call invalidates the capture.
+    sharedmem's own calls from a user thread (a launch's sweep of finished work, ``done()``,
+    ``result()``) asked in the default mode: the other library's capture ended
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. They ask in relaxed mode (the events are
+    sharedmem's, never recorded in that capture), and the thread's mode is given back."""
+    import threading
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    dev, drv = fake
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
+    theirs = drv.cuStreamCreate(1)[1]
+    began, go_on, ended = threading.Event(), threading.Event(), []
+
+    def capture():
+        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0  # CU_STREAM_CAPTURE_MODE_GLOBAL
+        began.set()
+        go_on.wait(10)
+        ended.append(drv.cuStreamEndCapture(theirs)[0])
+
+    if where == "another thread":
+        t = threading.Thread(target=capture)
+        t.start()
+        began.wait(10)
+    else:
+        go_on.set()
+        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0
+    drv.holding = True  # (the work in flight)
+    fut = b.fill_zero(stream=s)
+    assert not fut.done()
+    for _ in range(2 * SWEEP_EVERY):  # (every SWEEP_EVERY-th launch sweeps its stream)
+        b.fill_zero(stream=s)
+    drv.holding = False
+    drv.finish_held()
+    assert fut.result(5) is None and fut.done()
+    b.fill_zero(stream=s).result()  # (a wait with no timeout: cuEventSynchronize)
+    if where == "another thread":
+        go_on.set()
+        t.join(10)
+    else:
+        ended.append(drv.cuStreamEndCapture(theirs)[0])
+    assert ended == [0]  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+    assert drv.capture_modes[threading.get_ident()] == 0  # (the thread's mode as it was)
+    sm.synchronize()
+    assert sm.stats().leaked == before.leaked

@@ -433,3 +433,71 @@ def test_polling_beside_another_librarys_global_mode_capture_leaves_it_valid(cp)
         sm.synchronize()
     assert sm.stats().leaked == before.leaked
     assert x.to_host()[:32].tolist() == [2.0] * 32
+
+
+@pytest.mark.parametrize("where", ["another thread", "this thread"])
+def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_valid(
+        cp, where):
+    """As above, for sharedmem's calls from a user thread -- a launch's sweep of finished
+    work, ``done()``, ``result()`` -- while another library captures in global mode, in
+    another thread or in this one (torch.cuda.graph around sharedmem launches on other
+    streams): in the driver's default mode they were refused and the capture invalidated.
+    They ask in relaxed mode; the capture ends valid, the thread's mode is its own after."""
+    import threading
+    import warnings
+    import gpu_kernels as K
+    from cuda.bindings import driver as cu
+    from sharedmem.runtime.submission import SWEEP_EVERY
+    dev = sm.Device(0)
+    x = sm.Buffer.zeros(N, "float32", device=dev)
+    s = dev.create_stream("busy")
+    theirs = cp.cuda.Stream(non_blocking=True)
+    y = cp.zeros(1 << 20, cp.uint8)
+    slow = K.kernel("slow_fill")
+    sm.launch(slow, 1, 32, sm.Out(x), 32, 1.0, np.int64(K.cycles(5)), stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    began, go_on, ended = threading.Event(), threading.Event(), []
+    GLOBAL = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+
+    def capture():
+        with cp.cuda.Device(0):
+            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
+            assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
+            began.set()
+            go_on.wait(30)
+            err, graph = cu.cuStreamEndCapture(theirs.ptr)
+            ended.append(err)
+            if err == cu.CUresult.CUDA_SUCCESS:
+                cu.cuGraphDestroy(graph)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no LeakWarning)
+        fut = sm.launch(slow, 1, 32, sm.Out(x), 32, 2.0, np.int64(K.cycles(20)), stream=s)
+        if where == "another thread":
+            t = threading.Thread(target=capture)
+            t.start()
+            assert began.wait(30)
+        else:
+            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
+        try:
+            fut.done()  # (a query)
+            for i in range(2 * SWEEP_EVERY):  # (every SWEEP_EVERY-th launch sweeps)
+                sm.launch(slow, 1, 32, sm.Out(x), 32, 3.0, np.int64(0), stream=s)
+            assert fut.result(30) is None  # (queries until done)
+            sm.launch(slow, 1, 32, sm.Out(x), 32, 4.0, np.int64(0), stream=s).result()
+        finally:
+            if where == "another thread":
+                go_on.set()
+                t.join(30)
+            else:
+                err, graph = cu.cuStreamEndCapture(theirs.ptr)
+                ended.append(err)
+                if err == cu.CUresult.CUDA_SUCCESS:
+                    cu.cuGraphDestroy(graph)
+        assert ended == [cu.CUresult.CUDA_SUCCESS]  # (not ..._STREAM_CAPTURE_INVALIDATED)
+        sm.synchronize()
+    err, mode = cu.cuThreadExchangeStreamCaptureMode(GLOBAL)
+    assert err == cu.CUresult.CUDA_SUCCESS and mode == GLOBAL  # (this thread's, as it was)
+    assert sm.stats().leaked == before.leaked
+    assert x.to_host()[:32].tolist() == [4.0] * 32

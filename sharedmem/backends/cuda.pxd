@@ -7,6 +7,7 @@ ctypedef int (*query_fn_t)(void*) noexcept nogil
 ctypedef int (*wait_fn_t)(void*, void*, unsigned int) noexcept nogil
 ctypedef int (*graph_launch_fn_t)(void*, void*) noexcept nogil
 ctypedef int (*capturing_fn_t)(void*, int*) noexcept nogil
+ctypedef int (*exchange_fn_t)(int*) noexcept nogil
 
 cdef class CudaBackend
 
@@ -43,7 +44,7 @@ cdef class CudaBackend:
     cdef public size_t context_handle
     # driver entry points called through their addresses (0: not known)
     cdef public size_t ctx_get_addr, record_addr, query_addr, wait_addr, graph_launch_addr
-    cdef public size_t capturing_addr
+    cdef public size_t capturing_addr, exchange_addr
     cdef public list _events, _ipc_events
     cdef object __weakref__
 

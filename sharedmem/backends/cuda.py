@@ -101,6 +101,7 @@ class _HotDriver:
                 ("query", "cuEventQuery", [vp]), ("graph_launch", "cuGraphLaunch", [vp, vp]),
                 ("wait", "cuStreamWaitEvent", [vp, vp, ui]),  # the handoffs between streams
                 ("_is_capturing", "cuStreamIsCapturing", [vp, ctypes.POINTER(ctypes.c_int)]),
+                ("_exchange", "cuThreadExchangeStreamCaptureMode", [ctypes.POINTER(ctypes.c_int)]),
                 ("_ctx_get", "cuCtxGetCurrent", [ctypes.POINTER(vp)]),
                 ("_attributes", "cuPointerGetAttributes", [ui, vp, vp, ctypes.c_ulonglong])):
             fn = getattr(lib, name)
@@ -118,6 +119,13 @@ class _HotDriver:
         if self._ctx_get(out):  # (a failed call may leave out as it was: none known current)
             return 0
         return out.value or 0
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        """Set the calling thread's stream-capture interaction mode to ``mode``
+        (``cuThreadExchangeStreamCaptureMode``); its mode before, or -1 where the driver
+        refused (nothing changed)."""
+        m = ctypes.c_int(mode)
+        return -1 if self._exchange(m) else m.value
 
     def pointer_info(self, ptr):
         """:meth:`CudaBackend.pointer_info` (the context made current): every import and
@@ -265,13 +273,24 @@ class CudaMarker:
         backend = self._backend
         backend.ensure_context()
         hot = backend.hot
+        # Asked in relaxed capture mode, the thread's own given back after (see _relax)
         if cython.compiled and backend.query_addr:
+            xaddr = cython.declare(cython.size_t, backend.exchange_addr)
+            mode = cython.declare(cython.int, _RELAXED)
+            relaxed = cython.declare(cython.bint, False)
+            if xaddr:
+                relaxed = cython.cast(exchange_fn_t, xaddr)(cython.address(mode)) == 0
             err = cython.cast(query_fn_t, cython.cast(cython.size_t, backend.query_addr))(
                 cython.cast(cython.p_void, cython.cast(cython.size_t, self.handle)))
-        elif hot is not None:
-            err = hot.query(self.handle)
+            if relaxed:
+                cython.cast(exchange_fn_t, xaddr)(cython.address(mode))
         else:
-            err = int(cu.cuEventQuery(self.event)[0])
+            old = _relax(hot)
+            try:
+                err = hot.query(self.handle) if hot is not None else \
+                    int(cu.cuEventQuery(self.event)[0])
+            finally:
+                _unrelax(hot, old)
         if err == 0:
             return DONE
         if err == 600 or err == _CAPTURE_UNSUPPORTED:  # CUDA_ERROR_NOT_READY; or not asked:
@@ -291,8 +310,13 @@ class CudaMarker:
         if timeout is None:
             ev = self.event  # None once recycled (by the retirer, meanwhile): the work is done
             if self.error is None and ev is not None:
-                self._backend.ensure_context()
-                err = cu.cuEventSynchronize(ev)[0]
+                backend = self._backend
+                backend.ensure_context()
+                old = _relax(backend.hot)  # (as a query is asked: see _relax)
+                try:
+                    err = cu.cuEventSynchronize(ev)[0]
+                finally:
+                    _unrelax(backend.hot, old)
                 if err != _SUCCESS:
                     self.error = _error(err, "cuEventSynchronize")
             return True
@@ -535,6 +559,45 @@ def _relax_capture_mode(driver) -> None:
         pass
 
 
+#: CU_STREAM_CAPTURE_MODE_RELAXED, the value of CUstreamCaptureMode
+_RELAXED = cython.declare(cython.int, 2)
+
+
+def _relax(hot):
+    """Put the calling thread in relaxed stream-capture mode for one event query or wait of
+    sharedmem's; returns what :func:`_unrelax` gives back (None: nothing changed). In the
+    driver's default mode a thread may not query or wait for an event while another thread
+    captures a graph in global mode (torch.cuda.graph's default), nor while it captures one
+    itself: the call is refused and invalidates that capture -- a launch's sweep of finished
+    work, ``done()`` or ``result()`` in a user thread would break another library's capture.
+    In relaxed mode it may: the events asked about are sharedmem's, never recorded inside a
+    capture (nothing is recorded on a capturing stream). The mode is the thread's own (the
+    capture checks of the user's own calls), so it is given back after each call, as torch's
+    allocator does around its own queries. ``hot``: the backend's hot driver, or None."""
+    if hot is not None:
+        old = hot.exchange_capture_mode(_RELAXED)
+        return None if old < 0 else old
+    try:
+        res = cu.cuThreadExchangeStreamCaptureMode(
+            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    except Exception:  # (a driver without the call: asked in the thread's mode, as before)
+        return None
+    return res[1] if res[0] == _SUCCESS else None
+
+
+def _unrelax(hot, old) -> None:
+    """Give the calling thread back the capture mode :func:`_relax` returned. Never raises."""
+    if old is None:
+        return
+    try:
+        if hot is not None:
+            hot.exchange_capture_mode(old)
+        else:
+            cu.cuThreadExchangeStreamCaptureMode(old)
+    except Exception:
+        pass
+
+
 #: The context this module last made current, per thread (every device's backend shares it;
 #: with a hot driver, ensure_context asks the driver instead).
 _current = threading.local()
@@ -618,6 +681,7 @@ class CudaBackend:
         self.wait_addr = addresses.get("cuStreamWaitEvent", 0)
         self.graph_launch_addr = addresses.get("cuGraphLaunch", 0)
         self.capturing_addr = addresses.get("cuStreamIsCapturing", 0)
+        self.exchange_addr = addresses.get("cuThreadExchangeStreamCaptureMode", 0)
         self.ensure_context()
         # Pooled events, and interprocess ones (ipc_event). list.append / list.pop are atomic
         # under the GIL.
