@@ -527,10 +527,20 @@ _NP_SCALAR = cython.declare(object, np.generic)  # (np.int32(3), np.float32(1.5)
 
 
 def _described(obj) -> str:
-    """``obj``'s type for a message; with its dtype where it has one (an array of Python
-    objects, which no adapter leases: its elements are references, not data)."""
-    dt = getattr(obj, "dtype", None)
-    return type(obj).__name__ if dt is None else f"{type(obj).__name__} (dtype {dt})"
+    """``obj``'s type for a message -- named by its library where it is not sharedmem's or
+    Python's (``torch.Tensor``, not ``Tensor``) --, with the device it names (a torch tensor
+    or NumPy array on the CPU) and its dtype where it has them (an array of Python objects,
+    which no adapter leases: its elements are references, not data)."""
+    t = type(obj)
+    top = t.__module__.partition(".")[0]
+    text = t.__name__ if top in ("builtins", "sharedmem") else f"{top}.{t.__name__}"
+    try:  # (an arbitrary object's attributes: whatever they raise, the type alone)
+        dev = getattr(obj, "device", None)
+        dt = getattr(obj, "dtype", None)
+        on = "" if dev is None or callable(dev) or len(str(dev)) > 40 else f" on {dev}"
+    except Exception:
+        return text
+    return text + on if dt is None else f"{text}{on} (dtype {dt})"
 
 
 def _shown(value) -> str:

@@ -293,12 +293,30 @@ def test_an_infinite_or_huge_timeout_is_no_limit_and_nan_is_refused(fake, host):
 
 
 # -- 13. an object array passed with an intent ------------------------------------------------------
+def test_an_argument_no_adapter_takes_is_named_with_its_library_and_device(host):
+    """A torch CPU tensor given to a launch was "got Tensor (dtype torch.float32)" -- read as
+    sharedmem's Tensor. A foreign type is named by its library, with the device it says."""
+    cls = type("Tensor", (), {"__module__": "torch", "device": "cpu", "dtype": "torch.float32"})
+    odd = type("Odd", (), {"__module__": "mylib.arrays",
+                           "device": property(lambda self: 1 / 0)})  # (raising: type alone)
+    k = sm.host_kernel(lambda x: None)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: Out\(\) takes a Buffer, Tensor, "
+                                             r"DeviceBox or array, got torch.Tensor on cpu "
+                                             r"\(dtype torch.float32\)$"):
+        sm.launch(k, 1, 1, sm.Out(cls()))
+    with pytest.raises(sm.KernelError, match=r"got mylib.Odd$"):
+        sm.launch(k, 1, 1, sm.In(odd()))
+    with pytest.raises(sm.KernelError, match=r"got int$"):
+        sm.launch(k, 1, 1, sm.In(3))
+
+
 def test_an_intent_on_an_array_of_objects_names_its_dtype(host):
     """``In(np.array([None]))`` said "got ndarray": the one kind of array a host kernel takes,
     refused without saying why. The message names the dtype (object: no bytes to lease)."""
     k = sm.host_kernel(lambda x: None)
     with pytest.raises(sm.KernelError, match=r"^argument 0: In\(\) takes a Buffer, Tensor, "
-                                             r"DeviceBox or array, got ndarray \(dtype object\)$"):
+                                             r"DeviceBox or array, got numpy.ndarray( on cpu)? "
+                                             r"\(dtype object\)$"):
         sm.launch(k, 1, 1, sm.In(np.array([None])))
 
 
