@@ -338,3 +338,29 @@ def test_queries_and_waits_beside_another_librarys_global_mode_capture_leave_it_
     assert drv.capture_modes[threading.get_ident()] == 0  # (the thread's mode as it was)
     sm.synchronize()
     assert sm.stats().leaked == before.leaked
+
+
+def test_an_interrupted_wait_before_a_host_copy_gives_its_events_back(fake, monkeypatch):
+    """A copy the driver performs synchronously first waits, holding no lock, for what it
+    follows, on markers it records itself from the pool (wait_before). An interrupt of that
+    wait (KeyboardInterrupt) skipped their return: each such interrupt lost a pooled event,
+    never destroyed. They go back to the pool, as after a finished wait."""
+    from sharedmem.runtime.submission import wait_before
+    dev, drv = fake
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
+    pool = dev.backend._events
+    while len(pool) < 2:
+        pool.append(drv.cuEventCreate(0)[1])
+    n = len(pool)
+
+    def interrupted(ev):
+        raise KeyboardInterrupt
+
+    real = drv.cuEventSynchronize
+    monkeypatch.setattr(drv, "cuEventSynchronize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        wait_before(b._token, s, True)
+    assert len(pool) == n
+    monkeypatch.setattr(drv, "cuEventSynchronize", real)
+    wait_before(b._token, s, True)
+    assert len(pool) == n

@@ -836,10 +836,12 @@ def wait_before(tok, stream, writes) -> None:
                 markers.append(m)
     finally:
         rt.release()
-    for m in markers:
-        m.wait(None)  # (an unknown completion ends the wait: the submission reports it)
-    for m in fresh:
-        m.recycle()  # (nothing else has seen these markers)
+    try:
+        for m in markers:
+            m.wait(None)  # (an unknown completion ends the wait: the submission reports it)
+    finally:  # (an interrupt of the wait too: the pool's events are not lost)
+        for m in fresh:
+            m.recycle()  # (nothing else has seen these markers)
 
 
 def sweep_long(stream) -> None:
