@@ -155,8 +155,10 @@ class Param:
         return f"parameter {self.name!r} ({self.ctype})"
 
 
-# A comment, or a string or character literal (kept: a ``/*`` or ``//`` inside one starts none)
-_COMMENTS = re.compile(r"""("(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')|//[^\n]*|/\*.*?\*/""", re.S)
+# A comment, or a string or character literal, or a number (kept: a ``/*`` or ``//`` inside a
+# literal starts no comment, and a number's digit separators -- ``1'024`` -- open no literal)
+_COMMENTS = re.compile(r"""("(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*'|(?<![\w.])\.?\d"""
+                       r"""(?:[eEpP][+-]|'?[\w.])*)|//[^\n]*|/\*.*?\*/""", re.S)
 
 
 def _split_params(code, i):
@@ -594,14 +596,34 @@ class RawKernelPlan(KernelPlan):
     def _raise(self, err, config):
         from sharedmem.backends.cuda import _error  # (a code the bindings may not know)
         e = _error(err, "cuLaunchKernel")
-        if err == 1 and config.shm > 48 << 10:  # CUDA_ERROR_INVALID_VALUE, past the default
-            raise CudaError(  # limit (sharedmem checked the device's opt-in maximum only)
-                f"{e}: the launch asks for {config.shm} bytes of dynamic shared memory, and "
-                f"above 48 KiB a kernel takes that only once it opted in: set "
-                f"kernel.max_dynamic_shared_size_bytes = {config.shm} (a cupy.RawKernel; "
-                f"cuFuncSetAttribute with CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES for "
-                f"a function handle) before launching", e.code) from None
+        if err == 1 and config.shm:  # CUDA_ERROR_INVALID_VALUE, perhaps past the kernel's
+            # own limit (sharedmem checked the device's opt-in maximum only)
+            limit = self._dynamic_shared_limit()
+            if config.shm > limit:
+                name = getattr(self.kernel, "name", None)
+                who = f"kernel {name!r}" if isinstance(name, str) else "the kernel"
+                raise CudaError(
+                    f"{e}: the launch asks for {config.shm} bytes of dynamic shared memory, "
+                    f"more than {who} takes ({limit} bytes: 48 KiB less its static "
+                    f"shared memory, until it opts in to more): set "
+                    f"kernel.max_dynamic_shared_size_bytes = {config.shm} (a cupy.RawKernel; "
+                    f"cuFuncSetAttribute with CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES "
+                    f"for a function handle) before launching", e.code) from None
         raise e
+
+    def _dynamic_shared_limit(self) -> int:
+        """The most dynamic shared memory the kernel takes now, as the driver says
+        (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: 48 KiB less its static shared memory,
+        or what it opted in to); 48 KiB where the driver cannot say."""
+        cu = self.backend.cu
+        try:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            res = cu.cuFuncGetAttribute(attr, self.func)
+            if res[0] == cu.CUresult.CUDA_SUCCESS:
+                return int(res[1])
+        except Exception:  # (an older binding or driver; a function handle it refuses)
+            pass
+        return 48 << 10
 
 
 class LaunchConfig:

@@ -63,17 +63,21 @@ def _scalar(value, dtype):
     except (OverflowError, ValueError, TypeError) as e:  # (300 as int8, nan as an int, 1j as
         # a float: NumPy's words)
         raise type(e)(f"a DeviceBox of {dtype} cannot hold {v!r}: {e}") from None
-    if ((a.dtype.kind in "fc" or _is_bfloat16(a.dtype)) and not np.isfinite(a[0])
-            and _finite(v)):
-        raise OverflowError(f"a DeviceBox of {dtype} cannot hold {v!r}: it is beyond the "
-                            f"range of {dtype}")
+    if (a.dtype.kind in "fc" or _is_bfloat16(a.dtype)) and not np.isfinite(a[0]):
+        # (a complex value part by part: a finite part beyond the range beside a NaN or an
+        # infinite one is refused too -- the value as a whole is not finite)
+        if (_finite(v) if a.dtype.kind != "c" else
+                (not np.isfinite(a.real[0]) and _finite(getattr(v, "real", v))) or
+                (not np.isfinite(a.imag[0]) and _finite(getattr(v, "imag", 0)))):
+            raise OverflowError(f"a DeviceBox of {dtype} cannot hold {v!r}: it is beyond the "
+                                f"range of {dtype}")
     return a
 
 
 def _finite(value) -> bool:
-    """Whether the number ``value`` is finite in its own type: an int of any size is, and so
-    are a NumPy longdouble and a Decimal beyond a float's range (which cmath.isfinite would
-    first convert to a float: inf)."""
+    """Whether the number ``value`` is finite in its own type (each of its parts, complex):
+    an int of any size is, and so are a NumPy longdouble and a Decimal beyond a float's range
+    (which cmath.isfinite would first convert to a float: inf)."""
     return all(p == p and p != math.inf and p != -math.inf
                for p in (getattr(value, "real", value), getattr(value, "imag", 0)))
 

@@ -88,6 +88,27 @@ def test_a_devicebox_refuses_a_finite_longdouble_or_decimal_beyond_its_float_ran
     assert np.isnan(box.get())
 
 
+def test_a_complex_devicebox_refuses_a_part_beyond_its_range_beside_a_nan_or_inf(host):
+    """A complex value is judged part by part: one whose real part is finite but beyond the
+    dtype's range was stored as an infinity, silently, when its other part was NaN or infinite
+    (the value as a whole not finite: let through). Each part that is finite must stay finite;
+    a NaN or infinite part stays what it is."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no NumPy "overflow encountered in cast" either)
+        for value in (complex(1e300, float("nan")), complex(float("inf"), -1e39),
+                      np.complex128(complex(float("nan"), 1e300))):
+            with pytest.raises(OverflowError, match=r"^a DeviceBox of complex64 cannot hold .*: "
+                                                    r"it is beyond the range of complex64$"):
+                sm.DeviceBox(value, "complex64", device=host)
+        box = sm.DeviceBox(complex(1, 2), "complex64", device=host)
+        box.set(complex(3.0, float("nan"))).result(5)
+        got = box.get()
+        assert got.real == 3.0 and np.isnan(got.imag)
+        box.set(complex(float("-inf"), 1e38)).result(5)
+        assert box.get() == complex(float("-inf"), np.float32(1e38))
+
+
 def test_a_dtype_numpy_does_not_understand_is_a_typeerror_naming_it(host):
     """as_dtype: np.dtype's own TypeError, re-raised naming what was given, with NumPy's as its
     cause; nothing is allocated."""

@@ -1133,6 +1133,25 @@ def test_comment_marks_inside_string_and_char_literals_are_not_comments():
     assert param_types(code, "k") == [("i", "int", "n")]
 
 
+def test_a_digit_separator_starts_no_character_literal():
+    """A C++14 digit separator (``1'024``) is no character literal: read as the opening quote
+    of one, it ran to the next quote on its line -- an apostrophe in a comment there -- and
+    kept that comment in the source, where an old declaration of the kernel it quotes (or a
+    ``/*`` it holds, hiding the kernel's up to the next ``*/``) left the parameters unread."""
+    from interop.cupy_launch import param_types
+    code = """
+    constexpr int N = 1'024;  // the kernel's old form: __global__ void k(double* p)
+    extern "C" __global__ void k(float* p, int n) { }
+    """
+    assert param_types(code, "k") == [("p", "float*", "p"), ("i", "int", "n")]
+    code = """
+    constexpr unsigned M = 0xFF'FFu;  // don't /* read this
+    extern "C" __global__ void k(float* p, int n) { char c = u8'a'; }
+    // */
+    """
+    assert param_types(code, "k") == [("p", "float*", "p"), ("i", "int", "n")]
+
+
 def test_floating_point_arguments_are_checked_before_anything_is_enqueued(fake, kernels):
     """half, float and double parameters take their values in both builds (a half as its two
     bytes); a finite value beyond the parameter's range is a KernelError raised before the

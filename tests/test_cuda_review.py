@@ -364,3 +364,68 @@ def test_an_interrupted_wait_before_a_host_copy_gives_its_events_back(fake, monk
     monkeypatch.setattr(drv, "cuEventSynchronize", real)
     wait_before(b._token, s, True)
     assert len(pool) == n
+
+
+def test_a_host_wait_refused_beside_a_global_mode_capture_is_a_capture_error_not_unknown(
+        hot, monkeypatch):
+    """cuEventSynchronize, as cuEventQuery, answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED to a
+    thread whose mode forbids it to wait while a capture in global mode is under way
+    (torch.cuda.graph's default) -- sharedmem's waits ask in relaxed mode, but where that mode
+    cannot be set, the driver refuses. That says nothing of the work: the wait took it for unknown
+    completion -- CompletionUnknownError, and the work's memory kept for good (LeakWarning).
+    The wait is refused (CaptureError, saying why and what to do); the work is not unknown,
+    and once the capture ended it retires."""
+    dev, drv = hot
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
+    capturing = [True]
+    refused = (drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+    query, sync = drv.cuEventQuery, drv.cuEventSynchronize
+    monkeypatch.setattr(drv, "cuEventQuery",
+                        lambda ev: refused if capturing[0] else query(ev))
+    monkeypatch.setattr(drv, "cuEventSynchronize",
+                        lambda ev: refused if capturing[0] else sync(ev))
+    fut = b.fill_zero(stream=s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no LeakWarning)
+        with pytest.raises(sm.CaptureError, match=r"global mode.*capture_error_mode"):
+            fut.result()
+        assert fut._s.marker.error is None and not fut.done()
+        capturing[0] = False
+        assert fut.result() is None
+    assert sm.stats().leaked == before.leaked
+
+
+def test_the_shared_memory_opt_in_hint_follows_the_kernels_own_limit(fake, monkeypatch):
+    """The opt-in hint is for a launch past the kernel's own limit of dynamic shared memory
+    (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: 48 KiB less its static shared memory
+    until it opts in). A kernel that opted in already, refused for another reason, was told
+    to set what it had set; one whose static shared memory leaves less than 48 KiB, refused
+    for a launch within 48 KiB, was told nothing. The error names the kernel."""
+    import types
+    from fake_cuda import RawKernel
+    dev, drv = fake
+    k = RawKernel(drv, "k", ["Q", "i"], lambda x, n: None,
+                  'extern "C" __global__ void k(float* x, int n) { }')
+    x = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    limit = {}  # CUfunction -> its max dynamic shared size (the driver's answer)
+    monkeypatch.setattr(drv, "CUfunction_attribute", types.SimpleNamespace(
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES=8), raising=False)
+    monkeypatch.setattr(drv, "cuFuncGetAttribute", lambda attr, f: (
+        drv.CUresult.CUDA_SUCCESS, limit[int(f)]) if int(attr) == 8 else (
+        drv.CUresult.CUDA_ERROR_INVALID_VALUE, 0), raising=False)
+    monkeypatch.setattr(drv, "cuLaunchKernel",
+                        lambda *a: (drv.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    func = k.kernel.ptr
+    limit[func] = 65536  # (opted in: the refusal is something else's)
+    with pytest.raises(sm.CudaError, match=r"^cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\)$"):
+        sm.launch(k, 1, 8, x, 8, shared_mem=65536)
+    limit[func] = 16384  # (32 KiB of static shared memory: 16 KiB left without opting in)
+    with pytest.raises(sm.CudaError, match=r"^cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE "
+                                           r"\(1\): the launch asks for 20000 bytes of dynamic "
+                                           r"shared memory, more than kernel 'k' takes "
+                                           r"\(16384 bytes.*kernel\.max_dynamic_shared_size_"
+                                           r"bytes = 20000"):
+        sm.launch(k, 1, 8, x, 8, shared_mem=20000)
+    sm.Tensor.from_buffer(x, (8,))  # no lease left behind

@@ -752,3 +752,61 @@ def test_add_done_callback_of_something_not_callable_says_so(host):
             fut.add_done_callback(5)
     assert h.result(5) is None and f.result(5) is None
     sm.synchronize()  # (no deferred error: nothing was added)
+
+
+def test_callbacks_handed_off_at_the_exit_run_where_every_worker_waits(tmp_path):
+    """Where no thread can start at the exit (Python 3.12), a callback handed off while every
+    worker waits inside a callback -- here for a then() of work that finishes in the exit --
+    is run by the exit itself: the exit waited out its whole timeout for a worker that would
+    never come, then dropped it, and the waiting callback never got its value."""
+    body = ("import atexit, threading\n"
+            "import sharedmem.runtime.callbacks as cbs\n"
+            "cbs.EXIT_TIMEOUT = 3.0\n"
+            "def refuse(self):\n"
+            "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
+            "@sm.host_kernel\n"
+            "def nap(x, s):\n"
+            "    time.sleep(s)\n"
+            "host = sm.Device.host()\n"
+            "late = host.create_stream('late')\n"
+            "c, d = sm.Buffer.zeros(4, device=host), sm.Buffer.zeros(4, device=host)\n"
+            "t = sm.launch(nap, 1, 1, c, 1.0, stream=late).then(lambda r: 'late value')\n"
+            "sm.launch(nap, 1, 1, d, 0.5, stream=late)\n"
+            "f = sm.launch(nap, 1, 1, b, 0.0)\n"
+            "f.add_done_callback(lambda _: print('waited:', t.result(20), flush=True))\n"
+            "time.sleep(0.3)  # (the callback waits on a worker: the retirer handed it off)\n"
+            "atexit.register(setattr, threading.Thread, 'start', refuse)\n")
+    import time
+    start = time.monotonic()
+    out = _script_output(tmp_path, body, "0", "-")
+    assert "waited: late value" in out and "dropped" not in out, out
+    assert time.monotonic() - start < 20
+
+
+def test_a_worker_waiting_in_a_callback_at_the_exit_waits_where_no_thread_can_start(tmp_path):
+    """A callback on a worker that waits (on a then() of work finishing in the exit) while
+    callbacks are queued asks for another worker to take them; where no thread can start
+    (Python 3.12's exit) that RuntimeError came out of the wait, into the callback -- and the
+    worker stayed counted as waiting. It waits; the exit runs the queue (what it waits for)."""
+    body = ("import atexit, threading\n"
+            "import sharedmem.runtime.callbacks as cbs\n"
+            "cbs.EXIT_TIMEOUT = 3.0\n"
+            "def refuse(self):\n"
+            "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
+            "@sm.host_kernel\n"
+            "def nap(x, s):\n"
+            "    time.sleep(s)\n"
+            "host = sm.Device.host()\n"
+            "one, two = host.create_stream('one'), host.create_stream('two')\n"
+            "c, d, e = (sm.Buffer.zeros(4, device=host) for _ in range(3))\n"
+            "sm.launch(nap, 1, 1, b, 0.0).add_done_callback(lambda _: None)  # (a worker)\n"
+            "def looks(_):\n"
+            "    time.sleep(0.3)  # (meanwhile t's work is retired: its then() is queued)\n"
+            "    print('waited:', t.result(20), flush=True)\n"
+            "sm.launch(nap, 1, 1, c, 1.0, stream=one).add_done_callback(looks)\n"
+            "t = sm.launch(nap, 1, 1, d, 1.1, stream=two).then(lambda r: 'late value')\n"
+            "sm.launch(nap, 1, 1, e, 0.6, stream=two)\n"
+            "time.sleep(0.3)\n"
+            "atexit.register(setattr, threading.Thread, 'start', refuse)\n")
+    out = _script_output(tmp_path, body, "0", "-")
+    assert "waited: late value" in out and "never re-raised" not in out, out

@@ -318,6 +318,8 @@ class CudaMarker:
                 finally:
                     _unrelax(backend.hot, old)
                 if err != _SUCCESS:
+                    if int(err) == _CAPTURE_UNSUPPORTED:  # (not waited: says nothing of the
+                        raise _capture_refused("wait for")  # work, which stays pending)
                     self.error = _error(err, "cuEventSynchronize")
             return True
         deadline = time.monotonic() + timeout
@@ -347,6 +349,19 @@ class CudaMarker:
                     self._backend.cu.cuEventDestroy(self.event)
             except Exception:
                 pass
+
+
+def _capture_refused(what: str) -> CaptureError:
+    """The CaptureError of a host wait the driver refused with CUDA_ERROR_STREAM_CAPTURE_
+    UNSUPPORTED: a graph capture in global mode is under way, and this thread's mode forbids
+    it to wait meanwhile. Nothing is known of the work then -- it is not unknown."""
+    return CaptureError(
+        f"cannot {what} sharedmem's work on the host now: a CUDA graph capture in global mode "
+        f"is under way (torch.cuda.graph's default; another thread's, or this one's), and "
+        f"while it lasts the driver refuses this thread's waits (CUDA_ERROR_STREAM_CAPTURE_"
+        f"UNSUPPORTED; the refusal also invalidates that capture). Wait once the capture has "
+        f"ended, or capture in thread-local mode (torch.cuda.graph(..., capture_error_mode="
+        f"'thread_local')) and wait in another thread. The work stays pending, not unknown")
 
 
 def _record(backend, ev, h, stream_handle) -> int:

@@ -181,7 +181,18 @@ class waiting:
                 if self._on:
                     _blocked += 1
                 if _queue and _workers == _blocked:  # (no worker free to take them)
-                    _start_locked()
+                    try:
+                        _start_locked()
+                    except RuntimeError:
+                        # The interpreter exits, and starts no thread (see hand_off). A worker
+                        # waits all the same: drain_at_exit runs the queue in the exiting
+                        # thread -- what it waits for among it. Elsewhere (the exiting thread
+                        # itself) nothing would run the queue while it waits: raised, as at
+                        # any other time, and the count of waiting workers left as it was
+                        if not (self._on and not threading.main_thread().is_alive()):
+                            if self._on:
+                                _blocked -= 1
+                            raise
 
     def __exit__(self, *exc) -> None:
         global _blocked
@@ -198,19 +209,26 @@ def drain_at_exit() -> None:
     if on_worker():
         return
     deadline = time.monotonic() + EXIT_TIMEOUT
+    ran = False  # (once one batch ran here, the workers waiting in callbacks are waited for
+    # too: what they wait for may be what it gave them)
     while True:
         with _lock:
-            while (_queue or _running - _blocked > 0) and _workers:
+            # (a queue while every worker waits inside a callback -- or there is none -- is
+            # one no worker takes: hand_off could start none. Not waited for)
+            while (_queue or _running - (0 if ran else _blocked) > 0) and _workers and \
+                    not (_queue and _workers == _blocked):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 _cond.wait(left)
             # what no worker can take -- none could be started: Python 3.12 starts no thread
-            # once the interpreter exits (see hand_off) -- runs here, one batch at a time
-            sub = _queue.popleft() if _queue and not _workers else None
+            # once the interpreter exits (see hand_off) -- runs here, one batch at a time (it
+            # may be what a waiting worker waits for)
+            sub = _queue.popleft() if _queue and _workers == _blocked else None
             dropped = len(_queue)
         if sub is None:
             break
+        ran = True
         try:
             if type(sub) is list:
                 run(sub)

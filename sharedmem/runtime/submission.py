@@ -839,7 +839,7 @@ def wait_before(tok, stream, writes) -> None:
     try:
         for m in markers:
             m.wait(None)  # (an unknown completion ends the wait: the submission reports it)
-    finally:  # (an interrupt of the wait too: the pool's events are not lost)
+    finally:  # (an interrupt, or a wait refused -- CaptureError --: no event out of the pool)
         for m in fresh:
             m.recycle()  # (nothing else has seen these markers)
 
@@ -963,8 +963,10 @@ def synchronize_stream(stream, everything=False) -> None:
             with contextlib.suppress(CompletionUnknownError):
                 fresh = fresh_marker_locked(stream, True)
     if fresh is not None:
-        fresh.wait(None)
-        fresh.recycle()
+        try:
+            fresh.wait(None)
+        finally:  # (a wait refused -- CaptureError -- leaves no event out of the pool)
+            fresh.recycle()
     if last is not None:
         marker = last.marker
         marker.wait(None)
