@@ -44,7 +44,7 @@ from sharedmem.tensor import Tensor, extent, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce,
                                  export_token, owner_writable, plan_kernel)
-from interop.dlpack import import_writable
+from interop.dlpack import ProducerAlias, import_writable
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
 
@@ -64,7 +64,8 @@ def _tensor_view(arr):
     # (read-only where CuPy's memory is a read-only view's -- as_cupy or cupy.asarray of
     # one, as a launch takes the array -- or only read-only views reach the bytes)
     writable = import_writable(alloc, lo, hi, owner_writable(arr))
-    tok = alloc.new_token("tensor", lo, hi, writable, (alloc, arr.data))
+    # (a list: wrap() puts the array's alias last -- let go of first, before the memory)
+    tok = alloc.new_token("tensor", lo, hi, writable, [alloc, arr.data, None])
     return new_tensor(tok, arr.dtype, tuple(arr.shape), tuple(s // isz for s in arr.strides),
                       arr.data.ptr - alloc.ptr)
 
@@ -83,9 +84,14 @@ def wrap(arr) -> Tensor:
         lo, hi = extent(root.shape, root.strides, root.itemsize)
         start = root.data.ptr + lo - alloc.ptr
         desc = f"CuPy array (shape {tuple(root.shape)}, {root.dtype})"
-        # (read-only where the Tensor is: the array is then over a read-only view's bytes)
-        alias = alloc.new_token(desc, start, start + hi - lo, not t.readonly, None)
-        weakref.finalize(root, alias.release)
+        # (read-only where the Tensor is: the array is then over a read-only view's bytes).
+        # The alias lives in the Tensor's keep, as an import's producer alias does: it ends
+        # when the array dies or when the wrap's last view and lease are gone, whichever is
+        # first -- a finalizer on the array alone kept one token (and a finalizer) per wrap()
+        # for as long as the array lived: wrapping a long-lived array in a loop grew its
+        # allocation's views without bound
+        t._token.keep[2] = ProducerAlias(alloc, start, start + hi - lo, root, not t.readonly,
+                                         desc)
     return t
 
 

@@ -512,8 +512,9 @@ class ProducerAlias:
 
     __slots__ = ("token", "_fin", "__weakref__")
 
-    def __init__(self, alloc, start: int, stop: int, producer, writable=True):
-        self.token = alloc.new_token(producer_kind(producer), start, stop, writable, None)
+    def __init__(self, alloc, start: int, stop: int, producer, writable=True, kind=None):
+        self.token = alloc.new_token(producer_kind(producer) if kind is None else kind, start,
+                                     stop, writable, None)
         self._fin = None
         if producer is not None:
             try:
