@@ -754,20 +754,25 @@ def test_add_done_callback_of_something_not_callable_says_so(host):
     sm.synchronize()  # (no deferred error: nothing was added)
 
 
+#: The start of a script whose exit starts no thread (Python 3.12's): ``refuse`` replaces
+#: Thread.start in an atexit hook the script registers last; ``nap`` sleeps on the host
+_EXIT_PRELUDE = ("import atexit, threading\n"
+                 "import sharedmem.runtime.callbacks as cbs\n"
+                 "cbs.EXIT_TIMEOUT = 3.0\n"
+                 "def refuse(self):\n"
+                 "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
+                 "@sm.host_kernel\n"
+                 "def nap(x, s):\n"
+                 "    time.sleep(s)\n"
+                 "host = sm.Device.host()\n")
+
+
 def test_callbacks_handed_off_at_the_exit_run_where_every_worker_waits(tmp_path):
     """Where no thread can start at the exit (Python 3.12), a callback handed off while every
     worker waits inside a callback -- here for a then() of work that finishes in the exit --
     is run by the exit itself: the exit waited out its whole timeout for a worker that would
     never come, then dropped it, and the waiting callback never got its value."""
-    body = ("import atexit, threading\n"
-            "import sharedmem.runtime.callbacks as cbs\n"
-            "cbs.EXIT_TIMEOUT = 3.0\n"
-            "def refuse(self):\n"
-            "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
-            "@sm.host_kernel\n"
-            "def nap(x, s):\n"
-            "    time.sleep(s)\n"
-            "host = sm.Device.host()\n"
+    body = (_EXIT_PRELUDE +
             "late = host.create_stream('late')\n"
             "c, d = sm.Buffer.zeros(4, device=host), sm.Buffer.zeros(4, device=host)\n"
             "t = sm.launch(nap, 1, 1, c, 1.0, stream=late).then(lambda r: 'late value')\n"
@@ -788,15 +793,7 @@ def test_a_worker_waiting_in_a_callback_at_the_exit_waits_where_no_thread_can_st
     callbacks are queued asks for another worker to take them; where no thread can start
     (Python 3.12's exit) that RuntimeError came out of the wait, into the callback -- and the
     worker stayed counted as waiting. It waits; the exit runs the queue (what it waits for)."""
-    body = ("import atexit, threading\n"
-            "import sharedmem.runtime.callbacks as cbs\n"
-            "cbs.EXIT_TIMEOUT = 3.0\n"
-            "def refuse(self):\n"
-            "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
-            "@sm.host_kernel\n"
-            "def nap(x, s):\n"
-            "    time.sleep(s)\n"
-            "host = sm.Device.host()\n"
+    body = (_EXIT_PRELUDE +
             "one, two = host.create_stream('one'), host.create_stream('two')\n"
             "c, d, e = (sm.Buffer.zeros(4, device=host) for _ in range(3))\n"
             "sm.launch(nap, 1, 1, b, 0.0).add_done_callback(lambda _: None)  # (a worker)\n"

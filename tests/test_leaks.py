@@ -15,15 +15,7 @@ import sharedmem as sm
 from conftest import gc_collect_harder
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    """A CUDA device over the fake driver (tests/fake_cuda.py)."""
-    from fake_cuda import install_fake_devices
-    (dev,), drv = install_fake_devices(monkeypatch, False)
-    yield dev, drv
-    sm.synchronize()
-    del dev
-    gc_collect_harder()  # fake handles die while the fake driver is still the driver
+from test_graph_fake import fake  # noqa: F401,E402 (a CUDA device over the fake driver)
 
 
 def _cupy_array(n):
