@@ -313,10 +313,15 @@ class OwnershipMachine(RuleBasedStateMachine):
             assert expect_conflict
             return
         assert not expect_conflict
-        if e.gate.is_set():  # completed before: this submission just runs
-            fut.result(10)
-        else:
-            self.leases.append(Lease(fut, e.gate, h.alloc_key, h.start, h.stop, e.writes, e.stream))
+        gate = e.gate
+        if gate.is_set():  # completed before: this submission runs once the work before it on
+            # its stream has (a launch there meanwhile: it finishes when the last one does)
+            before = [l for l in self.leases if l.stream is e.stream]
+            if not before:
+                fut.result(10)
+                return
+            gate = before[-1].gate
+        self.leases.append(Lease(fut, gate, h.alloc_key, h.start, h.stop, e.writes, e.stream))
 
     @precondition(lambda self: bool(self.leases))
     @rule(i=st.integers(0, 99))
