@@ -769,7 +769,7 @@ def test_what_coerce_returns_is_a_lease_a_view_or_none(host):
         _CoercingAdapter.made[0] = made
         with pytest.raises(sm.KernelError, match=rf"^argument 1: the coercing kernel adapter's "
                                                  rf"coerce\(\) returned a value of type {got} "
-                                                 rf"for a Foreign; it must return a LaunchArg, "
+                                                 rf"for a test_launch.Foreign; it must return a LaunchArg, "
                                                  rf"a ForeignArray, a sharedmem view or None$"):
             sm.launch(_CoercedKernel(), 1, 1, sm.In(b), sm.In(Foreign()), stream=s)
     assert sm.stats().submitted == before and not b.allocation.tracker
