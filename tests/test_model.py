@@ -430,6 +430,37 @@ def _checker(x, tag, corrupt, gate):
         x[:] = tag
 
 
+def test_an_op_resubmitted_behind_open_work_on_its_stream_stays_a_lease():
+    """An op whose gate was opened, submitted again on its stream behind a launch still
+    gated there, does not just run: the model keeps it a lease (it waited for the launch,
+    whose gate then timed out and finished it behind the model's back: the tracker was
+    empty where the model said leased, or result() timed out)."""
+    s = OwnershipMachine()
+    try:
+        s.create(n=2)
+        s.make_op(i=0, mode="in")
+        s.submit_op(i=0)
+        s.launch(again=0, i=0, mode="in")  # on the op's stream, behind its submission
+        s.complete(i=0)  # the op's gate: its submission finishes, the launch stays
+        s.submit_op(i=0)  # behind the launch
+        s.views_and_leases_match_the_model()
+        assert len(s.leases) == 2
+        s.complete(i=1)  # the new submission: the launch ahead of it finishes too
+        assert not s.leases
+        s.views_and_leases_match_the_model()
+        s.make_op(i=0, mode="in")  # the same again, the launch completed this time
+        s.submit_op(i=1)
+        s.launch(again=0, i=0, mode="in")
+        s.complete(i=0)
+        s.submit_op(i=1)  # (its gate is open: only the launch holds it)
+        assert len(s.leases) == 2
+        s.complete(i=0)  # the launch: the submission behind it finishes with it
+        assert not s.leases
+        s.views_and_leases_match_the_model()
+    finally:
+        s.teardown()
+
+
 # How many random programs: the "quick" profile by default (make test, CI: a few seconds),
 # "full" for a thorough run (SHAREDMEM_MODEL=full make test; make stress sets it too), or a
 # number (SHAREDMEM_MODEL=1000).
