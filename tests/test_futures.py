@@ -807,3 +807,29 @@ def test_a_worker_waiting_in_a_callback_at_the_exit_waits_where_no_thread_can_st
             "atexit.register(setattr, threading.Thread, 'start', refuse)\n")
     out = _script_output(tmp_path, body, "0", "-")
     assert "waited: late value" in out and "never re-raised" not in out, out
+
+
+def test_the_exit_waits_for_busy_callback_workers_once_and_says_what_it_dropped_once(tmp_path):
+    """The exit waits EXIT_TIMEOUT for the callback workers, from the host backend's exit hook
+    and again from its own atexit hook. With a worker busy past the bound and a callback
+    queued behind it, the second call waited the whole bound again and said the same dropped
+    callback a second time. The bound is the exit's, and what was dropped is said once."""
+    import time
+    body = ("import logging\n"
+            "import sharedmem.runtime.callbacks as cbs\n"
+            "logging.getLogger('sharedmem').setLevel(logging.WARNING)\n"
+            "cbs.EXIT_TIMEOUT = 4.0\n"
+            "@sm.host_kernel\n"
+            "def nap(x, s):\n"
+            "    time.sleep(s)\n"
+            "host = sm.Device.host()\n"
+            "c = sm.Buffer.zeros(4, device=host)\n"
+            "sm.launch(nap, 1, 1, b, 0.1).add_done_callback(lambda _: time.sleep(60))\n"
+            "sm.launch(nap, 1, 1, c, 0.3, stream=host.create_stream()).add_done_callback(\n"
+            "    lambda _: print('ran', flush=True))\n"
+            "time.sleep(0.6)  # (the first callback busy on a worker, the second queued)\n")
+    start = time.monotonic()
+    out = _script_output(tmp_path, body, "0")
+    took = time.monotonic() - start
+    assert out.count("exit: callbacks of 1 retired submissions dropped after 4.0 s") == 1, out
+    assert "ran" not in out and took < 8.0, (took, out)

@@ -201,14 +201,21 @@ class waiting:
                 _blocked -= 1
 
 
+#: When the exit's wait for the callback workers ends (set by the first drain_at_exit call)
+_exit_deadline = None
+
+
 def drain_at_exit() -> None:
     """At exit, let the workers run what was handed off (bounded) -- or run it here where no
     worker could be started --, or say what was dropped.
     Registered with atexit; the host backend's exit hook calls it earlier too (a second call
     finds nothing left to run or to say)."""
+    global _exit_deadline
     if on_worker():
         return
-    deadline = time.monotonic() + EXIT_TIMEOUT
+    if _exit_deadline is None:  # (one bound for the exit: a second call waits no longer)
+        _exit_deadline = time.monotonic() + EXIT_TIMEOUT
+    deadline = _exit_deadline
     ran = False  # (once one batch ran here, the workers waiting in callbacks are waited for
     # too: what they wait for may be what it gave them)
     while True:
@@ -226,6 +233,8 @@ def drain_at_exit() -> None:
             # may be what a waiting worker waits for)
             sub = _queue.popleft() if _queue and _workers == _blocked else None
             dropped = len(_queue)
+            if sub is None and dropped:  # (said once: a second call finds them gone)
+                _queue.clear()
         if sub is None:
             break
         ran = True
