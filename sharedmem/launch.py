@@ -534,13 +534,14 @@ def _described(obj) -> str:
     t = type(obj)
     top = t.__module__.partition(".")[0]
     text = t.__name__ if top in ("builtins", "sharedmem") else f"{top}.{t.__name__}"
-    try:  # (an arbitrary object's attributes: whatever they raise, the type alone)
+    try:  # (an arbitrary object's attributes, and their str: whatever raises, the type alone)
         dev = getattr(obj, "device", None)
         dt = getattr(obj, "dtype", None)
-        on = "" if dev is None or callable(dev) or len(str(dev)) > 40 else f" on {dev}"
+        dev = None if dev is None or callable(dev) else str(dev)
+        on = "" if dev is None or len(dev) > 40 else f" on {dev}"
+        return text + on if dt is None else f"{text}{on} (dtype {dt})"
     except Exception:
         return text
-    return text + on if dt is None else f"{text}{on} (dtype {dt})"
 
 
 def _shown(value) -> str:
@@ -958,8 +959,9 @@ class _HostPlan(KernelPlan):
                 j += 1
             else:
                 t = type(a)
-                if t is list or t is tuple or t is dict or t is set or t is frozenset:
-                    _no_views_inside(len(out), a, a, set())
+                if not (t is int or t is float or t is str or t is bool or a is None) and \
+                        isinstance(a, _CONTAINERS):  # (subclasses too: a namedtuple)
+                    _no_views_inside(len(out), a)
                 out.append(a)
         return out
 
@@ -967,26 +969,40 @@ class _HostPlan(KernelPlan):
         return stream._impl.submit(partial(self.kernel.fn, *payload), True)
 
 
-def _no_views_inside(i, arg, seq, seen) -> None:
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _no_views_inside(i, arg) -> None:
     """KernelError where host-kernel argument ``i``, a container, holds a sharedmem view, an
-    Intent or a DeviceBox at any depth (``seen``: the containers walked, by id): a launch
-    leases only the arrays passed as arguments themselves, and the function would read or
-    write one inside unleased while other work uses it. Lists, tuples, dicts (keys and values)
-    and sets are walked; other objects are passed as they are."""
-    if id(seq) in seen:
-        return
-    seen.add(id(seq))
-    for x in (seq.items() if type(seq) is dict else seq):
-        t = type(x)
-        if t is int or t is float or t is str or t is bool or x is None:
-            continue  # (the common items, at no isinstance walk: a list is walked each launch)
-        if t is list or t is tuple or t is dict or t is set or t is frozenset:
-            _no_views_inside(i, arg, x, seen)
-        elif isinstance(x, (View, Intent, DeviceBox)):
-            raise KernelError(f"argument {i}: a {t.__name__} inside a {type(arg).__name__}; a "
-                              f"launch leases only the arrays passed as arguments themselves, so "
-                              f"the kernel would use it unleased -- pass each array as its own "
-                              f"argument")
+    Intent or a DeviceBox at any depth: a launch leases only the arrays passed as arguments
+    themselves, and the function would read or write one inside unleased while other work
+    uses it. Lists, tuples, dicts (keys and values) and sets -- their subclasses too, walked
+    as the base type is (no user ``__iter__`` runs) -- are walked, without recursion (a cons
+    list deeper than the recursion limit passes); other objects are passed as they are."""
+    seen = set()  # (ids of containers inside ``arg``: alive throughout, so never reused)
+    todo = [arg]
+    while todo:
+        seq = todo.pop()
+        if id(seq) in seen:
+            continue
+        seen.add(id(seq))
+        if isinstance(seq, dict):
+            items = list(dict.keys(seq)) + list(dict.values(seq))
+        elif isinstance(seq, (list, tuple)):
+            items = list.__iter__(seq) if isinstance(seq, list) else tuple.__iter__(seq)
+        else:
+            items = set.__iter__(seq) if isinstance(seq, set) else frozenset.__iter__(seq)
+        for x in items:
+            t = type(x)
+            if t is int or t is float or t is str or t is bool or x is None:
+                continue  # (the common items, at no isinstance walk: a list is walked each launch)
+            if isinstance(x, _CONTAINERS):
+                todo.append(x)
+            elif isinstance(x, (View, Intent, DeviceBox)):
+                raise KernelError(f"argument {i}: a {t.__name__} inside a {type(arg).__name__}; "
+                                  f"a launch leases only the arrays passed as arguments "
+                                  f"themselves, so the kernel would use it unleased -- pass each "
+                                  f"array as its own argument")
 
 
 class _HostAdapter(KernelAdapter):

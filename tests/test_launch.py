@@ -1,6 +1,7 @@
 """sm.launch on the host backend: intents, validation, futures."""
 
 import asyncio
+import collections
 import threading
 
 import numpy as np
@@ -198,6 +199,73 @@ def test_containers_without_views_pass_to_a_host_kernel_as_they_are(host):
     nested = ({"a": [1.5, (2, frozenset({3}))]}, np.arange(2))
     sm.launch(k, 1, 1, loop, nested).result(5)
     assert len(got) == 1 and got[0][0] is loop and got[0][1] is nested
+
+
+def _k():
+    ran = []
+
+    @sm.host_kernel
+    def k(x, box):
+        ran.append(box)
+    return k, ran
+
+
+def test_a_view_in_the_third_entry_of_a_dict_is_refused(host):
+    """_no_views_inside walks dict.items(): the (key, value) tuples are temporaries, recycled
+    by the dict iterator (and by the tuple free list) at the same address; their ids are put in
+    ``seen``, so a later pair at a reused address is taken as walked -- skipped."""
+    k, ran = _k()
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.int32), device=host)
+    arg = {"a": 1, "b": 2, "c": b, "d": b}
+    with pytest.raises(sm.KernelError, match=r"^argument 1: a Buffer inside a dict"):
+        sm.launch(k, 1, 1, 0, arg).result(5)
+    sm.synchronize()
+
+
+Args = collections.namedtuple("Args", "x y")
+
+
+class MyList(list):
+    pass
+
+
+@pytest.mark.parametrize("make", [lambda b: Args(1, b), lambda b: MyList([b]),
+                                  lambda b: [Args(1, b)], lambda b: collections.OrderedDict(x=b)])
+def test_a_view_inside_a_container_subclass_is_refused(host, make):
+    """type(x) is list/tuple/dict misses subclasses: a namedtuple of arrays (a common way to
+    pass a kernel's arguments) reaches the function unleased."""
+    k, ran = _k()
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.int32), device=host)
+    with pytest.raises(sm.KernelError, match=r"^argument 1: a Buffer inside a"):
+        sm.launch(k, 1, 1, 0, make(b)).result(5)
+    sm.synchronize()
+
+
+def test_a_deeply_nested_container_is_passed_not_a_recursion_error(host):
+    """A cons list (1, (2, (3, ...))) deeper than the recursion limit passed before the
+    change; the walk raises RecursionError from launch()."""
+    got = []
+
+    @sm.host_kernel
+    def k(x):
+        got.append(x)
+    deep = None
+    for i in range(5000):
+        deep = (i, deep)
+    sm.launch(k, 1, 1, deep).result(5)
+    assert got and got[0] is deep
+
+
+def test_a_foreign_dtype_whose_str_raises_still_names_the_type(host):
+    """_described guards device/dtype attribute access, but formats ``dt`` outside the try."""
+    class BadDt:
+        def __format__(self, spec):
+            raise ValueError("boom")
+        __str__ = __repr__ = lambda self: (_ for _ in ()).throw(ValueError("boom"))
+    cls = type("Arr", (), {"__module__": "mylib", "dtype": BadDt()})
+    k = sm.host_kernel(lambda x: None)
+    with pytest.raises(sm.KernelError, match=r"got mylib.Arr"):
+        sm.launch(k, 1, 1, sm.In(cls()))
 
 
 def test_missing_cutile_says_how_to_install(monkeypatch):
