@@ -958,9 +958,7 @@ class _HostPlan(KernelPlan):
                     out.append(ro)
                 j += 1
             else:
-                t = type(a)
-                if not (t is int or t is float or t is str or t is bool or a is None) and \
-                        isinstance(a, _CONTAINERS):  # (subclasses too: a namedtuple)
+                if isinstance(a, _CONTAINERS):  # (subclasses too: a namedtuple)
                     _no_views_inside(len(out), a)
                 out.append(a)
         return out

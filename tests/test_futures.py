@@ -378,9 +378,7 @@ def test_callbacks_handed_off_at_the_exit_run_where_no_thread_can_start(tmp_path
     kernel's exception, which the then() would have looked at, as never retrieved. The exit
     now runs such callbacks itself. (3.12's refusal made here on every version: a hook
     registered after sharedmem's runs before them.)"""
-    body = ("import atexit, threading\n"
-            "def refuse(self):\n"
-            "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
+    body = (_NO_THREADS_AT_EXIT +
             "atexit.register(setattr, threading.Thread, 'start', refuse)\n"
             "f = sm.launch(boom, 1, 1, b)\n"
             "g = f.then(print)\n"
@@ -756,11 +754,13 @@ def test_add_done_callback_of_something_not_callable_says_so(host):
 
 #: The start of a script whose exit starts no thread (Python 3.12's): ``refuse`` replaces
 #: Thread.start in an atexit hook the script registers last; ``nap`` sleeps on the host
-_EXIT_PRELUDE = ("import atexit, threading\n"
+_NO_THREADS_AT_EXIT = ("import atexit, threading\n"
+                       "def refuse(self):\n"
+                       "    raise RuntimeError(\"can't create new thread at interpreter "
+                       "shutdown\")\n")
+_EXIT_PRELUDE = (_NO_THREADS_AT_EXIT +
                  "import sharedmem.runtime.callbacks as cbs\n"
                  "cbs.EXIT_TIMEOUT = 3.0\n"
-                 "def refuse(self):\n"
-                 "    raise RuntimeError(\"can't create new thread at interpreter shutdown\")\n"
                  "@sm.host_kernel\n"
                  "def nap(x, s):\n"
                  "    time.sleep(s)\n"
