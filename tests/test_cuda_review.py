@@ -239,30 +239,48 @@ def test_a_query_refused_beside_a_global_mode_capture_is_pending_not_unknown(
     assert sm.stats().leaked == before.leaked
 
 
-def test_the_retirer_thread_asks_in_relaxed_capture_mode(fake):
-    """What a backend registers with on_retirer_thread runs once on the retirer's own thread;
-    the CUDA backend's sets the relaxed capture mode there (its queries beside another
-    library's global-mode capture are then allowed, and leave that capture valid)."""
+def test_the_retirers_polling_beside_a_global_mode_capture_leaves_it_valid(fake):
+    """The retirer polls pending work from its own thread while another library captures in
+    global mode (torch.cuda.graph's default): each query asks in relaxed capture mode (in the
+    default mode the driver refuses it and invalidates the capture), and gives the thread's
+    mode back after -- the retirer thread stays in the default mode between queries."""
     import threading
     import time
-    import sharedmem.backends.cuda as bc
     from sharedmem.runtime import callbacks, retirer
     dev, drv = fake
-    sm.Buffer.zeros(8, "float32", device=dev).fill_zero()  # (the retirer running, woken)
-    retirer.wake()
-    deadline = time.monotonic() + 5  # (this test's fake driver: its own registration)
-    while not getattr(drv, "capture_modes", None) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert drv.capture_modes == {callbacks.retirer_ident[0]: 2}  # CU_STREAM_CAPTURE_MODE_RELAXED
-    bc._relax_capture_mode(None)  # (a driver gone: nothing)
-    ran = []
-    retirer.on_retirer_thread(lambda: ran.append(threading.get_ident()))
-    sm.Buffer.zeros(8, "float32", device=dev).fill_zero()  # (the retirer running, woken)
-    retirer.wake()
-    deadline = time.monotonic() + 5
-    while not ran and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ran == [callbacks.retirer_ident[0]]
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()  # (the retirer running)
+    before = sm.stats()
+    theirs = drv.cuStreamCreate(1)[1]
+    assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0  # CU_STREAM_CAPTURE_MODE_GLOBAL
+    queried = []
+    real = drv.cuEventQuery
+
+    def query(ev):
+        if threading.get_ident() == callbacks.retirer_ident[0]:
+            queried.append(drv.capture_modes.get(threading.get_ident()))
+        return real(ev)
+
+    drv.cuEventQuery = query
+    try:
+        drv.holding = True  # (the work in flight: the retirer polls it)
+        fut = b.fill_zero(stream=s)
+        deadline = time.monotonic() + 5
+        while len(queried) < 3 and time.monotonic() < deadline:
+            retirer.wake()
+            time.sleep(0.005)
+        drv.holding = False
+        drv.finish_held()
+        while sm.stats().retired == before.retired and time.monotonic() < deadline:
+            retirer.wake()  # (retired by the retirer, not waited for here)
+            time.sleep(0.005)
+    finally:
+        del drv.cuEventQuery
+    assert len(queried) >= 3 and set(queried) == {2}  # CU_STREAM_CAPTURE_MODE_RELAXED
+    assert drv.capture_modes[callbacks.retirer_ident[0]] == 0  # (given back: GLOBAL)
+    assert drv.cuStreamEndCapture(theirs)[0] == 0  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+    assert fut.done() and sm.stats().leaked == before.leaked
 
 
 def test_a_launch_past_the_default_shared_memory_limit_says_how_to_opt_in(fake, monkeypatch):
@@ -429,3 +447,49 @@ def test_the_shared_memory_opt_in_hint_follows_the_kernels_own_limit(fake, monke
                                            r"bytes = 20000"):
         sm.launch(k, 1, 8, x, 8, shared_mem=20000)
     sm.Tensor.from_buffer(x, (8,))  # no lease left behind
+
+
+def test_default_stream_work_beside_a_blocking_streams_capture_stays_pending(fake):
+    """Markers of the device's default stream (the legacy one) are recorded lazily -- at a
+    sweep, a wait, or a later stream's order. A capture another library begins on a blocking
+    stream (cupy.cuda.Stream() without non_blocking=True) joins the legacy stream: a record
+    there failed (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), invalidated that capture, and made the
+    work unknown -- its memory leaked with a LeakWarning. The marker stays open while the
+    capture lasts: the work is pending, a host wait is a CaptureError, a later stream's order
+    after it a CaptureError taking no lease; once the capture ends it retires."""
+    import time
+    import warnings
+    from sharedmem.runtime import retirer
+    dev, drv = fake
+    b = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    before = sm.stats()
+    s = dev.create_stream("s")
+    fut = b.fill_zero()  # (the device's default stream: the legacy stream, handle 0)
+    assert fut._s.stream is dev.default_stream and not fut._s.marker.recorded
+    theirs = drv.cuStreamCreate(0)[1]  # (blocking: flags 0)
+    assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no LeakWarning)
+        for _ in range(3):
+            retirer.wake()
+            time.sleep(0.01)
+        assert not fut.done() and fut._s.marker.error is None
+        with pytest.raises(sm.CaptureError, match=r"^cannot wait for sharedmem's work on the "
+                                                  r"legacy default stream of cuda:0 now: a "
+                                                  r"blocking stream of its context is "
+                                                  r"capturing a CUDA graph .* The work stays "
+                                                  r"pending, not unknown$"):
+            fut.result()
+        with pytest.raises(TimeoutError):
+            fut.result(0.02)  # (a wait with a timeout: pending while the capture lasts)
+        in_use = sm.stats()
+        with pytest.raises(sm.CaptureError, match=r"^cannot order after sharedmem's work on "
+                                                  r"the legacy default stream of cuda:0 now"):
+            b.fill_zero(stream=s)  # (ordered after the default stream's write)
+        assert sm.stats().submitted == in_use.submitted  # (nothing submitted, nothing leased)
+        assert drv.cuStreamEndCapture(theirs)[0] == 0  # (not INVALIDATED)
+        assert fut.result(5) is None
+        b.fill_zero(stream=s).result()
+        sm.synchronize()
+    assert sm.stats().leaked == before.leaked

@@ -435,6 +435,59 @@ def test_polling_beside_another_librarys_global_mode_capture_leaves_it_valid(cp)
     assert x.to_host()[:32].tolist() == [2.0] * 32
 
 
+def test_default_stream_work_beside_a_blocking_streams_capture_leaves_it_valid(cp,
+                                                                              monkeypatch):
+    """The device's default stream is the legacy one, its markers recorded lazily. A capture
+    of a blocking stream (cupy.cuda.Stream() without non_blocking=True) joins the legacy
+    stream, where a record fails (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and invalidates that
+    capture: the retirer's record of work launched before it broke the capture and leaked
+    the work. The marker stays open while the capture lasts (a host wait: CaptureError); the
+    capture ends valid and the work retires after."""
+    import time
+    import warnings
+    import gpu_kernels as K
+    from cuda.bindings import driver as cu
+    from sharedmem.runtime import retirer
+    dev = sm.Device(0)
+    x = sm.Buffer.zeros(N, "float32", device=dev)
+    slow = K.kernel("slow_fill")
+    sm.launch(slow, 1, 32, sm.Out(x), 32, 1.0, np.int64(K.cycles(5)))
+    sm.synchronize()  # (the kernel loaded, the retirer thread started)
+    before = sm.stats()
+    theirs = cp.cuda.Stream()  # (blocking)
+    y = cp.zeros(1 << 20, cp.uint8)
+    cp.cuda.Device(0).synchronize()
+    GLOBAL = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no LeakWarning)
+        real, paused = retirer._pass, [True]  # (the retirer records nothing before the
+        monkeypatch.setattr(retirer, "_pass",    # capture begins)
+                            lambda rt, last: ({}, True) if paused[0] else real(rt, last))
+        fut = sm.launch(slow, 1, 32, sm.Out(x), 32, 2.0, np.int64(K.cycles(20)))
+        assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
+        assert not fut._s.marker.recorded
+        paused[0] = False
+        ended = []
+        try:
+            assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
+            time.sleep(0.05)  # (the retirer polls the pending launch meanwhile)
+            with pytest.raises(sm.CaptureError, match=r"^cannot wait for sharedmem's work on "
+                                                      r"the legacy default stream of cuda:0"):
+                fut.result()
+            with pytest.raises(TimeoutError):
+                fut.result(0.01)
+        finally:
+            err, graph = cu.cuStreamEndCapture(theirs.ptr)
+            ended.append(err)
+            if err == cu.CUresult.CUDA_SUCCESS:
+                cu.cuGraphDestroy(graph)
+        assert ended == [cu.CUresult.CUDA_SUCCESS]  # (not ..._STREAM_CAPTURE_INVALIDATED)
+        assert fut.result(30) is None
+        sm.synchronize()
+    assert sm.stats().leaked == before.leaked
+    assert x.to_host()[:32].tolist() == [2.0] * 32
+
+
 @pytest.mark.parametrize("where", ["another thread", "this thread"])
 def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_valid(
         cp, where):

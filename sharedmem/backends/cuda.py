@@ -42,7 +42,6 @@ import weakref
 
 import numpy as np
 
-from ..runtime.retirer import on_retirer_thread
 from ..runtime.state import fork_safe, locked
 from ..stream import borrowed_handle
 from ..errors import BackendUnavailableError, CaptureError, CompletionUnknownError, CudaError
@@ -241,9 +240,15 @@ class CudaMarker:
         impl = self._open_on
         if impl is None:
             return
+        backend = self._backend
+        if impl.handle == 0 and backend.legacy_joined():
+            # The legacy default stream joined to a capture (another library's, of a blocking
+            # stream: cupy.cuda.Stream().begin_capture()): a record there fails and
+            # invalidates that capture. Left open -- its work pending, not unknown -- and
+            # recorded when asked after the capture ends (a host wait meanwhile: CaptureError)
+            return
         if impl.open_marker is self:
             impl.open_marker = None
-        backend = self._backend
         try:  # (the context first: an event taken from the pool and not recorded would be lost)
             backend.ensure_context()  # (the legacy default stream is the current context's)
             ev = backend._event()
@@ -266,6 +271,8 @@ class CudaMarker:
         """Caller holds core_lock when the marker may be open (sweeps do)."""
         if self._open_on is not None:
             self.close_locked()
+            if self._open_on is not None:  # (not recorded now: see close_locked)
+                return PENDING
         if self.error is not None:
             return UNKNOWN
         if self.event is None:  # recycled: only ever after its work was found done
@@ -308,6 +315,8 @@ class CudaMarker:
             with locked():
                 self.close_locked()
         if timeout is None:
+            if self._open_on is not None:  # (not recorded now: see close_locked)
+                raise _legacy_joined_error(self._backend, "wait for")
             ev = self.event  # None once recycled (by the retirer, meanwhile): the work is done
             if self.error is None and ev is not None:
                 backend = self._backend
@@ -324,12 +333,18 @@ class CudaMarker:
             return True
         deadline = time.monotonic() + timeout
         delay = 20e-6
-        while self.query() == PENDING:  # (recorded above: no lock needed to ask)
+        while True:
+            if self._open_on is not None:  # (not recorded above: asked, and recorded, locked)
+                with locked():
+                    st = self.query()
+            else:
+                st = self.query()
+            if st != PENDING:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
-        return True
 
     def recycle(self) -> None:
         """Give a pooled event back (idempotent: the submissions sharing a
@@ -364,6 +379,19 @@ def _capture_refused(what: str) -> CaptureError:
         f"'thread_local')) and wait in another thread. The work stays pending, not unknown")
 
 
+def _legacy_joined_error(backend, what: str) -> CaptureError:
+    """The CaptureError of a host wait, or of an order after, work on the legacy default
+    stream of ``backend``'s device whose marker cannot be recorded now: the stream is joined
+    to the capture of a blocking stream of its context (see CudaMarker.close_locked)."""
+    return CaptureError(
+        f"cannot {what} sharedmem's work on the legacy default stream of cuda:"
+        f"{backend.ordinal} now: a blocking stream of its context is capturing a CUDA graph "
+        f"(cupy.cuda.Stream.begin_capture on a stream made without non_blocking=True, a "
+        f"borrowed blocking stream), which joins the legacy stream, and no event can be "
+        f"recorded there until the capture ends. Wait once it has ended, or launch on a "
+        f"stream of your own (device.create_stream()). The work stays pending, not unknown")
+
+
 def _record(backend, ev, h, stream_handle) -> int:
     """``cuEventRecord`` of event ``ev`` (handle ``h``) on the stream of raw handle
     ``stream_handle``, through the fastest entry point there is; the driver's error code (0:
@@ -383,6 +411,8 @@ def _stream_wait(backend, stream_handle, marker) -> None:
     CudaMarker of any device; recorded first if open: caller holds core_lock then)."""
     if marker._open_on is not None:
         marker.close_locked()
+        if marker._open_on is not None:  # (not recorded now: see close_locked)
+            raise _legacy_joined_error(marker._backend, "order after")
         if marker.error is not None:
             raise CompletionUnknownError(f"cannot order after work whose completion event could "
                                          f"not be recorded ({marker.error!r}); its memory is "
@@ -542,36 +572,7 @@ def _init():
         return f"{type(e).__name__}: {e}"
     if err != _SUCCESS:
         return _name(err)
-    driver = cu
-    if not any(r() is driver for r in _relaxed):  # (once per driver module: tests swap a
-        ref = weakref.ref(driver)                 # fake one in, and back)
-        _relaxed.append(ref)
-        on_retirer_thread(lambda: _relax_capture_mode(ref()))
     return None
-
-
-# Weak references to the drivers whose mode the retirer thread sets. No lock: two threads
-# making their first backends at once may both register one driver -- the setting is
-# idempotent, so it is set twice, harmlessly.
-_relaxed: list = []
-
-
-def _relax_capture_mode(driver) -> None:
-    """Run on the retirer thread, once: its event queries run beside other libraries' graph
-    captures. In the driver's default mode a thread may not query while another thread
-    captures in global mode (torch.cuda.graph's default): refused (CUDA_ERROR_STREAM_CAPTURE_
-    UNSUPPORTED), and that capture is invalidated -- sharedmem's own background polling would
-    break a capture the user began after launching. In relaxed mode it may: the events it
-    asks about are sharedmem's, never recorded inside a capture. Never raises: where the
-    driver refuses (a forked child, whose CUDA is unusable) or is gone, the retirer asks in
-    the default mode, as before. ``driver``: cuda.bindings' driver module (None: gone)."""
-    if driver is None:
-        return
-    try:
-        driver.cuThreadExchangeStreamCaptureMode(
-            driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-    except Exception:
-        pass
 
 
 #: CU_STREAM_CAPTURE_MODE_RELAXED, the value of CUstreamCaptureMode
@@ -869,6 +870,8 @@ class CudaBackend:
         if pooled:  # (recorded as an open marker is: the pool, and the driver's entry point)
             m = _open_marker(impl)
             m.close_locked()
+            if m._open_on is not None:  # (not recorded now: see close_locked)
+                raise _legacy_joined_error(self, "order after")
             if m.error is not None:  # (its event back in the pool: close_locked)
                 raise m.error
             return m
@@ -898,13 +901,10 @@ class CudaBackend:
             raise
         return CudaMarker(ev, self, pooled)
 
-    def foreign_capture_error(self, stream_handle: int):
-        """The CaptureError a wait for the stream of this device named by raw handle
-        ``stream_handle`` must raise, or None: that stream capturing a graph (a capture of
-        another library's: sharedmem's own its callers refuse first, by name), or the legacy
-        default stream (0, 1) while a blocking stream of this context captures -- the driver
-        answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and a record there would fail and
-        invalidate that capture. Another error: None (the record says it)."""
+    def _capture_status(self, stream_handle: int):
+        """``cuStreamIsCapturing`` of the stream of this device named by raw handle
+        ``stream_handle``: ``(error code, status)`` (status 0: not capturing). Asking never
+        invalidates a capture."""
         self.ensure_context()
         if cython.compiled and self.capturing_addr:  # (asked on every DLPack export to a
             # stream handle: through its address, not cuda.bindings' wrapper)
@@ -912,10 +912,24 @@ class CudaBackend:
             err = cython.cast(capturing_fn_t, self.capturing_addr)(
                 cython.cast(cython.p_void, cython.cast(cython.size_t, stream_handle)),
                 cython.address(c_status))
-            status = c_status
-        else:
-            err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
-            err = int(err)
+            return err, c_status
+        err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
+        return int(err), int(status) if int(err) == 0 else 0
+
+    def legacy_joined(self) -> bool:
+        """Whether the legacy default stream of this device is joined to a capture now: a
+        blocking stream of its context captures a graph (the driver answers
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), and no event can be recorded there meanwhile."""
+        return self._capture_status(0)[0] == _CAPTURE_IMPLICIT
+
+    def foreign_capture_error(self, stream_handle: int):
+        """The CaptureError a wait for the stream of this device named by raw handle
+        ``stream_handle`` must raise, or None: that stream capturing a graph (a capture of
+        another library's: sharedmem's own its callers refuse first, by name), or the legacy
+        default stream (0, 1) while a blocking stream of this context captures -- the driver
+        answers CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and a record there would fail and
+        invalidate that capture. Another error: None (the record says it)."""
+        err, status = self._capture_status(stream_handle)
         if err == 0:
             if int(status) == 0:
                 return None
