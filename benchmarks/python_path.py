@@ -287,6 +287,12 @@ def this_build():
         def untyped_storage(self):
             return self
 
+        def is_conj(self):
+            return False
+
+        def is_neg(self):
+            return False
+
     torch_mod = types.ModuleType("torch")
     torch_mod.Tensor = _TorchTensor
     torch_mod._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: s.handle)

@@ -893,6 +893,12 @@ def torch_facts(t):
     layout = (shape, strides, dtype)
     if not t.is_cuda:
         return None
+    if t.is_conj() or t.is_neg():  # (lazy bits: its memory holds the values without them)
+        bit, fix = ("conjugate", "resolve_conj") if t.is_conj() else ("negative", "resolve_neg")
+        raise KernelError(f"a torch tensor with the {bit} bit set (shape {tuple(shape)}, "
+                          f"{dtype}) cannot be a kernel argument: its memory holds the values "
+                          f"without the {bit} applied, which the kernel would read as they are; "
+                          f"pass x.{fix}() (a tensor that holds them)")
     dev = Device(t.device.index)
     item = t.element_size()
     lo, hi = extent(layout[0], [st * item for st in layout[1]], item)

@@ -2587,6 +2587,7 @@ def _fake_torch(monkeypatch, dev, raw_stream=True):
     class Tensor:
         is_cuda = True
         device = types.SimpleNamespace(type="cuda", index=dev.ordinal)
+        conj_bit = neg_bit = False  # (torch's lazy conjugation and negation: a view's flags)
 
         def __init__(self, host, base=None):
             self.set_(host, base)
@@ -2615,6 +2616,12 @@ def _fake_torch(monkeypatch, dev, raw_stream=True):
 
         def untyped_storage(self):  # (one object a storage, here: it is what is kept alive)
             return _Storage.of(self.base)
+
+        def is_conj(self):
+            return self.conj_bit
+
+        def is_neg(self):
+            return self.neg_bit
 
     class _Storage:
         made = weakref.WeakValueDictionary()
@@ -4546,3 +4553,33 @@ def test_grid_constant_parameters_are_read(fake):
     x = sm.Buffer.zeros(4, "float32", device=dev)
     sm.launch(k, 1, 1, x, 4).result()
     assert got == [(x.ptr, 4)]
+
+
+@pytest.mark.parametrize("bit", ["conjugate", "negative"])
+def test_a_torch_tensor_with_a_lazy_conjugate_or_negative_bit_is_refused(fake, kernels,
+                                                                          monkeypatch, bit):
+    """torch conjugates and negates lazily: ``z.conj()`` and ``z.conj().imag`` are views of
+    ``z``'s memory with a bit set, the values as they are in memory. A launch passed their
+    pointer: the kernel read the values unconjugated (unnegated), silently wrong. Refused by
+    name, with the call that resolves it; nothing leased, nothing launched."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    torch = _fake_torch(monkeypatch, dev)
+    n = 16
+    x, out = torch.Tensor(np.arange(n, dtype=np.float32)), torch.Tensor(np.zeros(n, np.float32))
+    setattr(x, "conj_bit" if bit == "conjugate" else "neg_bit", True)
+    s = dev.create_stream("s")
+    sm.synchronize()
+    before = sm.stats()
+    fix = "resolve_conj" if bit == "conjugate" else "resolve_neg"
+    with pytest.raises(sm.KernelError, match=rf"^a torch tensor with the {bit} bit set \(shape "
+                                             rf"\(16,\), torch.float32\) cannot be a kernel "
+                                             rf"argument: its memory holds the values without "
+                                             rf"the {bit} applied, which the kernel would read "
+                                             rf"as they are; pass x.{fix}\(\) \(a tensor that "
+                                             rf"holds them\)$"):
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), out, n, stream=s)
+    assert sm.stats().submitted == before.submitted and sm.stats().in_flight == 0
+    x.conj_bit = x.neg_bit = False  # (resolved: the same memory, the bits clear)
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), out, n, stream=s).result()
+    np.testing.assert_array_equal(out.host, 3 * np.arange(n))

@@ -200,3 +200,29 @@ def test_torch_tensors_are_ordered_after_torch_work_for_cutile_and_cupy_kernels(
     np.testing.assert_array_equal(d.cpu().numpy(), 3 * expected + 0.5)
     sm.synchronize()
     assert sm.stats().in_flight == 0
+
+
+def test_torch_tensors_with_a_lazy_conjugate_or_negative_bit_are_refused(gpu, vadd):
+    """``z.conj()`` of a complex torch tensor and ``z.conj().imag`` are lazy views of ``z``'s
+    memory (the conjugate, the negative bit): passed as they are, a kernel read ``z``'s values.
+    Refused before anything is leased, for cuTile and CuPy kernels alike."""
+    torch = pytest.importorskip("torch")
+    import gpu_kernels as K
+    n = TILE
+    dev = f"cuda:{gpu.ordinal}"
+    z = torch.zeros(n, dtype=torch.complex64, device=dev)
+    neg = z.conj().imag
+    assert z.conj().is_conj() and neg.is_neg()
+    a, c = torch.ones(n, device=dev), torch.empty(n, device=dev)
+    sm.synchronize()
+    before = sm.stats()
+    with pytest.raises(sm.KernelError, match=r"^a torch tensor with the conjugate bit set "
+                                             r"\(shape \(256,\), torch.complex64\)"):
+        sm.launch(K.kernel("saxpy"), 1, n, 2.0, sm.In(z.conj()), sm.In(a), sm.Out(c), n)
+    with pytest.raises(sm.KernelError, match=r"^a torch tensor with the negative bit set .* "
+                                             r"pass x.resolve_neg\(\)"):
+        sm.launch(vadd, (1,), None, sm.In(neg), sm.In(a), sm.Out(c), TILE)
+    assert sm.stats().submitted == before.submitted
+    sm.launch(vadd, (1,), None, sm.In(neg.resolve_neg().contiguous()), sm.In(a), sm.Out(c),
+              TILE).result()
+    assert c.cpu().tolist() == [1.0] * n  # (-0.0 + 1)
