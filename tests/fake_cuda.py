@@ -263,7 +263,7 @@ class FakeDriver:
     def cuEventRecord(self, ev, stream):
         if not self._in_context(stream) or self.ctx_of.get(int(ev), self.current) != self.current:
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
-        if self._legacy_joined(stream):
+        if self._legacy_refused(stream):
             return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self.calls.append(("record", int(ev), int(stream)))
         if self.holding:
@@ -309,11 +309,15 @@ class FakeDriver:
         return (OK,)
 
     def cuStreamWaitEvent(self, stream, ev, flags):
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self.calls.append(("wait", int(stream), int(ev)))
         return (OK,)
 
     # -- copies ------------------------------------------------------------------------
     def cuMemcpyPeerAsync(self, dst, dst_ctx, src, src_ctx, n, stream):
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         if not self._in_context(stream):
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         self.calls.append(("peer copy", int(dst_ctx), int(src_ctx), int(stream)))
@@ -321,18 +325,26 @@ class FakeDriver:
         return (OK,)
 
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         return (OK,)
 
     def cuMemcpyDtoHAsync(self, dst, src, n, stream):
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         return (OK,)
 
     def cuMemcpyDtoDAsync(self, dst, src, n, stream):
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         return (OK,)
 
     def cuMemcpy2DAsync(self, p, stream):
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         if p.WidthInBytes > p.srcPitch or p.WidthInBytes > p.dstPitch:
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         rows = [(int(p.dstDevice) + r * p.dstPitch, int(p.srcDevice) + r * p.srcPitch)
@@ -342,6 +354,8 @@ class FakeDriver:
         return (OK,)
 
     def cuMemsetD8Async(self, dst, byte, n, stream):
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self._run(stream, lambda: ctypes.memset(int(dst), byte, n))
         return (OK,)
 
@@ -372,6 +386,8 @@ class FakeDriver:
             values.append(struct.unpack("<" + f, raw)[0])
         if not self._in_context(stream):
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         self.calls.append(("launch", int(func), int(stream), self.current))
         self._run(stream, lambda: fn(*values))
         return (OK,)
@@ -382,6 +398,16 @@ class FakeDriver:
         refuses it (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and invalidates that capture."""
         return int(stream) in (0, 1) and any(
             not self.stream_flags.get(h, 0) & 1 for h in self.capturing)
+
+    def _legacy_refused(self, stream) -> bool:
+        """Whether work or an event given to ``stream`` is refused as the driver refuses it:
+        the legacy default stream (0, 1) while a blocking stream captures. The refusal
+        invalidates those captures (their end answers CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+        as the driver's does; asking (cuStreamIsCapturing) invalidates nothing."""
+        if not self._legacy_joined(stream):
+            return False
+        self.invalidated.update(h for h in self.capturing if not self.stream_flags.get(h, 0) & 1)
+        return True
 
     def cuStreamIsCapturing(self, stream):  # (status 1: CU_STREAM_CAPTURE_STATUS_ACTIVE)
         if self._legacy_joined(stream):

@@ -239,48 +239,30 @@ def test_a_query_refused_beside_a_global_mode_capture_is_pending_not_unknown(
     assert sm.stats().leaked == before.leaked
 
 
-def test_the_retirers_polling_beside_a_global_mode_capture_leaves_it_valid(fake):
-    """The retirer polls pending work from its own thread while another library captures in
-    global mode (torch.cuda.graph's default): each query asks in relaxed capture mode (in the
-    default mode the driver refuses it and invalidates the capture), and gives the thread's
-    mode back after -- the retirer thread stays in the default mode between queries."""
+def test_the_retirer_thread_asks_in_relaxed_capture_mode(fake):
+    """What a backend registers with on_retirer_thread runs once on the retirer's own thread;
+    the CUDA backend's sets the relaxed capture mode there (its queries beside another
+    library's global-mode capture are then allowed, and leave that capture valid)."""
     import threading
     import time
+    import sharedmem.backends.cuda as bc
     from sharedmem.runtime import callbacks, retirer
     dev, drv = fake
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()  # (the retirer running)
-    before = sm.stats()
-    theirs = drv.cuStreamCreate(1)[1]
-    assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0  # CU_STREAM_CAPTURE_MODE_GLOBAL
-    queried = []
-    real = drv.cuEventQuery
-
-    def query(ev):
-        if threading.get_ident() == callbacks.retirer_ident[0]:
-            queried.append(drv.capture_modes.get(threading.get_ident()))
-        return real(ev)
-
-    drv.cuEventQuery = query
-    try:
-        drv.holding = True  # (the work in flight: the retirer polls it)
-        fut = b.fill_zero(stream=s)
-        deadline = time.monotonic() + 5
-        while len(queried) < 3 and time.monotonic() < deadline:
-            retirer.wake()
-            time.sleep(0.005)
-        drv.holding = False
-        drv.finish_held()
-        while sm.stats().retired == before.retired and time.monotonic() < deadline:
-            retirer.wake()  # (retired by the retirer, not waited for here)
-            time.sleep(0.005)
-    finally:
-        del drv.cuEventQuery
-    assert len(queried) >= 3 and set(queried) == {2}  # CU_STREAM_CAPTURE_MODE_RELAXED
-    assert drv.capture_modes[callbacks.retirer_ident[0]] == 0  # (given back: GLOBAL)
-    assert drv.cuStreamEndCapture(theirs)[0] == 0  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
-    assert fut.done() and sm.stats().leaked == before.leaked
+    sm.Buffer.zeros(8, "float32", device=dev).fill_zero()  # (the retirer running, woken)
+    retirer.wake()
+    deadline = time.monotonic() + 5  # (this test's fake driver: its own registration)
+    while not getattr(drv, "capture_modes", None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert drv.capture_modes == {callbacks.retirer_ident[0]: 2}  # CU_STREAM_CAPTURE_MODE_RELAXED
+    bc._relax_capture_mode(None)  # (a driver gone: nothing)
+    ran = []
+    retirer.on_retirer_thread(lambda: ran.append(threading.get_ident()))
+    sm.Buffer.zeros(8, "float32", device=dev).fill_zero()  # (the retirer running, woken)
+    retirer.wake()
+    deadline = time.monotonic() + 5
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == [callbacks.retirer_ident[0]]
 
 
 def test_a_launch_past_the_default_shared_memory_limit_says_how_to_opt_in(fake, monkeypatch):
@@ -492,4 +474,138 @@ def test_default_stream_work_beside_a_blocking_streams_capture_stays_pending(fak
         assert fut.result(5) is None
         b.fill_zero(stream=s).result()
         sm.synchronize()
+    assert sm.stats().leaked == before.leaked
+
+
+def _blocking_capture(drv):
+    """Another library's capture of a blocking stream (cupy.cuda.Stream().begin_capture()):
+    the legacy default stream is joined to it. Returns the capturing stream's handle."""
+    theirs = drv.cuStreamCreate(0)[1]  # (blocking: flags 0)
+    assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0
+    return theirs
+
+
+def test_a_default_stream_marker_whose_context_cannot_be_made_current_is_unknown(
+        fake, monkeypatch):
+    """close_locked never raises: the work that joined the marker is enqueued already (a
+    launch's 64th join records it; a sweep or a wait asks it). Whether the legacy default
+    stream is joined to a capture is asked with the device's context current; where that
+    context cannot be made current the marker is unknown -- as where the record itself
+    fails --, not a CudaError raised out of every sweep and wait (the retirer's at each pass,
+    the FIFO never moving)."""
+    import sharedmem.backends.cuda as bc
+    from fake_cuda import CUresult
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    b = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    before = sm.stats()
+    fut = b.fill_zero()  # (the default stream: its marker left open)
+    assert not fut._s.marker.recorded
+    drv.cuCtxSetCurrent = lambda ctx: (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+    try:
+        drv.current = 0  # (no context current in this thread, and none can be made current)
+        bc._current.ctx = None
+        with pytest.warns(sm.LeakWarning, match="is unknown"):
+            sm.synchronize()
+    finally:
+        del drv.cuCtxSetCurrent
+    assert fut._s.marker.error is not None
+    assert sm.stats().leaked == before.leaked + 1
+
+
+def test_an_order_after_a_default_stream_hold_beside_a_blocking_capture_is_a_capture_error(
+        fake, monkeypatch):
+    """A consumer on the legacy stream (``__dlpack__(stream=1)``) holds a view's bytes while
+    another library captures a blocking stream: no event can be recorded on the legacy stream
+    until that capture ends. A launch on another stream ordered after the hold, a use
+    declared on the default stream (record_use), and the default stream's synchronize()
+    cannot be done now -- a CaptureError, the work pending -- not a CompletionUnknownError
+    saying a record failed and asking whether the consumer's stream was destroyed, nor a
+    synchronize() that returns having waited for nothing; the capture stays valid."""
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev)
+    sm.synchronize()
+    before = sm.stats()
+    cap = b.__dlpack__(stream=1)  # (a consumer on the legacy default stream holds the bytes)
+    theirs = _blocking_capture(drv)
+    with pytest.raises(sm.CaptureError, match=r"^cannot order after .* on the legacy default "
+                                              r"stream of cuda:0 now"):
+        b.fill_zero(stream=s)
+    with pytest.raises(sm.CaptureError, match=r"legacy default stream of cuda:0"):
+        sm.record_use(b, dev.default_stream)
+    with pytest.raises(sm.CaptureError, match=r"legacy default stream of cuda:0"):
+        dev.default_stream.synchronize()  # (a host wait for everything given to it)
+    assert sm.stats().submitted == before.submitted  # (nothing submitted, nothing leased)
+    assert drv.cuStreamEndCapture(theirs)[0] == 0  # (not INVALIDATED)
+    del cap  # (the hold ends on the legacy stream)
+    b.fill_zero(stream=s).result()
+    sm.synchronize()
+    assert sm.stats().leaked == before.leaked
+
+
+def test_a_dlpack_export_to_the_legacy_stream_beside_a_blocking_capture_is_refused(
+        fake, monkeypatch):
+    """``__dlpack__(stream=1)`` (CuPy's consumer on its null stream) orders the legacy default
+    stream after pending writes on other streams: a wait enqueued there while a blocking
+    stream captures is refused by the driver (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) and
+    invalidates that capture. It is a CaptureError before anything is enqueued, nothing
+    exported, the capture left valid -- as an export to a capturing stream's own handle is."""
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    fut = b.fill_zero(stream=s)  # (pending: the export orders its consumer after it)
+    theirs = _blocking_capture(drv)
+    with pytest.raises(sm.CaptureError, match=r"^cannot make the legacy default stream of "
+                                              r"cuda:0 wait for other work now"):
+        b.__dlpack__(stream=1)
+    assert drv.cuStreamEndCapture(theirs)[0] == 0  # (not INVALIDATED)
+    cap = b.__dlpack__(stream=1)  # (once it ended: exported, ordered after the write)
+    del cap
+    fut.result()
+    sm.synchronize()
+    assert sm.stats().leaked == before.leaked
+
+
+def test_an_event_on_the_default_stream_beside_a_blocking_capture_is_a_capture_error(fake):
+    """``Stream.record()`` on the device's default stream (the legacy one) while a blocking
+    stream captures: a record there is refused by the driver (CUDA_ERROR_STREAM_CAPTURE_
+    IMPLICIT), which invalidates that capture. A CaptureError, nothing recorded, the capture
+    left valid."""
+    dev, drv = fake
+    theirs = _blocking_capture(drv)
+    with pytest.raises(sm.CaptureError, match=r"^cannot record an event after sharedmem's "
+                                              r"work on the legacy default stream of cuda:0"):
+        dev.default_stream.record()
+    assert drv.cuStreamEndCapture(theirs)[0] == 0  # (not INVALIDATED)
+    ev = dev.default_stream.record()
+    ev.synchronize()
+
+
+def test_a_launch_on_the_default_stream_beside_a_blocking_capture_takes_no_lease(
+        fake, monkeypatch):
+    """Work given to the legacy default stream while a blocking stream captures is refused by
+    the driver (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT; the driver also invalidates that capture:
+    the user's own launch there, as a CuPy kernel on the null stream would): the launch
+    raises, nothing submitted or leased -- the buffer is free for the next writer at once."""
+    dev, drv = fake
+    _retirer_sweeps_nothing(monkeypatch)
+    s = dev.create_stream("s")
+    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
+    sm.synchronize()
+    before = sm.stats()
+    theirs = _blocking_capture(drv)
+    with pytest.raises(sm.CudaError, match="CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"):
+        b.fill_zero()
+    assert sm.stats().submitted == before.submitted
+    drv.cuStreamEndCapture(theirs)
+    waits = [c for c in drv.calls if c[0] == "wait"]
+    b.fill_zero(stream=s).result()  # (no lease on the default stream to wait for)
+    assert [c for c in drv.calls if c[0] == "wait"] == waits
+    sm.synchronize()
     assert sm.stats().leaked == before.leaked

@@ -42,6 +42,7 @@ import weakref
 
 import numpy as np
 
+from ..runtime.retirer import on_retirer_thread
 from ..runtime.state import fork_safe, locked
 from ..stream import borrowed_handle
 from ..errors import BackendUnavailableError, CaptureError, CompletionUnknownError, CudaError
@@ -241,18 +242,21 @@ class CudaMarker:
         if impl is None:
             return
         backend = self._backend
-        if impl.handle == 0 and backend.legacy_joined():
-            # The legacy default stream joined to a capture (another library's, of a blocking
-            # stream: cupy.cuda.Stream().begin_capture()): a record there fails and
-            # invalidates that capture. Left open -- its work pending, not unknown -- and
-            # recorded when asked after the capture ends (a host wait meanwhile: CaptureError)
-            return
-        if impl.open_marker is self:
-            impl.open_marker = None
         try:  # (the context first: an event taken from the pool and not recorded would be lost)
             backend.ensure_context()  # (the legacy default stream is the current context's)
+            if impl.handle == 0 and backend.legacy_joined():
+                # The legacy default stream joined to a capture (another library's, of a
+                # blocking stream: cupy.cuda.Stream().begin_capture()): a record there fails
+                # and invalidates that capture. Left open -- its work pending, not unknown --
+                # and recorded when asked after the capture ends (a host wait meanwhile:
+                # CaptureError)
+                return
+            if impl.open_marker is self:
+                impl.open_marker = None
             ev = backend._event()
         except Exception as e:  # (never raised: the work that joined it is enqueued already)
+            if impl.open_marker is self:
+                impl.open_marker = None
             self.error = e
             self._open_on = None
             return
@@ -392,6 +396,20 @@ def _legacy_joined_error(backend, what: str) -> CaptureError:
         f"stream of your own (device.create_stream()). The work stays pending, not unknown")
 
 
+def _legacy_wait_error(backend) -> CaptureError:
+    """The CaptureError of an order of the legacy default stream of ``backend``'s device (its
+    default stream, or a consumer's stream handle 1) after other work while a blocking stream
+    of its context captures a graph: the wait would be refused and end that capture."""
+    return CaptureError(
+        f"cannot make the legacy default stream of cuda:{backend.ordinal} wait for other "
+        f"work now: a blocking stream of its context is capturing a CUDA graph "
+        f"(cupy.cuda.Stream.begin_capture on a stream made without non_blocking=True, a "
+        f"borrowed blocking stream), which joins the legacy stream, and nothing can be "
+        f"enqueued there until the capture ends (the driver would refuse it and invalidate "
+        f"that capture). Use a stream of your own (device.create_stream()), or do it once the "
+        f"capture has ended; nothing was enqueued")
+
+
 def _record(backend, ev, h, stream_handle) -> int:
     """``cuEventRecord`` of event ``ev`` (handle ``h``) on the stream of raw handle
     ``stream_handle``, through the fastest entry point there is; the driver's error code (0:
@@ -409,6 +427,11 @@ def _record(backend, ev, h, stream_handle) -> int:
 def _stream_wait(backend, stream_handle, marker) -> None:
     """Make stream ``stream_handle`` of ``backend``'s device wait for ``marker`` (a
     CudaMarker of any device; recorded first if open: caller holds core_lock then)."""
+    if (stream_handle == 0 or stream_handle == 1) and backend.legacy_joined():
+        # (a wait enqueued on the legacy default stream while it is joined to a blocking
+        # stream's capture is refused, CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and invalidates
+        # that capture: refused here first, nothing enqueued)
+        raise _legacy_wait_error(backend)
     if marker._open_on is not None:
         marker.close_locked()
         if marker._open_on is not None:  # (not recorded now: see close_locked)
@@ -572,7 +595,38 @@ def _init():
         return f"{type(e).__name__}: {e}"
     if err != _SUCCESS:
         return _name(err)
+    driver = cu
+    if not any(r() is driver for r in _relaxed):  # (once per driver module: tests swap a
+        ref = weakref.ref(driver)                 # fake one in, and back)
+        _relaxed.append(ref)
+        on_retirer_thread(lambda: _relax_capture_mode(ref()))
     return None
+
+
+# Weak references to the drivers whose mode the retirer thread sets. No lock: two threads
+# making their first backends at once may both register one driver -- the setting is
+# idempotent, so it is set twice, harmlessly.
+_relaxed: list = []
+
+
+def _relax_capture_mode(driver) -> None:
+    """Run on the retirer thread, once: its event queries run beside other libraries' graph
+    captures. In the driver's default mode a thread may not query while another thread
+    captures in global mode (torch.cuda.graph's default): refused (CUDA_ERROR_STREAM_CAPTURE_
+    UNSUPPORTED), and that capture is invalidated -- sharedmem's own background polling would
+    break a capture the user began after launching. In relaxed mode it may: the events it
+    asks about are sharedmem's, never recorded inside a capture. (Its queries exchange modes
+    per call, as every thread's do; this standing mode covers its other calls too: events
+    made and destroyed, finished work's memory and IPC imports released.) Never raises: where
+    the driver refuses (a forked child, whose CUDA is unusable) or is gone, the retirer asks
+    in the default mode, as before. ``driver``: cuda.bindings' driver module (None: gone)."""
+    if driver is None:
+        return
+    try:
+        driver.cuThreadExchangeStreamCaptureMode(
+            driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    except Exception:
+        pass
 
 
 #: CU_STREAM_CAPTURE_MODE_RELAXED, the value of CUstreamCaptureMode
@@ -875,6 +929,8 @@ class CudaBackend:
             if m.error is not None:  # (its event back in the pool: close_locked)
                 raise m.error
             return m
+        if impl.handle == 0 and self.legacy_joined():  # (a record there: refused, and the
+            raise _legacy_joined_error(self, "record an event after")  # capture invalidated)
         return self.marker_on_handle(impl.handle)
 
     def wait_on_handle(self, stream_handle: int, marker: CudaMarker) -> None:
@@ -913,7 +969,8 @@ class CudaBackend:
                 cython.cast(cython.p_void, cython.cast(cython.size_t, stream_handle)),
                 cython.address(c_status))
             return err, c_status
-        err, status = cu.cuStreamIsCapturing(cu.CUstream(stream_handle))
+        driver = self.cu  # (the module the backend was built with: see CudaMarker.__del__)
+        err, status = driver.cuStreamIsCapturing(driver.CUstream(stream_handle))
         return int(err), int(status) if int(err) == 0 else 0
 
     def legacy_joined(self) -> bool:

@@ -45,6 +45,20 @@ _start_lock = fork_safe(threading.Lock())
 
 _bell = Bell()  # what wakes the retirer
 
+# What the retirer thread calls once, on itself, before its next pass (and again on a new
+# thread after a fork): a backend's per-thread driver settings for the queries it makes
+# there. Appended to, never changed otherwise (read lock-free by the thread).
+_setups: list = []
+
+
+def on_retirer_thread(fn) -> None:
+    """Have the retirer thread call ``fn()`` once, before its next pass (a running one too);
+    ``fn`` registered already: nothing. What it raises is re-raised at the next API call, as
+    the retirer's errors are."""
+    if fn not in _setups:
+        _setups.append(fn)
+
+
 def wake() -> None:
     """Make the retirer sweep now (lock-free; safe from any thread, and from finalizers)."""
     _bell.ring()
@@ -85,8 +99,12 @@ def _run() -> None:
     # not the streams: an idle retirer keeps no stream (nor its device, nor a borrowed CuPy
     # or torch stream object) alive.
     seen = {}
+    set_up = 0  # (how many of _setups this thread has called)
     while not sys.is_finalizing():
         try:
+            while set_up < len(_setups):
+                set_up += 1  # (first: one that raises is not called again at every pass)
+                _setups[set_up - 1]()
             seen, poll = _pass(rt, seen)
         except BaseException as e:  # re-raised in a user thread (once while it repeats)
             if not _pending(rt.errors, e):

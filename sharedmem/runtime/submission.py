@@ -311,8 +311,8 @@ def _lease_interrupted_locked(stream, uses, keep, label) -> None:
     """The lease of an enqueue an interrupt cut short (see :func:`_submit`)."""
     try:
         marker = fresh_marker_locked(stream)
-    except CompletionUnknownError as e:
-        marker = FailedMarker(e)
+    except (CompletionUnknownError, CaptureError) as e:  # (the enqueued work's lease must be
+        marker = FailedMarker(e)                          # filed: kept, never freed early)
     keeps = _keep_list(keep)
     keeps.extend([u[0].keep for u in uses])  # (foreign producers: what _submit keeps)
     lease_locked(stream, list(uses), keeps, label, marker)
@@ -421,7 +421,9 @@ def fresh_marker_locked(stream, pooled=False):
     mark nothing that runs now. On the legacy default stream while a blocking stream's capture
     joins it, the one recorded as that capture began (``Stream._joined``): a record there
     fails then. Caller holds core_lock (recording enqueues; it never waits).
-    Raises CompletionUnknownError when it cannot be recorded."""
+    Raises CompletionUnknownError when it cannot be recorded; CaptureError, as the backend
+    raised it, when it cannot be recorded now -- the legacy default stream while another
+    library's capture of a blocking stream joins it: the work there is pending, not unknown."""
     graph = stream._capture
     if graph is not None:
         return graph._before
@@ -430,6 +432,8 @@ def fresh_marker_locked(stream, pooled=False):
         return joined[0]    # joins it: nothing can be given to it meanwhile)
     try:
         return stream.device.backend.record_marker(stream._impl, pooled)
+    except CaptureError:
+        raise
     except Exception as e:
         raise _unrecordable(stream, e) from e
 
@@ -820,7 +824,7 @@ def wait_before(tok, stream, writes) -> None:
             # other libraries enqueued there too (CuPy's on the legacy default stream, which
             # is sharedmem's default stream; a borrowed stream's owner's), not only sharedmem's
             # (unknown: the copy's own submission meets that error)
-            with contextlib.suppress(CompletionUnknownError):
+            with contextlib.suppress(CompletionUnknownError, CaptureError):
                 fresh.append(fresh_marker_locked(stream, True))
             markers = list(fresh)
         tracker = tok.allocation.tracker
@@ -830,7 +834,7 @@ def wait_before(tok, stream, writes) -> None:
                 if m is None:  # an open hold: what its consumer's stream was given so far
                     try:       # (the submission makes the copy wait for as much)
                         m = fresh_marker_locked(c[0], True)
-                    except CompletionUnknownError:
+                    except (CompletionUnknownError, CaptureError):
                         continue  # (the submission meets that error)
                     fresh.append(m)
                 markers.append(m)
