@@ -30,7 +30,7 @@ cdef class LaunchConfig:
 
 cdef class RawKernelPlan(KernelPlan):
     cdef public object func
-    cdef public tuple params
+    cdef readonly tuple params  # (set once: see __init__)
     cdef public object fmt, slots, ptrs, c_func, c_ptrs
     cdef public size_t ptrs_addr
     cdef public object backend

@@ -377,7 +377,8 @@ class RawKernelPlan(KernelPlan):
         self.params = params
         fmt = ["<"]
         off = 0
-        for p in params:
+        for p in params:  # (each checked a Param once here: launches cast unchecked)
+            p = cython.cast(Param, p, typecheck=True)
             p.offset = off
             slot = (p.size + 7) // 8 * 8
             fmt.append(_FORMATS.get((p.kind, p.size), f"{p.size}s"))
@@ -435,7 +436,7 @@ class RawKernelPlan(KernelPlan):
         torch_dev = None  # (the device of the torch tensors among the arguments, or a list)
         cupy_dev = None  # (of the CuPy arrays)
         for i, a in enumerate(args):
-            par = params[i + extra]
+            par = cython.cast(Param, params[i + extra])  # (Params: see __init__)
             t = type(a)
             if t is _BUFFER or t is _TENSOR or (t is not ArrayFacts and isinstance(a, View)):
                 if par.kcode == _K_PTR and not cython.compiled:  # (interpreted: as _emit_address,
@@ -486,7 +487,7 @@ class RawKernelPlan(KernelPlan):
                                           f"elements), got a strided {type(v).__name__}; "
                                           f"pass a contiguous copy (tensor.contiguous())")
                     extra += 1
-                    lp = params[i + extra]
+                    lp = cython.cast(Param, params[i + extra])
                     length = v.size  # elements (a Buffer's length; torch's: a method)
                     if callable(length):
                         length = v.numel()
@@ -701,7 +702,7 @@ def _launch_compiled(plan, impl, config, packed):
     params = plan.params
     n = len(params)
     for i in range(n):
-        p = params[i]
+        p = cython.cast(Param, params[i])  # (Params: see RawKernelPlan.__init__)
         ptrs[i] = base + p.offset
     ctx = cython.declare(cython.p_void, cython.NULL)
     if plan.ctx_addr:

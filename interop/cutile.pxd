@@ -9,7 +9,7 @@ from interop.cupy_launch cimport (ArrayFacts, coerce, merged_devices, order_afte
                                   torch_tensor_type)
 
 @cython.locals(n=Py_ssize_t, p=Py_ssize_t, q=Py_ssize_t, up=tuple, uq=tuple, ta=ViewToken,
-               tb=ViewToken, wa=bint, wb=bint)
+               tb=ViewToken)
 cpdef bint _aliased(list uses)
 
 @cython.locals(d=dict, tok=ViewToken, t=Tensor, key=tuple, by_layout=dict)

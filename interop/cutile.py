@@ -295,12 +295,12 @@ def _aliased(uses) -> bool:
     n = len(uses)
     for p in range(n):
         up = uses[p]
-        ta, wa = up[0], up[1]
+        ta = cython.cast(ViewToken, up[0]) if cython.compiled else up[0]  # (a lease's token)
         for q in range(p + 1, n):
-            uq = uses[q]
-            tb, wb = uq[0], uq[1]
+            uq = uses[q]  # (its mode read only for two leases of one allocation: the rare case)
+            tb = cython.cast(ViewToken, uq[0]) if cython.compiled else uq[0]
             if (ta.allocation is tb.allocation and ta.start < tb.stop and tb.start < ta.stop
-                    and ta.start < ta.stop and tb.start < tb.stop and (wa or wb)):
+                    and ta.start < ta.stop and tb.start < tb.stop and (up[1] or uq[1])):
                 return True
     return False
 

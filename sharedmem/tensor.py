@@ -224,7 +224,8 @@ class Tensor(View):
             raise LayoutError(f"strides {strides} do not match shape {shape}")
         if any(s < 0 for s in strides):
             raise LayoutError(f"strides must be non-negative for from_buffer, got {strides}")
-        if any(s * _itemsize(b._dtype) >= 1 << 63 for s in strides):  # (DLPack's, NumPy's: int64)
+        # (DLPack's, NumPy's: int64; max, not a generator over b: a closure made every call)
+        if max(strides, default=0) * _itemsize(b._dtype) >= 1 << 63:
             raise LayoutError(f"strides {strides} reach 2**63 bytes or more")
         reach = extent(shape, strides)[1]
         if reach > n:
