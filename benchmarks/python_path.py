@@ -293,6 +293,9 @@ def this_build():
         def is_neg(self):
             return False
 
+        def _is_zerotensor(self):
+            return False
+
     torch_mod = types.ModuleType("torch")
     torch_mod.Tensor = _TorchTensor
     torch_mod._C = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda index: s.handle)

@@ -378,7 +378,8 @@ class RawKernelPlan(KernelPlan):
         fmt = ["<"]
         off = 0
         for p in params:  # (each checked a Param once here: launches cast unchecked)
-            p = cython.cast(Param, p, typecheck=True)
+            if not isinstance(p, Param):
+                raise TypeError(f"RawKernelPlan params must be Param objects, got {p!r}")
             p.offset = off
             slot = (p.size + 7) // 8 * 8
             fmt.append(_FORMATS.get((p.kind, p.size), f"{p.size}s"))
@@ -436,7 +437,8 @@ class RawKernelPlan(KernelPlan):
         torch_dev = None  # (the device of the torch tensors among the arguments, or a list)
         cupy_dev = None  # (of the CuPy arrays)
         for i, a in enumerate(args):
-            par = cython.cast(Param, params[i + extra])  # (Params: see __init__)
+            par = cython.cast(Param, params[i + extra]) if cython.compiled else \
+                params[i + extra]  # (Params: see __init__)
             t = type(a)
             if t is _BUFFER or t is _TENSOR or (t is not ArrayFacts and isinstance(a, View)):
                 if par.kcode == _K_PTR and not cython.compiled:  # (interpreted: as _emit_address,
@@ -487,7 +489,8 @@ class RawKernelPlan(KernelPlan):
                                           f"elements), got a strided {type(v).__name__}; "
                                           f"pass a contiguous copy (tensor.contiguous())")
                     extra += 1
-                    lp = cython.cast(Param, params[i + extra])
+                    lp = cython.cast(Param, params[i + extra]) if cython.compiled else \
+                        params[i + extra]
                     length = v.size  # elements (a Buffer's length; torch's: a method)
                     if callable(length):
                         length = v.numel()
@@ -888,6 +891,8 @@ def torch_facts(t):
         if f.ptr == ptr:
             layout = f.layout  # (compared a part at a time: no tuple made)
             if layout[0] == shape and layout[1] == strides and layout[2] == dtype:
+                if t.is_conj() or t.is_neg():  # (set in place, memory and layout unchanged:
+                    raise _lazy_bit_error(t)   # t.data = t.conj())
                 return f
         _forget(f.addr, f.ref)  # (no longer the tensor's: dead, out of the dict and the
         # table -- left in the table's other slot, they kept the old allocation registered)
@@ -895,11 +900,12 @@ def torch_facts(t):
     if not t.is_cuda:
         return None
     if t.is_conj() or t.is_neg():  # (lazy bits: its memory holds the values without them)
-        bit, fix = ("conjugate", "resolve_conj") if t.is_conj() else ("negative", "resolve_neg")
-        raise KernelError(f"a torch tensor with the {bit} bit set (shape {tuple(shape)}, "
-                          f"{dtype}) cannot be a kernel argument: its memory holds the values "
-                          f"without the {bit} applied, which the kernel would read as they are; "
-                          f"pass x.{fix}() (a tensor that holds them)")
+        raise _lazy_bit_error(t)
+    zero = getattr(t, "_is_zerotensor", None)  # (torch 1.12 on)
+    if zero is not None and zero():  # (no memory: NULL; never found above, its pointer is new)
+        raise KernelError(f"a torch zero tensor (shape {tuple(shape)}, {dtype}) cannot be a "
+                          f"kernel argument: it has no memory (its data pointer is NULL, its "
+                          f"zeros implied); pass x.clone() (a tensor that holds them)")
     dev = Device(t.device.index)
     item = t.element_size()
     lo, hi = extent(layout[0], [st * item for st in layout[1]], item)
@@ -922,6 +928,15 @@ def torch_facts(t):
         writable = not views or any([v.writable for v in views])
     return _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout,
                      type(t).untyped_storage)
+
+
+def _lazy_bit_error(t):
+    """The KernelError of torch tensor ``t`` with the conjugate or negative bit set."""
+    bit, fix = ("conjugate", "resolve_conj") if t.is_conj() else ("negative", "resolve_neg")
+    return KernelError(f"a torch tensor with the {bit} bit set (shape {tuple(t.shape)}, "
+                       f"{t.dtype}) cannot be a kernel argument: its memory holds the values "
+                       f"without the {bit} applied, which the kernel would read as they are; "
+                       f"pass x.{fix}() (a tensor that holds them)")
 
 
 def order_after_libraries(stream, torch_devs, cupy_devs, uses=None) -> None:

@@ -700,8 +700,10 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     elif not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{type(obj).__name__} does not support DLPack (no __dlpack__)")
     else:
-        if library == "torch" and obj.is_neg():  # torch refuses to export the conjugate bit
-            # but exports a lazily negated view (conj().imag) as its memory, without the sign
+        tt = getattr(sys.modules.get("torch"), "Tensor", None)  # (a subclass too: any module)
+        if (library == "torch" or (isinstance(tt, type) and isinstance(obj, tt))) and obj.is_neg():
+            # torch refuses to export the conjugate bit but exports a lazily negated view
+            # (conj().imag) as its memory, without the sign
             raise BufferError(f"cannot import a torch tensor with the negative bit set (shape "
                               f"{tuple(obj.shape)}, {obj.dtype}): DLPack cannot say it, and its "
                               f"values would be read with the wrong sign; import "

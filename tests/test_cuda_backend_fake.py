@@ -2623,6 +2623,9 @@ def _fake_torch(monkeypatch, dev, raw_stream=True):
         def is_neg(self):
             return self.neg_bit
 
+        def _is_zerotensor(self):
+            return False
+
     class _Storage:
         made = weakref.WeakValueDictionary()
 
@@ -4583,3 +4586,64 @@ def test_a_torch_tensor_with_a_lazy_conjugate_or_negative_bit_is_refused(fake, k
     x.conj_bit = x.neg_bit = False  # (resolved: the same memory, the bits clear)
     sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), out, n, stream=s).result()
     np.testing.assert_array_equal(out.host, 3 * np.arange(n))
+
+
+@pytest.mark.parametrize("bit", ["conjugate", "negative"])
+def test_a_lazy_bit_set_after_the_tensors_facts_were_learned_is_refused(fake, kernels,
+                                                                       monkeypatch, bit):
+    """torch sets a tensor's lazy bits in place without moving its memory: ``t.data =
+    t.conj()`` (``set_data`` copies the key set, the conjugate bit with it; ``_neg_view`` the
+    negative one), data pointer, shape, strides and dtype unchanged. The facts learned by an
+    earlier launch were found again by those alone: the kernel read the values without the
+    bit, silently wrong. Refused as for a tensor first seen with it; nothing leased."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    torch = _fake_torch(monkeypatch, dev)
+    n = 16
+    x, out = torch.Tensor(np.arange(n, dtype=np.float32)), torch.Tensor(np.zeros(n, np.float32))
+    s = dev.create_stream("s")
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), out, n, stream=s).result()
+    setattr(x, "conj_bit" if bit == "conjugate" else "neg_bit", True)  # (in place: same memory)
+    sm.synchronize()
+    before = sm.stats()
+    with pytest.raises(sm.KernelError, match=rf"^a torch tensor with the {bit} bit set"):
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), out, n, stream=s)
+    assert sm.stats().submitted == before.submitted and sm.stats().in_flight == 0
+
+
+def test_a_torch_zero_tensor_is_refused_not_launched_with_a_null_pointer(fake, kernels,
+                                                                        monkeypatch):
+    """torch's efficient zero tensor (``torch._efficientzerotensor``, what forward-mode AD
+    and some backward formulas make) is lazy too: its ZeroTensor key says every element is 0,
+    and it has no memory -- its data pointer, and its storage's, are NULL whatever its shape.
+    Its facts were learned over an allocation imported at address 0 (the driver names no
+    memory there: the storage's region) and the kernel was given NULL to read, an illegal
+    address that breaks the context for good. Refused by name, with the call that makes
+    a tensor of its zeros; nothing leased, nothing launched."""
+    dev, drv = fake
+    saxpy, _ = kernels
+    torch = _fake_torch(monkeypatch, dev)
+    n = 16
+
+    class ZeroTensor(torch.Tensor):
+        def data_ptr(self):
+            return 0
+
+        def _is_zerotensor(self):
+            return True
+
+        def untyped_storage(self):  # (NULL too, of the tensor's size in bytes)
+            return types.SimpleNamespace(data_ptr=lambda: 0, nbytes=lambda: self.host.nbytes)
+
+    z, out = ZeroTensor(np.zeros(n, np.float32)), torch.Tensor(np.zeros(n, np.float32))
+    refuse = _refused_launches(drv, monkeypatch)
+    refuse.extend([True] * 4)  # (a launch that got through would not run NULL: refused)
+    s = dev.create_stream("s")
+    sm.synchronize()
+    before = sm.stats()
+    with pytest.raises(sm.KernelError, match=r"^a torch zero tensor \(shape \(16,\), "
+                                             r"torch.float32\) cannot be a kernel argument: "
+                                             r"it has no memory.*x.clone\(\)"):
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(z), sm.In(z), out, n, stream=s)
+    assert len(refuse) == 4  # (no launch was tried)
+    assert sm.stats().submitted == before.submitted and sm.stats().in_flight == 0

@@ -511,3 +511,39 @@ def test_an_ndarray_subclass_whose_capsule_is_other_memory_is_not_imported_over_
     whole = sm.from_dlpack(other)
     assert whole.allocation is alloc  # one memory, one allocation
     assert _read_after_a_slow_write(host, t, whole).tolist() == [1.0] * 8
+
+
+def test_a_negated_view_of_a_torch_tensor_subclass_is_refused_too(host, monkeypatch):
+    """The negative bit was refused only where the producer's class was defined in torch
+    (its ``__module__``): a ``torch.Tensor`` subclass of the user's (or of another library)
+    keeps the subclass through ``x.conj().imag`` and torch exports it, negative bit and all,
+    as its memory -- imported with the wrong sign. Refused for every torch tensor."""
+    import sys
+    import types
+    torch = types.ModuleType("torch")
+
+    class Tensor:  # (torch's: what isinstance is asked of)
+        pass
+
+    torch.Tensor = Tensor
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+    class Mine(Tensor):  # (defined here: its __module__ is this test's)
+        def __init__(self, host):
+            self.host, self.shape, self.dtype = host, host.shape, "torch.float32"
+
+        def is_neg(self):
+            return True
+
+        def __dlpack_device__(self):
+            return self.host.__dlpack_device__()
+
+        def __dlpack__(self, **kw):
+            return self.host.__dlpack__(**kw)
+
+    neg = Mine(np.arange(4, dtype=np.float32))
+    before = sm.stats().live_allocations
+    with pytest.raises(BufferError, match=r"^cannot import a torch tensor with the negative bit "
+                                          r"set \(shape \(4,\), torch.float32\).*resolve_neg"):
+        sm.from_dlpack(neg)
+    assert sm.stats().live_allocations == before

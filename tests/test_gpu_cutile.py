@@ -205,7 +205,8 @@ def test_torch_tensors_are_ordered_after_torch_work_for_cutile_and_cupy_kernels(
 def test_torch_tensors_with_a_lazy_conjugate_or_negative_bit_are_refused(gpu, vadd):
     """``z.conj()`` of a complex torch tensor and ``z.conj().imag`` are lazy views of ``z``'s
     memory (the conjugate, the negative bit): passed as they are, a kernel read ``z``'s values.
-    Refused before anything is leased, for cuTile and CuPy kernels alike."""
+    A zero tensor (``torch._efficientzerotensor``, made by forward-mode AD) has no memory: a
+    kernel got NULL. Refused before anything is leased, for cuTile and CuPy kernels alike."""
     torch = pytest.importorskip("torch")
     import gpu_kernels as K
     n = TILE
@@ -222,6 +223,11 @@ def test_torch_tensors_with_a_lazy_conjugate_or_negative_bit_are_refused(gpu, va
     with pytest.raises(sm.KernelError, match=r"^a torch tensor with the negative bit set .* "
                                              r"pass x.resolve_neg\(\)"):
         sm.launch(vadd, (1,), None, sm.In(neg), sm.In(a), sm.Out(c), TILE)
+    zt = torch._efficientzerotensor((n,), dtype=torch.float32, device=dev)  # (NULL memory)
+    assert zt._is_zerotensor() and zt.data_ptr() == 0
+    with pytest.raises(sm.KernelError, match=r"^a torch zero tensor \(shape \(256,\), "
+                                             r"torch.float32\) cannot be a kernel argument"):
+        sm.launch(vadd, (1,), None, sm.In(zt), sm.In(a), sm.Out(c), TILE)
     assert sm.stats().submitted == before.submitted
     sm.launch(vadd, (1,), None, sm.In(neg.resolve_neg().contiguous()), sm.In(a), sm.Out(c),
               TILE).result()
