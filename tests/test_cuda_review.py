@@ -554,11 +554,7 @@ def test_a_dlpack_export_to_the_legacy_stream_beside_a_blocking_capture_is_refus
     invalidates that capture. It is a CaptureError before anything is enqueued, nothing
     exported, the capture left valid -- as an export to a capturing stream's own handle is."""
     dev, drv = fake
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
     fut = b.fill_zero(stream=s)  # (pending: the export orders its consumer after it)
     theirs = _blocking_capture(drv)
     with pytest.raises(sm.CaptureError, match=r"^cannot make the legacy default stream of "
@@ -594,11 +590,7 @@ def test_a_launch_on_the_default_stream_beside_a_blocking_capture_takes_no_lease
     the user's own launch there, as a CuPy kernel on the null stream would): the launch
     raises, nothing submitted or leased -- the buffer is free for the next writer at once."""
     dev, drv = fake
-    _retirer_sweeps_nothing(monkeypatch)
-    s = dev.create_stream("s")
-    b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
-    sm.synchronize()
-    before = sm.stats()
+    s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
     theirs = _blocking_capture(drv)
     with pytest.raises(sm.CudaError, match="CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"):
         b.fill_zero()
