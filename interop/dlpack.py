@@ -695,13 +695,16 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
             raise _elsewhere(s, f"{type(obj).__name__} on DLPack device "
                                 f"{(int(where[0]), int(where[1]))}")
     library = type(obj).__module__.partition(".")[0]  # ("torch", "jaxlib", "numpy"...)
+    if library != "torch":  # (a torch.Tensor subclass of another module: a torch tensor too)
+        tt = getattr(sys.modules.get("torch"), "Tensor", None)  # (torch's metaclass: not type)
+        if isinstance(tt, type) and isinstance(obj, tt):
+            library = "torch"
     if type(obj).__name__ == "PyCapsule":
         capsule = obj
     elif not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{type(obj).__name__} does not support DLPack (no __dlpack__)")
     else:
-        tt = getattr(sys.modules.get("torch"), "Tensor", None)  # (a subclass too: any module)
-        if (library == "torch" or (isinstance(tt, type) and isinstance(obj, tt))) and obj.is_neg():
+        if library == "torch" and obj.is_neg():
             # torch refuses to export the conjugate bit but exports a lazily negated view
             # (conj().imag) as its memory, without the sign
             raise BufferError(f"cannot import a torch tensor with the negative bit set (shape "
