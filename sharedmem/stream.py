@@ -111,7 +111,8 @@ class Stream:
     @classmethod
     def from_external(cls, obj: object, device: Device | int | None = None) -> Stream:
         """Borrow a foreign stream: a CuPy, torch or cuda.core stream, any
-        object with ``__cuda_stream__``, or a raw ``CUstream`` handle (int).
+        object with ``__cuda_stream__``, or a raw ``CUstream`` handle (an int, a NumPy
+        integer too).
         The object is kept alive by the returned Stream and never destroyed.
         The same CUDA stream always gives the same Stream while one is alive
         (handles 0, 1 and 2 -- the legacy and the per-thread default streams -- give the
@@ -123,6 +124,9 @@ class Stream:
                     raise DeviceMismatchError(f"{obj} is a stream of {obj.device}, not of "
                                               f"{as_device(device)}")
             return obj
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(obj, np.integer):  # (a raw handle NumPy holds: an int)
+            obj = int(obj)
         if device is None:  # the object borrowed last (a launch loop's stream=): no new borrow
             st = _borrowed_last(obj)
             if st is not None:

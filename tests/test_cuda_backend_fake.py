@@ -4647,3 +4647,20 @@ def test_a_torch_zero_tensor_is_refused_not_launched_with_a_null_pointer(fake, k
         sm.launch(saxpy, 1, 16, 2.0, sm.In(z), sm.In(z), out, n, stream=s)
     assert len(refuse) == 4  # (no launch was tried)
     assert sm.stats().submitted == before.submitted and sm.stats().in_flight == 0
+
+
+def test_a_raw_stream_handle_held_as_a_numpy_integer_is_borrowed_as_the_int(fake):
+    """A raw CUstream handle NumPy holds (``handles[0]`` of an array of them) was a TypeError
+    ("give ... an int"). It is the int it holds: the same Stream, on a launch's ``stream=``
+    too; a NumPy bool is no handle."""
+    dev, drv = fake
+    handle = int(drv.cuStreamCreate(1)[1])
+    s = sm.Stream.from_external(handle, dev)
+    assert sm.Stream.from_external(np.int64(handle), dev) is s
+    assert sm.Stream.from_external(np.uint64(handle)) is s
+    x = sm.Buffer.zeros(4, "float32", device=dev)
+    assert x.fill_zero(stream=np.array([handle], np.uint64)[0]).result() is None
+    assert sm.Stream.from_external(np.int64(0), dev) is dev.default_stream
+    with pytest.raises(TypeError, match=r"^cannot use np.True_ as a stream|"
+                                        r"^cannot use True as a stream"):
+        sm.Stream.from_external(np.bool_(True), dev)
