@@ -724,4 +724,7 @@ def install_fake_devices(monkeypatch, hot: bool, count: int = 1):
         # driver, it stayed in the device table once the driver was undone, and a later
         # test's default device was a fake GPU with no driver module left
         monkeypatch.setitem(sm_device._devices, ("cuda", ordinal), dev)
+    # (the default device, chosen once: one chosen while the fake is installed -- a foreign
+    # stream borrowed without a device asks for it -- is forgotten with the fake)
+    monkeypatch.setattr(sm_device, "_default", sm_device._default)
     return devs, drv
