@@ -44,7 +44,8 @@ from sharedmem.tensor import Tensor, extent, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce,
                                  export_token, owner_writable, plan_kernel)
-from interop.dlpack import ProducerAlias, import_writable
+from interop.dlpack import ProducerAlias
+from sharedmem.allocation import import_writable
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
 

@@ -20,8 +20,8 @@ from functools import partial
 
 import numpy as np
 
-from sharedmem.allocation import (View, _module, import_allocation, lookup_allocation,
-                                  unregistered_token)
+from sharedmem.allocation import (View, _module, import_allocation, import_writable,
+                                  lookup_allocation, unregistered_token)
 from sharedmem.buffer import Buffer
 from sharedmem.device import Device
 from sharedmem.errors import BackendUnavailableError, CaptureError, CudaError, KernelError
@@ -921,11 +921,7 @@ def torch_facts(t):
             region = (storage.data_ptr(), max(storage.nbytes(), 1))
         alloc = import_allocation(dev, start, nbytes, "torch", region=region)
     lo, hi = start - alloc.ptr, start - alloc.ptr + hi - lo
-    writable = True
-    if alloc.source == "sharedmem":
-        with locked():
-            views = alloc.live_tokens_locked(lo, hi)
-        writable = not views or any([v.writable for v in views])
+    writable = import_writable(alloc, lo, hi, True)  # (torch has no read-only tensors)
     return _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout,
                      type(t).untyped_storage)
 

@@ -44,13 +44,14 @@ except ImportError:  # interpreted, without Cython installed
 
 import numpy as np
 
-from sharedmem.allocation import View, import_allocation, lookup_allocation
+from sharedmem.allocation import View, import_allocation, import_writable, lookup_allocation
 from sharedmem.device import Device, as_device
 from sharedmem.errors import CaptureError, DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
 from sharedmem.runtime.state import fork_safe, locked
 from sharedmem.stream import Stream
-from sharedmem.tensor import MAX_NDIM, Tensor, c_strides, extent, new_tensor, numpy_region
+from sharedmem.tensor import (MAX_NDIM, Tensor, c_strides, extent, new_tensor, numpy_region,
+                              torch_storage_region)
 
 from interop.streams import consumer_stream, current_streams
 
@@ -576,21 +577,6 @@ def import_tensor(dev, ptr: int, nbytes: int, source: str, region, writable: boo
     return t
 
 
-def import_writable(alloc, lo: int, hi: int, writable: bool) -> bool:
-    """Whether an import of bytes ``[lo, hi)`` of ``alloc`` that its producer says are
-    ``writable`` may write them. Not where the memory is sharedmem's and only read-only views
-    reach those bytes: the producer is then an export of a read-only view that cannot say so
-    (``as_cupy`` of one, ``cupy.asarray`` of one -- CuPy has no read-only arrays; their
-    capsules and CAI say writable), and the import must not write where sharedmem's own views
-    may not -- as a launch takes such a CuPy array or torch tensor (interop.cupy_launch).
-    Writable where a writable view reaches the bytes, or none does."""
-    if not writable or hi <= lo or alloc.source != "sharedmem":
-        return writable
-    with locked():
-        views = alloc.live_tokens_locked(lo, hi)
-    return not views or any([v.writable for v in views])
-
-
 def _read_managed(addr: int, versioned: bool) -> tuple:
     """What an import reads of the managed tensor at ``addr``: ``(major, flags, deleter,
     data, byte_offset, device_type, device_id, ndim, code, bits, lanes, shape, strides)`` --
@@ -802,10 +788,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     elif library == "torch" and nbytes:  # (host memory: its storage's, as NumPy's base's --
         # else a view imported before its base was an allocation of its own, and work on the
         # two was not ordered)
-        storage = obj.untyped_storage()
-        region = (storage.data_ptr(), storage.nbytes())
-        if not (region[0] <= ptr and ptr + nbytes <= region[0] + region[1]):
-            region = None
+        region = torch_storage_region(obj, ptr, nbytes)
     # consume: from here on we own the managed tensor and must call its deleter. Checked
     # again and renamed in one step: another thread importing the same capsule may have
     # taken it since the check above (both took it: the deleter ran twice)

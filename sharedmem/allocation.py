@@ -494,6 +494,21 @@ def lookup_allocation(device, ptr, nbytes=1):
     return _registry.lookup(device, int(ptr), int(nbytes))
 
 
+def import_writable(alloc, lo: int, hi: int, writable: bool) -> bool:
+    """Whether an import of bytes ``[lo, hi)`` of ``alloc`` that its producer says are
+    ``writable`` may write them. Not where the memory is sharedmem's and only read-only views
+    reach those bytes: the producer is then an export of a read-only view that cannot say so
+    (``as_cupy`` of one, ``cupy.asarray`` of one -- CuPy has no read-only arrays; their
+    capsules and CAI say writable), and the import must not write where sharedmem's own views
+    may not -- as a launch takes such a CuPy array or torch tensor (interop.cupy_launch), and
+    a host kernel a torch tensor (launch.torch_lease). Writable where a writable view reaches the bytes, or none does."""
+    if not writable or hi <= lo or alloc.source != "sharedmem":
+        return writable
+    with locked():
+        views = alloc.live_tokens_locked(lo, hi)
+    return not views or any([v.writable for v in views])
+
+
 def import_allocation(device, ptr, nbytes, source, region=None):
     """The allocation for foreign memory ``[ptr, ptr+nbytes)``: an existing one that contains
     it (so one range imported twice is one allocation), else a new foreign allocation over

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import operator
+import sys
 from functools import partial
 from typing import TYPE_CHECKING, Generic, ParamSpec, TypeVar
 
@@ -34,7 +35,7 @@ except ImportError:  # interpreted, without Cython installed
 import numpy as np
 
 from .access import ATOMIC, READ, WRITE, check_policy
-from .allocation import View, ViewToken, _module, import_allocation
+from .allocation import View, ViewToken, _module, import_allocation, import_writable
 from .buffer import Buffer, DeviceBox
 from .device import Device, default_device
 from .errors import DeviceMismatchError, KernelError
@@ -42,7 +43,7 @@ from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, as_stream, current_stream, streams_entered
-from .tensor import Tensor, extent, numpy_region
+from .tensor import Tensor, extent, numpy_region, torch_storage_region
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
            "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "ForeignArray",
@@ -838,9 +839,12 @@ class HostKernel(Generic[_P, _R]):
     """A Python function launched by :func:`launch` on the host backend.
 
     It is called on the stream's worker thread with NumPy views of the array
-    arguments -- writable for Out / InOut / Atomic, read-only for In -- and
-    the scalars as given. ``grid`` and ``block`` are validated, not passed.
-    Calling the HostKernel directly calls the function.
+    arguments -- writable for Out / InOut / Atomic, read-only for In --, the
+    NumPy arrays, torch CPU tensors and other DLPack CPU arrays (JAX) passed
+    as themselves (leased as views are: see :func:`foreign_host_lease`; a
+    NumPy array read-only for In), and the scalars as given. ``grid`` and
+    ``block`` are validated, not passed. Calling the HostKernel directly calls
+    the function.
     """
 
     __slots__ = ("fn", "__name__", "__qualname__", "__wrapped__", "_plan")
@@ -884,6 +888,75 @@ def numpy_lease(arr):
                     bool(arr.flags.writeable), alloc)
     tok.live = True  # a lease's range: never a live view (not in the allocation's views)
     return LaunchArg(None, arr, tok, _WRITE, None, False, ptr - alloc.ptr)  # (mode: resolve_args)
+
+
+# sys.modules (a C global where compiled): torch is looked up there, never imported
+_modules = cython.declare(dict, sys.modules)
+_NDARRAY = cython.declare(object, np.ndarray)
+# DLPack device types of host memory (kDLCPU, kDLCUDAHost): what a host kernel can reach
+_DL_HOST = (1, 3)
+
+
+def foreign_host_lease(obj):
+    """A host-kernel argument that is neither a view nor a NumPy array, leased where it is an
+    array in host memory -- as :func:`numpy_lease` leases a NumPy array -- else None (passed
+    as it is). A torch CPU tensor: :func:`torch_lease` (read from the tensor, no DLPack
+    export). Any other DLPack producer on the CPU (a JAX array...): imported for the launch
+    (``interop.dlpack.from_dlpack``, imported only then), its lease made of the import's
+    range and writability -- read-only where the producer says so or is JAX (immutable) --,
+    the import itself dropped at once. The kernel gets ``obj`` itself either way; the launch
+    keeps it alive until its work is done."""
+    torch = _modules.get("torch")
+    if torch is not None:
+        tt = getattr(torch, "Tensor", None)  # (torch's metaclass: not type itself)
+        if isinstance(tt, type) and isinstance(obj, tt):
+            return torch_lease(obj, torch)
+    where = getattr(obj, "__dlpack_device__", None)
+    if where is None or isinstance(obj, type) or not hasattr(obj, "__dlpack__"):
+        return None
+    try:  # (a producer that cannot say its device: passed as it is, as before DLPack)
+        dev = where()
+        on_host = int(dev[0]) in _DL_HOST
+    except Exception:
+        return None
+    if not on_host:
+        return None  # (a CUDA array: no host kernel reaches it)
+    try:
+        t = _module("interop.dlpack").from_dlpack(obj)
+    except Exception as e:
+        raise KernelError(f"a {_described(obj)} passed to a host kernel is leased through "
+                          f"DLPack, whose import failed: {e}") from e
+    tok = t._token
+    alloc = tok.allocation
+    lease = ViewToken(alloc, f"{type(obj).__name__} argument", tok.start, tok.stop,
+                      tok.writable, alloc)
+    lease.live = True  # a lease's range: never a live view (not in the allocation's views)
+    offset = t._offset
+    t.release()  # (the producer, which the launch keeps, keeps its memory)
+    return LaunchArg(None, obj, lease, _WRITE, None, False, offset)  # (mode: resolve_args)
+
+
+def torch_lease(t, torch):
+    """A torch tensor (``torch``: its module) as a host-kernel argument: a lease of the bytes
+    it spans, filed under its storage (a view and its base are ranges of one allocation, in any order; memory
+    sharedmem owns -- ``torch.from_dlpack`` of a host view -- is found as that allocation,
+    writable only where a writable view reaches it), or None for a tensor not in host memory
+    (CUDA, meta) or not strided (sparse): passed as it is. The kernel gets the tensor itself,
+    whose operations respect torch's lazy conjugate and negative bits, so those are not
+    refused (as they are for CUDA kernels, which get pointers: interop.cupy_launch)."""
+    if t.device.type != "cpu" or t.layout is not torch.strided:
+        return None
+    ptr = t.data_ptr()
+    item = t.element_size()
+    lo, hi = extent(tuple(t.shape), [st * item for st in t.stride()], item)
+    nbytes = hi - lo if ptr else 0  # (a zero tensor: no memory, a NULL data pointer)
+    region = torch_storage_region(t, ptr + lo, nbytes) if nbytes else None
+    alloc = import_allocation(Device.host(), ptr + lo, nbytes, "torch", region=region)
+    start = ptr + lo - alloc.ptr
+    writable = import_writable(alloc, start, start + nbytes, True)  # (torch: no read-only ones)
+    tok = ViewToken(alloc, "torch tensor argument", start, start + nbytes, writable, alloc)
+    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
+    return LaunchArg(None, t, tok, _WRITE, None, False, ptr - alloc.ptr)  # (mode: resolve_args)
 
 
 def host_kernel(fn: Callable[_P, _R]) -> HostKernel[_P, _R]:
@@ -950,8 +1023,8 @@ class _HostPlan(KernelPlan):
             elif type(a) is LaunchArg:
                 if a.view is not None:
                     out.append(ndarray_of(a.view, a.writes))
-                elif a.writes:  # a NumPy array (see _HostAdapter.coerce)
-                    out.append(a.value)
+                elif a.writes or not isinstance(a.value, _NDARRAY):  # (see _HostAdapter.coerce)
+                    out.append(a.value)  # (a torch tensor, a JAX array...: itself, always)
                 else:
                     ro = a.value.view()
                     ro.flags.writeable = False
@@ -1008,10 +1081,12 @@ class _HostAdapter(KernelAdapter):
     device_kinds = ("host",)
 
     def coerce(self, obj, device):
-        """NumPy arrays are leased as CuPy arrays are on CUDA (see :func:`numpy_lease`)."""
-        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
-            return numpy_lease(obj)
-        return None
+        """NumPy arrays are leased as CuPy arrays are on CUDA (see :func:`numpy_lease`);
+        torch CPU tensors and other DLPack producers on the CPU (JAX arrays) too (see
+        :func:`foreign_host_lease`). The kernel gets each such argument itself."""
+        if isinstance(obj, _NDARRAY):
+            return numpy_lease(obj) if not obj.dtype.hasobject else None
+        return foreign_host_lease(obj)
 
     def label(self, kernel) -> str:
         return f"host kernel {kernel.__qualname__}"

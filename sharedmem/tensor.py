@@ -71,6 +71,15 @@ def numpy_region(arr):
     return (root.ctypes.data + rlo, rhi - rlo) if rhi else None
 
 
+def torch_storage_region(t, start: int, nbytes: int):
+    """``(address, size)`` of torch tensor ``t``'s storage where it holds bytes ``[start,
+    start + nbytes)``, else None: as for NumPy arrays (:func:`numpy_region`), any view of one
+    storage in host memory, imported or leased, is a range of that one allocation."""
+    storage = t.untyped_storage()
+    region = (storage.data_ptr(), storage.nbytes())
+    return region if region[0] <= start and start + nbytes <= region[0] + region[1] else None
+
+
 MAX_NDIM = 64  # NumPy's limit: to_host must be able to hold any tensor
 
 

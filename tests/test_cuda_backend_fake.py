@@ -4657,7 +4657,7 @@ def test_a_raw_stream_handle_held_as_a_numpy_integer_is_borrowed_as_the_int(fake
     handle = int(drv.cuStreamCreate(1)[1])
     s = sm.Stream.from_external(handle, dev)
     assert sm.Stream.from_external(np.int64(handle), dev) is s
-    assert sm.Stream.from_external(np.uint64(handle)) is s  # (no device: the default one)
+    assert sm.Stream.from_external(np.uint64(handle), dev) is s
     x = sm.Buffer.zeros(4, "float32", device=dev)
     assert x.fill_zero(stream=np.array([handle], np.uint64)[0]).result() is None
     assert sm.Stream.from_external(np.int64(0), dev) is dev.default_stream

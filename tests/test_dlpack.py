@@ -596,3 +596,166 @@ def test_views_of_a_torch_tensor_subclass_are_one_allocation_too(host, monkeypat
 
     base = np.zeros(16, np.float32)
     _check_part_and_whole_are_one_allocation(host, Mine(base, base), first)
+
+
+# -- foreign arrays as host-kernel arguments, without torch or JAX installed ---------------------
+def _fake_torch(monkeypatch):
+    """A module standing in for torch (``sys.modules["torch"]``) and a CPU tensor class of it
+    over NumPy memory: what a host launch reads of a torch tensor (device, layout, data
+    pointer, element size, shape, strides in elements, storage), and DLPack (for
+    ``sm.from_dlpack``). Returns ``(torch, tensor)``, ``tensor(base)`` a tensor of all of
+    NumPy array ``base``; a kernel reaches its memory as ``t.host``."""
+    import sys
+    import types
+    torch = types.ModuleType("torch")
+    torch.strided = object()
+
+    class Tensor:  # (torch's: what isinstance is asked of)
+        pass
+
+    torch.Tensor = Tensor
+    monkeypatch.setitem(sys.modules, "torch", torch)
+
+    class Storage:
+        def __init__(self, base):
+            self.base = base
+
+        def data_ptr(self):
+            return self.base.ctypes.data
+
+        def nbytes(self):
+            return self.base.nbytes
+
+    class Mine(Tensor):
+        device = types.SimpleNamespace(type="cpu")
+        layout = torch.strided
+
+        def __init__(self, host, base):
+            self.host, self.base, self.shape = host, base, host.shape
+
+        def __getitem__(self, key):
+            return Mine(self.host[key], self.base)
+
+        def data_ptr(self):
+            return self.host.ctypes.data
+
+        def element_size(self):
+            return self.host.itemsize
+
+        def stride(self):
+            return tuple(s // self.host.itemsize for s in self.host.strides)
+
+        def untyped_storage(self):
+            return Storage(self.base)
+
+        def is_neg(self):
+            return False
+
+        def __dlpack_device__(self):
+            return self.host.__dlpack_device__()
+
+        def __dlpack__(self, **kw):
+            return self.host.__dlpack__(**kw)
+
+    return torch, lambda base: Mine(base, base)
+
+
+def _race(host, written, read, fill=lambda x: x.host.fill(1.0), get=lambda y: y.host.copy()):
+    """What a host kernel reading ``read`` (bare) on one stream gets after a slow kernel
+    writing 1.0 into ``written`` (bare) on another: ``(the object it got, what it read)``."""
+    import time
+    seen = []
+
+    def writer(x):
+        assert x is written  # (the object passed, not an array made of it)
+        time.sleep(0.2)
+        fill(x)
+    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
+    sm.launch(sm.host_kernel(writer), 1, 1, written, stream=s1)
+    sm.launch(sm.host_kernel(lambda y: seen.append((y, get(y)))), 1, 1, read, stream=s2)
+    sm.synchronize()
+    return seen[0]
+
+
+@pytest.mark.parametrize("read", ["itself", "part", "its import"])
+def test_a_torch_cpu_tensor_passed_to_host_kernels_is_leased_over_its_storage(
+        host, monkeypatch, read):
+    """A torch CPU tensor passed to a host kernel was passed through, not leased: a slow
+    writer of it on one stream and a reader of it -- of a view of it, of the sharedmem view
+    imported from it -- on another were not ordered, and the reader saw zeros. Leased now as
+    a NumPy array is, over its storage (one allocation with its views and its import); the
+    kernel still gets the tensor itself."""
+    torch, tensor = _fake_torch(monkeypatch)
+    t = tensor(np.zeros(16, np.float32))
+    other = {"itself": t, "part": t[4:8], "its import": None}[read]
+    if other is None:
+        other = sm.from_dlpack(t)
+        got, values = _race(host, t, other, get=lambda y: y.copy())  # (a view: NumPy's)
+        assert values.tolist() == [1.0] * 16
+        return
+    got, values = _race(host, t, other)
+    assert got is other and values.tolist() == [1.0] * len(other.host)
+    seen = []  # (In, Out: leased too, the kernel gets each tensor itself)
+    sm.launch(sm.host_kernel(lambda a, b: seen.append((a, b))), 1, 1, sm.In(t), sm.Out(t[4:8]))
+    sm.synchronize()
+    assert seen[0][0] is t and seen[0][1].host.base is t.host
+
+
+def test_a_host_launch_keeps_a_torch_tensor_alive_until_its_work_is_done(host, monkeypatch):
+    import threading
+    import weakref
+    torch, tensor = _fake_torch(monkeypatch)
+    gate = threading.Event()
+    t = tensor(np.zeros(4, np.float32))
+    alive = weakref.ref(t)
+    f = sm.launch(sm.host_kernel(lambda x: gate.wait(10)), 1, 1, sm.In(t),
+                  stream=host.create_stream())
+    del t
+    gc_collect_harder()
+    assert alive() is not None
+    gate.set()
+    f.result(5)
+    sm.synchronize()
+    gc_collect_harder()
+    assert alive() is None
+
+
+class _Producer:
+    """A DLPack producer on the CPU that is neither NumPy nor torch, over a NumPy array."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    def __dlpack__(self, **kw):
+        return self.arr.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+
+
+class _JaxArray(_Producer):
+    __module__ = "jaxlib._jax"  # (what JAX arrays' class says: immutable)
+
+
+def test_other_dlpack_producers_on_the_cpu_are_leased_read_only_where_immutable(host):
+    """A DLPack producer on the CPU (a JAX array) passed to a host kernel was passed through
+    unleased (writes to its memory on another stream raced), and Out(...) of it was refused
+    as no array; leased now over its bytes, read-only where the producer says so or is JAX,
+    which is immutable: Out(jax_array) is refused as a read-only NumPy array is."""
+    base = np.zeros(16, np.float32)
+    got, values = _race(host, _Producer(base), _Producer(base[4:8]),
+                        fill=lambda x: x.arr.fill(1.0), get=lambda y: y.arr.copy())
+    assert values.tolist() == [1.0] * 4 and type(got) is _Producer
+    j = _JaxArray(np.arange(3, dtype=np.float32))
+    k = sm.host_kernel(lambda x: None)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: Out\(<jaxlib._jax._JaxArray object "
+                                             r"at 0x[0-9a-f]+>\) would write through a read-only "
+                                             r"view; pass it as In\(\.\.\.\) or copy it first$"):
+        sm.launch(k, 1, 1, sm.Out(j))
+    ro = np.arange(3.0)
+    ro.flags.writeable = False
+    with pytest.raises(sm.KernelError, match="would write through a read-only view"):
+        sm.launch(k, 1, 1, _Producer(ro))  # (bare: InOut; its versioned capsule says read-only)
+    seen = []
+    sm.launch(sm.host_kernel(seen.append), 1, 1, sm.In(j)).result(5)
+    assert seen == [j]

@@ -170,3 +170,112 @@ def test_an_imported_bfloat16_tensor_can_be_copied(host):
     assert c.dtype == t.dtype and c.to_host().astype(np.float32).tolist() == [[0, 1, 2], [3, 4, 5]]
     back = torch.from_dlpack(c)
     assert back.dtype == torch.bfloat16 and back.data_ptr() == c.ptr
+
+
+# -- torch tensors and JAX arrays as host-kernel arguments ----------------------------------------
+def _slow_write_then_read(host, write, written, read):
+    """What a host kernel reading ``In(read)`` on one stream gets -- ``(the object, its values
+    as a NumPy array)`` -- after a slow kernel ``write``-ing ``Out(written)`` on another."""
+    import time
+    seen = []
+
+    def writer(x):
+        time.sleep(0.2)
+        write(x)
+    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
+    sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(written), stream=s1)
+    sm.launch(sm.host_kernel(lambda y: seen.append((y, np.array(y.tolist())))), 1, 1,
+              sm.In(read), stream=s2)
+    sm.synchronize()
+    return seen[0]
+
+
+@pytest.mark.parametrize("read", ["itself", "part", "its import", "a strided part"])
+def test_host_kernels_on_a_torch_tensor_are_ordered_and_get_the_tensor(host, read):
+    """A torch CPU tensor passed to a host kernel was passed through unleased (bare; In / Out
+    of it were refused as no array): a slow writer of it on one stream and a reader of it, of
+    a view of it or of the sharedmem view imported from it on another were not ordered."""
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(16)
+    other = {"itself": lambda: t, "part": lambda: t[4:8], "its import": lambda: sm.from_dlpack(t),
+             "a strided part": lambda: t[1::4]}[read]()
+    got, values = _slow_write_then_read(host, lambda x: x.fill_(3.0), t, other)
+    assert values.tolist() == [3.0] * len(other)
+    assert got is other if read != "its import" else type(got) is np.ndarray  # (a view: NumPy's)
+
+
+def test_host_kernels_on_a_torch_tensor_over_a_host_view_are_ordered_with_the_view(host):
+    """``torch.from_dlpack`` of a host view is sharedmem's memory: its lease is a range of the
+    view's own allocation, so work on the two is ordered both ways."""
+    torch = pytest.importorskip("torch")
+    v = sm.Tensor.from_host(np.zeros(8, np.float32), device=host)
+    x = torch.from_dlpack(v)
+    got, values = _slow_write_then_read(host, lambda y: y.fill(5.0), v, x)
+    assert got is x and values.tolist() == [5.0] * 8
+    got, values = _slow_write_then_read(host, lambda y: y.fill_(6.0), x[2:6], v)
+    assert values.tolist() == [5.0, 5.0, 6.0, 6.0, 6.0, 6.0, 5.0, 5.0]
+    ro = torch.from_dlpack(v.as_readonly())  # (torch has no read-only tensors: the view says)
+    del v, x, got  # (no writable view reaches the bytes now)
+    gc.collect()
+    with pytest.raises(sm.KernelError, match=r"^argument 0: Out\(tensor\(.*\)\) would write "
+                                             r"through a read-only view"):
+        sm.launch(sm.host_kernel(lambda y: None), 1, 1, sm.Out(ro))
+
+
+def test_a_host_launch_keeps_a_torch_tensor_alive_and_leaves_lazy_bits_to_torch(host):
+    import threading
+    import weakref
+    torch = pytest.importorskip("torch")
+    gate = threading.Event()
+    t = torch.zeros(4)
+    alive = weakref.ref(t)
+    f = sm.launch(sm.host_kernel(lambda x: (gate.wait(10), x.fill_(1.0))), 1, 1, sm.Out(t),
+                  stream=host.create_stream())
+    del t
+    gc.collect()
+    assert alive() is not None
+    gate.set()
+    f.result(5)
+    sm.synchronize()
+    gc.collect()
+    assert alive() is None
+    # a conjugated or negated view: the kernel gets the tensor, whose operations see the bits
+    c = torch.arange(4, dtype=torch.float32) * (1 + 1j)
+    seen = []
+    sm.launch(sm.host_kernel(lambda z, n: seen.append((z.imag.tolist(), n.tolist()))), 1, 1,
+              sm.In(c.conj()), sm.In(c.conj().imag)).result(5)
+    assert seen == [([-0.0, -1.0, -2.0, -3.0], [-0.0, -1.0, -2.0, -3.0])]
+
+
+def test_a_jax_array_passed_to_a_host_kernel_is_leased_read_only():
+    """A JAX array passed to a host kernel was passed through unleased (In / Out of it were
+    refused as no array): a reader of one made of a host view was not ordered after a writer
+    of the view. Leased now, read-only: JAX arrays are immutable."""
+    _needs_jax()
+    _in_a_process("""
+import time
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import sharedmem as sm
+host = sm.Device.host()
+j = jnp.arange(6, dtype=jnp.float32)
+k = sm.host_kernel(lambda x: None)
+with pytest.raises(sm.KernelError, match=r"^argument 0: Out\\(.*\\) would write through a "
+                                         r"read-only view; pass it as In"):
+    sm.launch(k, 1, 1, sm.Out(j))
+with pytest.raises(sm.KernelError, match="would write through a read-only view"):
+    sm.launch(k, 1, 1, j)  # (bare: InOut)
+v = sm.Tensor.from_host(np.zeros(8, np.float32), device=host)
+x = jnp.from_dlpack(v)
+seen = []
+def writer(y):
+    time.sleep(0.2)
+    y.fill(7.0)
+s1, s2 = host.create_stream(), host.create_stream()
+sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(v), stream=s1)
+sm.launch(sm.host_kernel(lambda y: seen.append((y, np.array(y)))), 1, 1, sm.In(x), stream=s2)
+sm.synchronize()
+assert seen[0][0] is x and seen[0][1].tolist() == [7.0] * 8
+print("ok")
+""")
