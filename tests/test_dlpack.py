@@ -555,47 +555,8 @@ def test_views_of_a_torch_tensor_subclass_are_one_allocation_too(host, monkeypat
     base is a range of the base's allocation) -- only where the producer's class was defined
     in torch: a ``torch.Tensor`` subclass of another module made a view an allocation of its
     own, and work on the part and on the whole was not ordered."""
-    import sys
-    import types
-    torch = types.ModuleType("torch")
-
-    class Tensor:  # (torch's: what isinstance is asked of)
-        pass
-
-    torch.Tensor = Tensor
-    monkeypatch.setitem(sys.modules, "torch", torch)
-
-    class Storage:
-        def __init__(self, base):
-            self.base = base
-
-        def data_ptr(self):
-            return self.base.ctypes.data
-
-        def nbytes(self):
-            return self.base.nbytes
-
-    class Mine(Tensor):  # (defined here: its __module__ is this test's)
-        def __init__(self, host, base):
-            self.host, self.base = host, base
-
-        def __getitem__(self, key):
-            return Mine(self.host[key], self.base)
-
-        def is_neg(self):
-            return False
-
-        def untyped_storage(self):
-            return Storage(self.base)
-
-        def __dlpack_device__(self):
-            return self.host.__dlpack_device__()
-
-        def __dlpack__(self, **kw):
-            return self.host.__dlpack__(**kw)
-
-    base = np.zeros(16, np.float32)
-    _check_part_and_whole_are_one_allocation(host, Mine(base, base), first)
+    _, tensor = _fake_torch(monkeypatch)  # (its class defined in this module)
+    _check_part_and_whole_are_one_allocation(host, tensor(np.zeros(16, np.float32)), first)
 
 
 # -- foreign arrays as host-kernel arguments, without torch or JAX installed ---------------------
