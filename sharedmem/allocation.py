@@ -501,7 +501,8 @@ def import_writable(alloc, lo: int, hi: int, writable: bool) -> bool:
     (``as_cupy`` of one, ``cupy.asarray`` of one -- CuPy has no read-only arrays; their
     capsules and CAI say writable), and the import must not write where sharedmem's own views
     may not -- as a launch takes such a CuPy array or torch tensor (interop.cupy_launch), and
-    a host kernel a torch tensor (launch.torch_lease). Writable where a writable view reaches the bytes, or none does."""
+    a host kernel a torch tensor (launch.torch_lease). Writable where a writable view reaches
+    the bytes, or none does."""
     if not writable or hi <= lo or alloc.source != "sharedmem":
         return writable
     with locked():
