@@ -940,10 +940,11 @@ def torch_lease(t, torch):
     """A torch tensor (``torch``: its module) as a host-kernel argument: a lease of the bytes
     it spans, filed under its storage (a view and its base are ranges of one allocation, in
     any order; memory sharedmem owns -- ``torch.from_dlpack`` of a host view -- is found as
-    that allocation, writable only where a writable view reaches it), or None for a tensor not in host memory
-    (CUDA, meta) or not strided (sparse): passed as it is. The kernel gets the tensor itself,
-    whose operations respect torch's lazy conjugate and negative bits, so those are not
-    refused (as they are for CUDA kernels, which get pointers: interop.cupy_launch)."""
+    that allocation, writable only where a writable view reaches it), or None for a tensor
+    not in host memory (CUDA, meta) or not strided (sparse): passed as it is. The kernel gets
+    the tensor itself, whose operations respect torch's lazy conjugate and negative bits, so
+    those are not refused (as they are for CUDA kernels, which get pointers:
+    interop.cupy_launch)."""
     if t.device.type != "cpu" or t.layout is not torch.strided:
         return None
     ptr = t.data_ptr()
