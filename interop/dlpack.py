@@ -51,7 +51,7 @@ from sharedmem.runtime.submission import export_hold, record_arrival
 from sharedmem.runtime.state import fork_safe, locked
 from sharedmem.stream import Stream
 from sharedmem.tensor import (MAX_NDIM, Tensor, c_strides, extent, new_tensor, numpy_region,
-                              torch_storage_region)
+                              is_torch_tensor, torch_storage_region)
 
 from interop.streams import consumer_stream, current_streams
 
@@ -681,10 +681,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
             raise _elsewhere(s, f"{type(obj).__name__} on DLPack device "
                                 f"{(int(where[0]), int(where[1]))}")
     library = type(obj).__module__.partition(".")[0]  # ("torch", "jaxlib", "numpy"...)
-    if library != "torch":  # (a torch.Tensor subclass of another module: a torch tensor too)
-        tt = getattr(sys.modules.get("torch"), "Tensor", None)  # (torch's metaclass: not type)
-        if isinstance(tt, type) and isinstance(obj, tt):
-            library = "torch"
+    if library != "torch" and is_torch_tensor(obj):  # (a subclass of another module's)
+        library = "torch"
     if type(obj).__name__ == "PyCapsule":
         capsule = obj
     elif not hasattr(obj, "__dlpack__"):

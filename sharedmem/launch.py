@@ -43,7 +43,7 @@ from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, as_stream, current_stream, streams_entered
-from .tensor import Tensor, extent, numpy_region, torch_storage_region
+from .tensor import Tensor, extent, is_torch_tensor, numpy_region, torch_storage_region
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
            "register_kernel_adapter", "KernelAdapter", "KernelPlan", "LaunchArg", "ForeignArray",
@@ -884,10 +884,17 @@ def numpy_lease(arr):
     ptr = arr.ctypes.data
     alloc = import_allocation(Device.host(), ptr + lo, nbytes, "numpy", region=numpy_region(arr))
     start = ptr + lo - alloc.ptr
-    tok = ViewToken(alloc, "NumPy array argument", start, start + nbytes,
-                    bool(arr.flags.writeable), alloc)
-    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
-    return LaunchArg(None, arr, tok, _WRITE, None, False, ptr - alloc.ptr)  # (mode: resolve_args)
+    return _host_lease(arr, alloc, "NumPy array argument", start, start + nbytes,
+                       bool(arr.flags.writeable), ptr - alloc.ptr)
+
+
+def _host_lease(value, alloc, label, start, stop, writable, offset):
+    """The LaunchArg of a host-kernel argument leased without a view: a token over bytes
+    ``[start, stop)`` of ``alloc`` that is a lease's range, never a live view (not in the
+    allocation's views); its mode is set by resolve_args."""
+    tok = ViewToken(alloc, label, start, stop, writable, alloc)
+    tok.live = True
+    return LaunchArg(None, value, tok, _WRITE, None, False, offset)
 
 
 # sys.modules (a C global where compiled): torch is looked up there, never imported
@@ -906,11 +913,8 @@ def foreign_host_lease(obj):
     range and writability -- read-only where the producer says so or is JAX (immutable) --,
     the import itself dropped at once. The kernel gets ``obj`` itself either way; the launch
     keeps it alive until its work is done."""
-    torch = _modules.get("torch")
-    if torch is not None:
-        tt = getattr(torch, "Tensor", None)  # (torch's metaclass: not type itself)
-        if isinstance(tt, type) and isinstance(obj, tt):
-            return torch_lease(obj, torch)
+    if is_torch_tensor(obj):
+        return torch_lease(obj, _modules["torch"])
     where = getattr(obj, "__dlpack_device__", None)
     if where is None or isinstance(obj, type) or not hasattr(obj, "__dlpack__"):
         return None
@@ -928,12 +932,10 @@ def foreign_host_lease(obj):
                           f"DLPack, whose import failed: {e}") from e
     tok = t._token
     alloc = tok.allocation
-    lease = ViewToken(alloc, f"{type(obj).__name__} argument", tok.start, tok.stop,
-                      tok.writable, alloc)
-    lease.live = True  # a lease's range: never a live view (not in the allocation's views)
-    offset = t._offset
+    arg = _host_lease(obj, alloc, f"{type(obj).__name__} argument", tok.start, tok.stop,
+                      tok.writable, t._offset)
     t.release()  # (the producer, which the launch keeps, keeps its memory)
-    return LaunchArg(None, obj, lease, _WRITE, None, False, offset)  # (mode: resolve_args)
+    return arg
 
 
 def torch_lease(t, torch):
@@ -955,9 +957,8 @@ def torch_lease(t, torch):
     alloc = import_allocation(Device.host(), ptr + lo, nbytes, "torch", region=region)
     start = ptr + lo - alloc.ptr
     writable = import_writable(alloc, start, start + nbytes, True)  # (torch: no read-only ones)
-    tok = ViewToken(alloc, "torch tensor argument", start, start + nbytes, writable, alloc)
-    tok.live = True  # a lease's range: never a live view (not in the allocation's views)
-    return LaunchArg(None, t, tok, _WRITE, None, False, ptr - alloc.ptr)  # (mode: resolve_args)
+    return _host_lease(t, alloc, "torch tensor argument", start, start + nbytes, writable,
+                       ptr - alloc.ptr)
 
 
 def host_kernel(fn: Callable[_P, _R]) -> HostKernel[_P, _R]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 
 import numpy as np
 
@@ -69,6 +70,13 @@ def numpy_region(arr):
         root = root.base
     rlo, rhi = extent(root.shape, root.strides, root.itemsize)
     return (root.ctypes.data + rlo, rhi - rlo) if rhi else None
+
+
+def is_torch_tensor(obj) -> bool:
+    """Whether ``obj`` is a torch tensor (a subclass of another module's too), asked only where
+    torch is imported already (never imports it)."""
+    tt = getattr(sys.modules.get("torch"), "Tensor", None)  # (torch's metaclass: not type)
+    return isinstance(tt, type) and isinstance(obj, tt)
 
 
 def torch_storage_region(t, start: int, nbytes: int):
