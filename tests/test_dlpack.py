@@ -518,30 +518,9 @@ def test_a_negated_view_of_a_torch_tensor_subclass_is_refused_too(host, monkeypa
     (its ``__module__``): a ``torch.Tensor`` subclass of the user's (or of another library)
     keeps the subclass through ``x.conj().imag`` and torch exports it, negative bit and all,
     as its memory -- imported with the wrong sign. Refused for every torch tensor."""
-    import sys
-    import types
-    torch = types.ModuleType("torch")
-
-    class Tensor:  # (torch's: what isinstance is asked of)
-        pass
-
-    torch.Tensor = Tensor
-    monkeypatch.setitem(sys.modules, "torch", torch)
-
-    class Mine(Tensor):  # (defined here: its __module__ is this test's)
-        def __init__(self, host):
-            self.host, self.shape, self.dtype = host, host.shape, "torch.float32"
-
-        def is_neg(self):
-            return True
-
-        def __dlpack_device__(self):
-            return self.host.__dlpack_device__()
-
-        def __dlpack__(self, **kw):
-            return self.host.__dlpack__(**kw)
-
-    neg = Mine(np.arange(4, dtype=np.float32))
+    _, tensor = _fake_torch(monkeypatch)  # (its class defined in this module)
+    neg = tensor(np.arange(4, dtype=np.float32))
+    neg.dtype, neg.is_neg = "torch.float32", lambda: True  # (x.conj().imag, as torch gives it)
     before = sm.stats().live_allocations
     with pytest.raises(BufferError, match=r"^cannot import a torch tensor with the negative bit "
                                           r"set \(shape \(4,\), torch.float32\).*resolve_neg"):
