@@ -229,6 +229,16 @@ THREADS = 8
 M = 1 << 14  # floats per slot: small, so the pool hands blocks out again all the time
 
 
+
+def _end_capture(cu, stream_ptr):
+    """End another library's capture on ``stream_ptr``; the driver's answer (the graph, if
+    any, destroyed): CUDA_SUCCESS where the capture stayed valid."""
+    err, graph = cu.cuStreamEndCapture(stream_ptr)
+    if err == cu.CUresult.CUDA_SUCCESS:
+        cu.cuGraphDestroy(graph)
+    return err
+
+
 def _program(tid, dev, streams, cstreams, kernels, errors, counts):
     import cupy as cp
     import interop.cupy as ic
@@ -427,9 +437,8 @@ def test_polling_beside_another_librarys_global_mode_capture_leaves_it_valid(cp)
             import time
             time.sleep(0.02)  # (the retirer polls the pending launch meanwhile)
         finally:
-            err, graph = cu.cuStreamEndCapture(theirs.ptr)
+            err = _end_capture(cu, theirs.ptr)
         assert err == cu.CUresult.CUDA_SUCCESS  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
-        cu.cuGraphDestroy(graph)
         sm.synchronize()
     assert sm.stats().leaked == before.leaked
     assert x.to_host()[:32].tolist() == [2.0] * 32
@@ -477,10 +486,7 @@ def test_default_stream_work_beside_a_blocking_streams_capture_leaves_it_valid(c
             with pytest.raises(TimeoutError):
                 fut.result(0.01)
         finally:
-            err, graph = cu.cuStreamEndCapture(theirs.ptr)
-            ended.append(err)
-            if err == cu.CUresult.CUDA_SUCCESS:
-                cu.cuGraphDestroy(graph)
+            ended.append(_end_capture(cu, theirs.ptr))
         assert ended == [cu.CUresult.CUDA_SUCCESS]  # (not ..._STREAM_CAPTURE_INVALIDATED)
         assert fut.result(30) is None
         sm.synchronize()
@@ -519,10 +525,7 @@ def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_
             assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
             began.set()
             go_on.wait(30)
-            err, graph = cu.cuStreamEndCapture(theirs.ptr)
-            ended.append(err)
-            if err == cu.CUresult.CUDA_SUCCESS:
-                cu.cuGraphDestroy(graph)
+            ended.append(_end_capture(cu, theirs.ptr))
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no LeakWarning)
@@ -544,10 +547,7 @@ def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_
                 go_on.set()
                 t.join(30)
             else:
-                err, graph = cu.cuStreamEndCapture(theirs.ptr)
-                ended.append(err)
-                if err == cu.CUresult.CUDA_SUCCESS:
-                    cu.cuGraphDestroy(graph)
+                ended.append(_end_capture(cu, theirs.ptr))
         assert ended == [cu.CUresult.CUDA_SUCCESS]  # (not ..._STREAM_CAPTURE_INVALIDATED)
         sm.synchronize()
     err, mode = cu.cuThreadExchangeStreamCaptureMode(GLOBAL)
