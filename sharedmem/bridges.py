@@ -200,7 +200,7 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
     ended is not covered (it uses memory no handle keeps).
     """
     from .stream import Stream, resolve_stream
-    from .runtime.submission import fresh_marker_locked, lease_locked
+    from .runtime.submission import end_left_consumers_locked, fresh_marker_locked, lease_locked
     if isinstance(x, View) or type(x).__name__ == "DeviceBox":
         view = x if isinstance(x, View) else x.buffer
         tok = view._live_token()
@@ -239,3 +239,4 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
                      marker)
         for tok in alloc.live_tokens_locked(lo, hi):
             add_consumer_locked(tok, stream, bool(writes))
+            end_left_consumers_locked(tok, (stream,))  # (streams a CuPy user let go)

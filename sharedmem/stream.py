@@ -488,6 +488,53 @@ def _names_its_stream(st) -> bool:
         return False
 
 
+def left_by_its_owner(st) -> bool:
+    """Whether borrowed Stream ``st`` wraps a foreign stream object that destroys its CUDA
+    stream when collected -- a ``cupy.cuda.Stream`` CuPy made, not an ``ExternalStream`` nor
+    one of torch's pooled streams -- and that nothing but ``st`` keeps any more. No foreign
+    work can then be given to that stream again (only sharedmem's own, which it leases), and
+    CuPy destroys the stream once ``st`` lets the object go: a hold's consumer entry for it
+    can end now (``runtime.submission.end_left_consumers_locked``) instead of keeping the
+    stream alive for as long as the view lives. Caller holds core_lock (no foreign code runs)."""
+    ext = st._external
+    if ext is None:
+        return False
+    cp = sys.modules.get("cupy")
+    owning = getattr(getattr(cp, "cuda", None), "Stream", None)
+    if owning is None or not isinstance(ext, owning) or \
+            getattr(ext, "_foreign_stream_ref", None) is not None:  # (CuPy's from_external)
+        return False
+    ext = None
+    return _refs_of_external(st) <= _left_refs()
+
+
+def _refs_of_external(holder) -> int:
+    """``sys.getrefcount`` of ``holder._external``, read here (the same temporaries in the
+    call as the calibration's, in either build)."""
+    return sys.getrefcount(holder._external)
+
+
+class _Probe:
+    __slots__ = ("_external",)
+
+
+_left = [0]  # the count _refs_of_external gives for an object only a Stream keeps; 0: unknown
+
+
+def _left_refs() -> int:
+    """What :func:`_refs_of_external` answers for a borrowed stream object that only its
+    Stream keeps: two stored references (``Stream._external`` and its impl's ``external``),
+    measured once on a probe that keeps an object in two places as well (the probe's slot
+    and a local): the call's own temporaries differ between builds and Python versions."""
+    n = _left[0]
+    if n == 0:
+        probe = _Probe()
+        obj = object()
+        probe._external = obj
+        n = _left[0] = _refs_of_external(probe)
+    return n
+
+
 def _borrowed_last(obj):
     """The Stream :meth:`Stream.from_external` borrowed last, if it was from ``obj`` and
     ``obj`` still names its stream; else None."""

@@ -194,3 +194,112 @@ def test_a_copying_export_checks_its_stream_before_it_copies(fake):
     cap = t.__dlpack__(stream=1, max_version=(1, 0), copy=True)     # recorded to read it)
     assert drv.calls[mark:]
     del cap
+
+
+def _exported_under(view, stream):
+    """A CUDA Array Interface export of ``view`` with ``stream`` CuPy's current stream, the
+    dict dropped at once (as ``cupy.asarray(view)`` under ``with stream:`` reads it)."""
+    with stream:
+        view.__cuda_array_interface__
+
+
+def _consumer_handles(view):
+    return [c[0].handle for c in view._export.consumers]
+
+
+def test_a_long_lived_view_keeps_no_cupy_stream_its_user_let_go(fake):
+    """A view exported through the CUDA Array Interface under a new CuPy stream per request
+    (a served model's weights): its hold kept every such stream -- and its CUDA stream, which
+    CuPy destroys when the object is collected -- alive as long as the view, and a launch
+    writing the view waited on each. A stream only sharedmem keeps ends its hold entry when
+    the next consumer comes: stream-ordered, as the hold's end would."""
+    import gc
+    import sys
+    import weakref
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+    w = sm.Tensor.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    refs = []
+    for _ in range(50):
+        s = cp.cuda.Stream(non_blocking=True)
+        refs.append(weakref.ref(s))
+        _exported_under(w, s)
+        del s
+    assert _consumer_handles(w) == [0, refs[-1]().ptr]  # (the default stream, the newest)
+    sm.synchronize()
+    gc.collect()
+    assert [r for r in refs if r() is not None] == [refs[-1]]
+    del w
+    gc_collect_harder()
+    sm.synchronize()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_let_go_consumer_streams_hold_ends_stream_ordered(fake):
+    """The ended entry is a lease until a marker recorded on that stream when it ended: a
+    later write of the view on another stream waits for it on the device."""
+    import sys
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+    w = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
+    t = dev.create_stream("writer")
+    sm.synchronize()
+    drv.holding = True  # (the consumer's work "in flight": its marker stays pending)
+    try:
+        first = cp.cuda.Stream(non_blocking=True)
+        h = first.ptr
+        _exported_under(w, first)
+        del first
+        mark = len(drv.calls)
+        _exported_under(w, cp.cuda.Stream(non_blocking=True))  # (the next consumer)
+        # (recorded there twice: the new consumer's order after the open hold, then its end)
+        recorded = [c[1] for c in drv.calls[mark:] if c[0] == "record" and c[2] == h]
+        assert recorded and h not in _consumer_handles(w)
+        mark = len(drv.calls)
+        w.fill_zero(stream=t)
+        assert ("wait", t.handle, recorded[-1]) in drv.calls[mark:]
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+
+
+def test_consumer_streams_their_user_keeps_or_does_not_own_stay_held(fake):
+    """Only a CuPy-made stream nobody else keeps is let go: one the user still has, and an
+    ExternalStream (its CUDA stream lives on: the user may wrap the handle again) stay held
+    until the view is collected."""
+    import sys
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+    w = sm.Tensor.from_host(np.ones(16, np.float32), device=dev)
+    kept = [cp.cuda.Stream(non_blocking=True) for _ in range(3)]
+    for s in kept:
+        _exported_under(w, s)
+    other = cp.cuda.Stream(non_blocking=True)  # (a CUDA stream that outlives its wrappers)
+    _exported_under(w, cp.cuda.ExternalStream(other.ptr))
+    _exported_under(w, cp.cuda.Stream(non_blocking=True))
+    assert _consumer_handles(w)[:5] == [0] + [s.ptr for s in kept] + [other.ptr]
+    sm.synchronize()
+
+
+def test_record_use_lets_go_of_cupy_streams_their_user_dropped(fake):
+    """sm.record_use on a new CuPy stream per call makes the view a hold for each; a stream
+    its user dropped ends its entry when the next one is declared."""
+    import gc
+    import sys
+    import weakref
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+    w = sm.Tensor.from_host(np.ones(16, np.float32), device=dev)
+    refs = []
+    for _ in range(10):
+        s = cp.cuda.Stream(non_blocking=True)
+        refs.append(weakref.ref(s))
+        sm.record_use(w, s)
+        del s
+    assert [c[0].handle for c in w._live_token().consumers] == [refs[-1]().ptr]
+    sm.synchronize()
+    gc.collect()
+    assert [r for r in refs if r() is not None] == [refs[-1]]

@@ -63,6 +63,11 @@ cpdef _finish(list subs, bint hand_off=*)
 @cython.locals(consumers=tuple, tracker=AccessTracker, c=tuple, stream=Stream)
 cpdef end_holds_locked(ViewToken tok)
 
+cdef _end_hold_locked(ViewToken tok, Stream stream, bint writes)
+
+@cython.locals(consumers=tuple, tracker=AccessTracker, c=tuple, left=list)
+cpdef end_left_consumers_locked(ViewToken tok, named)
+
 @cython.locals(last=Submission, label=object, seq=cython.longlong)
 cdef _lease_hold_end_locked(Stream stream, ViewToken tok, bint writes, marker)
 
@@ -77,7 +82,7 @@ cpdef sweep_long(Stream stream)
 cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bint blocking=*,
                             stream=*, handle=*)
 
-@cython.locals(rt=Runtime, markers=list, tok=ViewToken)
+@cython.locals(rt=Runtime, markers=list, tok=ViewToken, hold=ViewToken)
 cpdef int object_export_hold(View view, str kind, consumers, wait, bint ordered) except? -1
 
 @cython.locals(tracker=AccessTracker, c=tuple)

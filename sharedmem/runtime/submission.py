@@ -38,6 +38,7 @@ except ImportError:  # interpreted, without Cython installed
 from ..access import HOLD_SEQ, check_policy, leases_to_check_locked, record_leases_locked
 from ..allocation import ViewToken, register_token_locked, unregistered_token
 from ..backends import COMPLETE, CompleteMarker
+from ..stream import left_by_its_owner
 from ..errors import AccessConflictError, CaptureError, CompletionUnknownError, KernelError, \
     LeakWarning, ReleasedError, SharedMemWarning
 from . import callbacks as _callbacks
@@ -492,18 +493,7 @@ def end_holds_locked(tok) -> None:
     for c in consumers:
         stream = c[0]  # (a typed local: its fields are C reads)
         try:
-            if tok.start < tok.stop:
-                graph = stream._capture
-                if graph is not None:
-                    # what the consumer gave its stream during the capture is recorded into
-                    # the graph and runs at every replay: the graph keeps these bytes, and
-                    # leases them at each replay, as for its own launches
-                    graph._file_uses_locked([(tok, c[1])], [tok.keep])
-                try:
-                    marker = joined_marker_locked(stream)
-                except CompletionUnknownError as e:
-                    marker = FailedMarker(e)
-                _lease_hold_end_locked(stream, tok, c[1], marker)
+            _end_hold_locked(tok, stream, c[1])
         except BaseException as e:  # (the other streams' holds must end too)
             if error is None:
                 error = e
@@ -516,6 +506,48 @@ def end_holds_locked(tok) -> None:
     tok.consumers = None
     if error is not None:
         raise error
+
+
+def _end_hold_locked(tok, stream, writes) -> None:
+    """File the lease that ends hold ``tok`` on consumer ``stream`` (``writes``: its mode)
+    at a marker recorded there now. The caller drops the hold from the tracker after."""
+    if tok.start < tok.stop:
+        graph = stream._capture
+        if graph is not None:
+            # what the consumer gave its stream during the capture is recorded into
+            # the graph and runs at every replay: the graph keeps these bytes, and
+            # leases them at each replay, as for its own launches
+            graph._file_uses_locked([(tok, writes)], [tok.keep])
+        try:
+            marker = joined_marker_locked(stream)
+        except CompletionUnknownError as e:
+            marker = FailedMarker(e)
+        _lease_hold_end_locked(stream, tok, writes, marker)
+
+
+def end_left_consumers_locked(tok, named) -> None:
+    """End, now, hold ``tok``'s entries for consumer streams their owner has let go
+    (:func:`sharedmem.stream.left_by_its_owner`: a ``cupy.cuda.Stream`` nothing but sharedmem
+    keeps), each as the hold's end would (a lease until a marker recorded there now), except
+    the streams in ``named`` -- the ones the caller is adding. Without this a long-lived view
+    exported under a new CuPy stream per request kept every such stream, and its CUDA stream,
+    alive as long as the view, and each conflicting launch waited on all of them. Caller
+    holds core_lock. A lease that cannot be filed leaves that entry as it was (still held)."""
+    consumers = tok.consumers
+    if consumers is None or len(consumers) < 2:
+        return
+    left = [c for c in consumers if c[0] not in named and c[0]._capture is None and
+            left_by_its_owner(c[0])]
+    if not left:
+        return
+    tracker = tok.allocation.tracker
+    for c in left:
+        try:
+            _end_hold_locked(tok, c[0], c[1])
+        except Exception:  # (a lease not filed: the entry stays a hold, the safe side)
+            continue
+        tracker.drop_hold_locked(c[0], tok)  # (its mode is read from consumers until here)
+        tok.consumers = tuple([k for k in tok.consumers if k is not c])
 
 
 def _lease_hold_end_locked(stream, tok, writes, marker) -> None:
@@ -1128,7 +1160,8 @@ def object_export_hold(view, kind, consumers, wait, ordered) -> int:
         own = view._export
         _order_locked(tok, wait, False, None, None, markers,
                       (own, [c[0] for c in consumers]) if ordered and own is not None else None)
-        view._object_hold_locked(kind, consumers)
+        hold = view._object_hold_locked(kind, consumers)
+        end_left_consumers_locked(hold, [c[0] for c in consumers])
     finally:
         rt.release()
     for c in consumers:
@@ -1184,6 +1217,6 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
 __all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked",
            "end_holds_locked", "order_consumer", "wait_before", "export_hold",
-           "object_export_hold", "settle", "sweep", "sweep_all", "finish", "wait",
+           "object_export_hold", "end_left_consumers_locked", "settle", "sweep", "sweep_all", "finish", "wait",
            "raise_deferred", "deferring", "HOLD_SEQ", "FailedMarker", "fresh_marker_locked",
            "label_text", "PENDING", "RETIRED", "UNKNOWN"]
