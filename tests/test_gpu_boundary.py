@@ -554,3 +554,37 @@ def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_
     assert err == cu.CUresult.CUDA_SUCCESS and mode == GLOBAL  # (this thread's, as it was)
     assert sm.stats().leaked == before.leaked
     assert x.to_host()[:32].tolist() == [4.0] * 32
+
+
+def test_cai_consumers_on_cupy_streams_their_user_dropped_are_let_go_in_order(cp):
+    """A long-lived view read through ``cupy.asarray`` under a new CuPy stream per request,
+    each stream dropped after its slow kernel was enqueued: sharedmem keeps only the newest
+    stream (each let-go stream's part of the hold ends at an event recorded there), and a
+    sharedmem write of the view after all of them still waits for every slow read."""
+    import gc
+    import weakref
+    import gpu_kernels as K
+    dev = sm.Device(0)
+    w = sm.Buffer.from_host(np.full(N, 7.0, np.float32), device=dev)
+    sm.synchronize()
+    refs, outs = [], []
+    for _ in range(8):
+        s = cp.cuda.Stream(non_blocking=True)
+        refs.append(weakref.ref(s))
+        with s:
+            a = cp.asarray(w)  # (the CUDA Array Interface: a hold on CuPy's current stream)
+            out = cp.empty(N, cp.float32)
+            K.kernel("slow_copy")((64,), (256,), (a, out, np.int32(N),
+                                                  np.int64(K.cycles(SPIN_MS))))
+            outs.append(out)
+            del a
+        del s
+    writer = dev.create_stream("writer")
+    sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(w), N, 1.0, np.int64(0),
+              stream=writer).result()
+    cp.cuda.Device(0).synchronize()
+    sm.synchronize()
+    gc.collect()
+    assert [r for r in refs if r() is not None] == [refs[-1]]
+    assert [(float(o[0]), float(o[-1])) for o in outs] == [(7.0, 7.0)] * 8
+    assert float(w.to_host()[0]) == 1.0
