@@ -40,7 +40,7 @@ from .buffer import Buffer, DeviceBox
 from .device import Device, default_device
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
-from .runtime.state import OwnedLock, fork_safe
+from .runtime.state import OwnedLock, fork_safe, locked
 from .runtime.submission import Work, submit_plan
 from .stream import Stream, as_stream, current_stream, streams_entered
 from .tensor import Tensor, extent, is_torch_tensor, numpy_region, torch_storage_region
@@ -929,7 +929,9 @@ def foreign_host_lease(obj):
         t = _module("interop.dlpack").from_dlpack(obj)
     except Exception as e:
         raise KernelError(f"a {_described(obj)} passed to a host kernel is leased through "
-                          f"DLPack, whose import failed: {e}") from e
+                          f"DLPack, whose import failed: {e}; pass np.asarray(...) of it (a "
+                          f"NumPy array, leased as itself) or a sharedmem view of its values "
+                          f"instead") from e
     tok = t._token
     alloc = tok.allocation
     arg = _host_lease(obj, alloc, f"{type(obj).__name__} argument", tok.start, tok.stop,
@@ -943,12 +945,12 @@ def torch_lease(t, torch):
     it spans, filed under its storage (a view and its base are ranges of one allocation, in
     any order; memory sharedmem owns -- ``torch.from_dlpack`` of a host view -- is found as
     that allocation, writable only where a writable view reaches it), or None for a tensor
-    not in host memory (CUDA, meta) or not strided (sparse): passed as it is. The kernel gets
-    the tensor itself, whose operations respect torch's lazy conjugate and negative bits, so
-    those are not refused (as they are for CUDA kernels, which get pointers:
-    interop.cupy_launch)."""
-    if t.device.type != "cpu" or t.layout is not torch.strided:
-        return None
+    not in host memory (CUDA, meta), not strided (sparse) or nested: passed as it is. The
+    kernel gets the tensor itself, whose operations respect torch's lazy conjugate and
+    negative bits, so those are not refused (as they are for CUDA kernels, which get
+    pointers: interop.cupy_launch)."""
+    if t.device.type != "cpu" or t.layout is not torch.strided or getattr(t, "is_nested", False):
+        return None  # (a nested tensor is strided, but has no one shape or strides to read)
     ptr = t.data_ptr()
     item = t.element_size()
     lo, hi = extent(tuple(t.shape), [st * item for st in t.stride()], item)
@@ -1017,6 +1019,7 @@ class _HostPlan(KernelPlan):
                 raise self.misfit(n)
         ndarray_of = _module("sharedmem.backends.host").ndarray_of
         out = []
+        captured = None  # (torch tensors of a launch captured into a graph)
         j = 0
         for a in args:
             if isinstance(a, View):
@@ -1027,6 +1030,10 @@ class _HostPlan(KernelPlan):
                     out.append(ndarray_of(a.view, a.writes))
                 elif a.writes or not isinstance(a.value, _NDARRAY):  # (see _HostAdapter.coerce)
                     out.append(a.value)  # (a torch tensor, a JAX array...: itself, always)
+                    if stream._capture is not None and is_torch_tensor(a.value):
+                        if captured is None:
+                            captured = []
+                        captured.append(a.value)
                 else:
                     ro = a.value.view()
                     ro.flags.writeable = False
@@ -1036,6 +1043,8 @@ class _HostPlan(KernelPlan):
                 if isinstance(a, _CONTAINERS):  # (subclasses too: a namedtuple)
                     _no_views_inside(len(out), a)
                 out.append(a)
+        if captured is not None:
+            _check_torch_at_replays(self, captured, uses, stream)
         return out
 
     def enqueue(self, stream, config, payload):
@@ -1043,6 +1052,46 @@ class _HostPlan(KernelPlan):
 
 
 _CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def _check_torch_at_replays(plan, tensors, uses, stream) -> None:
+    """A host launch of torch ``tensors`` captured into a graph: every replay runs the kernel
+    on each tensor itself, so on the memory it has then, but leases the bytes it had at the
+    capture. Each replay first checks that each still has them (not ``resize_``-d into new
+    memory, ``set_`` to another storage, ``t.data = ...``), else it is refused (see
+    :class:`_TorchReplayCheck`)."""
+    label = plan.adapter.label(plan.kernel)
+    facts = [(t, t.data_ptr(), tuple(t.shape), tuple(t.stride()), label) for t in tensors]
+    with locked():
+        g = stream._capture
+        if g is not None:  # (once recorded: not a launch refused or failed after its pack)
+            g.after_recorded_locked(uses, partial(_add_torch_check, facts))
+
+
+def _add_torch_check(facts, g) -> None:
+    """A captured host launch's part of graph ``g``'s :class:`_TorchReplayCheck`."""
+    g.before_replays(_TorchReplayCheck, _TorchReplayCheck).tensors.extend(facts)
+
+
+class _TorchReplayCheck:
+    """A graph's replay step (``Graph.before_replays``): the torch tensors its host launches
+    were given must still be the memory -- address, shape and strides -- they were at the
+    capture, which is what each replay leases: a ``KernelError`` (nothing leased, nothing
+    run) where one is not."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self):
+        self.tensors = []
+
+    def __call__(self, stream) -> None:
+        for t, ptr, shape, strides, label in self.tensors:
+            if t.data_ptr() != ptr or tuple(t.shape) != shape or tuple(t.stride()) != strides:
+                raise KernelError(
+                    f"a replay on {stream} of a graph that captured {label} of a torch tensor "
+                    f"(shape {shape}, {t.dtype}): the tensor's memory changed since the capture "
+                    f"(resize_, set_ or t.data = ...), and the replay would run the kernel on "
+                    f"bytes the graph does not lease; capture the graph again")
 
 
 def _no_views_inside(i, arg) -> None:

@@ -69,7 +69,20 @@ def numpy_region(arr):
     while isinstance(root.base, np.ndarray):
         root = root.base
     rlo, rhi = extent(root.shape, root.strides, root.itemsize)
-    return (root.ctypes.data + rlo, rhi - rlo) if rhi else None
+    if not rhi:
+        return None
+    base = root.base
+    if base is not None and is_torch_tensor(base):  # (t.numpy(), np.asarray(t): a torch
+        # tensor's memory, filed under its storage as the tensor itself is -- else an array
+        # of part of it leased before the tensor was an allocation of its own, and work on
+        # the two was not ordered)
+        try:
+            region = torch_storage_region(base, root.ctypes.data + rlo, rhi - rlo)
+        except Exception:  # (a tensor without storage of its own: the array's bytes)
+            region = None
+        if region is not None:
+            return region
+    return (root.ctypes.data + rlo, rhi - rlo)
 
 
 def is_torch_tensor(obj) -> bool:

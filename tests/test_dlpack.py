@@ -699,3 +699,24 @@ def test_other_dlpack_producers_on_the_cpu_are_leased_read_only_where_immutable(
     seen = []
     sm.launch(sm.host_kernel(seen.append), 1, 1, sm.In(j)).result(5)
     assert seen == [j]
+
+
+class _UnexportableProducer(_Producer):
+    """A DLPack producer on the CPU whose export fails (a JAX array of dtype int4: "XLA type S4
+    has no DLPack equivalent")."""
+
+    def __dlpack__(self, **kwargs):
+        raise BufferError("XLA type S4 has no DLPack equivalent")
+
+
+def test_a_cpu_producer_that_dlpack_cannot_export_says_what_to_pass_instead(host):
+    """A DLPack producer on the CPU whose export fails, passed to a host kernel, raised a
+    KernelError that said only that the import failed, not what to pass instead (such an array
+    was passed as it was before host kernels leased DLPack producers)."""
+    p = _UnexportableProducer(np.zeros(4, np.float32))
+    before = sm.stats()
+    with pytest.raises(sm.KernelError, match=r"_UnexportableProducer .*leased through DLPack, "
+                                             r"whose import failed: XLA type S4 has no DLPack "
+                                             r"equivalent; pass np\.asarray\(\.\.\.\) of it"):
+        sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(p))
+    assert sm.stats().in_flight == before.in_flight

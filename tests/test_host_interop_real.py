@@ -279,3 +279,77 @@ sm.synchronize()
 assert seen[0][0] is x and seen[0][1].tolist() == [7.0] * 8
 print("ok")
 """)
+
+
+@pytest.mark.parametrize("array", ["t[4:8].numpy()", "np.asarray(t[4:8])"])
+def test_host_kernels_on_a_numpy_array_of_a_torch_tensor_are_ordered_with_the_tensor(host,
+                                                                                      array):
+    """A NumPy array of part of a torch tensor (``t[4:8].numpy()``, whose base is the tensor)
+    was leased over its own bytes: leased before the tensor, it was an allocation of its own,
+    and a reader of the tensor on another stream was not ordered after a writer of the array.
+    Filed under the tensor's storage now, as the tensor is."""
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(16)
+    a = {"t[4:8].numpy()": lambda: t[4:8].numpy(),
+         "np.asarray(t[4:8])": lambda: np.asarray(t[4:8])}[array]()
+    got, values = _slow_write_then_read(host, lambda x: x.fill(3.0), a, t)
+    assert got is t and values.tolist() == [0.0] * 4 + [3.0] * 4 + [0.0] * 8
+    got, values = _slow_write_then_read(host, lambda x: x.fill_(5.0), t[6:10], a)
+    assert values.tolist() == [3.0, 3.0, 5.0, 5.0]
+
+
+def test_a_nested_torch_tensor_passed_to_a_host_kernel_is_passed_as_it_is(host):
+    """A nested tensor (strided, on the CPU, but without one shape or strides) passed to a host
+    kernel raised torch's RuntimeError ("NestedTensorImpl doesn't support sizes") from the
+    lease; it is passed as it is, unleased, as sparse tensors are (and as it was before torch
+    tensors were leased)."""
+    torch = pytest.importorskip("torch")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (nested tensors are a prototype: torch warns)
+        n = torch.nested.nested_tensor([torch.zeros(2), torch.ones(3)])
+    seen = []
+    sm.launch(sm.host_kernel(lambda x: seen.append(x)), 1, 1, n,
+              stream=host.default_stream).result(5)
+    assert seen[0] is n
+    assert sm.stats().in_flight == 0
+
+
+@pytest.mark.parametrize("change", ["set_", "resize_"])
+def test_a_graph_replay_of_a_torch_tensor_whose_memory_changed_is_refused(host, change):
+    """A host launch of a torch tensor captured into a graph leases the bytes the tensor had
+    at the capture, but each replay runs the kernel on the tensor itself: after ``t.set_(...)``
+    or a growing ``t.resize_(...)`` a replay wrote memory it did not lease, and a reader of
+    that memory on another stream was not ordered after it (it saw zeros). Refused now, with
+    a KernelError that says to capture again; an unchanged tensor replays, ordered."""
+    import time
+    torch = pytest.importorskip("torch")
+
+    def writer(x):
+        time.sleep(0.2)
+        x.fill_(3.0)
+    t = torch.zeros(8)
+    s1, s2 = host.create_stream("writer"), host.create_stream("reader")
+    with sm.capture(s1) as g:
+        sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(t))
+    seen = []
+    g.replay(s1)
+    sm.launch(sm.host_kernel(lambda y: seen.append(y.tolist())), 1, 1, sm.In(t[2:4]),
+              stream=s2)
+    sm.synchronize()
+    assert seen == [[3.0, 3.0]]
+    u = torch.zeros(8)
+    if change == "set_":
+        t.set_(u.untyped_storage(), 0, (8,), (1,))
+    else:
+        t.resize_(1 << 16)  # (new memory: the old values copied, the rest uninitialized)
+        u = None
+    before = sm.stats()
+    with pytest.raises(sm.KernelError, match=r"^a replay on .* of a graph that captured host "
+                                             r"kernel .*writer of a torch tensor \(shape \(8,\), "
+                                             r"torch.float32\): the tensor's memory changed "
+                                             r"since the capture .*capture the graph again$"):
+        g.replay(s1)
+    sm.synchronize()
+    assert sm.stats().submitted == before.submitted
+    assert u is None or u.tolist() == [0.0] * 8  # (set_: the other storage not written)
