@@ -545,6 +545,24 @@ def _described(obj) -> str:
         return text
 
 
+def _unreachable(adapter, obj) -> str:
+    """The end of the message of an array argument ``adapter``'s kernels cannot take: where
+    they run on the host only and ``obj`` is device memory (a JAX or torch CUDA array), what
+    to do; else nothing."""
+    if tuple(adapter.device_kinds) != ("host",):
+        return ""
+    try:
+        where = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
+    except Exception:
+        where = None
+    if where is None and not hasattr(obj, "__cuda_array_interface__"):
+        return ""
+    if where is not None and int(where) in _DL_HOST:
+        return ""
+    return ("; it is in device memory, which a host kernel cannot reach: pass a host copy "
+            "(np.asarray(...), .cpu(), jax.device_get(...))")
+
+
 def _shown(value) -> str:
     """What an adapter returned, for a message: None, or the type of the value."""
     return "None" if value is None else f"a value of type {type(value).__name__}"
@@ -657,7 +675,8 @@ def resolve_args(adapter, args, device):
                                       f"makes of an array argument; pass the array itself")
                 if ia is not None:
                     raise KernelError(f"argument {i}: {type(ia).__name__}() takes a Buffer, "
-                                      f"Tensor, DeviceBox or array, got {_described(obj)}")
+                                      f"Tensor, DeviceBox or array, got {_described(obj)}"
+                                      f"{_unreachable(adapter, obj)}")
                 continue
             if isinstance(got, ForeignArray):  # prepared once for this array: not written
                 fa = got
@@ -693,9 +712,13 @@ def resolve_args(adapter, args, device):
                     raise _mismatch(i, view if view is not None else obj, adev, device)
             if mode != _READ and not tok.writable:
                 raise _read_only(i, ia, view if view is not None else obj)
-            u = tok.use_r if mode == _READ else tok.use_w
-            if u is None:
-                u = tok.use(mode != _READ)
+            if la is not None:  # (a token made for this launch: its pair not cached on it --
+                u = (tok, mode != _READ)  # a cycle that kept it, and its allocation
+                # registered over memory its owner may reuse, alive until a collection)
+            else:
+                u = tok.use_r if mode == _READ else tok.use_w
+                if u is None:
+                    u = tok.use(mode != _READ)
             if view is not None and not with_length:  # (a view made for this launch)
                 resolved[i] = view
                 uses.append(u)

@@ -22,8 +22,8 @@ def _in_a_process(code: str) -> None:
     """Run ``code`` in an interpreter of its own, on these sources, interpreted: JAX starts
     threads when imported, and later tests of this process fork (a fork of a process running
     JAX's threads may deadlock)."""
-    env = dict(os.environ, SHAREDMEM_PURE_PYTHON="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, SHAREDMEM_PURE_PYTHON="1", JAX_PLATFORMS="cpu",  # (its arrays on
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))  # the CPU
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

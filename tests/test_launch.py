@@ -53,6 +53,20 @@ def test_validation_failures_take_no_leases(host):
         sm.launch(saxpy, 1, 1, sm.Atomic(ro), stream=s)
     with pytest.raises(sm.KernelError, match=r"^argument 0: In\(\) takes a Buffer, Tensor, DeviceBox or array, got int$"):
         sm.launch(saxpy, 1, 1, sm.In(3), stream=s)
+
+    class CudaArray:  # (a JAX or torch array on a GPU, as DLPack names its device)
+        device, dtype = "cuda:0", "float32"
+
+        def __dlpack__(self, stream=None):
+            raise AssertionError("not exported")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+    with pytest.raises(sm.KernelError, match=r"^argument 0: In\(\) takes a Buffer, Tensor, DeviceBox "
+                       r"or array, got test_launch.CudaArray on cuda:0 \(dtype float32\); it is "
+                       r"in device memory, which a host kernel cannot reach: pass a host copy "
+                       r"\(np.asarray\(...\), .cpu\(\), jax.device_get\(...\)\)$"):
+        sm.launch(saxpy, 1, 1, sm.In(CudaArray()), stream=s)
     with pytest.raises(sm.KernelError, match=r"^grid must be a positive int or a tuple of 1 to 3 positive ints, got \(0,\)$"):
         sm.launch(saxpy, (0,), 1, b, stream=s)
     with pytest.raises(sm.KernelError, match=r"^launch\(\) does not know how to launch a builtins.function"):
@@ -955,3 +969,38 @@ def test_an_adapter_registered_again_plans_host_kernels_launched_before(host):
         sm.register_kernel_adapter(sm.HostKernel, old)
     sm.launch(k, 1, 1).result(5)
     assert k._plan.adapter is old
+
+
+def test_a_host_leased_arrays_allocation_goes_with_its_launch(host):
+    """A NumPy array passed to a host kernel is leased by a token made for the launch, which
+    cached its ``(token, mode)`` pair on itself: a cycle that kept the lease's allocation
+    registered over the array's bytes after the launch -- until a collection -- while the
+    memory went on to other arrays. An array over those bytes and more then found that stale
+    allocation, and its whole another: two allocations over one memory, work on them not
+    ordered (a writer of ``whole[4:8]`` and a reader of ``whole`` on two streams)."""
+    import gc
+    import time
+    from sharedmem.allocation import lookup_allocation
+    buf = bytearray(64)
+    first = np.frombuffer(memoryview(buf)[16:32], np.float32)
+    addr = first.ctypes.data
+    gc.disable()
+    try:
+        sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.Out(first),
+                  stream=host.create_stream()).result(5)
+        sm.synchronize()
+        del first
+        assert lookup_allocation(host, addr, 16) is None
+        whole = np.frombuffer(buf, np.float32)
+        seen = []
+
+        def writer(x):
+            time.sleep(0.1)
+            x.fill(3.0)
+        sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(whole[4:8]), stream=host.create_stream())
+        sm.launch(sm.host_kernel(lambda y: seen.append(y.tolist())), 1, 1, sm.In(whole),
+                  stream=host.create_stream())
+        sm.synchronize()
+    finally:
+        gc.enable()
+    assert seen == [[0.0] * 4 + [3.0] * 4 + [0.0] * 8]
