@@ -82,7 +82,34 @@ def numpy_region(arr):
             region = None
         if region is not None:
             return region
+    elif base is not None:  # (np.frombuffer, np.ndarray(buffer=...): over part of a buffer)
+        region = _buffer_region(base, root.ctypes.data + rlo, rhi - rlo)
+        if region is not None:
+            return region
     return (root.ctypes.data + rlo, rhi - rlo)
+
+
+def _buffer_region(base, start: int, nbytes: int):
+    """``(address, size)`` of the whole buffer that ``base`` -- the base of a NumPy array that
+    is no array: a bytearray, an mmap, a memoryview of one (shared memory's ``buf``), a ctypes
+    array -- exports, where it holds bytes ``[start, start + nbytes)``; else None. Arrays made
+    over parts of one buffer are then ranges of one allocation, in any order, as views of one
+    array are -- else two arrays over overlapping parts were two allocations, and work on them
+    was not ordered."""
+    if isinstance(base, memoryview):
+        base = base.obj  # (a slice of a buffer names the whole buffer's exporter)
+        if base is None:
+            return None
+    try:
+        with memoryview(base) as m:
+            if not m.contiguous or m.nbytes == 0:
+                return None
+            whole = np.frombuffer(m, np.uint8)
+            region = (whole.ctypes.data, m.nbytes)
+            del whole  # (before the memoryview is released: it exports m's buffer)
+    except (TypeError, ValueError, BufferError):  # (no buffer, or not one NumPy can read)
+        return None
+    return region if region[0] <= start and start + nbytes <= region[0] + region[1] else None
 
 
 def is_torch_tensor(obj) -> bool:

@@ -1004,3 +1004,39 @@ def test_a_host_leased_arrays_allocation_goes_with_its_launch(host):
     finally:
         gc.enable()
     assert seen == [[0.0] * 4 + [3.0] * 4 + [0.0] * 8]
+
+
+@pytest.mark.parametrize("buffer", ["bytearray", "mmap", "shared memory"])
+def test_host_kernels_on_arrays_over_parts_of_one_buffer_are_ordered(host, buffer):
+    """Two NumPy arrays made over overlapping parts of one buffer (``np.frombuffer``,
+    ``np.ndarray(buffer=shm.buf)``: their base is the buffer, no array) were leased as two
+    allocations, each over its own bytes: a slow writer of one on a stream and a reader of the
+    other on another were not ordered (the reader saw zeros). Both are ranges of the buffer's
+    one allocation now, as views of one array are."""
+    import mmap
+    import time
+    if buffer == "shared memory":
+        from multiprocessing import shared_memory
+        shm = shared_memory.SharedMemory(create=True, size=64)
+        buf = shm.buf
+    else:
+        buf = bytearray(64) if buffer == "bytearray" else mmap.mmap(-1, 64)
+    try:
+        part = np.frombuffer(memoryview(buf)[16:32], np.float32)
+        whole = np.ndarray((16,), np.float32, buffer=buf)
+        seen = []
+
+        def writer(x):
+            time.sleep(0.1)
+            x.fill(3.0)
+        sm.launch(sm.host_kernel(writer), 1, 1, sm.Out(part), stream=host.create_stream())
+        sm.launch(sm.host_kernel(lambda y: seen.append(y.tolist())), 1, 1, sm.In(whole),
+                  stream=host.create_stream())
+        sm.synchronize()
+        assert seen == [[0.0] * 4 + [3.0] * 4 + [0.0] * 8]
+        del part, whole
+    finally:
+        if buffer == "shared memory":
+            del buf
+            shm.close()
+            shm.unlink()
