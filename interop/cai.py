@@ -232,7 +232,7 @@ def from_cuda_array_interface(obj, *, stream=None):
         if producer >= 1 << 64:
             raise ValueError(f"__cuda_array_interface__ stream {producer} is not a stream handle "
                              f"(above 64 bits)")
-        theirs = Stream.lookup(dev, producer)
+        theirs = Stream._find(dev, producer)
         if theirs is not None and theirs._capture is not None:  # (sharedmem's own capture)
             raise CaptureError(
                 f"the producer's stream is {theirs}, which is capturing graph "

@@ -162,7 +162,7 @@ def _consumer(stream, dev):
             raise DeviceMismatchError(f"as_cupy: {stream} is on {stream.device}, the memory "
                                       f"on {dev}")
         return stream
-    return Stream.from_external(stream, dev)
+    return Stream._borrow(stream, dev)
 
 
 class RawKernelAdapter(KernelAdapter):

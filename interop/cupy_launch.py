@@ -1038,7 +1038,7 @@ def _check_capture(stream, device, h, torch) -> None:
             f"is ordered after {lib}'s current stream of {device} (handle {h:#x}), which a "
             f"capture cannot wait for; capture on {lib}'s current stream ({how}), or pass "
             f"views of the arrays (sm.from_dlpack before the capture)")
-    theirs = Stream.lookup(device, h)
+    theirs = Stream._find(device, h)
     if theirs is not None and theirs._capture is not None:  # (a wait on work recorded into
         raise CaptureError(                                 # a capture joins the capture)
             f"{lib}'s current stream of {device} is {theirs}, which is capturing graph "

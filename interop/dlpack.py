@@ -671,7 +671,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     Tensor cannot be moved while the producer lives (for NumPy and CuPy
     arrays, whose capsules keep them alive: while the import lives). Take the
     memory over with :func:`sharedmem.adopt` instead when nothing else holds it."""
-    s = None if stream is None else Stream.from_external(stream)  # (a Stream: itself)
+    s = None if stream is None else Stream._borrow(stream)  # (a Stream: itself)
     if s is not None and s._capture is not None:
         raise uncapturable_import(s)
     where = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None

@@ -129,8 +129,8 @@ def _borrowed(dev, handle, torch, named=True) -> Stream:
     if obj is not None:
         h = _handle_of(obj)
         if h == handle or (not named and h is not None and h > 2):
-            return Stream.from_external(obj, dev)
-    return Stream.from_external(handle, dev)
+            return Stream._borrow(obj, dev)
+    return Stream._borrow(handle, dev)
 
 
 def _handle_of(obj) -> int | None:
@@ -144,13 +144,13 @@ def consumer_stream(dev, handle: int) -> Stream:
     """The sharedmem :class:`~sharedmem.Stream` of a consumer's raw CUDA stream ``handle`` on
     ``dev`` (see the module docstring): a stream's own handle, not a default stream's -- 1
     and 2 a DLPack export maps itself, 0 it refuses."""
-    st = Stream.lookup(dev, handle)
+    st = Stream._find(dev, handle)
     if st is not None:
         return st
     for torch, h in _library_handles(dev):
         if h == handle:
             return _borrowed(dev, handle, torch)
-    return Stream.from_external(handle, dev)
+    return Stream._borrow(handle, dev)
 
 
 def current_streams(dev) -> list:
@@ -178,7 +178,7 @@ def _current(dev) -> tuple:
         if h == 2:  # the calling thread's default stream: ordered after by the legacy one
             per_thread = True
             continue
-        st = Stream.lookup(dev, h)
+        st = Stream._find(dev, h)
         if st is None:
             st = _borrowed(dev, h, torch, False)  # (borrowed from the library's object)
         if st not in out:

@@ -221,7 +221,7 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
             return
         ptr += e_lo
         if not isinstance(stream, Stream):  # (borrowed on the memory's device, not the default)
-            stream = Stream.from_external(stream, _device_of_memory(ptr))
+            stream = Stream._borrow(stream, _device_of_memory(ptr))
         nbytes = e_hi - e_lo
         alloc = lookup_allocation(stream.device, ptr, nbytes)
         if alloc is None:

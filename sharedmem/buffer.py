@@ -479,7 +479,7 @@ def copy_stream(stream, a, b):
         for d in (b, a):  # (the destination's first)
             if d.kind == "cuda":
                 try:
-                    s = Stream.from_external(stream, d)
+                    s = Stream._borrow(stream, d)
                     break
                 except DeviceMismatchError:
                     pass

@@ -9,7 +9,7 @@ cdef class Stream:
     cdef public object _join
     cdef public long long _seq, _done, _swept, _uid
     cdef public dict _waited
-    cdef public bint _leak_warned, _checks
+    cdef public bint _leak_warned, _checks, _lent
     cdef public object _external, _capture, _joined
     cdef public list _holds
     cdef public Py_ssize_t _nholds

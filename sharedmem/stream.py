@@ -48,7 +48,7 @@ class Stream:
     __slots__ = ("device", "_impl", "owned", "name", "_pending", "_seq", "_done", "_swept",
                  "_uid", "_ours", "_join", "_waited", "_leak_warned",
                  "_external", "_capture", "_joined", "_holds", "_nholds", "_checks",
-                 "__weakref__")
+                 "_lent", "__weakref__")
     if TYPE_CHECKING:  # (typed in stream.pxd for the compiled build)
         device: Device
         owned: bool
@@ -87,6 +87,10 @@ class Stream:
         self._waited = {} if self._ours else None
         self._leak_warned = False  # guarded by core_lock
         self._external = external  # the borrowed foreign stream object, kept alive
+        # Whether this Stream was handed to the user (Stream.from_external, Stream.lookup):
+        # they may keep it, not its foreign object, and give foreign work to its CUDA stream
+        # (its handle, __cuda_stream__) -- never let go as its owner's (left_by_its_owner)
+        self._lent = False
         self._capture = None  # the Graph being captured on this stream; guarded by core_lock
         # On a device's default (legacy) stream, while blocking streams' captures join it:
         # [a marker recorded as the first began, how many]; None otherwise. Guarded by core_lock
@@ -117,6 +121,12 @@ class Stream:
         The same CUDA stream always gives the same Stream while one is alive
         (handles 0, 1 and 2 -- the legacy and the per-thread default streams -- give the
         device's default stream)."""
+        return lent(cls._borrow(obj, device))
+
+    @classmethod
+    def _borrow(cls, obj, device=None):
+        """:meth:`from_external` for sharedmem's own use: the Stream is not handed to the
+        user (not marked lent; see ``left_by_its_owner``)."""
         if isinstance(obj, Stream):
             if device is not None:
                 from .device import as_device
@@ -198,6 +208,11 @@ class Stream:
     def lookup(device: Device, handle: int) -> Stream | None:
         """The live Stream (made by sharedmem, or borrowed) of CUDA stream ``handle`` on
         ``device``, or None."""
+        return lent(Stream._find(device, handle))
+
+    @staticmethod
+    def _find(device, handle):
+        """:meth:`lookup` for sharedmem's own use (the Stream not marked lent)."""
         st = _stream_at((device.key, handle))
         return st if st is not None and _names_its_stream(st) else None
 
@@ -269,7 +284,7 @@ class Stream:
         ev = event_or_stream
         if not isinstance(ev, (Event, Stream, int)) and _names_a_stream(ev):  # (CuPy's, torch's:
             named = _device_named_by(ev)  # on the device it names, else on this stream's)
-            ev = Stream.from_external(ev, self.device if named is None else None)
+            ev = Stream._borrow(ev, self.device if named is None else None)
         if not isinstance(ev, (Event, Stream)):
             raise TypeError(f"Stream.wait takes an Event or a stream (a sharedmem Stream, or a "
                             f"foreign one: Stream.from_external), got {type(ev).__name__}")
@@ -488,6 +503,14 @@ def _names_its_stream(st) -> bool:
         return False
 
 
+def lent(st):
+    """``st`` (a Stream or None), marked as handed to the user where it is borrowed (see
+    ``Stream._lent``): what the public calls that give a Stream out return."""
+    if st is not None and st._external is not None and not st._lent:
+        st._lent = True
+    return st
+
+
 def left_by_its_owner(st) -> bool:
     """Whether borrowed Stream ``st`` wraps a foreign stream object that destroys its CUDA
     stream when collected -- a ``cupy.cuda.Stream`` CuPy made, not an ``ExternalStream`` nor
@@ -495,9 +518,12 @@ def left_by_its_owner(st) -> bool:
     work can then be given to that stream again (only sharedmem's own, which it leases), and
     CuPy destroys the stream once ``st`` lets the object go: a hold's consumer entry for it
     can end now (``runtime.submission.end_left_consumers_locked``) instead of keeping the
-    stream alive for as long as the view lives. Caller holds core_lock (no foreign code runs)."""
+    stream alive for as long as the view lives. Never a Stream handed to the user
+    (``_lent``: from_external, lookup): they may keep it, not the object, and give foreign
+    work to its stream through its handle or ``__cuda_stream__``. Caller holds core_lock (no
+    foreign code runs)."""
     ext = st._external
-    if ext is None:
+    if ext is None or st._lent:  # (the user may keep the Stream: its handle names the stream)
         return False
     cp = sys.modules.get("cupy")
     owning = getattr(getattr(cp, "cuda", None), "Stream", None)
@@ -553,7 +579,7 @@ def as_stream(obj) -> Stream:
     if type(obj) is Stream:
         return obj
     st = _borrowed_last(obj)
-    return st if st is not None else Stream.from_external(obj)
+    return st if st is not None else Stream._borrow(obj)
 
 
 def streams_entered() -> bool:
@@ -577,7 +603,7 @@ def resolve_stream(stream, device) -> Stream:
         cur = current_stream(device)
         return cur if cur is not None else device.default_stream
     if not isinstance(stream, Stream):
-        stream = Stream.from_external(stream, device)
+        stream = Stream._borrow(stream, device)
     if stream.device is not device:
         raise DeviceMismatchError(f"{stream} is on {stream.device}, but the memory is on {device}")
     return stream

@@ -303,3 +303,76 @@ def test_record_use_lets_go_of_cupy_streams_their_user_dropped(fake):
     sm.synchronize()
     gc.collect()
     assert [r for r in refs if r() is not None] == [refs[-1]]
+
+
+def _held_wait(drv, t, h, mark):
+    """Whether a launch on ``t`` since ``mark`` waited for an event recorded on ``h`` after
+    ``mark`` (the consumer's work enqueued so far)."""
+    recorded = [c[1] for c in drv.calls[mark:] if c[0] == "record" and c[2] == h]
+    return any(("wait", t.handle, ev) in drv.calls[mark:] for ev in recorded)
+
+
+def test_a_cupy_stream_its_user_keeps_as_a_sharedmem_stream_stays_held(fake):
+    """The user borrowed a CuPy stream (Stream.from_external: "the object is kept alive by
+    the returned Stream") and kept only the sharedmem Stream: they can still give foreign
+    work to it (its handle, __cuda_stream__: an ExternalStream, cuda.core, torch). Its
+    consumer entries -- a record_use, a CAI export under a wrapper of its handle -- must stay
+    held when the next consumer comes, and a later write waits for work given to it since."""
+    import sys
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+    t = dev.create_stream("writer")
+    for how in ("record_use", "cai", "lookup"):
+        w = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
+        sm.synchronize()
+        s = cp.cuda.Stream(non_blocking=True)
+        if how == "lookup":  # (borrowed by an export, then found by its handle)
+            _exported_under(w, s)
+            mine = sm.Stream.lookup(dev, s.ptr)
+        else:
+            mine = sm.Stream.from_external(s)
+        del s  # (kept by `mine`)
+        if how != "cai":
+            sm.record_use(w, mine)
+            sm.record_use(w, cp.cuda.Stream(non_blocking=True))  # (the next consumer)
+            handles = [c[0].handle for c in w._live_token().consumers]
+        else:
+            _exported_under(w, cp.cuda.ExternalStream(mine.handle))
+            _exported_under(w, cp.cuda.Stream(non_blocking=True))
+            handles = _consumer_handles(w)
+        assert mine.handle in handles, how
+        mark = len(drv.calls)
+        w.fill_zero(stream=t)  # (after foreign work given to `mine` meanwhile)
+        assert _held_wait(drv, t, mine.handle, mark), how
+        sm.synchronize()
+
+
+class _CoreStream:
+    """Stands in for a cuda.core Stream made from an object with __cuda_stream__: it keeps
+    that object (its ``_owner``), not the CuPy stream beneath."""
+
+    def __init__(self, owner):
+        self._owner = owner
+        self.handle = owner.__cuda_stream__()[1]
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def test_a_stream_kept_by_a_wrapper_of_its_sharedmem_stream_stays_held(fake):
+    """Same, the user keeping only a foreign wrapper (cuda.core's) of the sharedmem Stream."""
+    import sys
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+    t = dev.create_stream("writer")
+    w = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    core = _CoreStream(sm.Stream.from_external(cp.cuda.Stream(non_blocking=True)))
+    h = core.handle
+    sm.record_use(w, core)
+    sm.record_use(w, cp.cuda.Stream(non_blocking=True))
+    assert h in [c[0].handle for c in w._live_token().consumers]
+    mark = len(drv.calls)
+    w.fill_zero(stream=t)
+    assert _held_wait(drv, t, h, mark)
+    sm.synchronize()

@@ -189,7 +189,8 @@ class DeviceFuture(_FutureBase):
     def stream(self) -> Stream:
         """The stream the work was submitted on (None for a launch captured into a graph: it
         runs where the graph is replayed)."""
-        return self._s.stream
+        from ..stream import lent  # (the user has it now: see Stream._lent)
+        return lent(self._s.stream)
 
     def done(self) -> bool:
         """True once the work finished (or its completion is known to be unknown)."""
