@@ -322,13 +322,16 @@ def test_a_cupy_stream_its_user_keeps_as_a_sharedmem_stream_stays_held(fake):
     dev, drv = fake
     cp = sys.modules["cupy"]
     t = dev.create_stream("writer")
-    for how in ("record_use", "cai", "lookup"):
+    for how in ("record_use", "cai", "lookup", "fut.stream"):
         w = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
         sm.synchronize()
         s = cp.cuda.Stream(non_blocking=True)
         if how == "lookup":  # (borrowed by an export, then found by its handle)
             _exported_under(w, s)
             mine = sm.Stream.lookup(dev, s.ptr)
+        elif how == "fut.stream":  # (borrowed by a copy given the CuPy stream object)
+            _exported_under(w, s)
+            mine = sm.Buffer.empty(4, "float32", device=dev).fill_zero(stream=s).stream
         else:
             mine = sm.Stream.from_external(s)
         del s  # (kept by `mine`)
