@@ -506,7 +506,7 @@ def _names_its_stream(st) -> bool:
 def lent(st):
     """``st`` (a Stream or None), marked as handed to the user where it is borrowed (see
     ``Stream._lent``): what the public calls that give a Stream out return."""
-    if st is not None and st._external is not None and not st._lent:
+    if st is not None and st._external is not None:
         st._lent = True
     return st
 
@@ -531,7 +531,7 @@ def left_by_its_owner(st) -> bool:
             getattr(ext, "_foreign_stream_ref", None) is not None:  # (CuPy's from_external)
         return False
     ext = None
-    return _refs_of_external(st) <= _left_refs()
+    return _refs_of_external(st) <= _LEFT_REFS
 
 
 def _refs_of_external(holder) -> int:
@@ -544,21 +544,18 @@ class _Probe:
     __slots__ = ("_external",)
 
 
-_left = [0]  # the count _refs_of_external gives for an object only a Stream keeps; 0: unknown
-
-
 def _left_refs() -> int:
     """What :func:`_refs_of_external` answers for a borrowed stream object that only its
     Stream keeps: two stored references (``Stream._external`` and its impl's ``external``),
-    measured once on a probe that keeps an object in two places as well (the probe's slot
-    and a local): the call's own temporaries differ between builds and Python versions."""
-    n = _left[0]
-    if n == 0:
-        probe = _Probe()
-        obj = object()
-        probe._external = obj
-        n = _left[0] = _refs_of_external(probe)
-    return n
+    measured on a probe that keeps an object in two places as well (the probe's slot and a
+    local): the call's own temporaries differ between builds and Python versions."""
+    probe = _Probe()
+    obj = object()
+    probe._external = obj
+    return _refs_of_external(probe)
+
+
+_LEFT_REFS = _left_refs()  # (measured once, at import)
 
 
 def _borrowed_last(obj):

@@ -71,22 +71,26 @@ def numpy_region(arr):
     rlo, rhi = extent(root.shape, root.strides, root.itemsize)
     if not rhi:
         return None
+    start, nbytes = root.ctypes.data + rlo, rhi - rlo
     base = root.base
+    region = None
     if base is not None and is_torch_tensor(base):  # (t.numpy(), np.asarray(t): a torch
         # tensor's memory, filed under its storage as the tensor itself is -- else an array
         # of part of it leased before the tensor was an allocation of its own, and work on
         # the two was not ordered)
         try:
-            region = torch_storage_region(base, root.ctypes.data + rlo, rhi - rlo)
+            region = torch_storage_region(base, start, nbytes)
         except Exception:  # (a tensor without storage of its own: the array's bytes)
-            region = None
-        if region is not None:
-            return region
+            pass
     elif base is not None:  # (np.frombuffer, np.ndarray(buffer=...): over part of a buffer)
-        region = _buffer_region(base, root.ctypes.data + rlo, rhi - rlo)
-        if region is not None:
-            return region
-    return (root.ctypes.data + rlo, rhi - rlo)
+        region = _buffer_region(base, start, nbytes)
+    return region if region is not None else (start, nbytes)
+
+
+def _containing(region, start: int, nbytes: int):
+    """``region`` (``(address, size)``) where it holds bytes ``[start, start + nbytes)``, else
+    None."""
+    return region if region[0] <= start and start + nbytes <= region[0] + region[1] else None
 
 
 def _buffer_region(base, start: int, nbytes: int):
@@ -109,7 +113,7 @@ def _buffer_region(base, start: int, nbytes: int):
             del whole  # (before the memoryview is released: it exports m's buffer)
     except (TypeError, ValueError, BufferError):  # (no buffer, or not one NumPy can read)
         return None
-    return region if region[0] <= start and start + nbytes <= region[0] + region[1] else None
+    return _containing(region, start, nbytes)
 
 
 def is_torch_tensor(obj) -> bool:
@@ -124,8 +128,7 @@ def torch_storage_region(t, start: int, nbytes: int):
     start + nbytes)``, else None: as for NumPy arrays (:func:`numpy_region`), any view of one
     storage in host memory, imported or leased, is a range of that one allocation."""
     storage = t.untyped_storage()
-    region = (storage.data_ptr(), storage.nbytes())
-    return region if region[0] <= start and start + nbytes <= region[0] + region[1] else None
+    return _containing((storage.data_ptr(), storage.nbytes()), start, nbytes)
 
 
 MAX_NDIM = 64  # NumPy's limit: to_host must be able to hold any tensor
