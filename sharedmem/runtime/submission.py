@@ -1161,7 +1161,8 @@ def object_export_hold(view, kind, consumers, wait, ordered) -> int:
         _order_locked(tok, wait, False, None, None, markers,
                       (own, [c[0] for c in consumers]) if ordered and own is not None else None)
         hold = view._object_hold_locked(kind, consumers)
-        end_left_consumers_locked(hold, [c[0] for c in consumers])
+        if len(hold.consumers) > len(consumers):  # (others than those named now: see there)
+            end_left_consumers_locked(hold, [c[0] for c in consumers])
     finally:
         rt.release()
     for c in consumers:
@@ -1217,6 +1218,7 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
 __all__ = ["Submission", "Work", "submit", "submit_plan", "record_arrival", "lease_locked",
            "end_holds_locked", "order_consumer", "wait_before", "export_hold",
-           "object_export_hold", "end_left_consumers_locked", "settle", "sweep", "sweep_all", "finish", "wait",
+           "object_export_hold", "end_left_consumers_locked", "settle", "sweep", "sweep_all",
+           "finish", "wait",
            "raise_deferred", "deferring", "HOLD_SEQ", "FailedMarker", "fresh_marker_locked",
            "label_text", "PENDING", "RETIRED", "UNKNOWN"]
