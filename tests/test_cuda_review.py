@@ -1,6 +1,7 @@
 """The CUDA backend under adversarial use, over the fake driver (tests/fake_cuda.py): running
 out of device memory, and driver error codes the bindings do not know."""
 
+import re
 import sys
 import warnings
 import weakref
@@ -592,8 +593,15 @@ def test_a_launch_on_the_default_stream_beside_a_blocking_capture_takes_no_lease
     dev, drv = fake
     s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
     theirs = _blocking_capture(drv)
-    with pytest.raises(sm.CudaError, match="CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"):
+    with pytest.raises(sm.CudaError) as err:
         b.fill_zero()
+    assert err.value.code == 906
+    assert re.search(r"failed: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT \(906\); a blocking stream of "
+                     r"this context is capturing a CUDA graph \(another library's capture: "
+                     r"cupy.cuda.Stream.begin_capture, torch.cuda.graph\), and the legacy "
+                     r"default stream cannot take work meanwhile -- the driver also invalidated "
+                     r"that capture. Launch on a non-blocking stream \(device.create_stream\(\)\), "
+                     r"or after the capture ends$", str(err.value)), str(err.value)
     assert sm.stats().submitted == before.submitted
     drv.cuStreamEndCapture(theirs)
     waits = [c for c in drv.calls if c[0] == "wait"]

@@ -173,7 +173,19 @@ def _error(err, what: str) -> CudaError:
     except ValueError:
         return CudaError(f"{what} failed: CUresult {code} (an error code cuda-bindings does not "
                          f"know: a newer driver's)", code)
-    return CudaError(f"{what} failed: {_name(err)} ({code})", code)
+    return CudaError(f"{what} failed: {_name(err)} ({code}){_HINTS.get(code, '')}", code)
+
+
+#: What a driver error means for a sharedmem user, where its name alone does not say.
+_HINTS = {
+    # work given to the legacy default stream (a launch with no stream, on a device whose
+    # default is the legacy stream) while another library captures on a blocking stream
+    906: ("; a blocking stream of this context is capturing a CUDA graph (another library's "
+          "capture: cupy.cuda.Stream.begin_capture, torch.cuda.graph), and the legacy default "
+          "stream cannot take work meanwhile -- the driver also invalidated that capture. "
+          "Launch on a non-blocking stream (device.create_stream()), or after the capture "
+          "ends"),
+}
 
 
 def check(result, what: str):
