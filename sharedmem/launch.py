@@ -227,6 +227,10 @@ class ForeignArray:
         self.keep = None  # (an adapter's own ForeignArray need not set it)
 
 
+# what KernelPlan._last holds before a plan's first launch: no grid, block or shared_mem is it
+_NO_CONFIG = cython.declare(object, object())
+
+
 class KernelPlan(Work):
     """What is constant about launching one kernel on one device, decided once by the
     kernel's adapter (``KernelAdapter.plan``) and cached: parameter layout, entry point,
@@ -247,8 +251,10 @@ class KernelPlan(Work):
         self.label = (adapter, kernel)  # formatted only when a message needs it
         self._configs = {}  # (grid, block, shared_mem) -> config; lock-free (idempotent writes)
         # (grid, block, shared_mem, config) of the last launch: the same objects again (a
-        # literal grid or block is one constant object) need no lookup. Replaced whole: lock-free
-        self._last = (None, None, None, None)
+        # literal grid or block is one constant object) need no lookup. Replaced whole: lock-free.
+        # (Before the first launch: a marker no argument is -- (None, None, None) would take
+        # grid=None, block=None, shared_mem=None for validated)
+        self._last = (_NO_CONFIG, _NO_CONFIG, _NO_CONFIG, None)
 
     def configure(self, grid, block, shared_mem):
         """The validated launch configuration, cached per value (see ``make_config``)."""
@@ -572,17 +578,20 @@ def _as_view(obj):
     """The view ``obj`` stands for (itself, or a DeviceBox's buffer), or None."""
     if isinstance(obj, View):
         return obj
-    if type(obj) is _BOX:
+    if isinstance(obj, _BOX):
         return obj.buffer
     return None
 
 
 def _mismatch(i, shown, adev, device) -> DeviceMismatchError:
-    """The error of argument ``i`` (``shown``), on ``adev``, in a launch on ``device``."""
+    """The error of argument ``i`` (``shown``), on ``adev``, in a launch on ``device``. Peer
+    access is advised only between two CUDA devices: for any other pair (the host and a GPU)
+    ``enable_peer_access`` raises PeerAccessError."""
+    peer = (f", or let {device} use {adev}'s memory: {device!r}.enable_peer_access({adev!r})"
+            if getattr(device, "kind", None) == "cuda" and getattr(adev, "kind", None) == "cuda"
+            else "")
     return DeviceMismatchError(f"argument {i} ({shown!r}) is on {adev}, but the launch runs on "
-                               f"{device}; copy it there first (view.to_device(...)), or let "
-                               f"{device} use {adev}'s memory: "
-                               f"{device!r}.enable_peer_access({adev!r})")
+                               f"{device}; copy it there first (view.to_device(...)){peer}")
 
 
 def _read_only(i, intent, shown) -> KernelError:
@@ -627,8 +636,8 @@ def resolve_args(adapter, args, device):
             ia = None
         if t is _BUFFER or t is _TENSOR or isinstance(obj, View):
             view = cython.cast(View, obj) if cython.compiled else obj
-        elif t is _BOX:
-            view = obj.buffer
+        elif t is _BOX or isinstance(obj, _BOX):  # (a subclass of DeviceBox too: leased,
+            view = obj.buffer                      # never passed on as a scalar)
         else:
             view = None
         if view is not None:  # the common case: few field reads, no call

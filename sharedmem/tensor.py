@@ -206,6 +206,15 @@ def c_layout(shape):
     return hit
 
 
+def _check_size(shape, size) -> None:
+    """MemoryError for a new tensor of ``shape`` (each size below 2**63, validated) whose
+    ``size`` is 2**63 elements or more: more than any memory holds (errors.md) -- not the
+    LayoutError of a *buffer length* the caller never gave."""
+    if size >= 1 << 63:
+        raise MemoryError(f"cannot allocate a tensor of shape {shape}: its {size} elements are "
+                          f"more than any device memory can hold")
+
+
 def _itemsize(dtype):
     """``dtype.itemsize``, found without an attribute lookup when ``dtype`` was the last."""
     last = _last_itemsize[0]
@@ -303,6 +312,7 @@ class Tensor(View):
               device: object = None, stream: Stream | object | None = None) -> Tensor:
         """An uninitialized C-order tensor (a new :meth:`Buffer.empty`, moved in)."""
         shape, _, size = c_layout(shape)
+        _check_size(shape, size)
         return cls.from_buffer(Buffer.empty(size, dtype, device, stream), shape)
 
     @classmethod
@@ -310,6 +320,7 @@ class Tensor(View):
               device: object = None, stream: Stream | object | None = None) -> Tensor:
         """A C-order tensor of zeros (a new :meth:`Buffer.zeros`, moved in)."""
         shape, _, size = c_layout(shape)
+        _check_size(shape, size)
         return cls.from_buffer(Buffer.zeros(size, dtype, device, stream), shape)
 
     @classmethod

@@ -39,7 +39,8 @@ import weakref
 import numpy as np
 
 from ..errors import CaptureError, CompletionUnknownError, SharedMemError
-from ..runtime.state import WORKER, Bell, at_fork_child, at_fork_hold, fork_holds, fork_safe, log
+from ..runtime.state import (RUNTIME, WORKER, Bell, at_fork_child, at_fork_hold, fork_holds,
+                             fork_safe, log)
 from . import COMPLETE, DONE, PENDING, UNKNOWN
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -264,7 +265,17 @@ class _Unretrieved:
 
     def __del__(self, _finalizing=sys.is_finalizing):
         if not _finalizing():  # (during finalization logging may be gone: exit reported it)
-            self.report()
+            if self.error is not None and RUNTIME.owner == threading.get_ident():
+                # Dropped under the core lock (the access record of the work pruned, its
+                # marker with it): the log's handlers are foreign code, which never runs
+                # there -- one that calls sharedmem would get SharedMemError, one that blocks
+                # would stall every thread. Reported once the lock is let go (drop_later).
+                later = _Unretrieved.__new__(_Unretrieved)
+                later.error, later.label = self.error, self.label
+                self.error = None
+                RUNTIME.drop_later(later)
+            else:
+                self.report()
 
     def report(self) -> None:
         e = self.error
