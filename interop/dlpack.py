@@ -370,6 +370,10 @@ def export_positional(view, stream, max_version, dl_device, copy):
         if len(dl_device) != 2:
             raise TypeError(f"dl_device must be None or a (device_type, device_id) pair of ints, "
                             f"got {given!r}")
+    if copy is not None and copy is not True and copy is not False:
+        if not isinstance(copy, np.bool_):  # (np.True_ is a bool; 1, "yes" are not)
+            raise TypeError(f"copy must be None, True or False, got {copy!r}")
+        copy = bool(copy)  # (before it is read: np.False_ refuses a copy as False does)
     elsewhere = dl_device is not None and dl_device != ours
     if elsewhere and copy is False:  # (None: a copy where one is needed, as the protocol says)
         raise BufferError(f"cannot export {view!r} to device {dl_device} with copy=False: it "
@@ -381,10 +385,11 @@ def export_positional(view, stream, max_version, dl_device, copy):
         versioned = max_version[0] >= 1
     else:
         versioned = _version_major(max_version) >= 1
-    if copy is not None and copy is not True and copy is not False:
-        if not isinstance(copy, np.bool_):  # (np.True_ is a bool; 1, "yes" are not)
-            raise TypeError(f"copy must be None, True or False, got {copy!r}")
-        copy = bool(copy)
+    # (the dtype before the hold or a copy is made: a refusal then takes no lease, enqueues
+    # no wait on the consumer's stream and copies nothing -- BufferError, the view as it was)
+    dt = view._dtype
+    if _dtype_cache.get(dt) is None:
+        _dtype_cache[dt] = _dl_dtype(dt)
     if copy is True or elsewhere:
         return _export_copy(view, stream, versioned, dl_device or ours)
     if not versioned and not tok.writable:
@@ -657,6 +662,11 @@ def _elsewhere(s, memory) -> DeviceMismatchError:
                                f"a stream of that device")
 
 
+def _not_on(dev, want) -> BufferError:
+    return BufferError(f"the producer's memory is on {dev}, not on {want}; sharedmem does not "
+                       f"copy on import")
+
+
 def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     """Import ``obj`` (anything with ``__dlpack__``, or a DLPack capsule) as a
     :class:`~sharedmem.Tensor`, zero-copy.
@@ -680,6 +690,13 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         if (s.device.kind == "cuda") != on_cuda or (on_cuda and s.device.ordinal != where[1]):
             raise _elsewhere(s, f"{type(obj).__name__} on DLPack device "
                                 f"{(int(where[0]), int(where[1]))}")
+    if device is not None and where is not None and \
+            int(where[0]) in (kDLCPU, kDLCUDAHost, kDLCUDA, kDLCUDAManaged):
+        # (before the producer is asked: its export -- a hold, and its consumer's stream made
+        # to wait for its pending writes -- would be made for an import refused here)
+        have, want = _device_of(int(where[0]), int(where[1])), as_device(device)
+        if want is not have:
+            raise _not_on(have, want)
     library = type(obj).__module__.partition(".")[0]  # ("torch", "jaxlib", "numpy"...)
     if library != "torch" and is_torch_tensor(obj):  # (a subclass of another module's)
         library = "torch"
@@ -732,8 +749,7 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     if device is not None:
         want = as_device(device)  # (not None here: "host", a Device, an ordinal)
         if want is not dev:
-            raise BufferError(f"the producer's memory is on {dev}, not on {want}; sharedmem does "
-                              f"not copy on import")
+            raise _not_on(dev, want)
     dtype = _np_dtype(code, bits, lanes)
     if not 0 <= ndim <= MAX_NDIM:
         raise BufferError(f"DLPack tensor with ndim={ndim}; sharedmem takes 0 to {MAX_NDIM} "

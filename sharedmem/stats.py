@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from . import allocation as _allocation
 from .runtime import submission as _submission
 from .runtime.state import RUNTIME, locked
+from .stream import lent
 
 __all__ = ["Stats", "stats", "synchronize", "InFlight", "inflight"]
 
@@ -102,4 +103,5 @@ def inflight() -> list[InFlight]:
 
 def _entry(sub, now, state) -> InFlight:
     leases = tuple((tok.allocation.id, tok.start, tok.stop, bool(w)) for tok, w in sub.uses or ())
-    return InFlight(sub.stream, sub.label, leases, max(0.0, now - sub.t0), state)
+    # (the user has the Stream now, as from fut.stream: never let go as its owner's -- lent)
+    return InFlight(lent(sub.stream), sub.label, leases, max(0.0, now - sub.t0), state)

@@ -379,3 +379,161 @@ def test_a_stream_kept_by_a_wrapper_of_its_sharedmem_stream_stays_held(fake):
     w.fill_zero(stream=t)
     assert _held_wait(drv, t, h, mark)
     sm.synchronize()
+
+
+def test_an_export_of_a_dtype_dlpack_cannot_say_takes_no_lease_nor_wait(fake):
+    """A view of the platform's long double (float128 / complex256: device memory holds them,
+    DLPack cannot say them) is refused with BufferError -- but only after its hold was made:
+    the consumer's stream was made to wait for our pending write, and the refusal ended the
+    hold, a lease on the consumer's stream (a later write of the view waited for it). A failed
+    export takes no lease and enqueues nothing; with ``copy=True`` it copies nothing either."""
+    dev, drv = fake
+    for dt in (np.longdouble, np.clongdouble):
+        if np.dtype(dt).itemsize <= (16 if np.dtype(dt).kind == "c" else 8):
+            continue  # (a long double that is a double: exported as one)
+        w = dev.create_stream("writer")
+        b = sm.Buffer.zeros(4, dt, device=dev)
+        sm.synchronize()
+        ok, h = drv.cuStreamCreate(1)  # (a consumer's stream, named by its handle)
+        h = int(h)
+        drv.holding = True  # (the write stays in flight)
+        try:
+            b.fill_zero(stream=w)
+            before = sm.stats().submitted
+            mark = len(drv.calls)
+            for copy in (None, True):
+                with pytest.raises(BufferError, match=r"has no DLPack equivalent"):
+                    b.__dlpack__(stream=h, max_version=(1, 0), copy=copy)
+            # (the writer's own batched event may be recorded meanwhile, by the retirer)
+            assert [c for c in drv.calls[mark:] if c[0] == "wait" or
+                    (c[0] == "record" and c[2] == h)] == []
+            assert sm.stats().submitted == before, "a refused export took a lease"
+            assert b.allocation.live_views == 1
+        finally:
+            drv.holding = False
+            drv.finish_held()
+        sm.synchronize()
+
+
+def test_copy_numpy_false_to_another_device_is_refused(fake):
+    """``copy`` takes NumPy's bools (``np.False_`` is False) -- but ``copy=np.False_`` with a
+    ``dl_device`` other than the view's was checked before it was read as False: the export
+    made a copy on that device, which the consumer had refused (the protocol: BufferError)."""
+    dev, drv = fake
+    t = sm.Tensor.from_host(np.arange(4, dtype=np.float32), device=dev)
+    sm.synchronize()
+    for copy in (False, np.False_):
+        mark = len(drv.calls)
+        with pytest.raises(BufferError, match=r"with copy=False: it lives on \(2, 0\)"):
+            t.__dlpack__(max_version=(1, 0), dl_device=(1, 0), copy=copy)
+        assert drv.calls[mark:] == [] and t.allocation.live_views == 1  # (no copy made)
+
+
+def test_a_cupy_stream_reached_through_inflight_stays_held(fake):
+    """``sm.inflight()`` hands the user each pending submission's sharedmem Stream: like
+    ``fut.stream``, one the user may keep (not the CuPy object) and give foreign work to
+    through its handle. It was not marked lent: the next consumer ended its hold entry, and a
+    later write of the view did not wait for that work."""
+    import sys
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+    t = dev.create_stream("writer")
+    w = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    _exported_under(w, s)
+    drv.holding = True  # (a copy of sharedmem's on s stays in flight)
+    try:
+        sm.Buffer.empty(4, "float32", device=dev).fill_zero(stream=s)
+        h = s.ptr
+        del s  # (kept by its sharedmem Stream)
+        mine = [e.stream for e in sm.inflight() if e.stream.handle == h][0]
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+    _exported_under(w, cp.cuda.Stream(non_blocking=True))  # (the next consumer)
+    assert mine.handle in _consumer_handles(w)
+    mark = len(drv.calls)
+    w.fill_zero(stream=t)  # (after foreign work given to `mine` meanwhile)
+    assert _held_wait(drv, t, mine.handle, mark)
+    sm.synchronize()
+
+
+def test_an_import_refused_for_its_device_asks_the_producer_for_nothing(fake):
+    """``sm.from_dlpack(x, device=d)`` with ``x`` on another device than ``d`` is refused --
+    but only after ``x.__dlpack__`` was called: for a sharedmem view that export made a hold
+    and enqueued the consumer's wait for the pending write on the legacy default stream (so
+    every blocking stream waited for it), and the hold lived on with the capsule in the
+    error's traceback. The producer says its device (``__dlpack_device__``) first."""
+    dev, drv = fake
+    b = sm.Buffer.from_host(np.ones(4, np.float32), device=dev)
+    t = dev.create_stream("writer")
+    sm.synchronize()
+    drv.holding = True  # (the write stays in flight)
+    try:
+        b.fill_zero(stream=t)
+        mark = len(drv.calls)
+        with pytest.raises(BufferError, match=r"^the producer's memory is on <Device cuda:0 "
+                                              r"Fake GPU>, not on <Device host>; sharedmem does "
+                                              r"not copy on import$") as e:
+            sm.from_dlpack(b, device=sm.Device.host())
+        # (the writer's own batched event may be recorded meanwhile, by the retirer's sweep)
+        assert [c for c in drv.calls[mark:] if c[0] == "wait" or
+                (c[0] == "record" and c[2] in (0, 1))] == []
+        assert b.allocation.live_views == 1, "the refused import left an export"
+        del e
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    sm.synchronize()
+
+
+def test_as_cupy_on_a_stream_in_another_librarys_capture_is_refused(fake, monkeypatch):
+    """As a DLPack export to a stream another library is capturing is refused: ``as_cupy(x,
+    stream=h)`` -- or under ``with s:`` while ``s.begin_capture()`` runs, CuPy's current
+    stream -- enqueued its wait for our pending write on h (an event recorded outside the
+    capture: the driver refuses that wait and invalidates the capture) and opened a hold
+    there, whose end would be an event recorded into the capture. CaptureError, nothing
+    waited for on h, no hold; after the capture, the array."""
+    import sys
+    import types
+    from interop.cupy import as_cupy
+    dev, drv = fake
+    cp = sys.modules["cupy"]
+
+    class Unowned:  # cupy.cuda.UnownedMemory(ptr, size, owner, device_id)
+        def __init__(self, ptr, size, owner, device_id=-1):
+            self.ptr, self.size, self._owner = ptr, size, owner
+
+    monkeypatch.setattr(cp.cuda, "UnownedMemory", Unowned, raising=False)
+    monkeypatch.setattr(cp.cuda, "MemoryPointer", lambda mem, off: types.SimpleNamespace(
+        mem=mem, ptr=mem.ptr + off), raising=False)
+    monkeypatch.setattr(cp, "ndarray", lambda shape, dtype, memptr, strides=None:
+                        types.SimpleNamespace(data=memptr, shape=shape), raising=False)
+    a = dev.create_stream("A")
+    buf = sm.Buffer.zeros(16, "float32", device=dev)
+    sm.synchronize()
+    drv.holding = True  # A's write stays in flight
+    try:
+        buf.copy_from(np.full(16, 2, np.float32), stream=a)
+        ok, h = drv.cuStreamCreate(1)
+        h = int(h)
+        drv.cuStreamBeginCapture(h, 0)
+        views = buf.allocation.live_views
+        mark = len(drv.calls)
+        with pytest.raises(sm.CaptureError, match=r"^as_cupy: cannot export bytes \[0, 64\) "
+                                                  r".* it is capturing a CUDA graph that "
+                                                  r"sharedmem did not start"):
+            as_cupy(buf, stream=h)
+        assert not [c for c in drv.calls[mark:] if c[0] in ("wait", "record") and c[2 if
+                    c[0] == "record" else 1] == h], "enqueued on a stream another library captures"
+        assert buf.allocation.live_views == views, "a refused export left its hold"
+        drv.cuStreamEndCapture(h)
+        arr = as_cupy(buf, stream=h)
+        assert [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == h]
+        del arr
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    gc_collect_harder()

@@ -4664,3 +4664,28 @@ def test_a_raw_stream_handle_held_as_a_numpy_integer_is_borrowed_as_the_int(fake
     with pytest.raises(TypeError, match=r"^cannot use np.True_ as a stream|"
                                         r"^cannot use True as a stream"):
         sm.Stream.from_external(np.bool_(True), dev)
+
+
+def test_a_marker_recycled_while_it_is_asked_reads_done(fake, monkeypatch):
+    """``sm.synchronize()`` asks a stream's newest marker outside the core lock, after
+    waiting for it; the retirer thread may retire that submission meanwhile and recycle the
+    marker's pooled event -- between ``query()``'s check that it still has one and the driver
+    call, which was then given None: TypeError from the fake driver (the intermittent failure
+    of test_a_long_lived_view_keeps_no_cupy_stream_its_user_let_go, interpreted), a query of
+    the NULL event on a real one. A marker recycled is done: its work was found finished."""
+    from sharedmem.runtime.state import locked
+    dev, drv = fake
+    if dev.backend.hot is not None:
+        pytest.skip("the hot driver asks by the handle, which a recycle leaves")
+    s = dev.create_stream("s")
+    with locked():
+        m = dev.backend.record_marker(s._impl, pooled=True)
+    real = drv.cuThreadExchangeStreamCaptureMode
+
+    def exchange(mode):  # (the driver call made between the check and the query)
+        m.recycle()  # (the retirer, in another thread, retired the work and recycled it)
+        return real(mode)
+
+    monkeypatch.setattr(drv, "cuThreadExchangeStreamCaptureMode", exchange)
+    assert m.query() == 1
+    assert m.event is None

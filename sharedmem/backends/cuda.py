@@ -291,7 +291,10 @@ class CudaMarker:
                 return PENDING
         if self.error is not None:
             return UNKNOWN
-        if self.event is None:  # recycled: only ever after its work was found done
+        # (read once: a sweep in another thread -- the retirer's -- may recycle the marker
+        # meanwhile, synchronize_stream asking outside the lock, and a second read found None)
+        ev = self.event
+        if ev is None:  # recycled: only ever after its work was found done
             return DONE
         backend = self._backend
         backend.ensure_context()
@@ -311,7 +314,7 @@ class CudaMarker:
             old = _relax(hot)
             try:
                 err = hot.query(self.handle) if hot is not None else \
-                    int(cu.cuEventQuery(self.event)[0])
+                    int(cu.cuEventQuery(ev)[0])
             finally:
                 _unrelax(hot, old)
         if err == 0:
