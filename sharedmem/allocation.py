@@ -126,10 +126,14 @@ class ViewToken:
                 f"#{self.allocation.id}{where}")
 
     def release(self) -> None:
-        """Release this token; idempotent, never blocks (see ``runtime.state``)."""
+        """Release this token; idempotent, never blocks (see ``runtime.state``). A hold's
+        release that finds the lock busy in another thread marks the point its consumers'
+        borrowed streams have reached first (``hold_ending``): its end is filed later, by
+        the holder, but the consumer may destroy its stream as soon as this returns."""
         if self.live:
             rt = RUNTIME
-            if rt.enter_or_stage(_release_locked, self):  # (else staged: run by the holder)
+            if rt.enter_or_stage(_release_locked, self,  # (else staged: run by the holder)
+                                 self.consumers is not None):
                 try:
                     _release_locked(self)
                 finally:

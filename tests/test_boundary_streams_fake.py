@@ -537,3 +537,105 @@ def test_as_cupy_on_a_stream_in_another_librarys_capture_is_refused(fake, monkey
         drv.holding = False
         drv.finish_held()
     gc_collect_harder()
+
+
+def _lock_held_elsewhere():
+    """Hold sharedmem's core lock in another thread until the returned function is called (as
+    the retirer or another user thread does for a moment at any time)."""
+    from sharedmem.runtime.state import RUNTIME
+    held, go = threading.Event(), threading.Event()
+
+    def holder():
+        RUNTIME.acquire()
+        held.set()
+        go.wait(10)
+        RUNTIME.release()
+    th = threading.Thread(target=holder)
+    th.start()
+    assert held.wait(10)
+
+    def let_go():
+        go.set()
+        th.join()
+    return let_go
+
+
+@pytest.mark.parametrize("consumed", [False, True])
+def test_a_holds_end_staged_behind_another_thread_is_marked_on_the_live_stream(fake, consumed):
+    """A DLPack consumer done with an export while another thread holds the core lock: the
+    release is staged, its hold's end filed by whoever drains the stage -- but the consumer may
+    destroy its stream as soon as the deleter returns (``del arr`` and then the
+    ``cupy.cuda.Stream`` it ran on), and an event recorded then would go to a dead handle, or
+    to a new stream the driver made on the reused one (the consumer's kernel unordered: the
+    memory reused under it). The point the consumer's stream has reached is recorded as the
+    deleter runs, on its live handle, and the hold's end is leased there: a later write of the
+    view waits for that event. Before, nothing was recorded until the drain."""
+    from interop import dlpack as dl
+    dev, drv = fake
+    ok, h = drv.cuStreamCreate(1)
+    h = int(h)
+    real_record = drv.cuEventRecord
+
+    def record(ev, stream):  # the consumer's kernel on h still reads: its events stay pending
+        r = real_record(ev, stream)
+        if int(stream) == h:
+            drv.held.add(int(ev))
+        return r
+    drv.cuEventRecord = record
+    t = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    cap = t.__dlpack__(stream=h, max_version=(1, 0))
+    if consumed:  # (a consumer renames the capsule and calls the deleter itself, later)
+        addr = dl._get_pointer(cap, b"dltensor_versioned")
+        deleter = dl.DLManagedTensorVersioned.from_address(addr).deleter
+        assert dl._set_name(cap, b"used_dltensor_versioned") == 0
+        del cap
+    let_go = _lock_held_elsewhere()
+    try:
+        n = len(drv.calls)
+        if consumed:
+            deleter(addr)
+        else:
+            del cap  # (an unconsumed capsule's destructor calls the deleter)
+        marked = [c[1] for c in drv.calls[n:] if c[0] == "record" and c[2] == h]
+        assert len(marked) == 1  # recorded at the release, the handle still the consumer's
+    finally:
+        let_go()  # (the holder drains the stage as it lets the lock go)
+    assert [c for c in drv.calls[n:] if c[0] == "record" and c[2] == h] == \
+        [("record", marked[0], h)]  # (the drain recorded nothing more there)
+    s = dev.create_stream()
+    n = len(drv.calls)
+    t.fill_zero(stream=s).result()  # a write orders after the consumer's reads: that event
+    assert ("wait", s.handle, marked[0]) in drv.calls[n:]
+    drv.finish_held()
+    sm.synchronize()
+    assert sm.stats().leaked == 0
+
+
+def test_a_release_staged_inside_this_threads_own_call_is_applied_as_the_lock_is_let_go(fake):
+    """A finalizer that runs inside one of this thread's own sharedmem calls (a collection
+    set off there) and ends a DLPack consumer's hold cannot take the core lock: its release is
+    staged. It is applied as that call lets the lock go -- before control is back in user
+    code, which may destroy the consumer's stream next -- not at whatever call takes the lock
+    next, perhaps much later."""
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    ok, h = drv.cuStreamCreate(1)
+    h = int(h)
+    t = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
+    sm.synchronize()
+    cap = t.__dlpack__(stream=h, max_version=(1, 0))
+    live = t.allocation.live_views
+    n = len(drv.calls)
+    RUNTIME.acquire()  # (this thread's own critical section, interrupted by the finalizer)
+    try:
+        del cap  # (the capsule's destructor calls the deleter: staged)
+        assert len(RUNTIME.staged) == 1
+        assert not [c for c in drv.calls[n:] if c[0] == "record" and c[2] == h]
+    finally:
+        RUNTIME.release()
+    assert len(RUNTIME.staged) == 0  # applied as the lock was let go: the hold's end recorded
+    assert len([c for c in drv.calls[n:] if c[0] == "record" and c[2] == h]) == 1
+    assert t.allocation.live_views == live - 1
+    sm.synchronize()
+    assert sm.stats().leaked == 0

@@ -28,12 +28,14 @@ cdef extern from *:
 
 cdef class Hooks:
     cpdef end_holds(self, tok)
+    cpdef hold_ending(self, tok)
 
 cdef class Runtime:
     cdef readonly object _acquire, _release
     cdef sm_core_lock _plock
     cdef public unsigned long owner
     cdef readonly object staged
+    cdef public bint restaged
     cdef public list later
     cdef readonly set active
     cdef readonly list leaked
@@ -52,6 +54,7 @@ cdef class Runtime:
     @cython.locals(later=list)
     cpdef release(self)
     cpdef drop_later(self, obj)
-    cpdef bint enter_or_stage(self, fn, arg) except -1
+    cpdef bint enter_or_stage(self, fn, arg, bint hold=*) except -1
+    cdef _drain_at_release(self)
 
 cdef unsigned long _thread_ident()

@@ -17,9 +17,10 @@ Rules every caller keeps:
   :meth:`Runtime.drop_later` and dropped when the lock is let go.
 * Destructors may run in any thread at any time -- also inside a critical section of the same
   thread, when a garbage collection is triggered there. So a destructor never blocks on the
-  lock: :meth:`Runtime.enter_or_stage` tries it and, when it is busy, stages the operation; whoever
-  takes the lock next drains the stage before reading any state (``acquire`` does), so a view
-  released before an operation is never seen as live by it.
+  lock: :meth:`Runtime.enter_or_stage` tries it and, when it is busy, stages the operation; the
+  holder drains the stage as it lets the lock go, and whoever takes the lock next drains what
+  is left before reading any state (``acquire`` does), so a view released before an operation
+  is never seen as live by it.
 * The lock knows its owner. An API call made by a finalizer that interrupted a critical section
   on the same thread would deadlock on it, or see half-updated state: it raises
   :class:`~sharedmem.errors.SharedMemError` instead (releases are staged, never refused).
@@ -56,11 +57,11 @@ _get_ident = threading.get_ident
 class Runtime:
     """The ownership core's state (see the module docstring). One per process: ``RUNTIME``."""
 
-    __slots__ = ("_acquire", "_release", "_plock", "owner", "staged", "later", "active", "leaked",
-                 "in_flight", "submitted", "retired", "leaked_count", "leaked_bytes",
-                 "unfinished", "live_views", "warnings", "errors", "retirer_running",
-                 "retirer_idle", "ensure_retirer", "wake_retirer", "hooks", "policy", "pid",
-                 "tracer", "captures", "__weakref__")
+    __slots__ = ("_acquire", "_release", "_plock", "owner", "staged", "restaged", "later",
+                 "active", "leaked", "in_flight", "submitted", "retired", "leaked_count",
+                 "leaked_bytes", "unfinished", "live_views", "warnings", "errors",
+                 "retirer_running", "retirer_idle", "ensure_retirer", "wake_retirer", "hooks",
+                 "policy", "pid", "tracer", "captures", "__weakref__")
 
     def __init__(self):
         # the core lock, and `owner`: the thread holding it (0: none), written only by that thread
@@ -68,6 +69,9 @@ class Runtime:
         # Lock-free (deque.append and popleft are atomic under the GIL): (function, argument)
         # pairs to run under the lock, staged by destructors that found it busy.
         self.staged = collections.deque()
+        # Set (lock-free) after a stage: release() drains before it lets the lock go. Cleared
+        # by the holder before it drains; a stage it misses waits for the next acquire.
+        self.restaged = False
         # What a release under the lock let go whose finalizer is not ours to run there (a
         # foreign producer's deleter, which may block or call sharedmem): dropped by release(),
         # after the lock is let go (see drop_later): None, or a list. guarded by lock
@@ -140,6 +144,9 @@ class Runtime:
                 raise
 
     def release(self) -> None:
+        if self.restaged:  # releases staged while it was held: applied before it is let go
+            self.restaged = False
+            self._drain_at_release()
         later = self.later  # (None but where drop_later kept something: taken while held)
         if later is not None:
             self.later = None
@@ -173,11 +180,24 @@ class Runtime:
             fn, arg = staged.popleft()
             fn(arg)
 
-    def enter_or_stage(self, fn, arg) -> bool:
+    def _drain_at_release(self) -> None:
+        """Run staged releases as the lock is let go: a finalizer inside this thread's own
+        critical section, or another thread's release that found the lock busy, staged them
+        -- applied now rather than at the next acquire, which may be long after (and a hold's
+        end recorded then may find its consumer's stream destroyed). Never raises (release
+        runs in ``finally`` blocks): an error is raised at the next API call."""
+        try:
+            self.drain_staged()
+        except BaseException as e:  # (the failed one is dropped, as acquire's drain drops it)
+            self.errors.append(e)
+
+    def enter_or_stage(self, fn, arg, hold=False) -> bool:
         """Take the lock if it is free now (never waits) and apply staged operations: True,
         and the caller runs ``fn(arg)`` and releases the lock. Else ``fn(arg)`` is staged
-        (lock-free): False. If an earlier staged operation raises while the stage is drained,
-        ``fn(arg)`` is staged too (never lost) and the error raised. Safe from destructors,
+        (lock-free): False -- where another thread holds the lock and ``hold`` says ``arg`` is
+        a hold's token being released, after ``hooks.hold_ending(arg)``. If an earlier staged
+        operation raises while the stage is drained, ``fn(arg)`` is staged too (never lost)
+        and the error raised. Safe from destructors,
         from any thread, and inside a critical section of the same thread (the lock is busy
         there: staged)."""
         if (sm_lock_try(self._plock) if cython.compiled else self._acquire(False)):
@@ -190,7 +210,14 @@ class Runtime:
                 self.staged.append((fn, arg))
                 raise
             return True
+        if hold and self.owner != _thread_ident():  # (not a finalizer inside this thread's
+            # own critical section: that one's release drains the stage before it returns)
+            try:  # (before the stage: its holder may drain it at once)
+                self.hooks.hold_ending(arg)
+            except Exception:  # (the stage must happen: the hold's end is then recorded late)
+                pass
         self.staged.append((fn, arg))
+        self.restaged = True
         return False
 
     def install_hooks(self, hooks) -> None:
@@ -210,6 +237,12 @@ class Hooks:
     def end_holds(self, tok) -> None:  # pragma: no cover - overridden
         """A hold ``tok`` was released: lease its bytes on its consumers' streams until they
         pass this point (submission.end_holds_locked). Caller holds the core lock."""
+        raise NotImplementedError("sharedmem.runtime.submission is not imported")
+
+    def hold_ending(self, tok) -> None:  # pragma: no cover - overridden
+        """Hold ``tok`` is being released while another thread holds the core lock (its
+        release staged): mark the point its consumers' borrowed streams have reached now,
+        before the consumer can destroy them (submission.mark_hold_end). No lock held."""
         raise NotImplementedError("sharedmem.runtime.submission is not imported")
 
 

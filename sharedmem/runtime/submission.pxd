@@ -60,7 +60,7 @@ cpdef list _sweep_locked(Stream stream, bint record=*)
 @cython.locals(i=Py_ssize_t, sub=Submission, last=object)
 cpdef _finish(list subs, bint hand_off=*)
 
-@cython.locals(consumers=tuple, tracker=AccessTracker, c=tuple, stream=Stream)
+@cython.locals(consumers=tuple, tracker=AccessTracker, c=tuple, stream=Stream, early=dict)
 cpdef end_holds_locked(ViewToken tok)
 
 cdef _end_hold_locked(ViewToken tok, Stream stream, bint writes)
@@ -75,6 +75,9 @@ cpdef joined_marker_locked(Stream stream)
 
 cdef class _Hooks(Hooks):
     cpdef end_holds(self, tok)
+    cpdef hold_ending(self, tok)
+
+cdef dict _early_ends
 
 cpdef sweep_long(Stream stream)
 

@@ -490,9 +490,13 @@ def end_holds_locked(tok) -> None:
     consumers = tok.consumers
     tracker = tok.allocation.tracker
     error = None
+    early = _early_ends.pop(tok, None) if _early_ends else None  # (see mark_hold_end)
     for c in consumers:
         stream = c[0]  # (a typed local: its fields are C reads)
         try:
+            if early is not None and stream in early:
+                _lease_hold_end_locked(stream, tok, c[1], early.pop(stream))
+                continue
             _end_hold_locked(tok, stream, c[1])
         except BaseException as e:  # (the other streams' holds must end too)
             if error is None:
@@ -504,8 +508,59 @@ def end_holds_locked(tok) -> None:
             tracker.drop_hold_locked(stream, tok)
     # (only now: while the holds are open their modes are read from it, access._hold_writes)
     tok.consumers = None
+    if early:  # (marked on a stream whose entry ended before: end_left_consumers_locked)
+        _recycle_marks(early)
     if error is not None:
         raise error
+
+
+# The markers mark_hold_end recorded for a hold whose release was staged: ViewToken -> {its
+# borrowed consumer Stream: marker}. Written lock-free (one store: atomic under the GIL), taken
+# (popped) by end_holds_locked under the lock; almost always empty.
+_early_ends = {}
+
+
+def mark_hold_end(tok) -> None:
+    """Hold ``tok`` is being released while another thread holds the core lock, so its end is
+    filed later, by whoever drains the stage -- but its consumer may destroy a stream of its
+    own as soon as the release returns (``cupy.from_dlpack`` under a ``cupy.cuda.Stream`` the
+    user then drops), and a marker recorded then would go to a dead handle, or to another
+    stream made on a reused one. So the point each borrowed consumer stream has reached is
+    recorded now, without the lock (a pooled event and one cuEventRecord: lock-free), and
+    end_holds_locked files the hold's end there. Streams that outlive the hold (sharedmem's own,
+    the default stream) and streams whose marker is not recorded now (captured, or joined to a
+    capture) are left to end_holds_locked, as is any stream whose record fails. Never raises
+    (it runs in destructors)."""
+    consumers = tok.consumers
+    if consumers is None or not tok.live or tok.start >= tok.stop:
+        return
+    marks = None
+    for c in consumers:
+        stream = c[0]
+        if stream._ours or stream._capture is not None or stream._joined is not None:
+            continue
+        on_handle = getattr(stream.device.backend, "marker_on_handle", None)
+        if on_handle is None:  # (no foreign streams on its device: nothing can destroy it)
+            continue
+        try:
+            m = on_handle(stream._impl.handle, True)
+        except Exception:  # (end_holds_locked records it, or finds that it cannot)
+            continue
+        if marks is None:
+            marks = {}
+        marks[stream] = m
+    if marks is None:
+        return
+    _early_ends[tok] = marks
+    if not tok.live:  # (released meanwhile, through another path that may have missed them)
+        _recycle_marks(_early_ends.pop(tok, None))
+
+
+def _recycle_marks(marks) -> None:
+    """Give back the events of markers mark_hold_end recorded and no lease took."""
+    if marks:
+        for m in marks.values():
+            m.recycle()
 
 
 def _end_hold_locked(tok, stream, writes) -> None:
@@ -915,6 +970,9 @@ class _Hooks(Hooks):
 
     def end_holds(self, tok) -> None:
         end_holds_locked(tok)
+
+    def hold_ending(self, tok) -> None:
+        mark_hold_end(tok)
 
 
 RUNTIME.install_hooks(_Hooks())
