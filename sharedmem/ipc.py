@@ -6,7 +6,8 @@ another process, by ``sm.ipc.open(handle)``, which returns a Buffer or Tensor of
 bytes (zero-copy) on the importer's device. What holds:
 
 * **Ordered on arrival.** The export records an interprocess event after every write to the
-  bytes pending then (on any stream); the importer's stream waits for it on the device
+  bytes pending then (on any stream; for a writable view, whose importer may write, every
+  read too); the importer's stream waits for it on the device
   before its first use. Never a host synchronize.
 * **Never freed under the importer.** Until the importer is done, the exporter holds a view
   of the bytes (``CUDA IPC export`` in AliasError messages): its memory is neither freed nor
@@ -54,9 +55,9 @@ import weakref
 import numpy as np
 
 from .allocation import View
-from .errors import BackendUnavailableError, CaptureError, SharedMemError
+from .errors import BackendUnavailableError, CaptureError, CompletionUnknownError, SharedMemError
 from .runtime.state import OwnedLock, at_fork_child, fork_safe, locked, log
-from .runtime.submission import record_arrival
+from .runtime.submission import fresh_marker_locked, raise_deferred, record_arrival
 
 __all__ = ["IpcExport", "IpcHandle", "export", "open", "exports", "POLL", "GRACE"]
 
@@ -292,6 +293,10 @@ def export(view, stream=None) -> IpcExport:
         # (again here, where a capture is decided: one begun since the check above would
         # take this work into its graph -- submit() records it there, calling this first)
         refuse_capture()
+        if tok.writable:
+            # the importer may write: ordered after the pending reads on other streams too, as
+            # a DLPack export of a writable view is (the lease, a read, waited for the writes)
+            _order_after_reads_locked(tok, s)
         backend.record_event(pair[0], impl)
         return impl.submit_marker()
 
@@ -320,6 +325,36 @@ def export(view, stream=None) -> IpcExport:
         raise
     log.debug("CUDA IPC export of %r: %s", view, h)
     return ex
+
+
+def _order_after_reads_locked(tok, s) -> None:
+    """Make ``s`` wait, on the device, for the unfinished reads of ``tok``'s bytes on other
+    streams (and what consumers holding them read-only gave their streams so far): what a
+    read lease does not wait for, and a writing importer must. Caller holds core_lock.
+    CompletionUnknownError for reads of unknown completion (nothing waited for after it)."""
+    tracker = tok.allocation.tracker
+    if not tracker.elsewhere_locked(s):
+        return
+    waited = s._waited
+    for c in tracker.conflicts_locked(s, True, tok.start, tok.stop, None):
+        other, marker, seq, writes = c[0], c[1], c[2], c[3]
+        if marker is None and writes:  # a hold that may write: the read lease waited for it
+            continue
+        if marker is not None and waited is not None and seq <= waited.get(other._uid, 0):
+            continue  # (ordered already: the lease waited for that work, or later work)
+        fresh = marker is None  # an open hold: whatever its stream was given so far
+        if fresh:
+            marker = fresh_marker_locked(other, True)
+        try:
+            if marker.error is not None:
+                raise CompletionUnknownError(
+                    f"cannot export bytes [{tok.start}, {tok.stop}) of allocation "
+                    f"#{tok.allocation.id} by CUDA IPC: work of unknown completion on {other} "
+                    f"reads them, and the importer may write them")
+            s._impl.wait_marker(marker)
+        finally:
+            if fresh:
+                marker.recycle()
 
 
 def exports() -> int:
@@ -598,6 +633,7 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         raise TypeError(f"sm.ipc.open takes an IpcHandle (IpcExport.handle), got "
                         f"{type(handle).__name__}")
     dtype = _checked_dtype(handle)
+    raise_deferred()  # (as the call begins: never once the slot is opened, see deferring)
     if handle.exporter_pid == os.getpid():
         raise SharedMemError(f"{handle!r} was exported by this process: use the view itself "
                              f"(CUDA IPC handles open in other processes)")
@@ -655,6 +691,13 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         start = ptr - alloc.ptr
         tok = alloc.new_token("CUDA IPC import", start, start + handle.nbytes, handle.writable,
                               imp)
+        if handle.nbytes:  # the arrival, a write on `s`: other streams' use is ordered after it
+            try:  # (before the import is armed: a failure -- a capture begun on `s` since it
+                # was looked at -- puts the slot back, and the handle opens again)
+                record_arrival(tok, s)
+            except BaseException:
+                tok.release()
+                raise
         imp.generation = gen  # armed: its end releases the slot
     except BaseException:
         # (an _Import made before the failure is never armed: kept alive by the traceback,
@@ -666,8 +709,6 @@ def open(handle: IpcHandle, stream=None):  # noqa: A001  (sm.ipc.open)
         view = new_tensor(tok, dtype, handle.shape, handle.strides, start + handle.first)
     else:
         view = new_buffer(tok, dtype, handle.shape[0])
-    if handle.nbytes:  # the arrival, a write on `s`: other streams' use is ordered after it
-        record_arrival(tok, s)
     return view
 
 

@@ -4689,3 +4689,38 @@ def test_a_marker_recycled_while_it_is_asked_reads_done(fake, monkeypatch):
     monkeypatch.setattr(drv, "cuThreadExchangeStreamCaptureMode", exchange)
     assert m.query() == 1
     assert m.event is None
+
+
+def test_an_import_never_raises_other_works_deferred_error_after_consuming_its_capsule(
+        fake, monkeypatch):
+    """An error a callback of other work raised is re-raised as the next API call begins,
+    never between its parts. A DLPack import on a CUDA device re-raised it from its last
+    part, the arrival's submission -- after the capsule was consumed: the tensor was dropped
+    with the error (the producer's deleter ran) and the capsule could not be imported again.
+    The import now succeeds and the error waits for the next call."""
+    import sharedmem.device as sm_device
+    import interop.dlpack as dl
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
+    mem = np.zeros(64, np.uint8)
+    drv.ranges[mem.ctypes.data] = mem.nbytes
+    deleted = []
+    deleter, shape = dl._DELETER(deleted.append), (ctypes.c_int64 * 1)(4)
+    m = dl.DLManagedTensorVersioned()
+    m.version.major, m.deleter = 1, deleter
+    d = m.dl_tensor
+    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCUDA, 1
+    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
+    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
+    sm.synchronize()
+    RUNTIME.errors.append(ZeroDivisionError("a then() function of other work"))
+    t = sm.from_dlpack(cap)
+    assert (t.ptr, t.shape, t.device) == (mem.ctypes.data, (4,), dev) and deleted == []
+    with pytest.raises(ZeroDivisionError, match=r"^a then\(\) function of other work$"):
+        sm.stats()  # (the next call)
+    del t
+    sm.synchronize()
+    gc_collect_harder()
+    assert deleted == [ctypes.addressof(m)]

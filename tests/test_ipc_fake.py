@@ -641,3 +641,91 @@ def test_an_export_whose_slot_file_finds_no_space_raises_and_leaves_no_file(fake
         ipc.export(b)
     assert ei.value.errno == errno.ENOSPC
     assert os.listdir(tmp_path) == [] and ipc.exports() == 0 and b.allocation.live_views == 1
+
+
+def test_an_open_raises_other_works_deferred_error_before_it_consumes_the_handle(fake):
+    """An error a callback of other work raised is re-raised "as the next API call begins,
+    never between its parts". open() re-raised it from its last part -- the arrival's
+    submission, after the slot was opened and the import made: the import was dropped with
+    the error, which ended the export (the exporter saw the handle opened and released) and
+    the handle could not be opened again. Now it is raised before the slot is touched, and
+    an open that fails at the arrival puts the slot back, as any failed open does."""
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    h = _as_received(ex.handle)
+    RUNTIME.errors.append(ZeroDivisionError("a then() function of other work"))
+    with pytest.raises(ZeroDivisionError, match=r"^a then\(\) function of other work$"):
+        ipc.open(h)
+    gc_collect_harder()
+    assert _state_after_polls(ex) == "exported" and not ex.wait_released(0)
+    v = ipc.open(h)  # the handle opens: nothing of it was consumed
+    assert v.is_live and _state_after_polls(ex) == "open"
+    del v
+    assert _released(ex) and ipc.exports() == 0
+
+
+def test_an_open_whose_arrival_cannot_be_recorded_puts_the_slot_back(fake, monkeypatch):
+    """The arrival is the last part of an open: when its submission fails (here the retirer
+    thread cannot start), the open raises with nothing consumed -- the slot back to
+    "exported", the import not armed -- and the handle opens again."""
+    from sharedmem.runtime import retirer
+    from sharedmem.runtime.state import RUNTIME
+    dev, drv = fake
+    b, ex = _exported(dev, drv)
+    h = _as_received(ex.handle)
+    sm.synchronize()
+
+    def cannot_start():
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as m:
+        m.setattr(RUNTIME, "retirer_running", False)
+        m.setattr(RUNTIME, "ensure_retirer", cannot_start)
+        with pytest.raises(RuntimeError, match=r"^can't start new thread$"):
+            ipc.open(h)
+    gc_collect_harder()
+    assert _state_after_polls(ex) == "exported"
+    v = ipc.open(h)
+    assert v.is_live and _state_after_polls(ex) == "open"
+    del v
+    assert _released(ex) and ipc.exports() == 0
+
+
+def test_a_writable_export_orders_after_pending_reads_too(fake):
+    """The importer of a writable export may write the bytes at once (its stream waits only
+    for the export's event): as a DLPack or CAI export of a writable view, the export must be
+    ordered after the reads pending then, not only the writes -- else the importer's first
+    write raced a read still running on another stream of the exporter. A read-only export
+    waits for writes alone; a read of the exporter after the export is no conflict."""
+    dev, drv = fake
+    b, b2 = (sm.Buffer.from_host(np.arange(256, dtype=np.float32), device=dev) for _ in "ab")
+    for x in (b, b2):
+        drv.ranges[x.allocation.ptr] = x.allocation.nbytes
+    w, w2 = dev.create_stream("reader"), dev.create_stream("writer then reader")
+    sm.synchronize()
+
+    def waits():
+        return sum(1 for c in drv.calls if c[0] == "wait")
+    drv.holding = True
+    try:
+        sm.Buffer.empty(256, "float32", device=dev).copy_from(b, stream=w)  # a read of b
+        n = waits()
+        ro = ipc.export(b.as_readonly())
+        assert waits() == n  # (a read-only export: reads are no conflict)
+        ex = ipc.export(b)
+        assert ex.handle.writable and waits() == n + 1  # after the read
+        # a write, then a read on one stream: the export waits for the write (its lease) and
+        # for the read after it
+        b2.fill_zero(stream=w2)
+        sm.Buffer.empty(256, "float32", device=dev).copy_from(b2, stream=w2)
+        n = waits()
+        ex2 = ipc.export(b2)
+        assert waits() == n + 2
+        sm.set_access_policy("reject")
+        sm.Buffer.empty(256, "float32", device=dev).copy_from(
+            b, stream=dev.create_stream("another reader"))  # (the export is no write)
+    finally:
+        sm.set_access_policy("order")
+        drv.finish_held()
+    assert ex.revoke() and ex2.revoke() and ro.revoke()

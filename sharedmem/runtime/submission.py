@@ -1039,7 +1039,10 @@ def record_arrival(tok, stream) -> None:
     work; None: the device's default stream), made to wait for the producer's writes already:
     later use on any other stream is ordered after it (DLPack, CAI and IPC imports)."""
     s = stream if stream is not None else tok.allocation.device.default_stream
-    submit_plan(s, [(tok, True)], _ARRIVAL, None, None, (), "order", "import")
+    # (a part of an import, after what cannot be undone -- a DLPack capsule consumed, an IPC
+    # slot opened: another work's deferred error waits for the next call, see deferring)
+    with deferring():
+        submit_plan(s, [(tok, True)], _ARRIVAL, None, None, (), "order", "import")
 
 
 def synchronize_stream(stream, everything=False) -> None:
