@@ -153,30 +153,9 @@ def test_dlpack_export_to_a_stream_in_another_librarys_capture_is_refused(fake):
     a stream sharedmem captures, and for a launch ordered after such a stream: CaptureError,
     nothing waited for on h, nothing exported (no hold left); after the capture, the export."""
     dev, drv = fake
-    a = dev.create_stream("A")
-    buf = sm.Buffer.zeros(16, "float32", device=dev)
-    sm.synchronize()
-    drv.holding = True  # A's write stays in flight
-    try:
-        buf.copy_from(np.full(16, 2, np.float32), stream=a)
-        ok, h = drv.cuStreamCreate(1)
-        h = int(h)
-        drv.cuStreamBeginCapture(h, 0)
-        views = buf.allocation.live_views
-        mark = len(drv.calls)
-        with pytest.raises(sm.CaptureError, match=r"is capturing a CUDA graph"):
-            buf.__dlpack__(stream=h, max_version=(1, 0))
-        assert not [c for c in drv.calls[mark:] if c[0] in ("wait", "record") and c[1] == h], \
-            "the export enqueued on a stream another library is capturing"
-        assert buf.allocation.live_views == views, "a refused export left its hold"
-        drv.cuStreamEndCapture(h)
-        cap = buf.__dlpack__(stream=h, max_version=(1, 0))
-        assert [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == h]
-        del cap
-    finally:
-        drv.holding = False
-        drv.finish_held()
-    gc_collect_harder()
+    _an_export_to_a_foreign_capture_is_refused(
+        dev, drv, lambda buf, h: buf.__dlpack__(stream=h, max_version=(1, 0)),
+        r"is capturing a CUDA graph")
 
 
 def test_a_copying_export_checks_its_stream_before_it_copies(fake):
@@ -511,32 +490,10 @@ def test_as_cupy_on_a_stream_in_another_librarys_capture_is_refused(fake, monkey
         mem=mem, ptr=mem.ptr + off), raising=False)
     monkeypatch.setattr(cp, "ndarray", lambda shape, dtype, memptr, strides=None:
                         types.SimpleNamespace(data=memptr, shape=shape), raising=False)
-    a = dev.create_stream("A")
-    buf = sm.Buffer.zeros(16, "float32", device=dev)
-    sm.synchronize()
-    drv.holding = True  # A's write stays in flight
-    try:
-        buf.copy_from(np.full(16, 2, np.float32), stream=a)
-        ok, h = drv.cuStreamCreate(1)
-        h = int(h)
-        drv.cuStreamBeginCapture(h, 0)
-        views = buf.allocation.live_views
-        mark = len(drv.calls)
-        with pytest.raises(sm.CaptureError, match=r"^as_cupy: cannot export bytes \[0, 64\) "
-                                                  r".* it is capturing a CUDA graph that "
-                                                  r"sharedmem did not start"):
-            as_cupy(buf, stream=h)
-        assert not [c for c in drv.calls[mark:] if c[0] in ("wait", "record") and c[2 if
-                    c[0] == "record" else 1] == h], "enqueued on a stream another library captures"
-        assert buf.allocation.live_views == views, "a refused export left its hold"
-        drv.cuStreamEndCapture(h)
-        arr = as_cupy(buf, stream=h)
-        assert [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == h]
-        del arr
-    finally:
-        drv.holding = False
-        drv.finish_held()
-    gc_collect_harder()
+    _an_export_to_a_foreign_capture_is_refused(
+        dev, drv, lambda buf, h: as_cupy(buf, stream=h),
+        r"^as_cupy: cannot export bytes \[0, 64\) .* it is capturing a CUDA graph that "
+        r"sharedmem did not start")
 
 
 def _lock_held_elsewhere():
@@ -641,3 +598,36 @@ def test_a_release_staged_inside_this_threads_own_call_is_applied_as_the_lock_is
     assert t.allocation.live_views == live - 1
     sm.synchronize()
     assert sm.stats().leaked == leaked
+
+
+
+def _an_export_to_a_foreign_capture_is_refused(dev, drv, export, match):
+    """``export(buf, h)`` with a write of ``buf`` in flight on another stream, while another
+    library captures on the consumer's stream ``h``: CaptureError (``match``), nothing waited
+    for or recorded on h, no hold left; once the capture ends, the export, ordered after the
+    write."""
+    a = dev.create_stream("A")
+    buf = sm.Buffer.zeros(16, "float32", device=dev)
+    sm.synchronize()
+    drv.holding = True  # A's write stays in flight
+    try:
+        buf.copy_from(np.full(16, 2, np.float32), stream=a)
+        ok, h = drv.cuStreamCreate(1)
+        h = int(h)
+        drv.cuStreamBeginCapture(h, 0)
+        views = buf.allocation.live_views
+        mark = len(drv.calls)
+        with pytest.raises(sm.CaptureError, match=match):
+            export(buf, h)
+        assert not [c for c in drv.calls[mark:] if (c[0] == "wait" and c[1] == h) or
+                    (c[0] == "record" and c[2] == h)], \
+            "enqueued on a stream another library captures"
+        assert buf.allocation.live_views == views, "a refused export left its hold"
+        drv.cuStreamEndCapture(h)
+        out = export(buf, h)
+        assert [c for c in drv.calls[mark:] if c[0] == "wait" and c[1] == h]
+        del out
+    finally:
+        drv.holding = False
+        drv.finish_held()
+    gc_collect_harder()

@@ -3786,18 +3786,8 @@ def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
     with pytest.raises(ValueError, match=rf"^0x{b.ptr:x} is not CUDA device memory$"):
         sm.from_cuda_array_interface(Producer())
     assert sm.stats() == before and b.allocation.live_views == 1
-    import interop.dlpack as dl  # a foreign DLPack capsule of memory no import knows yet
-    mem = np.zeros(64, np.uint8)
-    drv.ranges[mem.ctypes.data] = mem.nbytes
-    deleted = []
-    deleter, shape = dl._DELETER(deleted.append), (ctypes.c_int64 * 1)(4)
-    m = dl.DLManagedTensorVersioned()
-    m.version.major, m.deleter = 1, deleter
-    d = m.dl_tensor
-    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCUDA, 1
-    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
-    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
+    import interop.dlpack as dl
+    cap, mem, deleted, m = _foreign_capsule(drv)  # (of memory no import knows yet)
     real, hot0 = drv.cuPointerGetAttributes, dev.backend.hot
     monkeypatch.setattr(drv, "cuPointerGetAttributes",
                         lambda n, attrs, p: (CUresult.CUDA_ERROR_INVALID_CONTEXT, None))
@@ -4699,21 +4689,10 @@ def test_an_import_never_raises_other_works_deferred_error_after_consuming_its_c
     with the error (the producer's deleter ran) and the capsule could not be imported again.
     The import now succeeds and the error waits for the next call."""
     import sharedmem.device as sm_device
-    import interop.dlpack as dl
     from sharedmem.runtime.state import RUNTIME
     dev, drv = fake
     monkeypatch.setitem(sm_device._devices, ("cuda", 0), dev)  # (an import probes Device(0))
-    mem = np.zeros(64, np.uint8)
-    drv.ranges[mem.ctypes.data] = mem.nbytes
-    deleted = []
-    deleter, shape = dl._DELETER(deleted.append), (ctypes.c_int64 * 1)(4)
-    m = dl.DLManagedTensorVersioned()
-    m.version.major, m.deleter = 1, deleter
-    d = m.dl_tensor
-    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCUDA, 1
-    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
-    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
+    cap, mem, deleted, m = _foreign_capsule(drv)
     sm.synchronize()
     RUNTIME.errors.append(ZeroDivisionError("a then() function of other work"))
     t = sm.from_dlpack(cap)
@@ -4724,3 +4703,23 @@ def test_an_import_never_raises_other_works_deferred_error_after_consuming_its_c
     sm.synchronize()
     gc_collect_harder()
     assert deleted == [ctypes.addressof(m)]
+
+
+def _foreign_capsule(drv):
+    """A foreign producer's versioned DLPack capsule of 4 float32s of fake device memory:
+    ``(capsule, the memory, the list its deleter appends the struct's address to, the
+    DLManagedTensorVersioned)`` -- the struct keeps its deleter and shape alive."""
+    import interop.dlpack as dl
+    mem = np.zeros(64, np.uint8)
+    drv.ranges[mem.ctypes.data] = mem.nbytes
+    deleted = []
+    deleter, shape = dl._DELETER(deleted.append), (ctypes.c_int64 * 1)(4)
+    m = dl.DLManagedTensorVersioned()
+    m.version.major, m.deleter = 1, deleter
+    m._keep = (deleter, shape)
+    d = m.dl_tensor
+    d.data, d.device.device_type, d.ndim = mem.ctypes.data, dl.kDLCUDA, 1
+    d.dtype.code, d.dtype.bits, d.dtype.lanes = dl.kDLFloat, 32, 1
+    d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
+    return cap, mem, deleted, m
