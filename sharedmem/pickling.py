@@ -56,15 +56,22 @@ def reduce_buffer(buf, protocol):
     """``Buffer.__reduce_ex__``: rebuilt by :func:`rebuild_buffer` from a host copy."""
     values = buf.to_host()  # raises MovedError / ReleasedError for a dead view
     hook_distributed()
-    return rebuild_buffer, (values.dtype.str, host_payload(values, protocol))
+    return rebuild_buffer, (wire_dtype(values.dtype), host_payload(values, protocol))
 
 
 def reduce_tensor(t, protocol):
     """``Tensor.__reduce_ex__``: rebuilt by :func:`rebuild_tensor` from a host copy (C order)."""
     values = t.to_host()
     hook_distributed()
-    return rebuild_tensor, (values.dtype.str, tuple(values.shape),
+    return rebuild_tensor, (wire_dtype(values.dtype), tuple(values.shape),
                             host_payload(values, protocol))
+
+
+def wire_dtype(dt: np.dtype):
+    """``dt`` as pickled: its typestr (what earlier versions sent, read by any NumPy), but
+    the dtype itself where the typestr does not name it -- ml_dtypes' bfloat16 is ``"<V2"``,
+    raw bytes, which no view can hold (it pickles as a reference to ml_dtypes' type)."""
+    return dt.str if np.dtype(dt.str) == dt else dt
 
 
 def reduce_box(box, protocol):

@@ -66,8 +66,21 @@ def numpy_region(arr):
     (empty): any view of one array, imported or leased, is a range of that one allocation --
     whichever view came first -- so that work on overlapping views is ordered."""
     root = arr
-    while isinstance(root.base, np.ndarray):
-        root = root.base
+    while True:
+        base = root.base
+        if isinstance(base, np.ndarray):
+            root = base
+            continue
+        # (np.lib.stride_tricks.as_strided: an array over a stand-in object whose `base` is
+        # the array it was made of -- walked through where that array holds the bytes, else
+        # an as_strided view leased first was an allocation of its own, and work on it and
+        # on the array it views on another stream was not ordered)
+        inner = getattr(base, "base", None) if base is not None and \
+            hasattr(base, "__array_interface__") else None
+        if isinstance(inner, np.ndarray) and _spans(inner, arr):
+            root = inner
+            continue
+        break
     rlo, rhi = extent(root.shape, root.strides, root.itemsize)
     if not rhi:
         return None
@@ -85,6 +98,14 @@ def numpy_region(arr):
     elif base is not None:  # (np.frombuffer, np.ndarray(buffer=...): over part of a buffer)
         region = _buffer_region(base, start, nbytes)
     return region if region is not None else (start, nbytes)
+
+
+def _spans(outer, arr) -> bool:
+    """Whether NumPy array ``outer``'s bytes hold all of ``arr``'s."""
+    lo, hi = extent(arr.shape, arr.strides, arr.itemsize)
+    olo, ohi = extent(outer.shape, outer.strides, outer.itemsize)
+    start = arr.ctypes.data + lo
+    return _containing((outer.ctypes.data + olo, ohi - olo), start, hi - lo) is not None
 
 
 def _containing(region, start: int, nbytes: int):
@@ -481,9 +502,11 @@ class Tensor(View):
             start, stop, step = key.indices(n)
             count = len(range(start, stop, step))
             shape = (count,) + self._shape[1:]
-            # (one element or none: any stride will do -- the parent's, never one past int64)
-            strides = (self._strides[0] * step if count > 1 else self._strides[0],) + \
-                self._strides[1:]
+            # (one element or none -- an empty result, whatever its count: another axis of
+            # size 0 -- any stride will do: the parent's, never one past int64. The stride
+            # times the step is bounded by the bytes it spans only where there are some)
+            strides = (self._strides[0] * step if count > 1 and 0 not in self._shape
+                       else self._strides[0],) + self._strides[1:]
         elif isinstance(key, (int, np.integer)) and not isinstance(key, bool):
             start = int(key)
             if start < 0:
