@@ -95,7 +95,8 @@ class _FutureBase:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the work ended with, or None (a TimeoutError when it has not ended
-        within ``timeout``; as ``result``, errors of other work's callbacks are re-raised)."""
+        within ``timeout``). A DeviceFuture's, as its ``result``, re-raises errors of other
+        work's callbacks first (an API call); a HostFuture's, set by a callback, does not."""
         # (an interrupt while waiting propagates: not the outcome)
         self._wait_done(check_timeout(timeout))
         # (done: _peek does not wait) its own outcome, whatever its type (TimeoutError too)
