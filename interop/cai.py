@@ -216,8 +216,8 @@ def from_cuda_array_interface(obj, *, stream=None):
             raise ValueError(f"0x{ptr:x} is not CUDA device memory")
         dev = Device(info[2])
         region = driver_region(info, ptr, nbytes, "__cuda_array_interface__ array", ValueError)
-    else:
-        dev, region = Device(0), None
+    else:  # (no bytes, no address to find them by: the device of the stream named, if any)
+        dev, region = (stream.device if isinstance(stream, Stream) else Device(0)), None
     s = resolve_stream(stream, dev)
     if s._capture is not None:  # (the producer's order and the arrival would wait for replay)
         raise uncapturable_import(s)
@@ -232,16 +232,18 @@ def from_cuda_array_interface(obj, *, stream=None):
         if producer >= 1 << 64:
             raise ValueError(f"__cuda_array_interface__ stream {producer} is not a stream handle "
                              f"(above 64 bits)")
-        theirs = Stream._find(dev, producer)
-        if theirs is not None and theirs._capture is not None:  # (sharedmem's own capture)
-            raise CaptureError(
-                f"the producer's stream is {theirs}, which is capturing graph "
-                f"#{theirs._capture.id}: an import ordered after it would draw {s} into the "
-                f"capture; import before the capture begins or after it ends")
-        e = dev.backend.foreign_capture_error(producer)  # (another library's capture)
-        if e is not None:
-            raise e
-        dev.backend.order_after_handle(s._impl, producer)
+        if nbytes:  # (no bytes, nothing to wait for: the producer's stream may even be
+            # another device's, which this device's context cannot record an event on)
+            theirs = Stream._find(dev, producer)
+            if theirs is not None and theirs._capture is not None:  # (sharedmem's capture)
+                raise CaptureError(
+                    f"the producer's stream is {theirs}, which is capturing graph "
+                    f"#{theirs._capture.id}: an import ordered after it would draw {s} into "
+                    f"the capture; import before the capture begins or after it ends")
+            e = dev.backend.foreign_capture_error(producer)  # (another library's capture)
+            if e is not None:
+                raise e
+            dev.backend.order_after_handle(s._impl, producer)
     # the producer still reaches the bytes: an alias while the import lives (it keeps obj)
     return import_tensor(dev, ptr, nbytes, "cai", region, not readonly, obj, dtype, shape,
                          strides, s, obj)

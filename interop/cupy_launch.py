@@ -322,6 +322,15 @@ def _float_value(i, p, a):
     if not isinstance(a, (float, int, np.floating, np.integer)) or isinstance(a, (bool, np.bool_)):
         raise KernelError(f"argument {i}: {p.describe()} takes a number, got {_what(a)}")
     v = a
+    if p.size != 8 and isinstance(a, np.floating) and a.dtype.itemsize > 8:
+        # (a longdouble, for a float or a half: float() rounds it to a double, and that
+        # double would be rounded again -- a value just past a tie between two floats lands
+        # on the tie and rounds to even, the wrong one. Rounded to odd instead, the double
+        # keeps the side of the tie: its one rounding to 24 or 11 bits is then the nearest)
+        v = float(a)
+        if v - v == 0 and np.longdouble(v) != a and not struct.unpack("<Q", struct.pack(
+                "<d", v))[0] & 1:
+            v = math.nextafter(v, _INF if a > v else -_INF)
     if p.size == 4 and isinstance(a, _INTS) and abs(int(a)) >> 53:
         # (an int past a double's 53 bits, for a float: rounded once, to float's 24 --
         # float() then float32 round twice, which can miss the nearest float)
