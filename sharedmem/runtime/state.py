@@ -197,9 +197,8 @@ class Runtime:
         (lock-free): False -- where another thread holds the lock and ``hold`` says ``arg`` is
         a hold's token being released, after ``hooks.hold_ending(arg)``. If an earlier staged
         operation raises while the stage is drained, ``fn(arg)`` is staged too (never lost)
-        and the error raised. Safe from destructors,
-        from any thread, and inside a critical section of the same thread (the lock is busy
-        there: staged)."""
+        and the error raised. Safe from destructors, from any thread, and inside a critical
+        section of the same thread (the lock is busy there: staged)."""
         if (sm_lock_try(self._plock) if cython.compiled else self._acquire(False)):
             self.owner = _thread_ident()
             try:
