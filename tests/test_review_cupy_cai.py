@@ -22,8 +22,9 @@ def test_a_longdouble_for_a_float_or_half_is_rounded_once(fake):
     up = one + np.longdouble(2) ** -24 + np.longdouble(2) ** -60  # (past float's tie)
     hup = one + np.longdouble(2) ** -11 + np.longdouble(2) ** -60  # (past half's tie)
     down = -(one + np.longdouble(2) ** -24 - np.longdouble(2) ** -60)  # (short of it)
-    sm.launch(k, 1, 1, up, hup, up).result()
-    sm.launch(k, 1, 1, down, -hup, np.longdouble(1.5)).result()
+    s = dev.create_stream()  # (no array arguments: the stream names the device)
+    sm.launch(k, 1, 1, up, hup, up, stream=s).result()
+    sm.launch(k, 1, 1, down, -hup, np.longdouble(1.5), stream=s).result()
     assert got == [(bytes.fromhex("0100803f"), bytes.fromhex("013c"),
                     np.float64(up).tobytes()),
                    (bytes.fromhex("000080bf"), bytes.fromhex("01bc"),
