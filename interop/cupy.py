@@ -36,7 +36,7 @@ import weakref
 from sharedmem.bridges import refs_held_once, refuse_references, refuse_shared
 from sharedmem.buffer import DeviceBox
 from sharedmem.device import Device
-from sharedmem.errors import AliasError, CaptureError, DeviceMismatchError, LayoutError
+from sharedmem.errors import AliasError, DeviceMismatchError, LayoutError
 from sharedmem.launch import KernelAdapter, register_kernel_adapter
 from sharedmem.runtime.submission import export_hold
 from sharedmem.stream import Stream
@@ -44,7 +44,7 @@ from sharedmem.tensor import Tensor, extent, new_tensor
 
 from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce,
                                  export_token, owner_writable, plan_kernel)
-from interop.dlpack import ProducerAlias
+from interop.dlpack import ProducerAlias, refuse_foreign_capture
 from sharedmem.allocation import import_writable
 
 __all__ = ["wrap", "adopt", "as_cupy", "RawKernelAdapter"]
@@ -140,19 +140,9 @@ def as_cupy(x, stream=None):
     if dev.kind != "cuda":
         raise DeviceMismatchError(f"as_cupy needs memory on a CUDA device; {x!r} is on {dev}")
     consumer = _consumer(stream, dev)
-    if consumer._capture is None and consumer is not dev.default_stream:  # (sharedmem's own
-        # capture: export_hold refuses it by name) another library's capture of the stream
-        # (cupy.cuda.Stream.begin_capture, torch.cuda.graph): the wait for our pending work
-        # would be enqueued into it (refused by the driver, which invalidates that capture),
-        # and the hold's end recorded there, marking nothing that runs now -- refused before
-        # anything is waited for, as a DLPack export to that stream is
-        if dev.backend.foreign_capture_error(consumer.handle) is not None:
-            raise CaptureError(
-                f"as_cupy: cannot export bytes [{tok.start}, {tok.stop}) of allocation "
-                f"#{tok.allocation.id} to a consumer on {consumer}: it is capturing a CUDA "
-                f"graph that sharedmem did not start, whose work runs only at replay (the "
-                f"export's ordering and the end of its hold would be recorded there); make the "
-                f"array before the capture begins, or after it ends")
+    if consumer is not dev.default_stream:  # (another library's capture of the stream)
+        refuse_foreign_capture(tok, consumer, "as_cupy: ", str(consumer),
+                               "make the array before the capture begins, or after it ends")
     export = export_hold(tok, "CuPy array (as_cupy)", x, ((consumer, tok.writable),),
                          dev.backend.wait_on_handle, False, consumer, consumer.handle)
     base = tok.allocation.ptr + tok.start

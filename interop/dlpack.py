@@ -294,20 +294,9 @@ def _export_hold(view, tok, stream, facts):
     if stream == 1 or stream == 2:
         return export_hold(tok, _KIND, view, facts[4] if tok.writable else facts[5], facts[2],
                            False, facts[1] if stream == 1 else None, stream)
-    dev = tok.allocation.device
-    consumer = consumer_stream(dev, stream)
-    if consumer._capture is None:  # (sharedmem's own capture: export_hold refuses it by name)
-        # another library's capture (torch.cuda.graph, cupy.cuda.Stream.begin_capture): a
-        # wait on h for an event recorded outside it is refused by the driver (and breaks
-        # that capture), and the hold's end would be recorded into it, marking nothing that
-        # runs now -- refused before anything is waited for, as sharedmem's own capture is
-        if dev.backend.foreign_capture_error(stream) is not None:
-            raise CaptureError(
-                f"cannot export bytes [{tok.start}, {tok.stop}) of allocation "
-                f"#{tok.allocation.id} to a consumer on stream handle {stream:#x}: it is "
-                f"capturing a CUDA graph that sharedmem did not start, whose work runs only at "
-                f"replay (the export's ordering and the end of its hold would be recorded "
-                f"there); export before the capture begins or after it ends")
+    consumer = consumer_stream(tok.allocation.device, stream)
+    refuse_foreign_capture(tok, consumer, "", f"stream handle {stream:#x}",
+                           "export before the capture begins or after it ends")
     return export_hold(tok, _KIND, view, ((consumer, tok.writable),), facts[2], False, consumer,
                        stream)
 
@@ -353,6 +342,22 @@ def _version_major(max_version) -> int:
         raise TypeError(f"max_version must be None or a (major, minor) tuple of ints, got "
                         f"{max_version!r}") from None
     return major
+
+
+def refuse_foreign_capture(tok, consumer, who, named, remedy) -> None:
+    """CaptureError where an export of ``tok``'s bytes to ``consumer`` (``named`` so in the
+    message, after the caller's prefix ``who``) finds that stream capturing a graph another
+    library began (torch.cuda.graph, cupy.cuda.Stream.begin_capture): the wait for our pending
+    work enqueued there is refused by the driver (which also breaks that capture), and the
+    hold's end would be recorded into it, marking nothing that runs now -- refused before
+    anything is waited for, as sharedmem's own capture is (export_hold refuses that by name)."""
+    if consumer._capture is None and \
+            tok.allocation.device.backend.foreign_capture_error(consumer.handle) is not None:
+        raise CaptureError(
+            f"{who}cannot export bytes [{tok.start}, {tok.stop}) of allocation "
+            f"#{tok.allocation.id} to a consumer on {named}: it is capturing a CUDA graph that "
+            f"sharedmem did not start, whose work runs only at replay (the export's ordering "
+            f"and the end of its hold would be recorded there); {remedy}")
 
 
 def export_positional(view, stream, max_version, dl_device, copy):
