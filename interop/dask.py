@@ -36,6 +36,7 @@ as immutable: write into new tensors, not into a task's inputs.
 from __future__ import annotations
 
 import math
+import pickle
 import sys
 from types import SimpleNamespace
 
@@ -64,7 +65,21 @@ def _header(x) -> tuple:
     kind = next(name for cls, name in _KINDS.items() if isinstance(x, cls))
     view = x.buffer if kind == "DeviceBox" else x
     view._live_token()
-    return {"kind": kind, "dtype": view.dtype.str, "shape": list(view.shape)}, view
+    return {"kind": kind, "dtype": _wire_dtype(view.dtype), "shape": list(view.shape)}, view
+
+
+def _wire_dtype(dt: np.dtype):
+    """``dt`` as a header holds it (msgpack: a string or bytes): its typestr, or -- where the
+    typestr does not name it: ml_dtypes' bfloat16 is ``"<V2"``, raw bytes no view can hold --
+    the pickled dtype (a reference to ml_dtypes' type), as :func:`sharedmem.pickling.wire_dtype`
+    sends it."""
+    return dt.str if np.dtype(dt.str) == dt else pickle.dumps(dt)
+
+
+def _header_dtype(header) -> np.dtype:
+    """The dtype a header names (see :func:`_wire_dtype`)."""
+    dt = header["dtype"]
+    return pickle.loads(dt) if isinstance(dt, (bytes, bytearray)) else np.dtype(dt)
 
 
 def _dumps(header, view, device: bool) -> tuple:
@@ -96,7 +111,7 @@ def dask_loads(header, frames):
     """A new allocation on the default device holding the frame's values (as unpickling
     makes it: the frame is in the sender's dtype, converted to native byte order)."""
     (frame,) = frames
-    return _rebuild(header, rebuild_tensor(header["dtype"], tuple(header["shape"]), frame))
+    return _rebuild(header, rebuild_tensor(_header_dtype(header), tuple(header["shape"]), frame))
 
 
 # -- the cuda family: device frames ----------------------------------------------------------------
@@ -116,11 +131,7 @@ class DeviceFrame:
     def __init__(self, view):
         """``view``: a live, contiguous Buffer or Tensor (the frame takes a view of its bytes
         of its own; ``view`` may be released afterwards)."""
-        tok = view._live_token()
-        lo = view._offset
-        t = tok.allocation.new_token("dask device frame (read-only)", lo, lo + view.nbytes,
-                                     False, tok.keep, source=view)
-        self._view = new_buffer(t, _U8, view.nbytes)
+        self._view = _bytes_of(view, "dask device frame (read-only)", False)
         self._cai = None
 
     @property
@@ -182,7 +193,7 @@ def cuda_loads(header, frames):
     (frame,) = frames
     if not hasattr(frame, "__cuda_array_interface__"):
         return dask_loads(header, frames)
-    dtype, shape = np.dtype(header["dtype"]), tuple(header["shape"])
+    dtype, shape = _header_dtype(header), tuple(header["shape"])
     if not math.prod(shape):
         return _rebuild(header, Tensor.empty(shape, dtype))
     from sharedmem.bridges import from_cuda_array_interface
@@ -196,16 +207,29 @@ def cuda_loads(header, frames):
         raise LayoutError(f"cannot load a {header['kind']} of {dtype} x {shape} ({want} bytes) "
                           f"from a device frame of {have} bytes (strides {strides}): the frame "
                           f"does not hold those values contiguously")
-    # the frame seen as an array of the sender's dtype and shape, C order (the import keeps
-    # it alive, and the frame with it, as its producer)
+    # the frame seen as its bytes (the import keeps it alive, and the frame with it, as its
+    # producer): copied byte for byte -- a typestr cannot name every dtype a view may hold
+    # (ml_dtypes' bfloat16 is "<V2", which no view holds)
     src = from_cuda_array_interface(SimpleNamespace(frame=frame, __cuda_array_interface__={
-        "shape": shape, "typestr": dtype.str, "data": (int(cai["data"][0]), False),
+        "shape": (want,), "typestr": "|u1", "data": (int(cai["data"][0]), False),
         "strides": None, "version": 3, "stream": cai.get("stream")}))
     t = Tensor.empty(shape, dtype, device=src.device)
     with t.as_buffer() as d, src.as_buffer() as s:
-        d.copy_from(s, values_stream(d.device))
+        d8 = _bytes_of(d, "dask received bytes", True)
+        try:
+            d8.copy_from(s, values_stream(d.device))
+        finally:
+            d8.release()
     src.release()
     return _rebuild(header, t)
+
+
+def _bytes_of(view, kind: str, writable: bool):
+    """A ``uint8`` Buffer of ``view``'s bytes, a view token of its own (``kind`` names it)."""
+    tok = view._live_token()
+    lo = view._offset
+    t = tok.allocation.new_token(kind, lo, lo + view.nbytes, writable, tok.keep, source=view)
+    return new_buffer(t, _U8, view.nbytes)
 
 
 # -- registration ------------------------------------------------------------------------------

@@ -154,16 +154,30 @@ def _pass(rt, last):
             poll = True  # (still pending work: keep polling)
     if todo:
         done = []
+        error = None
         try:
             with locked():
                 for s in todo:
-                    done.extend(_sub._sweep_locked(s))
+                    try:
+                        done.extend(_sub._sweep_locked(s))
+                    except Exception as e:
+                        # (the streams after it are swept all the same: a stream whose
+                        # queries fail -- its device's context cannot be made current -- must
+                        # not stall the retirement of every other stream's work; the first
+                        # failure is raised once they are)
+                        if error is None:
+                            error = e
+                        poll = True
+                        continue
                     # (after its own sweep: what it retired is not taken for the submitters'
                     # progress at the next pass)
                     seen[s._uid] = (s._seq, s._done)
                 if _polled_active(rt):
                     poll = True
+            if error is not None:
+                raise error
         finally:  # (what the streams before a failing one gave is finished too)
+            error = None
             if done:
                 _sub.finish(done)
     return seen, poll

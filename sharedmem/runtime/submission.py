@@ -287,7 +287,13 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
                              label)
         became_active = _filed_locked(rt, stream, sub, waits)
         if seq % _sweep_every == 0:
-            retired = _sweep_locked(stream, False)
+            # (opportunistic, after the work is enqueued and filed: a failing query must not
+            # make a launch that ran look refused -- its future lost. Re-raised at the next
+            # API call, as the retirer's failures are)
+            try:
+                retired = _sweep_locked(stream, False)
+            except Exception as e:
+                rt.errors.append(e)
     finally:
         rt.release()
     if retired:
@@ -981,11 +987,19 @@ RUNTIME.install_hooks(_Hooks())
 def sweep_all() -> None:
     """Retire what has finished on every stream with work in flight."""
     done = []
+    error = None
     try:
         with locked():
             for s in list(RUNTIME.active):
-                done.extend(_sweep_locked(s))
+                try:
+                    done.extend(_sweep_locked(s))
+                except Exception as e:  # (the other streams are swept all the same: one
+                    if error is None:   # whose queries fail must not keep their finished
+                        error = e       # work unretired; the first failure raised after)
+        if error is not None:
+            raise error
     finally:  # (what the streams before a failing one gave must still be finished)
+        error = None
         if done:
             finish(done)
 
