@@ -49,7 +49,7 @@ from sharedmem.device import Device, as_device
 from sharedmem.errors import CaptureError, DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
 from sharedmem.runtime.state import fork_safe, locked
-from sharedmem.stream import Stream
+from sharedmem.stream import Stream, as_stream_or_default
 from sharedmem.tensor import (MAX_NDIM, Tensor, c_strides, extent, new_tensor, numpy_region,
                               is_torch_tensor, torch_storage_region)
 
@@ -136,7 +136,16 @@ def _dl_dtype(dt: np.dtype) -> tuple:
         raise BufferError(f"dtype {dt} (the platform's long double) has no DLPack "  # IEEE's)
                           f"equivalent: DLPack's {dt.itemsize * 8}-bit floats are IEEE "
                           f"binary128; copy to float64 / complex128 first")
+    if dt.kind == "f" and dt.type not in _IEEE_FLOATS:  # (ml_dtypes' float8_e5m2 says kind
+        # "f": as (kDLFloat, 8 bits) it is a type DLPack does not have, which consumers refuse
+        # -- torch, JAX -- only after the export took its hold)
+        raise BufferError(f"dtype {dt} has no DLPack 1.0 equivalent: DLPack's floats "
+                          f"(kDLFloat) are IEEE float16, float32 and float64; copy to "
+                          f"float16 or float32 first")
     return code, dt.itemsize * 8
+
+
+_IEEE_FLOATS = (np.float16, np.float32, np.float64)
 
 
 _DTYPES = {}  # (code, bits, lanes) -> the NumPy dtype of an import (those it took before)
@@ -686,11 +695,14 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     Tensor cannot be moved while the producer lives (for NumPy and CuPy
     arrays, whose capsules keep them alive: while the import lives). Take the
     memory over with :func:`sharedmem.adopt` instead when nothing else holds it."""
-    s = None if stream is None else Stream._borrow(stream)  # (a Stream: itself)
+    s = None if stream is None else as_stream_or_default(stream)  # (a Stream: itself)
     if s is not None and s._capture is not None:
         raise uncapturable_import(s)
     where = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
     on_cuda = where is not None and where[0] in (kDLCUDA, kDLCUDAManaged)
+    unnamed = stream is not None and s is None  # (a default stream that names no device)
+    if unnamed:  # (borrowed on the producer's device: every device has one)
+        s = Stream._borrow(stream, int(where[1]) if on_cuda else None)
     if s is not None and where is not None:  # (before anything is imported)
         if (s.device.kind == "cuda") != on_cuda or (on_cuda and s.device.ordinal != where[1]):
             raise _elsewhere(s, f"{type(obj).__name__} on DLPack device "
@@ -749,6 +761,8 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         raise BufferError(f"DLPack major version {major} is not supported (this consumer knows "
                           f"1.x)")
     dev = _device_of(dev_type, dev_id)
+    if unnamed and s.device is not dev and dev.kind == "cuda":  # (a bare capsule)
+        s = Stream._borrow(stream, dev)
     if s is not None and s.device is not dev:  # (a bare capsule: its device known only now)
         raise _elsewhere(s, f"the capsule on {dev}")
     if device is not None:

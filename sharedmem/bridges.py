@@ -115,6 +115,15 @@ def refuse_shared(t, obj, name: str, share: str) -> None:
         tuple(v.describe() for v in others))
 
 
+def _owns_memory(tensor) -> bool:
+    """Whether torch ``tensor``'s storage holds memory torch allocated: not one over memory
+    of another owner (``torch.from_numpy``, ``torch.frombuffer``, ``torch.from_dlpack``),
+    whose storage torch cannot resize. (A function of its own: the storage object it asks is
+    gone before ``storage_uses`` counts the storage's uses and references.)"""
+    resizable = getattr(tensor.untyped_storage(), "resizable", None)
+    return resizable is None or bool(resizable())
+
+
 def _is_array(obj, root) -> bool:
     """Whether ``obj``, of a type from library ``root``, is one of its arrays (not a scalar,
     a dtype or another object of the library)."""
@@ -160,6 +169,18 @@ def adopt(obj: Any, *, stream: Stream | object | None = None) -> Tensor:
             raise AliasError("cannot adopt a torch tensor whose storage other tensors (views, "
                              "NumPy arrays of it) or storage objects (untyped_storage()) share; "
                              "drop them first, or copy.", ("torch storage",))
+        if not _owns_memory(obj):
+            # a storage over memory torch did not allocate (torch.from_numpy, frombuffer,
+            # from_dlpack): its owner -- the NumPy array, the buffer, the producer -- still
+            # reaches the bytes, and no use count of torch's can tell. (torch marks a storage
+            # so for good once x.numpy() was made of it: refused too, as it cannot be told apart)
+            raise AliasError(f"cannot adopt a torch tensor (shape {tuple(obj.shape)}, "
+                             f"{obj.dtype}) whose storage torch does not show it owns alone: "
+                             f"one over another object's memory (torch.from_numpy, "
+                             f"torch.frombuffer, torch.from_dlpack), whose owner still reaches "
+                             f"it, or one given to NumPy once (x.numpy()). Use "
+                             f"sharedmem.from_dlpack to share it, or adopt a copy "
+                             f"(x.clone()).", ("owner of the torch tensor's memory",))
     elif (base := getattr(obj, "base", None)) is not None:
         if not hasattr(base, "shape"):  # (np.frombuffer of bytes, an mmap...)
             raise AliasError(f"cannot adopt a {name} over memory a {type(base).__name__} "

@@ -42,7 +42,7 @@ from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe, locked
 from .runtime.submission import Work, submit_plan
-from .stream import Stream, as_stream, current_stream, streams_entered
+from .stream import Stream, as_stream, as_stream_or_default, current_stream, streams_entered
 from .tensor import Tensor, extent, is_torch_tensor, numpy_region, torch_storage_region
 
 __all__ = ["launch", "In", "Out", "InOut", "Atomic", "Intent", "host_kernel", "HostKernel",
@@ -824,15 +824,25 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy, sub
         adapter = adapter_for(kernel)
     if policy is not None:
         check_policy(policy)
+    device = None
+    dflt = None
     if stream is not None:
         if type(stream) is not Stream:
-            stream = as_stream(stream)
-        st = stream
-        device = st.device
-    else:
-        device = None
+            dflt = stream
+            stream = as_stream_or_default(stream)
+            if stream is not None:
+                dflt = None
+        if stream is not None:
+            st = stream
+            device = st.device
     resolved, uses, device, foreign = resolve_args(adapter, args, device)
-    if stream is None and streams_entered():
+    if dflt is not None:
+        # a default stream that names no device (0, 1, 2, CuPy's null stream): the one of the
+        # arguments' device -- not the default device's, which would run the kernel elsewhere
+        stream = Stream._borrow(dflt, device if device is not None else
+                                default_device_for(adapter))
+        device = stream.device
+    elif stream is None and streams_entered():
         stream = entered_stream(device, adapter)
         if stream is not None:
             device = stream.device

@@ -37,7 +37,7 @@ from .runtime import callbacks as _callbacks
 from .runtime import submission as _sub
 from .runtime.future import DeviceFuture, HostFuture, _composing, _outcome, peek_quietly
 from .runtime.state import OwnedLock, fork_safe
-from .stream import Stream, as_stream, streams_entered
+from .stream import Stream, as_stream_or_default, streams_entered
 
 __all__ = ["DeviceOp", "op", "zip"]
 
@@ -109,7 +109,10 @@ class DeviceOp(Generic[_T_co]):
             current = entered_stream(device, self._adapter()) if streams_entered() else None
             stream = current or pool_stream(device or default_device_for(self._adapter()))
         elif not isinstance(stream, Stream):
-            stream = as_stream(stream)
+            st = as_stream_or_default(stream)
+            # (a default stream naming no device: the op's device's, as a launch borrows it)
+            stream = st if st is not None else Stream._borrow(
+                stream, self._device() or default_device_for(self._adapter()))
         if type(self) is not _LaunchOp:
             # A composite op submits its parts one after another: every part is first resolved,
             # planned and packed (_planned) -- raising what its launch would: an argument

@@ -260,6 +260,9 @@ class Stream:
         owner's too -- then retire it. (``sm.synchronize()`` and ``device.synchronize()``
         wait for sharedmem's work only: a borrowed stream's owner may be capturing it.)"""
         from .runtime.submission import deferring, raise_deferred, synchronize_stream
+        self._refuse_foreign_capture("its work has not run and cannot be waited for (the "
+                                     "driver refuses it, invalidating the capture); "
+                                     "synchronize after that capture ends")
         with deferring():  # (deferred errors once it was all waited for: model.md)
             synchronize_stream(self, True)
             if not self._ours:
@@ -268,7 +271,10 @@ class Stream:
 
     def record(self) -> Event:
         """An :class:`Event` marking the work submitted so far on this stream (CaptureError
-        while it captures a graph: that work has not run)."""
+        while it captures a graph -- sharedmem's, or on a borrowed stream another library's:
+        that work has not run)."""
+        self._refuse_foreign_capture("an event recorded on it now would mark nothing that "
+                                     "runs now; record it after that capture ends")
         with locked():  # (where captures begin: one begun since the check would take the record)
             if self._capture is not None:
                 raise CaptureError(f"{self} is capturing a graph: its work has not run, so an "
@@ -279,8 +285,9 @@ class Stream:
     def wait(self, event_or_stream: Event | Stream) -> None:
         """Make later work on this stream wait (on the device, without blocking
         the host) for an :class:`Event` or for all current work of a stream (CaptureError
-        where either captures a graph; CompletionUnknownError, nothing waited for, where that
-        work is known to be of unknown completion)."""
+        where either captures a graph, sharedmem's or another library's;
+        CompletionUnknownError, nothing waited for, where that work is known to be of
+        unknown completion)."""
         ev = event_or_stream
         if not isinstance(ev, (Event, Stream, int)) and _names_a_stream(ev):  # (CuPy's, torch's:
             named = _device_named_by(ev)  # on the device it names, else on this stream's)
@@ -294,6 +301,9 @@ class Stream:
         if other is not self.device and (other.kind != "cuda" or self.device.kind != "cuda"):
             raise DeviceMismatchError(f"cannot make {self} wait for an event on {other} "
                                       f"(only CUDA devices wait on each other's events)")
+        self._refuse_foreign_capture("a wait enqueued on it for work outside that capture is "
+                                     "refused by the driver, which invalidates the capture; "
+                                     "make the wait before the capture begins or after it ends")
         if isinstance(ev, Stream):  # (recorded once the wait is known to be made: a refused
             ev = ev.record()        # one leaves no marker on the other stream)
         if ev._marker.query() == 2:  # (known unknown: the stream would never be trusted again)
@@ -302,6 +312,19 @@ class Stream:
             if self._capture is not None:  # (again: one may have begun since)
                 raise self._uncapturable_wait()
             self._impl.wait_marker(ev._marker)
+
+    def _refuse_foreign_capture(self, why: str) -> None:
+        """CaptureError where this borrowed stream is capturing a CUDA graph that another
+        library began (torch.cuda.graph, cupy.cuda.Stream.begin_capture): ``why`` says what a
+        record or wait there would do. Asked before anything is enqueued (one driver query);
+        sharedmem's own captures are refused by name, and streams sharedmem owns (or the
+        default stream, whose legacy joins the backend refuses) are captured by no other."""
+        if self._ours or self._capture is not None:
+            return
+        e = self.device.backend.foreign_capture_error(self._impl.handle)
+        if e is not None:
+            raise CaptureError(f"{self} is capturing a CUDA graph that sharedmem did not start "
+                               f"(torch.cuda.graph, cupy.cuda.Stream.begin_capture): {why}")
 
     def _uncapturable_wait(self) -> CaptureError:
         return CaptureError(f"{self} is capturing a graph: it cannot wait for work outside the "
@@ -577,6 +600,40 @@ def as_stream(obj) -> Stream:
         return obj
     st = _borrowed_last(obj)
     return st if st is not None else Stream._borrow(obj)
+
+
+def names_a_default_stream(obj) -> bool:
+    """Whether foreign stream ``obj`` (not a :class:`Stream`) is a default stream that names no
+    device: a raw handle 0 (the legacy default stream), 1 (``CU_STREAM_LEGACY``) or 2
+    (``CU_STREAM_PER_THREAD``) -- an int, a NumPy integer -- or an object naming one of those
+    handles and no device (CuPy's null stream). Every CUDA device has that stream: a call
+    given memory borrows it on the memory's device (``Stream._borrow(obj, device)``), not on
+    the default device."""
+    if isinstance(obj, Stream) or isinstance(obj, bool):
+        return False
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.integer):
+        obj = int(obj)
+    if isinstance(obj, int):
+        return 0 <= obj <= 2
+    try:
+        return handle_reader(obj)(obj) in (0, 1, 2) and _device_named_by(obj) is None
+    except Exception:  # (not a stream, or one that cannot say: borrowed as before, which says)
+        return False
+
+
+def as_stream_or_default(obj):
+    """:func:`as_stream` for a call that picks its device from its memory (a launch, an
+    ``op.submit``, an import): None where ``obj`` names a default stream and no device (see
+    :func:`names_a_default_stream`) -- the caller borrows it on that device."""
+    if type(obj) is Stream:
+        return obj
+    st = _borrowed_last(obj)
+    if st is not None:
+        return st
+    if names_a_default_stream(obj):
+        return None
+    return Stream._borrow(obj)
 
 
 def streams_entered() -> bool:

@@ -127,7 +127,9 @@ def test_adopt_takes_a_lone_torch_tensor_over(host):
     assert t.allocation.source == "dlpack (adopted)"
     assert t.into_buffer().to_host().tolist() == [0.0, 1.0, 2.0, 3.0]
     x = torch.arange(4.0)
-    for other in (lambda: x[1:], lambda: x.untyped_storage(), lambda: x.numpy()):
+    # (x.numpy() too, but torch then marks the storage as not its own for good: adopt() stays
+    # refused after the array is dropped -- test_review_torch_jax)
+    for other in (lambda: x[1:], lambda: x.untyped_storage()):
         keep = other()
         with pytest.raises(sm.AliasError, match="storage other tensors"):
             sm.adopt(x)
