@@ -63,6 +63,14 @@ def _scalar(value, dtype):
     except (OverflowError, ValueError, TypeError) as e:  # (300 as int8, nan as an int, 1j as
         # a float: NumPy's words)
         raise type(e)(f"a DeviceBox of {dtype} cannot hold {v!r}: {e}") from None
+    if a.dtype.kind in "iub" and a.item(0) != v:
+        # (NumPy truncates a float toward zero, 1.5 as an int32 is 1, and makes any nonzero
+        # number True: the box would silently hold another value than the one given)
+        what, fix = (("True, False, 0 or 1", "a bool (bool(v)) or use an integer dtype")
+                     if a.dtype.kind == "b" else
+                     ("a whole number", "an int (round(v), math.floor(v)) or use a float dtype"))
+        raise ValueError(f"a DeviceBox of {dtype} cannot hold {v!r}: it is not {what} and "
+                         f"would be stored as {a.item(0)!r}; pass {fix}")
     if (a.dtype.kind in "fc" or _is_bfloat16(a.dtype)) and not np.isfinite(a[0]):
         # (a complex value part by part: a finite part beyond the range beside a NaN or an
         # infinite one is refused too -- the value as a whole is not finite)

@@ -41,7 +41,7 @@ from .device import Device, default_device
 from .errors import DeviceMismatchError, KernelError
 from .runtime.future import future_of
 from .runtime.state import OwnedLock, fork_safe, locked
-from .runtime.submission import Work, submit_plan
+from .runtime.submission import Work, submit_plan, submit_plan_checked
 from .stream import Stream, as_stream, as_stream_or_default, current_stream, streams_entered
 from .tensor import Tensor, extent, is_torch_tensor, numpy_region, torch_storage_region
 
@@ -871,7 +871,16 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy, sub
 def submit_planned(planned):
     """Submit a launch :func:`launch_submission` planned (``submit=False``); its Submission."""
     stream, uses, plan, config, payload, keep, policy, resolved = planned
-    sub = submit_plan(stream, uses, plan, config, payload, keep, policy, plan.label)
+    # the argument views: checked still live as the submission takes its leases (another
+    # thread may have moved one since it was planned -- a move keeps its token live)
+    views = []
+    for r in resolved:
+        if isinstance(r, View):
+            views.append(r)
+        elif isinstance(r, LaunchArg) and r.view is not None:
+            views.append(r.view)
+    sub = submit_plan_checked(stream, uses, plan, config, payload, keep, policy, plan.label,
+                              views)
     resolved = None  # (referenced until the leases are taken: see launch_submission)
     return sub
 

@@ -32,7 +32,7 @@ cpdef Submission submit_plan(Stream stream, list uses, Work plan, config, payloa
                seq=cython.longlong, became_active=bint, keeps=list, waits=object,
                retired=list, impl=object, marker=object, u=tuple, check=list)
 cdef Submission _submit(Stream stream, list uses, enqueue, Work plan, config, payload, keep,
-                        policy, label)
+                        policy, label, views)
 
 @cython.locals(pending=list)
 cdef bint _filed_locked(Runtime rt, Stream stream, Submission sub, waits) except -1

@@ -175,13 +175,22 @@ def submit(stream, uses, enqueue, keep=(), policy=None, label="work"):
     for u in uses:  # (the compiled core reads them unchecked: a wrong type is refused here)
         if type(u) is not tuple or len(u) != 2 or not isinstance(u[0], ViewToken):
             raise TypeError(f"submit() takes uses as (ViewToken, writes) pairs, got {u!r}")
-    return _submit(stream, uses, enqueue, None, None, None, keep, policy, label)
+    return _submit(stream, uses, enqueue, None, None, None, keep, policy, label, None)
 
 
 def submit_plan(stream, uses, plan, config, payload, keep, policy, label):
     """:func:`submit` of one launch of a kernel plan (a :class:`Work`): ``plan.enqueue(stream,
     config, payload)`` is the work."""
-    return _submit(stream, uses, None, plan, config, payload, keep, policy, label)
+    return _submit(stream, uses, None, plan, config, payload, keep, policy, label, None)
+
+
+def submit_plan_checked(stream, uses, plan, config, payload, keep, policy, label, views):
+    """:func:`submit_plan` of a launch planned earlier (a composite op's part), ``views`` its
+    argument views: each is checked still usable under the core lock, as the leases are taken
+    -- a move hands its token over live, so ``uses`` alone would not see a move made since
+    the planning (by another thread, while an earlier part was submitted or this one waited
+    for room on its stream): MovedError / ReleasedError, nothing leased or enqueued."""
+    return _submit(stream, uses, None, plan, config, payload, keep, policy, label, views)
 
 
 def escaped_capture(stream, label) -> None:
@@ -199,7 +208,7 @@ def escaped_capture(stream, label) -> None:
 
 @cython.boundscheck(False)  # (every index below its list's length by construction)
 @cython.wraparound(False)
-def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
+def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label, views):
     rt = RUNTIME
     if rt.warnings or rt.errors:
         raise_deferred()
@@ -222,6 +231,10 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label):
     retired = None
     rt.acquire()
     try:
+        if views is not None:
+            for v in views:  # (moved or released by another thread since it was planned:
+                v._live_token()  # MovedError / ReleasedError, as moves change state under
+                # this lock -- before anything is recorded, waited for or leased)
         graph = stream._capture
         if graph is not None:  # recorded into a graph: no leases, no waits (see runtime/graph)
             if plan is not None and plan.replays:
