@@ -489,6 +489,17 @@ def array_at(ptr, n, dtype):
     return np.frombuffer((ctypes.c_ubyte * (n * dt.itemsize)).from_address(ptr), dtype=dt)
 
 
+def saxpy_kernel(driver):
+    """A fake ``saxpy(float a, const float* x, const float* y, float* out, int n)`` CuPy
+    RawKernel on ``driver``: ``out = a * x + y`` over ``n`` floats."""
+    def fn(a, x, y, out, n):
+        array_at(out, n, np.float32)[:] = a * array_at(x, n, np.float32) + array_at(y, n, np.float32)
+
+    code = """extern "C" __global__ void saxpy(float a, const float* x, const float* y, float* out,
+                                              int n) { }"""
+    return RawKernel(driver, "saxpy", ["f", "Q", "Q", "Q", "i"], fn, code)
+
+
 _stream_handles = itertools.count(0xC0FFEE00)  # (handles of the streams fake CuPy makes)
 
 

@@ -296,12 +296,13 @@ TILE_CASES = [{"id": i, "args": args} for i, args in enumerate([
 
 
 # -- building the arguments ------------------------------------------------------------------
-def make(spec, dev, arrays, made):
-    """The launch argument ``spec`` describes (``arrays``: the named buffers; ``made``: the
-    launch's stream, then what was made, kept alive until the launch is done)."""
-    import numpy as np
+_SCALARS = ("int", "bool", "f64", "complex", "none", "np", "ld")
 
-    import sharedmem as sm
+
+def scalar(spec):
+    """The Python or NumPy scalar an argument spec describes (a kind in ``_SCALARS``): what
+    the launch is given, and what the test computes the expected bytes of."""
+    import numpy as np
     kind = spec[0]
     if kind == "int":
         return spec[1]
@@ -315,18 +316,23 @@ def make(spec, dev, arrays, made):
         return None
     if kind == "np":
         dt = np.dtype(spec[1])
-        v = spec[2]
         if dt.kind == "c":
-            re, im = (struct.unpack("<d", bytes.fromhex(h))[0] for h in v)
+            re, im = (struct.unpack("<d", bytes.fromhex(h))[0] for h in spec[2])
             return dt.type(complex(re, im))
-        if isinstance(v, list):
-            return dt.type(make(v, dev, arrays, made))
-        return dt.type(v)
+        return dt.type(scalar(spec[2]) if isinstance(spec[2], list) else spec[2])
     if kind == "ld":
-        total = np.longdouble(0)
-        for m, e in spec[1]:
-            total += np.longdouble(m) * np.longdouble(2) ** e
-        return total
+        return sum((np.longdouble(m) * np.longdouble(2) ** e for m, e in spec[1]),
+                   np.longdouble(0))
+    raise ValueError(spec)
+
+
+def make(spec, dev, arrays, made):
+    """The launch argument ``spec`` describes (``arrays``: the named buffers; ``made``: the
+    launch's stream, then what was made, kept alive until the launch is done)."""
+    import sharedmem as sm
+    kind = spec[0]
+    if kind in _SCALARS:
+        return scalar(spec)
     if kind == "buf":
         return arrays[spec[1]]
     if kind == "bslice":

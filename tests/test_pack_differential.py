@@ -52,31 +52,6 @@ class Refused(Exception):
     """The launch must raise a KernelError for this argument."""
 
 
-def scalar(spec):
-    """The Python or NumPy scalar an argument spec describes (see pack_capture.make)."""
-    kind = spec[0]
-    if kind == "int":
-        return spec[1]
-    if kind == "bool":
-        return bool(spec[1])
-    if kind == "f64":
-        return struct.unpack("<d", bytes.fromhex(spec[1]))[0]
-    if kind == "complex":
-        return complex(spec[1], spec[2])
-    if kind == "none":
-        return None
-    if kind == "np":
-        dt = np.dtype(spec[1])
-        if dt.kind == "c":
-            re, im = (struct.unpack("<d", bytes.fromhex(h))[0] for h in spec[2])
-            return dt.type(complex(re, im))
-        return dt.type(scalar(spec[2]) if isinstance(spec[2], list) else spec[2])
-    if kind == "ld":
-        return sum((np.longdouble(m) * np.longdouble(2) ** e for m, e in spec[1]),
-                   np.longdouble(0))
-    raise ValueError(spec)
-
-
 def nearest(value, size):
     """Exact rational ``value`` rounded to the nearest ``size``-byte IEEE float (ties to
     even), as a Fraction; Refused where that is past the largest finite one."""
@@ -200,7 +175,7 @@ def expected_raw(case):
                     else:
                         out.append(["bytes", n.to_bytes(lsize, "little").hex()])
                 continue
-            x = scalar(spec)
+            x = pc.scalar(spec)
             if ctype in INT_TYPES:
                 b = int_bytes(x, ctype, size)
             elif ctype in FLOAT_TYPES:
@@ -256,7 +231,7 @@ def expected_nan_bits(case):
     for k, (spec, (ctype, size)) in enumerate(zip(case["args"], case["params"])):
         if ctype in ("float", "double") and spec[0] in ("f64", "np"):
             try:
-                x = scalar(spec)
+                x = pc.scalar(spec)
             except Exception:
                 continue
             if isinstance(x, (float, np.floating)) and np.isnan(x):
@@ -281,7 +256,7 @@ def expected_tile(case):
                                 "strides": c if strides is None else list(strides),
                                 "typestr": dt.str, "version": 3}})
             continue
-        x = scalar(spec)
+        x = pc.scalar(spec)
         if isinstance(x, (bool, np.bool_)):
             out.append(["bool", int(x)])
         elif isinstance(x, (int, np.integer)):

@@ -23,15 +23,8 @@ def two(monkeypatch, request):
 
 @pytest.fixture
 def saxpy(two):
-    from fake_cuda import RawKernel, array_at
-    _, _, drv = two
-
-    def fn(a, x, y, out, n):
-        array_at(out, n, np.float32)[:] = a * array_at(x, n, np.float32) + array_at(y, n, np.float32)
-
-    code = """extern "C" __global__ void saxpy(float a, const float* x, const float* y, float* out,
-                                              int n) { }"""
-    return RawKernel(drv, "saxpy", ["f", "Q", "Q", "Q", "i"], fn, code)
+    from fake_cuda import saxpy_kernel
+    return saxpy_kernel(two[2])
 
 
 class _NullStream:
