@@ -326,6 +326,19 @@ def scalar(spec):
     raise ValueError(spec)
 
 
+def _arrays(dev, stream):
+    """The named Buffers (and ``"t:"``-named Tensors) of ``ARRAYS`` on ``dev``, values 0, 1, ..."""
+    import numpy as np
+
+    import sharedmem as sm
+    arrays = {}
+    for name, (dt, n) in ARRAYS.items():
+        arrays[name] = sm.Buffer.from_host(np.arange(n).astype(dt), device=dev, stream=stream)
+        arrays["t:" + name] = sm.Tensor.from_host(np.arange(n).astype(dt), device=dev,
+                                                  stream=stream)
+    return arrays
+
+
 def make(spec, dev, arrays, made):
     """The launch argument ``spec`` describes (``arrays``: the named buffers; ``made``: the
     launch's stream, then what was made, kept alive until the launch is done)."""
@@ -402,11 +415,7 @@ def run_raw(hot):
     try:
         (dev,), drv = install_fake_devices(mp, hot)
         stream = dev.create_stream("pack")
-        arrays = {}
-        for name, (dt, n) in ARRAYS.items():
-            arrays[name] = sm.Buffer.from_host(np.arange(n).astype(dt), device=dev, stream=stream)
-            arrays["t:" + name] = sm.Tensor.from_host(np.arange(n).astype(dt), device=dev,
-                                                      stream=stream)
+        arrays = _arrays(dev, stream)
         addresses = {name: b.ptr for name, b in arrays.items()}
         results = {}
         for case in CASES:
@@ -464,11 +473,7 @@ def run_tile():
             return orig(stream, grid, kernel, args)
         mod.launch = launch
         stream = dev.create_stream("tile")
-        arrays = {}
-        for name, (dt, n) in ARRAYS.items():
-            arrays[name] = sm.Buffer.from_host(np.arange(n).astype(dt), device=dev, stream=stream)
-            arrays["t:" + name] = sm.Tensor.from_host(np.arange(n).astype(dt), device=dev,
-                                                      stream=stream)
+        arrays = _arrays(dev, stream)
         addresses = {name: b.ptr for name, b in arrays.items()}
         results = {}
         for case in TILE_CASES:
