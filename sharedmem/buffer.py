@@ -174,6 +174,7 @@ class Buffer(View):
 
     # -- properties (dtype, itemsize: View's) ------------------------------------
     def __len__(self) -> int:
+        """The number of elements (``buf.size``)."""
         self._live_token()
         return self._length
 
@@ -545,7 +546,7 @@ class DeviceBox:
     """One typed scalar in device memory (a 1-element :class:`Buffer`).
 
     Pass it to a launch like a buffer (``Out(box)``); read it with ``get()``
-    (after pending writes), write it with ``set(value)``.
+    (after pending writes), write it with ``set(value)``. ``buffer`` is that Buffer.
     """
 
     __slots__ = ("buffer",)
@@ -597,10 +598,12 @@ class DeviceBox:
         self.buffer.release()
 
     def __enter__(self):
+        """``with box:`` releases the box as the block ends."""
         self.buffer.__enter__()  # (ReleasedError or MovedError for a box no longer usable, as
         return self              # a view's `with` says)
 
     def __exit__(self, *exc):
+        """:meth:`release`."""
         self.release()
 
     def __repr__(self) -> str:

@@ -35,6 +35,11 @@ _uids = itertools.count(1)  # (next() is atomic under the GIL)
 class Stream:
     """An in-order queue of work on one device.
 
+    Made by ``device.create_stream(name=None)`` (owned), or borrowed: ``device.default_stream``,
+    ``Stream.from_external(obj)``. Attributes: ``device``, ``name`` (a str or None),
+    ``owned`` (False for a borrowed stream), ``handle``, ``pending``. ``with stream:`` makes it
+    the current stream of its device.
+
     Fields used by the runtime, guarded by the core lock (``sharedmem.runtime.state``):
     ``_pending`` (FIFO of unretired submissions), ``_seq`` (sequence number of the newest
     submission), ``_done`` (that of the newest retired one: every lease of this stream with a
@@ -227,6 +232,8 @@ class Stream:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Ends the innermost ``with stream:`` of this stream (SharedMemError in another
+        thread or task than it began in)."""
         stack = _entered_streams.get()
         for i in range(len(stack) - 1, -1, -1):  # the innermost entry of this stream
             if stack[i] is self:
@@ -251,6 +258,8 @@ class Stream:
         return self._impl.handle
 
     def __cuda_stream__(self) -> tuple[int, int]:
+        """``(0, handle)``: the CUDA stream protocol, for CuPy, torch and cuda.core (CUDA
+        streams only: on a host stream an AttributeError)."""
         if self.device.kind != "cuda":
             raise AttributeError("host streams have no __cuda_stream__")
         return (0, self._impl.handle)

@@ -393,6 +393,7 @@ class Tensor(View):
         return bool(self._contiguous)  # (interpreted, the field holds 0 or 1)
 
     def __len__(self) -> int:
+        """The size of the first axis (as NumPy; a 0-d tensor: TypeError)."""
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
         return self._shape[0]
@@ -405,6 +406,7 @@ class Tensor(View):
             yield self[i]
 
     def __contains__(self, value) -> bool:
+        """Always a TypeError: ``x in t`` would compare elements on the device."""
         raise TypeError(f"`x in tensor` would compare the elements on the device; compare on the "
                         f"host (x in t.to_host()) or in a kernel")
 
@@ -498,7 +500,8 @@ class Tensor(View):
                     raise TypeError(f"tensor slice steps are ints, got {key.step!r}") from None
                 if step <= 0:
                     raise LayoutError(f"tensor slices take a positive step (strides stay "
-                                      f"non-negative), got step {key.step}")
+                                      f"non-negative: reverse on the host, t.to_host()[::-1], "
+                                      f"or in a kernel); {self!r}: got step {key.step}")
             start, stop, step = key.indices(n)
             count = len(range(start, stop, step))
             shape = (count,) + self._shape[1:]

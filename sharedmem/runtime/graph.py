@@ -96,7 +96,9 @@ class _Executable(Work):
 class Graph:
     """Work captured once, replayed many times; see the module docstring for
     what it owns. Release it with ``release()`` (or ``with g:``); garbage
-    collection does the same once no replay is in flight."""
+    collection does the same once no replay is in flight.
+
+    Attributes: ``id``, ``device``, ``launches`` (the number of captured submissions)."""
 
     __slots__ = ("id", "device", "_uses", "_keep", "_exec", "_state", "launches",
                  "_lock", "_replay", "_before", "_steps", "_staged", "__weakref__")
@@ -261,9 +263,11 @@ class Graph:
             t.release()
 
     def __enter__(self) -> Graph:
+        """``with g:`` releases the graph as the block ends."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """:meth:`release`."""
         self.release()
 
     def __del__(self, _finalizing=sys.is_finalizing):

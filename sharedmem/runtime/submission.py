@@ -373,7 +373,8 @@ def _conflicts_locked(tracker, stream, tok, writes, policy, label, waits):
                 f"{label_text(label)} on {stream} would {'write' if writes else 'read'} bytes "
                 f"[{tok.start}, {tok.stop}) of allocation #{tok.allocation.id}, which work of "
                 f"unknown completion on {other} {'writes' if other_writes else 'reads'}; "
-                f"that memory is kept but its contents cannot be trusted")
+                f"that memory is kept but its contents cannot be trusted; do further work "
+                f"on new memory (a new buffer), on a new stream")
         if policy == "reject":
             who = (f"unfinished work on {other} {'writes' if other_writes else 'reads'} "
                    f"them" if marker is not None else
