@@ -155,7 +155,9 @@ class Stream:
         if dev.kind != "cuda":
             handle_reader(obj)  # (not a stream at all: a TypeError, whatever the device)
             raise DeviceMismatchError(
-                f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams")
+                f"Stream.from_external({obj!r}) needs a CUDA device; {dev} has no foreign streams "
+                f"(pass a Stream of it -- dev.create_stream(), dev.default_stream -- or "
+                f"stream=None)")
         if named is not None and named != dev.ordinal:
             raise DeviceMismatchError(f"{obj!r} is a stream of CUDA device {named}, not of {dev}; "
                                       f"use a stream of {dev}")

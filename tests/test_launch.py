@@ -595,7 +595,9 @@ def test_launch_on_a_foreign_stream_the_host_cannot_borrow(host, monkeypatch):
     before = sm.stats()
     with pytest.raises(sm.DeviceMismatchError, match=r"^Stream\.from_external\(<.*ForeignStream "
                                                      r"object at .*>\) needs a CUDA device; "
-                                                     r"<Device host> has no foreign streams$"):
+                                                     r"<Device host> has no foreign streams \(pass a Stream "
+                                                     r"of it -- dev\.create_stream\(\), "
+                                                     r"dev\.default_stream -- or stream=None\)$"):
         sm.launch(saxpy, 1, 1, b, stream=ForeignStream())
     assert sm.stats().submitted == before.submitted and not b.allocation.tracker
 

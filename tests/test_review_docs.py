@@ -124,7 +124,8 @@ def test_an_int_stream_on_the_host_device_is_a_device_mismatch():
         with pytest.raises(sm.DeviceMismatchError) as ei:
             sm.launch(k, 1, 1, b, stream=s)
         assert str(ei.value) == (f"Stream.from_external({s}) needs a CUDA device; <Device host> "
-                                 f"has no foreign streams")
+                                 f"has no foreign streams (pass a Stream of it -- dev.create_stream(), "
+                                 f"dev.default_stream -- or stream=None)")
     assert sm.launch(k, 1, 1, b, stream=None).result() is None
 
 

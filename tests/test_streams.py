@@ -166,7 +166,7 @@ def test_events_and_stream_waits(host):
 def test_foreign_streams_need_cuda(host):
     if sm.default_device().kind == "cuda":
         pytest.skip("this checks the message on machines without CUDA")
-    with pytest.raises(sm.DeviceMismatchError, match=r"^Stream.from_external\(5\) needs a CUDA device; <Device host> has no foreign streams$"):
+    with pytest.raises(sm.DeviceMismatchError, match=r"^Stream.from_external\(5\) needs a CUDA device; <Device host> has no foreign streams \(pass a Stream of it -- dev\.create_stream\(\), dev\.default_stream -- or stream=None\)$"):
         sm.Stream.from_external(5)
     with pytest.raises(AttributeError, match="host streams have no __cuda_stream__"):
         host.create_stream().__cuda_stream__()
