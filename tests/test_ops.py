@@ -364,7 +364,9 @@ def test_a_foreign_stream_the_host_cannot_borrow_submits_nothing(host, monkeypat
     for o in (sm.op(inc, 1, 1, b), sm.op(inc, 1, 1, b).and_then(sm.op(inc, 1, 1, b))):
         with pytest.raises(sm.DeviceMismatchError, match=r"^Stream\.from_external\(.*\) needs a "
                                                          r"CUDA device; <Device host> has no "
-                                                         r"foreign streams$"):
+                                                         r"foreign streams \(pass a Stream of it -- "
+                                                         r"dev\.create_stream\(\), dev\.default_stream "
+                                                         r"-- or stream=None\)$"):
             o.submit(ForeignStream())
     assert sm.stats().submitted == before.submitted
     np.testing.assert_array_equal(b.to_host(), np.zeros(4))
