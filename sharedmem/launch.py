@@ -825,13 +825,13 @@ def launch_submission(kernel, grid, block, args, stream, shared_mem, policy, sub
     if policy is not None:
         check_policy(policy)
     device = None
-    dflt = None
+    dflt = None  # (a default stream that names no device: borrowed below, once it is known)
     if stream is not None:
         if type(stream) is not Stream:
-            dflt = stream
-            stream = as_stream_or_default(stream)
-            if stream is not None:
-                dflt = None
+            st = as_stream_or_default(stream)
+            if st is None:
+                dflt = stream
+            stream = st
         if stream is not None:
             st = stream
             device = st.device

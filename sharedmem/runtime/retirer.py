@@ -20,7 +20,7 @@ import threading
 
 from . import callbacks as _callbacks
 from . import submission as _sub
-from .state import RUNTIME, Bell, at_fork_child, fork_safe, locked, log
+from .state import RUNTIME, Bell, at_fork_child, fork_safe, log
 
 #: Seconds between sweeps while work is pending.
 POLL_INTERVAL = 0.0002
@@ -153,33 +153,11 @@ def _pass(rt, last):
         else:
             poll = True  # (still pending work: keep polling)
     if todo:
-        done = []
-        error = None
-        try:
-            with locked():
-                for s in todo:
-                    try:
-                        done.extend(_sub._sweep_locked(s))
-                    except Exception as e:
-                        # (the streams after it are swept all the same: a stream whose
-                        # queries fail -- its device's context cannot be made current -- must
-                        # not stall the retirement of every other stream's work; the first
-                        # failure is raised once they are)
-                        if error is None:
-                            error = e
-                        poll = True
-                        continue
-                    # (after its own sweep: what it retired is not taken for the submitters'
-                    # progress at the next pass)
-                    seen[s._uid] = (s._seq, s._done)
-                if _polled_active(rt):
-                    poll = True
-            if error is not None:
-                raise error
-        finally:  # (what the streams before a failing one gave is finished too)
-            error = None
-            if done:
-                _sub.finish(done)
+        # (each stream's entry in seen rewritten after its own sweep: what it retired is not
+        # taken for the submitters' progress at the next pass)
+        _sub.sweep_each(todo, seen)
+        if _polled_active(rt):
+            poll = True
     return seen, poll
 
 

@@ -1000,16 +1000,28 @@ RUNTIME.install_hooks(_Hooks())
 
 def sweep_all() -> None:
     """Retire what has finished on every stream with work in flight."""
+    sweep_each(list(RUNTIME.active))
+
+
+def sweep_each(streams, seen=None) -> None:
+    """Retire what has finished on each of ``streams``. Every one is swept even where
+    another's queries fail (its device's context cannot be made current: that must not stall
+    the retirement of the others' work); the first failure is raised after, once what the
+    others gave is finished. ``seen``: None, or a dict given ``(seq, done)`` of each stream by
+    its uid after its own sweep (the retirer's record of the submitters' progress)."""
     done = []
     error = None
     try:
         with locked():
-            for s in list(RUNTIME.active):
+            for s in streams:
                 try:
                     done.extend(_sweep_locked(s))
-                except Exception as e:  # (the other streams are swept all the same: one
-                    if error is None:   # whose queries fail must not keep their finished
-                        error = e       # work unretired; the first failure raised after)
+                except Exception as e:
+                    if error is None:
+                        error = e
+                    continue
+                if seen is not None:
+                    seen[s._uid] = (s._seq, s._done)
         if error is not None:
             raise error
     finally:  # (what the streams before a failing one gave must still be finished)
