@@ -73,7 +73,7 @@ def test_hold_end_lease_outlives_the_consumer_stream(fake, monkeypatch):
     # the retirer thread sweeps nothing during the test (its next pass comes at a time of
     # its choosing; the test makes that moment "after the consumer destroyed its stream")
     monkeypatch.setattr(ret, "_sub", types.SimpleNamespace(
-        SWEEP_EVERY=sub.SWEEP_EVERY, _sweep_locked=lambda s, *a: [], finish=sub.finish))
+        SWEEP_EVERY=sub.SWEEP_EVERY, sweep_each=lambda streams, seen=None: None))
     dev, drv = fake
     busy = set()          # streams with work in flight (the old h until "finish")
     real_record = drv.cuEventRecord

@@ -280,7 +280,7 @@ def test_hold_ends_share_a_submission_and_keep_all_they_held(monkeypatch):
     import sharedmem.runtime.retirer as ret
     import sharedmem.runtime.submission as sub_mod
     monkeypatch.setattr(ret, "_sub", types.SimpleNamespace(
-        SWEEP_EVERY=sub_mod.SWEEP_EVERY, _sweep_locked=lambda s, *a: [], finish=sub_mod.finish))
+        SWEEP_EVERY=sub_mod.SWEEP_EVERY, sweep_each=lambda streams, seen=None: None))
     pending = dev.default_stream._pending
     gc.collect()  # (earlier tests' garbage: a collection below must find only this test's)
     live = sm.stats().live_allocations
