@@ -5,6 +5,10 @@ from sharedmem.runtime.submission cimport Submission, Work, submit_plan
 from sharedmem.runtime.future cimport future_of
 from sharedmem.stream cimport Stream, as_stream, streams_entered
 
+cdef extern from "Python.h":
+    # (isinstance() by the type alone: no lookup of obj.__class__ when the type says no)
+    bint PyObject_TypeCheck(object obj, type cls)
+
 cdef int _mode_of(c) except -1
 
 cdef class Intent:

@@ -525,12 +525,15 @@ def check_shared_mem(shared_mem, limit=None) -> int:
 # -- resolution ----------------------------------------------------------------------------
 
 
-# (C globals where compiled: no dict lookups)
-_BOX = cython.declare(object, DeviceBox)
+# (C globals where compiled: no dict lookups. _BOX and _NP_SCALAR: types, tested compiled with
+# PyObject_TypeCheck -- a walk of the object's type's MRO -- where a foreign array is the common
+# object: isinstance() also looks up obj.__class__ once the type says no, an attribute lookup
+# through the instance that cost some 250 instructions a test)
+_BOX = cython.declare(type, DeviceBox)
 # the view types themselves: tested by identity before isinstance (a walk of the type's MRO)
 _BUFFER = cython.declare(object, Buffer)
 _TENSOR = cython.declare(object, Tensor)
-_NP_SCALAR = cython.declare(object, np.generic)  # (np.int32(3), np.float32(1.5)...: never arrays)
+_NP_SCALAR = cython.declare(type, np.generic)  # (np.int32(3), np.float32(1.5)...: never arrays)
 
 
 def _described(obj) -> str:
@@ -636,8 +639,9 @@ def resolve_args(adapter, args, device):
             ia = None
         if t is _BUFFER or t is _TENSOR or isinstance(obj, View):
             view = cython.cast(View, obj) if cython.compiled else obj
-        elif t is _BOX or isinstance(obj, _BOX):  # (a subclass of DeviceBox too: leased,
-            view = obj.buffer                      # never passed on as a scalar)
+        elif t is _BOX or (PyObject_TypeCheck(obj, _BOX) if cython.compiled else
+                           isinstance(obj, _BOX)):
+            view = obj.buffer  # (a subclass of DeviceBox too: leased, never passed as a scalar)
         else:
             view = None
         if view is not None:  # the common case: few field reads, no call
@@ -668,7 +672,8 @@ def resolve_args(adapter, args, device):
             la.token = tok
             la.offset = view._offset
         else:
-            if ia is None and isinstance(obj, _NP_SCALAR):  # a NumPy scalar: passed as is
+            if ia is None and (PyObject_TypeCheck(obj, _NP_SCALAR) if cython.compiled else
+                               isinstance(obj, _NP_SCALAR)):  # a NumPy scalar: passed as is
                 continue
             if coerce is None:
                 hit = _last_coerce[0]

@@ -907,6 +907,35 @@ def test_prepare_returns_enqueue_and_keep_and_enqueue_its_marker(host):
     assert sm.stats().in_flight == 0 and alloc() is None
 
 
+def test_a_marker_without_query_is_refused_after_markers_that_had_one(host):
+    """The check of an enqueue's marker remembers the last marker class that has ``query``
+    (a launch then skips the attribute lookup): a marker that has ``query`` through its
+    instance alone is not remembered, so a later one of its class without ``query`` is still
+    refused."""
+    class Lent:  # a marker's attributes, through the instance
+        def __init__(self, marker):
+            self.marker = marker
+
+        def __getattr__(self, name):
+            return getattr(self.marker, name)
+
+        def __repr__(self):
+            return f"Lent({self.marker!r})"
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    s.synchronize()
+    for _ in range(2):  # (a marker of the backend's class: remembered)
+        sm.launch(_PreparedKernel(lambda args: None), 1, 1, sm.Out(b), stream=s).result(5)
+    sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(s._impl.submit(lambda: None, True)),
+                                                  ())), 1, 1, sm.Out(b), stream=s).result(5)
+    with pytest.raises(sm.KernelError, match=r"^preparing kernel prepared on <Stream .*>: its "
+                                             r"enqueue returned Lent\(None\), not the "
+                                             r"completion marker of the work"):
+        sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(None), ())), 1, 1,
+                  sm.Out(b), stream=s)
+    sm.synchronize()
+
+
 def test_host_kernel_arguments_that_do_not_fit_its_parameters_are_refused(host):
     """A host kernel launched with arguments its function cannot take (too few, too many, a
     keyword-only parameter launch cannot pass) was launched: its future failed later with
