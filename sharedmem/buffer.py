@@ -43,6 +43,19 @@ def _is_bfloat16(dt: np.dtype) -> bool:
     return dt.name == "bfloat16" and dt.itemsize == 2 and dt.fields is None
 
 
+def host_values(src, what: str) -> np.ndarray:
+    """``np.asarray(src)`` for ``what``, a call that copies host values into device memory:
+    TypeError, naming ``src``, where those are no values device memory holds (None, a string,
+    Python objects: NumPy would make nan of None, or parse the string)."""
+    a = np.asarray(src)
+    try:
+        as_dtype(a.dtype.newbyteorder("="))
+    except TypeError as e:
+        raise TypeError(f"{what} takes numbers (a NumPy array, a sequence of numbers, a number), "
+                        f"got {type(src).__name__} {src!r:.60}: {e}") from None
+    return a
+
+
 def native(a: np.ndarray) -> np.ndarray:
     """``a``, converted to native byte order if it is not (a copy only then)."""
     return a if a.dtype.isnative else a.astype(a.dtype.newbyteorder("="))
@@ -167,8 +180,8 @@ class Buffer(View):
                   stream: Stream | object | None = None) -> Buffer:
         """A new buffer holding a copy of ``array`` (flattened, C order). The
         copy runs on ``stream``; ``array`` may be reused at once."""
-        a = native(np.asarray(array))
-        buf = cls.empty(a.size, a.dtype, device, stream)  # (TypeError for what cannot be held)
+        a = native(host_values(array, "Buffer.from_host"))
+        buf = cls.empty(a.size, a.dtype, device, stream)
         buf.copy_from(a, stream)
         return buf
 
@@ -234,7 +247,12 @@ class Buffer(View):
                             f"use to_host() to read elements")
         tok = self._live_token()
         if key.step is not None and key.step != 1:  # (before indices(): 0 raises there)
-            raise LayoutError(f"Buffer slices must be contiguous (step 1), got step {key.step}")
+            step = key.step
+            how = (f"; for a strided view, slice a Tensor of its bytes: sm.Tensor.from_buffer("
+                   f"buf, (len(buf),))[::{step}] (from_buffer moves the buffer into the tensor)"
+                   if type(step) is int and step > 1 else "")
+            raise LayoutError(f"Buffer slices must be contiguous (step 1), got step {step} "
+                              f"(slicing {self!r}){how}")
         start, stop, _ = key.indices(self._length)
         stop = max(stop, start)
         isz = self._dtype.itemsize
@@ -278,8 +296,7 @@ class Buffer(View):
                                   f"temporary buffer")
             return DeviceFuture(copy_bytes(tok, stok, stream, "copy_from"))
         s = resolve_stream(stream, tok.allocation.device)
-        a = np.asarray(src)
-        as_dtype(a.dtype.newbyteorder("="))  # (as from_host: None, strings, objects are no values)
+        a = host_values(src, "copy_from")
         a = np.ascontiguousarray(a, dtype=self._dtype)
         if a.size != self._length:
             raise LayoutError(f"copy_from needs {self._length} elements, got an array of {a.size}")

@@ -28,7 +28,8 @@ except ImportError:
     from . import _cython as cython
 
 from .allocation import View
-from .buffer import Buffer, copy_stream, new_buffer, on_device, readonly_token, to_device
+from .buffer import (Buffer, copy_stream, host_values, new_buffer, on_device, readonly_token,
+                     to_device)
 from .device import as_device
 from .errors import LayoutError
 from .backends import copy_pieces
@@ -349,7 +350,7 @@ class Tensor(View):
                   stream: Stream | object | None = None) -> Tensor:
         """A new C-order tensor holding a copy of ``array`` (a new :meth:`Buffer.from_host`,
         moved in)."""
-        a = np.asarray(array)
+        a = host_values(array, "Tensor.from_host")
         return cls.from_buffer(Buffer.from_host(a, device, stream), a.shape)
 
     @classmethod

@@ -125,11 +125,22 @@ def test_copy_from_refuses_what_from_host_refuses(host):
     """copy_from(None) wrote nan (NumPy's float of None), copy_from("2.5") parsed the string:
     values from_host and DeviceBox.set refuse with a TypeError."""
     b = sm.Buffer.from_host(np.arange(1, dtype=np.float32), device=host)
-    with pytest.raises(TypeError, match=r"^dtype object cannot live in device memory; use a "
-                                        r"numeric or bool dtype$"):
+    with pytest.raises(TypeError, match=r"^copy_from takes numbers \(a NumPy array, a sequence "
+                                        r"of numbers, a number\), got NoneType None: dtype object "
+                                        r"cannot live in device memory; use a numeric or bool "
+                                        r"dtype$"):
         b.copy_from(None)
-    with pytest.raises(TypeError, match=r"^dtype <U3 cannot live in device memory"):
+    with pytest.raises(TypeError, match=r"^copy_from takes numbers .*, got str '2.5': dtype <U3 "
+                                        r"cannot live in device memory"):
         b.copy_from("2.5")
+    for make, what in ((sm.Buffer.from_host, "Buffer.from_host"),
+                       (sm.Tensor.from_host, "Tensor.from_host")):
+        with pytest.raises(TypeError, match=rf"^{what} takes numbers .*, got NoneType None: "
+                                            rf"dtype object cannot live in device memory"):
+            make(None, device=host)
+        with pytest.raises(TypeError, match=rf"^{what} takes numbers .*, got list \[<object "
+                                            rf"object at .*: dtype object cannot live"):
+            make([object()], device=host)
     b.copy_from(np.array([7], ">i8")).result(5)  # (another byte order, another dtype: cast)
     assert b.to_host().tolist() == [7.0]
 

@@ -180,8 +180,17 @@ def test_strides_are_checked_as_a_shape_is():
 def test_a_zero_step_is_a_layout_error():
     b = sm.Buffer.zeros(8, "float32", device=sm.Device.host())
     with pytest.raises(LayoutError, match=r"^Buffer slices must be contiguous \(step 1\), got "
-                                          r"step 0$"):
+                                          r"step 0 \(slicing <Buffer .*>\)$"):
         b[::0]
+    with pytest.raises(LayoutError, match=r"^Buffer slices must be contiguous \(step 1\), got "
+                                          r"step 2 \(slicing <Buffer .*>\); for a strided view, "
+                                          r"slice a Tensor of its bytes: sm.Tensor.from_buffer\("
+                                          r"buf, \(len\(buf\),\)\)\[::2\] \(from_buffer "
+                                          r"moves the buffer into the tensor\)$"):
+        b[::2]
+    c = sm.Buffer.zeros(8, "float32", device=sm.Device.host())
+    s = sm.Tensor.from_buffer(c, (len(c),))[::2]  # (what the message says works)
+    assert s.shape == (4,) and s.strides == (2,) and not c.is_live  # (strides in elements)
     t = sm.Tensor.from_buffer(b, (2, 4))
     with pytest.raises(LayoutError, match=r"^tensor slices take a positive step .*got step 0$"):
         t[::0]
