@@ -72,6 +72,19 @@ def main() -> int:
     row("tensor.untyped_storage()", lambda: ta.untyped_storage())
     row("tensor.data_ptr(), .shape, .stride(), .dtype",
         lambda: (ta.data_ptr(), ta.shape, ta.stride(), ta.dtype))
+    row("tensor.is_conj(), .is_neg()", lambda: (ta.is_conj(), ta.is_neg()))
+    row("isinstance(tensor, torch.Tensor)", lambda: isinstance(ta, torch.Tensor))
+    # the launch path's own parts, one tensor (or the 4) at a time, warm (facts known)
+    from interop import cupy_launch as cl
+    from sharedmem import launch as sl
+    row("interop.cupy_launch.torch_facts(tensor), known", lambda: cl.torch_facts(ta))
+    row("interop.cupy_launch.coerce(tensor), known", lambda: cl.coerce(ta, dev))
+    adapter, args = sl.adapter_for(k), (In(ta), In(tb), Out(tc), Out(td), nn)
+    row("resolve_args, 4 torch tensors + a scalar", lambda: sl.resolve_args(adapter, args, None))
+    row("order_after_libraries, torch's stream (no wait)",
+        lambda: cl.order_after_libraries(on_torch, dev, None))
+    row("order_after_libraries, a sharedmem stream (a wait)",
+        lambda: cl.order_after_libraries(s, dev, None))
     backend, p = dev.backend, ta.data_ptr()
     row("backend.pointer_info", lambda: backend.pointer_info(p))
     h = torch.cuda.current_stream(dev.ordinal).cuda_stream
