@@ -249,8 +249,10 @@ class Buffer(View):
         if key.step is not None and key.step != 1:  # (before indices(): 0 raises there)
             step = key.step
             how = (f"; for a strided view, slice a Tensor of its bytes: sm.Tensor.from_buffer("
-                   f"buf, (len(buf),))[::{step}] (from_buffer moves the buffer into the tensor)"
-                   if type(step) is int and step > 1 else "")
+                   f"buf, (len(buf),))[::{step}] (from_buffer moves the buffer into the tensor: "
+                   f"no other view of its bytes may be live)"
+                   if isinstance(step, (int, np.integer)) and not isinstance(step, bool) and
+                   step > 1 else "")
             raise LayoutError(f"Buffer slices must be contiguous (step 1), got step {step} "
                               f"(slicing {self!r}){how}")
         start, stop, _ = key.indices(self._length)

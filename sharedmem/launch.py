@@ -640,7 +640,7 @@ def resolve_args(adapter, args, device):
         if t is _BUFFER or t is _TENSOR or isinstance(obj, View):
             view = cython.cast(View, obj) if cython.compiled else obj
         elif t is _BOX or (PyObject_TypeCheck(obj, _BOX) if cython.compiled else
-                           isinstance(obj, _BOX)):
+                           issubclass(t, _BOX)):  # (by the type alone in both builds)
             view = obj.buffer  # (a subclass of DeviceBox too: leased, never passed as a scalar)
         else:
             view = None
@@ -673,7 +673,7 @@ def resolve_args(adapter, args, device):
             la.offset = view._offset
         else:
             if ia is None and (PyObject_TypeCheck(obj, _NP_SCALAR) if cython.compiled else
-                               isinstance(obj, _NP_SCALAR)):  # a NumPy scalar: passed as is
+                               issubclass(t, _NP_SCALAR)):  # a NumPy scalar: passed as is
                 continue
             if coerce is None:
                 hit = _last_coerce[0]
@@ -683,6 +683,9 @@ def resolve_args(adapter, args, device):
                     coerce = adapter.coerce
                     _last_coerce[0] = (adapter, coerce)
             got = coerce(obj, device)
+            if got is None and _BOX.__instancecheck__(obj):  # (rare: its __class__ says
+                got = obj.buffer  # DeviceBox, its type not -- a proxy, Mock(spec=DeviceBox):
+                # leased as one, in both builds; isinstance() would be compiled by the type)
             if got is None:
                 if isinstance(obj, (ForeignArray, LaunchArg)):  # (made by and for a launch)
                     raise KernelError(f"argument {i}: a {type(obj).__name__} is what a launch "

@@ -936,6 +936,62 @@ def test_a_marker_without_query_is_refused_after_markers_that_had_one(host):
     sm.synchronize()
 
 
+def test_a_marker_whose_query_is_a_property_is_checked_each_launch(host):
+    """A marker class whose ``query`` is a property (or a slot) has it on the class, yet one of
+    its markers may not (the property raises AttributeError): such a class is not remembered,
+    so that marker is refused at its launch -- accepted, the stream's sweeps failed on it
+    ever after (to_host, stats(), synchronize())."""
+    class Lent:  # a marker's attributes; query through a property that may find none
+        def __init__(self, marker):
+            self.marker = marker
+
+        @property
+        def query(self):
+            return self.marker.query
+
+        def __getattr__(self, name):
+            if name == "query":
+                raise AttributeError(name)
+            return getattr(self.marker, name)
+
+        def __repr__(self):
+            return f"Lent({self.marker!r})"
+    s = host.create_stream()
+    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
+    s.synchronize()
+    for _ in range(2):
+        sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(s._impl.submit(lambda: None,
+                                                                                   True)), ())),
+                  1, 1, sm.Out(b), stream=s).result(5)
+    with pytest.raises(sm.KernelError, match=r"^preparing kernel prepared on <Stream .*>: its "
+                                             r"enqueue returned Lent\(None\), not the "
+                                             r"completion marker of the work"):
+        sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(None), ())), 1, 1,
+                  sm.Out(b), stream=s)
+    sm.synchronize()
+    assert b.to_host().tolist() == [0, 0, 0, 0]
+
+
+def test_an_object_whose_class_says_devicebox_is_leased_as_one_in_both_builds(host):
+    """An object whose ``__class__`` is DeviceBox (a proxy, Mock(spec=DeviceBox)) passes
+    isinstance(): interpreted, launch leased its buffer; compiled, the test by the type alone
+    said no and the object went to the kernel as a scalar, unleased (bare) or was refused
+    (In(...)). Both builds now treat it alike: as the DeviceBox it stands for."""
+    from unittest import mock
+    box = sm.DeviceBox(3, "int32", device=host)
+    fake = mock.Mock(spec=sm.DeviceBox)
+    fake.buffer = box.buffer
+    assert isinstance(fake, sm.DeviceBox)
+    got = []
+
+    @sm.host_kernel
+    def k(x):
+        got.append(type(x))
+    sm.launch(k, 1, 1, fake).result(5)
+    sm.launch(k, 1, 1, sm.In(fake)).result(5)
+    assert got == [np.ndarray, np.ndarray]
+
+
 def test_host_kernel_arguments_that_do_not_fit_its_parameters_are_refused(host):
     """A host kernel launched with arguments its function cannot take (too few, too many, a
     keyword-only parameter launch cannot pass) was launched: its future failed later with

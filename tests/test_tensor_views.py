@@ -186,8 +186,12 @@ def test_a_zero_step_is_a_layout_error():
                                           r"step 2 \(slicing <Buffer .*>\); for a strided view, "
                                           r"slice a Tensor of its bytes: sm.Tensor.from_buffer\("
                                           r"buf, \(len\(buf\),\)\)\[::2\] \(from_buffer "
-                                          r"moves the buffer into the tensor\)$"):
+                                          r"moves the buffer into the tensor: no other view "
+                                          r"of its bytes may be live\)$"):
         b[::2]
+    with pytest.raises(LayoutError, match=r"got step 3 \(slicing <Buffer .*>\); for a strided "
+                                          r"view, .*\[::3\]"):
+        b[::np.int64(3)]  # (a NumPy step: the same hint)
     c = sm.Buffer.zeros(8, "float32", device=sm.Device.host())
     s = sm.Tensor.from_buffer(c, (len(c),))[::2]  # (what the message says works)
     assert s.shape == (4,) and s.strides == (2,) and not c.is_live  # (strides in elements)

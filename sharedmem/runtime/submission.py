@@ -71,10 +71,10 @@ _sweep_every = cython.declare(cython.longlong, SWEEP_EVERY)
 MAX_PENDING = 512
 _max_pending = cython.declare(cython.Py_ssize_t, MAX_PENDING)
 
-# [the type of the last marker an enqueue returned, whose class has ``query``]: a launch whose marker
-# is of that type skips hasattr(), an attribute lookup through the type's dicts (some 250
-# instructions a launch: a cuTile launch's enqueue is not native). (A C global where
-# compiled; a racing thread at worst checks one more marker.)
+# [the type of the last marker an enqueue returned, whose every instance has ``query``: see
+# _query_of_each]: a launch whose marker is of that type skips hasattr(), an attribute lookup
+# through the type's dicts (some 250 instructions a launch: a cuTile launch's enqueue is not
+# native). (A C global where compiled; a racing thread at worst checks one more marker.)
 _marker_type = cython.declare(list, [None])
 
 
@@ -293,7 +293,7 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label, v
                 if type(marker) is not _marker_type[0]:  # (an adapter's enqueue: checked)
                     if marker is None or not hasattr(marker, "query"):
                         raise _no_marker(stream, label, marker)
-                    if hasattr(type(marker), "query"):  # (each of its markers has it)
+                    if _query_of_each(type(marker)):  # (each of its markers has it)
                         _marker_type[0] = type(marker)
             except BaseException as e:
                 if not isinstance(e, Exception) or getattr(e, "enqueued", False):
@@ -323,6 +323,20 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label, v
     if became_active and rt.retirer_idle:
         rt.wake_retirer()  # it is sleeping its idle interval
     return sub
+
+
+def _query_of_each(cls) -> bool:
+    """Whether every instance of ``cls`` (a marker's class) has ``query``: its class has it, not
+    through a data descriptor -- a property, a slot: those may raise AttributeError for one
+    instance --, and the default attribute lookup reads it (no __getattribute__ of its own).
+    (Once per new marker class: what _marker_type may remember.)"""
+    for k in cls.__mro__:
+        d = k.__dict__
+        if "query" in d:
+            t = type(d["query"])
+            return (not (hasattr(t, "__set__") or hasattr(t, "__delete__"))
+                    and cls.__getattribute__ is object.__getattribute__)
+    return False  # (a metaclass' attribute, or its __getattr__: not the instances')
 
 
 def _no_marker(stream, label, got) -> KernelError:
