@@ -161,13 +161,15 @@ def _np_dtype(code: int, bits: int, lanes: int) -> np.dtype:
 
 def _new_np_dtype(code, bits, lanes):
     if lanes != 1:
-        raise BufferError(f"DLPack dtype with {lanes} lanes (vector types) is not supported")
+        raise BufferError(f"DLPack dtype with {lanes} lanes (vector types) is not supported; "
+                          f"{_TAKES}")
     if code == kDLBfloat and bits == 16:
         try:
             import ml_dtypes
             return np.dtype(ml_dtypes.bfloat16)
         except ImportError:
-            raise BufferError("bfloat16 tensors need the ml_dtypes package") from None
+            raise BufferError("bfloat16 tensors need the ml_dtypes package (pip install "
+                              "ml-dtypes)") from None
     kind = {kDLBool: "b", kDLInt: "i", kDLUInt: "u", kDLFloat: "f", kDLComplex: "c"}.get(code)
     # (bools of one byte only: "b1"; floats up to 64 bits, complex up to 128: DLPack's wider
     # ones are IEEE binary128, not the platform's long double that NumPy's float128 is)
@@ -177,7 +179,11 @@ def _new_np_dtype(code, bits, lanes):
                 return np.dtype(f"{kind}{bits // 8}")
         except TypeError:  # (no such size of that kind)
             pass
-    raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported")
+    raise BufferError(f"DLPack dtype (code {code}, {bits} bits) is not supported; {_TAKES}")
+
+
+_TAKES = ("sharedmem imports bool (8 bits), int, uint, float (up to 64 bits), complex (up to "
+          "128) and bfloat16: convert the array to one of those first")
 
 
 # -- export --------------------------------------------------------------------------------
@@ -516,6 +522,13 @@ def _export_copy(view, stream, versioned, target):
 
 
 # -- import ----------------------------------------------------------------------------------
+def _named(obj, library) -> str:
+    """What an import was given, for its messages: ``a torch.Tensor``, ``a DLPack capsule``."""
+    if type(obj).__name__ == "PyCapsule":
+        return "a DLPack capsule"
+    return f"a {library}.{type(obj).__name__}"
+
+
 def producer_kind(obj) -> str:
     """How an import's producer is named as an alias in AliasError messages."""
     if obj is None:
@@ -769,7 +782,10 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
         want = as_device(device)  # (not None here: "host", a Device, an ordinal)
         if want is not dev:
             raise _not_on(dev, want)
-    dtype = _np_dtype(code, bits, lanes)
+    try:
+        dtype = _np_dtype(code, bits, lanes)
+    except BufferError as e:  # (the capsule left unconsumed: its deleter runs when dropped)
+        raise BufferError(f"cannot import {_named(obj, library)}: {e}") from None
     if not 0 <= ndim <= MAX_NDIM:
         raise BufferError(f"DLPack tensor with ndim={ndim}; sharedmem takes 0 to {MAX_NDIM} "
                           f"dimensions")

@@ -294,17 +294,23 @@ def test_a_consumer_calls_the_deleter_from_any_thread(host):
         assert alloc.live_views == views
 
 
+# (an unsupported dtype: what it was given, what is wrong, what sharedmem takes)
+_DT = r"cannot import a DLPack capsule: DLPack dtype "
+_TAKES = (r" is not supported; sharedmem imports bool \(8 bits\), int, uint, float \(up to 64 "
+          r"bits\), complex \(up to 128\) and bfloat16: convert the array to one of those first")
+
+
 @pytest.mark.parametrize("field, value, msg", [
-    ("lanes", 2, r"DLPack dtype with 2 lanes \(vector types\) is not supported"),
-    ("code", 99, r"DLPack dtype \(code 99, 64 bits\) is not supported"),
-    ("bits", 12, r"DLPack dtype \(code 2, 12 bits\) is not supported"),
-    ("bits", 24, r"DLPack dtype \(code 2, 24 bits\) is not supported"),
+    ("lanes", 2, _DT + r"with 2 lanes \(vector types\)" + _TAKES),
+    ("code", 99, _DT + r"\(code 99, 64 bits\)" + _TAKES),
+    ("bits", 12, _DT + r"\(code 2, 12 bits\)" + _TAKES),
+    ("bits", 24, _DT + r"\(code 2, 24 bits\)" + _TAKES),
     ("device_type", 7, r"DLPack device type 7 \(id 0\) is not supported; sharedmem imports CPU "
                        r"and CUDA memory"),
     ("shape", -3, r"DLPack tensor with negative shape \(-3,\)"),
     # a bool of 8 bytes, an IEEE binary128 float: neither is NumPy's bool or float128
-    ("code", 6, r"DLPack dtype \(code 6, 64 bits\) is not supported"),
-    ("bits", 128, r"DLPack dtype \(code 2, 128 bits\) is not supported"),
+    ("code", 6, _DT + r"\(code 6, 64 bits\)" + _TAKES),
+    ("bits", 128, _DT + r"\(code 2, 128 bits\)" + _TAKES),
 ])
 def test_a_malformed_capsule_is_refused_and_left_unconsumed(host, field, value, msg):
     """A capsule whose dtype, device or shape sharedmem cannot take is a BufferError; it is
@@ -321,6 +327,28 @@ def test_a_malformed_capsule_is_refused_and_left_unconsumed(host, field, value, 
     with pytest.raises(BufferError, match="^" + msg + "$"):
         sm.from_dlpack(cap)
     assert dl._is_valid(cap, b"dltensor_versioned") and t.allocation.live_views == 2
+    del cap
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
+
+
+def test_an_unsupported_dtype_names_the_producer(host):
+    """The refusal of a dtype names what the import was given (its library and type), not
+    only the DLPack codes -- and says what sharedmem takes."""
+    t = sm.Tensor.from_host(np.arange(3.0), device=host)
+    cap = t.__dlpack__(max_version=(1, 0))
+    dl.DLManagedTensorVersioned.from_address(
+        dl._get_pointer(cap, b"dltensor_versioned")).dl_tensor.dtype.code = 99
+
+    class Producer:
+        def __dlpack__(self, stream=None, max_version=None):
+            return cap
+
+        def __dlpack_device__(self):
+            return (1, 0)
+    with pytest.raises(BufferError, match=r"^cannot import a test_dlpack.Producer: DLPack dtype "
+                                          r"\(code 99, 64 bits\)" + _TAKES + "$"):
+        sm.from_dlpack(Producer())
     del cap
     gc_collect_harder()
     assert t.allocation.live_views == 1

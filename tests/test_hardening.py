@@ -268,7 +268,9 @@ print(bool(dl._is_valid(cap, b"dltensor_versioned")))
 @pytest.mark.parametrize("field, message", [
     ("device_type", "DLPack device type 7 (id 0) is not supported; sharedmem imports CPU and "
                     "CUDA memory"),
-    ("lanes", "DLPack dtype with 2 lanes (vector types) is not supported")])
+    ("lanes", "cannot import a DLPack capsule: DLPack dtype with 2 lanes (vector types) is not "
+              "supported; sharedmem imports bool (8 bits), int, uint, float (up to 64 bits), "
+              "complex (up to 128) and bfloat16: convert the array to one of those first")])
 def test_a_capsule_refused_for_its_device_or_dtype_has_its_arrays_unread(field, message):
     """The shape and strides arrays are read only once the device, dtype and ndim are ones an
     import takes: a capsule refused for those, whose shape pointer points nowhere, is refused
