@@ -907,66 +907,49 @@ def test_prepare_returns_enqueue_and_keep_and_enqueue_its_marker(host):
     assert sm.stats().in_flight == 0 and alloc() is None
 
 
-def test_a_marker_without_query_is_refused_after_markers_that_had_one(host):
-    """The check of an enqueue's marker remembers the last marker class that has ``query``
-    (a launch then skips the attribute lookup): a marker that has ``query`` through its
-    instance alone is not remembered, so a later one of its class without ``query`` is still
-    refused."""
-    class Lent:  # a marker's attributes, through the instance
-        def __init__(self, marker):
-            self.marker = marker
+class _LentMarker:
+    """A marker's attributes, through the instance (``query`` of its class: none)."""
 
-        def __getattr__(self, name):
-            return getattr(self.marker, name)
+    def __init__(self, marker):
+        self.marker = marker
 
-        def __repr__(self):
-            return f"Lent({self.marker!r})"
+    def __getattr__(self, name):
+        if name == "query" and self.marker is None:
+            raise AttributeError(name)
+        return getattr(self.marker, name)
+
+    def __repr__(self):
+        return f"Lent({self.marker!r})"
+
+
+class _PropertyMarker(_LentMarker):
+    """As _LentMarker, but ``query`` a property of its class, which may find none."""
+
+    @property
+    def query(self):
+        return self.marker.query
+
+
+@pytest.mark.parametrize("lent", [_LentMarker, _PropertyMarker])
+def test_a_marker_without_query_is_refused_after_markers_that_had_one(host, lent):
+    """The check of an enqueue's marker remembers the last marker class whose every instance
+    has ``query`` (a launch then skips the attribute lookup): a class that has it through its
+    instances alone, or through a property (or a slot) of the class, is not remembered -- one
+    of its markers may have none -- so such a marker is still refused at its launch (accepted,
+    the stream's sweeps failed on it ever after: to_host, stats(), synchronize())."""
     s = host.create_stream()
     b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
     s.synchronize()
     for _ in range(2):  # (a marker of the backend's class: remembered)
         sm.launch(_PreparedKernel(lambda args: None), 1, 1, sm.Out(b), stream=s).result(5)
-    sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(s._impl.submit(lambda: None, True)),
-                                                  ())), 1, 1, sm.Out(b), stream=s).result(5)
-    with pytest.raises(sm.KernelError, match=r"^preparing kernel prepared on <Stream .*>: its "
-                                             r"enqueue returned Lent\(None\), not the "
-                                             r"completion marker of the work"):
-        sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(None), ())), 1, 1,
-                  sm.Out(b), stream=s)
-    sm.synchronize()
-
-
-def test_a_marker_whose_query_is_a_property_is_checked_each_launch(host):
-    """A marker class whose ``query`` is a property (or a slot) has it on the class, yet one of
-    its markers may not (the property raises AttributeError): such a class is not remembered,
-    so that marker is refused at its launch -- accepted, the stream's sweeps failed on it
-    ever after (to_host, stats(), synchronize())."""
-    class Lent:  # a marker's attributes; query through a property that may find none
-        def __init__(self, marker):
-            self.marker = marker
-
-        @property
-        def query(self):
-            return self.marker.query
-
-        def __getattr__(self, name):
-            if name == "query":
-                raise AttributeError(name)
-            return getattr(self.marker, name)
-
-        def __repr__(self):
-            return f"Lent({self.marker!r})"
-    s = host.create_stream()
-    b = sm.Buffer.zeros(4, "int32", device=host, stream=s)
-    s.synchronize()
-    for _ in range(2):
-        sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(s._impl.submit(lambda: None,
-                                                                                   True)), ())),
+    for _ in range(2):  # (markers of the class under test that have query)
+        sm.launch(_PreparedKernel(lambda args: None,
+                                  (lambda: lent(s._impl.submit(lambda: None, True)), ())),
                   1, 1, sm.Out(b), stream=s).result(5)
     with pytest.raises(sm.KernelError, match=r"^preparing kernel prepared on <Stream .*>: its "
                                              r"enqueue returned Lent\(None\), not the "
                                              r"completion marker of the work"):
-        sm.launch(_PreparedKernel(lambda args: None, (lambda: Lent(None), ())), 1, 1,
+        sm.launch(_PreparedKernel(lambda args: None, (lambda: lent(None), ())), 1, 1,
                   sm.Out(b), stream=s)
     sm.synchronize()
     assert b.to_host().tolist() == [0, 0, 0, 0]
