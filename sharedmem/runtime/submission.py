@@ -71,11 +71,14 @@ _sweep_every = cython.declare(cython.longlong, SWEEP_EVERY)
 MAX_PENDING = 512
 _max_pending = cython.declare(cython.Py_ssize_t, MAX_PENDING)
 
-# [the type of the last marker an enqueue returned, whose every instance has ``query``: see
-# _query_of_each]: a launch whose marker is of that type skips hasattr(), an attribute lookup
-# through the type's dicts (some 250 instructions a launch: a cuTile launch's enqueue is not
-# native). (A C global where compiled; a racing thread at worst checks one more marker.)
-_marker_type = cython.declare(list, [None])
+# The marker classes an enqueue returned whose every instance has ``query`` (see
+# _query_of_each; at most _MARKER_TYPES_MAX, the backends' few): a launch whose marker is of
+# one skips hasattr(), an attribute lookup through the type's dicts (some 250 instructions a
+# launch: a cuTile launch's enqueue is not native) -- kernels of several backends alternating
+# too. (A C global where compiled; set operations are atomic under the GIL: a racing thread at
+# worst checks one more marker.)
+_marker_types = cython.declare(set, set())
+_MARKER_TYPES_MAX = 8
 
 
 @cython.freelist(64)
@@ -290,11 +293,11 @@ def _submit(stream, uses, enqueue, plan, config, payload, keep, policy, label, v
             # Any other Exception means the backend enqueued nothing: no lease.
             try:
                 marker = plan.enqueue(stream, config, payload) if plan is not None else enqueue()
-                if type(marker) is not _marker_type[0]:  # (an adapter's enqueue: checked)
+                if type(marker) not in _marker_types:  # (an adapter's enqueue: checked)
                     if marker is None or not hasattr(marker, "query"):
                         raise _no_marker(stream, label, marker)
-                    if _query_of_each(type(marker)):  # (each of its markers has it)
-                        _marker_type[0] = type(marker)
+                    if len(_marker_types) < _MARKER_TYPES_MAX and _query_of_each(type(marker)):
+                        _marker_types.add(type(marker))  # (each of its markers has it)
             except BaseException as e:
                 if not isinstance(e, Exception) or getattr(e, "enqueued", False):
                     _lease_interrupted_locked(stream, uses, keep, label)
@@ -329,7 +332,7 @@ def _query_of_each(cls) -> bool:
     """Whether every instance of ``cls`` (a marker's class) has ``query``: its class has it, not
     through a data descriptor -- a property, a slot: those may raise AttributeError for one
     instance --, and the default attribute lookup reads it (no __getattribute__ of its own).
-    (Once per new marker class: what _marker_type may remember.)"""
+    (Once per new marker class: what _marker_types may remember.)"""
     for k in cls.__mro__:
         d = k.__dict__
         if "query" in d:
