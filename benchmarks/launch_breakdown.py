@@ -24,7 +24,7 @@ import sharedmem as sm
 from sharedmem.runtime import retirer
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from run import LAUNCH_SRC  # noqa: E402
+from run import LAUNCH_SRC, cupy_stream  # noqa: E402
 
 
 def timed(fn, n, sync):
@@ -46,8 +46,7 @@ def main() -> None:
     dev = sm.default_device()
     k = cp.RawKernel(LAUNCH_SRC, "k4")
     s = dev.create_stream("bench")
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    cps = from_external(s) if from_external else cp.cuda.ExternalStream(s.handle)
+    cps = cupy_stream(s)
     n = 32
     A, B, C, D = (sm.Buffer.from_host(np.ones(n, np.float32), device=dev) for _ in range(4))
     ca, cb, cc, cd = (cp.ones(n, cp.float32) for _ in range(4))

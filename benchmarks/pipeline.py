@@ -32,8 +32,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import sharedmem as sm  # noqa: E402
+from run import cupy_stream  # noqa: E402
 
 
 def main() -> int:
@@ -89,8 +91,7 @@ def main() -> int:
         sm.launch(norm, g_n, None, In(Y), Out(Z), eps, *c_n, stream=a)
 
     # raw: the same kernels on CuPy arrays, events by hand
-    external = getattr(cp.cuda.Stream, "from_external", None)  # (CuPy 14; ExternalStream before)
-    ca, cb = (external(s) if external else cp.cuda.ExternalStream(s.handle) for s in (a, b))
+    ca, cb = cupy_stream(a), cupy_stream(b)
     xc, wc = cp.asarray(x_h), cp.asarray(w_h)
     biasc = cp.asarray(bias_h)
     yc, zc = cp.empty((M, N), cp.float32), cp.empty((M, N), cp.float32)

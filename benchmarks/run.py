@@ -71,6 +71,14 @@ class GcMeter:
 GC = GcMeter()
 
 
+def cupy_stream(stream):
+    """CuPy's stream object for a sharedmem ``stream`` (same handle): CuPy 14's
+    ``Stream.from_external`` (through ``__cuda_stream__``), ``ExternalStream`` before it."""
+    import cupy as cp
+    external = getattr(cp.cuda.Stream, "from_external", None)
+    return external(stream) if external else cp.cuda.ExternalStream(stream.handle)
+
+
 def per_call_us(fn, n, reps, sync=None, timed_sync=True):
     """Median over ``reps`` of the mean time of one call, in microseconds.
     ``timed_sync=False`` leaves the closing ``sync()`` out of the time (the
@@ -217,8 +225,7 @@ def bench_launch_gpu(dev, quick):
     k = cp.RawKernel(LAUNCH_SRC, "k4")
     k16 = cp.RawKernel(K16_SRC, "k16")
     s = dev.create_stream("bench")
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    cps = from_external(s) if from_external else cp.cuda.ExternalStream(s.handle)
+    cps = cupy_stream(s)
     n = 32
     A, B, C, D = (sm.Buffer.from_host(np.ones(n, np.float32), device=dev) for _ in range(4))
     many = [sm.Buffer.from_host(np.ones(n, np.float32), device=dev) for _ in range(16)]
@@ -324,7 +331,7 @@ def bench_multi_gpu(quick):
     W1 = sm.Buffer.from_host(np.ones(n, np.float32), device=d1)
     with cp.cuda.Device(1):
         ca, cb, cc, cd = (cp.ones(n, cp.float32) for _ in range(4))
-        cps = cp.cuda.ExternalStream(s1.handle)
+        cps = cupy_stream(s1)
     nn = np.int32(n)
     In, Out = sm.In, sm.Out
 
@@ -431,7 +438,7 @@ def bench_torch_args(dev, quick):
     import cupy as cp
     n, T = 32, 256
     s = dev.create_stream("bench-torch")
-    cps = cp.cuda.ExternalStream(s.handle)
+    cps = cupy_stream(s)
     k = cp.RawKernel(LAUNCH_SRC, "k4")
     ca, cb, cc, cd = (cp.ones(n, cp.float32) for _ in range(4))
     ta, tb, tc, td = (torch.ones(T * 64, device=f"cuda:{dev.ordinal}") for _ in range(4))

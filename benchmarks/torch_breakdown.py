@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sharedmem as sm  # noqa: E402
-from benchmarks.run import LAUNCH_SRC  # noqa: E402
+from benchmarks.run import LAUNCH_SRC, cupy_stream  # noqa: E402
 
 
 def main() -> int:
@@ -49,7 +49,7 @@ def main() -> int:
         torch.cuda.synchronize()
         print(f"{name:64s} {best:8.2f} us", flush=True)
 
-    cps = cp.cuda.ExternalStream(s.handle)
+    cps = cupy_stream(s)
     row("raw CuPy launch of CuPy arrays", lambda: k((1,), (32,), (ca, cb, cc, cd, nn), stream=cps))
     with cps:  # (CuPy's current stream: a launch of CuPy arrays there waits for nothing)
         row("sm.launch, CuPy arrays, CuPy's current stream (no wait)",
@@ -76,7 +76,7 @@ def main() -> int:
     row("isinstance(tensor, torch.Tensor)", lambda: isinstance(ta, torch.Tensor))
     # the launch path's own parts, one tensor (or the 4) at a time, warm (facts known)
     from interop import cupy_launch as cl
-    from sharedmem import launch as sl
+    sl = sys.modules["sharedmem.launch"]  # (the module: sharedmem.launch is the function)
     row("interop.cupy_launch.torch_facts(tensor), known", lambda: cl.torch_facts(ta))
     row("interop.cupy_launch.coerce(tensor), known", lambda: cl.coerce(ta, dev))
     adapter, args = sl.adapter_for(k), (In(ta), In(tb), Out(tc), Out(td), nn)
