@@ -218,8 +218,11 @@ cdef inline tuple _c_read_dims(size_t shape, size_t strides, int ndim):
             None if st == NULL else tuple([st[i] for i in range(ndim)]))
 
 
-@cython.locals(cache=dict, t=Tensor)
-cpdef _make_capsule(View view, ViewToken export_tok, bint versioned, int flags, tuple where)
+cdef tuple _code_bits(dt)
+
+@cython.locals(t=Tensor)
+cpdef _make_capsule(View view, ViewToken export_tok, bint versioned, int flags, tuple where,
+                    tuple code_bits)
 
 @cython.locals(ex=_Export, exports=dict)
 cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id, int code,

@@ -407,16 +407,15 @@ def export_positional(view, stream, max_version, dl_device, copy):
         versioned = _version_major(max_version) >= 1
     # (the dtype before the hold or a copy is made: a refusal then takes no lease, enqueues
     # no wait on the consumer's stream and copies nothing -- BufferError, the view as it was)
-    dt = view._dtype
-    if _dtype_cache.get(dt) is None:
-        _dtype_cache[dt] = _dl_dtype(dt)
+    code_bits = _code_bits(view._dtype)
     if copy is True or elsewhere:
         return _export_copy(view, stream, versioned, dl_device or ours)
     if not versioned and not tok.writable:
         raise BufferError(f"cannot export read-only {view!r} as a legacy DLPack capsule (it cannot "
                           f"say read-only); the consumer must ask for max_version >= (1, 0)")
     export_tok = _export_hold(view, tok, stream, facts)
-    return _make_capsule(view, export_tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, ours)
+    return _make_capsule(view, export_tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, ours,
+                         code_bits)
 
 
 # Byte layouts of the structs above (x86-64 / aarch64 LP64), packed in one call:
@@ -432,23 +431,27 @@ if cython.compiled:
     _DELETER_ADDR = _c_deleter_address()  # (dlpack.pxd)
 else:
     _DELETER_ADDR = ctypes.cast(_deleter, ctypes.c_void_p).value
-_dtype_cache: dict = {}  # np.dtype -> (code, bits); lock-free (idempotent writes)
+_dtype_cache = cython.declare(dict, {})  # np.dtype -> (code, bits); lock-free (idempotent writes)
 
 
-def _make_capsule(view, export_tok, versioned: bool, flags: int, where):
+def _code_bits(dt) -> tuple:
+    """:func:`_dl_dtype` of ``dt``, made once per dtype (BufferError where it has none)."""
+    code_bits = _dtype_cache.get(dt)  # (compiled: a C global, a C dict lookup)
+    if code_bits is None:
+        code_bits = _dtype_cache[dt] = _dl_dtype(dt)
+    return code_bits
+
+
+def _make_capsule(view, export_tok, versioned: bool, flags: int, where, code_bits):
     """The capsule of ``view``, which owns ``export_tok`` (its hold: see :func:`_export_hold`;
     released here if the capsule cannot be made). ``where``: the token's device, as DLPack's
-    ``(device_type, device_id)``."""
+    ``(device_type, device_id)``; ``code_bits``: the view's dtype's (:func:`_code_bits`)."""
     try:  # (a view released meanwhile -- the hold keeps its bytes -- raises from its properties)
         if type(view) is Tensor:  # (its fields: no property calls)
             t = view
-            dt, shape, strides = t._dtype, t._shape, t._strides
+            shape, strides = t._shape, t._strides
         else:
-            dt, shape, strides = view.dtype, view.shape, view.strides
-        cache = _dtype_cache  # (a typed local: a C dict lookup)
-        code_bits = cache.get(dt)
-        if code_bits is None:
-            code_bits = cache[dt] = _dl_dtype(dt)
+            shape, strides = view.shape, view.strides
         return _ctypes_capsule(export_tok, export_tok.allocation.ptr + view._offset, where[0],
                                where[1], code_bits[0], code_bits[1], shape, strides, versioned,
                                flags)
@@ -516,7 +519,7 @@ def _export_copy(view, stream, versioned, target):
     facts = _facts_of(stok.allocation.device)
     export_tok = _export_hold(src, stok, stream, facts)  # (None for the host: refused above)
     capsule = _make_capsule(src, export_tok, versioned, FLAG_IS_COPIED if versioned else 0,
-                            facts[3])
+                            facts[3], _code_bits(src._dtype))
     src.release()  # the capsule's own token keeps the copy alive
     return capsule
 

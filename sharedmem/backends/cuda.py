@@ -201,6 +201,7 @@ def check(result, what: str):
 #: Submissions of one stream that share one completion event at most (see the
 #: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop.
 MARKER_BATCH = 64
+_marker_batch = cython.declare(cython.longlong, MARKER_BATCH)  # (compiled: a C constant to compare)
 
 #: The largest piece of a host <-> device copy staged in pinned memory at once
 #: (CudaBackend.pinned: larger copies go piece by piece), and the bytes of pinned memory
@@ -535,7 +536,7 @@ class CudaStreamImpl:
             return m
         n = self.open_count + 1
         self.open_count = n
-        if n >= MARKER_BATCH:
+        if n >= _marker_batch:
             m.close_locked()
         return m
 

@@ -68,7 +68,7 @@ cdef _end_hold_locked(ViewToken tok, Stream stream, bint writes)
 @cython.locals(consumers=tuple, tracker=AccessTracker, c=tuple, left=list)
 cpdef end_left_consumers_locked(ViewToken tok, named)
 
-@cython.locals(last=Submission, label=object, seq=cython.longlong)
+@cython.locals(last=Submission, label=object, seq=cython.longlong, rt=Runtime)
 cdef _lease_hold_end_locked(Stream stream, ViewToken tok, bint writes, marker)
 
 cpdef joined_marker_locked(Stream stream)

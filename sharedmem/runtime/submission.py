@@ -661,7 +661,8 @@ def _lease_hold_end_locked(stream, tok, writes, marker) -> None:
     together when that marker is reached, as separate submissions with that marker would be.
     Not while tracing: a trace shows every end. Caller holds core_lock."""
     pending = stream._pending
-    if pending and RUNTIME.tracer is None:
+    rt = RUNTIME  # (a typed local: its tracer a C field read)
+    if pending and rt.tracer is None:
         last = cython.cast(Submission, pending[-1]) if cython.compiled else pending[-1]
         label = last._label
         if last.marker is marker and type(label) is tuple and label[0] is _HOLD_END and \
