@@ -10,7 +10,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from cpython.pycapsule cimport (PyCapsule_Destructor, PyCapsule_GetPointer, PyCapsule_IsValid,
                                 PyCapsule_New, PyCapsule_SetName)
 from cpython.ref cimport PyObject
-from sharedmem.allocation cimport View, ViewToken
+from sharedmem.allocation cimport Allocation, Exporter, View, ViewToken
 from sharedmem.tensor cimport Tensor
 from sharedmem.runtime.submission cimport export_hold
 
@@ -19,6 +19,10 @@ cdef extern from "Python.h":
     int _capsule_is_valid "PyCapsule_IsValid" (PyObject* o, const char* name)
     void* _capsule_pointer "PyCapsule_GetPointer" (PyObject* o, const char* name)
 
+
+cdef class _Exporter(Exporter):
+    cpdef export(self, View view, stream, max_version, dl_device, copy)
+    cpdef dlpack_device(self, View view)
 
 cdef class _Export:
     cdef public object managed
@@ -231,6 +235,8 @@ cpdef _ctypes_capsule(ViewToken export_tok, size_t ptr, int dev_type, int dev_id
 @cython.locals(tok=ViewToken, facts=tuple, export_tok=ViewToken)
 cpdef export_positional(View view, stream, max_version, dl_device, copy)
 
-cdef tuple _facts_of(dev)
+cdef tuple _facts_of(Allocation alloc)
+
+cdef tuple _device_facts(dev)
 
 cpdef ViewToken _export_hold(View view, ViewToken tok, stream, tuple facts)

@@ -44,7 +44,8 @@ except ImportError:  # interpreted, without Cython installed
 
 import numpy as np
 
-from sharedmem.allocation import View, import_allocation, import_writable, lookup_allocation
+from sharedmem.allocation import (Exporter, View, import_allocation, import_writable,
+                                  lookup_allocation, register_dlpack_exporter)
 from sharedmem.device import Device, as_device
 from sharedmem.errors import CaptureError, DeviceMismatchError
 from sharedmem.runtime.submission import export_hold, record_arrival
@@ -271,12 +272,21 @@ _deleter = _DELETER(_delete_from_c)  # lives as long as the module: consumers ca
 _capsule_destructor_c = _CAPSULE_DESTRUCTOR(_capsule_destructor)
 
 
-def _facts_of(dev) -> tuple:
+def _facts_of(alloc) -> tuple:
+    """:func:`_device_facts` of Allocation ``alloc``'s device, kept in the allocation's
+    ``bridge_facts`` (a field read on every export of its memory after the first)."""
+    f = alloc.bridge_facts
+    if f is None:
+        f = alloc.bridge_facts = _device_facts(alloc.device)
+    return f
+
+
+def _device_facts(dev) -> tuple:
     """What an export reads of Device ``dev``: (whether it is the host, its default Stream (None
     for the host), its backend's wait_on_handle, its DLPack (type, id), and the consumers of an
     export to the default stream -- ``((default, True),)`` and ``((default, False),)`` -- made
-    once). They never change: kept in the device's ``bridge_facts`` (a slot read on every
-    export, not a property call and four attribute lookups), so they live and die with it."""
+    once). They never change: kept in the device's ``bridge_facts`` (a slot read, not a
+    property call and four attribute lookups), so they live and die with it."""
     f = dev.bridge_facts
     if f is None:
         host = dev.kind == "host"
@@ -290,7 +300,7 @@ def _facts_of(dev) -> tuple:
 def _export_hold(view, tok, stream, facts):
     """The export's token: a hold of ``tok``'s bytes for the consumer's stream (see module
     docstring), made in one step with the consumer's ordering after our pending work
-    (``export_hold``). ``facts``: the :func:`_facts_of` the token's device."""
+    (``export_hold``). ``facts``: the token's allocation's :func:`_facts_of`."""
     if facts[0]:  # the host device
         if stream is not None:
             raise BufferError(f"stream={stream!r} is not valid for a host-device export; only None")
@@ -379,7 +389,7 @@ def export_positional(view, stream, max_version, dl_device, copy):
     """:func:`export` with positional arguments (what ``View.__dlpack__`` calls: a call
     without keywords is cheaper)."""
     tok = view._live_token()
-    facts = _facts_of(tok.allocation.device)
+    facts = _facts_of(tok.allocation)
     ours = facts[3]
     if dl_device is not None:
         given = dl_device
@@ -416,6 +426,22 @@ def export_positional(view, stream, max_version, dl_device, copy):
     export_tok = _export_hold(view, tok, stream, facts)
     return _make_capsule(view, export_tok, versioned, 0 if tok.writable else FLAG_READ_ONLY, ours,
                          code_bits)
+
+
+@cython.cclass
+class _Exporter(Exporter):
+    """View.__dlpack__'s exporter (:func:`export_positional`) and __dlpack_device__'s."""
+
+    __slots__ = ()
+
+    def export(self, view, stream, max_version, dl_device, copy):
+        return export_positional(view, stream, max_version, dl_device, copy)
+
+    def dlpack_device(self, view):
+        return _facts_of(view._live_token().allocation)[3]
+
+
+register_dlpack_exporter(_Exporter())
 
 
 # Byte layouts of the structs above (x86-64 / aarch64 LP64), packed in one call:
@@ -516,7 +542,7 @@ def _export_copy(view, stream, versioned, target):
     src = Tensor.from_host(view.to_host(), device=dev)
     dev.default_stream.synchronize()
     stok = src._live_token()
-    facts = _facts_of(stok.allocation.device)
+    facts = _facts_of(stok.allocation)
     export_tok = _export_hold(src, stok, stream, facts)  # (None for the host: refused above)
     capsule = _make_capsule(src, export_tok, versioned, FLAG_IS_COPIED if versioned else 0,
                             facts[3], _code_bits(src._dtype))

@@ -4,6 +4,7 @@ from sharedmem.access cimport AccessTracker
 from sharedmem.runtime.state cimport Runtime
 
 cdef class Allocation
+cdef class View
 
 cdef class ViewToken:
     cdef public Allocation allocation
@@ -27,12 +28,17 @@ cdef class Allocation:
     cdef public str source
     cdef public AccessTracker tracker
     cdef public dict _views
+    cdef public object bridge_facts
     cdef object __weakref__
 
     # (every view's creation: slices, as_buffer borrows, exports -- paths users take per launch)
     @cython.locals(tok=ViewToken, rt=Runtime)
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*)
+
+cdef class Exporter:
+    cpdef export(self, View view, stream, max_version, dl_device, copy)
+    cpdef dlpack_device(self, View view)
 
 cdef class View:
     cdef public ViewToken _token
@@ -71,7 +77,7 @@ cpdef ViewToken unregistered_token(Allocation allocation, str kind, Py_ssize_t s
                                    Py_ssize_t stop, bint writable, keep)
 
 @cython.locals(src=View, c=tuple)
-cpdef register_token_locked(ViewToken tok, source, consumers)
+cpdef register_token_locked(ViewToken tok, source, tuple consumers)
 
 cdef dict _imported
 

@@ -229,10 +229,11 @@ def register_token_locked(tok, source, consumers) -> None:
         if src._state != _LIVE:
             src._raise_dead()
     _add_locked(tok)
-    if consumers:  # (``(stream, writes)`` pairs)
-        if type(consumers) is tuple and len(consumers) == 1:  # (one pair: taken as it is)
+    if consumers:  # (a tuple of ``(stream, writes)`` pairs)
+        if len(consumers) == 1:  # (one pair: taken as it is)
             tok.consumers = consumers
-            tok.allocation.tracker.add_hold_locked(consumers[0][0], tok, tok.start, tok.stop)
+            c = consumers[0]
+            tok.allocation.tracker.add_hold_locked(c[0], tok, tok.start, tok.stop)
         else:
             for c in consumers:
                 add_consumer_locked(tok, c[0], c[1])
@@ -245,11 +246,13 @@ class Allocation:
     ``nbytes``, ``owner`` (the pool block this allocation owns, or ``None``
     when the memory is foreign and kept alive by its views' producers),
     ``source`` (a short word: ``"sharedmem"``, ``"cupy"``, ``"dlpack"``...),
-    ``tracker`` (the :class:`~sharedmem.access.AccessTracker` of its leases).
+    ``tracker`` (the :class:`~sharedmem.access.AccessTracker` of its leases),
+    ``bridge_facts`` (for interop bridges: what is constant about exporting this memory,
+    kept by the bridge on first use -- one field read an export, not a device lookup).
     """
 
     __slots__ = ("id", "device", "ptr", "nbytes", "owner", "source", "tracker",
-                 "_views", "__weakref__")
+                 "_views", "bridge_facts", "__weakref__")
 
     def __init__(self, device, ptr, nbytes, owner=None, source="sharedmem"):
         # (checked before the compiled fields convert them: a float is refused, not truncated)
@@ -267,6 +270,7 @@ class Allocation:
         self.source = source
         self.tracker = AccessTracker()
         self._views = {}  # live ViewToken -> itself (identity hash); guarded by core_lock
+        self.bridge_facts = None  # (lock-free: a racing bridge stores equal facts)
         _registry.register(self)
 
     def __repr__(self) -> str:
@@ -558,8 +562,6 @@ _ADVICE = (
 # Modules fully imported, by name (sys.modules holds a module from the start of its import:
 # another thread may still be executing it). Lock-free: a racing thread stores the same module.
 _imported = {}
-# interop.dlpack.export_positional, once an export imported it (a C global where compiled)
-_dlpack_export = cython.declare(list, [None])
 
 
 def _module(name):
@@ -572,6 +574,36 @@ def _module(name):
         if not getattr(m.__spec__, "_initializing", False):  # (not this thread's own import)
             _imported[name] = m
     return m
+
+
+@cython.cclass
+class Exporter:
+    """How a bridge makes the capsule of :meth:`View.__dlpack__`: ``interop.dlpack``
+    registers its subclass when imported (:func:`register_dlpack_exporter`). Compiled, its
+    ``export`` is called through the class's C method table, not as a Python call."""
+
+    __slots__ = ()
+
+    def export(self, view, stream, max_version, dl_device, copy):
+        """The DLPack capsule of ``view`` (``__dlpack__``'s arguments, positional)."""
+        raise NotImplementedError
+
+    def dlpack_device(self, view):
+        """``view.__dlpack_device__()``: DLPack's ``(device_type, device_id)`` of ``view``."""
+        raise NotImplementedError
+
+
+# The registered Exporter (None until interop.dlpack is imported; a C global where compiled)
+_dlpack_exporter = cython.declare(Exporter, None)
+
+
+def register_dlpack_exporter(exporter) -> None:
+    """Make ``exporter`` (an :class:`Exporter`) the one :meth:`View.__dlpack__` calls."""
+    global _dlpack_exporter
+    if not isinstance(exporter, Exporter):
+        raise TypeError(f"register_dlpack_exporter takes an Exporter, got "
+                        f"{type(exporter).__name__}")
+    _dlpack_exporter = exporter
 
 
 class View:
@@ -781,14 +813,19 @@ class View:
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         """Export as a DLPack capsule (see :mod:`interop.dlpack` for the stream
         rules). The capsule holds a view token until the consumer deletes it."""
-        export = _dlpack_export[0]
-        if export is None:  # (found once: no module lookup nor attribute lookup an export)
-            export = _dlpack_export[0] = _module("interop.dlpack").export_positional
-        return export(self, stream, max_version, dl_device, copy)
+        exporter = _dlpack_exporter
+        if exporter is None:  # (interop.dlpack registers its exporter as it is imported)
+            _module("interop.dlpack")
+            exporter = _dlpack_exporter
+        return exporter.export(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self):
         """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""
-        return self._live_token().allocation.device.dlpack_device
+        exporter = _dlpack_exporter
+        if exporter is None:  # (interop.dlpack registers its exporter as it is imported)
+            _module("interop.dlpack")
+            exporter = _dlpack_exporter
+        return exporter.dlpack_device(self)
 
     @property
     def __cuda_array_interface__(self):

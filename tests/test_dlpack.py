@@ -748,3 +748,41 @@ def test_a_cpu_producer_that_dlpack_cannot_export_says_what_to_pass_instead(host
                                              r"equivalent; pass np\.asarray\(\.\.\.\) of it"):
         sm.launch(sm.host_kernel(lambda x: None), 1, 1, sm.In(p))
     assert sm.stats().in_flight == before.in_flight
+
+
+def test_views_export_through_the_registered_exporter(host):
+    """View.__dlpack__ and __dlpack_device__ call the Exporter interop.dlpack registered (a C
+    method call where compiled): another one registered answers both, with the view itself;
+    a non-Exporter is refused by name and changes nothing. The device's facts an export reads
+    are kept on the allocation after its first export."""
+    from sharedmem import allocation as al
+    b = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=host)
+    assert b.allocation.bridge_facts is None
+    assert b.__dlpack_device__() == (1, 0)
+    assert b.allocation.bridge_facts[3] == (1, 0) and b.allocation.bridge_facts[1] is None
+    seen = []
+
+    class Counting(al.Exporter):
+        def export(self, view, stream, max_version, dl_device, copy):
+            seen.append(("export", view, stream, max_version, dl_device, copy))
+            return "capsule"
+
+        def dlpack_device(self, view):
+            seen.append(("device", view))
+            return (7, 3)
+
+    with pytest.raises(TypeError, match=r"^register_dlpack_exporter takes an Exporter, got "
+                                        r"object$"):
+        al.register_dlpack_exporter(object())
+    assert np.from_dlpack(b).tolist() == [0, 1, 2, 3]  # (still interop.dlpack's)
+    try:
+        al.register_dlpack_exporter(Counting())
+        assert b.__dlpack_device__() == (7, 3)
+        assert b.__dlpack__(stream=None, max_version=(1, 0)) == "capsule"
+    finally:
+        al.register_dlpack_exporter(dl._Exporter())
+    assert seen == [("device", b), ("export", b, None, (1, 0), None, None)]
+    assert np.from_dlpack(b).tolist() == [0, 1, 2, 3]
+    b.release()
+    with pytest.raises(sm.errors.ReleasedError):
+        b.__dlpack_device__()

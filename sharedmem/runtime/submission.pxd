@@ -82,7 +82,7 @@ cdef dict _early_ends
 cpdef sweep_long(Stream stream)
 
 @cython.locals(hold=ViewToken, rt=Runtime, markers=list, c=tuple, own=Stream)
-cpdef ViewToken export_hold(ViewToken tok, str kind, source, consumers, wait, bint blocking=*,
+cpdef ViewToken export_hold(ViewToken tok, str kind, source, tuple consumers, wait, bint blocking=*,
                             stream=*, handle=*)
 
 @cython.locals(rt=Runtime, markers=list, tok=ViewToken, hold=ViewToken)

@@ -1231,15 +1231,15 @@ def order_consumer(tok, wait) -> int:
 
 def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None, handle=None):
     """An export's hold: a new live token ``kind`` of ``tok``'s bytes (its view ``source``
-    checked live, as :meth:`Allocation.new_token` does) held for ``consumers`` (``(stream,
-    writes)`` pairs: see ViewToken.consumers), made under the core lock in one step with the
+    checked live, as :meth:`Allocation.new_token` does) held for ``consumers`` (a tuple of
+    ``(stream, writes)`` pairs: see ViewToken.consumers), made under the core lock in one step with the
     consumer's ordering after our unfinished work: ``wait(marker)`` for each marker to wait
     for (:func:`order_consumer`), ``wait(handle, marker)`` with ``handle`` (the consumer's raw
     stream); device-side waits, made under the lock, unless ``blocking`` (then host waits,
     after it). Work on ``stream`` (the consumer's own, where known) is skipped: the stream
     orders it. ``wait`` None: no ordering (a consumer that orders itself)."""
     hold = unregistered_token(tok.allocation, kind, tok.start, tok.stop, tok.writable, tok.keep)
-    markers = []
+    markers = [] if blocking else None  # (device-side waits: nothing to keep of them)
     rt = RUNTIME
     rt.acquire()
     try:
@@ -1258,8 +1258,9 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     try:
         if blocking:
             _wait_on_host(tok, wait, markers)
-        for c in consumers or ():  # (its end will file a lease on each consumer's stream)
-            sweep_long(c[0])
+        if consumers is not None:
+            for c in consumers:  # (its end will file a lease on each consumer's stream)
+                sweep_long(c[0])
     except BaseException:  # (the caller never gets the token)
         hold.release()
         raise
@@ -1316,7 +1317,8 @@ def _unexportable(tok, by) -> CompletionUnknownError:
 
 def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None:
     """order_consumer's step under the core lock: each marker to wait for after the lock is
-    released (``blocking``) is appended to ``markers``; otherwise None for each wait made.
+    released (``blocking``) is appended to ``markers``; otherwise None for each wait made
+    (``markers`` None: nothing appended).
     ``exclude``: as for ``AccessTracker.conflicts_locked``."""
     tracker = tok.allocation.tracker
     if not tracker.elsewhere_locked(stream):  # nothing on other streams: the usual case
@@ -1340,7 +1342,8 @@ def _order_locked(tok, wait, blocking, stream, handle, markers, exclude) -> None
         finally:
             if fresh:
                 marker.recycle()
-        markers.append(None)
+        if markers is not None:
+            markers.append(None)
 
 
 # HOLD_SEQ is re-exported for adapters that read conflicts themselves
