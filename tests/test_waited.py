@@ -59,12 +59,25 @@ def _waits(drv, stream, mark):
 
 
 def _park_retirer(monkeypatch):
-    """The retirer sweeps nothing (else it may close -- record -- the open marker first)."""
-    from sharedmem.runtime import submission
-    real = submission._sweep_locked
+    """The retirer sweeps nothing (else it may close -- record -- the open marker first) until
+    ``parked[0]`` is set False. Its loop's pass is replaced: retirer.py is never compiled,
+    while a patch of the sweep functions would not reach the compiled ones' C calls (there the
+    retirer went on sweeping, and these tests passed only while it happened to sleep). A pass
+    under way when this is called has ended when it returns."""
+    from sharedmem.runtime import retirer
+    real = retirer._pass
     parked = [True]
-    monkeypatch.setattr(submission, "_sweep_locked", lambda s, record=True: [] if parked[0] and
-                        threading.current_thread().name == "sharedmem-retirer" else real(s, record))
+    entered = threading.Event()
+
+    def parked_pass(rt, last):
+        if parked[0]:
+            entered.set()
+            return {}, False
+        return real(rt, last)
+    monkeypatch.setattr(retirer, "_pass", parked_pass)
+    retirer.ensure()
+    retirer.wake()
+    assert entered.wait(10), "the retirer did not come round to its parked pass"
     return parked
 
 
