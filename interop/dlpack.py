@@ -441,9 +441,6 @@ class _Exporter(Exporter):
         return _facts_of(view._live_token().allocation)[3]
 
 
-register_dlpack_exporter(_Exporter())
-
-
 # Byte layouts of the structs above (x86-64 / aarch64 LP64), packed in one call:
 # DLManagedTensorVersioned = version (2 x u32), manager_ctx, deleter, flags (u64), DLTensor;
 # DLManagedTensor = DLTensor, manager_ctx, deleter. DLTensor = data, device (2 x i32),
@@ -890,3 +887,9 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
     finally:
         if ours:  # the import's token keeps our memory: the export ends now (kept, it was
             _delete(addr)  # an alias of the import itself, which could never be moved)
+
+
+# Registered last: another thread's View.__dlpack__ that sees it registered calls this module's
+# functions at once (one that does not waits for the import to end: allocation._module); and an
+# import that fails leaves none registered, so the next export imports this module again.
+register_dlpack_exporter(_Exporter())

@@ -40,6 +40,8 @@ cdef class Exporter:
     cpdef export(self, View view, stream, max_version, dl_device, copy)
     cpdef dlpack_device(self, View view)
 
+cdef Exporter _first_exporter()
+
 cdef class View:
     cdef public ViewToken _token
     cdef public int _state

@@ -606,6 +606,19 @@ def register_dlpack_exporter(exporter) -> None:
     _dlpack_exporter = exporter
 
 
+def _first_exporter():
+    """The registered Exporter, after importing interop.dlpack (which registers its own as its
+    import ends). Refused where that import is still under way in this thread (a call made while
+    it executes): its exporter is not registered yet -- and compiled, a method call on None
+    would read through a NULL method table."""
+    _module("interop.dlpack")
+    exporter = _dlpack_exporter
+    if exporter is None:
+        raise ImportError("cannot export a view through DLPack while interop.dlpack is being "
+                          "imported in this thread: it registers its exporter when its import ends")
+    return exporter
+
+
 class View:
     """Base of user-visible handles: one view token on an allocation.
 
@@ -815,16 +828,14 @@ class View:
         rules). The capsule holds a view token until the consumer deletes it."""
         exporter = _dlpack_exporter
         if exporter is None:  # (interop.dlpack registers its exporter as it is imported)
-            _module("interop.dlpack")
-            exporter = _dlpack_exporter
+            exporter = _first_exporter()
         return exporter.export(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self):
         """``(kDLCPU, 0)`` on the host device, ``(kDLCUDA, ordinal)`` on CUDA."""
         exporter = _dlpack_exporter
         if exporter is None:  # (interop.dlpack registers its exporter as it is imported)
-            _module("interop.dlpack")
-            exporter = _dlpack_exporter
+            exporter = _first_exporter()
         return exporter.dlpack_device(self)
 
     @property

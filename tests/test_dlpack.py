@@ -786,3 +786,93 @@ def test_views_export_through_the_registered_exporter(host):
     b.release()
     with pytest.raises(sm.errors.ReleasedError):
         b.__dlpack_device__()
+
+
+def _run_script(code):
+    """``code`` run in a fresh interpreter (one that has not imported interop.dlpack yet), in
+    this run's build (SHAREDMEM_PURE_PYTHON passed on)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=root)
+
+
+# (interop.dlpack's import paused or failed at its struct layout check -- after the functions an
+# export calls are defined only in part)
+_AT_LAYOUT_CHECK = """
+import ctypes, sys, threading
+import numpy as np
+import sharedmem as sm
+real = ctypes.sizeof
+def at_layout_check(t):
+    if getattr(t, "__name__", "") == "DLManagedTensorVersioned":
+        ctypes.sizeof = real
+        reached()
+    return real(t)
+ctypes.sizeof = at_layout_check
+b = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=sm.Device.host())
+"""
+
+
+def test_an_export_racing_the_first_import_of_interop_dlpack_waits_for_that_import():
+    """A thread's first export imports interop.dlpack; another thread's export meanwhile waits
+    for that import to end (allocation._module), as it did before the exporter was registered
+    -- not an export through a module whose functions are not defined yet (NameError
+    interpreted, AttributeError on None compiled, when the exporter registered mid-import)."""
+    r = _run_script(_AT_LAYOUT_CHECK + """
+paused, go = threading.Event(), threading.Event()
+def reached():
+    paused.set()
+    go.wait(30)
+t = threading.Thread(target=lambda: b.__dlpack__())  # the first export: imports interop.dlpack
+t.start()
+assert paused.wait(30)
+threading.Timer(0.3, go.set).start()
+try:
+    print(np.from_dlpack(b).tolist())
+finally:
+    go.set()
+    t.join()
+""")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "[0.0, 1.0, 2.0, 3.0]\n"
+
+
+def test_an_import_of_interop_dlpack_that_failed_is_made_again_by_the_next_export():
+    """An import of interop.dlpack that fails registers no exporter: the next export imports
+    it again (and succeeds), rather than calling a half-executed module's exporter."""
+    r = _run_script(_AT_LAYOUT_CHECK + """
+def reached():
+    raise MemoryError("the import failed")
+try:
+    b.__dlpack__()
+except MemoryError as e:
+    print(e)
+print(np.from_dlpack(b).tolist(), b.__dlpack_device__())
+""")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "the import failed\n[0.0, 1.0, 2.0, 3.0] (1, 0)\n"
+
+
+def test_an_export_made_while_interop_dlpack_is_imported_in_the_same_thread_is_refused():
+    """A view exported while interop.dlpack's own import is executing in that thread (no
+    exporter registered yet) is refused with ImportError -- compiled, not a method call on None
+    (a crash); then exports work once the import ends."""
+    r = _run_script(_AT_LAYOUT_CHECK + """
+def reached():
+    for f in (b.__dlpack__, b.__dlpack_device__):
+        try:
+            f()
+        except ImportError as e:
+            print(type(e).__name__, e)
+import interop.dlpack
+print(np.from_dlpack(b).tolist(), b.__dlpack_device__())
+""")
+    assert r.returncode == 0, r.stderr
+    msg = ("ImportError cannot export a view through DLPack while interop.dlpack is being "
+           "imported in this thread: it registers its exporter when its import ends\n")
+    assert r.stdout == msg * 2 + "[0.0, 1.0, 2.0, 3.0] (1, 0)\n"
