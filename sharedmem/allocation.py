@@ -48,7 +48,7 @@ except ImportError:  # interpreted, without Cython installed
 
 from .access import AccessTracker
 from .config import _flag
-from .errors import AliasError, MovedError, ReleasedError
+from .errors import AliasError, BackendUnavailableError, MovedError, ReleasedError
 from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_holds, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
@@ -610,12 +610,13 @@ def _first_exporter():
     """The registered Exporter, after importing interop.dlpack (which registers its own as its
     import ends). Refused where that import is still under way in this thread (a call made while
     it executes): its exporter is not registered yet -- and compiled, a method call on None
-    would read through a NULL method table."""
+    would read through a NULL method table. BackendUnavailableError (an ImportError) then."""
     _module("interop.dlpack")
     exporter = _dlpack_exporter
     if exporter is None:
-        raise ImportError("cannot export a view through DLPack while interop.dlpack is being "
-                          "imported in this thread: it registers its exporter when its import ends")
+        raise BackendUnavailableError(
+            "cannot export a view through DLPack while interop.dlpack is being imported in "
+            "this thread: it registers its exporter when its import ends")
     return exporter
 
 
