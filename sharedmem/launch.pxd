@@ -4,26 +4,12 @@ from sharedmem.allocation cimport View, ViewToken
 from sharedmem.runtime.submission cimport Submission, Work, submit_plan
 from sharedmem.runtime.future cimport future_of
 from sharedmem.stream cimport Stream, as_stream, streams_entered
-from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
-from cpython.tuple cimport PyTuple_GET_ITEM
 
 cdef extern from "Python.h":
     # (isinstance() by the type alone: no lookup of obj.__class__ when the type says no)
     bint PyObject_TypeCheck(object obj, type cls)
 
 cdef int _mode_of(c) except -1
-
-cdef inline list _list_of(tuple t):
-    # list(t) without the generic sequence path (PySequence_List: an empty list, then extended)
-    cdef Py_ssize_t n = len(t), i
-    cdef list out = PyList_New(n)
-    cdef object x
-    for i in range(n):
-        x = <object>PyTuple_GET_ITEM(t, i)
-        Py_INCREF(x)
-        PyList_SET_ITEM(out, i, x)
-    return out
 
 cdef class Intent:
     cdef public object obj

@@ -618,8 +618,7 @@ def resolve_args(adapter, args, device):
     arrays leased -- their lease tokens do not keep them; the work must. Views an adapter
     makes of foreign arrays are referenced by ``resolved`` (keep it until the leases are
     taken)."""
-    # (scalars stay as they are; an array argument's entry replaced)
-    resolved = _list_of(args) if cython.compiled else list(args)  # (launch.pxd)
+    resolved = list(args)  # (scalars stay as they are; an array argument's entry replaced)
     uses = []
     foreign = None
     coerce = None
