@@ -578,9 +578,10 @@ def _module(name):
 
 @cython.cclass
 class Exporter:
-    """How a bridge makes the capsule of :meth:`View.__dlpack__`: ``interop.dlpack``
-    registers its subclass when imported (:func:`register_dlpack_exporter`). Compiled, its
-    ``export`` is called through the class's C method table, not as a Python call."""
+    """How a bridge makes the capsule of :meth:`View.__dlpack__` and answers
+    :meth:`View.__dlpack_device__`: ``interop.dlpack`` registers its subclass as its import
+    ends (:func:`register_dlpack_exporter`). Compiled, its methods are called through the
+    class's C method table, not as Python calls."""
 
     __slots__ = ()
 
@@ -598,7 +599,8 @@ _dlpack_exporter = cython.declare(Exporter, None)
 
 
 def register_dlpack_exporter(exporter) -> None:
-    """Make ``exporter`` (an :class:`Exporter`) the one :meth:`View.__dlpack__` calls."""
+    """Make ``exporter`` (an :class:`Exporter`) the one :meth:`View.__dlpack__` and
+    :meth:`View.__dlpack_device__` call; TypeError for anything else."""
     global _dlpack_exporter
     if not isinstance(exporter, Exporter):
         raise TypeError(f"register_dlpack_exporter takes an Exporter, got "

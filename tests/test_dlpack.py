@@ -860,8 +860,8 @@ print(np.from_dlpack(b).tolist(), b.__dlpack_device__())
 
 def test_an_export_made_while_interop_dlpack_is_imported_in_the_same_thread_is_refused():
     """A view exported while interop.dlpack's own import is executing in that thread (no
-    exporter registered yet) is refused with BackendUnavailableError (an ImportError) -- compiled, not a method call on None
-    (a crash); then exports work once the import ends."""
+    exporter registered yet) is refused with BackendUnavailableError (an ImportError) --
+    compiled, not a method call on None (a crash); then exports work once the import ends."""
     r = _run_script(_AT_LAYOUT_CHECK + """
 def reached():
     for f in (b.__dlpack__, b.__dlpack_device__):
