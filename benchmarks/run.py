@@ -470,7 +470,13 @@ def bench_torch_args(dev, quick):
             fn()
     torch.cuda.synchronize()
     t = interleaved_us(fns, 2000 if quick else 10000, 7, s.synchronize)
-    row("launch with torch tensors as arguments vs CuPy (CuPy arrays)", t[1], t[0], "CuPy")
+    row("launch with torch tensors as arguments vs CuPy (CuPy arrays)", t[1], t[0], "CuPy",
+        fns=(fns[1], fns[0]))
+    if len(t) == 4:  # (its collector note printed now: the rounds below meter these anew)
+        row("cuTile launch, 3 torch tensors, vs raw ct.launch of them", t[3], t[2], "ct.launch",
+            fns=(fns[3], fns[2]))
+    for fn in fns:
+        GC.by.pop(fn, None)
     # the same launch with torch's current stream the launch's own (what a pipeline that
     # launches on torch's stream has): no wait a launch, the tensors' own cost alone
     before = torch.cuda.current_stream()
@@ -479,11 +485,11 @@ def bench_torch_args(dev, quick):
         same = interleaved_us(fns, 2000 if quick else 10000, 7, s.synchronize)
     finally:
         torch.cuda.set_stream(before)
-    row("same, on torch's current stream (no wait a launch)", same[1], same[0], "CuPy")
+    row("same, on torch's current stream (no wait a launch)", same[1], same[0], "CuPy",
+        fns=(fns[1], fns[0]))
     if len(t) == 4:
-        row("cuTile launch, 3 torch tensors, vs raw ct.launch of them", t[3], t[2], "ct.launch")
-        row("same, on torch's current stream (no wait a launch)", same[3], same[2],
-            "ct.launch")
+        row("cuTile launch, on torch's current stream (no wait a launch)", same[3], same[2],
+            "ct.launch", fns=(fns[3], fns[2]))
     # (torch now imported and its CUDA initialized: a CAI export also asks torch's stream)
     bench_cai(dev, quick, "same CAI export, torch imported and initialized")
 
