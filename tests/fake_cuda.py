@@ -603,6 +603,8 @@ class FakeHot:
         self._attributes = c.CFUNCTYPE(c.c_int, c.c_uint, c.c_void_p, c.c_void_p,
                                        c.c_ulonglong)(self._pointer_attributes)
         self.pointer_info = types.MethodType(_HotDriver.pointer_info, self)
+        # (and through its address, as the compiled backend calls libcuda's)
+        self.addresses["cuPointerGetAttributes"] = c.cast(self._attributes, c.c_void_p).value
 
     def _pointer_attributes(self, n, attrs, data, ptr):
         c = ctypes

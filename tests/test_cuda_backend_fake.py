@@ -3788,11 +3788,18 @@ def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
     assert sm.stats() == before and b.allocation.live_views == 1
     import interop.dlpack as dl
     cap, mem, deleted, m = _foreign_capsule(drv)  # (of memory no import knows yet)
-    real, hot0 = drv.cuPointerGetAttributes, dev.backend.hot
+    real, hot0, addr0 = drv.cuPointerGetAttributes, dev.backend.hot, dev.backend.attributes_addr
+    # (every path: libcuda's entry point through its address (compiled), through ctypes,
+    # cuda.bindings -- the last alone where the fake has no libcuda)
+    paths = [(None, 0)]
+    if hot0 is not None:
+        assert addr0 == hot0.addresses["cuPointerGetAttributes"] != 0
+        paths[:0] = [(hot0, addr0), (hot0, 0)]
     monkeypatch.setattr(drv, "cuPointerGetAttributes",
                         lambda n, attrs, p: (CUresult.CUDA_ERROR_INVALID_CONTEXT, None))
-    for hot in (hot0, None):  # (both paths: ctypes on libcuda, cuda.bindings)
+    for hot, addr in paths:
         monkeypatch.setattr(dev.backend, "hot", hot)
+        monkeypatch.setattr(dev.backend, "attributes_addr", addr)
         with pytest.raises(sm.errors.CudaError, match=r"^cuPointerGetAttributes failed: "
                            r"CUDA_ERROR_INVALID_CONTEXT \(201\)$") as err:
             dev.backend.pointer_info(b.ptr)
@@ -3804,6 +3811,7 @@ def test_memory_the_driver_cannot_describe_is_not_imported(fake, monkeypatch):
         assert dl._is_valid(cap, b"dltensor_versioned") and deleted == []
         assert sm.stats() == before and b.allocation.live_views == 1
     monkeypatch.setattr(dev.backend, "hot", hot0)
+    monkeypatch.setattr(dev.backend, "attributes_addr", addr0)
     monkeypatch.setattr(drv, "cuPointerGetAttributes", real)
     t = sm.from_dlpack(cap)  # (left usable: imported once the driver answers)
     assert (t.ptr, t.shape, t.device) == (mem.ctypes.data, (4,), dev)

@@ -45,7 +45,10 @@ def test_pointer_info_answers_for_memory_the_driver_does_not_know(gpu):
     assert gpu.backend.hot is not None  # (libcuda through ctypes, as every GPU run has it)
     bindings = CudaBackend(gpu.ordinal)  # the cuda.bindings path: a backend of its own
     bindings.hot = None                  # without the ctypes entry points (no other user)
-    for info in (gpu.backend.pointer_info, bindings.pointer_info):
+    bindings.attributes_addr = 0         # nor libcuda's through its address (compiled)
+    assert gpu.backend.attributes_addr != 0
+    # (the backend's: compiled, through libcuda's address; libcuda through ctypes; bindings)
+    for info in (gpu.backend.pointer_info, gpu.backend.hot.pointer_info, bindings.pointer_info):
         for ptr in (0, 1, host.ctypes.data, 2**63):
             assert info(ptr) is None, (info, hex(ptr))
         start, size, ordinal = info(b.ptr + 8)

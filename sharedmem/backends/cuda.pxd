@@ -8,6 +8,7 @@ ctypedef int (*wait_fn_t)(void*, void*, unsigned int) noexcept nogil
 ctypedef int (*graph_launch_fn_t)(void*, void*) noexcept nogil
 ctypedef int (*capturing_fn_t)(void*, int*) noexcept nogil
 ctypedef int (*exchange_fn_t)(int*) noexcept nogil
+ctypedef int (*attributes_fn_t)(unsigned int, int*, void**, unsigned long long) noexcept nogil
 
 cdef class CudaBackend
 
@@ -44,7 +45,7 @@ cdef class CudaBackend:
     cdef public size_t context_handle
     # driver entry points called through their addresses (0: not known)
     cdef public size_t ctx_get_addr, record_addr, query_addr, wait_addr, graph_launch_addr
-    cdef public size_t capturing_addr, exchange_addr
+    cdef public size_t capturing_addr, exchange_addr, attributes_addr
     cdef public list _events, _ipc_events
     cdef object __weakref__
 
@@ -57,3 +58,5 @@ cdef CudaMarker _open_marker(CudaStreamImpl impl)
 cdef _stream_wait(CudaBackend backend, stream_handle, CudaMarker marker)
 
 cdef int _record(CudaBackend backend, ev, size_t h, size_t stream_handle) except? -1
+
+cdef object _pointer_info(size_t addr, unsigned long long ptr)

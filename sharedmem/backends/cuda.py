@@ -145,6 +145,31 @@ class _HotDriver:
 #: cuPointerGetAttributes' attributes, as pointer_info reads them: RANGE_START_ADDR,
 #: RANGE_SIZE, DEVICE_ORDINAL, MEMORY_TYPE (the values of CUpointer_attribute)
 _POINTER_ATTRIBUTES = (ctypes.c_int * 4)(11, 12, 9, 2)
+_PTR_END = 1 << 64  # (a CUdeviceptr is 64 bits: past it, ctypes' conversion, as before)
+
+
+def _pointer_info(addr, ptr):
+    """Compiled only: :meth:`_HotDriver.pointer_info` through the entry point at ``addr``,
+    its results written into C locals -- through ctypes, the four result objects and the
+    pointer array made for every call cost about 5 us on an H100, where the driver's own
+    work is a fraction of one. The same attributes, in the same order."""
+    start = cython.declare(cython.ulonglong, 0)
+    size = cython.declare(cython.size_t, 0)
+    ordinal = cython.declare(cython.int, 0)
+    memtype = cython.declare(cython.uint, 0)
+    attrs = cython.declare(cython.int[4])
+    data = cython.declare(cython.p_void[4])
+    attrs[0], attrs[1], attrs[2], attrs[3] = 11, 12, 9, 2
+    data[0] = cython.cast(cython.p_void, cython.address(start))
+    data[1] = cython.cast(cython.p_void, cython.address(size))
+    data[2] = cython.cast(cython.p_void, cython.address(ordinal))
+    data[3] = cython.cast(cython.p_void, cython.address(memtype))
+    err = cython.declare(cython.int, cython.cast(attributes_fn_t, addr)(4, attrs, data, ptr))
+    if err:
+        raise _error(err, "cuPointerGetAttributes")
+    if memtype != 2:
+        return None  # (not device memory: CU_MEMORYTYPE_DEVICE is 2)
+    return start, size, ordinal
 
 
 def _hot_driver():
@@ -768,6 +793,7 @@ class CudaBackend:
         self.graph_launch_addr = addresses.get("cuGraphLaunch", 0)
         self.capturing_addr = addresses.get("cuStreamIsCapturing", 0)
         self.exchange_addr = addresses.get("cuThreadExchangeStreamCaptureMode", 0)
+        self.attributes_addr = addresses.get("cuPointerGetAttributes", 0)
         self.ensure_context()
         # Pooled events, and interprocess ones (ipc_event). list.append / list.pop are atomic
         # under the GIL.
@@ -872,6 +898,8 @@ class CudaBackend:
         the driver answers those with zeroed attributes). CudaError when the driver call
         itself fails (no usable context, a driver shut down): nothing can be said then."""
         self.ensure_context()
+        if cython.compiled and self.attributes_addr and 0 <= ptr < _PTR_END:
+            return _pointer_info(self.attributes_addr, ptr)  # (C locals: no ctypes objects)
         if self.hot is not None:
             return self.hot.pointer_info(ptr)
         P = cu.CUpointer_attribute
