@@ -569,22 +569,24 @@ class ProducerAlias:
     import's ``keep``, so: when the last view or lease of the import is gone) or, earlier,
     when the producer object itself is garbage collected."""
 
-    __slots__ = ("token", "_fin", "__weakref__")
+    __slots__ = ("token", "_ref", "__weakref__")
 
     def __init__(self, alloc, start: int, stop: int, producer, writable=True, kind=None):
-        self.token = alloc.new_token(producer_kind(producer) if kind is None else kind, start,
-                                     stop, writable, None)
-        self._fin = None
+        tok = self.token = alloc.new_token(producer_kind(producer) if kind is None else kind,
+                                           start, stop, writable, None)
+        self._ref = None
         if producer is not None:
+            # (a weak reference whose callback holds the token, not this object: it dies with
+            # this object, its callback uncalled -- weakref.finalize, a Python class kept in a
+            # registry until detached, cost an import about 2 us more)
             try:
-                self._fin = weakref.finalize(producer, self.token.release)
+                self._ref = weakref.ref(producer, lambda _r, tok=tok: tok.release())
             except TypeError:  # no weak references: it lives as long as the import anyway
                 pass
 
     def __del__(self):
         try:
-            if self._fin is not None:
-                self._fin.detach()
+            self._ref = None  # (its callback not called after this)
             self.token.release()
         except AttributeError:  # half-constructed
             pass

@@ -1,6 +1,7 @@
 """DLPack on the host backend, checked against NumPy's own implementation."""
 
 import gc
+import re
 
 import numpy as np
 import pytest
@@ -156,6 +157,40 @@ def test_producer_alias_ends_with_the_import(host):
     del t
     gc_collect_harder()
     assert alloc.live_views == 0  # the capsule's deleter ran, and the alias went with it
+
+
+def test_producer_alias_ends_when_the_producer_is_collected_first(host):
+    """A producer its capsule does not keep alive (torch's keeps the storage, not the tensor
+    object) counts as an alias while it lives: a move of the import is refused, naming it,
+    and leaves the import usable. Once the producer is garbage collected the alias is gone
+    and the move goes through, zero-copy; the memory stays alive (the capsule's owner)."""
+
+    class Producer:  # (the capsule of an array it holds: it keeps the array, not this)
+        def __init__(self):
+            self.arr = np.arange(8, dtype=np.float32)
+
+        def __dlpack__(self, **kw):
+            return self.arr.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.arr.__dlpack_device__()
+
+    p = Producer()
+    t = sm.from_dlpack(p)
+    ptr = t.ptr
+    assert ptr == p.arr.ctypes.data
+    assert [v.split(" (")[0] for v in t.allocation.views()] == [
+        "tensor, bytes [0, 32) of allocation #%d" % t.allocation.id,
+        f"producer test_dlpack.{Producer.__qualname__}"]
+    with pytest.raises(sm.AliasError, match=rf"producer test_dlpack\.{re.escape(Producer.__qualname__)} "
+                                            r"\(it can still reach these bytes\)"):
+        t.into_buffer()
+    assert t.allocation.live_views == 2 and t.to_host().tolist() == list(range(8))
+    del p
+    gc_collect_harder()
+    assert t.allocation.live_views == 1
+    b = t.into_buffer()
+    assert b.ptr == ptr and b.to_host().tolist() == list(range(8))
 
 
 def test_import_keeps_producer_alive(host):
