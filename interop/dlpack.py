@@ -857,8 +857,10 @@ def from_dlpack(obj, *, stream=None, device=None, _adopt=False):
                                       f"the driver has that memory on CUDA device {info[2]}; "
                                       f"the producer's dl_device is wrong")
                 region = driver_region(info, ptr, nbytes, "DLPack tensor", BufferError)
-    elif isinstance(obj, np.ndarray) and nbytes and obj.base is not None:  # (its base's
-        # memory: see numpy_region; an array owning its memory is the import's own range)
+    elif isinstance(obj, np.ndarray) and nbytes and (obj.base is not None or
+                                                     type(obj) is not np.ndarray):
+        # (its base's memory: see numpy_region; a NumPy array owning its memory exports all of
+        # it, the import's own range -- a subclass's __dlpack__ may give part of it)
         region = numpy_region(obj)
         if region is not None and not (region[0] <= ptr and
                                        ptr + nbytes <= region[0] + region[1]):

@@ -576,6 +576,28 @@ def test_an_ndarray_subclass_whose_capsule_is_other_memory_is_not_imported_over_
     assert _read_after_a_slow_write(host, t, whole).tolist() == [1.0] * 8
 
 
+def test_an_ndarray_subclass_owning_its_memory_whose_capsule_is_part_of_it_is_one_allocation(
+        host):
+    """An ndarray subclass that owns its memory (no base) and exports part of it (a padded
+    buffer giving its inner window) is imported over the whole array, as a view of it is: its
+    import and a later import of all of its bytes are ranges of one allocation -- over the
+    capsule's bytes alone, the later import was a second allocation over the same memory, and
+    work on the two was not ordered."""
+
+    class Padded(np.ndarray):
+        def __dlpack__(self, **kw):
+            return np.ndarray.__dlpack__(self.view(np.ndarray)[1:-1], **kw)
+
+    p = Padded((8,), np.float32)
+    p[:] = np.arange(8)
+    assert p.base is None and p.flags.owndata
+    t = sm.from_dlpack(p)
+    assert (t.ptr, t.shape) == (p.ctypes.data + 4, (6,))
+    whole = sm.from_dlpack(p.view(np.ndarray))
+    assert whole.allocation is t.allocation  # one memory, one allocation
+    assert (t.allocation.ptr, t.allocation.nbytes) == (p.ctypes.data, 32)
+
+
 def test_a_negated_view_of_a_torch_tensor_subclass_is_refused_too(host, monkeypatch):
     """The negative bit was refused only where the producer's class was defined in torch
     (its ``__module__``): a ``torch.Tensor`` subclass of the user's (or of another library)
