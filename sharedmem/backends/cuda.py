@@ -898,8 +898,9 @@ class CudaBackend:
         the driver answers those with zeroed attributes). CudaError when the driver call
         itself fails (no usable context, a driver shut down): nothing can be said then."""
         self.ensure_context()
-        if cython.compiled and self.attributes_addr and 0 <= ptr < _PTR_END:
-            return _pointer_info(self.attributes_addr, ptr)  # (C locals: no ctypes objects)
+        if cython.compiled and self.attributes_addr and type(ptr) is int and 0 <= ptr < _PTR_END:
+            return _pointer_info(self.attributes_addr, ptr)  # (C locals: no ctypes objects;
+            # anything else converted by ctypes, as before)
         if self.hot is not None:
             return self.hot.pointer_info(ptr)
         P = cu.CUpointer_attribute
