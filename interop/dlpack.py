@@ -580,16 +580,24 @@ class ProducerAlias:
             # this object, its callback uncalled -- weakref.finalize, a Python class kept in a
             # registry until detached, cost an import about 2 us more)
             try:
-                self._ref = weakref.ref(producer, lambda _r, tok=tok: tok.release())
+                self._ref = weakref.ref(producer, lambda _r, tok=tok: _producer_gone(tok))
             except TypeError:  # no weak references: it lives as long as the import anyway
                 pass
 
     def __del__(self):
         try:
             self._ref = None  # (its callback not called after this)
-            self.token.release()
+            _producer_gone(self.token)
         except AttributeError:  # half-constructed
             pass
+
+
+def _producer_gone(tok) -> None:
+    """Release a producer alias's token -- not while the interpreter shuts down (as
+    ``View.__del__``): a producer that outlives the modules (a torch tensor its storage
+    keeps, dying in the last collection) would call into a runtime already torn down."""
+    if sys is not None and not sys.is_finalizing():
+        tok.release()
 
 
 def driver_region(info, ptr: int, nbytes: int, what: str, error):

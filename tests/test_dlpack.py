@@ -933,3 +933,33 @@ print(np.from_dlpack(b).tolist(), b.__dlpack_device__())
     msg = ("BackendUnavailableError cannot export a view through DLPack while interop.dlpack "
            "is being imported in this thread: it registers its exporter when its import ends\n")
     assert r.stdout == msg * 2 + "[0.0, 1.0, 2.0, 3.0] (1, 0)\n"
+
+
+def test_a_producer_outliving_the_modules_ends_the_process_cleanly():
+    """An import whose producer dies only in the interpreter's last collection (a torch tensor
+    its storage keeps; here one held in a cycle by another module) ends the process with
+    status 0 and nothing printed: its alias is given back only while the runtime is there
+    (the compiled build crashed in the alias's release, once its producer's weak reference
+    called it after the modules were torn down -- the doc programs with torch, on a GPU)."""
+    r = _run_script("""
+import collections
+import numpy as np
+import sharedmem as sm
+
+class P:
+    def __init__(self):
+        self.arr = np.arange(8, dtype=np.float32)
+    def __dlpack__(self, **kw):
+        return self.arr.__dlpack__(**kw)
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+
+p = P()
+v = sm.from_dlpack(p, device=sm.Device.host())
+cycle = [p]
+cycle.append(cycle)
+collections._kept_to_the_end = cycle  # (a module's global: gone only at shutdown)
+del p, cycle
+print(v.to_host().tolist())
+""")
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"{list(map(float, range(8)))}\n", "")
