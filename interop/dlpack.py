@@ -594,8 +594,10 @@ class ProducerAlias:
 
 def _producer_gone(tok) -> None:
     """Release a producer alias's token -- not while the interpreter shuts down (as
-    ``View.__del__``): a producer that outlives the modules (a torch tensor its storage
-    keeps, dying in the last collection) would call into a runtime already torn down."""
+    ``View.__del__``): an import alive to the end (its producer a torch tensor its storage
+    keeps, or held in a cycle) dies in the last collection, after the modules are torn down,
+    where a release crashed the compiled build (``weakref.finalize`` had released every alias
+    at exit, before that)."""
     if sys is not None and not sys.is_finalizing():
         tok.release()
 

@@ -159,22 +159,30 @@ def test_producer_alias_ends_with_the_import(host):
     assert alloc.live_views == 0  # the capsule's deleter ran, and the alias went with it
 
 
+# A producer whose capsule keeps the array it holds, not the producer itself (as torch's keeps
+# a tensor's storage, not the tensor object): source, run here and in fresh interpreters
+_HOLDER = """
+class Holder:
+    def __init__(self):
+        self.arr = np.arange(8, dtype=np.float32)
+
+    def __dlpack__(self, **kw):
+        return self.arr.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.arr.__dlpack_device__()
+"""
+
+
 def test_producer_alias_ends_when_the_producer_is_collected_first(host):
     """A producer its capsule does not keep alive (torch's keeps the storage, not the tensor
     object) counts as an alias while it lives: a move of the import is refused, naming it,
     and leaves the import usable. Once the producer is garbage collected the alias is gone
     and the move goes through, zero-copy; the memory stays alive (the capsule's owner)."""
 
-    class Producer:  # (the capsule of an array it holds: it keeps the array, not this)
-        def __init__(self):
-            self.arr = np.arange(8, dtype=np.float32)
-
-        def __dlpack__(self, **kw):
-            return self.arr.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.arr.__dlpack_device__()
-
+    ns = {"np": np, "__name__": "test_dlpack"}
+    exec(_HOLDER, ns)
+    Producer = ns["Holder"]
     p = Producer()
     t = sm.from_dlpack(p)
     ptr = t.ptr
@@ -939,22 +947,15 @@ def test_a_producer_outliving_the_modules_ends_the_process_cleanly():
     """An import whose producer dies only in the interpreter's last collection (a torch tensor
     its storage keeps; here one held in a cycle by another module) ends the process with
     status 0 and nothing printed: its alias is given back only while the runtime is there
-    (the compiled build crashed in the alias's release, once its producer's weak reference
-    called it after the modules were torn down -- the doc programs with torch, on a GPU)."""
+    (the compiled build crashed in the alias's release from ``ProducerAlias.__del__`` in the
+    last collection, after the modules were torn down -- the doc programs with torch, on a
+    GPU)."""
     r = _run_script("""
 import collections
 import numpy as np
 import sharedmem as sm
-
-class P:
-    def __init__(self):
-        self.arr = np.arange(8, dtype=np.float32)
-    def __dlpack__(self, **kw):
-        return self.arr.__dlpack__(**kw)
-    def __dlpack_device__(self):
-        return self.arr.__dlpack_device__()
-
-p = P()
+""" + _HOLDER + """
+p = Holder()
 v = sm.from_dlpack(p, device=sm.Device.host())
 cycle = [p]
 cycle.append(cycle)
