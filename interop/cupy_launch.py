@@ -61,7 +61,11 @@ class _ExportOwner:
         self.token = token
 
     def __del__(self):
-        self.token.release()
+        # (not while the interpreter shuts down: an array alive to the end dies in the last
+        # collection, after the modules are torn down, where a release crashes the compiled
+        # build -- as ProducerAlias and View.__del__; nothing needs giving back at exit)
+        if sys is not None and not sys.is_finalizing():
+            self.token.release()
 
 
 def export_token(arr):

@@ -2018,3 +2018,35 @@ def test_in_a_child_forked_while_the_retirer_finishes_work_a_callback_added_to_i
     while not ran and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ran == [os.getpid()]  # the parent ran its own callback
+
+
+_ALIVE_TO_THE_END_SCRIPT = """
+import collections
+import numpy as np
+import sharedmem as sm
+from interop.cupy_launch import _ExportOwner
+
+b = sm.Buffer.from_host(np.arange(4, dtype=np.float32), device=sm.Device.host())
+view = b[1:3]
+owner = _ExportOwner(b.allocation.new_token("as_cupy export", 0, 16, True, None))
+cycle = [view, owner]
+cycle.append(cycle)
+collections._kept_to_the_end = cycle  # (a module's global: gone in the last collection)
+del view, owner, cycle
+print(b.allocation.live_views)
+"""
+
+
+def test_views_and_export_owners_alive_to_the_end_let_the_process_exit_cleanly():
+    """Objects that hold a live token until the interpreter's last collection -- a view, and
+    the owner of an ``as_cupy`` array's memory (CuPy's pointer keeps it), here in a cycle
+    another module keeps -- die after the modules are torn down: they give nothing back
+    then (there is nothing to give back at exit). The owner's release crashed the compiled
+    build there (exit status 139)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", _ALIVE_TO_THE_END_SCRIPT], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "3\n", "")
