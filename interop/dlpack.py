@@ -567,7 +567,8 @@ class ProducerAlias:
     """The producer of imported memory, counted as a live alias of the imported bytes while
     it may still reach them: its token is released when this object dies (it sits in the
     import's ``keep``, so: when the last view or lease of the import is gone) or, earlier,
-    when the producer object itself is garbage collected."""
+    when the producer object itself is garbage collected -- never while the interpreter
+    shuts down (see _producer_gone)."""
 
     __slots__ = ("token", "_ref", "__weakref__")
 
