@@ -190,8 +190,8 @@ def test_producer_alias_ends_when_the_producer_is_collected_first(host):
     assert [v.split(" (")[0] for v in t.allocation.views()] == [
         "tensor, bytes [0, 32) of allocation #%d" % t.allocation.id,
         f"producer test_dlpack.{Producer.__qualname__}"]
-    with pytest.raises(sm.AliasError, match=rf"producer test_dlpack\.{re.escape(Producer.__qualname__)} "
-                                            r"\(it can still reach these bytes\)"):
+    named = rf"producer test_dlpack\.{re.escape(Producer.__qualname__)} "
+    with pytest.raises(sm.AliasError, match=named + r"\(it can still reach these bytes\)"):
         t.into_buffer()
     assert t.allocation.live_views == 2 and t.to_host().tolist() == list(range(8))
     del p

@@ -1233,11 +1233,12 @@ def export_hold(tok, kind, source, consumers, wait, blocking=False, stream=None,
     """An export's hold: a new live token ``kind`` of ``tok``'s bytes (its view ``source``
     checked live, as :meth:`Allocation.new_token` does) held for ``consumers`` (a tuple of
     ``(stream, writes)`` pairs: see ViewToken.consumers), made under the core lock in one
-    step with the consumer's ordering after our unfinished work: ``wait(marker)`` for each marker to wait
-    for (:func:`order_consumer`), ``wait(handle, marker)`` with ``handle`` (the consumer's raw
-    stream); device-side waits, made under the lock, unless ``blocking`` (then host waits,
-    after it). Work on ``stream`` (the consumer's own, where known) is skipped: the stream
-    orders it. ``wait`` None: no ordering (a consumer that orders itself)."""
+    step with the consumer's ordering after our unfinished work: ``wait(marker)`` for each
+    marker to wait for (:func:`order_consumer`), ``wait(handle, marker)`` with ``handle``
+    (the consumer's raw stream); device-side waits, made under the lock, unless
+    ``blocking`` (then host waits, after it). Work on ``stream`` (the consumer's own, where
+    known) is skipped: the stream orders it. ``wait`` None: no ordering (a consumer that
+    orders itself)."""
     hold = unregistered_token(tok.allocation, kind, tok.start, tok.stop, tok.writable, tok.keep)
     markers = [] if blocking else None  # (device-side waits: nothing to keep of them)
     rt = RUNTIME
