@@ -36,6 +36,18 @@ cdef class Allocation:
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*)
 
+cdef class _Registry:
+    cdef readonly object _lock
+    cdef readonly dict _maps
+    cdef readonly Py_ssize_t _live
+
+    # (every import and every foreign array new to a launch: C compares, typed containers)
+    @cython.locals(p=cython.ulonglong, n=Py_ssize_t, start=cython.ulonglong,
+                   span=cython.ulonglong, c=cython.int, i=Py_ssize_t, j=Py_ssize_t, a=Allocation,
+                   best=Allocation, seen=list, entry=list, classes=dict, refs=dict, order=list,
+                   keys=list, got=tuple)
+    cpdef lookup(self, dkey, ptr, nbytes)
+
 cdef class Exporter:
     cpdef export(self, View view, stream, max_version, dl_device, copy)
     cpdef dlpack_device(self, View view)

@@ -328,6 +328,12 @@ class Allocation:
 
 
 # -- the registry -------------------------------------------------------------
+_INF = float("inf")  # (a probe's second part: after every id)
+_ADDRESS_END = 1 << 64  # (past the last address)
+_SIZE_MAX = (1 << 63) - 1  # (the longest allocation: nbytes is a Py_ssize_t)
+
+
+@cython.cclass
 class _Registry:
     """Maps live device address ranges to allocations (weakly).
 
@@ -429,12 +435,16 @@ class _Registry:
             if not held:
                 lock.release()
 
-    def lookup(self, device, ptr, nbytes):
-        """The innermost live allocation containing ``[ptr, ptr + nbytes)``."""
-        probe = (ptr, float("inf"))
+    def lookup(self, dkey, ptr, nbytes):
+        """The innermost live allocation containing ``[ptr, ptr + nbytes)`` (ints) on the
+        device whose ``key`` is ``dkey``."""
+        if ptr < 0 or ptr >= _ADDRESS_END or nbytes < 0 or nbytes > _SIZE_MAX:
+            return None  # (no allocation holds such a range)
+        p = ptr  # (compiled, C ints; no sums below, which could pass 64 bits)
+        n = nbytes
+        probe = (ptr, _INF)
         seen = []  # strong references taken under the lock, dropped after it
         best = None
-        dkey = device.key
         lock = self._lock
         lock.acquire()
         try:
@@ -444,12 +454,12 @@ class _Registry:
                 refs = entry[1]
                 order = entry[2]
                 last = entry[4]
-                if nbytes > 0 and last is not None and last not in entry[3]:
+                if n > 0 and last is not None and last not in entry[3]:
                     got = refs.get(last)  # (the one found last: see the class docstring)
                     a = got[0]() if got is not None else None
                     if a is not None:
                         seen.append(a)
-                        if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                        if a.ptr <= p and n <= a.nbytes and p - a.ptr <= a.nbytes - n:
                             best = a
                 best_key = None
                 j = 0 if best is None else len(order)  # (found: no walk)
@@ -457,13 +467,16 @@ class _Registry:
                     c = order[j]
                     j += 1
                     keys = classes[c]
-                    span = 1 << c  # (every length of the class is below it)
+                    span = 1 << c  # (every length of the class is below it; c < 64)
                     i = bisect.bisect_right(keys, probe) - 1
-                    while i >= 0 and keys[i][0] + span > ptr:
+                    while i >= 0:
+                        start = keys[i][0]  # (at or below p: the bisection's)
+                        if p - start >= span:
+                            break
                         a = refs[keys[i]][0]()
                         if a is not None:
                             seen.append(a)  # (a death here would run _remove under our lock)
-                            if a.ptr <= ptr and ptr + nbytes <= a.ptr + a.nbytes:
+                            if a.ptr <= p and n <= a.nbytes and p - a.ptr <= a.nbytes - n:
                                 if best is None or a.nbytes < best.nbytes:
                                     best = a
                                     best_key = keys[i]
@@ -489,17 +502,19 @@ _create_lock = fork_safe(OwnedLock("the lookup or creation of an allocation"))
 def lookup_allocation(device, ptr, nbytes=1):
     """The live allocation (ours or foreign) containing ``[ptr, ptr+nbytes)`` on ``device``,
     or ``None``."""
-    if not hasattr(device, "key"):
+    dkey = getattr(device, "key", None)
+    if dkey is None:
         raise TypeError(f"lookup_allocation takes a sharedmem.Device, got {device!r}; use "
                         f"sharedmem.Device.host() or sharedmem.Device(0)")
     if type(ptr) is not int or type(nbytes) is not int:  # (ints, the usual: no walk)
         for name, v in (("ptr", ptr), ("nbytes", nbytes)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"lookup_allocation: {name} must be an int, got {v!r}")
+        ptr, nbytes = int(ptr), int(nbytes)
     if nbytes < 0 or ptr < 0:
         raise ValueError(f"lookup_allocation: a range of {nbytes} bytes at {ptr:#x} is no "
                          f"range; pass a pointer and a length >= 0")
-    return _registry.lookup(device, int(ptr), int(nbytes))
+    return _registry.lookup(dkey, ptr, nbytes)
 
 
 def import_writable(alloc, lo: int, hi: int, writable: bool) -> bool:
@@ -525,7 +540,7 @@ def import_allocation(device, ptr, nbytes, source, region=None):
     range itself. Atomic with respect to other imports."""
     start, size = region if region is not None else (ptr, nbytes)
     with _create_lock:
-        return (_registry.lookup(device, ptr, nbytes)
+        return (_registry.lookup(device.key, ptr, nbytes)
                 or Allocation(device, start, size, None, source))
 
 

@@ -374,7 +374,7 @@ def test_a_fork_waits_for_the_allocation_registry(host):
     held.wait(5)
     go.set()
     t0 = time.monotonic()
-    out = _in_child(lambda: (_registry.lookup(host, b.allocation.ptr, 4) is b.allocation,
+    out = _in_child(lambda: (_registry.lookup(host.key, b.allocation.ptr, 4) is b.allocation,
                              float(sm.Buffer.zeros(4, "float32", device=host).to_host().sum())))
     waited = time.monotonic() - t0
     t.join(5)
@@ -1777,6 +1777,29 @@ def test_registry_lookups_find_the_innermost_allocation_across_length_classes(ho
     gc_collect_harder()  # (their entries removed: the mid one is found there again)
     assert sm.lookup_allocation(host, base + 4096 + 5, 10) is mid
     del mid, outer, arena
+
+
+def test_registry_lookups_at_the_top_of_the_address_space(host):
+    """Compiled, a lookup compares C integers: ranges ending at 2**64 (whose sums would wrap
+    to 0 in 64 bits) are found or not as the arithmetic says, found last or walked, and
+    ranges past the address space (or longer than an allocation can be) are in none."""
+    from sharedmem.allocation import Allocation
+    top = Allocation(host, (1 << 64) - 4096, 4096, None, "test top")  # (never dereferenced)
+    end = 1 << 64
+    for _ in range(2):  # (walked, then found as the one found last)
+        assert sm.lookup_allocation(host, end - 8, 8) is top
+        assert sm.lookup_allocation(host, end - 4096, 4096) is top
+    assert sm.lookup_allocation(host, end - 4096, 4097) is None
+    assert sm.lookup_allocation(host, end - 8, 9) is None
+    assert sm.lookup_allocation(host, end, 0) is None
+    assert sm.lookup_allocation(host, end + 8, 8) is None
+    assert sm.lookup_allocation(host, end - 8, 1 << 63) is None
+    assert sm.lookup_allocation(host, end - 4097, 8) is None  # (below it: nothing there)
+    low = Allocation(host, end - 3 * 4096, 4096, None, "test low")
+    assert sm.lookup_allocation(host, end - 2 * 4096 - 8, 8) is low
+    assert sm.lookup_allocation(host, end - 100, 200) is None  # (its end would wrap to 100)
+    assert sm.lookup_allocation(host, end - 8, 8) is top
+    del top, low
 
 
 def test_the_allocation_a_lookup_found_last_is_tried_first_only_while_nothing_overlaps_it(
