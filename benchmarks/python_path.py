@@ -207,6 +207,26 @@ def this_build():
         sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(arrays[2]), Out(arrays[3]), n,
                   stream=s)
 
+    # CuPy's pool: one arena (the fake driver's device memory is host memory), imported as
+    # the driver names it (pointer_info) by the arrays launched before -- what an array new to
+    # a launch finds
+    pool = np.zeros(1 << 20, np.float32)
+    pool_base = pool.ctypes.data
+    pool_at = [pool_base]
+    from sharedmem.allocation import import_allocation
+    arena = import_allocation(dev, pool_base, pool.nbytes, "cupy")
+
+    class _Chunk(_Array):  # an array in a memory unit of its own, as cupy.empty gives
+        def __init__(self, ptr):
+            self.data = _Mem(ptr, 4 * n)
+            self.device = arrays[0].device
+            self.size, self.shape, self.strides, self.itemsize = n, (n,), (4,), 4
+
+    def cupy_fresh():  # a new output array each launch: an import of its memory, let go
+        p = pool_at[0] = pool_base + (pool_at[0] - pool_base + 4 * n) % (1 << 22)
+        sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(_Chunk(p)), Out(arrays[3]), n,
+                  stream=s)
+
     # A pipeline step as benchmarks/pipeline.py runs it on a GPU: a cuTile kernel on stream A,
     # a move, a CuPy kernel on stream B, a move back, a cuTile kernel on A (cuTile's launch a
     # no-op here: what is timed is sharedmem's work around it)
@@ -304,7 +324,6 @@ def this_build():
                                            current_stream=lambda index=None: current)
     sys.modules["torch"] = torch_mod
     sm.from_dlpack  # (the import of a tensor new to a launch finds this segment)
-    from sharedmem.allocation import import_allocation
     seg_alloc = import_allocation(dev, base, seg.nbytes, "torch")
     tt = [_TorchTensor(i) for i in range(4)]
     nxt = [4]
@@ -324,6 +343,7 @@ def this_build():
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
             ("launch, 4 CuPy-style arrays", cupy_arrays),
+            ("launch, a fresh CuPy-style array", cupy_fresh),
             ("launch on a CuPy-style stream object", borrowed_stream),
             ("launch, 4 torch-style tensors", torch_tensors),
             ("launch, a fresh torch-style tensor", torch_fresh),

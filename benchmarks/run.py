@@ -256,6 +256,12 @@ def bench_launch_gpu(dev, quick):
     def ours_cupy_other():  # the same on a stream other than CuPy's current: a wait a launch
         sm.launch(k, 1, 32, In(ca), In(cb), Out(cc), Out(cd), nn, stream=s_other)
 
+    def raw_new_out():  # a new output array each launch (CuPy's pool gives its memory)
+        k((1,), (32,), (ca, cb, cp.empty(n, cp.float32), cd, nn), stream=cps)
+
+    def ours_new_out():  # the same through sharedmem: the array is new to every launch
+        sm.launch(k, 1, 32, In(ca), In(cb), Out(cp.empty(n, cp.float32)), Out(cd), nn, stream=s)
+
     def raw16():
         k16((1,), (32,), tuple(cmany), stream=cps)
 
@@ -281,7 +287,8 @@ def bench_launch_gpu(dev, quick):
 
     floor_core, why = _cuda_core_floor(dev, s, [ca.data.ptr, cb.data.ptr, cc.data.ptr,
                                                 cd.data.ptr], n)
-    fns = [raw, ours, ours_fresh, ours_cupy, ours_op, floor, raw16, ours16, ours_cupy_other]
+    fns = [raw, ours, ours_fresh, ours_cupy, ours_op, floor, raw16, ours16, ours_cupy_other,
+           raw_new_out, ours_new_out]
     if floor_core is not None:
         fns.append(floor_core)
     before = cp.cuda.get_current_stream()
@@ -294,13 +301,14 @@ def bench_launch_gpu(dev, quick):
         t = interleaved_us(fns, n_launch, 7, lambda: (sync(), s_other.synchronize()))
     finally:
         before.use()
-    t_raw, t_ours, t_fresh, t_cupy, t_op, t_floor, t_raw16, t_ours16, t_cupy_other = t[:9]
+    (t_raw, t_ours, t_fresh, t_cupy, t_op, t_floor, t_raw16, t_ours16, t_cupy_other,
+     t_raw_new, t_ours_new) = t[:11]
     sm.synchronize()
     core = sm.show_config(open(os.devnull, "w"))["core"].split(" (")[0]
     row(f"launch, 4 views reused + scalar, vs CuPy RawKernel call ({core})", t_ours, t_raw, "CuPy",
         fns=(ours, raw))
     if floor_core is not None:
-        row("launch, same, vs cuda.core launch", t_ours, t[9], "cuda.core")
+        row("launch, same, vs cuda.core launch", t_ours, t[11], "cuda.core")
     else:
         ROWS.append(("launch, same, vs cuda.core launch", "n/a", why, "-"))
     row("launch, same, vs cuLaunchKernel floor (cuda.bindings)", t_ours, t_floor, "cuLaunchKernel")
@@ -309,6 +317,8 @@ def bench_launch_gpu(dev, quick):
     row("launch with CuPy arrays as arguments vs CuPy", t_cupy, t_raw, "CuPy", fns=(ours_cupy,))
     row("same, on a stream other than CuPy's current (a wait a launch)", t_cupy_other, t_raw,
         "CuPy")
+    row("launch with a new CuPy output array each launch vs CuPy (cupy.empty in both)",
+        t_ours_new, t_raw_new, "CuPy", fns=(ours_new_out, raw_new_out))
     row("launch, 16 buffers, vs CuPy with 16 arrays", t_ours16, t_raw16, "CuPy",
         fns=(ours16, raw16))
     row("op.submit of that launch vs CuPy", t_op, t_raw, "CuPy", fns=(ours_op,))
