@@ -207,14 +207,11 @@ def this_build():
         sm.launch(k, 8, 128, In(arrays[0]), In(arrays[1]), Out(arrays[2]), Out(arrays[3]), n,
                   stream=s)
 
-    # CuPy's pool: one arena (the fake driver's device memory is host memory), imported as
-    # the driver names it (pointer_info) by the arrays launched before -- what an array new to
-    # a launch finds
+    # CuPy's pool: memory units of their own (CuPy allocates a block per new size class and
+    # reuses freed ones; the fake driver's device memory is host memory)
     pool = np.zeros(1 << 20, np.float32)
     pool_base = pool.ctypes.data
     pool_at = [pool_base]
-    from sharedmem.allocation import import_allocation
-    arena = import_allocation(dev, pool_base, pool.nbytes, "cupy")
 
     class _Chunk(_Array):  # an array in a memory unit of its own, as cupy.empty gives
         def __init__(self, ptr):
@@ -324,6 +321,7 @@ def this_build():
                                            current_stream=lambda index=None: current)
     sys.modules["torch"] = torch_mod
     sm.from_dlpack  # (the import of a tensor new to a launch finds this segment)
+    from sharedmem.allocation import import_allocation
     seg_alloc = import_allocation(dev, base, seg.nbytes, "torch")
     tt = [_TorchTensor(i) for i in range(4)]
     nxt = [4]

@@ -87,32 +87,15 @@ def owner_writable(arr) -> bool:
 
 
 def _allocation_of(arr, dev):
-    """The allocation holding the array's bytes (ours, or foreign: over the driver allocation
-    holding them -- CuPy's pool arena --, else over CuPy's own memory unit), and the array's
-    byte range in it."""
+    """The allocation holding the array's bytes (ours, or foreign over CuPy's
+    own memory unit), and the array's byte range in it."""
     lo, hi = extent(arr.shape, arr.strides, arr.itemsize)  # (bytes, from arr.data.ptr)
     start = arr.data.ptr + lo
     nbytes = hi - lo
-    alloc = _held_by(dev, start, nbytes, "cupy")
-    if alloc is None:
-        mem = arr.data.mem
-        alloc = import_allocation(dev, start, nbytes, "cupy", region=(mem.ptr, max(mem.size, 1)))
+    mem = arr.data.mem
+    alloc = import_allocation(dev, start, max(nbytes, 1) if arr.size else 0, "cupy",
+                              region=(mem.ptr, max(mem.size, 1)))
     return alloc, start - alloc.ptr, start - alloc.ptr + nbytes
-
-
-def _held_by(dev, start, nbytes, source):
-    """The allocation holding ``nbytes`` at ``start`` on ``dev``, as a foreign array new to
-    sharedmem finds it: one known (the lookup tries the one found last first: an array new to
-    a launch usually lies where the one before did), else a new foreign one over the driver
-    allocation holding them -- one for every array a library's pool carves out of it (CuPy's
-    arenas, torch's segments), found again for each of them, not made anew. None where the
-    driver does not name them (then the caller imports over the library's own memory unit)."""
-    alloc = lookup_allocation(dev, start, nbytes)
-    if alloc is None and nbytes:
-        info = dev.backend.pointer_info(start)
-        if info is not None and start + nbytes <= info[0] + info[1]:
-            alloc = import_allocation(dev, start, nbytes, source, region=(info[0], info[1]))
-    return alloc
 
 
 # -- kernels -------------------------------------------------------------------------------
@@ -941,11 +924,15 @@ def torch_facts(t):
     lo, hi = extent(layout[0], [st * item for st in layout[1]], item)
     start = ptr + lo
     nbytes = hi - lo  # (0 where empty: extent's (0, 0))
-    alloc = _held_by(dev, start, nbytes, "torch")  # (a fresh tensor in torch's segment)
-    if alloc is None:  # (memory the driver does not name: its storage)
-        storage = t.untyped_storage()
-        alloc = import_allocation(dev, start, nbytes, "torch",
-                                  region=(storage.data_ptr(), max(storage.nbytes(), 1)))
+    alloc = lookup_allocation(dev, start, nbytes)  # (a fresh tensor in torch's segment: the
+    if alloc is None:                              # driver was asked already)
+        info = dev.backend.pointer_info(start) if hi > lo else None
+        if info is not None and start + hi - lo <= info[0] + info[1]:
+            region = (info[0], info[1])
+        else:  # (memory the driver does not name: its storage)
+            storage = t.untyped_storage()
+            region = (storage.data_ptr(), max(storage.nbytes(), 1))
+        alloc = import_allocation(dev, start, nbytes, "torch", region=region)
     lo, hi = start - alloc.ptr, start - alloc.ptr + hi - lo
     writable = import_writable(alloc, lo, hi, True)  # (torch has no read-only tensors)
     return _remember(t, "torch tensor argument", alloc, lo, hi, writable, ptr, layout,
