@@ -797,6 +797,19 @@ def recent_facts() -> list:
     return list(_recent)
 
 
+class _FactsRef(weakref.ref):
+    """The weak reference facts keep to their array, which gives its callback the array's
+    address (one function for all: no closure a new array, whose function and defaults the
+    collector would visit while the array lives)."""
+
+    __slots__ = ("key",)
+
+
+def _facts_gone(ref) -> None:
+    """The callback of a :class:`_FactsRef`: its array died."""
+    _forget(ref.key, ref)
+
+
 def _forget(key, ref):
     f = _facts.get(key)
     if f is not None and f.ref is ref:
@@ -874,7 +887,8 @@ def _remember(arr, kind, alloc, lo, hi, writable, ptr, layout, keep):
     f.ptr = ptr
     f.layout = layout
     f.keep = keep
-    f.ref = weakref.ref(arr, lambda ref, key=key: _forget(key, ref))
+    f.ref = ref = _FactsRef(arr, _facts_gone)
+    ref.key = key
     _facts[key] = f
     if cython.compiled:
         _recall(f)

@@ -39,7 +39,17 @@ cdef class Allocation:
 cdef class _Registry:
     cdef readonly object _lock
     cdef readonly dict _maps
+    cdef object _gone
     cdef readonly Py_ssize_t _live
+
+    # (every allocation made and every one that dies: typed containers)
+    @cython.locals(fresh=list, fresh_class=list, known=list, entry=list, classes=dict,
+                   refs=dict, order=list, overlapped=set, okeys=list, keys=list,
+                   i=Py_ssize_t, j=Py_ssize_t)
+    cpdef register(self, alloc)
+
+    @cython.locals(entry=list, classes=dict, refs=dict, keys=list, got=tuple)
+    cpdef _remove(self, ref)
 
     # (every import and every foreign array new to a launch: C compares, typed containers)
     @cython.locals(p=cython.ulonglong, n=Py_ssize_t, start=cython.ulonglong,

@@ -333,6 +333,14 @@ _ADDRESS_END = 1 << 64  # (past the last address)
 _SIZE_MAX = (1 << 63) - 1  # (the longest allocation: nbytes is a Py_ssize_t)
 
 
+class _EntryRef(weakref.ref):
+    """A registry entry's weak reference to its allocation, which says where the entry is (for
+    its callback, one bound method for all: no closure an allocation, whose function, defaults
+    and cell the collector would visit while the allocation lives)."""
+
+    __slots__ = ("dkey", "key")
+
+
 @cython.cclass
 class _Registry:
     """Maps live device address ranges to allocations (weakly).
@@ -368,23 +376,35 @@ class _Registry:
         # [the classes that ever held one], {the keys of allocations that overlapped another
         # as either registered}, the key a lookup found last (or None)]
         self._maps = {}  # guarded by self._lock
+        self._gone = self._remove  # (bound once: every entry's weak reference calls it)
         self._live = 0  # entries registered and not removed; written under self._lock
 
     def register(self, alloc) -> None:
         key = (alloc.ptr, alloc.id)
         dkey = alloc.device.key
-        ref = weakref.ref(alloc, lambda _r, dkey=dkey, key=key: self._remove(dkey, key))
+        ref = _EntryRef(alloc, self._gone)
+        ref.dkey = dkey
+        ref.key = key
         value = (ref, alloc.nbytes)
         c = alloc.nbytes.bit_length()
         lo = alloc.ptr
         hi = lo + alloc.nbytes
         probe = (hi, -1)  # (before every key at hi: ids are >= 0)
-        # (made here: nothing is allocated under the lock)
-        fresh, fresh_class = [{}, {}, [], set(), None], []
+        # (made here, where they may be needed: nothing is allocated under the lock. A device's
+        # entry and a class's list, once made, stay: found here, they are there under it)
+        fresh = fresh_class = None
+        known = self._maps.get(dkey)
+        if known is None:
+            fresh = [{}, {}, [], set(), None]
+            fresh_class = []
+        elif known[0].get(c) is None:
+            fresh_class = []
         lock = self._lock
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
-            entry = self._maps.setdefault(dkey, fresh)
+            entry = self._maps.get(dkey)
+            if entry is None:
+                entry = self._maps[dkey] = fresh
             # (one name a statement: interpreted, four at once build a tuple -- an allocation
             # that may start a collection, whose finalizers take this lock)
             classes = entry[0]
@@ -406,26 +426,29 @@ class _Registry:
                         overlapped.add(k)
                         overlapped.add(key)
                     i -= 1
-            keys = classes.setdefault(c, fresh_class)
-            if keys is fresh_class:
+            keys = classes.get(c)
+            if keys is None:  # (a class first seen: fresh_class was made, by this or a
+                keys = classes[c] = fresh_class  # racing thread's check above)
                 order.append(c)
             bisect.insort(keys, key)
-            entry[1][key] = value
+            refs[key] = value
             self._live += 1
         finally:
             lock.release()
 
-    def _remove(self, dkey, key) -> None:
-        # a weakref callback: runs once, wherever the allocation died; the lock is a leaf.
-        # register() put the key in all three under the lock, and only this removes it: each
-        # is found (a device's entry is never removed)
+    def _remove(self, ref) -> None:
+        # the weakref callback of every entry: runs once, wherever its allocation died; the
+        # lock is a leaf. register() put the key in all of them under the lock, and only this
+        # removes it: each is found (a device's entry is never removed)
         held = fork_holds()  # (an allocation that died inside os.fork(): the fork holds it)
         lock = self._lock
         if not held:
             lock.acquire()
         try:
-            entry = self._maps[dkey]
-            classes, refs = entry[0], entry[1]
+            entry = self._maps[ref.dkey]
+            key = ref.key
+            classes = entry[0]
+            refs = entry[1]
             got = refs.pop(key)
             keys = classes[got[1].bit_length()]
             del keys[bisect.bisect_left(keys, key)]
