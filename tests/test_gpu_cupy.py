@@ -200,6 +200,39 @@ def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, 
     assert all(f is None or f.ref() is not None for f in recent)
 
 
+def test_a_new_cupy_output_array_each_launch(cp, ic):
+    """The pattern of a pipeline step: a new CuPy output array each launch (its memory new to
+    sharedmem, imported, then let go with the array once the launch is done). Every output
+    holds what its launch wrote while the next launches run, and once they are done and the
+    arrays dropped, no allocation or facts of theirs are left."""
+    import gc
+
+    import gpu_kernels as K
+    import interop.cupy_launch as icl
+    dev = cuda_device()
+    s = dev.create_stream()
+    cp.cuda.Device(0).synchronize()
+    sm.synchronize()
+    gc.collect()
+    live = sm.allocation.live_allocation_count()
+    facts = len(icl._facts)
+    outs = []
+    for i in range(200):
+        out = cp.empty(1 << 12, cp.float32)
+        sm.launch(K.kernel("slow_fill"), 16, 256, sm.Out(out), out.size, float(i), np.int64(0),
+                  stream=s)
+        if i % 40 == 0:
+            outs.append((i, out))  # (kept: the rest are dropped at once, in flight)
+    s.synchronize()
+    for i, out in outs:
+        assert float(out.min()) == i and float(out.max()) == i
+    del out, outs
+    sm.synchronize()
+    gc.collect()
+    assert sm.allocation.live_allocation_count() == live
+    assert len(icl._facts) == facts
+
+
 def test_as_cupy_orders_the_consumer_stream(cp, ic):
     import gpu_kernels as K
     dev = cuda_device()
