@@ -213,9 +213,15 @@ def this_build():
     pool_base = pool.ctypes.data
     pool_at = [pool_base]
 
+    class _Unit:  # CuPy's memory unit (its MemoryPointer and memory refer to no cycle)
+        __slots__ = ("ptr", "size", "mem")
+
+        def __init__(self, ptr, size, mem=None):
+            self.ptr, self.size, self.mem = ptr, size, mem
+
     class _Chunk(_Array):  # an array in a memory unit of its own, as cupy.empty gives
         def __init__(self, ptr):
-            self.data = _Mem(ptr, 4 * n)
+            self.data = _Unit(ptr, 4 * n, _Unit(ptr, 4 * n))
             self.device = arrays[0].device
             self.size, self.shape, self.strides, self.itemsize = n, (n,), (4,), 4
 

@@ -41,6 +41,7 @@ cdef class ForeignArray:
     cdef public ViewToken token
     cdef public Py_ssize_t offset
     cdef public object ref, keep
+    cdef public tuple use_r, use_w
 
 cdef class KernelPlan(Work):
     cdef public object kernel, adapter, device, label

@@ -215,9 +215,12 @@ class ForeignArray:
     the one a launch uses). Read-only to the launch: ``resolve_args`` puts it in ``resolved``
     as it is and keeps the array itself (and ``keep(array)``) until the work is done. A
     plan's ``pack`` reads it as it is (``RawKernelPlan``'s does); :func:`array_args` gives a
-    plan that wants ``LaunchArg`` objects one with the array as ``value``."""
+    plan that wants ``LaunchArg`` objects one with the array as ``value``. ``use_r`` and
+    ``use_w``: the lease pairs ``(token, writes)`` launches take, made by the first -- kept
+    here, not on the token (a lease token is never released: a pair on it would refer back to
+    it, a cycle that kept it and its allocation until a collection)."""
 
-    __slots__ = ("token", "offset", "ref", "keep")
+    __slots__ = ("token", "offset", "ref", "keep", "use_r", "use_w")
 
     def __init__(self):
         # (what the adapter sets; unset, as the compiled fields start: refused by the launch)
@@ -225,6 +228,8 @@ class ForeignArray:
         self.offset = 0
         self.ref = None
         self.keep = None  # (an adapter's own ForeignArray need not set it)
+        self.use_r = None  # (the launches' lease pairs, (token, writes): made by the first)
+        self.use_w = None
 
 
 # what KernelPlan._last holds before a plan's first launch: no grid, block or shared_mem is it
@@ -732,7 +737,15 @@ def resolve_args(adapter, args, device):
             if la is not None:  # (a token made for this launch: its pair not cached on it --
                 u = (tok, mode != _READ)  # a cycle that kept it, and its allocation
                 # registered over memory its owner may reuse, alive until a collection)
-            else:
+            elif fa is not None:  # (its pairs cached on it, not on its token -- never released,
+                u = fa.use_r if mode == _READ else fa.use_w  # a lease's: the cycle above,
+                if u is None:  # each array of a launch kept until a collection, and the
+                    u = (tok, mode != _READ)  # collections that many objects set off)
+                    if mode == _READ:
+                        fa.use_r = u
+                    else:
+                        fa.use_w = u
+            else:  # (a view made for this launch: its release lets its pairs go)
                 u = tok.use_r if mode == _READ else tok.use_w
                 if u is None:
                     u = tok.use(mode != _READ)

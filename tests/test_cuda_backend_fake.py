@@ -1715,6 +1715,37 @@ def test_cupy_array_facts_are_found_again_and_forgotten_with_the_array(fake, ker
     assert facts.dead and facts not in icl._facts.values() and facts not in icl.recent_facts()
 
 
+def test_a_foreign_arrays_lease_token_goes_with_it_without_a_collection(fake, kernels,
+                                                                        monkeypatch):
+    """The lease pairs launches take of a foreign array are kept on its facts, not on its
+    token: a pair on the token referred back to it, a cycle that kept the token -- and a
+    foreign array's allocation, registered over memory its owner may reuse -- until the
+    collector ran, for each array new to a launch (some dozen objects a launch to collect).
+    Once the array dies and its launch is done, only the test refers to its tokens."""
+    import gc
+
+    import interop.cupy_launch as icl
+    dev, drv = fake
+    saxpy, _ = kernels
+    n = 16
+    x, out = _fake_cupy_arrays(monkeypatch, dev, n, 2)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), sm.Out(out), n).result()
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(x), sm.Out(out), n).result()
+        fx, fo = icl._facts[id(x)], icl._facts[id(out)]
+        tx, to = fx.token, fo.token
+        assert fx.use_r == (tx, False) and fo.use_w == (to, True)  # (made once, kept there)
+        assert (tx.use_r, tx.use_w, to.use_r, to.use_w) == (None,) * 4
+        sm.synchronize()
+        del x, out, fx, fo
+        assert sys.getrefcount(tx) == 2 and sys.getrefcount(to) == 2  # (tx, to; the call's)
+    finally:
+        if was:
+            gc.enable()
+
+
 def _cupy_arrays_and_a_stream(fake, kernels, monkeypatch):
     """The setup of the tests of CuPy ordering: ``(dev, drv, saxpy, n, x, y, out, cupy, s)``
     -- three CuPy-style arrays of ``n`` floats (0, 1 and 2), their uploads done (nothing to
