@@ -577,13 +577,15 @@ class ProducerAlias:
                                            start, stop, writable, None)
         self._ref = None
         if producer is not None:
-            # (a weak reference whose callback holds the token, not this object: it dies with
-            # this object, its callback uncalled -- weakref.finalize, a Python class kept in a
+            # (a weak reference that holds the token, not this object: it dies with this
+            # object, its callback uncalled -- weakref.finalize, a Python class kept in a
             # registry until detached, cost an import about 2 us more)
             try:
-                self._ref = weakref.ref(producer, lambda _r, tok=tok: _producer_gone(tok))
+                self._ref = ref = _AliasRef(producer, _alias_gone)
             except TypeError:  # no weak references: it lives as long as the import anyway
                 pass
+            else:
+                ref.token = tok
 
     def __del__(self):
         try:
@@ -591,6 +593,18 @@ class ProducerAlias:
             _producer_gone(self.token)
         except AttributeError:  # half-constructed
             pass
+
+
+class _AliasRef(weakref.ref):
+    """A producer alias's weak reference to its producer, holding the alias's token for its
+    callback (one function for all: no closure an import)."""
+
+    __slots__ = ("token",)
+
+
+def _alias_gone(ref) -> None:
+    """The callback of an :class:`_AliasRef`: its producer died first."""
+    _producer_gone(ref.token)
 
 
 def _producer_gone(tok) -> None:
