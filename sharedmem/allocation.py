@@ -490,7 +490,10 @@ class _Registry:
                     c = order[j]
                     j += 1
                     keys = classes[c]
-                    span = 1 << c  # (every length of the class is below it; c < 64)
+                    # (every length of the class is below it; c < 64. Compiled, shifted in 64
+                    # bits: a C int 1 << c is undefined from 31 -- x86 shifts by c % 32, and
+                    # lookups inside allocations of 2 GiB or more found nothing)
+                    span = cython.cast(cython.ulonglong, 1) << c if cython.compiled else 1 << c
                     i = bisect.bisect_right(keys, probe) - 1
                     while i >= 0:
                         start = keys[i][0]  # (at or below p: the bisection's)

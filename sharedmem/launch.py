@@ -738,9 +738,15 @@ def resolve_args(adapter, args, device):
                 u = (tok, mode != _READ)  # a cycle that kept it, and its allocation
                 # registered over memory its owner may reuse, alive until a collection)
             elif fa is not None:  # (its pairs cached on it, not on its token -- never released,
-                u = fa.use_r if mode == _READ else fa.use_w  # a lease's: the cycle above,
-                if u is None:  # each array of a launch kept until a collection, and the
-                    u = (tok, mode != _READ)  # collections that many objects set off)
+                if cython.compiled:  # a lease's: the cycle above, each array of a launch kept
+                    u = fa.use_r if mode == _READ else fa.use_w  # until a collection, and the
+                else:  # collections that many objects set off. Interpreted, unset where a
+                    try:  # subclass's __init__ did not run ForeignArray's: as compiled, None)
+                        u = fa.use_r if mode == _READ else fa.use_w
+                    except AttributeError:
+                        u = None
+                if u is None or u[0] is not tok:  # (not the token now: one its adapter re-set)
+                    u = (tok, mode != _READ)
                     if mode == _READ:
                         fa.use_r = u
                     else:

@@ -1802,6 +1802,26 @@ def test_registry_lookups_at_the_top_of_the_address_space(host):
     del top, low
 
 
+def test_registry_lookups_inside_allocations_of_2_gib_or_more(host):
+    """Compiled, a length class's span (``1 << c``) is a 64-bit shift: a C int shift is
+    undefined from 31 (x86 shifts by c % 32), and a lookup walked inside an allocation of
+    2 GiB or more (a torch segment, a CuPy arena of a large array) found nothing -- an import
+    there then made a second allocation over the same memory."""
+    from sharedmem.allocation import Allocation, import_allocation
+    base = 1 << 44  # (never dereferenced)
+    other = Allocation(host, 4096, 4096, None, "test other")
+    for size in (1 << 30, (1 << 31) + 8, 1 << 32, 3 << 31, 1 << 40, 1 << 62):
+        a = Allocation(host, base, size, None, "test big")
+        for off in (size // 2, 4096, size - 8, 0):
+            # (another found last first: the lookup walks, not the one found last tried)
+            assert sm.lookup_allocation(host, 4096, 8) is other
+            assert sm.lookup_allocation(host, base + off, 8) is a, (hex(size), hex(off))
+        assert sm.lookup_allocation(host, 4096, 8) is other
+        assert import_allocation(host, base + size // 2, 8, "test") is a
+        del a
+    del other
+
+
 def test_the_allocation_a_lookup_found_last_is_tried_first_only_while_nothing_overlaps_it(
         host):
     """A lookup tries the allocation found last before the walk (a torch tensor new to a

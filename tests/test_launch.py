@@ -1112,3 +1112,51 @@ def test_host_kernels_on_arrays_over_parts_of_one_buffer_are_ordered(host, buffe
             del buf
             shm.close()
             shm.unlink()
+
+
+def test_a_foreign_arrays_cached_lease_pairs_follow_its_token_in_both_builds(host):
+    """A ForeignArray caches the lease pairs launches take (``use_r``/``use_w``): a launch
+    leases the token it holds now -- not the one a first launch cached, where its adapter
+    re-set ``token`` since -- and, interpreted as compiled, a subclass whose ``__init__`` sets
+    the documented fields without running ForeignArray's is leased (its pairs' slots unset)."""
+    import weakref
+
+    from sharedmem.launch import ForeignArray, KernelAdapter, resolve_args
+
+    class Arr:
+        pass
+
+    class Kernel:
+        pass
+
+    class Adapter(KernelAdapter):
+        name = "test kernel"
+        device_kinds = ("host",)
+
+        def coerce(self, obj, device):
+            return obj.fa if isinstance(obj, Arr) else None
+
+        def prepare(self, kernel, grid, block, args, shared_mem, stream):
+            return (lambda: stream._impl.submit(lambda: None, True)), ()
+
+    class OwnForeignArray(ForeignArray):
+        def __init__(self, tok, arr):
+            self.token, self.offset, self.ref, self.keep = tok, 0, weakref.ref(arr), None
+
+    a, b = sm.Buffer.zeros(4, device=host), sm.Buffer.zeros(4, device=host)
+    arr = Arr()
+    arr.fa = fa = ForeignArray()
+    fa.token = a._token
+    fa.ref = weakref.ref(arr)
+    adapter = Adapter()
+    for intent in (sm.Out, sm.In):
+        fa.token = a._token
+        assert resolve_args(adapter, (intent(arr),), None)[1][0][0] is a._token
+        fa.token = b._token  # (the array's bytes are b's now)
+        assert resolve_args(adapter, (intent(arr),), None)[1][0] == (b._token,
+                                                                     intent is sm.Out)
+    arr.fa = OwnForeignArray(a._token, arr)
+    assert resolve_args(adapter, (sm.Out(arr),), None)[1] == [(a._token, True)]
+    sm.register_kernel_adapter(Kernel, adapter)
+    sm.launch(Kernel(), 1, 1, sm.Out(arr), stream=host.default_stream).result(5)
+    del arr, fa
