@@ -737,11 +737,14 @@ def resolve_args(adapter, args, device):
             if la is not None:  # (a token made for this launch: its pair not cached on it --
                 u = (tok, mode != _READ)  # a cycle that kept it, and its allocation
                 # registered over memory its owner may reuse, alive until a collection)
-            elif fa is not None:  # (its pairs cached on it, not on its token -- never released,
-                if cython.compiled:  # a lease's: the cycle above, each array of a launch kept
-                    u = fa.use_r if mode == _READ else fa.use_w  # until a collection, and the
-                else:  # collections that many objects set off. Interpreted, unset where a
-                    try:  # subclass's __init__ did not run ForeignArray's: as compiled, None)
+            elif fa is not None:
+                # (its pairs cached on it, not on its token: a lease token is never released,
+                # and a pair on it made the cycle above -- every array new to a launch kept
+                # until a collection, and the collections that many objects set off)
+                if cython.compiled:
+                    u = fa.use_r if mode == _READ else fa.use_w
+                else:  # (unset where a subclass's __init__ did not run ForeignArray's: None,
+                    try:  # as the compiled fields start)
                         u = fa.use_r if mode == _READ else fa.use_w
                     except AttributeError:
                         u = None
