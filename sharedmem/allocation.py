@@ -329,7 +329,7 @@ class Allocation:
 
 # -- the registry -------------------------------------------------------------
 _INF = float("inf")  # (a probe's second part: after every id)
-_ADDRESS_END = 1 << 64  # (past the last address)
+_PTR_END = 1 << 64  # (past the last address: a device pointer is 64 bits)
 _SIZE_MAX = (1 << 63) - 1  # (the longest allocation: nbytes is a Py_ssize_t)
 
 
@@ -461,7 +461,7 @@ class _Registry:
     def lookup(self, dkey, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)`` (ints) on the
         device whose ``key`` is ``dkey``."""
-        if ptr < 0 or ptr >= _ADDRESS_END or nbytes < 0 or nbytes > _SIZE_MAX:
+        if ptr < 0 or ptr >= _PTR_END or nbytes < 0 or nbytes > _SIZE_MAX:
             return None  # (no allocation holds such a range)
         p = ptr  # (compiled, C ints; no sums below, which could pass 64 bits)
         n = nbytes

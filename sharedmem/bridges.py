@@ -230,8 +230,8 @@ def record_use(x: Any, stream: Stream | object, *, writes: bool = True) -> None:
             raise TypeError(f"record_use takes a sharedmem view or an array with "
                             f"__cuda_array_interface__, got {type(x).__name__}")
         from .tensor import c_strides, extent
-        from interop.cai import read_cai
-        _, _, shape, dtype, ptr, _, strides = read_cai(x)  # (ValueError for a malformed one)
+        # (ValueError for a malformed one; the bridge looked up by name, as the imports above)
+        _, _, shape, dtype, ptr, _, strides = _module("interop.cai").read_cai(x)
         isz = dtype.itemsize
         if strides is None:  # (else in bytes: a multiple of the item size or not)
             strides = tuple(s * isz for s in c_strides(shape))

@@ -27,7 +27,7 @@ try:
 except ImportError:
     from . import _cython as cython
 
-from .allocation import View
+from .allocation import View, _module
 from .buffer import (Buffer, copy_stream, host_values, new_buffer, on_device, readonly_token,
                      to_device)
 from .device import as_device
@@ -356,8 +356,7 @@ class Tensor(View):
     @classmethod
     def from_dlpack(cls, obj, *, stream=None, device=None) -> "Tensor":
         """Import any DLPack producer zero-copy (see :func:`sharedmem.from_dlpack`)."""
-        from interop.dlpack import from_dlpack
-        return from_dlpack(obj, stream=stream, device=device)
+        return _module("interop.dlpack").from_dlpack(obj, stream=stream, device=device)
 
     # -- properties -------------------------------------------------------------
     @property
