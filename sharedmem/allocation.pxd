@@ -36,26 +36,40 @@ cdef class Allocation:
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*)
 
+cdef class _Class:
+    cdef readonly list starts, refs
+    cdef readonly unsigned long long span
+
+cdef class _DeviceEntries:
+    cdef readonly dict classes
+    cdef readonly list walk
+    cdef public object last
+
+# (every search of a class: C compares of its ints)
+@cython.locals(lo=Py_ssize_t, hi=Py_ssize_t, mid=Py_ssize_t, s=cython.ulonglong)
+cdef Py_ssize_t _count_at_most(list starts, unsigned long long x) except -1
+
 cdef class _Registry:
     cdef readonly object _lock
     cdef readonly dict _maps
     cdef object _gone
     cdef readonly Py_ssize_t _live
 
-    # (every allocation made and every one that dies: typed containers)
-    @cython.locals(fresh=list, fresh_class=list, known=list, entry=list, classes=dict,
-                   refs=dict, order=list, overlapped=set, okeys=list, keys=list,
-                   i=Py_ssize_t, j=Py_ssize_t)
-    cpdef register(self, alloc)
+    # (every allocation made and every one that dies: typed containers, C compares)
+    @cython.locals(lo=cython.ulonglong, n=Py_ssize_t, c=cython.int, last=cython.ulonglong,
+                   fresh=_DeviceEntries, fresh_class=_Class, known=_DeviceEntries,
+                   dev=_DeviceEntries, walk=list, cl=_Class, starts=list, i=Py_ssize_t,
+                   j=Py_ssize_t, start=cython.ulonglong, a=Allocation, seen=list)
+    cpdef register(self, Allocation alloc)
 
-    @cython.locals(entry=list, classes=dict, refs=dict, keys=list, got=tuple)
+    @cython.locals(dev=_DeviceEntries, cl=_Class, starts=list, refs=list, i=Py_ssize_t,
+                   ptr=cython.ulonglong)
     cpdef _remove(self, ref)
 
     # (every import and every foreign array new to a launch: C compares, typed containers)
-    @cython.locals(p=cython.ulonglong, n=Py_ssize_t, start=cython.ulonglong,
-                   span=cython.ulonglong, c=cython.int, i=Py_ssize_t, j=Py_ssize_t, a=Allocation,
-                   best=Allocation, seen=list, entry=list, classes=dict, refs=dict, order=list,
-                   keys=list, got=tuple)
+    @cython.locals(p=cython.ulonglong, n=Py_ssize_t, start=cython.ulonglong, i=Py_ssize_t,
+                   j=Py_ssize_t, a=Allocation, best=Allocation, seen=list, dev=_DeviceEntries,
+                   walk=list, cl=_Class, starts=list)
     cpdef lookup(self, dkey, ptr, nbytes)
 
 cdef class Exporter:

@@ -328,17 +328,65 @@ class Allocation:
 
 
 # -- the registry -------------------------------------------------------------
-_INF = float("inf")  # (a probe's second part: after every id)
 _PTR_END = 1 << 64  # (past the last address: a device pointer is 64 bits)
 _SIZE_MAX = (1 << 63) - 1  # (the longest allocation: nbytes is a Py_ssize_t)
+_LAST_ADDRESS = cython.declare(cython.ulonglong, (1 << 64) - 1)  # (a C constant where compiled)
 
 
 class _EntryRef(weakref.ref):
-    """A registry entry's weak reference to its allocation, which says where the entry is (for
-    its callback, one bound method for all: no closure an allocation, whose function, defaults
-    and cell the collector would visit while the allocation lives)."""
+    """A registry entry: its weak reference to its allocation, and the allocation's place
+    (``dkey``, ``ptr``, ``nbytes``: where the callback, one bound method for all, finds the
+    entry -- no closure an allocation, whose function, defaults and cell the collector would
+    visit while the allocation lives). ``overlapped``: whether a live allocation overlapped
+    this one as either registered (written under the registry lock)."""
 
-    __slots__ = ("dkey", "key")
+    __slots__ = ("dkey", "ptr", "nbytes", "overlapped")
+
+
+class _Class:
+    """One length class's entries on one device (allocations of ``bit_length(nbytes) == c``:
+    shorter than ``span``, 2**c), sorted by start: ``starts[i]`` (an int) is the start of
+    ``refs[i]`` (its _EntryRef; entries of one start in any order). Plain ints and the entries
+    themselves: no tuple a registration, no tuple compare a step of a search. guarded by the
+    registry lock"""
+
+    __slots__ = ("starts", "refs", "span")
+
+    def __init__(self, c):
+        self.starts = []
+        self.refs = []
+        self.span = 1 << c
+
+
+class _DeviceEntries:
+    """One device's entries: ``classes`` by length class, ``walk`` the same in the order they
+    were first used (a lookup's walk: no dict iteration), ``last`` the entry a lookup found
+    last (or None). guarded by the registry lock"""
+
+    __slots__ = ("classes", "walk", "last")
+
+    def __init__(self):
+        self.classes = {}
+        self.walk = []
+        self.last = None
+
+
+# A bisection over a class's starts (ints in [0, 2**64)): compiled, C compares of the list's
+# ints; interpreted, the standard library's bisect, the same search in C.
+def _count_at_most(starts, x):
+    """How many of the sorted ``starts`` are at most ``x`` (bisect_right)."""
+    if not cython.compiled:
+        return bisect.bisect_right(starts, x)
+    lo = 0
+    hi = len(starts)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        s = starts[mid]
+        if x < s:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @cython.cclass
@@ -348,8 +396,8 @@ class _Registry:
     Ranges may nest: a foreign allocation over a whole driver allocation (a CuPy pool arena)
     can contain allocations of ours. A lookup returns the innermost live allocation that
     contains the range. Entries are kept by length class (lengths of one bit length: below
-    2**c for class c), each class a sorted list: per class, a bisection, then a walk back over
-    the entries that start less than 2**c before the range -- a few where ranges do not
+    2**c for class c), each class sorted by start: per class, a bisection, then a walk back
+    over the entries that start less than 2**c before the range -- a few where ranges do not
     overlap, whatever the number of entries and however long the longest (one walk bounded
     by the longest made a lookup among 100,000 small allocations beside one large arena walk
     them all). Entries are removed when their allocation dies.
@@ -359,12 +407,12 @@ class _Registry:
     allocator's segment) where no live allocation overlapped it as either registered: then
     it is the only one containing any non-empty range inside it (another would overlap it,
     and was registered while it lived or the other way round). Overlaps are found as an
-    allocation registers and kept, for both, until each dies (conservative after the other
-    died: the full walk then).
+    allocation registers and marked on both entries, until each dies (conservative after the
+    other died: the full walk then).
 
     Its lock is a leaf: nothing else is called while it is held, so it may be taken under
-    core_lock. Nothing under it allocates a garbage-collected object (tuples and lists are
-    made before it is taken; strong references a lookup takes are dropped after it is let
+    core_lock. Nothing under it allocates a garbage-collected object (entries and containers
+    are made before it is taken; strong references a walk takes are dropped after it is let
     go): no collection, so no finalizer, can start while it is held -- a finalizer calling
     sharedmem there would wait for a lock its own thread holds. ``live_allocation_count``
     reads its counter without it.
@@ -372,87 +420,91 @@ class _Registry:
 
     def __init__(self):
         self._lock = fork_safe(threading.Lock())
-        # device key -> [{length class: sorted (ptr, id) keys}, {key: (weakref, nbytes)},
-        # [the classes that ever held one], {the keys of allocations that overlapped another
-        # as either registered}, the key a lookup found last (or None)]
-        self._maps = {}  # guarded by self._lock
+        self._maps = {}  # device key -> _DeviceEntries; guarded by self._lock
         self._gone = self._remove  # (bound once: every entry's weak reference calls it)
         self._live = 0  # entries registered and not removed; written under self._lock
 
     def register(self, alloc) -> None:
-        key = (alloc.ptr, alloc.id)
-        dkey = alloc.device.key
         ref = _EntryRef(alloc, self._gone)
-        ref.dkey = dkey
-        ref.key = key
-        value = (ref, alloc.nbytes)
-        c = alloc.nbytes.bit_length()
-        lo = alloc.ptr
-        hi = lo + alloc.nbytes
-        probe = (hi, -1)  # (before every key at hi: ids are >= 0)
+        dkey = ref.dkey = alloc.device.key
+        lo = ref.ptr = alloc.ptr
+        n = ref.nbytes = alloc.nbytes
+        ref.overlapped = False
+        c = n.bit_length()
+        # the last byte (an empty range overlaps nothing; the end of the address space caps it)
+        last = (lo + (n - 1) if n - 1 <= _LAST_ADDRESS - lo else _LAST_ADDRESS) if n else 0
         # (made here, where they may be needed: nothing is allocated under the lock. A device's
-        # entry and a class's list, once made, stay: found here, they are there under it)
+        # entries and a class, once made, stay: found here, they are there under it)
         fresh = fresh_class = None
         known = self._maps.get(dkey)
         if known is None:
-            fresh = [{}, {}, [], set(), None]
-            fresh_class = []
-        elif known[0].get(c) is None:
-            fresh_class = []
+            fresh = _DeviceEntries()
+            fresh_class = _Class(c)
+        elif known.classes.get(c) is None:
+            fresh_class = _Class(c)
+        seen = []  # strong references taken under the lock, dropped after it
         lock = self._lock
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
-            entry = self._maps.get(dkey)
-            if entry is None:
-                entry = self._maps[dkey] = fresh
-            # (one name a statement: interpreted, four at once build a tuple -- an allocation
-            # that may start a collection, whose finalizers take this lock)
-            classes = entry[0]
-            refs = entry[1]
-            order = entry[2]
-            overlapped = entry[3]
-            # the live entries this one overlaps: per class, those starting below hi and
-            # less than the class's bound before lo (their lengths, no dereference)
+            dev = self._maps.get(dkey)
+            if dev is None:
+                dev = self._maps[dkey] = fresh
+            # the live entries this one overlaps: per class, those starting at or below its
+            # last byte and less than the class's span before lo (their lengths, from the
+            # allocations: a dead one, whose removal waits for this lock, overlaps nothing)
+            walk = dev.walk
             j = 0
-            while j < len(order) and hi > lo:
-                oc = order[j]
+            while j < len(walk) and n > 0:
+                cl = walk[j]
                 j += 1
-                okeys = classes[oc]
-                span = 1 << oc
-                i = bisect.bisect_left(okeys, probe) - 1
-                while i >= 0 and okeys[i][0] + span > lo:
-                    k = okeys[i]
-                    if k[0] + refs[k][1] > lo and refs[k][1]:
-                        overlapped.add(k)
-                        overlapped.add(key)
+                starts = cl.starts
+                i = _count_at_most(starts, last) - 1
+                while i >= 0:
+                    start = starts[i]
+                    if start < lo and lo - start >= cl.span:
+                        break
+                    other = cl.refs[i]
+                    a = other()
+                    if a is not None:
+                        seen.append(a)  # (a death here would run _remove under our lock)
+                        if a.nbytes and (start >= lo or lo - start < a.nbytes):
+                            other.overlapped = True
+                            ref.overlapped = True
                     i -= 1
-            keys = classes.get(c)
-            if keys is None:  # (a class first seen: fresh_class was made, by this or a
-                keys = classes[c] = fresh_class  # racing thread's check above)
-                order.append(c)
-            bisect.insort(keys, key)
-            refs[key] = value
+            cl = dev.classes.get(c)
+            if cl is None:  # (a class first seen: fresh_class was made, by this or a racing
+                cl = dev.classes[c] = fresh_class  # thread's check above)
+                dev.walk.append(cl)
+            i = _count_at_most(cl.starts, lo)
+            cl.starts.insert(i, lo)
+            cl.refs.insert(i, ref)
             self._live += 1
         finally:
             lock.release()
+        a = None
+        del seen
 
     def _remove(self, ref) -> None:
         # the weakref callback of every entry: runs once, wherever its allocation died; the
-        # lock is a leaf. register() put the key in all of them under the lock, and only this
-        # removes it: each is found (a device's entry is never removed)
+        # lock is a leaf. register() put the entry in its class under the lock, and only this
+        # removes it: it is found (a device's entries and a class are never removed)
         held = fork_holds()  # (an allocation that died inside os.fork(): the fork holds it)
         lock = self._lock
         if not held:
             lock.acquire()
         try:
-            entry = self._maps[ref.dkey]
-            key = ref.key
-            classes = entry[0]
-            refs = entry[1]
-            got = refs.pop(key)
-            keys = classes[got[1].bit_length()]
-            del keys[bisect.bisect_left(keys, key)]
-            entry[3].discard(key)
+            dev = self._maps[ref.dkey]
+            ptr = ref.ptr
+            cl = dev.classes[ref.nbytes.bit_length()]
+            starts = cl.starts
+            refs = cl.refs
+            i = _count_at_most(starts, ptr) - 1  # (the last entry of its start; back to it)
+            while refs[i] is not ref:
+                i -= 1
+            del starts[i]
+            del refs[i]
+            if dev.last is ref:
+                dev.last = None
             self._live -= 1
         finally:
             if not held:
@@ -465,50 +517,42 @@ class _Registry:
             return None  # (no allocation holds such a range)
         p = ptr  # (compiled, C ints; no sums below, which could pass 64 bits)
         n = nbytes
-        probe = (ptr, _INF)
         seen = []  # strong references taken under the lock, dropped after it
         best = None
         lock = self._lock
         lock.acquire()
         try:
-            entry = self._maps.get(dkey)
-            if entry is not None:
-                classes = entry[0]  # (one name a statement: see register)
-                refs = entry[1]
-                order = entry[2]
-                last = entry[4]
-                if n > 0 and last is not None and last not in entry[3]:
-                    got = refs.get(last)  # (the one found last: see the class docstring)
-                    a = got[0]() if got is not None else None
+            dev = self._maps.get(dkey)
+            if dev is not None:
+                last = dev.last
+                if n > 0 and last is not None and not last.overlapped:
+                    a = last()  # (the one found last: see the class docstring)
                     if a is not None:
                         seen.append(a)
                         if a.ptr <= p and n <= a.nbytes and p - a.ptr <= a.nbytes - n:
                             best = a
-                best_key = None
-                j = 0 if best is None else len(order)  # (found: no walk)
-                while j < len(order):  # (index loops: no iterator object is made here)
-                    c = order[j]
+                best_ref = None
+                walk = dev.walk
+                j = 0 if best is None else len(walk)  # (found: no walk)
+                while j < len(walk):  # (index loops: no iterator object is made here)
+                    cl = walk[j]
                     j += 1
-                    keys = classes[c]
-                    # (every length of the class is below it; c < 64. Compiled, shifted in 64
-                    # bits: a C int 1 << c is undefined from 31 -- x86 shifts by c % 32, and
-                    # lookups inside allocations of 2 GiB or more found nothing)
-                    span = cython.cast(cython.ulonglong, 1) << c if cython.compiled else 1 << c
-                    i = bisect.bisect_right(keys, probe) - 1
+                    starts = cl.starts
+                    i = _count_at_most(starts, p) - 1
                     while i >= 0:
-                        start = keys[i][0]  # (at or below p: the bisection's)
-                        if p - start >= span:
+                        start = starts[i]  # (at or below p: the bisection's)
+                        if p - start >= cl.span:  # (every length of the class is below it)
                             break
-                        a = refs[keys[i]][0]()
+                        a = cl.refs[i]()
                         if a is not None:
                             seen.append(a)  # (a death here would run _remove under our lock)
                             if a.ptr <= p and n <= a.nbytes and p - a.ptr <= a.nbytes - n:
                                 if best is None or a.nbytes < best.nbytes:
                                     best = a
-                                    best_key = keys[i]
+                                    best_ref = cl.refs[i]
                         i -= 1
-                if best_key is not None:
-                    entry[4] = best_key
+                if best_ref is not None:
+                    dev.last = best_ref
         finally:
             lock.release()
         a = None

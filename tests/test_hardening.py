@@ -1079,7 +1079,7 @@ def test_a_hold_whose_end_cannot_be_leased_is_still_dropped(host, monkeypatch):
     s.synchronize()
     sm.synchronize()
     with sm.runtime.state.locked():
-        holds = [h.kind for u in alloc.tracker._uses.values() for h in u.holds]
+        holds = [h.kind for u in alloc.tracker._uses.values() for h in u.holds or ()]
     assert holds == []
     sm.launch(fill, 1, 1, later, 1.0, stream=other, policy="reject").result()
     assert later.to_host().tolist() == [1.0] * 16
@@ -1175,7 +1175,7 @@ def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypa
     assert _release_without_a_retirer(c, monkeypatch) == 2
     sm.synchronize()
     with locked():  # (b's own holds stay while b lives: read holds, which a read passes)
-        assert not any(h is held for u in b.allocation.tracker._uses.values() for h in u.holds)
+        assert not any(h is held for u in b.allocation.tracker._uses.values() for h in u.holds or ())
     box = sm.DeviceBox(0.0, "float64", device=host)
     sm.synchronize()
     sm.launch(total, 1, 1, sm.In(b), sm.Out(box), stream=other, policy="reject").result()
@@ -1832,32 +1832,45 @@ def test_the_allocation_a_lookup_found_last_is_tried_first_only_while_nothing_ov
     arena = np.zeros(1 << 16, np.uint8)
     base = arena.ctypes.data
     outer = Allocation(host, base, 1 << 16, None, "test arena")
-    entry = _registry._maps[host.key]
+    dev = _registry._maps[host.key]
+
+    def entry(a):  # (the registry's entry of allocation a)
+        return next(r for cl in dev.walk for r in cl.refs if r() is a)
+
     assert sm.lookup_allocation(host, base + 64, 8) is outer
-    assert entry[4] == (outer.ptr, outer.id) and entry[4] not in entry[3]  # (tried first now)
+    assert dev.last is entry(outer) and not dev.last.overlapped  # (tried first now)
     inner = Allocation(host, base + 4096, 64, None, "test inner")  # registered inside it
-    assert {(outer.ptr, outer.id), (inner.ptr, inner.id)} <= entry[3]
+    assert entry(outer).overlapped and entry(inner).overlapped
     assert sm.lookup_allocation(host, base + 4096 + 8, 8) is inner
     assert sm.lookup_allocation(host, base + 64, 8) is outer
     # one registered around allocations found before: they are inner to it
     small = Allocation(host, base + (1 << 16) + 4096, 32, None, "test small")
     assert sm.lookup_allocation(host, base + (1 << 16) + 4096, 32) is small
-    assert entry[4] == (small.ptr, small.id) and entry[4] not in entry[3]
+    assert dev.last is entry(small) and not dev.last.overlapped
     around = Allocation(host, base + (1 << 16), 1 << 14, None, "test around")
+    assert entry(small).overlapped and entry(around).overlapped
     assert sm.lookup_allocation(host, base + (1 << 16) + 4096 + 1, 4) is small
     assert sm.lookup_allocation(host, base + (1 << 16) + 8, 4) is around
     # adjacent allocations do not overlap: each is tried first alone
-    assert (outer.ptr, outer.id) in entry[3] and (around.ptr, around.id) in entry[3]
     beside = Allocation(host, base + (1 << 16) + (1 << 14), 128, None, "test beside")
-    assert (beside.ptr, beside.id) not in entry[3]
+    assert not entry(beside).overlapped
     assert sm.lookup_allocation(host, beside.ptr, 128) is beside
+    assert dev.last is entry(beside)
     assert sm.lookup_allocation(host, beside.ptr + 4, 4) is beside
-    keys = [(a.ptr, a.id) for a in (outer, inner, small, around, beside)]
+    # an empty allocation overlaps nothing, and nothing overlaps it
+    empty = Allocation(host, beside.ptr + 8, 0, None, "test empty")
+    assert not entry(empty).overlapped and not entry(beside).overlapped
+    live = _registry._live
+    inner_ref = entry(inner)
     del inner, small
-    gc_collect_harder()  # (their entries gone, the overlap marks with them)
+    gc_collect_harder()  # (their entries gone; a lookup's remembered entry with them)
+    assert _registry._live == live - 2
+    assert all(r is not inner_ref for cl in dev.walk for r in cl.refs)
     assert sm.lookup_allocation(host, base + 4096 + 8, 8) is outer
-    assert not set(keys[1:3]) & entry[3]
-    del outer, around, beside, arena
+    assert dev.last is entry(outer)
+    assert all(len(cl.starts) == len(cl.refs) and cl.starts == sorted(cl.starts)
+               and cl.starts == [r.ptr for r in cl.refs] for cl in dev.walk)
+    del outer, around, beside, empty, arena
 
 
 def test_no_collection_starts_while_the_registry_lock_is_held(host):
