@@ -40,7 +40,7 @@ cdef class AccessTracker:
     cpdef record_locked(self, Stream stream, bint writes, Py_ssize_t lo, Py_ssize_t hi,
                         long long seq, marker)
 
-    @cython.locals(on=list, n=Py_ssize_t)
+    @cython.locals(use=StreamUse, holds=list, on=list, n=Py_ssize_t)
     cpdef add_hold_locked(self, Stream stream, tok, Py_ssize_t lo, Py_ssize_t hi)
 
     @cython.locals(use=StreamUse, holds=list, i=Py_ssize_t, on=list, n=Py_ssize_t,

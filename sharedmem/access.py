@@ -115,24 +115,25 @@ class StreamUse:
     disjoint :class:`Span`; ``holds``, the view tokens open as holds for work on this stream
     (each once; bytes ``[tok.start, tok.stop)``, its mode its ``consumers`` entry for the
     stream: see :func:`_hold_writes`); ``newest``, the largest seq
-    recorded (when it is finished, every span is). guarded by core_lock."""
+    recorded (when it is finished, every span is). Each list is None until something is
+    put in it (a launch new to an allocation makes one list, not three: a foreign array new
+    to every launch made two empty lists more for the collector each time). guarded by
+    core_lock."""
 
     __slots__ = ("reads", "writes", "holds", "newest", "ref")
 
     def __init__(self, stream):
-        self.reads = []
-        self.writes = []
-        self.holds = []
+        self.reads = None
+        self.writes = None
+        self.holds = None
         self.newest = 0
         self.ref = weakref.ref(stream)  # (its stream: None once gone, its work all retired)
 
     def prune(self, done) -> bool:
         """Drop the spans of submissions up to ``done`` (finished); True if nothing is left."""
         if self.newest <= done:
-            if self.reads:
-                self.reads = []
-            if self.writes:
-                self.writes = []
+            self.reads = None
+            self.writes = None
         else:  # (rebuilt only when a span finished: while the other work runs, no list is made)
             if self.reads and _any_done(self.reads, done):
                 self.reads = [e for e in self.reads if e.seq > done]
@@ -187,6 +188,8 @@ def _add_range(entries: list, lo, hi, seq, marker, done) -> None:
 
 
 def _newest_overlap(entries: list, lo, hi, best):
+    if entries is None:
+        return best
     for e in entries:
         if e.lo < hi and lo < e.hi and (best is None or e.seq > best.seq):
             best = e
@@ -275,12 +278,13 @@ class AccessTracker:
             if k == uid or s is None:  # (gone since the walk that pruned: nothing unfinished)
                 continue
             held = None
-            ex = exclude[0] if exclude is not None and use.holds and s in exclude[1] else None
-            for h in use.holds:
-                if h.start < hi and lo < h.stop and h is not ex:
-                    hw = _hold_writes(h, s)
-                    if writes or hw:
-                        held = hw if held is None else (held or hw)
+            if use.holds:
+                ex = exclude[0] if exclude is not None and s in exclude[1] else None
+                for h in use.holds:
+                    if h.start < hi and lo < h.stop and h is not ex:
+                        hw = _hold_writes(h, s)
+                        if writes or hw:
+                            held = hw if held is None else (held or hw)
             if held is not None:
                 out.append((s, None, HOLD_SEQ, held))
                 continue
@@ -299,6 +303,12 @@ class AccessTracker:
         use = self._last_use if self._last == stream._uid else self._use_of(stream)  # (no call)
         use.newest = seq
         entries = use.writes if writes else use.reads
+        if entries is None:  # (the first of its kind: the list is made now)
+            if writes:
+                use.writes = [_span(lo, hi, seq, marker)]
+            else:
+                use.reads = [_span(lo, hi, seq, marker)]
+            return
         # the same range again (the common case; with several ranges -- slices of one buffer,
         # torch tensors of one segment -- one of them): this access is its newest, finished or
         # not (the entries stay disjoint)
@@ -324,11 +334,15 @@ class AccessTracker:
         ``StreamUse.holds``; its mode is the token's consumer entry, set by the caller)."""
         if lo >= hi:
             return
-        holds = self._use_of(stream).holds
-        for h in holds:
-            if h is tok:  # (held already: a stronger mode is in its entry)
-                return
-        holds.append(tok)
+        use = self._use_of(stream)
+        holds = use.holds
+        if holds is None:
+            use.holds = [tok]
+        else:
+            for h in holds:
+                if h is tok:  # (held already: a stronger mode is in its entry)
+                    return
+            holds.append(tok)
         on = stream._holds  # (see Stream._holds: a stack, its entries past _nholds None)
         n = stream._nholds
         if on is None:
@@ -347,7 +361,7 @@ class AccessTracker:
         if use is None:
             return
         holds = use.holds
-        for i in range(len(holds)):
+        for i in range(0 if holds is None else len(holds)):
             if holds[i] is tok:  # (a token holds once per stream: see add_hold_locked)
                 del holds[i]
                 on = stream._holds  # (the top first: the usual, an export used, then dropped;
@@ -420,7 +434,7 @@ def record_leases_locked(stream, uses, seq, marker):
         if tracker._last == uid:  # (an empty range matches no span: spans are never empty)
             use = tracker._last_use
             entries = use.writes if u[1] else use.reads
-            if len(entries) == 1:
+            if entries is not None and len(entries) == 1:
                 e = cython.cast(Span, entries[0]) if cython.compiled else entries[0]
                 if e.lo == tok.start and e.hi == tok.stop:  # the same range: its newest
                     use.newest = seq

@@ -519,6 +519,6 @@ def test_leases_recorded_at_once_leave_the_spans_recording_each_leaves(foreign):
                 if ua is not None:
                     assert ua.newest == ub.newest
                     for x, y in ((ua.reads, ub.reads), (ua.writes, ub.writes)):
-                        assert [(e.lo, e.hi, e.seq, e.marker) for e in x] == \
-                               [(e.lo, e.hi, e.seq, e.marker) for e in y]
+                        assert [(e.lo, e.hi, e.seq, e.marker) for e in x or ()] == \
+                               [(e.lo, e.hi, e.seq, e.marker) for e in y or ()]
     check()

@@ -107,6 +107,30 @@ def test_to_host_always_waits_for_pending_writes(host):
     np.testing.assert_array_equal(buf.to_host(), np.full(16, 9))  # default stream, ordered
 
 
+def test_a_stream_use_makes_only_the_lists_it_fills(host):
+    """A stream's record of unfinished work on an allocation makes its reads, writes and
+    holds lists only when something goes in them (a foreign array new to every launch made
+    two empty lists more for the collector each time), and drops them once all finished."""
+    s = host.create_stream()
+    buf = sm.Buffer.zeros(4, "int64", device=host, stream=s)
+    gate = threading.Event()
+
+    @sm.host_kernel
+    def hold(x):
+        gate.wait(5)
+
+    sm.launch(hold, 1, 1, sm.Out(buf), stream=s)
+    use = buf.allocation.tracker._uses[s._uid]
+    assert len(use.writes) == 1 and use.reads is None and use.holds is None
+    sm.launch(hold, 1, 1, sm.In(buf), stream=s)
+    assert len(use.writes) == 1 and len(use.reads) == 1 and use.holds is None
+    gate.set()
+    s.synchronize()
+    assert buf.allocation.tracker.streams_locked() == []  # (pruned: nothing unfinished)
+    assert use.reads is None and use.writes is None
+    np.testing.assert_array_equal(buf.to_host(), np.zeros(4))
+
+
 def test_many_launches_keep_tracker_small(host):
     s = host.create_stream()
     buf = sm.Buffer.zeros(4, "int64", device=host, stream=s)
