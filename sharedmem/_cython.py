@@ -43,4 +43,4 @@ def declare(type_=None, value=None, **kwargs):
 # The C type names the sources name in cython.declare(...) at module level, which runs
 # interpreted too: placeholders (size_t: interop.streams' _cupy_fn -- without it no interop
 # module imported where Cython is not installed).
-int = longlong = Py_ssize_t = bint = double = size_t = None  # noqa: A001
+int = longlong = ulonglong = Py_ssize_t = bint = double = size_t = None  # noqa: A001
