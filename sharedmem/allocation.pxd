@@ -36,6 +36,8 @@ cdef class Allocation:
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*)
 
+cdef _fill(Allocation a, device, ptr, nbytes, owner, source)
+
 cdef class _Class:
     cdef readonly list starts, refs
     cdef readonly unsigned long long span
@@ -54,13 +56,14 @@ cdef class _Registry:
     cdef readonly dict _maps
     cdef object _gone
     cdef readonly Py_ssize_t _live
+    cdef readonly long long _gen
 
     # (every allocation made and every one that dies: typed containers, C compares)
     @cython.locals(lo=cython.ulonglong, n=Py_ssize_t, c=cython.int, last=cython.ulonglong,
                    fresh=_DeviceEntries, fresh_class=_Class, known=_DeviceEntries,
                    dev=_DeviceEntries, walk=list, cl=_Class, starts=list, i=Py_ssize_t,
                    j=Py_ssize_t, start=cython.ulonglong, a=Allocation, seen=list)
-    cpdef register(self, Allocation alloc)
+    cpdef bint register(self, Allocation alloc, long long gen) except -1
 
     @cython.locals(dev=_DeviceEntries, cl=_Class, starts=list, refs=list, i=Py_ssize_t,
                    ptr=cython.ulonglong)
@@ -71,6 +74,9 @@ cdef class _Registry:
                    j=Py_ssize_t, a=Allocation, best=Allocation, seen=list, dev=_DeviceEntries,
                    walk=list, cl=_Class, starts=list)
     cpdef lookup(self, dkey, ptr, nbytes)
+
+@cython.locals(reg=_Registry, a=Allocation, gen=cython.longlong)
+cpdef import_allocation(device, ptr, nbytes, source, region=*)
 
 cdef class Exporter:
     cpdef export(self, View view, stream, max_version, dl_device, copy)

@@ -49,7 +49,7 @@ except ImportError:  # interpreted, without Cython installed
 from .access import AccessTracker
 from .config import _flag
 from .errors import AliasError, BackendUnavailableError, MovedError, ReleasedError
-from .runtime.state import RUNTIME, OwnedLock, at_fork_hold, fork_holds, fork_safe, locked
+from .runtime.state import RUNTIME, at_fork_hold, fork_holds, fork_safe, locked
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -255,23 +255,8 @@ class Allocation:
                  "_views", "bridge_facts", "__weakref__")
 
     def __init__(self, device, ptr, nbytes, owner=None, source="sharedmem"):
-        # (checked before the compiled fields convert them: a float is refused, not truncated)
-        ptr, nbytes = operator.index(ptr), operator.index(nbytes)
-        if type(source) is not str:
-            raise TypeError(f"Allocation: source must be a str, got {type(source).__name__}")
-        if not (0 <= ptr < 1 << 64 and nbytes >= 0):
-            raise ValueError(f"Allocation: ptr must be an address (0 to 2**64 - 1) and nbytes "
-                             f"a size (>= 0), got {ptr} and {nbytes}")
-        self.id = next(_ids)
-        self.device = device
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.owner = owner
-        self.source = source
-        self.tracker = AccessTracker()
-        self._views = {}  # live ViewToken -> itself (identity hash); guarded by core_lock
-        self.bridge_facts = None  # (lock-free: a racing bridge stores equal facts)
-        _registry.register(self)
+        _fill(self, device, ptr, nbytes, owner, source)
+        _registry.register(self, -1)
 
     def __repr__(self) -> str:
         return (f"<Allocation #{self.id} {self.source} on {self.device} ptr=0x{self.ptr:x} "
@@ -325,6 +310,29 @@ class Allocation:
         read-only move."""
         return [t for t in self._views.values() if t is not exclude and t.start < t.stop
                 and t.start < stop and start < t.stop and (writable or t.writable)]
+
+
+def _fill(a, device, ptr, nbytes, owner, source) -> None:
+    """Set the fields of a new allocation ``a`` (not registered yet), its arguments checked --
+    before the compiled fields convert them: a float is refused, not truncated."""
+    if type(ptr) is not int:
+        ptr = operator.index(ptr)
+    if type(nbytes) is not int:
+        nbytes = operator.index(nbytes)
+    if type(source) is not str:
+        raise TypeError(f"Allocation: source must be a str, got {type(source).__name__}")
+    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX):
+        raise ValueError(f"Allocation: ptr must be an address (0 to 2**64 - 1) and nbytes "
+                         f"a size (0 to 2**63 - 1), got {ptr} and {nbytes}")
+    a.id = next(_ids)
+    a.device = device
+    a.ptr = ptr
+    a.nbytes = nbytes
+    a.owner = owner
+    a.source = source
+    a.tracker = AccessTracker()
+    a._views = {}  # live ViewToken -> itself (identity hash); guarded by core_lock
+    a.bridge_facts = None  # (lock-free: a racing bridge stores equal facts)
 
 
 # -- the registry -------------------------------------------------------------
@@ -423,8 +431,12 @@ class _Registry:
         self._maps = {}  # device key -> _DeviceEntries; guarded by self._lock
         self._gone = self._remove  # (bound once: every entry's weak reference calls it)
         self._live = 0  # entries registered and not removed; written under self._lock
+        self._gen = 0  # registrations so far; written under self._lock (read without it)
 
-    def register(self, alloc) -> None:
+    def register(self, alloc, gen) -> bool:
+        """Register ``alloc``: always where ``gen`` is -1, else only if nothing registered
+        since ``_gen`` read ``gen`` (an import's lookup missed: still a miss). Whether it
+        did."""
         ref = _EntryRef(alloc, self._gone)
         dkey = ref.dkey = alloc.device.key
         lo = ref.ptr = alloc.ptr
@@ -446,6 +458,8 @@ class _Registry:
         lock = self._lock
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
+            if gen != -1 and gen != self._gen:
+                return False
             dev = self._maps.get(dkey)
             if dev is None:
                 dev = self._maps[dkey] = fresh
@@ -479,10 +493,12 @@ class _Registry:
             cl.starts.insert(i, lo)
             cl.refs.insert(i, ref)
             self._live += 1
+            self._gen += 1
         finally:
             lock.release()
         a = None
         del seen
+        return True
 
     def _remove(self, ref) -> None:
         # the weakref callback of every entry: runs once, wherever its allocation died; the
@@ -564,9 +580,6 @@ _registry = _Registry()
 # Held across a fork (after the core lock): a thread of the parent between the sorted keys'
 # insort and the dict's store would leave the child a registry whose lookups fail
 at_fork_hold(_registry._lock.acquire, _registry._lock.release)
-# serializes import_allocation's lookup and creation (a leaf above _registry._lock); its
-# section builds an Allocation
-_create_lock = fork_safe(OwnedLock("the lookup or creation of an allocation"))
 
 
 def lookup_allocation(device, ptr, nbytes=1):
@@ -607,11 +620,23 @@ def import_allocation(device, ptr, nbytes, source, region=None):
     """The allocation for foreign memory ``[ptr, ptr+nbytes)``: an existing one that contains
     it (so one range imported twice is one allocation), else a new foreign allocation over
     ``region`` (``(start, size)`` of the enclosing driver allocation when known) or over the
-    range itself. Atomic with respect to other imports."""
+    range itself. Never a second allocation over a range another holds: the new one registers
+    only if no allocation did since the lookup, else the lookup runs again (no lock held
+    across the two)."""
     start, size = region if region is not None else (ptr, nbytes)
-    with _create_lock:
-        return (_registry.lookup(device.key, ptr, nbytes)
-                or Allocation(device, start, size, None, source))
+    reg = _registry
+    dkey = device.key
+    a = None
+    while True:
+        gen = reg._gen  # (read before the lookup: a registration after it redoes the lookup)
+        found = reg.lookup(dkey, ptr, nbytes)
+        if found is not None:
+            return found
+        if a is None:
+            a = Allocation.__new__(Allocation)
+            _fill(a, device, start, size, None, source)
+        if reg.register(a, gen):
+            return a
 
 
 def live_allocation_count() -> int:

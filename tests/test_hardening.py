@@ -1822,6 +1822,92 @@ def test_registry_lookups_inside_allocations_of_2_gib_or_more(host):
     del other
 
 
+def test_an_import_that_races_a_registration_looks_again(host, monkeypatch):
+    """import_allocation holds no lock across its lookup and its registration: the new
+    allocation registers only if nothing registered since the lookup, else the lookup runs
+    again -- here an import of the same range by another thread lands in between, and both
+    get the one allocation."""
+    import sharedmem.allocation as A
+    reg = A._registry
+    if not hasattr(reg, "__dict__"):
+        pytest.skip("compiled: the registry's methods cannot be patched")
+    arena = np.zeros(4096, np.uint8)
+    base = arena.ctypes.data
+    theirs = []
+    real = reg.lookup
+
+    def lookup(dkey, ptr, nbytes):
+        found = real(dkey, ptr, nbytes)
+        if found is None and not theirs:  # (the first miss: the other import lands now)
+            theirs.append(None)
+            theirs[0] = A.import_allocation(host, base + 64, 8, "test theirs",
+                                            region=(base, 4096))
+        return found
+
+    monkeypatch.setattr(reg, "lookup", lookup, raising=False)
+    gen = reg._gen
+    live = A.live_allocation_count()
+    mine = A.import_allocation(host, base + 128, 16, "test mine", region=(base, 4096))
+    monkeypatch.undo()
+    assert mine is theirs[0] and mine.source == "test theirs"
+    assert A.live_allocation_count() == live + 1 and reg._gen == gen + 1
+    assert sm.lookup_allocation(host, base + 128, 16) is mine
+    del mine, theirs, arena
+
+
+def test_imports_of_one_range_from_many_threads_make_one_allocation(host):
+    """Threads importing ranges of one memory at once (and another registering allocations
+    elsewhere, so that imports look again) all get one allocation a round."""
+    from sharedmem.allocation import Allocation, import_allocation
+    arena = np.zeros(1 << 16, np.uint8)
+    base = arena.ctypes.data
+    rounds, n = 60, 6
+    barrier = threading.Barrier(n + 1)
+    got = [[None] * n for _ in range(rounds)]
+    same = [[None] * n for _ in range(rounds)]
+    stop = threading.Event()
+    errors = []
+
+    def importer(k):
+        try:
+            for r in range(rounds):
+                barrier.wait(10)
+                lo = base + (r % 16) * 4096
+                got[r][k] = import_allocation(host, lo + 8 * k, 8, "test", region=(lo, 4096))
+                barrier.wait(10)
+                same[r][k] = got[r][k] is got[r][0]  # (compared while all live)
+                barrier.wait(10)
+                got[r][k] = None
+        except Exception as e:  # pragma: no cover (reported below)
+            errors.append(e)
+            barrier.abort()
+
+    def other():
+        while not stop.is_set():
+            Allocation(host, 1 << 40, 64, None, "test other")  # (registered, then gone)
+
+    ths = [threading.Thread(target=importer, args=(k,)) for k in range(n)]
+    noise = threading.Thread(target=other)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        noise.start()
+        for th in ths:
+            th.start()
+        for r in range(rounds):
+            barrier.wait(10)
+            barrier.wait(10)
+            barrier.wait(10)
+    finally:
+        stop.set()
+        for th in ths + [noise]:
+            th.join(10)
+        sys.setswitchinterval(interval)
+    assert not errors
+    assert all(all(row) for row in same)
+    del arena
+
+
 def test_the_allocation_a_lookup_found_last_is_tried_first_only_while_nothing_overlaps_it(
         host):
     """A lookup tries the allocation found last before the walk (a torch tensor new to a

@@ -1157,11 +1157,18 @@ def test_allocations_and_tokens_take_what_their_compiled_fields_take():
         with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an "
                                             r"integer$"):
             sm.Allocation(host, ptr, nbytes)
-    for ptr, nbytes in ((-1, 8), (1 << 64, 8), (16, -1)):
+    for ptr, nbytes in ((-1, 8), (1 << 64, 8), (16, -1), (16, 1 << 63)):
         with pytest.raises(ValueError, match=rf"^Allocation: ptr must be an address \(0 to "
-                                             rf"2\*\*64 - 1\) and nbytes a size \(>= 0\), got "
-                                             rf"{ptr} and {nbytes}$"):
+                                             rf"2\*\*64 - 1\) and nbytes a size \(0 to "
+                                             rf"2\*\*63 - 1\), got {ptr} and {nbytes}$"):
             sm.Allocation(host, ptr, nbytes)
+    # an import checks as a new allocation does, compiled or not (compiled, a float address
+    # was truncated to an int)
+    from sharedmem.allocation import import_allocation
+    for ptr, nbytes in ((1.5, 8), (16, 8.0)):
+        with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an "
+                                            r"integer$"):
+            import_allocation(host, ptr, nbytes, "test")
     with pytest.raises(TypeError, match=r"^Allocation: source must be a str, got bytes$"):
         sm.Allocation(host, 16, 8, source=b"x")
     assert sm.Allocation(host, np.uint64(16), np.int32(8)).ptr == 16
