@@ -19,3 +19,7 @@ cpdef Tensor new_tensor(ViewToken token, object dtype, tuple shape, tuple stride
 cpdef tuple c_layout(object shape)
 
 cdef Py_ssize_t _itemsize(dtype) except -1
+
+# (every array new to a launch: an index loop, C indices)
+@cython.locals(i=Py_ssize_t)
+cpdef tuple extent(shape, strides, itemsize=*)

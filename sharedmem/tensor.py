@@ -53,8 +53,10 @@ def extent(shape, strides, itemsize=1) -> tuple[int, int]:
     empty: in elements, or in bytes for strides in bytes and the ``itemsize``."""
     if 0 in shape:
         return 0, 0
-    lo = hi = 0  # (loops, not generator expressions: a torch tensor new to a launch asks)
-    for n, s in zip(shape, strides):
+    lo = hi = 0  # (an index loop, not zip or a generator: an array new to a launch asks, and
+    for i in range(min(len(shape), len(strides))):  # compiled the zip was half the call)
+        n = shape[i]
+        s = strides[i]
         if s < 0:
             lo += (n - 1) * s
         else:

@@ -361,3 +361,17 @@ def test_to_host_and_reprs_race_a_release_in_another_thread(host):
         assert text.startswith("<") and text.endswith(">")
         view.release()
         assert "(released)" in repr(view)
+
+
+def test_extent_of_a_layout():
+    """``extent``: the byte (or element) offsets a layout touches relative to element 0 --
+    negative strides below it, an empty shape none, sequences of any kind, and sizes past 64
+    bits exact (Python ints in both builds: a layout checked before it is refused)."""
+    from sharedmem.tensor import extent
+    assert extent((3, 4), (16, 4), 4) == (0, 48)
+    assert extent((3, 4), (-16, 4), 4) == (-32, 16)
+    assert extent([2, 3], [-3, -1]) == (-5, 1)
+    assert extent((0, 4), (16, 4), 4) == (0, 0) and extent((4, 0), (0, 0)) == (0, 0)
+    assert extent((), (), 8) == (0, 8)
+    assert extent((1 << 40, 1 << 40), (1 << 40, 1), 2) == (0, ((1 << 40) - 1) * ((1 << 40) + 1) + 2)
+    assert extent((2, 5), (0, 0), 4) == (0, 4)  # (broadcast: every element at element 0)
