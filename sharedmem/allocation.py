@@ -312,6 +312,12 @@ class Allocation:
                 and t.start < stop and start < t.stop and (writable or t.writable)]
 
 
+def _range_error(ptr, nbytes) -> ValueError:
+    """What a range no allocation can have raises (an allocation's, or an import's)."""
+    return ValueError(f"Allocation: ptr must be an address (0 to 2**64 - 1) and nbytes a size "
+                      f"(0 to 2**63 - 1), got {ptr} and {nbytes}")
+
+
 def _fill(a, device, ptr, nbytes, owner, source) -> None:
     """Set the fields of a new allocation ``a`` (not registered yet), its arguments checked --
     before the compiled fields convert them: a float is refused, not truncated."""
@@ -322,8 +328,7 @@ def _fill(a, device, ptr, nbytes, owner, source) -> None:
     if type(source) is not str:
         raise TypeError(f"Allocation: source must be a str, got {type(source).__name__}")
     if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX):
-        raise ValueError(f"Allocation: ptr must be an address (0 to 2**64 - 1) and nbytes "
-                         f"a size (0 to 2**63 - 1), got {ptr} and {nbytes}")
+        raise _range_error(ptr, nbytes)
     a.id = next(_ids)
     a.device = device
     a.ptr = ptr
@@ -379,12 +384,12 @@ class _DeviceEntries:
         self.last = None
 
 
-# A bisection over a class's starts (ints in [0, 2**64)): compiled, C compares of the list's
-# ints; interpreted, the standard library's bisect, the same search in C.
+# A bisection over a class's starts (ints in [0, 2**64)), compiled: C compares of the list's
+# ints. Interpreted, the registry calls the standard library's bisect_right, the same search
+# in C, directly: a Python call under the registry lock runs a trace or profile function
+# (coverage, a debugger), whose frame object and allocations may start a collection there.
 def _count_at_most(starts, x):
     """How many of the sorted ``starts`` are at most ``x`` (bisect_right)."""
-    if not cython.compiled:
-        return bisect.bisect_right(starts, x)
     lo = 0
     hi = len(starts)
     while lo < hi:
@@ -472,7 +477,8 @@ class _Registry:
                 cl = walk[j]
                 j += 1
                 starts = cl.starts
-                i = _count_at_most(starts, last) - 1
+                i = (_count_at_most(starts, last) if cython.compiled else
+                     bisect.bisect_right(starts, last)) - 1
                 while i >= 0:
                     start = starts[i]
                     if start < lo and lo - start >= cl.span:
@@ -489,7 +495,8 @@ class _Registry:
             if cl is None:  # (a class first seen: fresh_class was made, by this or a racing
                 cl = dev.classes[c] = fresh_class  # thread's check above)
                 dev.walk.append(cl)
-            i = _count_at_most(cl.starts, lo)
+            i = (_count_at_most(cl.starts, lo) if cython.compiled else
+                 bisect.bisect_right(cl.starts, lo))
             cl.starts.insert(i, lo)
             cl.refs.insert(i, ref)
             self._live += 1
@@ -514,7 +521,9 @@ class _Registry:
             cl = dev.classes[ref.nbytes.bit_length()]
             starts = cl.starts
             refs = cl.refs
-            i = _count_at_most(starts, ptr) - 1  # (the last entry of its start; back to it)
+            # (the last entry of its start; back to it)
+            i = (_count_at_most(starts, ptr) if cython.compiled else
+                 bisect.bisect_right(starts, ptr)) - 1
             while refs[i] is not ref:
                 i -= 1
             del starts[i]
@@ -554,7 +563,8 @@ class _Registry:
                     cl = walk[j]
                     j += 1
                     starts = cl.starts
-                    i = _count_at_most(starts, p) - 1
+                    i = (_count_at_most(starts, p) if cython.compiled else
+                         bisect.bisect_right(starts, p)) - 1
                     while i >= 0:
                         start = starts[i]  # (at or below p: the bisection's)
                         if p - start >= cl.span:  # (every length of the class is below it)
@@ -623,6 +633,14 @@ def import_allocation(device, ptr, nbytes, source, region=None):
     range itself. Never a second allocation over a range another holds: the new one registers
     only if no allocation did since the lookup, else the lookup runs again (no lock held
     across the two)."""
+    # (checked as _fill checks them, before the lookup: one that hits must not take a float,
+    # truncated compiled, or a range no allocation could hold, whose region would be made)
+    if type(ptr) is not int:
+        ptr = operator.index(ptr)
+    if type(nbytes) is not int:
+        nbytes = operator.index(nbytes)
+    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX):
+        raise _range_error(ptr, nbytes)
     start, size = region if region is not None else (ptr, nbytes)
     reg = _registry
     dkey = device.key

@@ -2001,6 +2001,53 @@ def test_no_collection_starts_while_the_registry_lock_is_held(host):
     del outer, arena
 
 
+def test_no_collection_starts_under_the_registry_lock_while_a_trace_function_is_set(host):
+    """A trace function (coverage's Python tracer, a debugger) runs at every Python call: a
+    Python function called under the registry lock -- interpreted, a bisection helper --
+    runs it there, and its allocations (the frame object, the tracer's own) may start a
+    collection whose finalizers take the lock. Under the lock only C code runs."""
+    import gc
+    from sharedmem.allocation import Allocation, _registry, import_allocation
+    arena = np.zeros(1 << 13, np.uint8)
+    base = arena.ctypes.data
+    outer = Allocation(host, base, 1 << 12, None, "test arena")
+    under = []
+
+    class X:
+        pass
+
+    def cb(phase, info):
+        if phase == "start" and _registry._lock.locked():
+            under.append(info["generation"])
+
+    def tracer(frame, event, arg):  # (allocates, as a tracer written in Python does)
+        X()
+
+    old, old_trace = gc.get_threshold(), sys.gettrace()
+    gc.callbacks.append(cb)
+    try:
+        for op in ("lookup", "register", "remove", "import"):
+            keep = Allocation(host, base + 128, 64, None, "test inner") if op == "remove" else None
+            gc.set_threshold(1)
+            sys.settrace(tracer)
+            try:
+                if op == "lookup":
+                    sm.lookup_allocation(host, base + 8, 8)
+                elif op == "register":
+                    Allocation(host, base + 64, 64, None, "test inner")
+                elif op == "remove":
+                    keep = None
+                else:
+                    import_allocation(host, base + (1 << 12), 16, "test import")
+            finally:
+                sys.settrace(old_trace)
+                gc.set_threshold(*old)
+    finally:
+        gc.callbacks.remove(cb)
+    assert not under, f"{len(under)} collections started under the registry lock"
+    del outer, arena, keep
+
+
 def test_the_host_pool_keeps_at_most_its_cache_limit_of_free_blocks(host, monkeypatch):
     """Blocks of sizes that never come again were cached for good (random sizes of up to
     512 KiB: 554 MiB cached after 3,000). Past POOL_CACHE_MAX a block given back is freed;

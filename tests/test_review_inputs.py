@@ -1169,6 +1169,19 @@ def test_allocations_and_tokens_take_what_their_compiled_fields_take():
         with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an "
                                             r"integer$"):
             import_allocation(host, ptr, nbytes, "test")
+    # ... and so does one whose lookup would hit: inside a live allocation (b's), a float
+    # address or size was taken (the lookup's compares; compiled, an address truncated), and
+    # a range no allocation holds, with a region, made an allocation over the region
+    for ptr, nbytes in ((float(a.ptr + 4), 4), (a.ptr + 4, 4.0)):
+        with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an "
+                                            r"integer$"):
+            import_allocation(host, ptr, nbytes, "test", region=(a.ptr, a.nbytes))
+    for ptr, nbytes in ((-1, 8), (a.ptr, -1), (a.ptr, 1 << 63)):
+        with pytest.raises(ValueError, match=rf"^Allocation: ptr must be an address \(0 to "
+                                             rf"2\*\*64 - 1\) and nbytes a size \(0 to "
+                                             rf"2\*\*63 - 1\), got {ptr} and {nbytes}$"):
+            import_allocation(host, ptr, nbytes, "test", region=(a.ptr, a.nbytes))
+    assert import_allocation(host, np.uint64(a.ptr + 4), np.int32(4), "test") is a
     with pytest.raises(TypeError, match=r"^Allocation: source must be a str, got bytes$"):
         sm.Allocation(host, 16, 8, source=b"x")
     assert sm.Allocation(host, np.uint64(16), np.int32(8)).ptr == 16
