@@ -312,7 +312,7 @@ def test_a_cupy_stream_its_user_keeps_as_a_sharedmem_stream_stays_held(fake):
             _exported_under(w, s)
             mine = sm.Buffer.empty(4, "float32", device=dev).fill_zero(stream=s).stream
         else:
-            mine = sm.Stream.from_external(s)
+            mine = sm.Stream.from_external(s, dev)  # (not the default device: it may be the host)
         del s  # (kept by `mine`)
         if how != "cai":
             sm.record_use(w, mine)
@@ -349,7 +349,7 @@ def test_a_stream_kept_by_a_wrapper_of_its_sharedmem_stream_stays_held(fake):
     t = dev.create_stream("writer")
     w = sm.Buffer.from_host(np.ones(16, np.float32), device=dev)
     sm.synchronize()
-    core = _CoreStream(sm.Stream.from_external(cp.cuda.Stream(non_blocking=True)))
+    core = _CoreStream(sm.Stream.from_external(cp.cuda.Stream(non_blocking=True), dev))
     h = core.handle
     sm.record_use(w, core)
     sm.record_use(w, cp.cuda.Stream(non_blocking=True))
