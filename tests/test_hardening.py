@@ -1959,6 +1959,29 @@ def test_the_allocation_a_lookup_found_last_is_tried_first_only_while_nothing_ov
     del outer, around, beside, empty, arena
 
 
+class _Counted:  # (an object the collector counts)
+    pass
+
+
+def _collections_under_the_registry_lock(run) -> list:
+    """The generations of the collections that started while the registry lock was held,
+    during ``run()``."""
+    import gc
+    from sharedmem.allocation import _registry
+    under = []
+
+    def cb(phase, info):
+        if phase == "start" and _registry._lock.locked():
+            under.append(info["generation"])
+
+    gc.callbacks.append(cb)
+    try:
+        run()
+    finally:
+        gc.callbacks.remove(cb)
+    return under
+
+
 def test_no_collection_starts_while_the_registry_lock_is_held(host):
     """Nothing under the registry lock may allocate a GC-tracked object: a collection there
     runs finalizers that take the lock (an allocation dying in a cycle: its entry's
@@ -1966,26 +1989,17 @@ def test_no_collection_starts_while_the_registry_lock_is_held(host):
     x[3]`` builds a 4-tuple (CPython turns only 2 or 3 names into swaps): new, and so a
     possible collection, whenever no freed 4-tuple is at hand."""
     import gc
-    from sharedmem.allocation import Allocation, _registry
+    from sharedmem.allocation import Allocation
     arena = np.zeros(1 << 12, np.uint8)
     base = arena.ctypes.data
     outer = Allocation(host, base, 1 << 12, None, "test arena")
-    under = []
-
-    class X:
-        pass
-
-    def cb(phase, info):
-        if phase == "start" and _registry._lock.locked():
-            under.append(info["generation"])
-
     old = gc.get_threshold()
-    gc.callbacks.append(cb)
-    try:
+
+    def run():
         for k in range(12):
             for op in ("lookup", "register"):
                 hold = [(i, i, i, i) for i in range(3000)]  # no freed 4-tuple left to reuse
-                xs = [X() for _ in range(k % 3)]  # (the collector's count, phase by phase)
+                xs = [_Counted() for _ in range(k % 3)]  # (the collector's count, by phase)
                 gc.set_threshold(1)
                 try:
                     if op == "lookup":
@@ -1995,8 +2009,8 @@ def test_no_collection_starts_while_the_registry_lock_is_held(host):
                 finally:
                     gc.set_threshold(*old)
                 del hold, xs
-    finally:
-        gc.callbacks.remove(cb)
+
+    under = _collections_under_the_registry_lock(run)
     assert not under, f"{len(under)} collections started under the registry lock"
     del outer, arena
 
@@ -2007,27 +2021,20 @@ def test_no_collection_starts_under_the_registry_lock_while_a_trace_function_is_
     runs it there, and its allocations (the frame object, the tracer's own) may start a
     collection whose finalizers take the lock. Under the lock only C code runs."""
     import gc
-    from sharedmem.allocation import Allocation, _registry, import_allocation
+    from sharedmem.allocation import Allocation, import_allocation
     arena = np.zeros(1 << 13, np.uint8)
     base = arena.ctypes.data
     outer = Allocation(host, base, 1 << 12, None, "test arena")
-    under = []
-
-    class X:
-        pass
-
-    def cb(phase, info):
-        if phase == "start" and _registry._lock.locked():
-            under.append(info["generation"])
 
     def tracer(frame, event, arg):  # (allocates, as a tracer written in Python does)
-        X()
+        _Counted()
 
     old, old_trace = gc.get_threshold(), sys.gettrace()
-    gc.callbacks.append(cb)
-    try:
+
+    def run():
         for op in ("lookup", "register", "remove", "import"):
-            keep = Allocation(host, base + 128, 64, None, "test inner") if op == "remove" else None
+            keep = [Allocation(host, base + 128, 64, None, "test inner")] if op == "remove" \
+                else []
             gc.set_threshold(1)
             sys.settrace(tracer)
             try:
@@ -2036,16 +2043,16 @@ def test_no_collection_starts_under_the_registry_lock_while_a_trace_function_is_
                 elif op == "register":
                     Allocation(host, base + 64, 64, None, "test inner")
                 elif op == "remove":
-                    keep = None
+                    keep.clear()  # (its allocation dies here: the entry's removal)
                 else:
                     import_allocation(host, base + (1 << 12), 16, "test import")
             finally:
                 sys.settrace(old_trace)
                 gc.set_threshold(*old)
-    finally:
-        gc.callbacks.remove(cb)
+
+    under = _collections_under_the_registry_lock(run)
     assert not under, f"{len(under)} collections started under the registry lock"
-    del outer, arena, keep
+    del outer, arena
 
 
 def test_the_host_pool_keeps_at_most_its_cache_limit_of_free_blocks(host, monkeypatch):
