@@ -24,7 +24,10 @@ cdef class AccessTracker:
     cdef public long long _last
     cdef public StreamUse _last_use
 
-    @cython.locals(use=StreamUse, uid=cython.longlong)
+    @cython.locals(uses=dict)
+    cpdef dict uses_locked(self)
+
+    @cython.locals(use=StreamUse, uid=cython.longlong, uses=dict)
     cdef StreamUse _use_of(self, Stream stream)
 
     @cython.locals(uses=dict, n=Py_ssize_t, s=Stream, use=StreamUse, dead=list,
@@ -58,7 +61,7 @@ cdef _add_range(list entries, Py_ssize_t lo, Py_ssize_t hi, long long seq, marke
 cdef Span _newest_overlap(list entries, Py_ssize_t lo, Py_ssize_t hi, Span best)
 
 @cython.locals(uid=cython.longlong, out=list, u=tuple, tok=ViewToken, tracker=AccessTracker,
-               n=Py_ssize_t)
+               n=Py_ssize_t, by=dict)
 cpdef list leases_to_check_locked(Stream stream, list uses)
 
 @cython.locals(uid=cython.longlong, keeps=list, u=tuple, tok=ViewToken, tracker=AccessTracker,

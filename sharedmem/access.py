@@ -205,31 +205,50 @@ class AccessTracker:
     __slots__ = ("_uses", "_last", "_last_use")
 
     def __init__(self):
-        self._uses = {}  # Stream._uid -> StreamUse; guarded by core_lock
+        # Stream._uid -> StreamUse, or None while there is at most one: made when a second
+        # stream comes (most allocations are used on one; a foreign array new to every launch
+        # made a dict more for the collector each time). guarded by core_lock
+        self._uses = None
         # The _uid of the stream recorded last (0: none) and its StreamUse (or None): launches
-        # on one stream find it without a dict lookup. Invariant: _last == 0 or
-        # _uses[_last] is _last_use. guarded by core_lock
+        # on one stream find it without a dict lookup. Invariants: _uses is None and _last_use
+        # is the only StreamUse (or None, and _last 0); or _last == 0 or _uses[_last] is
+        # _last_use. guarded by core_lock
         self._last = 0
         self._last_use = None
 
     def __bool__(self) -> bool:
         return bool(self.streams_locked())
 
+    def uses_locked(self) -> dict:
+        """The StreamUse of each stream with unfinished work or open holds, by ``_uid`` (the
+        dict, made here from the one use where there was none)."""
+        uses = self._uses
+        if uses is None:
+            uses = self._uses = {}
+            if self._last_use is not None:
+                uses[self._last] = self._last_use
+        return uses
+
     def _use_of(self, stream):
         """``stream``'s StreamUse, made if needed (and remembered as the last one)."""
         uid = stream._uid
         if self._last == uid:
             return self._last_use
-        use = self._uses.get(uid)
-        if use is None:
-            use = self._uses[uid] = StreamUse(stream)
+        if self._uses is None and self._last_use is None:  # (the first: no dict)
+            use = StreamUse(stream)
+        else:
+            uses = self.uses_locked()
+            use = uses.get(uid)
+            if use is None:
+                use = uses[uid] = StreamUse(stream)
         self._last = uid
         self._last_use = use
         return use
 
     def _drop(self, uid) -> None:
-        del self._uses[uid]
-        if self._last == uid:
+        if self._uses is not None:
+            del self._uses[uid]
+        if self._last == uid:  # (where there is no dict, the only one: uid is _last)
             self._last = 0
             self._last_use = None
 
@@ -237,14 +256,15 @@ class AccessTracker:
         """Whether streams other than ``stream`` have unfinished accesses or open holds (the
         launch path's test: usually there are none, and no range is looked at)."""
         uses = self._uses
-        n = len(uses)
+        n = (0 if self._last_use is None else 1) if uses is None else len(uses)
         if n == 0:
             return False
         uid = 0  # (stream None: no stream is skipped -- uid 0 is no stream's)
         if stream is not None:
             uid = stream._uid
-            if n == 1 and (self._last == uid or uid in uses):
+            if n == 1 and (self._last == uid or (uses is not None and uid in uses)):
                 return False
+        uses = self.uses_locked()  # (another stream's, or several: the walk)
         dead = None  # (streams whose work all finished: dropped after the walk, not in it)
         for k, use in uses.items():
             if k == uid:
@@ -273,7 +293,7 @@ class AccessTracker:
         if lo >= hi:
             return out
         uid = 0 if stream is None else stream._uid  # (None: every stream is another)
-        for k, use in self._uses.items():
+        for k, use in self.uses_locked().items():
             s = use.ref()
             if k == uid or s is None:  # (gone since the walk that pruned: nothing unfinished)
                 continue
@@ -357,7 +377,8 @@ class AccessTracker:
     @cython.wraparound(False)
     def drop_hold_locked(self, stream, tok) -> None:
         """Close ``tok``'s hold on ``stream`` (its end is then leased by a submission)."""
-        use = self._last_use if self._last == stream._uid else self._uses.get(stream._uid)
+        use = self._last_use if self._last == stream._uid else \
+            None if self._uses is None else self._uses.get(stream._uid)
         if use is None:
             return
         holds = use.holds
@@ -382,7 +403,7 @@ class AccessTracker:
     def streams_locked(self) -> list:
         """Streams with unfinished accesses or open holds (for diagnostics and tests)."""
         self.elsewhere_locked(None)  # (prunes every stream)
-        return [s for s in (u.ref() for u in self._uses.values()) if s is not None]
+        return [s for s in (u.ref() for u in self.uses_locked().values()) if s is not None]
 
 
 # -- a submission's leases, all at once (the launch path: one call, not one per lease) -----
@@ -400,7 +421,8 @@ def leases_to_check_locked(stream, uses):
     for u in uses:
         tok = cython.cast(ViewToken, u[0]) if cython.compiled else u[0]  # (a lease's token)
         tracker = tok.allocation.tracker
-        n = len(tracker._uses)
+        by = tracker._uses
+        n = (0 if tracker._last_use is None else 1) if by is None else len(by)
         # (elsewhere_locked's first answers without its call: no stream, or this one alone)
         if tok.live and (n == 0 or (n == 1 and tracker._last == uid) or
                          not tracker.elsewhere_locked(stream)):

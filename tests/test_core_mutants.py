@@ -64,7 +64,7 @@ def _spans(buf, stream, kind):
     """The (lo, hi, seq) spans ``stream`` has of ``buf``'s allocation (``kind``: "reads" or
     "writes"), sorted by lo."""
     with locked():
-        use = buf.allocation.tracker._uses.get(stream._uid)
+        use = buf.allocation.tracker.uses_locked().get(stream._uid)
         if use is None:
             return []
         return sorted((e.lo, e.hi, e.seq) for e in getattr(use, kind))

@@ -1079,7 +1079,7 @@ def test_a_hold_whose_end_cannot_be_leased_is_still_dropped(host, monkeypatch):
     s.synchronize()
     sm.synchronize()
     with sm.runtime.state.locked():
-        holds = [h.kind for u in alloc.tracker._uses.values() for h in u.holds or ()]
+        holds = [h.kind for u in alloc.tracker.uses_locked().values() for h in u.holds or ()]
     assert holds == []
     sm.launch(fill, 1, 1, later, 1.0, stream=other, policy="reject").result()
     assert later.to_host().tolist() == [1.0] * 16
@@ -1175,7 +1175,7 @@ def test_a_hold_on_two_streams_whose_first_end_fails_ends_on_both(host, monkeypa
     assert _release_without_a_retirer(c, monkeypatch) == 2
     sm.synchronize()
     with locked():  # (b's own holds stay while b lives: read holds, which a read passes)
-        assert not any(h is held for u in b.allocation.tracker._uses.values() for h in u.holds or ())
+        assert not any(h is held for u in b.allocation.tracker.uses_locked().values() for h in u.holds or ())
     box = sm.DeviceBox(0.0, "float64", device=host)
     sm.synchronize()
     sm.launch(total, 1, 1, sm.In(b), sm.Out(box), stream=other, policy="reject").result()

@@ -514,7 +514,7 @@ def test_leases_recorded_at_once_leave_the_spans_recording_each_leaves(foreign):
                     tb.record_locked(s, w, lo, hi, seq, marker)
             assert keeps == ([producer] * len(leases) if foreign and leases else None)
             for s2 in streams:
-                ua, ub = ta._uses.get(s2._uid), tb._uses.get(s2._uid)
+                ua, ub = ta.uses_locked().get(s2._uid), tb.uses_locked().get(s2._uid)
                 assert (ua is None) == (ub is None)
                 if ua is not None:
                     assert ua.newest == ub.newest

@@ -120,7 +120,7 @@ def test_a_stream_use_makes_only_the_lists_it_fills(host):
         gate.wait(5)
 
     sm.launch(hold, 1, 1, sm.Out(buf), stream=s)
-    use = buf.allocation.tracker._uses[s._uid]
+    use = buf.allocation.tracker.uses_locked()[s._uid]
     assert len(use.writes) == 1 and use.reads is None and use.holds is None
     sm.launch(hold, 1, 1, sm.In(buf), stream=s)
     assert len(use.writes) == 1 and len(use.reads) == 1 and use.holds is None
@@ -129,6 +129,40 @@ def test_a_stream_use_makes_only_the_lists_it_fills(host):
     assert buf.allocation.tracker.streams_locked() == []  # (pruned: nothing unfinished)
     assert use.reads is None and use.writes is None
     np.testing.assert_array_equal(buf.to_host(), np.zeros(4))
+
+
+def test_an_allocation_used_on_one_stream_makes_no_dict_of_streams(host):
+    """An allocation's tracker keeps the one stream it is used on without a dict (most are
+    used on one; a foreign array new to every launch made one more dict for the collector
+    each time), makes the dict when a second stream comes, and orders the second stream's
+    work after the first's as before."""
+    a, b = host.create_stream(), host.create_stream()
+    buf = sm.Buffer.zeros(4, "int64", device=host, stream=a)
+    gate = threading.Event()
+    order = []
+
+    @sm.host_kernel
+    def slow_write(x):
+        gate.wait(5)
+        x += 1
+        order.append("write")
+
+    @sm.host_kernel
+    def read(x, out):
+        out[:] = x
+        order.append("read")
+
+    tracker = buf.allocation.tracker
+    sm.launch(slow_write, 1, 1, sm.Out(buf), stream=a)
+    assert tracker._uses is None and tracker._last == a._uid
+    assert tracker.streams_locked() == [a]
+    out = sm.Buffer.zeros(4, "int64", device=host, stream=b)
+    sm.launch(read, 1, 1, sm.In(buf), sm.Out(out), stream=b)  # (waits for the write)
+    assert set(tracker._uses) == {a._uid, b._uid}
+    gate.set()
+    b.synchronize()
+    assert order == ["write", "read"]
+    np.testing.assert_array_equal(out.to_host(), np.ones(4))
 
 
 def test_many_launches_keep_tracker_small(host):
@@ -148,7 +182,7 @@ def test_many_launches_keep_tracker_small(host):
     sm.launch(hold, 1, 1, sm.In(buf), stream=s)
     for _ in range(500):
         sm.launch(inc, 1, 1, buf, stream=s)
-    use = buf.allocation.tracker._uses[s._uid]
+    use = buf.allocation.tracker.uses_locked()[s._uid]
     assert len(use.writes) == 1 and len(use.reads) == 1  # coalesced, not 500 entries
     gate.set()
     s.synchronize()
@@ -469,7 +503,7 @@ def test_a_range_used_again_among_others_is_its_newest_work(host):
     f1 = sm.launch(write, 1, 1, sm.Out(x[0:4]), gates[0], stream=a)
     sm.launch(write, 1, 1, sm.Out(x[4:8]), gates[1], stream=a)
     f3 = sm.launch(write, 1, 1, sm.Out(x[0:4]), gates[2], stream=a)
-    writes = x.allocation.tracker._uses[a._uid].writes
+    writes = x.allocation.tracker.uses_locked()[a._uid].writes
     assert sorted((e.lo, e.hi) for e in writes) == [(0, 16), (16, 32)]
     gates[0].set()
     f1.result(5)
@@ -499,7 +533,7 @@ def test_many_distinct_ranges_in_flight_merge_past_a_bound(host):
     x.to_host()
     for i in range(2 * MAX_SPANS):
         sm.launch(wait_then_write, 1, 1, sm.Out(x[(2 * i) % (4 * MAX_SPANS):][:1]), stream=s)
-    writes = x.allocation.tracker._uses[s._uid].writes
+    writes = x.allocation.tracker.uses_locked()[s._uid].writes
     assert len(writes) <= MAX_SPANS
     gate.set()
     s.synchronize()
@@ -571,7 +605,7 @@ def test_merged_ranges_cover_older_ranges_above_the_newest(host):
         for i in range(MAX_SPANS + 1):  # downwards: each range below every older one
             j = 2 * (MAX_SPANS - i)
             sm.launch(wait_then_write, 1, 1, sm.Out(x[j:j + 1]), stream=s)
-        writes = x.allocation.tracker._uses[s._uid].writes
+        writes = x.allocation.tracker.uses_locked()[s._uid].writes
         assert len(writes) < MAX_SPANS
         top = 2 * MAX_SPANS  # the first (oldest) range written: the highest
         with pytest.raises(sm.AccessConflictError, match=rf"would read bytes \[{4 * top}, "
@@ -599,13 +633,13 @@ def test_finished_ranges_of_a_stream_are_dropped_as_it_records_more(host):
     try:
         sm.launch(wait_then_write, 1, 1, sm.Out(x[0:1]), stream=s)
         sm.launch(wait_then_write, 1, 1, sm.Out(x[2:3]), stream=s)
-        writes = x.allocation.tracker._uses[s._uid].writes
+        writes = x.allocation.tracker.uses_locked()[s._uid].writes
         assert [(e.lo, e.hi) for e in writes] == [(0, 4), (8, 12)]
     finally:
         gate.set()
     s.synchronize()
     sm.launch(wait_then_write, 1, 1, sm.Out(x[4:5]), stream=s).result(5)
-    writes = x.allocation.tracker._uses[s._uid].writes
+    writes = x.allocation.tracker.uses_locked()[s._uid].writes
     assert [(e.lo, e.hi) for e in writes] == [(16, 20)]  # the finished two are gone
     assert not x.allocation.tracker
 
