@@ -161,6 +161,11 @@ def this_build():
     def reused():
         sm.launch(k, 8, 128, In(a), In(b), Out(c), Out(d), n, stream=s)
 
+    nn = np.int32(n)
+
+    def reused_np():  # as run.py's launch rows pass the count: a NumPy scalar
+        sm.launch(k, 8, 128, In(a), In(b), Out(c), Out(d), nn, stream=s)
+
     def fresh():  # a move between launches: new views every time
         t = sm.Tensor.from_buffer(state["c"], (n,))
         sm.launch(k, 8, 128, In(a), In(b), Out(t), Out(d), n, stream=s)
@@ -343,7 +348,8 @@ def this_build():
     def cutile_torch():  # as run.py's cuTile row, with torch-style tensors
         sm.launch(vadd, (4,), None, In(tt[0]), In(tt[1]), Out(tt[2]), 256, stream=s)
 
-    rows = [("launch, 4 views reused", reused), ("launch with a move (fresh views)", fresh),
+    rows = [("launch, 4 views reused", reused), ("same, the count an np.int32", reused_np),
+            ("launch with a move (fresh views)", fresh),
             ("move pair (from_buffer + into_buffer)", move_pair), ("op.submit", submit_op),
             ("launch, 16 views", sixteen),
             ("launch, 4 CuPy-style arrays", cupy_arrays),

@@ -539,6 +539,10 @@ _BOX = cython.declare(type, DeviceBox)
 _BUFFER = cython.declare(object, Buffer)
 _TENSOR = cython.declare(object, Tensor)
 _NP_SCALAR = cython.declare(type, np.generic)  # (np.int32(3), np.float32(1.5)...: never arrays)
+# NumPy's scalar types themselves: interpreted, a NumPy scalar argument (np.int32(n), the usual
+# way to pass a kernel's int) is known by one set lookup of its type, not after three isinstance
+# and issubclass calls (a subclass of one takes the general tests below)
+_NP_SCALARS = frozenset(t for t in np.sctypeDict.values() if issubclass(t, np.generic))
 
 
 def _described(obj) -> str:
@@ -638,6 +642,8 @@ def resolve_args(adapter, args, device):
             t = type(a)
             if t is int or t is float or t is bool or a is None:
                 continue  # a scalar: passed as it is
+            if not cython.compiled and t in _NP_SCALARS:  # (compiled: the type test below)
+                continue
             obj = a
             mode = _WRITE
             with_length = False
