@@ -1160,3 +1160,31 @@ def test_a_foreign_arrays_cached_lease_pairs_follow_its_token_in_both_builds(hos
     sm.register_kernel_adapter(Kernel, adapter)
     sm.launch(Kernel(), 1, 1, sm.Out(arr), stream=host.default_stream).result(5)
     del arr, fa
+
+
+def test_scalar_arguments_pass_through_resolution_as_they_are(host):
+    """Python and NumPy scalars (every NumPy scalar type, and a subclass of one, which the
+    interpreted build does not find by its type) are no array: resolve_args leaves them in
+    place and leases nothing; a host kernel is given each one itself."""
+    from sharedmem.launch import _adapters, resolve_args
+
+    class MyInt(np.int32):
+        pass
+
+    scalars = [3, 2.5, True, None, MyInt(7)]
+    for t in sorted(set(np.sctypeDict.values()), key=lambda t: t.__name__):
+        if issubclass(t, np.generic) and t not in (np.object_, np.void):
+            scalars.append(t(1) if not issubclass(t, (np.datetime64, np.timedelta64)) else
+                           t(1, "s"))
+    buf = sm.Buffer.zeros(4, device=host)
+    args = (*scalars, sm.Out(buf))
+    resolved, uses, device, foreign = resolve_args(_adapters[sm.HostKernel], args, None)
+    assert resolved[:-1] == list(scalars) and all(r is s for r, s in zip(resolved, scalars))
+    assert resolved[-1] is buf and uses == [(buf._token, True)]
+    assert device is host and foreign is None
+    seen = []
+    k = sm.host_kernel(lambda *a: seen.append(a))
+    sm.launch(k, 1, 1, MyInt(7), np.float32(1.5), sm.In(buf), stream=host.default_stream).result(5)
+    got = seen[0]
+    assert type(got[0]) is MyInt and got[0] == 7 and type(got[1]) is np.float32
+    np.testing.assert_array_equal(got[2], np.zeros(4, np.float32))
