@@ -57,6 +57,7 @@ cdef class _Registry:
     cdef object _gone
     cdef readonly Py_ssize_t _live
     cdef readonly long long _gen
+    cdef object _staged
 
     # (every allocation made and every one that dies: typed containers, C compares)
     @cython.locals(lo=cython.ulonglong, n=Py_ssize_t, c=cython.int, last=cython.ulonglong,

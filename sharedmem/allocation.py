@@ -23,6 +23,7 @@ What keeps memory valid:
 from __future__ import annotations
 
 import bisect
+import collections
 import importlib
 from typing import TYPE_CHECKING
 import itertools
@@ -402,6 +403,16 @@ def _count_at_most(starts, x):
     return lo
 
 
+class _Inside(threading.local):
+    """Interpreted, per thread: whether it is in a registry operation, from just before it
+    takes the registry lock to just after it lets it go (see _Registry._remove)."""
+
+    on = False
+
+
+_inside = _Inside()
+
+
 @cython.cclass
 class _Registry:
     """Maps live device address ranges to allocations (weakly).
@@ -426,9 +437,14 @@ class _Registry:
     Its lock is a leaf: nothing else is called while it is held, so it may be taken under
     core_lock. Nothing under it allocates a garbage-collected object (entries and containers
     are made before it is taken; strong references a walk takes are dropped after it is let
-    go): no collection, so no finalizer, can start while it is held -- a finalizer calling
-    sharedmem there would wait for a lock its own thread holds. ``live_allocation_count``
-    reads its counter without it.
+    go): compiled, no collection, so no finalizer, can start while it is held -- a finalizer
+    calling sharedmem there would wait for a lock its own thread holds. Interpreted, one still
+    may: Python 3.12 on runs a collection at the next call or loop jump after the allocation
+    that asked for it (made before the lock was taken, or by another thread), and a profile
+    function runs at every call of a builtin. An entry's removal run there (its allocation
+    died in that collection) finds the lock taken by its own thread's registry operation and
+    is staged (``_staged``): that operation does it once it has let the lock go.
+    ``live_allocation_count`` reads its counter without it.
     """
 
     def __init__(self):
@@ -437,6 +453,11 @@ class _Registry:
         self._gone = self._remove  # (bound once: every entry's weak reference calls it)
         self._live = 0  # entries registered and not removed; written under self._lock
         self._gen = 0  # registrations so far; written under self._lock (read without it)
+        # Interpreted: entries whose removal found the lock taken by its own thread's registry
+        # operation (a collection under it: see the class docstring), removed by the removal
+        # under way or by that operation once it let the lock go (_drain). Appended lock-free;
+        # popped under the lock or by _drain
+        self._staged = collections.deque()
 
     def register(self, alloc, gen) -> bool:
         """Register ``alloc``: always where ``gen`` is -1, else only if nothing registered
@@ -461,6 +482,10 @@ class _Registry:
             fresh_class = _Class(c)
         seen = []  # strong references taken under the lock, dropped after it
         lock = self._lock
+        if not cython.compiled:  # (before the lock is taken: see _remove)
+            inside = _inside
+            was = inside.on
+            inside.on = True
         lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
         try:
             if gen != -1 and gen != self._gen:
@@ -503,6 +528,10 @@ class _Registry:
             self._gen += 1
         finally:
             lock.release()
+            if not cython.compiled:
+                inside.on = was
+                if not was and self._staged:  # (removals a collection under it staged)
+                    self._drain()
         a = None
         del seen
         return True
@@ -514,26 +543,55 @@ class _Registry:
         held = fork_holds()  # (an allocation that died inside os.fork(): the fork holds it)
         lock = self._lock
         if not held:
-            lock.acquire()
+            if cython.compiled:
+                lock.acquire()
+            else:
+                # (set before the lock is taken: a collection as acquire() returns, or under
+                # the lock, runs its removals with it set)
+                inside = _inside
+                was = inside.on
+                inside.on = True
+                if not lock.acquire(False):
+                    if was:  # this thread's registry operation holds the lock (a collection
+                        self._staged.append(ref)  # under it runs this) or is about to take
+                        return                    # it: it removes the entry once it let it go
+                    lock.acquire()  # (another thread's: it lets it go)
         try:
-            dev = self._maps[ref.dkey]
-            ptr = ref.ptr
-            cl = dev.classes[ref.nbytes.bit_length()]
-            starts = cl.starts
-            refs = cl.refs
-            # (the last entry of its start; back to it)
-            i = (_count_at_most(starts, ptr) if cython.compiled else
-                 bisect.bisect_right(starts, ptr)) - 1
-            while refs[i] is not ref:
-                i -= 1
-            del starts[i]
-            del refs[i]
-            if dev.last is ref:
-                dev.last = None
-            self._live -= 1
+            while True:
+                dev = self._maps[ref.dkey]
+                ptr = ref.ptr
+                cl = dev.classes[ref.nbytes.bit_length()]
+                starts = cl.starts
+                refs = cl.refs
+                # (the last entry of its start; back to it)
+                i = (_count_at_most(starts, ptr) if cython.compiled else
+                     bisect.bisect_right(starts, ptr)) - 1
+                while refs[i] is not ref:
+                    i -= 1
+                del starts[i]
+                del refs[i]
+                if dev.last is ref:
+                    dev.last = None
+                self._live -= 1
+                if cython.compiled or not self._staged:
+                    break
+                ref = self._staged.popleft()  # (staged meanwhile: popped under the lock only)
         finally:
             if not held:
                 lock.release()
+                if not cython.compiled:
+                    inside.on = was
+
+    def _drain(self) -> None:
+        """Interpreted: the removals staged (see ``_staged``), done after the registry operation
+        whose thread staged them let the lock go (by it, or by any that finds them)."""
+        staged = self._staged
+        while staged:
+            try:
+                ref = staged.popleft()
+            except IndexError:  # (another thread's _drain took the last)
+                return
+            self._remove(ref)  # (and what is staged meanwhile)
 
     def lookup(self, dkey, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)`` (ints) on the
@@ -545,6 +603,10 @@ class _Registry:
         seen = []  # strong references taken under the lock, dropped after it
         best = None
         lock = self._lock
+        if not cython.compiled:  # (before the lock is taken: see _remove)
+            inside = _inside
+            was = inside.on
+            inside.on = True
         lock.acquire()
         try:
             dev = self._maps.get(dkey)
@@ -581,6 +643,10 @@ class _Registry:
                     dev.last = best_ref
         finally:
             lock.release()
+            if not cython.compiled:
+                inside.on = was
+                if not was and self._staged:  # (removals a collection under it staged)
+                    self._drain()
         a = None
         del seen
         return best

@@ -2246,3 +2246,66 @@ def test_views_and_export_owners_alive_to_the_end_let_the_process_exit_cleanly()
     r = subprocess.run([sys.executable, "-c", _ALIVE_TO_THE_END_SCRIPT], capture_output=True,
                        text=True, env=env, timeout=60)
     assert (r.returncode, r.stdout, r.stderr) == (0, "3\n", "")
+
+
+_COLLECTION_UNDER_THE_REGISTRY_LOCK = r"""
+import bisect, gc, types
+import numpy as np
+import sharedmem as sm
+import sharedmem.allocation as A
+
+host = sm.Device.host()
+reg = A._registry
+arena = np.zeros(1 << 12, np.uint8)
+base = arena.ctypes.data
+outer = A.Allocation(host, base, 1 << 12, None, "test arena")
+armed = []
+
+
+def collecting(f):  # (a collection where Python 3.12 on starts one: at a call under the lock)
+    def g(*args):
+        if armed and reg._lock.locked():
+            armed.clear()
+            gc.collect()
+        return f(*args)
+    return g
+
+
+A.bisect = types.SimpleNamespace(bisect_right=collecting(bisect.bisect_right))
+gc.disable()
+for op in ("lookup", "register", "remove"):
+    victim = A.Allocation(host, base + 1024, 8, None, "test victim")
+    cycle = [A.Allocation(host, base + 2048, 64, None, "test cycle")]
+    cycle.append(cycle)
+    live = A.live_allocation_count()
+    del cycle  # (garbage: its allocation dies in the collection, its entry's removal there)
+    armed.append(True)
+    if op == "lookup":
+        assert sm.lookup_allocation(host, base + 8, 0) is outer
+    elif op == "register":
+        inner = A.Allocation(host, base + 64, 64, None, "test inner")
+        live += 1
+    else:
+        del victim  # (its removal, under the lock, starts the collection)
+        live -= 1
+    assert not armed and A.live_allocation_count() == live - 1 and not reg._staged, op
+    assert all(r() is not None for d in reg._maps.values() for cl in d.walk for r in cl.refs)
+    victim = inner = None
+print("ok")
+"""
+
+
+def test_a_collection_under_the_registry_lock_removes_its_entries_after_it():
+    """Interpreted, a collection may start under the registry lock (Python 3.12 on runs one at
+    the next call or loop jump after the allocation that asked for it, made before the lock
+    was taken or by another thread; a profile function runs at every call of a builtin). An
+    allocation dying there ran its entry's removal, which waited for the lock its own thread
+    held: a hang. It is staged, and done by that operation once it let the lock go. A fresh
+    interpreter: a hang must not take the suite with it."""
+    import subprocess
+    import sharedmem.allocation as A
+    if not hasattr(A._registry, "__dict__"):
+        pytest.skip("compiled: no Python code runs under the registry lock")
+    r = subprocess.run([sys.executable, "-c", _COLLECTION_UNDER_THE_REGISTRY_LOCK],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.split()) == (0, ["ok"]), r.stderr[-2000:]
