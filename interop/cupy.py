@@ -42,7 +42,7 @@ from sharedmem.runtime.submission import export_hold
 from sharedmem.stream import Stream
 from sharedmem.tensor import Tensor, extent, new_tensor
 
-from interop.cupy_launch import (_ExportOwner, _allocation_of, _cupy, coerce,
+from interop.cupy_launch import (COERCE_ADDR, _ExportOwner, _allocation_of, _cupy, coerce,
                                  export_token, owner_writable, plan_kernel)
 from interop.dlpack import ProducerAlias, refuse_foreign_capture
 from sharedmem.allocation import import_writable
@@ -184,5 +184,8 @@ class RawKernelAdapter(KernelAdapter):
         return plan_kernel(self, kernel, device)
 
 
-# By name: importing this module must not import CuPy.
-register_kernel_adapter("cupy._core.raw.RawKernel", RawKernelAdapter())
+# By name: importing this module must not import CuPy. (Compiled, its coerce as a C function
+# too: see KernelAdapter._coerce_addr.)
+_adapter = RawKernelAdapter()
+_adapter._coerce_addr = COERCE_ADDR
+register_kernel_adapter("cupy._core.raw.RawKernel", _adapter)

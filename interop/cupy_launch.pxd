@@ -82,6 +82,8 @@ cpdef torch_tensor_type()
 
 cpdef coerce(obj, device)
 
+cdef object _c_coerce(object obj, object device)
+
 cpdef order_after_libraries(Stream stream, torch_devs, cupy_devs, uses=*)
 
 cpdef merged_devices(seen, devs)

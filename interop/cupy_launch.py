@@ -1156,3 +1156,14 @@ def coerce(obj, device):
     return None
 
 
+def _c_coerce(obj, device):
+    """Compiled: :func:`coerce` as a C function (cupy_launch.pxd), whose address CuPy's
+    adapter gives the launch path (``KernelAdapter._coerce_addr``)."""
+    return coerce(obj, device)
+
+
+#: The address of :func:`_c_coerce` (0 interpreted)
+COERCE_ADDR = cython.cast(cython.size_t, cython.cast(cython.p_void, _c_coerce)) \
+    if cython.compiled else 0
+
+

@@ -32,3 +32,7 @@ cdef class TilePlan(KernelPlan):
 
 @cython.locals(n=Py_ssize_t, i=Py_ssize_t)
 cdef bint _same_args(tuple a, tuple b)
+
+cpdef tile_coerce(obj, device)
+
+cdef object _c_tile_coerce(object obj, object device)

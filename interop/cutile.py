@@ -563,15 +563,30 @@ class TileKernelAdapter(KernelAdapter):
     def coerce(self, obj, device):
         """As CuPy kernels' (:func:`interop.cupy_launch.coerce`); a DLPack producer elsewhere
         (a NumPy array) is imported too, and refused as on another device."""
-        got = coerce(obj, device)
-        if got is None and hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float,
-                                                                             complex)):
-            return _module("interop.dlpack").from_dlpack(obj)
-        return got
+        return tile_coerce(obj, device)
 
     def plan(self, kernel, device):
         return TilePlan(kernel, self, device, _cutile())
 
 
-# By name: importing this module must not import cuda.tile.
-register_kernel_adapter("cuda.tile._execution.kernel", TileKernelAdapter())
+def tile_coerce(obj, device):
+    """:meth:`TileKernelAdapter.coerce`."""
+    got = coerce(obj, device)
+    if got is None and hasattr(obj, "__dlpack__") and not isinstance(obj, (int, float,
+                                                                         complex)):
+        return _module("interop.dlpack").from_dlpack(obj)
+    return got
+
+
+def _c_tile_coerce(obj, device):
+    """Compiled: :func:`tile_coerce` as a C function (cutile.pxd), whose address the adapter
+    gives the launch path (``KernelAdapter._coerce_addr``)."""
+    return tile_coerce(obj, device)
+
+
+# By name: importing this module must not import cuda.tile. (Compiled, its coerce as a C
+# function too: see KernelAdapter._coerce_addr.)
+_adapter = TileKernelAdapter()
+_adapter._coerce_addr = cython.cast(cython.size_t, cython.cast(cython.p_void, _c_tile_coerce)) \
+    if cython.compiled else 0
+register_kernel_adapter("cuda.tile._execution.kernel", _adapter)

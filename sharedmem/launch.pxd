@@ -9,6 +9,10 @@ cdef extern from "Python.h":
     # (isinstance() by the type alone: no lookup of obj.__class__ when the type says no)
     bint PyObject_TypeCheck(object obj, type cls)
 
+# A compiled adapter's coerce as a C function (KernelAdapter._coerce_addr): a new reference,
+# or NULL with an exception set
+ctypedef object (*coerce_fn_t)(object, object)
+
 cdef int _mode_of(c) except -1
 
 cdef class Intent:
@@ -58,7 +62,7 @@ cdef class _PreparedPlan(KernelPlan):
 
 @cython.locals(resolved=list, uses=list, i=Py_ssize_t, mode=int, u=tuple,
                hit=tuple, with_length=bint, view=View, tok=ViewToken, ia=Intent, la=LaunchArg,
-               fa=ForeignArray, foreign=list)
+               fa=ForeignArray, foreign=list, caddr=cython.size_t)
 cpdef tuple resolve_args(adapter, tuple args, device)
 
 @cython.locals(plan=KernelPlan, sub=Submission, st=Stream, adapters=dict)

@@ -310,6 +310,11 @@ class KernelAdapter:
 
     name = "kernel"
     device_kinds: tuple = ()
+    #: Private to sharedmem's own compiled adapters: the address of a C function that does
+    #: exactly what this instance's ``coerce`` does (``coerce_fn_t`` in launch.pxd), which the
+    #: compiled ``resolve_args`` calls without a Python call; 0: ``coerce`` is called. Set on
+    #: the registered instance, never on the class (a subclass may override ``coerce``).
+    _coerce_addr = 0
 
     def coerce(self, obj, device):
         """A lease for a foreign array argument this adapter understands, or None."""
@@ -371,9 +376,9 @@ _plans = {}
 # for unhashable kernels (by identity: not in _plans)
 _plans_by_device = {}
 _PLANS_MAX = 1024
-# (adapter, its coerce method) of the last launch with a foreign array argument: the next
-# one with that adapter finds the method without an attribute lookup. Identity, not hashing
-# (adapters need not be hashable). Replaced whole: lock-free. Cleared with the plans.
+# (adapter, its coerce method, its _coerce_addr) of the last launch with a foreign array
+# argument: the next one with that adapter finds them without an attribute lookup. Identity,
+# not hashing (adapters need not be hashable). Replaced whole: lock-free. Cleared with the plans.
 _last_coerce = cython.declare(list, [None])
 
 
@@ -595,6 +600,15 @@ def _as_view(obj):
     return None
 
 
+def _coerce_addr_of(adapter):
+    """``adapter``'s ``_coerce_addr`` where the compiled core may call it: an int set on the
+    instance itself (see KernelAdapter), else 0."""
+    if not cython.compiled:
+        return 0
+    addr = getattr(adapter, "__dict__", {}).get("_coerce_addr", 0)
+    return addr if type(addr) is int and addr > 0 else 0
+
+
 def _mismatch(i, shown, adev, device) -> DeviceMismatchError:
     """The error of argument ``i`` (``shown``), on ``adev``, in a launch on ``device``. Peer
     access is advised only between two CUDA devices: for any other pair (the host and a GPU)
@@ -631,6 +645,7 @@ def resolve_args(adapter, args, device):
     uses = []
     foreign = None
     coerce = None
+    caddr = 0  # (compiled: the adapter's coerce as a C function, see KernelAdapter)
     for i, a in enumerate(args):
         if isinstance(a, Intent):
             ia = cython.cast(Intent, a) if cython.compiled else a  # (checked: no 2nd test)
@@ -690,10 +705,16 @@ def resolve_args(adapter, args, device):
                 hit = _last_coerce[0]
                 if hit is not None and hit[0] is adapter:
                     coerce = hit[1]
+                    caddr = hit[2]
                 else:  # (an attribute lookup through the adapter's class: once per adapter)
                     coerce = adapter.coerce
-                    _last_coerce[0] = (adapter, coerce)
-            got = coerce(obj, device)
+                    caddr = _coerce_addr_of(adapter)
+                    _last_coerce[0] = (adapter, coerce, caddr)
+            if cython.compiled and caddr:  # (its C function: no bound method called, no
+                # arguments parsed -- a few hundred instructions a foreign array)
+                got = cython.cast(coerce_fn_t, cython.cast(cython.p_void, caddr))(obj, device)
+            else:
+                got = coerce(obj, device)
             if got is None and _BOX.__instancecheck__(obj):  # (rare: its __class__ says
                 got = obj.buffer  # DeviceBox, its type not -- a proxy, Mock(spec=DeviceBox):
                 # leased as one, in both builds; isinstance() would be compiled by the type)

@@ -6,6 +6,7 @@ checked by the gpu-marked tests on a real device.
 """
 
 import contextlib
+import copy
 import ctypes
 import gc
 import os
@@ -4765,3 +4766,63 @@ def _foreign_capsule(drv):
     d.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     cap = dl._capsule_new(ctypes.addressof(m), b"dltensor_versioned", dl._CAPSULE_DESTRUCTOR())
     return cap, mem, deleted, m
+
+
+def test_the_registered_adapters_coerce_as_c_functions_and_an_override_is_called(
+        fake, kernels, monkeypatch):
+    """Compiled, the registered CuPy and cuTile adapters give the launch path their coerce as a
+    C function (``KernelAdapter._coerce_addr``, set on the instance; 0 interpreted). A launch
+    of CuPy arrays leases them through it; what it raises reaches the caller with nothing
+    leased. An adapter of a subclass that overrides ``coerce`` has its own called -- also
+    where the subclass sets ``_coerce_addr`` on its class, which the launch path ignores."""
+    import interop.cupy as icp
+    import interop.cupy_launch as icl
+    import interop.cutile as ict
+    L = sys.modules["sharedmem.launch"]  # (the package's `launch` is the function)
+    dev, drv = fake
+    saxpy, _ = kernels
+    compiled = sm.show_config(open(os.devnull, "w"))["core"].startswith("compiled")
+    assert (icp._adapter._coerce_addr != 0) == compiled == (icl.COERCE_ADDR != 0)
+    assert (ict._adapter._coerce_addr != 0) == compiled
+    assert L.adapter_for(saxpy) is icp._adapter
+    n = 16
+    x, y, out = _fake_cupy_arrays(monkeypatch, dev, n, 3)
+    sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(y), sm.Out(out), n).result()
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))  # 2 * 0 + 1
+
+    class Broken(type(x)):
+        @property
+        def shape(self):
+            raise RuntimeError("no shape today")
+
+        @shape.setter
+        def shape(self, value):
+            pass
+
+    bad = Broken(np.zeros(n, np.float32))
+    sm.synchronize()
+    before = sm.stats()
+    with pytest.raises(RuntimeError, match="no shape today"):
+        sm.launch(saxpy, 1, 16, 2.0, sm.In(x), sm.In(bad), sm.Out(out), n)
+    assert sm.stats().in_flight == before.in_flight == 0 and sm.stats().submitted == \
+        before.submitted
+
+    seen = []
+
+    class Mine(icp.RawKernelAdapter):
+        _coerce_addr = icl.COERCE_ADDR  # (on the class: not the launch path's to call)
+
+        def coerce(self, obj, device):
+            seen.append(obj)
+            return super().coerce(obj, device)
+
+    class MyKernel(type(saxpy)):  # (a kernel type of its own: registered for this test only)
+        pass
+
+    mine = copy.copy(saxpy)
+    mine.__class__ = MyKernel
+    sm.register_kernel_adapter(MyKernel, Mine())
+    sm.launch(mine, 1, 16, 3.0, sm.In(x), sm.In(y), sm.Out(out), n).result()
+    assert seen == [x, y, out]
+    np.testing.assert_array_equal(out._block.to_host(), np.full(n, 1.0))  # 3 * 0 + 1
+    sm.synchronize()
