@@ -963,10 +963,11 @@ class View:
                 _release_view_locked(self)
             finally:
                 rt.release()
-        elif rt.owner != threading.get_ident():
+        elif rt.owner != threading.get_ident() and not rt.turning_here():
             # the lock was busy in another thread: wait for it, which applies the staged
-            # release (a finalizer inside this thread's own sharedmem call leaves it staged,
-            # applied when that call next takes the lock)
+            # release (a finalizer inside this thread's own sharedmem call -- or inside its
+            # taking or letting go the lock, where owner does not say so yet: turning_here --
+            # leaves it staged, applied when that call next takes or lets go the lock)
             rt.acquire()
             rt.release()
 

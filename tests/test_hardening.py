@@ -2309,3 +2309,222 @@ def test_a_collection_under_the_registry_lock_removes_its_entries_after_it():
     r = subprocess.run([sys.executable, "-c", _COLLECTION_UNDER_THE_REGISTRY_LOCK],
                        capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stdout.split()) == (0, ["ok"]), r.stderr[-2000:]
+
+
+# A profile function that starts one collection as ``lock.acquire()`` returns, the lock held:
+# where Python 3.12 on runs a collection that an allocation made before (or by another thread)
+# asked for -- at the check after the call -- and where a profile function runs on 3.11.
+_COLLECT_AS_ACQUIRE_RETURNS = r"""
+import gc, sys
+armed = []
+
+
+def collect_as_acquire_returns(lock):
+    def prof(frame, event, arg):
+        if event == "c_return" and armed and getattr(arg, "__self__", None) is lock and \
+                getattr(arg, "__name__", "") == "acquire" and lock.locked():
+            armed.clear()
+            gc.collect()
+    return prof
+"""
+
+_COLLECTION_UNDER_THE_HOST_POOL_LOCK = _COLLECT_AS_ACQUIRE_RETURNS + r"""
+import sharedmem as sm
+
+pool = sm.Device.host().backend.pool
+gc.disable()
+for op in ("allocate", "free_all_blocks", "give back"):
+    victim = pool.allocate(64)
+    cycle = [pool.allocate(64)]
+    cycle.append(cycle)
+    used = pool.bytes_in_use
+    del cycle  # (garbage: its block dies in the collection, and goes back to the pool there)
+    armed.append(True)
+    sys.setprofile(collect_as_acquire_returns(pool._lock))
+    if op == "allocate":
+        kept = pool.allocate(64)
+        used += 256
+    elif op == "free_all_blocks":
+        pool.free_all_blocks()
+    else:
+        del victim  # (its own give-back takes the lock)
+        used -= 256
+    sys.setprofile(None)
+    assert not armed and pool.bytes_in_use == used - 256 and not pool._staged, op
+    victim = kept = None
+print("ok")
+"""
+
+
+def test_a_collection_under_the_host_pool_lock_gives_its_blocks_back_after_it():
+    """A collection may start under a host pool's lock (Python 3.12 on runs one at the check
+    after a call -- the lock's acquire() included -- that an allocation made before the lock
+    was taken, or by another thread, asked for; a profile function runs at every call of a
+    builtin). A HostBlock dying there (an allocation in a garbage cycle) gave itself back,
+    which waited for the lock its own thread held: a hang. It is staged, and given back by
+    that operation once it let the lock go. host.py runs interpreted in either build. A fresh
+    interpreter: a hang must not take the suite with it."""
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", _COLLECTION_UNDER_THE_HOST_POOL_LOCK],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.split()) == (0, ["ok"]), r.stderr[-2000:]
+
+
+_COLLECTION_UNDER_THE_STAGE_LOCK = _COLLECT_AS_ACQUIRE_RETURNS + r"""
+sys.path.insert(0, sys.argv[1])
+import pytest
+import sharedmem.backends.cuda as bc
+from fake_cuda import install_fake_devices
+
+(dev,), drv = install_fake_devices(pytest.MonkeyPatch(), hot=False)
+be = dev.backend
+gc.disable()
+for op in ("pinned", "unstage"):
+    victim = be.pinned(1000)
+    cycle = [be.pinned(1000)]
+    cycle.append(cycle)
+    staged = be._staged
+    del cycle  # (garbage: its array dies in the collection, its _unstage called there)
+    armed.append(True)
+    sys.setprofile(collect_as_acquire_returns(bc._stage_lock))
+    if op == "pinned":
+        kept = be.pinned(1000)
+        staged += 1024
+    else:
+        del victim  # (its own _unstage takes the lock)
+        staged -= 1024
+    sys.setprofile(None)
+    assert not armed and be._staged == staged - 1024 and not bc._unstaged, op
+    victim = kept = None
+print("ok")
+"""
+
+
+def test_a_collection_under_the_pinned_staging_lock_unstages_after_it():
+    """Interpreted, a collection may start under the CUDA backend's staging lock (as under
+    the host pool's: see above). A pinned staging array dying there ran its finalizer,
+    _unstage, which waited for the lock its own thread held in pinned(): a hang. It is
+    staged, and done by that pinned() once it let the lock go. Compiled, no Python code runs
+    under the lock."""
+    import subprocess
+    import sharedmem.backends.cuda as bc
+    if not bc.__file__.endswith(".py"):
+        pytest.skip("compiled: no Python code runs under the staging lock")
+    r = subprocess.run([sys.executable, "-c", _COLLECTION_UNDER_THE_STAGE_LOCK,
+                        os.path.dirname(os.path.abspath(__file__))],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.split()) == (0, ["ok"]), r.stderr[-2000:]
+
+
+_COLLECTION_AS_AN_OWNED_LOCK_TURNS = _COLLECT_AS_ACQUIRE_RETURNS + r"""
+import sharedmem as sm
+from sharedmem.runtime.state import OwnedLock
+
+lock = OwnedLock("a test's bookkeeping")
+said = []
+
+
+class Wrapper:  # a user's object whose finalizer calls sharedmem, which takes the lock
+    def __del__(self):
+        try:
+            with lock:
+                said.append("entered")
+        except sm.SharedMemError:
+            said.append("refused")
+
+
+gc.disable()
+w = Wrapper()
+w.me = w
+del w  # (garbage: finalized in the collection as acquire() returns)
+armed.append(True)
+sys.setprofile(collect_as_acquire_returns(lock._lock))
+with lock:
+    pass
+sys.setprofile(None)
+assert not armed and not lock.locked() and lock.owner == 0
+with lock:  # (the thread is not left marked)
+    pass
+print(*said)
+"""
+
+
+def test_a_finalizer_between_an_owned_locks_acquire_and_its_owner_is_refused():
+    """Interpreted, a collection may start between an OwnedLock's acquire() and the store of
+    its owner (Python 3.12 on runs one at the check after the call; a profile function at
+    its return). A finalizer there that called sharedmem, taking the same lock, found no
+    owner and waited for the lock its own thread held -- a hang, where an OwnedLock promises
+    SharedMemError. Compiled, no Python code runs there."""
+    import subprocess
+    import sharedmem.runtime.state as st
+    if not st.__file__.endswith(".py"):
+        pytest.skip("compiled: no Python code runs between acquire() and the owner's store")
+    r = subprocess.run([sys.executable, "-c", _COLLECTION_AS_AN_OWNED_LOCK_TURNS],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.split()) == (0, ["refused"]), r.stderr[-2000:]
+
+
+_COLLECTION_AS_THE_CORE_LOCK_TURNS = _COLLECT_AS_ACQUIRE_RETURNS + r"""
+import sharedmem as sm
+from sharedmem.runtime.state import RUNTIME
+
+host = sm.Device.host()
+lock = RUNTIME._acquire.__self__  # (interpreted: the core lock's threading.Lock)
+done = []
+
+
+class Releases:  # a user's object whose finalizer releases its buffer: always safe
+    def __init__(self):
+        self.buf, self.me = sm.Buffer.zeros(4, device=host), self
+
+    def __del__(self):
+        self.buf.release()
+        done.append("released")
+
+
+class Calls:  # one whose finalizer makes another sharedmem call: refused there
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        try:
+            sm.Buffer.zeros(4, device=host)
+        except sm.SharedMemError:
+            done.append("refused")
+
+
+gc.disable()
+r = Releases()
+tok = r.buf._token
+del r  # (garbage: its finalizer runs in the collection)
+armed.append(True)
+sys.setprofile(collect_as_acquire_returns(lock))
+kept = sm.Buffer.zeros(4, device=host)  # (takes the core lock: the collection as it does)
+sys.setprofile(None)
+assert not armed and done == ["released"] and not tok.live, (armed, done, tok.live)
+c = Calls()
+del c
+armed.append(True)
+sys.setprofile(collect_as_acquire_returns(lock))
+kept = sm.Buffer.zeros(4, device=host)
+sys.setprofile(None)
+assert not armed and done == ["released", "refused"], done
+print("ok")
+"""
+
+
+def test_a_finalizer_as_the_core_lock_is_taken_releases_or_is_refused_never_hangs():
+    """Interpreted, a collection may start between the core lock's acquire() and the store of
+    its owner (Python 3.12 on runs one at the check after the call; a profile function at its
+    return). A user's finalizer there that released a view found the lock busy, with no owner
+    saying whose, and waited for the lock its own thread held -- a hang, where release() is
+    documented as always safe; any other call hung too. Now the release is staged and applied
+    as the lock is taken, and another call raises SharedMemError. Compiled, no Python code runs
+    there."""
+    import subprocess
+    import sharedmem.runtime.state as st
+    if not st.__file__.endswith(".py"):
+        pytest.skip("compiled: no Python code runs between acquire() and the owner's store")
+    r = subprocess.run([sys.executable, "-c", _COLLECTION_AS_THE_CORE_LOCK_TURNS],
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout.split()) == (0, ["ok"]), r.stderr[-2000:]

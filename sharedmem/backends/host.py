@@ -103,6 +103,16 @@ class HostFault(BaseException):
     ``Exception`` fails only the kernel's own future: see the module docstring.)"""
 
 
+class _InPool(threading.local):
+    """Per thread: whether it is in a host pool operation, from just before it takes the
+    pool's lock to just after it lets it go (see HostPool._take)."""
+
+    on = False
+
+
+_in_pool = _InPool()
+
+
 #: The most bytes of free blocks a host pool keeps for reuse: a block given back past it is
 #: freed (blocks of sizes that never come again would otherwise be kept for good).
 POOL_CACHE_MAX = 256 << 20
@@ -113,7 +123,9 @@ class HostPool:
 
     ``_free`` maps size class -> list of raw arrays, ``cached`` their bytes (at most
     POOL_CACHE_MAX); guarded by ``_lock`` (a leaf lock; ``_give_back`` is called from
-    destructors, and only appends).
+    destructors, and only appends). ``_staged``: blocks given back while this thread's own
+    pool operation held ``_lock`` (see _give_back); appended lock-free, given back by that
+    operation once it let the lock go.
     """
 
     def __init__(self):
@@ -125,16 +137,47 @@ class HostPool:
         self._free: dict[int, list] = {}  # guarded by self._lock
         self.bytes_in_use = 0  # guarded by self._lock
         self.cached = 0  # bytes of the blocks in _free; guarded by self._lock
+        self._staged = collections.deque()  # (size class, raw array): see the class docstring
 
-    # The pool's lock is a leaf taken by HostBlock finalizers (_give_back): nothing under it
-    # may allocate a garbage-collected object, or a collection there could run a finalizer
-    # that waits for it on the same thread -- so acquire()/release(), never `with` (its exit
-    # call allocates its argument tuple while the lock is held), and the free lists made
-    # before it is taken.
+    # The pool's lock is a leaf taken by HostBlock finalizers (_give_back). Nothing under it
+    # allocates a garbage-collected object (acquire()/release(), never `with`: its exit call
+    # allocates its argument tuple while the lock is held; the free lists made before it is
+    # taken) -- yet a collection, and a block's finalizer, can still run while it is held:
+    # Python 3.12 on runs one at the next call after the allocation that asked for it (made
+    # before the lock was taken, or by another thread), the lock's own acquire() included,
+    # and a profile function runs at every call of a builtin. So each operation marks its
+    # thread (_in_pool) from before it takes the lock to after it lets it go (_take,
+    # _let_go), and a give-back that finds the lock taken by its own thread's operation is
+    # staged: that operation gives it back once it let the lock go (host.py is never compiled).
+    def _take(self) -> bool:
+        """Take the lock, this thread marked in a pool operation first; whether it was
+        already (a finalizer's give-back inside another operation)."""
+        inside = _in_pool
+        was = inside.on
+        inside.on = True
+        self._lock.acquire()
+        return was
+
+    def _let_go(self, was: bool) -> None:
+        """Let the lock go (see _take), then give back what was staged meanwhile."""
+        self._lock.release()
+        _in_pool.on = was
+        if not was and self._staged:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Give back the blocks staged by finalizers that ran under this thread's operation."""
+        staged = self._staged
+        while staged:
+            try:
+                size_class, raw = staged.popleft()
+            except IndexError:  # (another thread's _drain took the last)
+                return
+            self._give_back(size_class, raw)
+
     def allocate(self, nbytes: int) -> HostBlock:
         sc = _aligned(max(nbytes, 1))  # the size class
-        lock = self._lock
-        lock.acquire()
+        was = self._take()
         try:
             lst = self._free.get(sc)
             raw = lst.pop() if lst else None
@@ -142,14 +185,14 @@ class HostPool:
                 self.bytes_in_use += sc
                 self.cached -= sc
         finally:
-            lock.release()
+            self._let_go(was)
         if raw is None:  # a new block, counted once it exists (a failure hands nothing out)
             raw = self._new_block(sc, nbytes)
-            lock.acquire()
+            was = self._take()
             try:
                 self.bytes_in_use += sc
             finally:
-                lock.release()
+                self._let_go(was)
         return HostBlock(raw, _aligned(raw.ctypes.data), self, sc)
 
     def _new_block(self, sc: int, nbytes: int):
@@ -169,9 +212,16 @@ class HostPool:
     def _give_back(self, size_class: int, raw) -> None:
         fresh = []  # (a free list made before the lock is taken, used if this size has none)
         held = fork_holds()  # (a block freed inside os.fork(): this thread holds the lock)
-        lock = self._lock
         if not held:
-            lock.acquire()
+            lock = self._lock
+            inside = _in_pool
+            was = inside.on
+            inside.on = True  # (before the lock is taken: see _take)
+            if not lock.acquire(False):
+                if was:  # this thread's pool operation holds the lock (a collection under it
+                    self._staged.append((size_class, raw))  # runs this) or is about to take
+                    return                                  # it: it gives it back after
+                lock.acquire()  # (another thread's: it lets it go)
         try:
             if self.cached + size_class <= POOL_CACHE_MAX:
                 self._free.setdefault(size_class, fresh).append(raw)
@@ -179,19 +229,18 @@ class HostPool:
             self.bytes_in_use -= size_class
         finally:
             if not held:
-                lock.release()
+                self._let_go(was)
         raw = None  # (one not kept is freed here, outside the lock)
 
     def free_all_blocks(self) -> None:
         """Drop every cached free block (like ``cupy``'s ``free_all_blocks``)."""
         empty = {}
-        lock = self._lock
-        lock.acquire()
+        was = self._take()
         try:
             blocks, self._free = self._free, empty
             self.cached = 0
         finally:
-            lock.release()
+            self._let_go(was)
         blocks.clear()  # (the blocks freed outside the lock)
 
 

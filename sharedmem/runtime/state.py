@@ -133,7 +133,14 @@ class Runtime:
             if not sm_lock_try(self._plock):
                 with cython.nogil:  # (the holder may need the GIL to finish)
                     sm_lock_wait(self._plock)
-        else:
+        elif not self._acquire(False):  # (busy: this thread's own, in a window -- see below?)
+            if self.turning_here(2):  # (above this call's own frame)
+                raise SharedMemError(
+                    "sharedmem was called from a finalizer (__del__ or a weakref callback) "
+                    "that interrupted sharedmem taking or letting go its lock on the same "
+                    "thread; that call would deadlock. Do the work later (queue it for "
+                    "another thread) or use only release() in finalizers, which is always "
+                    "safe.")
             self._acquire()
         self.owner = me
         if self.staged:
@@ -142,6 +149,26 @@ class Runtime:
             except BaseException:  # (an interrupt, or a failed release: the caller's `try`
                 self.release()     # is not entered yet -- the lock must not stay taken)
                 raise
+
+    def turning_here(self, depth=1) -> bool:
+        """Interpreted: whether the calling thread is inside the core lock's own acquire,
+        release or enter_or_stage -- a finalizer run by a collection there (Python 3.12 on
+        runs one at the check after a call, the lock's acquire() included; a profile function
+        at every builtin call), between taking the lock and setting ``owner`` or between
+        clearing ``owner`` and letting it go: the lock is this thread's, though ``owner`` does
+        not say so, and waiting for it would never end. Asked only where the lock was found
+        busy (a frame walk, never on the uncontended path), from the frame ``depth`` above
+        this one. Compiled: False -- those methods are C, with no Python code and so no
+        collection between the two steps."""
+        if cython.compiled:
+            return False
+        codes = _TURNING_CODES
+        f = sys._getframe(depth)
+        while f is not None:
+            if f.f_code in codes and f.f_locals.get("self") is self:
+                return True
+            f = f.f_back
+        return False
 
     def release(self) -> None:
         if self.restaged:  # releases staged while it was held: applied before it is let go
@@ -304,6 +331,10 @@ def _thread_ident():
 
 #: The process's runtime.
 RUNTIME = Runtime()
+#: The core lock's methods in which its thread holds it while ``owner`` may not say so (see
+#: Runtime.turning_here); interpreted only
+_TURNING_CODES = () if cython.compiled else (
+    Runtime.acquire.__code__, Runtime.release.__code__, Runtime.enter_or_stage.__code__)
 
 
 def locked() -> Runtime:
@@ -341,33 +372,66 @@ def at_fork_child(fn, order: int) -> None:
     _child_hooks.sort(key=lambda h: h[0])
 
 
+class _Turning(threading.local):
+    """Interpreted, per thread and OwnedLock: whether it is taking or letting go the lock --
+    from before ``acquire()`` to after ``owner`` is set, from before ``owner`` is cleared to
+    after ``release()`` (see OwnedLock)."""
+
+    on = False
+
+
 class OwnedLock:
     """A leaf lock that knows which thread holds it (``with lock:``): taken again by that
     thread -- a finalizer, run by a collection inside the locked section, that calls
     sharedmem -- it raises SharedMemError instead of waiting for itself forever, as the core
-    lock does. For leaf locks whose sections allocate (they build devices, allocations)."""
+    lock does. For leaf locks whose sections allocate (they build devices, allocations).
 
-    __slots__ = ("_lock", "owner", "what")
+    Interpreted, a collection can also start between ``acquire()`` and the store of ``owner``
+    (Python 3.12 on runs one at the check after a call, acquire()'s included; a profile
+    function runs at the call and return of every builtin) or between the clearing of
+    ``owner`` and ``release()`` (a profile function): ``_turning`` marks the thread there,
+    so that a finalizer's ``with`` raises then too. Compiled, no Python code runs there."""
+
+    __slots__ = ("_lock", "owner", "what", "_turning")
 
     def __init__(self, what: str):
         self._lock = threading.Lock()
         self.owner = 0
         self.what = what
+        self._turning = _Turning()
 
     def __enter__(self):
         me = _get_ident()
-        if self.owner == me:
+        if self.owner == me or (not cython.compiled and self._turning.on):
             raise SharedMemError(
                 f"sharedmem was called from a finalizer (__del__ or a weakref callback) that "
                 f"interrupted {self.what} on the same thread; that call would deadlock. Do "
                 f"the work later (queue it for another thread).")
-        self._lock.acquire()
-        self.owner = me
+        if cython.compiled:
+            self._lock.acquire()
+            self.owner = me
+        else:
+            turning = self._turning
+            turning.on = True
+            try:  # (an interrupt in acquire() must not leave the thread marked)
+                self._lock.acquire()
+                self.owner = me
+            finally:
+                turning.on = False
         return self
 
     def __exit__(self, *exc):
-        self.owner = 0
-        self._lock.release()
+        if cython.compiled:
+            self.owner = 0
+            self._lock.release()
+        else:
+            turning = self._turning
+            turning.on = True
+            try:
+                self.owner = 0
+                self._lock.release()
+            finally:
+                turning.on = False
 
     def locked(self) -> bool:
         return self._lock.locked()
