@@ -50,7 +50,8 @@ except ImportError:  # interpreted, without Cython installed
 from .access import AccessTracker
 from .config import _flag
 from .errors import AliasError, BackendUnavailableError, MovedError, ReleasedError
-from .runtime.state import RUNTIME, at_fork_hold, fork_holds, fork_safe, locked
+from .runtime.state import (RUNTIME, LockMark, at_fork_hold, enter_marked, enter_or_stage_marked,
+                             fork_holds, fork_safe, leave_marked, locked)
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -403,14 +404,7 @@ def _count_at_most(starts, x):
     return lo
 
 
-class _Inside(threading.local):
-    """Interpreted, per thread: whether it is in a registry operation, from just before it
-    takes the registry lock to just after it lets it go (see _Registry._remove)."""
-
-    on = False
-
-
-_inside = _Inside()
+_inside = LockMark()  # (interpreted: the threads in a registry operation; see _Registry)
 
 
 @cython.cclass
@@ -454,9 +448,8 @@ class _Registry:
         self._live = 0  # entries registered and not removed; written under self._lock
         self._gen = 0  # registrations so far; written under self._lock (read without it)
         # Interpreted: entries whose removal found the lock taken by its own thread's registry
-        # operation (a collection under it: see the class docstring), removed by the removal
-        # under way or by that operation once it let the lock go (_drain). Appended lock-free;
-        # popped under the lock or by _drain
+        # operation (a collection under it: see the class docstring), removed by that
+        # operation once it let the lock go (runtime.state.leave_marked)
         self._staged = collections.deque()
 
     def register(self, alloc, gen) -> bool:
@@ -482,11 +475,10 @@ class _Registry:
             fresh_class = _Class(c)
         seen = []  # strong references taken under the lock, dropped after it
         lock = self._lock
-        if not cython.compiled:  # (before the lock is taken: see _remove)
-            inside = _inside
-            was = inside.on
-            inside.on = True
-        lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
+        if cython.compiled:
+            lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
+        else:  # (marked: see the class docstring)
+            was = enter_marked(lock, _inside)
         try:
             if gen != -1 and gen != self._gen:
                 return False
@@ -529,9 +521,7 @@ class _Registry:
         finally:
             lock.release()
             if not cython.compiled:
-                inside.on = was
-                if not was and self._staged:  # (removals a collection under it staged)
-                    self._drain()
+                leave_marked(_inside, was, self._staged, self._gone)
         a = None
         del seen
         return True
@@ -545,53 +535,31 @@ class _Registry:
         if not held:
             if cython.compiled:
                 lock.acquire()
-            else:
-                # (set before the lock is taken: a collection as acquire() returns, or under
-                # the lock, runs its removals with it set)
-                inside = _inside
-                was = inside.on
-                inside.on = True
-                if not lock.acquire(False):
-                    if was:  # this thread's registry operation holds the lock (a collection
-                        self._staged.append(ref)  # under it runs this) or is about to take
-                        return                    # it: it removes the entry once it let it go
-                    lock.acquire()  # (another thread's: it lets it go)
+            else:  # (staged where this thread's own registry operation holds the lock)
+                was = enter_or_stage_marked(lock, _inside, self._staged, ref)
+                if was is None:
+                    return
         try:
-            while True:
-                dev = self._maps[ref.dkey]
-                ptr = ref.ptr
-                cl = dev.classes[ref.nbytes.bit_length()]
-                starts = cl.starts
-                refs = cl.refs
-                # (the last entry of its start; back to it)
-                i = (_count_at_most(starts, ptr) if cython.compiled else
-                     bisect.bisect_right(starts, ptr)) - 1
-                while refs[i] is not ref:
-                    i -= 1
-                del starts[i]
-                del refs[i]
-                if dev.last is ref:
-                    dev.last = None
-                self._live -= 1
-                if cython.compiled or not self._staged:
-                    break
-                ref = self._staged.popleft()  # (staged meanwhile: popped under the lock only)
+            dev = self._maps[ref.dkey]
+            ptr = ref.ptr
+            cl = dev.classes[ref.nbytes.bit_length()]
+            starts = cl.starts
+            refs = cl.refs
+            # (the last entry of its start; back to it)
+            i = (_count_at_most(starts, ptr) if cython.compiled else
+                 bisect.bisect_right(starts, ptr)) - 1
+            while refs[i] is not ref:
+                i -= 1
+            del starts[i]
+            del refs[i]
+            if dev.last is ref:
+                dev.last = None
+            self._live -= 1
         finally:
             if not held:
                 lock.release()
                 if not cython.compiled:
-                    inside.on = was
-
-    def _drain(self) -> None:
-        """Interpreted: the removals staged (see ``_staged``), done after the registry operation
-        whose thread staged them let the lock go (by it, or by any that finds them)."""
-        staged = self._staged
-        while staged:
-            try:
-                ref = staged.popleft()
-            except IndexError:  # (another thread's _drain took the last)
-                return
-            self._remove(ref)  # (and what is staged meanwhile)
+                    leave_marked(_inside, was, self._staged, self._gone)
 
     def lookup(self, dkey, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)`` (ints) on the
@@ -603,11 +571,10 @@ class _Registry:
         seen = []  # strong references taken under the lock, dropped after it
         best = None
         lock = self._lock
-        if not cython.compiled:  # (before the lock is taken: see _remove)
-            inside = _inside
-            was = inside.on
-            inside.on = True
-        lock.acquire()
+        if cython.compiled:
+            lock.acquire()
+        else:  # (marked: see the class docstring)
+            was = enter_marked(lock, _inside)
         try:
             dev = self._maps.get(dkey)
             if dev is not None:
@@ -644,9 +611,7 @@ class _Registry:
         finally:
             lock.release()
             if not cython.compiled:
-                inside.on = was
-                if not was and self._staged:  # (removals a collection under it staged)
-                    self._drain()
+                leave_marked(_inside, was, self._staged, self._gone)
         a = None
         del seen
         return best

@@ -2319,10 +2319,14 @@ import gc, sys
 armed = []
 
 
-def collect_as_acquire_returns(lock):
+def collect_as_acquire_returns(lock, first_event=False):
+    # (first_event: at the first event that finds the lock held -- where its acquire() is
+    # called from compiled code, which reports no event, the return to Python code after it;
+    # only for a lock no other thread takes meanwhile)
     def prof(frame, event, arg):
-        if event == "c_return" and armed and getattr(arg, "__self__", None) is lock and \
-                getattr(arg, "__name__", "") == "acquire" and lock.locked():
+        if armed and lock.locked() and (first_event or (
+                event == "c_return" and getattr(arg, "__self__", None) is lock and
+                getattr(arg, "__name__", "") == "acquire")):
             armed.clear()
             gc.collect()
     return prof
@@ -2340,7 +2344,7 @@ for op in ("allocate", "free_all_blocks", "give back"):
     used = pool.bytes_in_use
     del cycle  # (garbage: its block dies in the collection, and goes back to the pool there)
     armed.append(True)
-    sys.setprofile(collect_as_acquire_returns(pool._lock))
+    sys.setprofile(collect_as_acquire_returns(pool._lock, True))
     if op == "allocate":
         kept = pool.allocate(64)
         used += 256

@@ -44,7 +44,8 @@ import weakref
 import numpy as np
 
 from ..runtime.retirer import on_retirer_thread
-from ..runtime.state import fork_safe, locked
+from ..runtime.state import (LockMark, enter_marked, enter_or_stage_marked, fork_safe,
+                             leave_marked, locked)
 from ..stream import borrowed_handle
 from ..errors import BackendUnavailableError, CaptureError, CompletionUnknownError, CudaError
 from . import COMPLETE, DONE, PENDING, UNKNOWN, copy_pieces
@@ -242,37 +243,15 @@ STAGE_MAX = 8 << 20
 STAGE_BUDGET = 256 << 20
 # guards CudaBackend._staged; nothing under it allocates a collected object (an int sum), so
 # compiled no collection -- and no finalizer calling _unstage -- can start while it is held.
-# Interpreted one still may: Python 3.12 on runs a collection at the next call after the
-# allocation that asked for it (made before the lock was taken, or by another thread), the
-# lock's acquire() included, and a profile function runs at every call of a builtin. So
-# pinned() marks its thread (_in_stage) from before it takes the lock to after it lets it
-# go, and an _unstage run there (a staged array died in that collection) finds the lock
-# taken by its own thread and is staged (_unstaged): pinned() does it once it let it go.
+# Interpreted one still may (see runtime.state.LockMark): pinned() marks its thread
+# (_in_stage), and an _unstage run under it is staged (_unstaged), done once it let it go.
 _stage_lock = fork_safe(threading.Lock())
+_in_stage = LockMark()
+_unstaged = collections.deque()  # (backend, size) of the _unstage calls staged
 
 
-class _InStage(threading.local):
-    """Interpreted, per thread: whether it is in pinned(), from just before it takes
-    _stage_lock to just after it lets it go (see CudaBackend._unstage)."""
-
-    on = False
-
-
-_in_stage = _InStage()
-# Interpreted: (backend, size) of the _unstage calls staged (see _stage_lock). Appended
-# lock-free; popped by _drain_unstaged
-_unstaged = collections.deque()
-
-
-def _drain_unstaged() -> None:
-    """Interpreted: the _unstage calls staged, done after the pinned() whose thread staged
-    them let the lock go (by it, or by any that finds them)."""
-    while _unstaged:
-        try:
-            backend, size = _unstaged.popleft()
-        except IndexError:  # (another thread's drain took the last)
-            return
-        backend._unstage(size)
+def _unstage_staged(item) -> None:
+    item[0]._unstage(item[1])
 
 
 class CudaMarker:
@@ -1115,19 +1094,16 @@ class CudaBackend:
         # never unpins one -- taken at their exact sizes, copies of varying lengths would
         # pin a new block for each length ever copied)
         size = 1 << max(n - 1, 511).bit_length()
-        if not cython.compiled:  # (before the lock is taken: see _unstage)
-            inside = _in_stage
-            was = inside.on
-            inside.on = True
-        _stage_lock.acquire()
+        if cython.compiled:
+            _stage_lock.acquire()
+        else:  # (marked: see _stage_lock)
+            was = enter_marked(_stage_lock, _in_stage)
         fits = self._staged + size <= STAGE_BUDGET
         if fits:
             self._staged += size
         _stage_lock.release()
         if not cython.compiled:
-            inside.on = was
-            if not was and _unstaged:  # (what a collection under the lock staged)
-                _drain_unstaged()
+            leave_marked(_in_stage, was, _unstaged, _unstage_staged)
         if not fits:
             return None
         try:
@@ -1145,23 +1121,14 @@ class CudaBackend:
     def _unstage(self, size) -> None:
         if cython.compiled:
             _stage_lock.acquire()
-        else:
-            # (set before the lock is taken: a collection as acquire() returns runs its
-            # finalizers with it set)
-            inside = _in_stage
-            was = inside.on
-            inside.on = True
-            if not _stage_lock.acquire(False):
-                if was:  # this thread's pinned() holds the lock (a collection under it runs
-                    _unstaged.append((self, size))  # this finalizer) or is about to take
-                    return                          # it: it unstages once it let it go
-                _stage_lock.acquire()  # (another thread's: it lets it go)
+        else:  # (staged where this thread's pinned() holds the lock: see _stage_lock)
+            was = enter_or_stage_marked(_stage_lock, _in_stage, _unstaged, (self, size))
+            if was is None:
+                return
         self._staged -= size
         _stage_lock.release()
         if not cython.compiled:
-            inside.on = was
-            if not was and _unstaged:
-                _drain_unstaged()
+            leave_marked(_in_stage, was, _unstaged, _unstage_staged)
 
     def _enqueue(self, impl, name: str, *args) -> CudaMarker:
         """``cu.<name>(*args, impl's stream)`` (checked, as :meth:`call`), then the marker."""

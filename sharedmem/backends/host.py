@@ -39,8 +39,9 @@ import weakref
 import numpy as np
 
 from ..errors import CaptureError, CompletionUnknownError, SharedMemError
-from ..runtime.state import (RUNTIME, WORKER, Bell, at_fork_child, at_fork_hold, fork_holds,
-                             fork_safe, log)
+from ..runtime.state import (RUNTIME, WORKER, Bell, LockMark, at_fork_child, at_fork_hold,
+                             enter_marked, enter_or_stage_marked, fork_holds, fork_safe,
+                             leave_marked, log)
 from . import COMPLETE, DONE, PENDING, UNKNOWN
 
 __all__ = ["HostBackend", "HostMarker", "HostStreamImpl", "HostPool", "host_array"]
@@ -103,14 +104,8 @@ class HostFault(BaseException):
     ``Exception`` fails only the kernel's own future: see the module docstring.)"""
 
 
-class _InPool(threading.local):
-    """Per thread: whether it is in a host pool operation, from just before it takes the
-    pool's lock to just after it lets it go (see HostPool._take)."""
-
-    on = False
-
-
-_in_pool = _InPool()
+# Marks the threads in a host pool operation (see HostPool: finalizers give blocks back)
+_in_pool = LockMark()
 
 
 #: The most bytes of free blocks a host pool keeps for reuse: a block given back past it is
@@ -138,42 +133,25 @@ class HostPool:
         self.bytes_in_use = 0  # guarded by self._lock
         self.cached = 0  # bytes of the blocks in _free; guarded by self._lock
         self._staged = collections.deque()  # (size class, raw array): see the class docstring
+        self._apply = self._give_back_staged  # (bound once: made under the lock, it would be an
+        # allocation there)
 
     # The pool's lock is a leaf taken by HostBlock finalizers (_give_back). Nothing under it
     # allocates a garbage-collected object (acquire()/release(), never `with`: its exit call
     # allocates its argument tuple while the lock is held; the free lists made before it is
-    # taken) -- yet a collection, and a block's finalizer, can still run while it is held:
-    # Python 3.12 on runs one at the next call after the allocation that asked for it (made
-    # before the lock was taken, or by another thread), the lock's own acquire() included,
-    # and a profile function runs at every call of a builtin. So each operation marks its
-    # thread (_in_pool) from before it takes the lock to after it lets it go (_take,
-    # _let_go), and a give-back that finds the lock taken by its own thread's operation is
-    # staged: that operation gives it back once it let the lock go (host.py is never compiled).
+    # taken) -- yet a collection, and a block's finalizer, can still run while it is held
+    # (see runtime.state.LockMark; host.py is never compiled): each operation marks its thread
+    # (_take, _let_go), and a give-back that finds the lock taken by its own thread's
+    # operation is staged, done by that operation once it let the lock go.
     def _take(self) -> bool:
-        """Take the lock, this thread marked in a pool operation first; whether it was
-        already (a finalizer's give-back inside another operation)."""
-        inside = _in_pool
-        was = inside.on
-        inside.on = True
-        self._lock.acquire()
-        return was
+        return enter_marked(self._lock, _in_pool)
 
     def _let_go(self, was: bool) -> None:
-        """Let the lock go (see _take), then give back what was staged meanwhile."""
         self._lock.release()
-        _in_pool.on = was
-        if not was and self._staged:
-            self._drain()
+        leave_marked(_in_pool, was, self._staged, self._apply)
 
-    def _drain(self) -> None:
-        """Give back the blocks staged by finalizers that ran under this thread's operation."""
-        staged = self._staged
-        while staged:
-            try:
-                size_class, raw = staged.popleft()
-            except IndexError:  # (another thread's _drain took the last)
-                return
-            self._give_back(size_class, raw)
+    def _give_back_staged(self, item) -> None:
+        self._give_back(*item)
 
     def allocate(self, nbytes: int) -> HostBlock:
         sc = _aligned(max(nbytes, 1))  # the size class
@@ -213,15 +191,9 @@ class HostPool:
         fresh = []  # (a free list made before the lock is taken, used if this size has none)
         held = fork_holds()  # (a block freed inside os.fork(): this thread holds the lock)
         if not held:
-            lock = self._lock
-            inside = _in_pool
-            was = inside.on
-            inside.on = True  # (before the lock is taken: see _take)
-            if not lock.acquire(False):
-                if was:  # this thread's pool operation holds the lock (a collection under it
-                    self._staged.append((size_class, raw))  # runs this) or is about to take
-                    return                                  # it: it gives it back after
-                lock.acquire()  # (another thread's: it lets it go)
+            was = enter_or_stage_marked(self._lock, _in_pool, self._staged, (size_class, raw))
+            if was is None:  # (staged: under this thread's own pool operation)
+                return
         try:
             if self.cached + size_class <= POOL_CACHE_MAX:
                 self._free.setdefault(size_class, fresh).append(raw)

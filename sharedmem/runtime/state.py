@@ -460,6 +460,59 @@ _gc_was_on = [False]
 _fork_holder = [0]
 
 
+class LockMark(threading.local):
+    """Per thread, for a leaf lock that finalizers take: whether the thread is in an operation
+    on it, from just before it takes the lock to just after it lets it go. A collection can
+    run a finalizer there even where nothing under the lock allocates -- Python 3.12 on runs
+    one at the check after a call (the lock's own acquire() included) that an allocation made
+    earlier, or by another thread, asked for, and a profile function runs at every builtin
+    call -- and a finalizer that then waited for the lock would wait for its own thread. It
+    stages its work instead (:func:`enter_or_stage_marked`), and the operation does it once it
+    has let the lock go (:func:`leave_marked`). Compiled code under such a lock runs no Python
+    code, and takes the lock itself."""
+
+    on = False
+
+
+def enter_marked(lock, mark) -> bool:
+    """Take leaf ``lock`` for an operation, this thread marked (``mark``, a LockMark) first:
+    whether it was marked already (an operation run by a finalizer inside another)."""
+    was = mark.on
+    mark.on = True
+    lock.acquire()
+    return was
+
+
+def enter_or_stage_marked(lock, mark, staged, item):
+    """A finalizer's :func:`enter_marked`: the lock taken (returns whether the thread was
+    marked), or -- where it is taken and this thread's own operation on it is under way, or
+    about to take it -- ``item`` appended to ``staged`` (a deque) for that operation to do:
+    None."""
+    was = mark.on
+    mark.on = True
+    if not lock.acquire(False):
+        if was:
+            staged.append(item)
+            return None
+        lock.acquire()  # (another thread's: it lets it go)
+    return was
+
+
+def leave_marked(mark, was, staged, apply) -> None:
+    """After the lock was let go (by the caller: no Python code runs under it, a trace
+    function's call included), restore ``mark`` (``was``: what :func:`enter_marked` returned);
+    the outermost operation then applies what finalizers staged meanwhile, ``apply(item)``
+    each (every item once: another thread may be draining too)."""
+    mark.on = was
+    if not was:
+        while staged:
+            try:
+                item = staged.popleft()
+            except IndexError:  # (another thread's drain took the last)
+                return
+            apply(item)
+
+
 def fork_holds() -> bool:
     """Whether a fork of this thread holds the at_fork_hold locks now (see _fork_holder): a
     finalizer then does their work without taking them -- this thread holds them, and no
