@@ -157,10 +157,11 @@ class Runtime:
         at every builtin call), between taking the lock and setting ``owner`` or between
         clearing ``owner`` and letting it go: the lock is this thread's, though ``owner`` does
         not say so, and waiting for it would never end. Asked only where the lock was found
-        busy (a frame walk, never on the uncontended path), from the frame ``depth`` above
-        this one. Compiled: False -- those methods are C, with no Python code and so no
-        collection between the two steps."""
-        if cython.compiled:
+        busy, and only while ``owner`` is 0 (a holder that set it is past its window: the
+        retirer's usual hold walks nothing), from the frame ``depth`` above this one: a frame
+        walk, never on the uncontended path. Compiled: False -- those methods are C, with no
+        Python code and so no collection between the two steps."""
+        if cython.compiled or self.owner != 0:
             return False
         codes = _TURNING_CODES
         f = sys._getframe(depth)
