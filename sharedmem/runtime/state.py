@@ -133,7 +133,7 @@ class Runtime:
             if not sm_lock_try(self._plock):
                 with cython.nogil:  # (the holder may need the GIL to finish)
                     sm_lock_wait(self._plock)
-        elif not self._acquire(False):  # (busy: this thread's own, in a window -- see below?)
+        elif not self._acquire(False):  # (busy: another thread's, or this one's in a window)
             if self.turning_here(2):  # (above this call's own frame)
                 raise SharedMemError(
                     "sharedmem was called from a finalizer (__del__ or a weakref callback) "
@@ -373,14 +373,6 @@ def at_fork_child(fn, order: int) -> None:
     _child_hooks.sort(key=lambda h: h[0])
 
 
-class _Turning(threading.local):
-    """Interpreted, per thread and OwnedLock: whether it is taking or letting go the lock --
-    from before ``acquire()`` to after ``owner`` is set, from before ``owner`` is cleared to
-    after ``release()`` (see OwnedLock)."""
-
-    on = False
-
-
 class OwnedLock:
     """A leaf lock that knows which thread holds it (``with lock:``): taken again by that
     thread -- a finalizer, run by a collection inside the locked section, that calls
@@ -399,7 +391,9 @@ class OwnedLock:
         self._lock = threading.Lock()
         self.owner = 0
         self.what = what
-        self._turning = _Turning()
+        # (interpreted, per thread: taking or letting go this lock -- from before acquire()
+        # to after owner is set, from before owner is cleared to after release())
+        self._turning = LockMark()
 
     def __enter__(self):
         me = _get_ident()
