@@ -317,7 +317,8 @@ class Allocation:
 def _range_error(ptr, nbytes) -> ValueError:
     """What a range no allocation can have raises (an allocation's, or an import's)."""
     return ValueError(f"Allocation: ptr must be an address (0 to 2**64 - 1) and nbytes a size "
-                      f"(0 to 2**63 - 1), got {ptr} and {nbytes}")
+                      f"(0 to 2**63 - 1) whose range ends at or below 2**64, got {ptr} and "
+                      f"{nbytes}")
 
 
 def _fill(a, device, ptr, nbytes, owner, source) -> None:
@@ -329,7 +330,7 @@ def _fill(a, device, ptr, nbytes, owner, source) -> None:
         nbytes = operator.index(nbytes)
     if type(source) is not str:
         raise TypeError(f"Allocation: source must be a str, got {type(source).__name__}")
-    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX):
+    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX and ptr + nbytes <= _PTR_END):
         raise _range_error(ptr, nbytes)
     a.id = next(_ids)
     a.device = device
@@ -670,9 +671,16 @@ def import_allocation(device, ptr, nbytes, source, region=None):
         ptr = operator.index(ptr)
     if type(nbytes) is not int:
         nbytes = operator.index(nbytes)
-    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX):
+    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX and ptr + nbytes <= _PTR_END):
         raise _range_error(ptr, nbytes)
     start, size = region if region is not None else (ptr, nbytes)
+    if nbytes and not (start <= ptr and ptr + nbytes <= start + size):
+        # a region that does not hold the range (a CuPy array over UnownedMemory sized by its
+        # shape, its strides reaching further): the allocation made covers both -- over the
+        # region alone it would not hold the range, and a second import would make another
+        end = max(start + size, ptr + nbytes)
+        start = min(start, ptr)
+        size = end - start
     reg = _registry
     dkey = device.key
     a = None

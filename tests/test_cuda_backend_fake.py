@@ -1515,7 +1515,8 @@ def test_cutile_launches_are_planned_once_with_the_same_rules(fake, tile, monkey
         sm.launch(kern, (2,), None, sm.In(a), sm.In(b), sm.Out(c, with_length=True), 1, stream=s)
     rev, = _fake_cupy_arrays(monkeypatch, dev, n, 1)  # a CuPy array reversed: arr[::-1]
     rev.strides = (-4,)
-    rev.data.ptr += 4 * (n - 1)
+    mem = rev.data  # (its memory unit: as CuPy's, where the pointer of element 0 moved)
+    rev.data = types.SimpleNamespace(ptr=mem.ptr + 4 * (n - 1), mem=mem)
     with pytest.raises(sm.KernelError, match=r"^argument 0: a ndarray with negative strides; "
                                              r"cuTile assumes strides >= 0"):
         sm.launch(kern, (2,), None, sm.In(rev), sm.In(b), sm.Out(c), 1, stream=s)

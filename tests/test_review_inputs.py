@@ -1157,11 +1157,16 @@ def test_allocations_and_tokens_take_what_their_compiled_fields_take():
         with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an "
                                             r"integer$"):
             sm.Allocation(host, ptr, nbytes)
-    for ptr, nbytes in ((-1, 8), (1 << 64, 8), (16, -1), (16, 1 << 63)):
-        with pytest.raises(ValueError, match=rf"^Allocation: ptr must be an address \(0 to "
-                                             rf"2\*\*64 - 1\) and nbytes a size \(0 to "
-                                             rf"2\*\*63 - 1\), got {ptr} and {nbytes}$"):
+    def range_error(ptr, nbytes):
+        return rf"^Allocation: ptr must be an address \(0 to 2\*\*64 - 1\) and nbytes a " \
+               rf"size \(0 to 2\*\*63 - 1\) whose range ends at or below 2\*\*64, got " \
+               rf"{ptr} and {nbytes}$"
+
+    # (the last: a range past the end of the address space)
+    for ptr, nbytes in ((-1, 8), (1 << 64, 8), (16, -1), (16, 1 << 63), ((1 << 64) - 1, 16)):
+        with pytest.raises(ValueError, match=range_error(ptr, nbytes)):
             sm.Allocation(host, ptr, nbytes)
+    assert sm.Allocation(host, (1 << 64) - 16, 16).ptr == (1 << 64) - 16  # (ends at 2**64)
     # an import checks as a new allocation does, compiled or not (compiled, a float address
     # was truncated to an int)
     from sharedmem.allocation import import_allocation
@@ -1176,11 +1181,23 @@ def test_allocations_and_tokens_take_what_their_compiled_fields_take():
         with pytest.raises(TypeError, match=r"^'float' object cannot be interpreted as an "
                                             r"integer$"):
             import_allocation(host, ptr, nbytes, "test", region=(a.ptr, a.nbytes))
-    for ptr, nbytes in ((-1, 8), (a.ptr, -1), (a.ptr, 1 << 63)):
-        with pytest.raises(ValueError, match=rf"^Allocation: ptr must be an address \(0 to "
-                                             rf"2\*\*64 - 1\) and nbytes a size \(0 to "
-                                             rf"2\*\*63 - 1\), got {ptr} and {nbytes}$"):
+    for ptr, nbytes in ((-1, 8), (a.ptr, -1), (a.ptr, 1 << 63), ((1 << 64) - 8, 16)):
+        with pytest.raises(ValueError, match=range_error(ptr, nbytes)):
             import_allocation(host, ptr, nbytes, "test", region=(a.ptr, a.nbytes))
+    # a region that does not hold the range (a CuPy array over UnownedMemory sized by its
+    # shape, its strides reaching further): the allocation covers both, so a second import of
+    # the range finds it (over the region alone, each import made another)
+    arena = np.zeros(512, np.uint8)
+    base = arena.ctypes.data
+    for k, (ptr, nbytes, region, span) in enumerate((
+            (base + 64, 16, (base, 64), (base, 80)), (base + 100, 16, (base + 108, 64),
+                                                      (base + 100, 72)),
+            (base + 300, 8, (base + 240, 64), (base + 240, 68)))):
+        got = import_allocation(host, ptr, nbytes, "test", region=region)
+        assert (got.ptr, got.nbytes) == span, k
+        assert import_allocation(host, ptr, nbytes, "test", region=region) is got
+        assert import_allocation(host, ptr, nbytes, "test") is got
+        del got
     assert import_allocation(host, np.uint64(a.ptr + 4), np.int32(4), "test") is a
     with pytest.raises(TypeError, match=r"^Allocation: source must be a str, got bytes$"):
         sm.Allocation(host, 16, 8, source=b"x")
