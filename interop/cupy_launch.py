@@ -1165,5 +1165,3 @@ def _c_coerce(obj, device):
 #: The address of :func:`_c_coerce` (0 interpreted)
 COERCE_ADDR = cython.cast(cython.size_t, cython.cast(cython.p_void, _c_coerce)) \
     if cython.compiled else 0
-
-
