@@ -314,6 +314,19 @@ class Allocation:
                 and t.start < stop and start < t.stop and (writable or t.writable)]
 
 
+def _checked_range(ptr, nbytes) -> tuple:
+    """``(ptr, nbytes)`` as ints, checked -- an allocation's or an import's, before the
+    compiled fields convert them (a float is refused, not truncated): TypeError for what is
+    no integer, ValueError for a range no allocation can have."""
+    if type(ptr) is not int:
+        ptr = operator.index(ptr)
+    if type(nbytes) is not int:
+        nbytes = operator.index(nbytes)
+    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX and ptr + nbytes <= _PTR_END):
+        raise _range_error(ptr, nbytes)
+    return ptr, nbytes
+
+
 def _range_error(ptr, nbytes) -> ValueError:
     """What a range no allocation can have raises (an allocation's, or an import's)."""
     return ValueError(f"Allocation: ptr must be an address (0 to 2**64 - 1) and nbytes a size "
@@ -324,14 +337,9 @@ def _range_error(ptr, nbytes) -> ValueError:
 def _fill(a, device, ptr, nbytes, owner, source) -> None:
     """Set the fields of a new allocation ``a`` (not registered yet), its arguments checked --
     before the compiled fields convert them: a float is refused, not truncated."""
-    if type(ptr) is not int:
-        ptr = operator.index(ptr)
-    if type(nbytes) is not int:
-        nbytes = operator.index(nbytes)
+    ptr, nbytes = _checked_range(ptr, nbytes)
     if type(source) is not str:
         raise TypeError(f"Allocation: source must be a str, got {type(source).__name__}")
-    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX and ptr + nbytes <= _PTR_END):
-        raise _range_error(ptr, nbytes)
     a.id = next(_ids)
     a.device = device
     a.ptr = ptr
@@ -667,12 +675,7 @@ def import_allocation(device, ptr, nbytes, source, region=None):
     across the two)."""
     # (checked as _fill checks them, before the lookup: one that hits must not take a float,
     # truncated compiled, or a range no allocation could hold, whose region would be made)
-    if type(ptr) is not int:
-        ptr = operator.index(ptr)
-    if type(nbytes) is not int:
-        nbytes = operator.index(nbytes)
-    if not (0 <= ptr < _PTR_END and 0 <= nbytes <= _SIZE_MAX and ptr + nbytes <= _PTR_END):
-        raise _range_error(ptr, nbytes)
+    ptr, nbytes = _checked_range(ptr, nbytes)
     start, size = region if region is not None else (ptr, nbytes)
     if nbytes and not (start <= ptr and ptr + nbytes <= start + size):
         # a region that does not hold the range (a CuPy array over UnownedMemory sized by its
