@@ -3,10 +3,12 @@ cimport cython
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.long cimport PyLong_AsUnsignedLongLongMask
 from libc.string cimport memcpy
-from sharedmem.allocation cimport View, ViewToken, unregistered_token
+from sharedmem.allocation cimport (Allocation, View, ViewToken, import_allocation,
+                                   unregistered_token)
 from sharedmem.launch cimport ForeignArray, KernelPlan, LaunchArg
 from sharedmem.backends.cuda cimport CudaStreamImpl, ctx_get_fn_t
 from sharedmem.stream cimport Stream
+from sharedmem.tensor cimport extent
 from interop.streams cimport library_handle
 
 ctypedef int (*launch_fn_t)(void*, unsigned int, unsigned int, unsigned int, unsigned int,
@@ -65,6 +67,16 @@ cdef class ArrayFacts(ForeignArray):
 
 @cython.locals(f=ArrayFacts, slot=Py_ssize_t, i=int)
 cdef _forget(size_t key, ref)
+
+cpdef bint owner_writable(arr) except -1
+
+# (every array new to a launch: C calls, no argument tuples)
+@cython.locals(alloc=Allocation)
+cpdef tuple _allocation_of(arr, dev)
+
+@cython.locals(f=ArrayFacts, tok=ViewToken)
+cdef ArrayFacts _remember(arr, str kind, Allocation alloc, Py_ssize_t lo, Py_ssize_t hi,
+                          bint writable, ptr, layout, keep)
 
 @cython.locals(f=ArrayFacts)
 cpdef ArrayFacts array_facts(arr)

@@ -90,9 +90,10 @@ def _allocation_of(arr, dev):
     """The allocation holding the array's bytes (ours, or foreign over CuPy's
     own memory unit), and the array's byte range in it."""
     lo, hi = extent(arr.shape, arr.strides, arr.itemsize)  # (bytes, from arr.data.ptr)
-    start = arr.data.ptr + lo
+    data = arr.data
+    start = data.ptr + lo
     nbytes = hi - lo
-    mem = arr.data.mem
+    mem = data.mem
     alloc = import_allocation(dev, start, max(nbytes, 1) if arr.size else 0, "cupy",
                               region=(mem.ptr, max(mem.size, 1)))
     return alloc, start - alloc.ptr, start - alloc.ptr + nbytes

@@ -1,7 +1,7 @@
 # Declarations for the compiled build of allocation.py (Cython pure-Python mode).
 cimport cython
 from sharedmem.access cimport AccessTracker
-from sharedmem.runtime.state cimport Runtime
+from sharedmem.runtime.state cimport LeafLock, Runtime, fork_holds
 
 cdef class Allocation
 cdef class View
@@ -51,6 +51,9 @@ cdef class _DeviceEntries:
 @cython.locals(lo=Py_ssize_t, hi=Py_ssize_t, mid=Py_ssize_t, s=cython.ulonglong)
 cdef Py_ssize_t _count_at_most(list starts, unsigned long long x) except -1
 
+@cython.locals(c=cython.int)
+cdef int _bit_length(unsigned long long n) noexcept
+
 cdef class _Registry:
     cdef readonly object _lock
     cdef readonly dict _maps
@@ -63,17 +66,18 @@ cdef class _Registry:
     @cython.locals(lo=cython.ulonglong, n=Py_ssize_t, c=cython.int, last=cython.ulonglong,
                    fresh=_DeviceEntries, fresh_class=_Class, known=_DeviceEntries,
                    dev=_DeviceEntries, walk=list, cl=_Class, starts=list, i=Py_ssize_t,
-                   j=Py_ssize_t, start=cython.ulonglong, a=Allocation, seen=list)
+                   j=Py_ssize_t, start=cython.ulonglong, a=Allocation, seen=list,
+                   lock=LeafLock)
     cpdef bint register(self, Allocation alloc, long long gen) except -1
 
     @cython.locals(dev=_DeviceEntries, cl=_Class, starts=list, refs=list, i=Py_ssize_t,
-                   ptr=cython.ulonglong)
+                   ptr=cython.ulonglong, lock=LeafLock, held=bint)
     cpdef _remove(self, ref)
 
     # (every import and every foreign array new to a launch: C compares, typed containers)
     @cython.locals(p=cython.ulonglong, n=Py_ssize_t, start=cython.ulonglong, i=Py_ssize_t,
                    j=Py_ssize_t, a=Allocation, best=Allocation, seen=list, dev=_DeviceEntries,
-                   walk=list, cl=_Class, starts=list)
+                   walk=list, cl=_Class, starts=list, lock=LeafLock)
     cpdef lookup(self, dkey, ptr, nbytes)
 
 @cython.locals(reg=_Registry, a=Allocation, gen=cython.longlong)

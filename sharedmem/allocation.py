@@ -51,7 +51,7 @@ from .access import AccessTracker
 from .config import _flag
 from .errors import AliasError, BackendUnavailableError, MovedError, ReleasedError
 from .runtime.state import (RUNTIME, LockMark, at_fork_hold, enter_marked, enter_or_stage_marked,
-                             fork_holds, fork_safe, leave_marked, locked)
+                             fork_holds, fork_safe, leaf_lock, leave_marked, locked)
 
 __all__ = ["Allocation", "ViewToken", "View", "lookup_allocation", "TRACK_ORIGINS"]
 
@@ -413,6 +413,16 @@ def _count_at_most(starts, x):
     return lo
 
 
+def _bit_length(n):
+    """``n.bit_length()`` of an int >= 0 (compiled: shifts of a C int, no int object made and
+    no method called -- a registration and a removal each ask for one)."""
+    c = 0
+    while n:
+        n >>= 1
+        c += 1
+    return c
+
+
 _inside = LockMark()  # (interpreted: the threads in a registry operation; see _Registry)
 
 
@@ -451,7 +461,7 @@ class _Registry:
     """
 
     def __init__(self):
-        self._lock = fork_safe(threading.Lock())
+        self._lock = fork_safe(leaf_lock())  # (compiled, taken through C: see LeafLock)
         self._maps = {}  # device key -> _DeviceEntries; guarded by self._lock
         self._gone = self._remove  # (bound once: every entry's weak reference calls it)
         self._live = 0  # entries registered and not removed; written under self._lock
@@ -470,7 +480,7 @@ class _Registry:
         lo = ref.ptr = alloc.ptr
         n = ref.nbytes = alloc.nbytes
         ref.overlapped = False
-        c = n.bit_length()
+        c = _bit_length(n) if cython.compiled else n.bit_length()
         # the last byte (an empty range overlaps nothing; the end of the address space caps it)
         last = (lo + (n - 1) if n - 1 <= _LAST_ADDRESS - lo else _LAST_ADDRESS) if n else 0
         # (made here, where they may be needed: nothing is allocated under the lock. A device's
@@ -485,7 +495,7 @@ class _Registry:
         seen = []  # strong references taken under the lock, dropped after it
         lock = self._lock
         if cython.compiled:
-            lock.acquire()  # (not `with`: interpreted, its exit call allocates under the lock)
+            lock.take()  # (not `with`: interpreted, its exit call allocates under the lock)
         else:  # (marked: see the class docstring)
             was = enter_marked(lock, _inside)
         try:
@@ -528,8 +538,10 @@ class _Registry:
             self._live += 1
             self._gen += 1
         finally:
-            lock.release()
-            if not cython.compiled:
+            if cython.compiled:
+                lock.give()
+            else:
+                lock.release()
                 leave_marked(_inside, was, self._staged, self._gone)
         a = None
         del seen
@@ -543,7 +555,7 @@ class _Registry:
         lock = self._lock
         if not held:
             if cython.compiled:
-                lock.acquire()
+                lock.take()
             else:  # (staged where this thread's own registry operation holds the lock)
                 was = enter_or_stage_marked(lock, _inside, self._staged, ref)
                 if was is None:
@@ -551,7 +563,8 @@ class _Registry:
         try:
             dev = self._maps[ref.dkey]
             ptr = ref.ptr
-            cl = dev.classes[ref.nbytes.bit_length()]
+            cl = dev.classes[_bit_length(ref.nbytes) if cython.compiled else
+                             ref.nbytes.bit_length()]
             starts = cl.starts
             refs = cl.refs
             # (the last entry of its start; back to it)
@@ -565,10 +578,13 @@ class _Registry:
                 dev.last = None
             self._live -= 1
         finally:
-            if not held:
+            if held:
+                pass
+            elif cython.compiled:
+                lock.give()
+            else:
                 lock.release()
-                if not cython.compiled:
-                    leave_marked(_inside, was, self._staged, self._gone)
+                leave_marked(_inside, was, self._staged, self._gone)
 
     def lookup(self, dkey, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)`` (ints) on the
@@ -581,7 +597,7 @@ class _Registry:
         best = None
         lock = self._lock
         if cython.compiled:
-            lock.acquire()
+            lock.take()
         else:  # (marked: see the class docstring)
             was = enter_marked(lock, _inside)
         try:
@@ -618,8 +634,10 @@ class _Registry:
                 if best_ref is not None:
                     dev.last = best_ref
         finally:
-            lock.release()
-            if not cython.compiled:
+            if cython.compiled:
+                lock.give()
+            else:
+                lock.release()
                 leave_marked(_inside, was, self._staged, self._gone)
         a = None
         del seen

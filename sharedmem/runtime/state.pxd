@@ -58,3 +58,11 @@ cdef class Runtime:
     cdef _drain_at_release(self)
 
 cdef unsigned long _thread_ident()
+
+cdef class LeafLock:
+    cdef sm_core_lock _m
+    cdef _new(self)
+    cdef void take(self) noexcept
+    cdef void give(self) noexcept
+
+cpdef bint fork_holds() except -1

@@ -44,7 +44,7 @@ except ImportError:  # interpreted, without Cython installed
 from ..errors import SharedMemError
 
 __all__ = ["Runtime", "Hooks", "RUNTIME", "Bell", "locked", "fork_safe", "at_fork_child",
-           "at_fork_hold", "fork_holds", "log"]
+           "at_fork_hold", "fork_holds", "leaf_lock", "LeafLock", "log"]
 
 #: The ``sharedmem`` logger: rare events only (threads started, forks, captures, leaks, work
 #: dropped at exit, host kernels that raised) -- never a line per launch.
@@ -436,8 +436,66 @@ class OwnedLock:
         self.owner = 0
 
 
+class LeafLock:
+    """Compiled: a leaf lock that compiled code takes and lets go through C (``take()``,
+    ``give()``) -- a pthread mutex, as the core lock: no method lookup, no argument parsing
+    and no clock read per operation, each of which a ``threading.Lock``'s ``acquire()``
+    costs when called from C. A thread waiting for it lets the GIL go. From Python it is a
+    lock as ``threading.Lock`` (``acquire(blocking=True)``, ``release()``, ``locked()``,
+    ``with``: fork hooks, tests), taken and let go by one thread. Made by
+    :func:`leaf_lock`, which gives a ``threading.Lock`` interpreted: there, this class is
+    never made."""
+
+    def __init__(self):
+        self._new()
+
+    def _new(self) -> None:
+        self._m = sm_lock_new()  # (a forked child's new one: the parent's is leaked, 1 lock)
+        if not self._m:
+            raise MemoryError("cannot allocate a sharedmem lock")
+
+    def take(self) -> None:
+        if not sm_lock_try(self._m):
+            with cython.nogil:  # (its holder may need the GIL to let it go)
+                sm_lock_wait(self._m)
+
+    def give(self) -> None:
+        sm_lock_release(self._m)
+
+    def acquire(self, blocking=True) -> bool:
+        if not blocking:
+            return bool(sm_lock_try(self._m))
+        self.take()
+        return True
+
+    def release(self) -> None:
+        self.give()
+
+    def locked(self) -> bool:
+        if sm_lock_try(self._m):
+            sm_lock_release(self._m)
+            return False
+        return True
+
+    def __enter__(self):
+        self.take()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.give()
+
+    def _at_fork_reinit(self) -> None:
+        self._new()
+
+
+def leaf_lock():
+    """A new leaf lock: a :class:`LeafLock` compiled, a ``threading.Lock`` interpreted."""
+    return LeafLock() if cython.compiled else threading.Lock()
+
+
 def fork_safe(lock):
-    """Register a leaf ``threading.Lock`` to be re-initialized in a forked child; returns it."""
+    """Register a leaf lock (a ``threading.Lock`` or :class:`LeafLock`) to be re-initialized in
+    a forked child; returns it."""
     _leaf_locks.append(lock)
     return lock
 
