@@ -55,11 +55,13 @@ _M_DONE = cython.declare(cython.int, 1)
 _M_UNKNOWN = cython.declare(cython.int, 2)
 
 #: Sweep the front of a stream's FIFO on every SWEEP_EVERY-th submission to it (the retirer
-#: does the rest): keeps FIFOs short without a query per launch. 64, a completion event's batch
+#: does the rest): keeps FIFOs short without a query per launch. A completion event's batch
 #: (backends.cuda.MARKER_BATCH): at 128 a launch loop kept enough submissions pending to set
 #: off a young collection every ~150 launches (stubbed cuTile launch 13.6k -> 12.9k
-#: instructions, DLPack export 16.8k -> 15.8k, reused launch 13.4k -> 13.8k).
-SWEEP_EVERY = 64
+#: instructions, DLPack export 16.8k -> 15.8k, reused launch 13.4k -> 13.8k); at 64, with a
+#: new CuPy array each launch, every ~65 launches (32: 150 -> 11 young collections in 10,000
+#: stubbed launches, interpreted).
+SWEEP_EVERY = 32
 _sweep_every = cython.declare(cython.longlong, SWEEP_EVERY)
 
 #: Unretired submissions a CUDA stream may hold before the next one waits -- holding no lock
