@@ -68,6 +68,8 @@ cdef class ArrayFacts(ForeignArray):
 @cython.locals(f=ArrayFacts, slot=Py_ssize_t, i=int)
 cdef _forget(size_t key, ref)
 
+cdef dict _facts
+
 cpdef bint owner_writable(arr) except -1
 
 # (every array new to a launch: C calls, no argument tuples)

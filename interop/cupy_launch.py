@@ -783,7 +783,7 @@ class ArrayFacts(ForeignArray):
 # array dies (its weak reference's callback, which also marks it ``dead``: a later array at
 # the same address is learned anew). Lock-free: single dict operations; a racing thread
 # learns equal facts.
-_facts = {}
+_facts = cython.declare(dict, {})
 # The facts found last, by a hash of the array's address (compiled: one C list read, before
 # the dict, whose key is an int made per lookup), in pairs of slots (``slot ^ 1``, the other
 # of the pair: two arrays whose addresses hash alike -- objects 4 KiB apart -- both stay, not
@@ -791,6 +791,12 @@ _facts = {}
 # (``addr`` equal, not ``dead``). Lock-free: single list stores of immutable records.
 _RECENT = cython.declare(cython.Py_ssize_t, 64)
 _recent = cython.declare(list, [None] * 64)
+
+
+def learned_facts() -> dict:
+    """The table of learned facts itself, ``id(array) -> ArrayFacts`` (compiled, a C global:
+    for tests and diagnostics)."""
+    return _facts
 
 
 def recent_facts() -> list:

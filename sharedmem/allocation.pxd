@@ -36,6 +36,8 @@ cdef class Allocation:
     cpdef ViewToken new_token(self, str kind, Py_ssize_t start, Py_ssize_t stop, bint writable,
                               keep, source=*)
 
+cdef tuple _checked_range(ptr, nbytes)
+
 cdef _fill(Allocation a, device, ptr, nbytes, owner, source)
 
 cdef class _Class:

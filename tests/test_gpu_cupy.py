@@ -176,13 +176,13 @@ def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, 
     y = cp.zeros(1 << 16, cp.float32)
     cp.cuda.Device(0).synchronize()
     sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(y), y.size, 1.0, np.int64(0), stream=s)
-    facts = icl._facts[id(y)]
+    facts = icl.learned_facts()[id(y)]
     token = facts.token
     assert facts.ref() is y and token.stop - token.start == y.nbytes
     # what a launch needs of the array is learned once: the second launch reuses it
     sm.launch(K.kernel("slow_fill"), 64, 256, sm.Out(y), y.size, 7.0, np.int64(K.cycles(500)),
               stream=s)
-    assert icl._facts[id(y)] is facts
+    assert icl.learned_facts()[id(y)] is facts
     ref = weakref.ref(y)
     del y  # (no gc.collect() here: with torch and JAX loaded a full collection can outlast
     # the kernel; the array has no cycles, so `del` frees it unless something keeps it)
@@ -192,8 +192,8 @@ def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, 
     sm.synchronize()
     gc.collect()
     assert ref() is None
-    assert all(f.ref() is not None for f in icl._facts.values())  # its entry went with it
-    assert facts not in icl._facts.values() and facts.dead  # (never taken for a new array)
+    assert all(f.ref() is not None for f in icl.learned_facts().values())  # its entry went with it
+    assert facts not in icl.learned_facts().values() and facts.dead  # (never taken for a new array)
     # and so did the recent-lookup slot that found it (compiled: it would keep the allocation)
     recent = icl.recent_facts()
     assert facts not in recent
@@ -215,7 +215,7 @@ def test_a_new_cupy_output_array_each_launch(cp, ic):
     sm.synchronize()
     gc.collect()
     live = sm.allocation.live_allocation_count()
-    facts = len(icl._facts)
+    facts = len(icl.learned_facts())
     outs = []
     for i in range(200):
         out = cp.empty(1 << 12, cp.float32)
@@ -230,7 +230,7 @@ def test_a_new_cupy_output_array_each_launch(cp, ic):
     sm.synchronize()
     gc.collect()
     assert sm.allocation.live_allocation_count() == live
-    assert len(icl._facts) == facts
+    assert len(icl.learned_facts()) == facts
 
 
 def test_as_cupy_orders_the_consumer_stream(cp, ic):
