@@ -19,6 +19,9 @@ cdef class StreamUse:
     @cython.locals(e=Span)
     cpdef bint prune(self, long long done)
 
+@cython.locals(use=StreamUse)
+cdef StreamUse _new_use(stream)
+
 cdef class AccessTracker:
     cdef public dict _uses
     cdef public long long _last

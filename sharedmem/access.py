@@ -120,14 +120,7 @@ class StreamUse:
     to every launch made two empty lists more for the collector each time). guarded by
     core_lock."""
 
-    __slots__ = ("reads", "writes", "holds", "newest", "ref")
-
-    def __init__(self, stream):
-        self.reads = None
-        self.writes = None
-        self.holds = None
-        self.newest = 0
-        self.ref = weakref.ref(stream)  # (its stream: None once gone, its work all retired)
+    __slots__ = ("reads", "writes", "holds", "newest", "ref")  # (made by _new_use)
 
     def prune(self, done) -> bool:
         """Drop the spans of submissions up to ``done`` (finished); True if nothing is left."""
@@ -140,6 +133,19 @@ class StreamUse:
             if self.writes and _any_done(self.writes, done):
                 self.writes = [e for e in self.writes if e.seq > done]
         return not self.reads and not self.writes and not self.holds
+
+
+def _new_use(stream):
+    """A new StreamUse of ``stream`` (what ``StreamUse(stream)`` makes, without the
+    constructor's call and argument parsing: one for every allocation new to a stream, a
+    foreign array new to every launch among them)."""
+    use = StreamUse.__new__(StreamUse)
+    use.reads = None
+    use.writes = None
+    use.holds = None
+    use.newest = 0
+    use.ref = weakref.ref(stream)  # (its stream: None once gone, its work all retired)
+    return use
 
 
 def _any_done(entries: list, done) -> bool:
@@ -235,12 +241,12 @@ class AccessTracker:
         if self._last == uid:
             return self._last_use
         if self._uses is None and self._last_use is None:  # (the first: no dict)
-            use = StreamUse(stream)
+            use = _new_use(stream)
         else:
             uses = self.uses_locked()
             use = uses.get(uid)
             if use is None:
-                use = uses[uid] = StreamUse(stream)
+                use = uses[uid] = _new_use(stream)
         self._last = uid
         self._last_use = use
         return use
