@@ -489,8 +489,8 @@ def _blocking_capture(drv):
 def test_a_default_stream_marker_whose_context_cannot_be_made_current_is_unknown(
         fake, monkeypatch):
     """close_locked never raises: the work that joined the marker is enqueued already (a
-    launch's 64th join records it; a sweep or a wait asks it). Whether the legacy default
-    stream is joined to a capture is asked with the device's context current; where that
+    launch's MARKER_BATCH-th join records it; a sweep or a wait asks it). Whether the legacy
+    default stream is joined to a capture is asked with the device's context current; where that
     context cannot be made current the marker is unknown -- as where the record itself
     fails --, not a CudaError raised out of every sweep and wait (the retirer's at each pass,
     the FIFO never moving)."""

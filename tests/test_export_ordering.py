@@ -264,9 +264,9 @@ def test_hold_ends_of_an_export_loop_die_young(monkeypatch, how):
 
 def test_hold_ends_share_a_submission_and_keep_all_they_held(monkeypatch):
     """Hold ends that join their stream's open completion event one after another share one
-    submission (a loop of cupy.from_dlpack files one per 64 exports), and it keeps what each
-    of them kept -- here three allocations no view refers to any more -- until the device has
-    passed that point. Other work on the stream between two ends starts a new one."""
+    submission (a loop of cupy.from_dlpack files one per MARKER_BATCH exports), and it keeps
+    what each of them kept -- here three allocations no view refers to any more -- until the
+    device has passed that point. Other work on the stream between two ends starts a new one."""
     from fake_cuda import install_fake_devices
     (dev,), drv = install_fake_devices(monkeypatch, False)
     ts = [sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
@@ -320,6 +320,7 @@ def test_export_loop_with_the_device_behind_sweeps_once_per_sweep_every(monkeypa
     sweep records the stream's open marker, and every export would cost an event record,
     queries and a new event."""
     from fake_cuda import install_fake_devices
+    from sharedmem.backends.cuda import MARKER_BATCH
     from sharedmem.runtime.submission import SWEEP_EVERY
     (dev,), drv = install_fake_devices(monkeypatch, True)
     t = sm.Tensor.from_buffer(sm.Buffer.empty(64, "float32", device=dev), (64,))
@@ -333,8 +334,8 @@ def test_export_loop_with_the_device_behind_sweeps_once_per_sweep_every(monkeypa
             cap = t.__dlpack__(stream=1, max_version=(1, 0))
             del cap
         records = sum(c[0] == "record" for c in drv.calls) - records0
-        assert records <= n // 64 + n // SWEEP_EVERY + 2, records
-        assert len(drv.events) - events0 <= n // 64 + n // SWEEP_EVERY + 2
+        assert records <= n // MARKER_BATCH + n // SWEEP_EVERY + 2, records
+        assert len(drv.events) - events0 <= n // MARKER_BATCH + n // SWEEP_EVERY + 2
     finally:
         drv.holding = False
         drv.finish_held()

@@ -381,6 +381,31 @@ def test_a_fork_waits_for_the_allocation_registry(host):
     assert out == str((True, 0.0)) and waited >= 0.2, (out, waited)
 
 
+def test_the_registry_lock_is_a_lock_as_threading_locks_are():
+    """The registry's leaf lock (compiled, a LeafLock over a pthread mutex) behaves as a
+    threading.Lock from Python: releasing it while nobody holds it raises RuntimeError (a
+    double release went unnoticed: an unlock of an unlocked mutex), and one made without its
+    __init__ (``__new__``, a subclass's) is a lock, not a NULL mutex that crashes."""
+    from sharedmem.allocation import _registry
+    from sharedmem.runtime.state import leaf_lock
+    lock = leaf_lock()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    assert not lock.locked() and lock.acquire(False) and lock.locked()
+    assert not lock.acquire(False)
+    lock.release()
+    assert not lock.locked()
+    with lock:
+        assert lock.locked()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    assert not _registry._lock.locked()
+    if type(lock).__name__ == "LeafLock":
+        bare = type(lock).__new__(type(lock))
+        assert not bare.locked() and bare.acquire(False) and bare.locked()
+        bare.release()
+
+
 @fork_only
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (3.12: fork of a threaded process)
 def test_a_fork_waits_for_the_host_pool(host):

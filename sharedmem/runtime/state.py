@@ -446,8 +446,8 @@ class LeafLock:
     :func:`leaf_lock`, which gives a ``threading.Lock`` interpreted: there, this class is
     never made."""
 
-    def __init__(self):
-        self._new()
+    def __cinit__(self):  # (not __init__: a LeafLock.__new__(LeafLock), or a subclass whose
+        self._new()       # __init__ skips ours, would take a NULL mutex -- a crash)
 
     def _new(self) -> None:
         self._m = sm_lock_new()  # (a forked child's new one: the parent's is leaked, 1 lock)
@@ -469,6 +469,9 @@ class LeafLock:
         return True
 
     def release(self) -> None:
+        if sm_lock_try(self._m):  # (not held: an error, as threading.Lock's -- a double
+            sm_lock_release(self._m)  # release would go unnoticed, an unlock of an unlocked
+            raise RuntimeError("release unlocked lock")  # mutex undefined in POSIX)
         self.give()
 
     def locked(self) -> bool:
