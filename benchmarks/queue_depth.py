@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from sharedmem.backends.cuda import MARKER_BATCH
+
 SPIN = r"""
 extern "C" __global__ void spin(long long cycles) {
     long long t0 = clock64();
@@ -61,8 +63,8 @@ def raw_depth(spin_ms, launches, events, streams=1, waits=False):
         if waits:  # (as sharedmem orders a launch after another stream's work)
             s.wait_event(done)
         tiny((1,), (32,), (x, np.int32(1)), stream=s)
-        if events and i % 64 == 63:
-            evs[(i // 64) % 64].record(s)
+        if events and i % MARKER_BATCH == MARKER_BATCH - 1:  # (as sharedmem records them)
+            evs[(i // MARKER_BATCH) % 64].record(s)
         if time.perf_counter() - t0 > 2e-3:
             first = i
             break
@@ -201,7 +203,8 @@ def main():
     launches = _opt("--launches", 4000)
     print(f"raw CuPy: first launch call over 2 ms behind a {spin_ms} ms kernel: "
           f"#{raw_depth(spin_ms, launches, False)}")
-    print(f"raw CuPy + an event every 64 launches: #{raw_depth(spin_ms, launches, True)}")
+    print(f"raw CuPy + an event every {MARKER_BATCH} launches: "
+          f"#{raw_depth(spin_ms, launches, True)}")
     print(f"raw CuPy, 4 busy streams taken in turn: #{raw_depth(spin_ms, 4 * launches, False, 4)}")
     print(f"raw CuPy, a stream wait before each launch: "
           f"#{raw_depth(spin_ms, launches, False, 1, True)}")
