@@ -31,6 +31,7 @@ int query_stub(void *e) { return 0; }
 int wait_stub(void *s, void *e, unsigned f) { return 0; }
 int graph_launch_stub(void *g, void *s) { return 0; }
 int exchange_stub(int *mode) { *mode = 0; return 0; }
+int capturing_stub(void *s, int *status) { *status = 0; return 0; }
 long long cupy_current = 0;  /* CuPy's current stream, as its C entry point gives it */
 long long get_stream_ptr_stub(int device_id) { return cupy_current; }
 """
@@ -79,7 +80,8 @@ class _NullHot:
                                ("cuEventRecord", "record_stub"), ("cuEventQuery", "query_stub"),
                                ("cuStreamWaitEvent", "wait_stub"),
                                ("cuGraphLaunch", "graph_launch_stub"),
-                               ("cuThreadExchangeStreamCaptureMode", "exchange_stub"))}
+                               ("cuThreadExchangeStreamCaptureMode", "exchange_stub"),
+                               ("cuStreamIsCapturing", "capturing_stub"))}
         else:
             self.launch = lambda *a: 0
             self.record = lambda *a: 0
