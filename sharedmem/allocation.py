@@ -578,13 +578,12 @@ class _Registry:
                 dev.last = None
             self._live -= 1
         finally:
-            if held:
-                pass
-            elif cython.compiled:
-                lock.give()
-            else:
-                lock.release()
-                leave_marked(_inside, was, self._staged, self._gone)
+            if not held:
+                if cython.compiled:
+                    lock.give()
+                else:
+                    lock.release()
+                    leave_marked(_inside, was, self._staged, self._gone)
 
     def lookup(self, dkey, ptr, nbytes):
         """The innermost live allocation containing ``[ptr, ptr + nbytes)`` (ints) on the

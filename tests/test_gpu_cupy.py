@@ -192,8 +192,9 @@ def test_cupy_array_arguments_are_learned_once_and_kept_alive_by_the_launch(cp, 
     sm.synchronize()
     gc.collect()
     assert ref() is None
-    assert all(f.ref() is not None for f in icl.learned_facts().values())  # its entry went with it
-    assert facts not in icl.learned_facts().values() and facts.dead  # (never taken for a new array)
+    table = icl.learned_facts()
+    assert all(f.ref() is not None for f in table.values())  # its entry went with it
+    assert facts not in table.values() and facts.dead  # (never taken for a new array)
     # and so did the recent-lookup slot that found it (compiled: it would keep the allocation)
     recent = icl.recent_facts()
     assert facts not in recent

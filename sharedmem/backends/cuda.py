@@ -227,12 +227,12 @@ def check(result, what: str):
 
 #: Submissions of one stream that share one completion event at most (see the
 #: module docstring): one cuEventRecord per MARKER_BATCH launches in a tight loop. The
-#: submissions of a batch retire together, once its event is reached, so a launch loop keeps
-#: up to about two batches of them alive, with what they keep: 32, where a launch with a new
-#: CuPy array keeps some 17 objects the collector tracks (its facts, allocation, lease,
-#: submission... and CuPy's own), keeps that below the 700 that start a young collection --
-#: at 64 one ran every ~65 launches and promoted the arrays in flight, and full collections
-#: followed (see runtime.submission.SWEEP_EVERY).
+#: submissions of a batch retire together, at the first sweep that finds its event reached,
+#: with what they keep: 32, where a launch with a new CuPy array keeps some 17 objects the
+#: collector tracks (its facts, allocation, lease, submission... and CuPy's own), keeps a
+#: batch below the 700 that start a young collection -- at 64 one ran every ~65 launches and
+#: promoted the arrays in flight, and full collections followed (on an H100, 2.9 us of such a
+#: launch's 18-23; see runtime.submission.SWEEP_EVERY).
 MARKER_BATCH = 32
 _marker_batch = cython.declare(cython.longlong, MARKER_BATCH)  # (compiled: a C constant to compare)
 
