@@ -33,7 +33,6 @@ def _directive(arg):
 
 
 freelist = boundscheck = wraparound = _directive
-no_gc = cclass  # (``cython.no_gc``: the class as it is -- interpreted, every instance is tracked)
 
 
 def declare(type_=None, value=None, **kwargs):

@@ -83,8 +83,6 @@ def check_policy(policy) -> str:
     return policy
 
 
-@cython.no_gc  # (never in a reference cycle -- a marker refers to no span -- so not tracked by
-@cython.cclass  # the collector: a new range recorded, as for an array new to every launch)
 class Span:
     """Bytes ``[lo, hi)`` touched by submission ``seq`` of one stream (``marker``: its
     completion marker). guarded by core_lock."""
