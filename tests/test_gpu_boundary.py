@@ -556,6 +556,79 @@ def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_
     assert x.to_host()[:32].tolist() == [4.0] * 32
 
 
+@pytest.mark.parametrize("where", ["another thread", "this thread"])
+def test_sharedmem_objects_collected_during_a_global_mode_capture_leave_it_valid(cp, where):
+    """What sharedmem's objects own is destroyed when they die -- a stream of its own, a
+    user event's CUDA event, a graph's executable -- from whichever thread the collector
+    runs in, whenever it runs: here while another library captures in global mode
+    (torch.cuda.graph's default), in another thread or in this one. The destroys are made in
+    relaxed mode: the capture ends valid, and the thread's mode is its own after."""
+    import gc
+    import threading
+    import weakref
+    import gpu_kernels as K
+    from cuda.bindings import driver as cu
+    dev = sm.Device(0)
+    x = sm.Buffer.zeros(N, "float32", device=dev)
+    theirs = cp.cuda.Stream(non_blocking=True)
+    y = cp.zeros(1 << 20, cp.uint8)
+    GLOBAL = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+
+    def doomed():
+        """A stream of sharedmem's, an event recorded on it and a graph replayed there,
+        each in a reference cycle: only the collector frees them."""
+        s = dev.create_stream("doomed")
+        sm.launch(K.kernel("fill"), 64, 256, sm.Out(x), N, 1.0, stream=s)
+        with sm.capture(s) as g:
+            sm.launch(K.kernel("fill"), 64, 256, sm.Out(x), N, 2.0, stream=s)
+        g.replay(s).result()
+        ev = s.record()
+        ev.synchronize()
+        cycle = [s, ev, g]
+        cycle.append(cycle)
+        return [weakref.ref(o) for o in (s, g, s._impl)]  # (the event: in the cycle)
+
+    began, go_on, ended = threading.Event(), threading.Event(), []
+
+    def capture():
+        with cp.cuda.Device(0):
+            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
+            assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
+            began.set()
+            go_on.wait(30)
+            ended.append(_end_capture(cu, theirs.ptr))
+
+    refs = doomed()
+    sm.synchronize()
+    gc.collect()  # (what earlier tests left: freed before the capture begins)
+    refs = doomed()
+    sm.synchronize()
+    gc.disable()  # (the one collection below frees them, within the capture)
+    try:
+        if where == "another thread":
+            t = threading.Thread(target=capture)
+            t.start()
+            assert began.wait(30)
+        else:
+            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
+        try:
+            gc.collect()
+            assert [r() for r in refs] == [None] * len(refs)  # (destroyed meanwhile)
+        finally:
+            if where == "another thread":
+                go_on.set()
+                t.join(30)
+            else:
+                ended.append(_end_capture(cu, theirs.ptr))
+    finally:
+        gc.enable()
+    assert ended == [cu.CUresult.CUDA_SUCCESS]  # (not ..._STREAM_CAPTURE_INVALIDATED)
+    err, mode = cu.cuThreadExchangeStreamCaptureMode(GLOBAL)
+    assert err == cu.CUresult.CUDA_SUCCESS and mode == GLOBAL  # (this thread's, as it was)
+    sm.synchronize()
+    assert x.to_host()[:4].tolist() == [2.0] * 4
+
+
 def test_cai_consumers_on_cupy_streams_their_user_dropped_are_let_go_in_order(cp):
     """A long-lived view read through ``cupy.asarray`` under a new CuPy stream per request,
     each stream dropped after its slow kernel was enqueued: sharedmem keeps only the newest
