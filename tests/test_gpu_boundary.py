@@ -561,8 +561,11 @@ def test_sharedmem_objects_collected_during_a_global_mode_capture_leave_it_valid
     """What sharedmem's objects own is destroyed when they die -- a stream of its own, a
     user event's CUDA event, a graph's executable -- from whichever thread the collector
     runs in, whenever it runs: here while another library captures in global mode
-    (torch.cuda.graph's default), in another thread or in this one. The destroys are made in
-    relaxed mode: the capture ends valid, and the thread's mode is its own after."""
+    (torch.cuda.graph's default), in another thread or in this one. None of it may be a
+    call the driver refuses meanwhile, which would invalidate that capture: on an H100
+    (2026-12-07) it refused queries (cuEventQuery, cuStreamQuery), cuMemAlloc and cuMemFree
+    in the thread's default mode, and allowed creating and destroying events, streams and
+    graphs, recording events and launching on other streams."""
     import gc
     import threading
     import weakref

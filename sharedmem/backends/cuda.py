@@ -422,8 +422,7 @@ class CudaMarker:
         if not self._pooled and self.event is not None:
             try:  # (at teardown ``sys`` itself may be None: inside the try)
                 if not sys.is_finalizing():
-                    backend = self._backend
-                    relaxed_call(backend, backend.cu.cuEventDestroy, self.event)
+                    self._backend.cu.cuEventDestroy(self.event)
             except Exception:
                 pass
 
@@ -617,8 +616,7 @@ class CudaStreamImpl:
     def __del__(self):
         if self.owned and self.handle:
             try:
-                backend = self._backend
-                relaxed_call(backend, backend.cu.cuStreamDestroy, self.cu_stream)
+                self._backend.cu.cuStreamDestroy(self.cu_stream)
             except Exception:
                 pass
 
@@ -712,23 +710,6 @@ def _relax(hot):
     except Exception:  # (a driver without the call: asked in the thread's mode, as before)
         return None
     return res[1] if res[0] == _SUCCESS else None
-
-
-def relaxed_call(backend, fn, *args):
-    """``fn(*args)`` in relaxed stream-capture mode (see :func:`_relax`), the thread's own
-    mode given back after: how sharedmem destroys what its objects owned -- a stream, an
-    event, a graph's executable, an IPC mapping -- when they die. The collector runs those
-    finalizers in whatever thread allocates when it runs, and in the driver's default mode
-    a destroy made while a graph capture is under way (in that thread, or in global mode in
-    any other: torch.cuda.graph's default) is refused, the capture invalidated, and the
-    handle leaked. In relaxed mode it is made: what sharedmem destroys is never part of a
-    capture (nothing of it is recorded into another library's graph)."""
-    hot = backend.hot
-    old = _relax(hot)
-    try:
-        return fn(*args)
-    finally:
-        _unrelax(hot, old)
 
 
 def _unrelax(hot, old) -> None:
@@ -1213,9 +1194,7 @@ class CudaBackend:
         return int(self.call("cuIpcOpenMemHandle", h, 1))  # LAZY_ENABLE_PEER
 
     def ipc_close_mem(self, base: int) -> None:
-        """Unmap an allocation :meth:`ipc_open_mem` mapped (from a finalizer: see
-        :func:`relaxed_call`)."""
-        relaxed_call(self, self.call, "cuIpcCloseMemHandle", base)
+        self.call("cuIpcCloseMemHandle", base)
 
     def ipc_event(self) -> tuple:
         """An interprocess event: ``(event, 64-byte handle)``; give it back with
@@ -1293,8 +1272,8 @@ class CudaBackend:
     def destroy_graph(self, graph_exec) -> None:
         """Destroy a graph; never called while a replay of it is in flight
         (replays keep their Graph alive until they retire)."""
-        relaxed_call(self, self.cu.cuGraphExecDestroy, graph_exec[1])  # (from a finalizer:
-        relaxed_call(self, self.cu.cuGraphDestroy, graph_exec[0])      # see relaxed_call)
+        self.cu.cuGraphExecDestroy(graph_exec[1])
+        self.cu.cuGraphDestroy(graph_exec[0])
 
 
 
