@@ -213,6 +213,8 @@ class FakeDriver:
         return (OK, types.SimpleNamespace(reserved=int(base).to_bytes(8, "little") + bytes(56)))
 
     def cuIpcOpenMemHandle(self, handle, flags):
+        if self._unsafe_call_refused():  # (a mapping, as cuMemAlloc: refused, we assume)
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, 0)
         size = self.ranges[int.from_bytes(handle.reserved[:8], "little")]
         mem = np.zeros(size + 256, np.uint8)
         base = (mem.ctypes.data + 255) // 256 * 256
@@ -221,6 +223,8 @@ class FakeDriver:
         return (OK, base)
 
     def cuIpcCloseMemHandle(self, base):
+        if self._unsafe_call_refused():  # (an unmapping, as cuMemFree: refused, we assume)
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
         del self.ipc_maps[int(base)]
         self.calls.append(("ipc_close", int(base)))
         return (OK,)
@@ -247,6 +251,8 @@ class FakeDriver:
         return (OK,)
 
     def cuStreamSynchronize(self, stream):
+        if self._unsafe_call_refused():
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
         self.calls.append(("stream_sync", int(stream)))
         return (OK,)
 
@@ -281,8 +287,9 @@ class FakeDriver:
         return (OK, old)
 
     def _unsafe_call_refused(self) -> bool:
-        """Whether the calling thread may not make a potentially unsafe call (an event query
-        or wait) now, as the driver decides by capture modes: in its mode GLOBAL (the default)
+        """Whether the calling thread may not make a potentially unsafe call (an event or
+        stream query or wait, an allocation or free -- cuMemAlloc, cuMemFree --, an IPC
+        mapping or unmapping) now, as the driver decides by capture modes: in its mode GLOBAL (the default)
         while any thread captures in global mode or it captures itself (not relaxed); in
         THREAD_LOCAL while it captures itself; never in RELAXED. A refused call invalidates
         those captures (their end answers CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)."""
@@ -550,9 +557,19 @@ def fake_cupy(drv=None):
             self.non_blocking = non_blocking
             if drv is not None:  # (the driver knows its flags, as of a stream it made)
                 drv.stream_flags[self.ptr] = 1 if non_blocking else 0
-    m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=_FakeBlock, ExternalStream=ExternalStream,
-                                   Stream=Stream, get_current_stream=lambda device_id=-1: m.current,
-                                   alloc_pinned_memory=_PinnedBlock)
+    def refused(make):  # (CuPy's pools: a block made is a cudaMalloc or cudaHostAlloc, and a
+        # pinned one first queries the events of finished copies -- refused beside a capture,
+        # as the driver refuses them; CuPy raises its CUDARuntimeError)
+        def alloc(n):
+            if drv is not None and drv._unsafe_call_refused():
+                raise RuntimeError("cudaErrorStreamCaptureUnsupported: operation not permitted "
+                                   "when stream is capturing")
+            return make(n)
+        return alloc
+    m.cuda = types.SimpleNamespace(Device=_Ctx, alloc=refused(_FakeBlock),
+                                   ExternalStream=ExternalStream, Stream=Stream,
+                                   get_current_stream=lambda device_id=-1: m.current,
+                                   alloc_pinned_memory=refused(_PinnedBlock))
     m.ndarray = type("ndarray", (), {})  # no fake arrays: nothing is one
     return m
 

@@ -611,7 +611,14 @@ class CudaStreamImpl:
         return b
 
     def synchronize(self) -> None:
-        self._backend.call("cuStreamSynchronize", self.cu_stream)
+        """``cuStreamSynchronize``: of a stream sharedmem made, in relaxed capture mode, as
+        its events are waited for (no other library captures it); of a borrowed one, in the
+        thread's own mode, as its owner's call would be."""
+        backend = self._backend
+        if self.owned:
+            backend.relaxed(backend.call, "cuStreamSynchronize", self.cu_stream)
+        else:
+            backend.call("cuStreamSynchronize", self.cu_stream)
 
     def __del__(self):
         if self.owned and self.handle:
@@ -853,6 +860,33 @@ class CudaBackend:
         self.ensure_context()
         return check(getattr(cu, name)(*args), name)
 
+    def relaxed(self, fn, *args):
+        """``fn(*args)`` in the driver's relaxed stream-capture mode, the calling thread's own
+        mode given back after (as :func:`_relax` for queries): how sharedmem allocates,
+        stages, maps and unmaps memory and synchronizes a stream of its own. While another
+        library captures a graph in global mode (torch.cuda.graph's default) -- in any
+        thread, this one too -- the driver refuses such a call from a thread in its default
+        mode and invalidates that capture (probed on an H100: cuMemAlloc, cuMemFree,
+        cuStreamQuery); what sharedmem touches this way is never part of that capture. As
+        torch's caching allocator makes its cudaMalloc during a capture."""
+        if cython.compiled:
+            xaddr = cython.declare(cython.size_t, self.exchange_addr)
+            if xaddr:  # (through its address: no Python call around an allocation)
+                mode = cython.declare(cython.int, _RELAXED)
+                relaxed = cython.declare(
+                    cython.bint, cython.cast(exchange_fn_t, xaddr)(cython.address(mode)) == 0)
+                try:
+                    return fn(*args)
+                finally:
+                    if relaxed:
+                        cython.cast(exchange_fn_t, xaddr)(cython.address(mode))
+        hot = self.hot
+        old = _relax(hot)
+        try:
+            return fn(*args)
+        finally:
+            _unrelax(hot, old)
+
     def force_context(self) -> None:
         """Make the context current without asking (a caller found another one current)."""
         check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
@@ -893,7 +927,8 @@ class CudaBackend:
                     arena = self._arena
             with arena:
                 try:
-                    return self._cupy.cuda.alloc(max(nbytes, 1))
+                    # (relaxed: a pool that grows calls cudaMalloc, see relaxed())
+                    return self.relaxed(self._cupy.cuda.alloc, max(nbytes, 1))
                 except MemoryError as e:  # (CuPy's OutOfMemoryError: its words name no device)
                     raise MemoryError(
                         f"cannot allocate {nbytes} bytes on <Device cuda:{self.ordinal} "
@@ -1113,7 +1148,10 @@ class CudaBackend:
         if not fits:
             return None
         try:
-            out = np.ndarray((n,), np.uint8, self._cupy.cuda.alloc_pinned_memory(size))
+            # (relaxed: CuPy's pinned pool first queries the events of its finished copies,
+            # and a miss calls cudaHostAlloc -- see relaxed())
+            out = np.ndarray((n,), np.uint8,
+                             self.relaxed(self._cupy.cuda.alloc_pinned_memory, size))
             # (raises nothing once registered: finalize's __init__ has no interrupt check
             # after it filed the finalizer, and the caller's array is counted from there)
             weakref.finalize(out, self._unstage, size)
@@ -1191,10 +1229,13 @@ class CudaBackend:
         """Map another process's allocation here (peer access enabled lazily); its base."""
         h = cu.CUipcMemHandle()
         h.reserved = handle
-        return int(self.call("cuIpcOpenMemHandle", h, 1))  # LAZY_ENABLE_PEER
+        # (LAZY_ENABLE_PEER; relaxed as an allocation, see relaxed())
+        return int(self.relaxed(self.call, "cuIpcOpenMemHandle", h, 1))
 
     def ipc_close_mem(self, base: int) -> None:
-        self.call("cuIpcCloseMemHandle", base)
+        """Unmap what :meth:`ipc_open_mem` mapped: from a finalizer, in whichever thread
+        drops the mapping's last user (relaxed as a free, see :meth:`relaxed`)."""
+        self.relaxed(self.call, "cuIpcCloseMemHandle", base)
 
     def ipc_event(self) -> tuple:
         """An interprocess event: ``(event, 64-byte handle)``; give it back with
