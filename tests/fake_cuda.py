@@ -251,6 +251,11 @@ class FakeDriver:
         return (OK,)
 
     def cuStreamSynchronize(self, stream):
+        if int(stream) in self.capturing:  # (the capturing stream itself: refused in every
+            self.invalidated.add(int(stream))  # mode, relaxed too -- its work is not run --,
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)  # and invalidated)
+        if self._legacy_refused(stream):
+            return (CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,)
         if self._unsafe_call_refused():
             return (CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
         self.calls.append(("stream_sync", int(stream)))

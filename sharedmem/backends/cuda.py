@@ -611,11 +611,16 @@ class CudaStreamImpl:
         return b
 
     def synchronize(self) -> None:
-        """``cuStreamSynchronize``: of a stream sharedmem made, in relaxed capture mode, as
-        its events are waited for (no other library captures it); of a borrowed one, in the
-        thread's own mode, as its owner's call would be."""
+        """``cuStreamSynchronize``: of a stream sharedmem made, or of its device's default
+        stream (the legacy stream, which no library captures: sm.synchronize's fallback
+        waits for it too), in relaxed capture mode, as its events are waited for; of a
+        borrowed one, in the thread's own mode, as its owner's call would be. The legacy
+        stream joined to a blocking stream's capture is refused first (CaptureError): the
+        driver refuses that wait in every mode, and it would invalidate the capture."""
         backend = self._backend
-        if self.owned:
+        if self.owned or self.external is None:
+            if not self.owned and backend.legacy_joined():
+                raise _legacy_joined_error(backend, "wait for")
             backend.relaxed(backend.call, "cuStreamSynchronize", self.cu_stream)
         else:
             backend.call("cuStreamSynchronize", self.cu_stream)
