@@ -1,8 +1,10 @@
 """The CUDA backend under adversarial use, over the fake driver (tests/fake_cuda.py): running
 out of device memory, and driver error codes the bindings do not know."""
 
+import contextlib
 import re
 import sys
+import threading
 import warnings
 import weakref
 
@@ -39,6 +41,36 @@ def _quiet_stream_and_buffer(dev, monkeypatch):
     b = sm.Buffer.zeros(8, "float32", device=dev, stream=s)
     sm.synchronize()
     return s, b, sm.stats()
+
+
+@contextlib.contextmanager
+def _global_capture(drv, where="another thread"):
+    """Another library's capture in global mode (torch.cuda.graph's default) of a stream of
+    its own, begun in another thread or in this one, around the block; yields the list that
+    its end's answer goes to (0, or CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)."""
+    theirs = drv.cuStreamCreate(1)[1]
+    began, go_on, ended = threading.Event(), threading.Event(), []
+
+    def capture():
+        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0  # CU_STREAM_CAPTURE_MODE_GLOBAL
+        began.set()
+        go_on.wait(10)
+        ended.append(drv.cuStreamEndCapture(theirs)[0])
+
+    if where == "another thread":
+        t = threading.Thread(target=capture)
+        t.start()
+        assert began.wait(10)
+    else:
+        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0
+    try:
+        yield ended
+    finally:
+        if where == "another thread":
+            go_on.set()
+            t.join(10)
+        else:
+            ended.append(drv.cuStreamEndCapture(theirs)[0])
 
 
 class OutOfMemoryError(MemoryError):
@@ -245,7 +277,6 @@ def test_the_retirer_thread_asks_in_relaxed_capture_mode(fake):
     """What a backend registers with on_retirer_thread runs once on the retirer's own thread;
     the CUDA backend's sets the relaxed capture mode there (its queries beside another
     library's global-mode capture are then allowed, and leave that capture valid)."""
-    import threading
     import time
     import sharedmem.backends.cuda as bc
     from sharedmem.runtime import callbacks, retirer
@@ -306,40 +337,19 @@ def test_queries_and_waits_beside_another_librarys_global_mode_capture_leave_it_
     ``result()``) asked in the default mode: the other library's capture ended
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. They ask in relaxed mode (the events are
     sharedmem's, never recorded in that capture), and the thread's mode is given back."""
-    import threading
     from sharedmem.runtime.submission import SWEEP_EVERY
     dev, drv = fake
     s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
-    theirs = drv.cuStreamCreate(1)[1]
-    began, go_on, ended = threading.Event(), threading.Event(), []
-
-    def capture():
-        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0  # CU_STREAM_CAPTURE_MODE_GLOBAL
-        began.set()
-        go_on.wait(10)
-        ended.append(drv.cuStreamEndCapture(theirs)[0])
-
-    if where == "another thread":
-        t = threading.Thread(target=capture)
-        t.start()
-        began.wait(10)
-    else:
-        go_on.set()
-        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0
-    drv.holding = True  # (the work in flight)
-    fut = b.fill_zero(stream=s)
-    assert not fut.done()
-    for _ in range(2 * SWEEP_EVERY):  # (every SWEEP_EVERY-th launch sweeps its stream)
-        b.fill_zero(stream=s)
-    drv.holding = False
-    drv.finish_held()
-    assert fut.result(5) is None and fut.done()
-    b.fill_zero(stream=s).result()  # (a wait with no timeout: cuEventSynchronize)
-    if where == "another thread":
-        go_on.set()
-        t.join(10)
-    else:
-        ended.append(drv.cuStreamEndCapture(theirs)[0])
+    with _global_capture(drv, where) as ended:
+        drv.holding = True  # (the work in flight)
+        fut = b.fill_zero(stream=s)
+        assert not fut.done()
+        for _ in range(2 * SWEEP_EVERY):  # (every SWEEP_EVERY-th launch sweeps its stream)
+            b.fill_zero(stream=s)
+        drv.holding = False
+        drv.finish_held()
+        assert fut.result(5) is None and fut.done()
+        b.fill_zero(stream=s).result()  # (a wait with no timeout: cuEventSynchronize)
     assert ended == [0]  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
     assert drv.capture_modes[threading.get_ident()] == 0  # (the thread's mode as it was)
     sm.synchronize()
@@ -358,40 +368,18 @@ def test_memory_made_mapped_or_synchronized_beside_a_global_mode_capture_leaves_
     unmapping from a finalizer, in whichever thread), a stream of its own synchronized
     (``sm.synchronize``'s fallback where a marker could not be recorded). They are made in
     relaxed mode: done, the capture valid, the thread's mode its own after."""
-    import threading
     dev, drv = fake
     s, b, before = _quiet_stream_and_buffer(dev, monkeypatch)
     backend = dev.backend
-    theirs = drv.cuStreamCreate(1)[1]
     exporter = np.zeros(4096, np.uint8)  # (an allocation of "another process", as the driver
     drv.ranges[exporter.ctypes.data] = exporter.nbytes  # knows it: see test_ipc_fake)
     handle = exporter.ctypes.data.to_bytes(8, "little") + bytes(56)
-    began, go_on, ended = threading.Event(), threading.Event(), []
-
-    def capture():
-        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0  # CU_STREAM_CAPTURE_MODE_GLOBAL
-        began.set()
-        go_on.wait(10)
-        ended.append(drv.cuStreamEndCapture(theirs)[0])
-
-    if where == "another thread":
-        t = threading.Thread(target=capture)
-        t.start()
-        began.wait(10)
-    else:
-        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0
-    try:
+    with _global_capture(drv, where) as ended:
         x = sm.Buffer.empty(1024, "float32", device=dev, stream=s)
         staged = backend.pinned(4096)
         base = backend.ipc_open_mem(handle)
         backend.ipc_close_mem(base)
         s._impl.synchronize()
-    finally:
-        if where == "another thread":
-            go_on.set()
-            t.join(10)
-        else:
-            ended.append(drv.cuStreamEndCapture(theirs)[0])
     assert ended == [0]  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
     assert drv.capture_modes[threading.get_ident()] == 0  # (the thread's mode as it was)
     assert x.nbytes == 4096 and staged is not None and staged.nbytes == 4096  # (not pageable)
@@ -406,27 +394,11 @@ def test_a_borrowed_stream_is_synchronized_in_its_threads_own_capture_mode(fake,
     """Only a stream sharedmem made is synchronized in relaxed mode: a borrowed one is its
     owner's, who may be capturing it, and is waited for as that library's own call would --
     beside another thread's global-mode capture, refused (CudaError), as it would be."""
-    import threading
     dev, drv = fake
-    theirs = drv.cuStreamCreate(1)[1]
     borrowed = sm.Stream.from_external(int(drv.cuStreamCreate(1)[1]), device=dev)
-    began, go_on, ended = threading.Event(), threading.Event(), []
-
-    def capture():
-        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0
-        began.set()
-        go_on.wait(10)
-        ended.append(drv.cuStreamEndCapture(theirs)[0])
-
-    t = threading.Thread(target=capture)
-    t.start()
-    began.wait(10)
-    try:
+    with _global_capture(drv) as ended:
         with pytest.raises(sm.CudaError, match="cuStreamSynchronize"):
             borrowed._impl.synchronize()
-    finally:
-        go_on.set()
-        t.join(10)
     assert ended == [drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED]
 
 
@@ -438,7 +410,6 @@ def test_synchronize_of_an_unknown_marker_beside_a_global_mode_capture_leaves_it
     capturing it -- the legacy stream cannot be captured). Beside another thread's
     global-mode capture that wait is made in relaxed mode, as for a stream of its own: it
     ran in the thread's mode for the default stream, refused, and invalidated the capture."""
-    import threading
     from fake_cuda import CUresult
     from sharedmem.runtime.state import locked
     dev, drv = fake
@@ -452,25 +423,11 @@ def test_synchronize_of_an_unknown_marker_beside_a_global_mode_capture_leaves_it
     fut = b.fill_zero(stream=s)
     with locked():
         fut._s.marker.close_locked()  # (its record fails: the marker is unknown)
-    theirs = drv.cuStreamCreate(1)[1]
-    began, go_on, ended = threading.Event(), threading.Event(), []
-
-    def capture():
-        assert drv.cuStreamBeginCapture(theirs, 0)[0] == 0  # CU_STREAM_CAPTURE_MODE_GLOBAL
-        began.set()
-        go_on.wait(10)
-        ended.append(drv.cuStreamEndCapture(theirs)[0])
-
-    t = threading.Thread(target=capture)
-    t.start()
-    began.wait(10)
     n = len(drv.calls)
     try:
-        with pytest.warns(sm.LeakWarning, match="is unknown"):
+        with _global_capture(drv) as ended, pytest.warns(sm.LeakWarning, match="is unknown"):
             s.synchronize()
     finally:
-        go_on.set()
-        t.join(10)
         monkeypatch.setattr(drv, "cuEventRecord", real)
     assert ("stream_sync", int(s.handle)) in drv.calls[n:]
     assert ended == [0]  # (not CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
