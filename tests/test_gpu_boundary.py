@@ -8,6 +8,7 @@ rounds of 20). Now the bytes stay leased on C until C has passed the point where
 consumer's hold ended: 0 corrupted rounds, and the memory goes back once C is done.
 """
 
+import contextlib
 import sys
 
 import numpy as np
@@ -237,6 +238,42 @@ def _end_capture(cu, stream_ptr):
     if err == cu.CUresult.CUDA_SUCCESS:
         cu.cuGraphDestroy(graph)
     return err
+
+
+@contextlib.contextmanager
+def _their_global_capture(cp, where):
+    """Another library's graph capture in global mode (torch.cuda.graph's default) of a CuPy
+    stream of its own, begun in another thread or in this one, around the block; yields the
+    list that its end's answer goes to (CUDA_SUCCESS where the capture stayed valid)."""
+    import threading
+    from cuda.bindings import driver as cu
+    theirs = cp.cuda.Stream(non_blocking=True)
+    y = cp.zeros(1 << 20, cp.uint8)
+    GLOBAL = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+    began, go_on, ended = threading.Event(), threading.Event(), []
+
+    def capture():
+        with cp.cuda.Device(0):
+            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
+            assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
+            began.set()
+            go_on.wait(30)
+            ended.append(_end_capture(cu, theirs.ptr))
+
+    if where == "another thread":
+        t = threading.Thread(target=capture)
+        t.start()
+        assert began.wait(30)
+    else:
+        assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
+    try:
+        yield ended
+    finally:
+        if where == "another thread":
+            go_on.set()
+            t.join(30)
+        else:
+            ended.append(_end_capture(cu, theirs.ptr))
 
 
 def _program(tid, dev, streams, cstreams, kernels, errors, counts):
@@ -502,7 +539,6 @@ def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_
     another thread or in this one (torch.cuda.graph around sharedmem launches on other
     streams): in the driver's default mode they were refused and the capture invalidated.
     They ask in relaxed mode; the capture ends valid, the thread's mode is its own after."""
-    import threading
     import warnings
     import gpu_kernels as K
     from cuda.bindings import driver as cu
@@ -510,44 +546,20 @@ def test_a_user_threads_queries_and_waits_beside_a_global_mode_capture_leave_it_
     dev = sm.Device(0)
     x = sm.Buffer.zeros(N, "float32", device=dev)
     s = dev.create_stream("busy")
-    theirs = cp.cuda.Stream(non_blocking=True)
-    y = cp.zeros(1 << 20, cp.uint8)
     slow = K.kernel("slow_fill")
     sm.launch(slow, 1, 32, sm.Out(x), 32, 1.0, np.int64(K.cycles(5)), stream=s)
     sm.synchronize()
     before = sm.stats()
-    began, go_on, ended = threading.Event(), threading.Event(), []
     GLOBAL = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
-
-    def capture():
-        with cp.cuda.Device(0):
-            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
-            assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
-            began.set()
-            go_on.wait(30)
-            ended.append(_end_capture(cu, theirs.ptr))
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no LeakWarning)
         fut = sm.launch(slow, 1, 32, sm.Out(x), 32, 2.0, np.int64(K.cycles(20)), stream=s)
-        if where == "another thread":
-            t = threading.Thread(target=capture)
-            t.start()
-            assert began.wait(30)
-        else:
-            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
-        try:
+        with _their_global_capture(cp, where) as ended:
             fut.done()  # (a query)
             for i in range(2 * SWEEP_EVERY):  # (every SWEEP_EVERY-th launch sweeps)
                 sm.launch(slow, 1, 32, sm.Out(x), 32, 3.0, np.int64(0), stream=s)
             assert fut.result(30) is None  # (queries until done)
             sm.launch(slow, 1, 32, sm.Out(x), 32, 4.0, np.int64(0), stream=s).result()
-        finally:
-            if where == "another thread":
-                go_on.set()
-                t.join(30)
-            else:
-                ended.append(_end_capture(cu, theirs.ptr))
         assert ended == [cu.CUresult.CUDA_SUCCESS]  # (not ..._STREAM_CAPTURE_INVALIDATED)
         sm.synchronize()
     err, mode = cu.cuThreadExchangeStreamCaptureMode(GLOBAL)
@@ -567,14 +579,11 @@ def test_sharedmem_objects_collected_during_a_global_mode_capture_leave_it_valid
     in the thread's default mode, and allowed creating and destroying events, streams and
     graphs, recording events and launching on other streams."""
     import gc
-    import threading
     import weakref
     import gpu_kernels as K
     from cuda.bindings import driver as cu
     dev = sm.Device(0)
     x = sm.Buffer.zeros(N, "float32", device=dev)
-    theirs = cp.cuda.Stream(non_blocking=True)
-    y = cp.zeros(1 << 20, cp.uint8)
     GLOBAL = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
 
     def doomed():
@@ -591,16 +600,6 @@ def test_sharedmem_objects_collected_during_a_global_mode_capture_leave_it_valid
         cycle.append(cycle)
         return [weakref.ref(o) for o in (s, g, s._impl)]  # (the event: in the cycle)
 
-    began, go_on, ended = threading.Event(), threading.Event(), []
-
-    def capture():
-        with cp.cuda.Device(0):
-            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
-            assert cu.cuMemsetD8Async(y.data.ptr, 3, y.nbytes, theirs.ptr)[0] == 0
-            began.set()
-            go_on.wait(30)
-            ended.append(_end_capture(cu, theirs.ptr))
-
     refs = doomed()
     sm.synchronize()
     gc.collect()  # (what earlier tests left: freed before the capture begins)
@@ -608,21 +607,9 @@ def test_sharedmem_objects_collected_during_a_global_mode_capture_leave_it_valid
     sm.synchronize()
     gc.disable()  # (the one collection below frees them, within the capture)
     try:
-        if where == "another thread":
-            t = threading.Thread(target=capture)
-            t.start()
-            assert began.wait(30)
-        else:
-            assert cu.cuStreamBeginCapture(theirs.ptr, GLOBAL)[0] == cu.CUresult.CUDA_SUCCESS
-        try:
+        with _their_global_capture(cp, where) as ended:
             gc.collect()
             assert [r() for r in refs] == [None] * len(refs)  # (destroyed meanwhile)
-        finally:
-            if where == "another thread":
-                go_on.set()
-                t.join(30)
-            else:
-                ended.append(_end_capture(cu, theirs.ptr))
     finally:
         gc.enable()
     assert ended == [cu.CUresult.CUDA_SUCCESS]  # (not ..._STREAM_CAPTURE_INVALIDATED)
