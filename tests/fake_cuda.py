@@ -294,10 +294,11 @@ class FakeDriver:
     def _unsafe_call_refused(self) -> bool:
         """Whether the calling thread may not make a potentially unsafe call (an event or
         stream query or wait, an allocation or free -- cuMemAlloc, cuMemFree --, an IPC
-        mapping or unmapping) now, as the driver decides by capture modes: in its mode GLOBAL (the default)
-        while any thread captures in global mode or it captures itself (not relaxed); in
-        THREAD_LOCAL while it captures itself; never in RELAXED. A refused call invalidates
-        those captures (their end answers CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)."""
+        mapping or unmapping) now, as the driver decides by capture modes: in its mode
+        GLOBAL (the default) while any thread captures in global mode or it captures itself
+        (not relaxed); in THREAD_LOCAL while it captures itself; never in RELAXED. A refused
+        call invalidates those captures (their end answers
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)."""
         me = threading.get_ident()
         mine = self.__dict__.get("capture_modes", {}).get(me, 0)
         if mine == 2 or not self.capturing:
@@ -562,6 +563,7 @@ def fake_cupy(drv=None):
             self.non_blocking = non_blocking
             if drv is not None:  # (the driver knows its flags, as of a stream it made)
                 drv.stream_flags[self.ptr] = 1 if non_blocking else 0
+
     def refused(make):  # (CuPy's pools: a block made is a cudaMalloc or cudaHostAlloc, and a
         # pinned one first queries the events of finished copies -- refused beside a capture,
         # as the driver refuses them; CuPy raises its CUDARuntimeError)
