@@ -353,12 +353,8 @@ class CudaMarker:
             if relaxed:
                 cython.cast(exchange_fn_t, xaddr)(cython.address(mode))
         else:
-            old = _relax(hot)
-            try:
-                err = hot.query(self.handle) if hot is not None else \
-                    int(cu.cuEventQuery(ev)[0])
-            finally:
-                _unrelax(hot, old)
+            err = backend.relaxed(hot.query, self.handle) if hot is not None else \
+                int(backend.relaxed(cu.cuEventQuery, ev)[0])
         if err == 0:
             return DONE
         if err == 600 or err == _CAPTURE_UNSUPPORTED:  # CUDA_ERROR_NOT_READY; or not asked:
@@ -382,11 +378,7 @@ class CudaMarker:
             if self.error is None and ev is not None:
                 backend = self._backend
                 backend.ensure_context()
-                old = _relax(backend.hot)  # (as a query is asked: see _relax)
-                try:
-                    err = cu.cuEventSynchronize(ev)[0]
-                finally:
-                    _unrelax(backend.hot, old)
+                err = backend.relaxed(cu.cuEventSynchronize, ev)[0]  # (as a query is asked)
                 if err != _SUCCESS:
                     if int(err) == _CAPTURE_UNSUPPORTED:  # (not waited: says nothing of the
                         raise _capture_refused("wait for")  # work, which stays pending)
